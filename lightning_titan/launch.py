@@ -1,0 +1,96 @@
+"""Run a function on N CPU ranks over gloo, with a deadline: the launcher tests and benchmarks use.
+
+Lightning launches training itself; this is for engine-level code that has no Trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_threads_per_rank(local_world_size: int) -> int:
+    """Split the cores between the ranks on this machine so they do not oversubscribe them."""
+    return max(1, (os.cpu_count() or 1) // local_world_size)
+
+
+def _entry(rank, world_size, port, timeout_s, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(cpu_threads_per_rank(world_size))
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report anything to the parent, then fail this rank
+        queue.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return each rank's result.
+
+    ``fn`` must be importable (a module-level function). Raises if any rank fails or the deadline passes;
+    the survivors are killed either way, so nothing is left hanging.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, timeout_s, fn, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, Any] = {}
+    failure = None
+    try:
+        while len(results) < world_size and failure is None:
+            if not queue.empty():
+                rank, ok, value = queue.get()
+                if ok:
+                    results[rank] = value
+                else:
+                    failure = f"rank {rank} failed:\n{value}"
+                continue
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(results))
+                failure = f"ranks {missing} did not finish within {timeout_s:.0f} s"
+            elif any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                time.sleep(0.2)  # let a failing rank's report arrive before naming it
+                if queue.empty():
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    failure = f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+            else:
+                time.sleep(0.01)
+    finally:
+        for p in procs:
+            if failure is not None and p.is_alive():
+                p.kill()
+            p.join(timeout=30)
+    if failure is not None:
+        raise RuntimeError(failure)
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,140 @@
+"""One rank's pipeline stage for one step: runs microbatches through the stage-local model.
+
+The loss each rank back-propagates is its share of the global objective:
+
+    sum_tokens(CE) / local_tokens + sum_sequences(aux) / local_sequences
+
+so that averaging grads over the data ranks (the reducers) gives the gradient of the global mean loss,
+whatever the layout (DESIGN.md invariant 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.pipeline.p2p import StageLinks
+from lightning_titan.pipeline.schedules import forward_only, get_schedule
+
+
+@dataclass
+class StepSums:
+    """This rank's local sums for one step; the global values need one all-reduce over the world."""
+
+    ce_sum: Tensor  # sum of token cross-entropies (last stage only, else 0)
+    aux_sum: Tensor  # sum over sequences of this stage's weighted aux losses
+    tokens: int  # tokens this rank's pipeline saw (counted on the last stage only, else 0)
+
+
+class PipelineStage:
+    def __init__(
+        self,
+        model: nn.Module,
+        dims: ParallelDims,
+        links: StageLinks,
+        inputs: Tensor,
+        targets: Tensor,
+        num_microbatches: int,
+        *,
+        backward: Callable[[Tensor], None] | None = None,
+        on_last_backward: Callable[[], None] | None = None,
+        tracer: Callable[[str, int], object] | None = None,
+    ) -> None:
+        local_batch = inputs.shape[0]
+        if num_microbatches < 1 or local_batch % num_microbatches:
+            raise ValueError(
+                f"the local batch of {local_batch} sequences cannot be split into {num_microbatches} "
+                "microbatches; choose num_microbatches dividing the per-rank batch "
+                "(global_batch_size / (dp*ep))"
+            )
+        self.model, self.links = model, links
+        self.pp, self.pp_rank = dims.pp, dims.pp_rank
+        self.is_first, self.is_last = dims.is_first_stage, dims.is_last_stage
+        self.inputs = inputs.chunk(num_microbatches)
+        self.targets = targets.chunk(num_microbatches)
+        self.num_microbatches = num_microbatches
+        self.local_sequences = local_batch
+        self.local_tokens = inputs.numel()
+        d_model = model.config.d_model
+        self.shape = (local_batch // num_microbatches, inputs.shape[1], d_model)
+        self._backward = backward or (lambda loss: loss.backward())
+        self._on_last_backward = on_last_backward
+        self._tracer = tracer
+        self._saved: dict[int, tuple[Tensor | None, Tensor]] = {}
+        self._backwards_done = 0
+        self.ce_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        self.aux_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
+
+    def _span(self, name: str, i: int):
+        from contextlib import nullcontext
+
+        return self._tracer(name, i) if self._tracer is not None else nullcontext()
+
+    # compute ---------------------------------------------------------------------------------------
+    def forward(self, i: int, x: Tensor | None) -> Tensor | None:
+        with self._span("forward", i):
+            grad_enabled = torch.is_grad_enabled()
+            if self.is_first:
+                x = self.inputs[i]
+            elif grad_enabled:
+                x = x.requires_grad_()
+            out, aux = self.model(x)
+            self.aux_sum += aux.detach().sum()
+            objective = aux.sum() / self.local_sequences
+            if self.is_last:
+                ce = F.cross_entropy(out.float().flatten(0, 1), self.targets[i].flatten(), reduction="sum")
+                self.ce_sum += ce.detach()
+                objective = objective + ce / self.local_tokens
+            if grad_enabled:
+                # the surrogate (out * grad).sum() below gives `out` exactly the received grad
+                self._saved[i] = (None if self.is_first else x, out if not self.is_last else None, objective)
+            return None if self.is_last else out
+
+    def backward(self, i: int, grad: Tensor | None) -> Tensor | None:
+        with self._span("backward", i):
+            x, out, objective = self._saved.pop(i)
+            if out is not None:
+                objective = objective + (out * grad.to(out.dtype)).sum()
+            self._backwards_done += 1
+            if self._backwards_done == self.num_microbatches and self._on_last_backward is not None:
+                self._on_last_backward()
+            self._backward(objective)
+            return None if x is None else x.grad
+
+    # communication ---------------------------------------------------------------------------------
+    def recv_forward(self, i: int) -> Tensor | None:
+        with self._span("recv_forward", i):
+            return self.links.recv_forward(self.shape)
+
+    def send_forward(self, i: int, y: Tensor | None) -> None:
+        with self._span("send_forward", i):
+            self.links.send_forward(y)
+
+    def recv_backward(self, i: int) -> Tensor | None:
+        with self._span("recv_backward", i):
+            return self.links.recv_backward(self.shape)
+
+    def send_backward(self, i: int, dx: Tensor | None) -> None:
+        with self._span("send_backward", i):
+            self.links.send_backward(dx)
+
+    def send_forward_recv_backward(self, i: int, y: Tensor | None, j: int) -> Tensor | None:
+        with self._span("send_forward_recv_backward", i):
+            return self.links.send_forward_recv_backward(y, self.shape)
+
+    def send_backward_recv_forward(self, j: int, dx: Tensor | None, i: int) -> Tensor | None:
+        with self._span("send_backward_recv_forward", j):
+            return self.links.send_backward_recv_forward(dx, self.shape)
+
+    # driving ---------------------------------------------------------------------------------------
+    def run(self, schedule: str | None) -> StepSums:
+        """Run a training schedule by name, or forward only when ``schedule`` is None."""
+        (forward_only if schedule is None else get_schedule(schedule))(self, self.num_microbatches)
+        if self._saved and schedule is not None:
+            raise RuntimeError(f"schedule {schedule!r} left microbatches {sorted(self._saved)} without backward")
+        return StepSums(self.ce_sum, self.aux_sum, self.local_tokens if self.is_last else 0)

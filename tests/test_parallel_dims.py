@@ -1,0 +1,69 @@
+import itertools
+
+import pytest
+
+from lightning_titan.parallel_dims import GROUP_KINDS, ParallelDims, resolve_degrees
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1), (1, 1, 4), (3, 2, 4), (2, 3, 1)]
+
+
+@pytest.mark.parametrize("dp,pp,ep", LAYOUTS)
+def test_coordinates_and_groups_follow_the_formula(dp, pp, ep):
+    world = dp * pp * ep
+    seen = set()
+    for d, p, e in itertools.product(range(dp), range(pp), range(ep)):
+        rank = (d * pp + p) * ep + e
+        dims = ParallelDims(dp, pp, ep, rank)
+        assert (dims.dp_rank, dims.pp_rank, dims.ep_rank) == (d, p, e)
+        assert dims.data_rank == d * ep + e and dims.data_world == dp * ep
+        assert dims.is_first_stage == (p == 0) and dims.is_last_stage == (p == pp - 1)
+        assert dims.prev_stage_rank == (None if p == 0 else (d * pp + p - 1) * ep + e)
+        assert dims.next_stage_rank == (None if p == pp - 1 else (d * pp + p + 1) * ep + e)
+        members = {kind: dims.group_ranks(kind) for kind in GROUP_KINDS}
+        for kind, ranks in members.items():
+            coords = [dims.coords_of(r) for r in ranks]
+            fixed = {"ep": (0, 1), "pp": (0, 2), "expert_dp": (1, 2), "non_expert_dp": (1,)}[kind]
+            for c in coords:
+                assert all(c[a] == (d, p, e)[a] for a in fixed), (kind, c)
+        assert len(members["ep"]) == ep and len(members["pp"]) == pp
+        assert len(members["expert_dp"]) == dp and len(members["non_expert_dp"]) == dp * ep
+        seen.add(rank)
+    assert seen == set(range(world))
+    dims = ParallelDims(dp, pp, ep, 0)
+    for kind in GROUP_KINDS:
+        groups = dims.all_groups(kind)
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(world)), f"{kind} groups must partition the world"
+
+
+def test_pp_ep_example_from_the_write_up():
+    # P_PP = P_EP = 2: ranks (0, 1) are stage 0, (2, 3) stage 1; PP links 0<->2 and 1<->3
+    dims = ParallelDims(1, 2, 2, 0)
+    assert dims.all_groups("ep") == [[0, 1], [2, 3]]
+    assert dims.all_groups("pp") == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((2, 2, 2, 4), r"2\*2\*2 = 8 but the world size is 4"),
+        ((-1, -1, 2, 4), "dp and pp are both -1"),
+        ((0, 1, 1, 1), "dp=0 is not valid"),
+        ((-1, 3, 1, 4), "not divisible"),
+        ((1, "2", 1, 2), "pp='2' is not valid"),
+    ],
+)
+def test_resolve_degrees_errors_name_the_values(args, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_degrees(*args)
+
+
+def test_resolve_fills_minus_one():
+    assert resolve_degrees(-1, 2, 2, 8) == (2, 2, 2)
+    assert resolve_degrees(1, -1, 4, 8) == (1, 2, 4)
+    assert resolve_degrees(2, 2, 2, 8) == (2, 2, 2)
+
+
+def test_rank_outside_world_is_rejected():
+    with pytest.raises(ValueError, match="rank=8 is outside the world of 8"):
+        ParallelDims(2, 2, 2, 8)
