@@ -6,7 +6,9 @@ Lightning launches training itself; this is for engine-level code that has no Tr
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,8 +37,9 @@ def _entry(rank, world_size, port, timeout_s, fn, args, queue):
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
-        result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # plain pickle bytes: torch's queue pickler would share tensors through file descriptors that
+        # vanish when this process exits, before the parent reads them
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - report anything to the parent, then fail this rank
         queue.put((rank, False, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -60,10 +63,17 @@ def run_on_ranks(
         ctx.Process(target=_entry, args=(r, world_size, port, timeout_s, fn, args, queue), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    import time
-
+    # the children only run engine code: let them skip importing Lightning (see lightning_titan/__init__)
+    previous = os.environ.get("LIGHTNING_TITAN_ENGINE_ONLY")
+    os.environ["LIGHTNING_TITAN_ENGINE_ONLY"] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if previous is None:
+            del os.environ["LIGHTNING_TITAN_ENGINE_ONLY"]
+        else:
+            os.environ["LIGHTNING_TITAN_ENGINE_ONLY"] = previous
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
     failure = None
@@ -72,7 +82,7 @@ def run_on_ranks(
             if not queue.empty():
                 rank, ok, value = queue.get()
                 if ok:
-                    results[rank] = value
+                    results[rank] = pickle.loads(value)
                 else:
                     failure = f"rank {rank} failed:\n{value}"
                 continue

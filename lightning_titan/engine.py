@@ -1,0 +1,134 @@
+"""The parallel machinery of one rank, without Lightning: what TitanStrategy drives and the tests check.
+
+    engine = Engine(module, dims, groups, schedule="1f1b")
+    engine.broadcast_replicated()
+    sums = engine.forward_backward(stage_model, inputs, targets, num_microbatches=4)
+    norm = engine.finish_gradients(max_norm=1.0)
+    optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_titan.clipping import clip_grad_norm_
+from lightning_titan.model import split_expert_parameters
+from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
+from lightning_titan.pipeline.p2p import StageLinks
+from lightning_titan.pipeline.schedules import get_schedule
+from lightning_titan.pipeline.stage import PipelineStage, StepSums
+from lightning_titan.reducer import GradReducer
+
+
+class Engine:
+    """Owns the two reducers and the composed clipping for ``module``'s parameters, and runs schedules.
+
+    ``module`` is whatever holds the parameters (a LightningModule or the stage model itself): expert
+    parameters are told apart by module type, so any module works (one without experts has none).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dims: ParallelDims,
+        groups: ProcessGroups,
+        *,
+        schedule: str = "1f1b",
+        bucket_cap_mb: float = 25.0,
+        reducer: str = "bucketed",
+    ) -> None:
+        get_schedule(schedule)
+        self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
+        expert, non_expert = split_expert_parameters(module)
+        self.expert_params = [p for _, p in expert]
+        self.non_expert_params = [p for _, p in non_expert]
+        kw = {"bucket_cap_mb": bucket_cap_mb, "mode": reducer}
+        scale = 1.0 / (dims.dp * dims.ep)  # = 1/data_world: the global mean over every data rank's loss
+        self.reducers = [
+            GradReducer(self.non_expert_params, groups.non_expert_dp, scale=scale, **kw),
+            # averaged over expert-DP (1/dp) and divided by ep: an owner sums every EP rank's contributions
+            GradReducer(self.expert_params, groups.expert_dp, scale=scale, **kw),
+        ]
+
+    @torch.no_grad()
+    def broadcast_replicated(self) -> None:
+        """Replicas start equal: non-expert state from the first rank of its non-expert-DP group, experts from
+        the first rank of their expert-DP group (layout-free init makes them equal already; this guards
+        against drift, e.g. a user's own init that used the global RNG)."""
+        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+        for tensors, kind, group in (
+            (self.non_expert_params + buffers, "non_expert_dp", self.groups.non_expert_dp),
+            (self.expert_params, "expert_dp", self.groups.expert_dp),
+        ):
+            ranks = self.dims.group_ranks(kind)
+            if len(ranks) > 1:
+                for t in tensors:
+                    dist.broadcast(t.data, src=ranks[0], group=group)
+
+    def set_grad_sync(self, sync: bool) -> None:
+        for r in self.reducers:
+            r.sync = sync
+
+    def forward_backward(
+        self,
+        stage_model: nn.Module,
+        inputs: Tensor,
+        targets: Tensor,
+        num_microbatches: int,
+        *,
+        backward: Callable[[Tensor], None] | None = None,
+        tracer: Callable[[str, int], object] | None = None,
+    ) -> StepSums:
+        """One step's forward and backward over ``num_microbatches`` with the schedule; grads are reduced
+        during the last backward (overlapped), finished by ``finish_gradients``."""
+        self.set_grad_sync(False)
+        stage = PipelineStage(
+            stage_model, self.dims, self._links(stage_model, inputs.device), inputs, targets, num_microbatches,
+            backward=backward, on_last_backward=lambda: self.set_grad_sync(True), tracer=tracer,
+        )  # fmt: skip
+        try:
+            return stage.run(self.schedule)
+        finally:
+            self.set_grad_sync(True)
+
+    @torch.no_grad()
+    def forward_only(self, stage_model: nn.Module, inputs: Tensor, targets: Tensor, num_microbatches: int
+                     ) -> StepSums:  # fmt: skip
+        stage = PipelineStage(
+            stage_model, self.dims, self._links(stage_model, inputs.device), inputs, targets, num_microbatches
+        )
+        return stage.run(None)
+
+    def _links(self, stage_model: nn.Module, device: torch.device) -> StageLinks:
+        dtype = next(stage_model.parameters()).dtype
+        return StageLinks(self.dims, self.groups.pp, dtype, device)
+
+    def finish_gradients(self, max_norm: float | None = None) -> Tensor:
+        """Wait for every bucket (launching, in order, any that never filled), then clip by the global norm
+        composed over stages and expert shards. Returns the pre-clip norm, the same on every rank."""
+        for r in self.reducers:
+            r.finish()
+        return clip_grad_norm_(
+            self.expert_params, self.non_expert_params, max_norm, ep_group=self.groups.ep, pp_group=self.groups.pp
+        )
+
+    def global_means(self, sums: StepSums, global_sequences: int) -> tuple[float, float]:
+        """(mean token cross-entropy, mean per-sequence aux loss) over the global batch, on every rank.
+
+        One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0."""
+        totals = torch.stack(
+            [sums.ce_sum.double(), sums.aux_sum.double(), torch.tensor(float(sums.tokens), dtype=torch.float64,
+                                                                       device=sums.ce_sum.device)]
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(totals)
+        ce, aux, tokens = totals.tolist()
+        return ce / tokens, aux / global_sequences
+
+    def remove(self) -> None:
+        for r in self.reducers:
+            r.remove()

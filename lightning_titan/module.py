@@ -1,0 +1,154 @@
+"""TitanLM: the LightningModule that holds one rank's stage of the MoE decoder and runs the schedule."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torchmetrics.aggregation import MeanMetric
+
+from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.strategy import TitanStrategy
+
+
+class TitanLM(L.LightningModule):
+    """A Mixtral-style MoE language model trained with manual optimization under TitanStrategy.
+
+    Args:
+        model: the model's shape; every layout builds its stage of this same model.
+        learning_rate: peak AdamW learning rate.
+        min_lr_ratio: the cosine schedule decays to ``learning_rate * min_lr_ratio``.
+        warmup_steps: linear warmup from 0, then cosine to the end of training (``max_steps``).
+        weight_decay: AdamW weight decay for matrices (not for norms).
+        betas: AdamW betas.
+        seed: initial weights depend on this seed and the global parameter names only.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig | None = None,
+        learning_rate: float = 3e-3,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 10,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        if not learning_rate > 0:
+            raise ValueError(f"learning_rate={learning_rate!r} must be > 0 (e.g. 3e-3)")
+        if not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must be in [0, 1]")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps!r} must be >= 0")
+        self.config = model if model is not None else ModelConfig()
+        self.save_hyperparameters(ignore=["model"])
+        self.hparams["model"] = vars(self.config)
+        self.automatic_optimization = False
+        self.model: StageModel | None = None
+        self.val_loss = MeanMetric(sync_on_compute=False)  # values are global already
+
+    # -- building --------------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> TitanStrategy:
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, TitanStrategy):
+            raise TypeError(
+                f"TitanLM trains under TitanStrategy, not {type(strategy).__name__}: use "
+                "Trainer(strategy=TitanStrategy(dp=..., pp=..., ep=...)) or strategy='titan'"
+            )
+        return strategy
+
+    def configure_model(self) -> None:
+        if self.model is not None:  # Lightning calls this on every fit/validate
+            return
+        dims = self.strategy.parallel_dims
+        self.config.validate_layout(dims.pp, dims.ep)
+        self.model = StageModel(
+            self.config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
+            ep_group=self.strategy.groups.ep,
+        )  # fmt: skip
+        self.model.init_weights(self.hparams.seed)
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and hasattr(datamodule, "check_model"):
+            datamodule.check_model(vocab_size=self.config.vocab_size, seq_len=self.config.seq_len)
+
+    def configure_optimizers(self) -> Any:
+        expert, non_expert = split_expert_parameters(self)
+        named = expert + non_expert
+        decay = [p for _, p in named if p.ndim >= 2]
+        no_decay = [p for _, p in named if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas),
+        )  # fmt: skip
+        total = max(1, self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _lr_factor(self, total_steps: int):
+        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return factor
+
+    # -- steps -----------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stage's own forward (logits only on a single-stage layout)."""
+        assert self.model is not None
+        return self.model(tokens)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, targets = batch
+        strategy, start = self.strategy, time.perf_counter()
+        engine = strategy.engine
+        m = strategy.microbatches_for(inputs.shape[0])
+        sums = engine.forward_backward(self.model, inputs, targets, m, backward=self.manual_backward)
+        optimizer = self.optimizers()
+        optimizer.step()  # the strategy waits for the reducers and clips here
+        optimizer.zero_grad(set_to_none=True)
+        self.lr_schedulers().step()
+
+        global_sequences = inputs.shape[0] * strategy.parallel_dims.data_world
+        loss, aux = engine.global_means(sums, global_sequences)
+        seconds = time.perf_counter() - start
+        tokens_per_sec = global_sequences * inputs.shape[1] / seconds
+        # the same keys on every rank: the loggers live on rank 0, the loss on the last stage
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("aux_loss", aux)
+        self.log("grad_norm", strategy.last_grad_norm.item())
+        self.log("lr", optimizer.param_groups[0]["lr"])
+        self.log("tokens_per_sec", tokens_per_sec, prog_bar=True)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, targets = batch
+        strategy = self.strategy
+        m = strategy.microbatches_for(inputs.shape[0])
+        sums = strategy.engine.forward_only(self.model, inputs, targets, m)
+        loss, _ = strategy.engine.global_means(sums, inputs.shape[0] * strategy.parallel_dims.data_world)
+        self.val_loss.update(loss)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_perplexity", torch.exp(loss))
+
+    test_step = validation_step
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("test_loss", loss)
+        self.log("test_perplexity", torch.exp(loss))

@@ -1,0 +1,349 @@
+"""TitanStrategy: DP x PP x EP as a Lightning strategy.
+
+    trainer = L.Trainer(accelerator="cpu", devices=8,
+                        strategy=TitanStrategy(dp=2, pp=2, ep=2, schedule="1f1b"))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_titan.engine import Engine
+from lightning_titan.launch import cpu_threads_per_rank
+from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups, resolve_degrees
+from lightning_titan.pipeline.schedules import SCHEDULES
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class TitanStrategy(ParallelStrategy):
+    """Data, pipeline and expert parallelism composed, for a stage-local model built in ``configure_model``.
+
+    Args:
+        dp: data-parallel replicas (-1: fill what pp and ep leave of the world).
+        pp: pipeline stages; the model's layers split evenly across them.
+        ep: expert-parallel ranks per stage; the experts split evenly across them.
+        schedule: pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
+        num_microbatches: microbatches per step on every rank (default: ``pp``). Exclusive with
+            ``microbatch_size``.
+        microbatch_size: sequences per microbatch; the count follows from the per-rank batch.
+        bucket_cap_mb: size of a gradient all-reduce bucket.
+        reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (one all-reduce per
+            parameter; a baseline for benchmarks).
+        gradient_clip_norm: clip the global gradient norm (composed over stages and expert shards) to this
+            value; None disables clipping (the norm is still computed and logged).
+        timeout_minutes: collective timeout; a rank that dies brings the others down after this long.
+        start_method: ``"popen"`` re-runs the script per rank; ``"fork"`` for notebooks.
+        process_group_backend: default ``nccl`` on CUDA, ``gloo`` on CPU.
+    """
+
+    strategy_name = "titan"
+
+    def __init__(
+        self,
+        dp: int = -1,
+        pp: int = 1,
+        ep: int = 1,
+        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        num_microbatches: int | None = None,
+        microbatch_size: int | None = None,
+        bucket_cap_mb: float = 25.0,
+        reducer: Literal["bucketed", "per_param"] = "bucketed",
+        gradient_clip_norm: float | None = None,
+        timeout_minutes: float = 30.0,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        _check_args(
+            schedule=schedule, num_microbatches=num_microbatches, microbatch_size=microbatch_size,
+            bucket_cap_mb=bucket_cap_mb, reducer=reducer, gradient_clip_norm=gradient_clip_norm,
+            timeout_minutes=timeout_minutes, start_method=start_method,
+        )  # fmt: skip
+        self._degrees = (dp, pp, ep)
+        resolve_degrees(dp, pp, ep, _product_or_fill(dp, pp, ep))  # type/sign errors now, world size later
+        self.schedule = schedule
+        self.num_microbatches = num_microbatches
+        self.microbatch_size = microbatch_size
+        self.bucket_cap_mb = bucket_cap_mb
+        self.reducer_mode = reducer
+        self.gradient_clip_norm = gradient_clip_norm
+        self.timeout_minutes = timeout_minutes
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._dims: ParallelDims | None = None
+        self._groups: ProcessGroups | None = None
+        self._engine: Engine | None = None
+        self.last_grad_norm: Tensor | None = None
+
+    # -- layout ------------------------------------------------------------------------------------
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._dims is None:
+            raise RuntimeError("parallel_dims is known once the Trainer is built (set_world_ranks)")
+        return self._dims
+
+    @property
+    def groups(self) -> ProcessGroups:
+        if self._groups is None:
+            raise RuntimeError("process groups exist only after setup_environment()")
+        return self._groups
+
+    def microbatches_for(self, local_batch: int) -> int:
+        """How many microbatches a per-rank batch of ``local_batch`` sequences is split into."""
+        if self.microbatch_size is not None:
+            if local_batch % self.microbatch_size:
+                raise ValueError(
+                    f"the per-rank batch of {local_batch} sequences is not divisible by "
+                    f"microbatch_size={self.microbatch_size}; choose a divisor of {local_batch}"
+                )
+            return local_batch // self.microbatch_size
+        m = self.num_microbatches if self.num_microbatches is not None else self.parallel_dims.pp
+        if local_batch % m:
+            raise ValueError(
+                f"the per-rank batch of {local_batch} sequences cannot be split into num_microbatches={m}; "
+                f"choose a divisor of {local_batch} (per-rank batch = global batch / (dp*ep))"
+            )
+        return m
+
+    # -- Lightning plumbing --------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # the accelerator connector reads this: without it sync_dist and the sampler are silently off
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of one pipeline reads the same shard
+        return {"num_replicas": self.parallel_dims.data_world, "rank": self.parallel_dims.data_rank}
+
+    def set_world_ranks(self) -> None:
+        """Runs when the Trainer is built: check the layout against the world before anything launches."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        world = self.num_nodes * self.num_processes
+        dp, pp, ep = resolve_degrees(*self._degrees, world)
+        self._dims = ParallelDims(dp, pp, ep, self.global_rank)
+        _check_precision(self.precision_plugin)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if self.root_device.type == "cpu":
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
+            torch.set_num_threads(cpu_threads_per_rank(local_world))
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        _init_dist_connection(
+            self.cluster_environment, backend, timeout=timedelta(minutes=self.timeout_minutes),
+            device_id=self.root_device if self.root_device.type == "cuda" else None,
+        )  # fmt: skip
+        self._groups = build_process_groups(self.parallel_dims)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._build_engine()
+        self._engine.broadcast_replicated()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _build_engine(self) -> None:
+        if self._engine is not None:
+            self._engine.remove()
+        self._engine = Engine(
+            self.lightning_module, self.parallel_dims, self.groups, schedule=self.schedule,
+            bucket_cap_mb=self.bucket_cap_mb, reducer=self.reducer_mode,
+        )  # fmt: skip
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the engine exists only after the strategy's setup()")
+        return self._engine
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # automatic optimization with accumulate_grad_batches > 1 calls this on the non-final batches
+        self.engine.set_grad_sync(False)
+        try:
+            yield
+        finally:
+            self.engine.set_grad_sync(True)
+
+    def finish_gradients(self) -> Tensor:
+        """Wait for the reducers, then clip by the composed global norm. Returns the pre-clip norm."""
+        norm = self.engine.finish_gradients(self.gradient_clip_norm)
+        self.last_grad_norm = norm
+        if not torch.isfinite(norm):
+            dims = self.parallel_dims
+            raise FloatingPointError(
+                f"the gradient norm is {norm.item()} at step {self.lightning_module.trainer.global_step} "
+                f"(layout dp={dims.dp} pp={dims.pp} ep={dims.ep}); no optimizer step was taken. Lower the "
+                "learning rate, set gradient_clip_norm, or use precision='32-true' to find the cause"
+            )
+        return norm
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            result = closure()  # backward (automatic optimization) or nothing (manual)
+            self.finish_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    # -- collectives Lightning calls -----------------------------------------------------------------
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.remove()
+            self._engine = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="DP x PP x EP (lightning_titan)")
+
+
+def _product_or_fill(dp: int, pp: int, ep: int) -> int:
+    """A world size that makes the given degrees consistent, only to type-check them early."""
+    product = 1
+    for value in (dp, pp, ep):
+        if isinstance(value, int) and value > 0:
+            product *= value
+    return product
+
+
+def _check_args(*, schedule, num_microbatches, microbatch_size, bucket_cap_mb, reducer, gradient_clip_norm,
+                timeout_minutes, start_method) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
+    if num_microbatches is not None and microbatch_size is not None:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} and microbatch_size={microbatch_size} are both set; set one"
+        )
+    for name, value in (("num_microbatches", num_microbatches), ("microbatch_size", microbatch_size)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive int (or None)")
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0 (25 is a good default)")
+    if reducer not in ("bucketed", "per_param"):
+        raise ValueError(f"reducer={reducer!r} is unknown; choose 'bucketed' or 'per_param'")
+    if gradient_clip_norm is not None and not gradient_clip_norm > 0:
+        raise ValueError(f"gradient_clip_norm={gradient_clip_norm!r} must be > 0, or None to disable clipping")
+    if not timeout_minutes > 0:
+        raise ValueError(f"timeout_minutes={timeout_minutes!r} must be > 0")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r} is unknown; choose one of {START_METHODS}")
+
+
+def _check_precision(plugin: Any) -> None:
+    if isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed":
+        raise ValueError(
+            "precision='16-mixed' is not supported by TitanStrategy: its GradScaler would scale the activation "
+            "grads that stages send each other and unscale after our clipping. Use precision='bf16-mixed' "
+            "(or '32-true')"
+        )
+

@@ -1,0 +1,102 @@
+"""Train the same model on the same global batches under a layout, without Lightning.
+
+Used by the equivalence tests: every layout must reproduce the single-process run (DESIGN.md invariant 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from lightning_titan.engine import Engine
+from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
+
+CONFIG = ModelConfig(
+    vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=24, n_experts=4, top_k=2,
+    seq_len=12, aux_loss_coef=0.05, z_loss_coef=0.01,
+)  # fmt: skip
+GLOBAL_BATCH = 8
+STEPS = 5
+SEED = 7
+MAX_NORM = 0.3  # small enough that clipping bites on every step (checked against the reference)
+
+
+def global_batch(step: int, config: ModelConfig = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, config.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train(dims: ParallelDims, groups: ProcessGroups, schedule: str, num_microbatches: int,
+          config: ModelConfig = CONFIG, steps: int = STEPS, bucket_cap_mb: float = 0.01) -> dict:
+    """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights."""
+    torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
+    model = StageModel(config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
+                       ep_group=groups.ep)
+    model.init_weights(SEED)
+    engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb)
+    engine.broadcast_replicated()
+    # Adam divides by sqrt(v) + eps: with the default eps=1e-8 a grad element of ~1e-10 whose last bits
+    # differ (summation order differs between layouts) moves its weight by a visible fraction of lr.
+    # eps=1e-6 bounds that amplification so atol 1e-5 on weights tests the gradients, not rounding.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    b = GLOBAL_BATCH // dims.data_world
+    losses, auxes, norms = [], [], []
+    for step in range(steps):
+        inputs, targets = global_batch(step, config)
+        rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
+        sums = engine.forward_backward(model, inputs[rows], targets[rows], num_microbatches)
+        norms.append(engine.finish_gradients(MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if dist.is_initialized():
+            loss, aux = engine.global_means(sums, GLOBAL_BATCH)
+        else:
+            loss, aux = (sums.ce_sum / sums.tokens).item(), (sums.aux_sum / GLOBAL_BATCH).item()
+        losses.append(loss)
+        auxes.append(aux)
+    expert, _ = split_expert_parameters(model)
+    expert_names = {n for n, _ in expert}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.remove()
+    return {"loss": losses, "aux": auxes, "norm": norms, "weights": weights, "expert_names": expert_names,
+            "expert_range": model.expert_range, "coords": (dims.dp_rank, dims.pp_rank, dims.ep_rank)}
+
+
+def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
+    """The single-process run: one rank, whole batch, one microbatch, no process group."""
+    dims = ParallelDims(1, 1, 1, 0)
+    return train(dims, ProcessGroups(None, None, None, None), "gpipe", 1, config, steps)
+
+
+def run_layouts(rank: int, world_size: int, cases: list[tuple[tuple[int, int, int], str, int]]) -> list[dict]:
+    """Spawned: every case (layout, schedule, M) in turn, on the same ranks."""
+    out = []
+    for (dp, pp, ep), schedule, m in cases:
+        dims = ParallelDims(dp, pp, ep, rank)
+        result = train(dims, build_process_groups(dims), schedule, m)
+        out.append(result)
+    return out
+
+
+def assert_matches_reference(ref: dict, results: list[dict], label: str) -> None:
+    for r in results:
+        where = f"{label} rank coords {r['coords']}"
+        torch.testing.assert_close(r["loss"], ref["loss"], rtol=1e-5, atol=0, msg=lambda m: f"{where} loss: {m}")
+        torch.testing.assert_close(r["aux"], ref["aux"], rtol=1e-5, atol=1e-8, msg=lambda m: f"{where} aux: {m}")
+        torch.testing.assert_close(r["norm"], ref["norm"], rtol=1e-5, atol=0, msg=lambda m: f"{where} norm: {m}")
+        start, end = r["expert_range"]
+        for name, local in r["weights"].items():
+            full = ref["weights"][name]
+            expected = full[start:end] if name in r["expert_names"] else full
+            torch.testing.assert_close(local, expected, rtol=0, atol=1e-5, msg=lambda m: f"{where} {name}: {m}")
+    # every parameter of the full model is held by some rank of the layout
+    held = set().union(*(r["weights"] for r in results))
+    assert held == set(ref["weights"]), f"{label}: parameters nobody holds: {set(ref['weights']) - held}"
+
+
+def config_dict() -> dict:
+    return asdict(CONFIG)
