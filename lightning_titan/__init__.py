@@ -5,7 +5,14 @@ import os
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.parallel_dims import ParallelDims
 
-__all__ = ["ModelConfig", "ParallelDims", "StageModel", "TitanDataModule", "TitanLM", "TitanStrategy"]
+__all__ = [
+    "ModelConfig",
+    "ParallelDims",
+    "StageModel",
+    "TitanDataModule",
+    "TitanLM",
+    "TitanStrategy",
+]
 
 # Importing Lightning costs ~6 CPU-seconds per process; engine-only processes (tests and benchmarks
 # spawned by lightning_titan.launch) set this variable to skip it.

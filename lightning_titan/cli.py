@@ -1,8 +1,8 @@
 """The ``titan`` command: LightningCLI over TitanLM and TitanDataModule.
 
-    titan fit --config configs/dp_pp_ep.yaml
-    titan fit --config configs/dp_pp_ep.yaml --trainer.strategy.init_args.pp=4
-    python -m lightning_titan validate --config configs/single.yaml --ckpt_path last
+titan fit --config configs/dp_pp_ep.yaml
+titan fit --config configs/dp_pp_ep.yaml --trainer.strategy.init_args.pp=4
+python -m lightning_titan validate --config configs/single.yaml --ckpt_path last
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from lightning_titan.module import TitanLM
 
 TRAINER_DEFAULTS = {
     "accelerator": "cpu",
-    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": "runs"},
+    },
 }
 
 
@@ -29,18 +32,24 @@ class TitanCLI(LightningCLI):
         metrics = trainer.callback_metrics
         lines = ["", "== titan fit: done"]
         if "train_loss" in metrics:
-            lines.append(f"final train_loss   {float(metrics['train_loss']):.4f} (step {trainer.global_step})")
+            lines.append(
+                f"final train_loss   {float(metrics['train_loss']):.4f} (step {trainer.global_step})"
+            )
         if "val_loss" in metrics:
             lines.append(f"final val_loss     {float(metrics['val_loss']):.4f}")
         if "tokens_per_sec" in metrics:
             lines.append(f"tokens/s (last)    {float(metrics['tokens_per_sec']):,.0f}")
         dims = getattr(trainer.strategy, "parallel_dims", None)
         if dims is not None:
-            lines.append(f"layout             dp={dims.dp} pp={dims.pp} ep={dims.ep} ({dims.world_size} ranks)")
+            lines.append(
+                f"layout             dp={dims.dp} pp={dims.pp} ep={dims.ep} ({dims.world_size} ranks)"
+            )
         if trainer.logger is not None and trainer.logger.log_dir:
             lines.append(f"logs               {Path(trainer.logger.log_dir).resolve()}/metrics.csv")
         if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
-            lines.append(f"checkpoints        {Path(trainer.checkpoint_callback.dirpath).resolve()}")
+            lines.append(
+                f"checkpoints        {Path(trainer.checkpoint_callback.dirpath).resolve()}"
+            )
         print("\n".join(lines), flush=True)
 
 

@@ -1,10 +1,10 @@
 """The parallel machinery of one rank, without Lightning: what TitanStrategy drives and the tests check.
 
-    engine = Engine(module, dims, groups, schedule="1f1b")
-    engine.broadcast_replicated()
-    sums = engine.forward_backward(stage_model, inputs, targets, num_microbatches=4)
-    norm = engine.finish_gradients(max_norm=1.0)
-    optimizer.step(); optimizer.zero_grad()
+engine = Engine(module, dims, groups, schedule="1f1b")
+engine.broadcast_replicated()
+sums = engine.forward_backward(stage_model, inputs, targets, num_microbatches=4)
+norm = engine.finish_gradients(max_norm=1.0)
+optimizer.step(); optimizer.zero_grad()
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class Engine:
         self.expert_params = [p for _, p in expert]
         self.non_expert_params = [p for _, p in non_expert]
         kw = {"bucket_cap_mb": bucket_cap_mb, "mode": reducer}
-        scale = 1.0 / (dims.dp * dims.ep)  # = 1/data_world: the global mean over every data rank's loss
+        scale = 1.0 / (
+            dims.dp * dims.ep
+        )  # = 1/data_world: the global mean over every data rank's loss
         self.reducers = [
             GradReducer(self.non_expert_params, groups.non_expert_dp, scale=scale, **kw),
             # averaged over expert-DP (1/dp) and divided by ep: an owner sums every EP rank's contributions
@@ -99,7 +101,12 @@ class Engine:
     def forward_only(self, stage_model: nn.Module, inputs: Tensor, targets: Tensor, num_microbatches: int
                      ) -> StepSums:  # fmt: skip
         stage = PipelineStage(
-            stage_model, self.dims, self._links(stage_model, inputs.device), inputs, targets, num_microbatches
+            stage_model,
+            self.dims,
+            self._links(stage_model, inputs.device),
+            inputs,
+            targets,
+            num_microbatches,
         )
         return stage.run(None)
 
@@ -113,7 +120,11 @@ class Engine:
         for r in self.reducers:
             r.finish()
         return clip_grad_norm_(
-            self.expert_params, self.non_expert_params, max_norm, ep_group=self.groups.ep, pp_group=self.groups.pp
+            self.expert_params,
+            self.non_expert_params,
+            max_norm,
+            ep_group=self.groups.ep,
+            pp_group=self.groups.pp,
         )
 
     def global_means(self, sums: StepSums, global_sequences: int) -> tuple[float, float]:
@@ -121,8 +132,11 @@ class Engine:
 
         One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0."""
         totals = torch.stack(
-            [sums.ce_sum.double(), sums.aux_sum.double(), torch.tensor(float(sums.tokens), dtype=torch.float64,
-                                                                       device=sums.ce_sum.device)]
+            [
+                sums.ce_sum.double(),
+                sums.aux_sum.double(),
+                torch.tensor(float(sums.tokens), dtype=torch.float64, device=sums.ce_sum.device),
+            ]
         )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(totals)

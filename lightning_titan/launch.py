@@ -60,7 +60,9 @@ def run_on_ranks(
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, timeout_s, fn, args, queue), daemon=True)
+        ctx.Process(
+            target=_entry, args=(r, world_size, port, timeout_s, fn, args, queue), daemon=True
+        )
         for r in range(world_size)
     ]
     # the children only run engine code: let them skip importing Lightning (see lightning_titan/__init__)

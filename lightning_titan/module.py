@@ -90,7 +90,10 @@ class TitanLM(L.LightningModule):
         )  # fmt: skip
         total = max(1, self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(total))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
     def _lr_factor(self, total_steps: int):
         warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
@@ -114,7 +117,9 @@ class TitanLM(L.LightningModule):
         strategy, start = self.strategy, time.perf_counter()
         engine = strategy.engine
         m = strategy.microbatches_for(inputs.shape[0])
-        sums = engine.forward_backward(self.model, inputs, targets, m, backward=self.manual_backward)
+        sums = engine.forward_backward(
+            self.model, inputs, targets, m, backward=self.manual_backward
+        )
         optimizer = self.optimizers()
         optimizer.step()  # the strategy waits for the reducers and clips here
         optimizer.zero_grad(set_to_none=True)
@@ -136,7 +141,9 @@ class TitanLM(L.LightningModule):
         strategy = self.strategy
         m = strategy.microbatches_for(inputs.shape[0])
         sums = strategy.engine.forward_only(self.model, inputs, targets, m)
-        loss, _ = strategy.engine.global_means(sums, inputs.shape[0] * strategy.parallel_dims.data_world)
+        loss, _ = strategy.engine.global_means(
+            sums, inputs.shape[0] * strategy.parallel_dims.data_world
+        )
         self.val_loss.update(loss)
 
     def on_validation_epoch_end(self) -> None:

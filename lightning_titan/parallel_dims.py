@@ -27,13 +27,17 @@ def resolve_degrees(dp: int, pp: int, ep: int, world_size: int) -> tuple[int, in
     degrees = {"dp": dp, "pp": pp, "ep": ep}
     for name, value in degrees.items():
         if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
-            raise ValueError(f"{name}={value!r} is not valid: use a positive int, or -1 to fill the rest")
+            raise ValueError(
+                f"{name}={value!r} is not valid: use a positive int, or -1 to fill the rest"
+            )
     free = [name for name, value in degrees.items() if value == -1]
     if len(free) > 1:
-        raise ValueError(f"{' and '.join(free)} are both -1: at most one degree may be -1 (fill the rest)")
+        raise ValueError(
+            f"{' and '.join(free)} are both -1: at most one degree may be -1 (fill the rest)"
+        )
     if free:
         fixed = 1
-        for name, value in degrees.items():
+        for value in degrees.values():
             if value != -1:
                 fixed *= value
         if world_size % fixed:
@@ -66,7 +70,9 @@ class ParallelDims:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank={self.rank} is outside the world of {self.world_size} ranks (dp*pp*ep)")
+            raise ValueError(
+                f"rank={self.rank} is outside the world of {self.world_size} ranks (dp*pp*ep)"
+            )
 
     @property
     def world_size(self) -> int:

@@ -1,7 +1,7 @@
 """TitanStrategy: DP x PP x EP as a Lightning strategy.
 
-    trainer = L.Trainer(accelerator="cpu", devices=8,
-                        strategy=TitanStrategy(dp=2, pp=2, ep=2, schedule="1f1b"))
+trainer = L.Trainer(accelerator="cpu", devices=8,
+                    strategy=TitanStrategy(dp=2, pp=2, ep=2, schedule="1f1b"))
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -24,9 +23,11 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import (
+    _MultiProcessingLauncher,
+    _SubprocessScriptLauncher,
+)
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -36,7 +37,12 @@ from typing_extensions import override
 
 from lightning_titan.engine import Engine
 from lightning_titan.launch import cpu_threads_per_rank
-from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups, resolve_degrees
+from lightning_titan.parallel_dims import (
+    ParallelDims,
+    ProcessGroups,
+    build_process_groups,
+    resolve_degrees,
+)
 from lightning_titan.pipeline.schedules import SCHEDULES
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -88,7 +94,9 @@ class TitanStrategy(ParallelStrategy):
             timeout_minutes=timeout_minutes, start_method=start_method,
         )  # fmt: skip
         self._degrees = (dp, pp, ep)
-        resolve_degrees(dp, pp, ep, _product_or_fill(dp, pp, ep))  # type/sign errors now, world size later
+        resolve_degrees(
+            dp, pp, ep, _product_or_fill(dp, pp, ep)
+        )  # type/sign errors now, world size later
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.microbatch_size = microbatch_size
@@ -167,7 +175,9 @@ class TitanStrategy(ParallelStrategy):
     def set_world_ranks(self) -> None:
         """Runs when the Trainer is built: check the layout against the world before anything launches."""
         if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         world = self.num_nodes * self.num_processes
@@ -181,7 +191,9 @@ class TitanStrategy(ParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -193,7 +205,9 @@ class TitanStrategy(ParallelStrategy):
         if self.root_device.type == "cpu":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
             torch.set_num_threads(cpu_threads_per_rank(local_world))
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
         assert self.cluster_environment is not None
         _init_dist_connection(
             self.cluster_environment, backend, timeout=timedelta(minutes=self.timeout_minutes),
@@ -258,8 +272,9 @@ class TitanStrategy(ParallelStrategy):
         return norm
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
-                       **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
         def closure_then_reduce() -> Any:
             result = closure()  # backward (automatic optimization) or nothing (manual)
             self.finish_gradients()
@@ -291,7 +306,9 @@ class TitanStrategy(ParallelStrategy):
         return tensor
 
     @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(
+        self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> Tensor:
         return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     @override
@@ -304,7 +321,9 @@ class TitanStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="DP x PP x EP (lightning_titan)")
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DP x PP x EP (lightning_titan)"
+        )
 
 
 def _product_or_fill(dp: int, pp: int, ep: int) -> int:
@@ -316,15 +335,27 @@ def _product_or_fill(dp: int, pp: int, ep: int) -> int:
     return product
 
 
-def _check_args(*, schedule, num_microbatches, microbatch_size, bucket_cap_mb, reducer, gradient_clip_norm,
-                timeout_minutes, start_method) -> None:
+def _check_args(
+    *,
+    schedule,
+    num_microbatches,
+    microbatch_size,
+    bucket_cap_mb,
+    reducer,
+    gradient_clip_norm,
+    timeout_minutes,
+    start_method,
+) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
     if num_microbatches is not None and microbatch_size is not None:
         raise ValueError(
             f"num_microbatches={num_microbatches} and microbatch_size={microbatch_size} are both set; set one"
         )
-    for name, value in (("num_microbatches", num_microbatches), ("microbatch_size", microbatch_size)):
+    for name, value in (
+        ("num_microbatches", num_microbatches),
+        ("microbatch_size", microbatch_size),
+    ):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive int (or None)")
     if not bucket_cap_mb > 0:
@@ -332,7 +363,9 @@ def _check_args(*, schedule, num_microbatches, microbatch_size, bucket_cap_mb, r
     if reducer not in ("bucketed", "per_param"):
         raise ValueError(f"reducer={reducer!r} is unknown; choose 'bucketed' or 'per_param'")
     if gradient_clip_norm is not None and not gradient_clip_norm > 0:
-        raise ValueError(f"gradient_clip_norm={gradient_clip_norm!r} must be > 0, or None to disable clipping")
+        raise ValueError(
+            f"gradient_clip_norm={gradient_clip_norm!r} must be > 0, or None to disable clipping"
+        )
     if not timeout_minutes > 0:
         raise ValueError(f"timeout_minutes={timeout_minutes!r} must be > 0")
     if start_method not in START_METHODS:
@@ -340,10 +373,14 @@ def _check_args(*, schedule, num_microbatches, microbatch_size, bucket_cap_mb, r
 
 
 def _check_precision(plugin: Any) -> None:
-    if isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed":
+    precision = getattr(plugin, "precision", "32-true")
+    if precision == "16-mixed":
         raise ValueError(
             "precision='16-mixed' is not supported by TitanStrategy: its GradScaler would scale the activation "
             "grads that stages send each other and unscale after our clipping. Use precision='bf16-mixed' "
             "(or '32-true')"
         )
-
+    if precision not in ("32-true", "bf16-mixed"):
+        raise ValueError(
+            f"precision={precision!r} is not supported by TitanStrategy; use '32-true' or 'bf16-mixed'"
+        )

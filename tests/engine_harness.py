@@ -30,12 +30,25 @@ def global_batch(step: int, config: ModelConfig = CONFIG) -> tuple[torch.Tensor,
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(dims: ParallelDims, groups: ProcessGroups, schedule: str, num_microbatches: int,
-          config: ModelConfig = CONFIG, steps: int = STEPS, bucket_cap_mb: float = 0.01) -> dict:
+def train(
+    dims: ParallelDims,
+    groups: ProcessGroups,
+    schedule: str,
+    num_microbatches: int,
+    config: ModelConfig = CONFIG,
+    steps: int = STEPS,
+    bucket_cap_mb: float = 0.01,
+) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
-    model = StageModel(config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
-                       ep_group=groups.ep)
+    model = StageModel(
+        config,
+        pp_rank=dims.pp_rank,
+        pp=dims.pp,
+        ep_rank=dims.ep_rank,
+        ep=dims.ep,
+        ep_group=groups.ep,
+    )
     model.init_weights(SEED)
     engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb)
     engine.broadcast_replicated()
@@ -62,8 +75,15 @@ def train(dims: ParallelDims, groups: ProcessGroups, schedule: str, num_microbat
     expert_names = {n for n, _ in expert}
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.remove()
-    return {"loss": losses, "aux": auxes, "norm": norms, "weights": weights, "expert_names": expert_names,
-            "expert_range": model.expert_range, "coords": (dims.dp_rank, dims.pp_rank, dims.ep_rank)}
+    return {
+        "loss": losses,
+        "aux": auxes,
+        "norm": norms,
+        "weights": weights,
+        "expert_names": expert_names,
+        "expert_range": model.expert_range,
+        "coords": (dims.dp_rank, dims.pp_rank, dims.ep_rank),
+    }
 
 
 def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
@@ -72,7 +92,9 @@ def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
     return train(dims, ProcessGroups(None, None, None, None), "gpipe", 1, config, steps)
 
 
-def run_layouts(rank: int, world_size: int, cases: list[tuple[tuple[int, int, int], str, int]]) -> list[dict]:
+def run_layouts(
+    rank: int, world_size: int, cases: list[tuple[tuple[int, int, int], str, int]]
+) -> list[dict]:
     """Spawned: every case (layout, schedule, M) in turn, on the same ranks."""
     out = []
     for (dp, pp, ep), schedule, m in cases:
@@ -85,17 +107,27 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple[tuple[int, int, in
 def assert_matches_reference(ref: dict, results: list[dict], label: str) -> None:
     for r in results:
         where = f"{label} rank coords {r['coords']}"
-        torch.testing.assert_close(r["loss"], ref["loss"], rtol=1e-5, atol=0, msg=lambda m: f"{where} loss: {m}")
-        torch.testing.assert_close(r["aux"], ref["aux"], rtol=1e-5, atol=1e-8, msg=lambda m: f"{where} aux: {m}")
-        torch.testing.assert_close(r["norm"], ref["norm"], rtol=1e-5, atol=0, msg=lambda m: f"{where} norm: {m}")
+        torch.testing.assert_close(
+            r["loss"], ref["loss"], rtol=1e-5, atol=0, msg=lambda m, w=where: f"{w} loss: {m}"
+        )
+        torch.testing.assert_close(
+            r["aux"], ref["aux"], rtol=1e-5, atol=1e-8, msg=lambda m, w=where: f"{w} aux: {m}"
+        )
+        torch.testing.assert_close(
+            r["norm"], ref["norm"], rtol=1e-5, atol=0, msg=lambda m, w=where: f"{w} norm: {m}"
+        )
         start, end = r["expert_range"]
         for name, local in r["weights"].items():
             full = ref["weights"][name]
             expected = full[start:end] if name in r["expert_names"] else full
-            torch.testing.assert_close(local, expected, rtol=0, atol=1e-5, msg=lambda m: f"{where} {name}: {m}")
+            torch.testing.assert_close(
+                local, expected, rtol=0, atol=1e-5, msg=lambda m, w=f"{where} {name}": f"{w}: {m}"
+            )
     # every parameter of the full model is held by some rank of the layout
     held = set().union(*(r["weights"] for r in results))
-    assert held == set(ref["weights"]), f"{label}: parameters nobody holds: {set(ref['weights']) - held}"
+    assert held == set(ref["weights"]), (
+        f"{label}: parameters nobody holds: {set(ref['weights']) - held}"
+    )
 
 
 def config_dict() -> dict:

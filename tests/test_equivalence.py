@@ -14,8 +14,15 @@ from lightning_titan.launch import run_on_ranks
 SCHEDULES = ("gpipe", "1f1b")
 CASES = {
     2: [((2, 1, 1), 1), ((1, 2, 1), 2), ((1, 1, 2), 2)],
-    4: [((2, 2, 1), 2), ((1, 2, 2), 2), ((2, 1, 2), 2), ((1, 4, 1), 4), ((1, 4, 1), 2), ((1, 1, 4), 1),
-        ((1, 4, 1), 8)],
+    4: [
+        ((2, 2, 1), 2),
+        ((1, 2, 2), 2),
+        ((2, 1, 2), 2),
+        ((1, 4, 1), 4),
+        ((1, 4, 1), 2),
+        ((1, 1, 4), 1),
+        ((1, 4, 1), 8),
+    ],
     8: [((2, 2, 2), 2)],
 }
 
@@ -35,4 +42,6 @@ def test_every_layout_equals_one_process(ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400)
     for i, (layout, schedule, m) in enumerate(cases):
-        assert_matches_reference(ref, [per_rank[r][i] for r in range(world)], f"{layout} {schedule} M={m}")
+        assert_matches_reference(
+            ref, [per_rank[r][i] for r in range(world)], f"{layout} {schedule} M={m}"
+        )

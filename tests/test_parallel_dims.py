@@ -4,7 +4,17 @@ import pytest
 
 from lightning_titan.parallel_dims import GROUP_KINDS, ParallelDims, resolve_degrees
 
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1), (1, 1, 4), (3, 2, 4), (2, 3, 1)]
+LAYOUTS = [
+    (1, 1, 1),
+    (2, 1, 1),
+    (1, 2, 1),
+    (1, 1, 2),
+    (2, 2, 2),
+    (1, 4, 1),
+    (1, 1, 4),
+    (3, 2, 4),
+    (2, 3, 1),
+]
 
 
 @pytest.mark.parametrize("dp,pp,ep", LAYOUTS)

@@ -41,7 +41,9 @@ class FakeStage:
 
     def _send(self, dst, payload):
         if 0 <= dst < self.pp:
-            assert self.net.post_send(self.pp_rank, dst, payload).wait(TIMEOUT), f"send {payload} hung"
+            assert self.net.post_send(self.pp_rank, dst, payload).wait(TIMEOUT), (
+                f"send {payload} hung"
+            )
 
     def _recv(self, src, expected):
         if 0 <= src < self.pp:

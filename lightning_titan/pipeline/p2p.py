@@ -17,8 +17,13 @@ from lightning_titan.parallel_dims import ParallelDims
 class StageLinks:
     """This rank's links to the previous and next stage of its pipeline (its PP group)."""
 
-    def __init__(self, dims: ParallelDims, group: dist.ProcessGroup | None, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        dims: ParallelDims,
+        group: dist.ProcessGroup | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.prev, self.next = dims.prev_stage_rank, dims.next_stage_rank
         self.group, self.dtype, self.device = group, dtype, device
 
@@ -58,14 +63,18 @@ class StageLinks:
         if self.prev is not None:
             self._run([self._send(grad, self.prev)])
 
-    def send_forward_recv_backward(self, activation: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
+    def send_forward_recv_backward(
+        self, activation: Tensor | None, shape: tuple[int, ...]
+    ) -> Tensor | None:
         if self.next is None:
             return None
         buffer = self._buffer(shape)
         self._run([self._send(activation, self.next), self._recv(buffer, self.next)])
         return buffer
 
-    def send_backward_recv_forward(self, grad: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
+    def send_backward_recv_forward(
+        self, grad: Tensor | None, shape: tuple[int, ...]
+    ) -> Tensor | None:
         if self.prev is None:
             return None
         buffer = self._buffer(shape)

@@ -87,12 +87,18 @@ class PipelineStage:
             self.aux_sum += aux.detach().sum()
             objective = aux.sum() / self.local_sequences
             if self.is_last:
-                ce = F.cross_entropy(out.float().flatten(0, 1), self.targets[i].flatten(), reduction="sum")
+                ce = F.cross_entropy(
+                    out.float().flatten(0, 1), self.targets[i].flatten(), reduction="sum"
+                )
                 self.ce_sum += ce.detach()
                 objective = objective + ce / self.local_tokens
             if grad_enabled:
                 # the surrogate (out * grad).sum() below gives `out` exactly the received grad
-                self._saved[i] = (None if self.is_first else x, out if not self.is_last else None, objective)
+                self._saved[i] = (
+                    None if self.is_first else x,
+                    out if not self.is_last else None,
+                    objective,
+                )
             return None if self.is_last else out
 
     def backward(self, i: int, grad: Tensor | None) -> Tensor | None:
@@ -136,5 +142,7 @@ class PipelineStage:
         """Run a training schedule by name, or forward only when ``schedule`` is None."""
         (forward_only if schedule is None else get_schedule(schedule))(self, self.num_microbatches)
         if self._saved and schedule is not None:
-            raise RuntimeError(f"schedule {schedule!r} left microbatches {sorted(self._saved)} without backward")
+            raise RuntimeError(
+                f"schedule {schedule!r} left microbatches {sorted(self._saved)} without backward"
+            )
         return StepSums(self.ce_sum, self.aux_sum, self.local_tokens if self.is_last else 0)

@@ -1,0 +1,262 @@
+"""Sharded, layout-free, atomic checkpoints: save under one (dp, pp, ep), load under any other.
+
+A checkpoint is a directory: ``torch.distributed.checkpoint`` shards of the model and optimizer state
+under global keys (``checkpoint_state``), ``meta.pt`` (Lightning's other state, optimizer
+hyper-parameters, layout, model config) and the ``COMPLETE`` marker (``checkpoint_files``).
+
+Every rank calls ``save_sharded``/``load_sharded`` together. Bad input is found before any shard is
+written or read, and every rank raises the same error (the ranks agree through one object gather), so
+a mistake seen on one stage never leaves the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_titan import checkpoint_files as files
+from lightning_titan import checkpoint_reader as reader
+from lightning_titan import checkpoint_state as keys
+from lightning_titan.checkpoint_files import is_complete_checkpoint, latest_complete
+from lightning_titan.checkpoint_reader import (
+    FORMAT_VERSION,
+    consolidate,
+    consolidate_optimizers,
+    read_checkpoint_info,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "consolidate",
+    "consolidate_optimizers",
+    "is_complete_checkpoint",
+    "latest_complete",
+    "load_sharded",
+    "read_checkpoint_info",
+    "remove_checkpoint",
+    "save_sharded",
+]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _agree(error: BaseException | None, payload: Any = None) -> list[Any]:
+    """Collective: if any rank has an error, raise the lowest rank's on every rank; else gather payloads."""
+    if not _distributed():
+        if error is not None:
+            raise error
+        return [payload]
+    report = None
+    if error is not None:
+        # Only builtin exception classes travel: a class another rank cannot unpickle would hang it.
+        builtin = type(error).__module__ == "builtins"
+        report = (type(error) if builtin else RuntimeError, str(error))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (report, payload))
+    reports = [(rank, r) for rank, (r, _) in enumerate(gathered) if r is not None]
+    if not reports:
+        return [p for _, p in gathered]
+    first_rank, (kind, message) = reports[0]
+    if len(reports) < len(gathered) or any(r != reports[0][1] for _, r in reports):
+        message = f"{message} (raised on rank {first_rank})"
+    if error is not None and isinstance(error, kind) and str(error) == message:
+        raise error
+    raise kind(message) from error
+
+
+def save_sharded(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizers: list[Optimizer],
+    meta: dict[str, Any],
+    *,
+    layout: dict[str, Any],
+) -> None:
+    """Write a complete checkpoint directory at ``path``, or leave ``path`` as it was.
+
+    ``meta`` (Lightning's checkpoint dict without ``state_dict``/``optimizer_states``) and ``layout``
+    (dp, pp, ep, global batch size, ...) go into ``meta.pt`` from rank 0. An existing ``path`` is
+    replaced only after the new directory is complete.
+    """
+    path = Path(path)
+    error, token, state, info_bytes = None, None, {}, b""
+    try:
+        state = keys.model_entries(model)
+        state.update(keys.optimizer_entries(model, optimizers).state_dict())
+        if _rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            files.recover(path)
+            token = files.new_token()
+            info = {
+                "format_version": FORMAT_VERSION,
+                "meta": meta,
+                "layout": {**layout, "world_size": dist.get_world_size() if _distributed() else 1},
+                "model_config": reader.model_config(model),
+                "param_groups": [keys.hyperparameters(o) for o in optimizers],
+            }
+            buffer = io.BytesIO()
+            torch.save(info, buffer)  # an unpicklable meta fails here, before any shard is written
+            info_bytes = buffer.getvalue()
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it before the collective save
+        error = e
+    tmp = files.sibling(path, "tmp", _agree(error, token)[0])
+
+    try:
+        with reader.single_process_ok():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+    except BaseException:
+        if _rank() == 0:
+            files.remove(tmp)
+        raise
+    # dcp.save returns only after its coordinator gathered every rank's write result, so all shards are
+    # on disk (fsynced) before rank 0 marks the directory complete and swaps it in.
+    error = None
+    if _rank() == 0:
+        try:
+            files.write_file(tmp / files.META_FILE, info_bytes)
+            files.mark_complete(tmp, {"format_version": FORMAT_VERSION, "entries": len(state)})
+            files.install(tmp, path)
+        except Exception as e:  # noqa: BLE001
+            error = e
+            files.remove(tmp)
+    _agree(error)  # the closing barrier: no rank returns before ``path`` is complete
+
+
+@dataclass
+class _LoadPlan:
+    """What one rank will read, and how to undo the optimizer-state initialisation if it must not."""
+
+    info: dict[str, Any]
+    targets: dict[str, Any] = field(
+        default_factory=dict
+    )  # key -> view into a live tensor, or value
+    objects: dict[str, tuple[dict, str]] = field(default_factory=dict)  # non-tensors: where they go
+    covered: int = 0  # bit i: this rank loads the checkpoint's i-th model key
+    model_keys: list[str] = field(default_factory=list)
+    initialised: list[tuple[Optimizer, Tensor]] = field(default_factory=list)
+    stale: list[tuple[Optimizer, Tensor]] = field(default_factory=list)
+
+    def rollback(self) -> None:
+        for optimizer, p in self.initialised:
+            optimizer.state.pop(p, None)
+
+
+def _plan_load(
+    path: Path, model: nn.Module, optimizers: list[Optimizer], expect: Mapping[str, Any] | None
+) -> _LoadPlan:
+    plan = _LoadPlan(info=read_checkpoint_info(path))
+    metadata = reader.read_metadata(path)
+    reader.check_layout(path, plan.info["layout"], expect)
+    model_entries = keys.model_entries(model)
+    problems = reader.check_entries(model_entries, metadata)
+    if problems:
+        raise reader.mismatch(path, plan.info.get("model_config"), model, problems)
+    plan.targets.update(model_entries)
+    plan.model_keys = sorted(k for k in metadata.state_dict_metadata if k.startswith(keys.MODEL))
+    index = {k: i for i, k in enumerate(plan.model_keys)}
+    plan.covered = sum(1 << index[k] for k in model_entries)
+    if not optimizers:  # model only (evaluation, export)
+        return plan
+
+    saved = plan.info["param_groups"]
+    if [len(g) for g in saved] != [len(o.param_groups) for o in optimizers]:
+        raise ValueError(
+            f"checkpoint {path} has {len(saved)} optimizer(s) with {[len(g) for g in saved]} param "
+            f"groups, this run has {len(optimizers)} with {[len(o.param_groups) for o in optimizers]}; "
+            "configure the same optimizers (or pass none to load the model only)"
+        )
+    names = keys.param_names(model)
+    try:
+        for i, optimizer in enumerate(optimizers):
+            have = keys.params_with_state(metadata.state_dict_metadata, i)
+            params = list(keys.optimizer_params(optimizer))
+            empty = [p for p in params if names.get(id(p)) in have and not optimizer.state.get(p)]
+            plan.initialised += [(optimizer, p) for p in empty]
+            keys.init_optimizer_state(optimizer, empty)
+            plan.stale += [(optimizer, p) for p in params if names.get(id(p)) not in have]
+        entries = keys.optimizer_entries(model, optimizers)
+        for optimizer, p in plan.stale:  # state the checkpoint does not have is dropped, not loaded
+            i, name = optimizers.index(optimizer), names.get(id(p))
+            for table in (entries.tensors, entries.objects):
+                for key in [k for k in table if keys.key_param(k, i) == name]:
+                    del table[key]
+        problems = reader.check_entries(entries.state_dict(), metadata)
+        if problems:
+            raise ValueError(
+                f"checkpoint {path} holds other optimizer state than this run's optimizers: "
+                f"{'; '.join(problems[:4])}; configure the same optimizer type and options"
+            )
+    except BaseException:
+        plan.rollback()
+        raise
+    plan.targets.update(entries.state_dict())
+    plan.objects = entries.objects
+    return plan
+
+
+def load_sharded(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizers: list[Optimizer],
+    *,
+    expect_layout: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint written under any (dp, pp, ep) into ``model`` and ``optimizers`` in place.
+
+    Optimizer state missing here is created first (one lr=0 step on zero grads; parameters do not
+    change), then overwritten; param-group hyper-parameters are restored. ``optimizers=[]`` loads the
+    model only. ``expect_layout`` names layout values that must match, e.g.
+    ``{"global_batch_size": 32}``. Returns the ``meta`` dict given to ``save_sharded``.
+    """
+    path = Path(path)
+    plan, error = None, None
+    try:
+        plan = _plan_load(path, model, optimizers, expect_layout)
+    except Exception as e:  # noqa: BLE001 - every rank must raise it, before the collective load
+        error = e
+    try:
+        union = 0
+        for mask in _agree(error, plan.covered if plan else 0):
+            union |= mask
+        # Keys no rank loads mean the model is smaller than the checkpoint (fewer layers, experts).
+        unused = [k[len(keys.MODEL) :] for i, k in enumerate(plan.model_keys) if not union >> i & 1]
+        if unused:
+            missing = f"the model has no place for {len(unused)} saved tensors, e.g. {unused[:3]}"
+            raise reader.mismatch(path, plan.info.get("model_config"), model, [missing])
+    except BaseException:
+        if plan is not None:
+            plan.rollback()
+        raise
+
+    with reader.single_process_ok():
+        dcp.load(plan.targets, checkpoint_id=path, no_dist=not _distributed())
+    for key, (state, name) in plan.objects.items():
+        state[name] = plan.targets[key]  # DCP hands non-tensor values back by replacing the entry
+    for optimizer, p in plan.stale:
+        optimizer.state.pop(p, None)
+    if optimizers:
+        for optimizer, groups in zip(optimizers, plan.info["param_groups"], strict=True):
+            keys.restore_hyperparameters(optimizer, groups)
+    return plan.info["meta"]
+
+
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Delete a checkpoint on global rank 0 only (Lightning calls this on every rank); no collective."""
+    if _rank() == 0:
+        files.remove(path)

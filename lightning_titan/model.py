@@ -1,0 +1,364 @@
+"""Stage-local Mixtral-style MoE decoder: the layers ``[start, end)`` and experts ``[start, end)`` one
+rank owns, named globally so that any (pp, ep) layout holds slices of the same full model.
+
+Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))``. Names map to Hugging Face Mixtral
+(see ``HF_MIXTRAL_NAMES`` and ``hf_mixtral_state_dict``); logits match ``MixtralForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
+
+from lightning_titan.moe.dispatch import ep_size
+from lightning_titan.moe.experts import GroupedExperts
+from lightning_titan.moe.layer import MoELayer
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257  # byte tokenizer: 256 bytes + end-of-document
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None = n_heads; fewer = grouped-query attention (Mixtral)
+    ffn_dim: int = 128  # per-expert SwiGLU hidden size
+    n_experts: int = 8
+    top_k: int = 2
+    seq_len: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    aux_loss_coef: float = 0.01  # load-balancing loss coefficient, 0 = off
+    z_loss_coef: float = 0.0  # router z-loss coefficient, 0 = off
+    init_std: float = 0.02
+    activation_checkpointing: bool = False  # recompute each block in backward
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "ffn_dim",
+            "n_experts",
+            "top_k",
+            "seq_len",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.n_kv_heads is not None and (
+            not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1
+        ):
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads!r} must be a positive int or None (= n_heads)"
+            )
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 (0 turns it off)")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "pick n_heads dividing d_model"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
+                "each KV head must serve a whole number of query heads"
+            )
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k={self.top_k} > n_experts={self.n_experts}; use top_k <= n_experts"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = d_model / n_heads = {self.d_model} / {self.n_heads} = {self.head_dim} is odd; "
+                "RoPE rotates pairs of channels, so choose an even head_dim"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    def validate_layout(self, pp: int, ep: int) -> None:
+        """Check that ``pp`` stages and ``ep`` expert ranks split this model evenly."""
+        for name, value in (("pp", pp), ("ep", ep)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.n_layers % pp:
+            raise ValueError(
+                f"n_layers={self.n_layers} is not divisible by pp={pp}; choose pp dividing "
+                f"{self.n_layers} or change n_layers to a multiple of {pp}"
+            )
+        if self.n_experts % ep:
+            raise ValueError(
+                f"n_experts={self.n_experts} is not divisible by ep={ep}; choose ep dividing "
+                f"{self.n_experts} or change n_experts to a multiple of {ep}"
+            )
+
+
+class RMSNorm(nn.Module):
+    """Mixtral's RMSNorm: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """[S, head_dim] fp32 tables for positions 0..S-1, halves duplicated (HF ``rotate_half`` convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    positions = torch.arange(seq_len, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1).to(device)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [b, H, S, hd]: channel i pairs with i + hd/2 (not interleaved pairs)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE and grouped-query heads; no biases (Mixtral)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads,
+            config.kv_heads,
+            config.head_dim,
+        )
+        d = config.d_model
+        self.wq = nn.Linear(d, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # KV head j serves query heads j*rep .. (j+1)*rep-1, as HF's repeat_kv.
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        expert_range: tuple[int, int],
+        ep_group: ProcessGroup | None,
+    ) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.moe_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.moe = MoELayer(
+            config.d_model,
+            config.ffn_dim,
+            config.n_experts,
+            config.top_k,
+            expert_range=expert_range,
+            ep_group=ep_group,
+            aux_loss_coef=config.aux_loss_coef,
+            z_loss_coef=config.z_loss_coef,
+        )
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        moe_out, aux = self.moe(self.moe_norm(x))
+        return x + moe_out, aux
+
+
+class StageModel(nn.Module):
+    """The part of the model one (pp_rank, ep_rank) owns; a pure ``nn.Module`` with no Lightning glue.
+
+    ``forward`` takes token ids [b, S] on the first stage, hidden states [b, S, D] elsewhere, and
+    returns (hidden [b, S, D] or logits [b, S, V] on the last stage, aux [b] fp32): the per-sequence
+    auxiliary loss summed over this stage's layers, already weighted by the coefficients.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        pp_rank: int = 0,
+        pp: int = 1,
+        ep_rank: int = 0,
+        ep: int = 1,
+        ep_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        config.validate_layout(pp, ep)
+        if not 0 <= pp_rank < pp:
+            raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1} (pp={pp})")
+        if not 0 <= ep_rank < ep:
+            raise ValueError(f"ep_rank={ep_rank} is outside 0..{ep - 1} (ep={ep})")
+        if ep_group is not None and ep_size(ep_group) != ep:
+            raise ValueError(
+                f"ep_group has {ep_size(ep_group)} ranks but ep={ep}; pass this stage's EP group"
+            )
+        self.config = config
+        per_stage, per_rank = config.n_layers // pp, config.n_experts // ep
+        self.layer_range = (pp_rank * per_stage, (pp_rank + 1) * per_stage)
+        self.expert_range = (ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        self.is_first_stage = pp_rank == 0
+        self.is_last_stage = pp_rank == pp - 1
+        self._rope_cache: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
+
+        if self.is_first_stage:
+            self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleDict(
+            {str(i): Block(config, self.expert_range, ep_group) for i in range(*self.layer_range)}
+        )
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.d_model, config.norm_eps)
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.is_first_stage:
+            if x.dim() != 2 or x.dtype != torch.long:
+                raise ValueError(
+                    f"the first stage takes token ids [b, S] long, got {x.dtype} {tuple(x.shape)}"
+                )
+            x = self.embed(x)
+        elif x.dim() != 3 or x.shape[-1] != self.config.d_model:
+            raise ValueError(
+                f"stage {self.layer_range} takes hidden states [b, S, {self.config.d_model}], got {tuple(x.shape)}"
+            )
+        cos, sin = self._rope(x.shape[1], x.device)
+        aux = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
+        for block in self.layers.values():
+            if self.config.activation_checkpointing and torch.is_grad_enabled():
+                x, block_aux = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x, block_aux = block(x, cos, sin)
+            aux = aux + block_aux
+        if self.is_last_stage:
+            x = self.lm_head(self.norm(x))
+        return x, aux
+
+    def _rope(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        # A plain cache, not a buffer: a buffer would be garbage after meta-device init + to_empty.
+        key = (seq_len, device)
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_cos_sin(
+                seq_len, self.config.head_dim, self.config.rope_theta, device
+            )
+        return self._rope_cache[key]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Layout-free init: each value depends on (seed, global name, global expert) only.
+
+        Norm weights are 1; every other matrix is Normal(0, init_std), output projections (``wo``,
+        experts' ``w2``) scaled by 1/sqrt(2 * n_layers) so the residual stream does not grow with depth.
+        """
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        for module_name, module in self.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, GroupedExperts):
+                start = module.expert_range[0]
+                for pname, p in module.named_parameters(recurse=False):
+                    param_std = out_std if pname == "w2" else std
+                    for e in range(module.n_local):
+                        p[e].copy_(
+                            _seeded_normal(p.shape[1:], param_std, seed, prefix + pname, start + e)
+                        )
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                param_std = out_std if module_name.endswith("attn.wo") else std
+                weight = _seeded_normal(module.weight.shape, param_std, seed, prefix + "weight")
+                module.weight.copy_(weight)
+
+
+def _seeded_normal(shape: torch.Size, std: float, seed: int, name: str, expert: int = -1) -> Tensor:
+    # crc32, not hash(): Python's string hash is salted per process, so ranks would disagree.
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}|{name}|{expert}".encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+def split_expert_parameters(
+    module: nn.Module,
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(expert, non_expert) named parameters in ``module.parameters()`` order.
+
+    Expert parameters are those of ``GroupedExperts`` modules (sharded over EP, reduced over expert-DP);
+    everything else, the router included, is replicated over the stage's EP group.
+    """
+    expert_ids = {
+        id(p) for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters()
+    }
+    expert, non_expert = [], []
+    for name, p in module.named_parameters():
+        (expert if id(p) in expert_ids else non_expert).append((name, p))
+    return expert, non_expert
+
+
+# Our name -> Hugging Face Mixtral name ("{i}" is the global layer id). Experts map per row, transposed.
+HF_MIXTRAL_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "layers.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.attn.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attn.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attn.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attn.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.moe_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "layers.{i}.moe.experts.{w}": "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+
+def hf_mixtral_state_dict(model: StageModel) -> dict[str, Tensor]:
+    """This stage's parameters under Hugging Face Mixtral names (experts split per global id)."""
+    out = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] != "layers":
+            out[HF_MIXTRAL_NAMES[name]] = p.detach()
+            continue
+        layer, rest = parts[1], ".".join(parts[2:])
+        if rest.startswith("moe.experts."):
+            w = parts[-1]
+            template = HF_MIXTRAL_NAMES["layers.{i}.moe.experts.{w}"]
+            for row in range(p.shape[0]):
+                e = model.expert_range[0] + row
+                out[template.format(i=layer, e=e, w=w)] = p[row].detach().t().contiguous()
+        else:
+            out[HF_MIXTRAL_NAMES["layers.{i}." + rest].format(i=layer)] = p.detach()
+    return out

@@ -1,0 +1,218 @@
+"""Token dispatch to expert owners and combine back, over the EP group (dropless, no Python loop over E).
+
+``dispatch`` takes this rank's tokens ``x`` [T, D] and their top-K expert ids [T, K] and returns the rows
+this rank's local experts must process, local-expert-major (all rows of local expert 0, then 1, ...).
+``combine`` takes the experts' output in that same order and returns the router-weighted sum of each
+token's K expert outputs, [T, D]. Steps, each undone in reverse by ``combine``:
+
+1. sort the T*K assignments stably by expert id -> expert-major, hence destination-rank-major;
+2. all-to-all of the per-expert counts (send_matrix [ep, E_local] -> recv_matrix [ep, E_local]);
+3. all-to-all of the rows with split sizes (autograd-aware: the backward is the reverse all-to-all);
+4. permute the received rows from source-rank-major to local-expert-major.
+
+With one EP rank (no group, or a group of size 1) steps 2-4 are skipped: no collective at all.
+Every rank of the EP group must call ``dispatch``/``combine`` in the same order, also with zero rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+
+def ep_size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_to_all(
+    x: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+) -> Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Row all-to-all with split sizes; the gradient travels back along the reverse exchange.
+
+    Ours because ``torch.distributed.nn.functional.all_to_all_single`` (which does work on gloo) is
+    deprecated as of torch 2.13 in favour of the private ``_functional_collectives``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def all_to_all(
+    x: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+) -> Tensor:
+    """Send rows ``x[sum(input_splits[:i]) : ...]`` to rank i of ``group``; differentiable."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index``; the backward is the gather by ``inverse`` (cheaper
+    than the scatter-add autograd would otherwise use)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def _inverse_permutation(index: Tensor) -> Tensor:
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    return inverse
+
+
+@dataclass
+class DispatchPlan:
+    """What ``combine`` needs to undo a ``dispatch``."""
+
+    order: Tensor  # [T*K] flat assignment ids (token * K + k) in expert-major order (stable)
+    order_inverse: Tensor  # [T*K] expert-major position of each flat assignment
+    tokens_per_expert: Tensor  # [E] long, this rank's assignments per global expert
+    tokens_per_local_expert: list[int]  # [E_local] rows each local expert received (all sources)
+    send_splits: list[int] | None = None  # rows sent to each EP rank; None with one EP rank
+    recv_splits: list[int] | None = None  # rows received from each EP rank
+    local_order: Tensor | None = None  # received row ids in local-expert-major order
+    local_order_inverse: Tensor | None = None
+    group: ProcessGroup | None = None
+
+
+def dispatch(
+    x: Tensor, expert_ids: Tensor, n_experts: int, group: ProcessGroup | None = None
+) -> tuple[Tensor, DispatchPlan]:
+    """Route each of the T*K assignments of ``x`` [T, D] to the rank owning its expert.
+
+    Returns the local experts' input rows, local-expert-major, and the plan for ``combine``.
+    Expert ``e`` lives on EP rank ``e // (n_experts // ep)``.
+    """
+    top_k = expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=n_experts)
+    packed = x.index_select(0, order // top_k)
+    plan = DispatchPlan(order, _inverse_permutation(order), counts, [])
+
+    ep = ep_size(group)
+    if ep == 1:
+        plan.tokens_per_local_expert = counts.tolist()
+        return packed, plan
+
+    n_local = n_experts // ep
+    send_matrix = counts.view(ep, n_local)
+    recv_matrix = torch.empty_like(send_matrix)
+    dist.all_to_all_single(recv_matrix, send_matrix, group=group)
+    plan.send_splits = send_matrix.sum(dim=1).tolist()
+    plan.recv_splits = recv_matrix.sum(dim=1).tolist()
+    plan.tokens_per_local_expert = recv_matrix.sum(dim=0).tolist()
+    plan.group = group
+    received = all_to_all(packed, plan.recv_splits, plan.send_splits, group)
+
+    # The received rows are (source rank, local expert) blocks, source-major; a stable sort by local
+    # expert keeps sources in rank order inside each expert, which is the layout combine reverses.
+    local_expert_of_row = torch.arange(n_local, device=x.device).repeat(ep)
+    local_expert_of_row = local_expert_of_row.repeat_interleave(
+        recv_matrix.reshape(-1),
+        output_size=sum(plan.recv_splits),  # known size: no device sync
+    )
+    plan.local_order = torch.argsort(local_expert_of_row, stable=True)
+    plan.local_order_inverse = _inverse_permutation(plan.local_order)
+    return _PermuteRows.apply(received, plan.local_order, plan.local_order_inverse), plan
+
+
+def combine(expert_out: Tensor, weights: Tensor, plan: DispatchPlan) -> Tensor:
+    """Return each token's router-weighted sum of its K expert outputs, [T, D] (reverse of dispatch)."""
+    if plan.local_order is not None:
+        source_major = _PermuteRows.apply(expert_out, plan.local_order_inverse, plan.local_order)
+        expert_out = all_to_all(source_major, plan.send_splits, plan.recv_splits, plan.group)
+    return _WeightedUnpack.apply(expert_out, weights, plan.order, plan.order_inverse)
+
+
+class _WeightedUnpack(torch.autograd.Function):
+    """Expert-major rows [T*K, D] -> sum over k of ``weights[t, k] * row(t, k)``, [T, D].
+
+    Hand-written backward: autograd's would zero-fill and scatter a [T, K, D] buffer per k, several
+    times slower on CPU. The row gradient is the dispatch gather again, scaled by the weights.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, weights, order, order_inverse):
+        n_tokens, top_k = weights.shape
+        per_token = rows.index_select(0, order_inverse).view(n_tokens, top_k, -1)
+        w = weights.to(rows.dtype)  # Mixtral applies the fp32 router weights in the hidden dtype
+        ctx.save_for_backward(per_token, w, order)
+        ctx.weights_dtype = weights.dtype
+        out = per_token[:, 0] * w[:, 0:1]
+        for k in range(1, top_k):  # a loop over K (small), not over experts
+            out.addcmul_(per_token[:, k], w[:, k : k + 1])
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        per_token, w, order = ctx.saved_tensors
+        top_k = w.shape[1]
+        grad_rows = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = grad.index_select(0, order // top_k) * w.reshape(-1)[order].unsqueeze(1)
+        if ctx.needs_input_grad[1]:
+            grad_weights = (per_token * grad.unsqueeze(1)).sum(-1).to(ctx.weights_dtype)
+        return grad_rows, grad_weights, None, None
+
+
+# Reference for the benchmark and tests: the write-up's per-expert Python loop ("Producing assignments").
+
+
+def dispatch_loop_reference(
+    x: Tensor, expert_ids: Tensor, n_experts: int
+) -> tuple[Tensor, list[Tensor]]:
+    """Pack ``x`` expert-major with one Python iteration per expert; also return each expert's
+    (token, k) index pairs for ``combine_loop_reference``."""
+    flat_ids = expert_ids.reshape(-1)
+    counts = torch.bincount(flat_ids, minlength=n_experts)
+    offsets = torch.zeros(n_experts + 1, dtype=torch.long, device=x.device)
+    offsets[1:] = torch.cumsum(counts, dim=0)
+    packed = x.new_empty((flat_ids.numel(), x.shape[1]))
+    indices_per_expert = []
+    for expert in range(n_experts):
+        indices = torch.argwhere(expert_ids == expert)
+        indices_per_expert.append(indices)
+        if indices.numel() == 0:
+            continue
+        start, end = offsets[expert].item(), offsets[expert + 1].item()
+        packed[start:end] = x[indices[:, 0]]
+    return packed, indices_per_expert
+
+
+def combine_loop_reference(
+    expert_out: Tensor, weights: Tensor, indices_per_expert: list[Tensor]
+) -> Tensor:
+    out = expert_out.new_zeros((weights.shape[0], expert_out.shape[1]))
+    start = 0
+    for indices in indices_per_expert:
+        end = start + indices.shape[0]
+        if end > start:
+            w = weights[indices[:, 0], indices[:, 1]].to(expert_out.dtype).unsqueeze(-1)
+            out.index_add_(0, indices[:, 0], expert_out[start:end] * w)
+        start = end
+    return out

@@ -1,0 +1,348 @@
+"""Sharded checkpoints: exact reload under other layouts, atomic writes, clear errors on bad input.
+
+The reference is the model and AdamW state as they were before the save, keyed here by (global name,
+global expert) with this file's own code, so a wrong key scheme in the product cannot hide itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_titan import checkpoint_files as files
+from lightning_titan.checkpoint import (
+    consolidate,
+    consolidate_optimizers,
+    is_complete_checkpoint,
+    latest_complete,
+    load_sharded,
+    read_checkpoint_info,
+    remove_checkpoint,
+    save_sharded,
+)
+from lightning_titan.launch import run_on_ranks
+from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.parallel_dims import ParallelDims
+
+CONFIG = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, ffn_dim=48, n_experts=4, seq_len=16)
+LAYOUT_A = (1, 2, 2)  # (dp, pp, ep) the checkpoint is written under
+LAYOUTS_B = [(2, 1, 2), (1, 4, 1), (1, 1, 4)]
+META = {"loops": {"fit_loop": {"step": 2}}, "rng": torch.arange(3), "epoch": 0}
+
+
+def build(dims: ParallelDims | None, seed: int, lr: float = 1e-2, **overrides):
+    """A stage model with layout-free init and AdamW with two param groups (norms: no decay)."""
+    dims = dims or ParallelDims(1, 1, 1)
+    config = ModelConfig(**{**CONFIG, **overrides})
+    model = StageModel(config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep)
+    model.init_weights(seed)
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    others = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
+    groups = [{"params": others}, {"params": norms, "weight_decay": 0.0, "lr": lr / 3}]
+    return model, torch.optim.AdamW(groups, lr=lr, weight_decay=0.1)
+
+
+def _seeded(shape: torch.Size, *parts) -> torch.Tensor:
+    key = "|".join(map(str, parts))
+    return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))
+
+
+def train(model: StageModel, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """AdamW steps on grads that depend on (global name, expert, step) only, so replicas stay equal."""
+    experts = {id(p) for _, p in split_expert_parameters(model)[0]}
+    start = model.expert_range[0]
+    for step in range(steps):
+        for name, p in model.named_parameters():
+            if id(p) in experts:
+                rows = [_seeded(p.shape[1:], name, start + r, step) for r in range(p.shape[0])]
+                p.grad = torch.stack(rows)
+            else:
+                p.grad = _seeded(p.shape, name, step)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def snapshot(
+    model: StageModel, optimizer: torch.optim.Optimizer | None
+) -> dict[tuple, torch.Tensor]:
+    """Every parameter and optimizer-state tensor keyed by (kind, global name, global expert, state)."""
+    experts = {id(p) for _, p in split_expert_parameters(model)[0]}
+    start = model.expert_range[0]
+    out = {}
+    for name, p in model.named_parameters():
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        if id(p) not in experts:
+            out[("param", name, None, None)] = p.detach().clone()
+            out.update({("state", name, None, k): v.clone() for k, v in state.items()})
+            continue
+        for row in range(p.shape[0]):
+            out[("param", name, start + row, None)] = p.detach()[row].clone()
+            for k, v in state.items():
+                out[("state", name, start + row if v.dim() else None, k)] = (
+                    v[row] if v.dim() else v
+                ).clone()
+    return out
+
+
+def hyper(optimizer: torch.optim.Optimizer) -> list[tuple[float, float]]:
+    return [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups]
+
+
+def _caught(fn, *args, **kwargs) -> tuple[str, str] | None:
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the test inspects type and message
+        return type(e).__name__, str(e)
+    return None
+
+
+def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
+    torch.set_num_threads(1)
+    root_path = Path(root)
+    ckpt = root_path / "last.ckpt"
+    dims_a = ParallelDims(*LAYOUT_A, rank=rank)
+    model, opt = build(dims_a, seed=1)
+    train(model, opt, steps=2)
+    result = {"A": snapshot(model, opt), "A_hyper": hyper(opt), "loads": {}, "errors": {}}
+    save_sharded(
+        ckpt, model, [opt], META, layout={"dp": 1, "pp": 2, "ep": 2, "global_batch_size": 8}
+    )
+
+    for layout in LAYOUTS_B:
+        model, opt = build(ParallelDims(*layout, rank=rank), seed=2, lr=0.5)
+        meta = load_sharded(ckpt, model, [opt], expect_layout={"global_batch_size": 8})
+        result["loads"][layout] = (snapshot(model, opt), hyper(opt), meta)
+
+    # Bad input: every rank must raise the same error, and leave model and optimizer untouched.
+    dims_b = ParallelDims(*LAYOUTS_B[0], rank=rank)
+    if rank == 0:
+        shutil.copytree(ckpt, root_path / "partial.ckpt")
+        (root_path / "partial.ckpt" / files.MARKER).unlink()
+    dist.barrier()
+    errors = result["errors"]
+    model, opt = build(dims_b, seed=3)
+    before = snapshot(model, opt)
+    errors["missing"] = _caught(load_sharded, root_path / "nope.ckpt", model, [opt])
+    errors["partial"] = _caught(load_sharded, root_path / "partial.ckpt", model, [opt])
+    errors["batch"] = _caught(
+        load_sharded, ckpt, model, [opt], expect_layout={"global_batch_size": 16}
+    )
+    for field, value in (("n_experts", 8), ("d_model", 64)):
+        other, other_opt = build(dims_b, seed=3, **{field: value})
+        errors[field] = _caught(load_sharded, ckpt, other, [other_opt])
+        result.setdefault("state_after_error", []).append(len(other_opt.state))
+    result["untouched"] = all(torch.equal(v, before[k]) for k, v in snapshot(model, opt).items())
+    result["untouched"] &= len(opt.state) == 0
+
+    # Replace the checkpoint with one written under layout B (its state equals layout A's).
+    model, opt = build(dims_b, seed=4)
+    load_sharded(ckpt, model, [opt])
+    save_sharded(ckpt, model, [opt], META, layout={"dp": 2, "pp": 1, "ep": 2})
+    return result
+
+
+def _merge(snapshots: list[dict]) -> dict:
+    """One full state from per-rank snapshots; replicas of a key must agree exactly."""
+    full = {}
+    for snap in snapshots:
+        for key, value in snap.items():
+            if key in full:
+                assert torch.equal(full[key], value), f"replicas of {key} differ"
+            full[key] = value
+    return full
+
+
+def _assert_equal_states(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))[:5]}"
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{what}: {key} differs"
+
+
+def _from_consolidated(path: Path) -> dict:
+    """The checkpoint read by ``consolidate*`` in this process, keyed like ``snapshot``."""
+    experts = {n for n, p in split_expert_parameters(build(None, 0)[0])[0]}
+    out = {}
+    for name, value in consolidate(path).items():
+        rows = range(value.shape[0]) if name in experts else [None]
+        out.update({("param", name, e, None): value if e is None else value[e] for e in rows})
+    for name, state in consolidate_optimizers(path)[0].items():
+        for k, value in state.items():
+            rows = range(value.shape[0]) if name in experts and value.dim() else [None]
+            out.update({("state", name, e, k): value if e is None else value[e] for e in rows})
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
+    results = run_on_ranks(_layouts_worker, 4, str(tmp_path), timeout_s=240)
+    reference = _merge([r["A"] for r in results])
+    assert any(k[0] == "state" and k[3] == "exp_avg" and k[2] == 3 for k in reference)
+
+    for layout in LAYOUTS_B:
+        loaded = _merge([r["loads"][layout][0] for r in results])
+        _assert_equal_states(loaded, reference, f"loaded under {layout}")
+        for r in results:
+            _, hyper_b, meta = r["loads"][layout]
+            assert hyper_b == r["A_hyper"] == [(1e-2, 0.1), (1e-2 / 3, 0.0)]
+            assert meta["loops"] == META["loops"] and torch.equal(meta["rng"], META["rng"])
+
+    errors = results[0]["errors"]
+    assert all(r["errors"] == errors for r in results), "ranks raised different errors"
+    assert errors["missing"][0] == "FileNotFoundError" and "nope.ckpt" in errors["missing"][1]
+    assert errors["partial"][0] == "ValueError" and "incomplete" in errors["partial"][1]
+    assert "global_batch_size=8 (this run has 16)" in errors["batch"][1]
+    assert "checkpoint has n_experts=4, model has 8" in errors["n_experts"][1]
+    assert "checkpoint has d_model=32, model has 64" in errors["d_model"][1]
+    assert all(r["untouched"] and r["state_after_error"] == [0, 0] for r in results)
+
+    # The checkpoint now holds what layout B saved; it must still be the layout-A state.
+    ckpt = tmp_path / "last.ckpt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "partial.ckpt"]
+    assert read_checkpoint_info(ckpt)["layout"] == {"dp": 2, "pp": 1, "ep": 2, "world_size": 4}
+    _assert_equal_states(_from_consolidated(ckpt), reference, "consolidate")
+    model, opt = build(None, seed=5)  # world 1, no process group
+    load_sharded(ckpt, model, [opt])
+    _assert_equal_states(snapshot(model, opt), reference, "loaded in one process")
+
+
+def _saved(tmp_path: Path, name: str = "a.ckpt", **overrides) -> tuple[Path, StageModel, dict]:
+    model, opt = build(None, seed=1, **overrides)
+    train(model, opt, steps=1)
+    path = tmp_path / name
+    save_sharded(path, model, [opt], {"name": name}, layout={"global_batch_size": 8})
+    return path, model, snapshot(model, opt)
+
+
+def _listing(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_mtime_ns for p in sorted(path.rglob("*"))}
+
+
+def test_bad_input_is_named_and_overwrites_nothing(tmp_path: Path) -> None:
+    path, _, saved = _saved(tmp_path)
+    listing = _listing(tmp_path)
+    model, opt = build(None, seed=2)
+    before = snapshot(model, opt)
+
+    with pytest.raises(FileNotFoundError, match="missing.ckpt does not exist"):
+        load_sharded(tmp_path / "missing.ckpt", model, [opt])
+    bigger, bigger_opt = build(None, seed=2, d_model=64)
+    with pytest.raises(ValueError, match="checkpoint has d_model=32, model has 64"):
+        load_sharded(path, bigger, [bigger_opt])
+    assert len(bigger_opt.state) == 0, "a failed load left initialised optimizer state behind"
+    with pytest.raises(ValueError, match="1 optimizer.*this run has 2"):
+        load_sharded(path, model, [opt, torch.optim.SGD(model.parameters(), lr=0.1)])
+    amsgrad = torch.optim.AdamW([{"params": g["params"]} for g in opt.param_groups], amsgrad=True)
+    with pytest.raises(ValueError, match="max_exp_avg_sq is not in the checkpoint"):
+        load_sharded(path, model, [amsgrad])
+    assert len(amsgrad.state) == 0
+    with pytest.raises(ValueError, match="is a file, not a sharded checkpoint"):
+        load_sharded(path / "meta.pt", model, [opt])
+    with pytest.raises(Exception, match="pickle|Can't"):  # meta must pickle; checked before writing
+        save_sharded(path, model, [opt], {"hook": lambda: 0}, layout={})
+    assert _listing(tmp_path) == listing, "bad input changed files on disk"
+    _assert_equal_states(snapshot(model, opt), before, "model after failed loads")
+
+    corrupt = tmp_path / "corrupt.ckpt"
+    shutil.copytree(path, corrupt)
+    shard = next(corrupt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"corrupt checkpoint .*{shard.name}"):
+        load_sharded(corrupt, model, [opt])
+    (corrupt / files.MARKER).unlink()
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        load_sharded(corrupt, model, [opt])
+    _assert_equal_states(snapshot(model, opt), before, "model after failed loads")
+
+    load_sharded(path, model, [opt])  # the good one still loads, exactly
+    _assert_equal_states(snapshot(model, opt), saved, "reload after bad input")
+
+
+def test_interrupted_replace_recovers_and_leftovers_are_ignored(tmp_path: Path) -> None:
+    older, _, _ = _saved(tmp_path, "last.ckpt")
+    newer, _, newer_state = _saved(tmp_path, "other.ckpt", n_experts=2)
+    # The moment a rename-aside/rename-in replace can die at: old set aside, new not yet moved in.
+    os.rename(older, files.sibling(older, "old", "t1"))
+    os.rename(newer, files.sibling(older, "tmp", "t2"))
+    partial = files.sibling(older, "tmp", "t3")
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    assert latest_complete(tmp_path) is None and not is_complete_checkpoint(partial)
+
+    files.recover(older)  # what the next save does first, on rank 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    model, opt = build(None, seed=0, n_experts=2)
+    load_sharded(older, model, [opt])
+    _assert_equal_states(snapshot(model, opt), newer_state, "recovered checkpoint")
+
+    # Replacing without the atomic exchange, and removing, leave nothing behind either.
+    path, _, _ = _saved(tmp_path, "b.ckpt")
+    tmp = files.sibling(path, "tmp", "t4")
+    shutil.copytree(older, tmp)
+    files.install(tmp, path, allow_exchange=False)
+    assert read_checkpoint_info(path)["meta"] == {"name": "other.ckpt"}  # what last.ckpt holds
+    time.sleep(0.01)
+    latest, _, _ = _saved(tmp_path, "c.ckpt")
+    (latest / files.MARKER).unlink()  # newest, but not complete
+    assert latest_complete(tmp_path) == path
+    remove_checkpoint(path)
+    remove_checkpoint(tmp_path / "never-written.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt", "last.ckpt"]
+
+
+_SAVE_FOREVER = """
+import sys, torch
+from torch import nn
+from lightning_titan.checkpoint import save_sharded
+torch.set_num_threads(1)
+model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])  # ~50 MB: a save takes a while
+for i in range(1000):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(i)
+    save_sharded(sys.argv[1], model, [], {"i": i}, layout={})
+    print(f"saved {i}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SAVE_FOREVER, str(path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert child.stdout.readline().strip() == "saved 0"
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".last.ckpt.tmp-*/*.distcp")):  # the next save is writing
+            assert time.monotonic() < deadline, "the child never started its second save"
+            time.sleep(0.001)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        rest = child.communicate()[0].split()
+    last = int(rest[-1]) if rest else 0
+
+    assert is_complete_checkpoint(path) and latest_complete(tmp_path) == path
+    i = read_checkpoint_info(path)["meta"]["i"]
+    leftovers = files.siblings(path)  # the killed save's temp dir, unless it finished in time
+    assert leftovers or i == last + 1
+    assert not any(is_complete_checkpoint(p) for p in leftovers)
+    assert i in (last, last + 1), f"checkpoint holds save {i}, the child last reported {last}"
+    for name, value in consolidate(path).items():
+        assert torch.all(value == i), f"{name} mixes saves: not all equal to {i}"
+
+    # The next save cleans up what the killed one left.
+    save_sharded(path, nn.Linear(2, 2), [], {"i": -1}, layout={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

@@ -1,0 +1,91 @@
+"""TitanStrategy as a Lightning strategy: argument checks at Trainer(...), the drop-in DDP replacement
+(torchrun vs Lightning's DDPStrategy launched by script), and fork launch (notebooks)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_titan import TitanStrategy
+from lightning_titan.launch import free_port
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@pytest.mark.parametrize(
+    "kwargs,devices,match",
+    [
+        ({"dp": 3, "pp": 1, "ep": 1}, 2, r"dp\*pp\*ep = 3\*1\*1 = 3 but the world size is 2"),
+        ({"dp": 2, "pp": 2, "ep": 2}, 4, "= 8 but the world size is 4"),
+        ({"dp": -1, "pp": 3, "ep": 1}, 4, "not divisible"),
+        ({"dp": 0}, 2, "dp=0 is not valid"),
+        ({"schedule": "interleaved"}, 2, "schedule='interleaved' is unknown"),
+        ({"num_microbatches": 0}, 2, "num_microbatches=0 must be a positive int"),
+        ({"num_microbatches": 2, "microbatch_size": 2}, 2, "both set"),
+        ({"bucket_cap_mb": 0}, 2, "bucket_cap_mb=0 must be > 0"),
+        ({"gradient_clip_norm": -1.0}, 2, "gradient_clip_norm=-1.0 must be > 0"),
+        ({"timeout_minutes": 0}, 2, "timeout_minutes=0 must be > 0"),
+        ({"start_method": "thread"}, 2, "start_method='thread' is unknown"),
+        ({"reducer": "ring"}, 2, "reducer='ring' is unknown"),
+    ],
+)
+def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(
+            accelerator="cpu", devices=devices, strategy=TitanStrategy(**kwargs), logger=False
+        )
+
+
+def test_16_mixed_is_rejected_with_the_alternative():
+    # on CPU Lightning itself turns 16-mixed into bf16-mixed; on GPU the plugin reaches the strategy
+    fp16 = MixedPrecision("16-mixed", "cpu")
+    with pytest.raises(ValueError, match="16-mixed.*bf16-mixed"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(dp=2), plugins=[fp16])
+    with pytest.raises(ValueError, match="'16-true' is not supported"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(dp=2), precision="16-true")
+
+
+def test_registry_name_and_minus_one_fill():
+    trainer = L.Trainer(accelerator="cpu", devices=8, strategy="titan", logger=False)
+    assert isinstance(trainer.strategy, TitanStrategy)
+    assert (trainer.strategy.parallel_dims.dp, trainer.strategy.parallel_dims.pp) == (8, 1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=8, strategy=TitanStrategy(dp=2, pp=-1, ep=2), logger=False
+    )
+    dims = trainer.strategy.parallel_dims
+    assert (dims.dp, dims.pp, dims.ep) == (2, 2, 2)
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 4, "rank": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_drop_in_for_ddp_gives_the_same_weights(tmp_path):
+    """An ordinary module (automatic optimization, gradient accumulation, an unused layer) under
+    TitanStrategy(dp=2) launched by torchrun ends with exactly the weights of DDPStrategy (script launch)."""
+    ours, theirs = tmp_path / "titan.pt", tmp_path / "ddp.pt"
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    for cmd in (
+        torchrun + [str(SCRIPTS / "dropin.py"), "titan", str(ours)],
+        [sys.executable, str(SCRIPTS / "dropin.py"), "ddp", str(theirs)],
+    ):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = torch.load(ours), torch.load(theirs)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert not torch.equal(a["net.0.weight"], torch.load(ours)["net.0.weight"] * 0), (
+        "weights trained"
+    )
