@@ -53,11 +53,14 @@ class TitanCLI(LightningCLI):
         print("\n".join(lines), flush=True)
 
 
+def cli_components() -> tuple[type, type]:
+    return TitanLM, TitanDataModule
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     TitanCLI(
-        TitanLM,
-        TitanDataModule,
+        *cli_components(),
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=1234,
         save_config_kwargs={"overwrite": True},

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_titan.checkpoint import load_sharded, remove_checkpoint, save_sharded
 from lightning_titan.engine import Engine
 from lightning_titan.launch import cpu_threads_per_rank
 from lightning_titan.parallel_dims import (
@@ -281,6 +282,65 @@ class TitanStrategy(ParallelStrategy):
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    # -- checkpoints: sharded, under global names, loadable under any layout (lightning_titan.checkpoint) --
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the stage-local model and the optimizer must exist to load into
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint already loaded it, resharded for this layout
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the shards are written by save_checkpoint; no full copy is gathered
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # done in load_checkpoint
+
+    def _layout(self) -> dict[str, Any]:
+        dims = self.parallel_dims
+        layout = {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "schedule": self.schedule}
+        datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
+        if getattr(datamodule, "global_batch_size", None) is not None:
+            layout["global_batch_size"] = datamodule.global_batch_size
+        return layout
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "TitanStrategy.save_checkpoint does not take storage_options (it writes DCP shards)"
+            )
+        path = self.broadcast(str(filepath))
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_sharded(path, self.lightning_module, self.optimizers, meta, layout=self._layout())
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        expect = {k: v for k, v in self._layout().items() if k == "global_batch_size"}
+        return load_sharded(path, self.lightning_module, self.optimizers, expect_layout=expect)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        remove_checkpoint(filepath)
 
     # -- collectives Lightning calls -----------------------------------------------------------------
     @override

@@ -1,0 +1,296 @@
+"""TitanDataModule: text -> tokens -> packed S+1 windows -> (inputs, targets) batches for each data rank.
+
+    data:
+      class_path: lightning_titan.data.TitanDataModule
+      init_args: {seq_len: 64, global_batch_size: 8}      # the default corpus, no network
+
+Map-style (default): the corpus is prepared once into a memory-mapped cache and step k's global batch is
+the same B sequences for every layout (see sampler.py). Streaming: see streaming.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import lightning.pytorch as L
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from lightning_titan.data.checks import (
+    check_args,
+    check_model_fits,
+    check_resume,
+    check_split_sizes,
+)
+from lightning_titan.data.corpus import Source, default_corpus_texts
+from lightning_titan.data.packing import collate_windows
+from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, load_packed, prepare
+from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences, check_divisible
+from lightning_titan.data.streaming import StreamingWindows, check_rank_shard, rank_stream
+from lightning_titan.data.tokenizer import load_tokenizer
+
+
+class TitanDataModule(L.LightningDataModule):
+    """Args:
+    seq_len: tokens per training sequence S (windows of S+1 give inputs and shifted targets).
+    global_batch_size: sequences per optimizer step over all data ranks; each rank gets B / (dp*ep).
+    source: None for the embedded default corpus (this Python's standard library sources); else a
+        Hugging Face dataset name, or local file(s) / folder / glob of .txt, .json(l) or .parquet.
+    text_column: the column holding the text.
+    source_config: the Hugging Face dataset's config name, if it has several.
+    source_split: the Hugging Face split to read.
+    tokenizer: "byte" (built in, vocab 257) or a Hugging Face tokenizer name or path.
+    seed: seeds the epoch permutations (map-style) and the shuffles (streaming).
+    val_fraction: share of documents held out for validation (chosen by a hash of their text); 0: none.
+    streaming: read the source as a stream split by data rank (batches then depend on the layout).
+    shuffle_buffer: streaming only: documents shuffled together.
+    steps_per_epoch: streaming only: batches per epoch (None: endless, bound training with max_steps).
+    val_batches: streaming only: validation batches per run.
+    max_bytes: cap on the source's text, whole documents in order (map-style; the default corpus, 4 MB
+        unless set, in both modes).
+    num_workers: DataLoader worker processes (map-style only).
+    num_proc: processes for tokenising while preparing (None: by size and cores).
+    cache_dir: prepared data; default $LIGHTNING_TITAN_CACHE or ~/.cache/lightning_titan.
+    """
+
+    def __init__(
+        self,
+        seq_len: int = 64,
+        global_batch_size: int = 8,
+        source: str | list[str] | None = None,
+        text_column: str = "text",
+        source_config: str | None = None,
+        source_split: str = "train",
+        tokenizer: str = "byte",
+        seed: int = 0,
+        val_fraction: float = 0.01,
+        streaming: bool = False,
+        shuffle_buffer: int = 1000,
+        steps_per_epoch: int | None = None,
+        val_batches: int = 4,
+        max_bytes: int | None = None,
+        num_workers: int = 0,
+        num_proc: int | None = None,
+        cache_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        # `seed` is left out: TitanLM has a `seed` hparam too, and Lightning refuses to log two different
+        # values under one key (the data seed is in this module's state_dict in every checkpoint instead)
+        self.save_hyperparameters(ignore=["seed"])
+        check_args(seq_len, global_batch_size, val_fraction, streaming, num_workers, shuffle_buffer)
+        self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
+        self.val_fraction, self.streaming, self.num_workers = val_fraction, streaming, num_workers
+        self.shuffle_buffer, self.steps_per_epoch = shuffle_buffer, steps_per_epoch
+        self.val_batches, self.num_proc = val_batches, num_proc
+        self.cache_dir = cache_dir or default_cache_dir()
+        self.tokenizer_name = tokenizer
+        self.src = Source(source, text_column, source_config, source_split, max_bytes)
+        self.corpus: PackedCorpus | None = None
+        self._bound: tuple[int, int] | None = None
+        self._layout: tuple[int, int] | None = None
+        self._pending: dict | None = (
+            None  # a loaded position, applied when the train loader is built
+        )
+        self._train_sampler: LayoutFreeSampler | None = None
+        self._train_stream: StreamingWindows | None = None
+
+    # -- layout -------------------------------------------------------------------------------
+    def bind(self, data_rank: int, data_world: int) -> TitanDataModule:
+        """Fix this module's data rank and world (tests, or use without a Trainer)."""
+        if not 0 <= data_rank < data_world:
+            raise ValueError(f"data_rank={data_rank} must lie in [0, data_world={data_world})")
+        self._bound = (data_rank, data_world)
+        return self
+
+    def _resolve_layout(self) -> tuple[int, int]:
+        if self._bound is not None:
+            return self._bound
+        if self.trainer is None:
+            return 0, 1
+        try:  # TitanStrategy: every stage of one pipeline reads the same shard
+            dims = self.trainer.strategy.parallel_dims
+            return dims.data_rank, dims.data_world
+        except (AttributeError, RuntimeError):
+            return self.trainer.global_rank, self.trainer.world_size
+
+    @property
+    def data_rank(self) -> int:
+        return self._require_layout()[0]
+
+    @property
+    def data_world(self) -> int:
+        return self._require_layout()[1]
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.global_batch_size // self.data_world
+
+    def _require_layout(self) -> tuple[int, int]:
+        if self._layout is None:
+            raise RuntimeError("the data layout is known after setup()")
+        return self._layout
+
+    # -- tokenizer and model --------------------------------------------------------------------
+    @functools.cached_property
+    def tokenizer(self):
+        return load_tokenizer(self.tokenizer_name)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def check_model(self, vocab_size: int, seq_len: int) -> None:
+        """Raise unless a model with this vocabulary and context can take these batches."""
+        check_model_fits(self.tokenizer_name, self.vocab_size, self.seq_len, vocab_size, seq_len)
+
+    # -- Lightning hooks ------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        if not self.streaming:
+            self._prepare()
+
+    def setup(self, stage: str | None = None) -> None:
+        self._layout = self._resolve_layout()
+        check_divisible(self.global_batch_size, self.data_world)
+        if self.streaming:
+            trainer = self.trainer
+            if (
+                stage == "fit"
+                and trainer is not None
+                and trainer.max_steps == -1
+                and not self.steps_per_epoch
+            ):
+                raise ValueError(
+                    "streaming=True with steps_per_epoch=None is an endless stream and the Trainer has no "
+                    "max_steps: set trainer max_steps, or data steps_per_epoch (batches per epoch)"
+                )
+            check_rank_shard(self._make_stream(0), self.src, self.val_fraction, *self._layout)
+        else:
+            self.corpus = load_packed(self._prepare())
+            check_split_sizes(self.corpus, self.global_batch_size, self.val_fraction)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.streaming:
+            self._train_stream = self._stream(validation=False)
+            if self._pending is not None:
+                self._train_stream.load_state_dict(self._own_stream_state(self._pending))
+            return self._loader(self._train_stream)
+        epoch, start = (0, 0) if self._pending is None else self._map_position(self._pending)
+        self._train_sampler = LayoutFreeSampler(
+            len(self.corpus.train), self.global_batch_size, *self._layout, seed=self.seed,
+            epoch=epoch, start_batch=start,
+        )  # fmt: skip
+        return self._loader(PackedSequences(self.corpus.train), self._train_sampler)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_fraction == 0:
+            return []
+        if self.streaming:
+            return self._loader(self._stream(validation=True))
+        n = len(self.corpus.validation)
+        sampler = LayoutFreeSampler(
+            n, self.global_batch_size, *self._layout, seed=self.seed, shuffle=False
+        )
+        return self._loader(PackedSequences(self.corpus.validation), sampler)
+
+    # -- resumable position ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The data position; Lightning puts it in checkpoints. Map-style it is the same on every rank."""
+        if self._layout is None:
+            return {}
+        state = {"mode": self._mode, "global_batch_size": self.global_batch_size, "seed": self.seed}
+        epoch, in_epoch, total = self._consumed()
+        if not self.streaming:
+            state.update(
+                epoch=epoch, batches_in_epoch=in_epoch, num_sequences=len(self.corpus.train)
+            )
+            return state
+        stream = self._train_stream
+        own = stream.state_dict(total) if stream is not None else {"batches": 0, "position": {}}
+        streams = {self.data_rank: own}
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # every rank dumps the checkpoint together, rank 0 writes it: it must hold every rank's stream
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (self.data_rank, own))
+            streams = dict(gathered)
+        state.update(data_world=self.data_world, batches=total, streams=streams)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            check_resume(state, self._mode, self.global_batch_size, self.seed)
+            self._pending = dict(state)
+
+    def _consumed(self) -> tuple[int, int, int]:
+        """(epoch, batches in it, batches in all) consumed by training. Under fit: read off the loop state
+        Lightning itself restores on resume, so our offset and its batch_idx agree, and prefetched batches
+        do not count. Without a Trainer: what the loader has served (exact with num_workers=0)."""
+        trainer = self.trainer
+        if trainer is not None and trainer.state.fn == "fit":
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            return trainer.current_epoch, progress.current.ready, progress.total.ready
+        if self.streaming:
+            served = self._train_stream.batches_served if self._train_stream is not None else 0
+            return 0, served, served
+        if self._train_sampler is None:
+            return (*self._map_position(self._pending), 0) if self._pending else (0, 0, 0)
+        epoch, in_epoch = self._train_sampler.served
+        return epoch, in_epoch, epoch * self._train_sampler.num_batches + in_epoch
+
+    def _map_position(self, state: dict) -> tuple[int, int]:
+        if state["num_sequences"] != len(self.corpus.train):
+            raise ValueError(
+                f"the data state was saved for a corpus of {state['num_sequences']} training sequences, this "
+                f"one has {len(self.corpus.train)}; resume with the same source, tokenizer, seq_len and cap"
+            )
+        return state["epoch"], state["batches_in_epoch"]
+
+    def _own_stream_state(self, state: dict) -> dict:
+        if state["data_world"] != self.data_world:
+            raise ValueError(
+                f"the streaming state was saved with {state['data_world']} data ranks (dp*ep), this run has "
+                f"{self.data_world}; streaming batches depend on the layout: resume with the same dp*ep, "
+                "or train in map-style mode (streaming=False) to change the layout"
+            )
+        return state["streams"][self.data_rank]
+
+    # -- building blocks ------------------------------------------------------------------------
+    @property
+    def _mode(self) -> str:
+        return "streaming" if self.streaming else "map"
+
+    def _prepare(self):
+        tok, cache = self.tokenizer, self.cache_dir
+        return prepare(self.src, tok, self.seq_len, self.val_fraction, cache, self.num_proc)
+
+    def _loader(self, dataset, sampler: LayoutFreeSampler | None = None) -> DataLoader:
+        workers = 0 if self.streaming else self.num_workers
+        return DataLoader(
+            dataset, batch_size=self.local_batch_size, sampler=sampler, drop_last=True,
+            num_workers=workers, collate_fn=collate_windows, persistent_workers=workers > 0,
+        )  # fmt: skip
+
+    def _stream(self, validation: bool) -> StreamingWindows:
+        return StreamingWindows(
+            make_stream=self._make_stream,
+            encode=self.tokenizer.encode_array,
+            eod_id=self.tokenizer.eod_id,
+            seq_len=self.seq_len,
+            local_batch_size=self.local_batch_size,
+            column=self.src.column,
+            validation=validation,
+            val_fraction=self.val_fraction,
+            seed=self.seed,
+            data_rank=self.data_rank,
+            shuffle_buffer=self.shuffle_buffer,
+            batches_per_iter=self.val_batches if validation else self.steps_per_epoch,
+            restart=validation,
+        )
+
+    def _make_stream(self, epoch: int):
+        texts = self._default_texts if self.src.source is None else None
+        return rank_stream(self.src, self.cache_dir, self.seed + epoch, *self._layout, texts=texts)
+
+    @functools.cached_property
+    def _default_texts(self) -> list[str]:
+        return default_corpus_texts(self.src.byte_cap)

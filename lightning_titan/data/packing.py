@@ -1,0 +1,65 @@
+"""Packing: documents joined by the end-of-document id, cut into windows of S+1 tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class Packer:
+    """Carries the unfinished window across documents, so only the very last partial window is ever lost."""
+
+    def __init__(self, window: int, eod_id: int, leftover: np.ndarray | None = None) -> None:
+        self.window = window
+        self.eod_id = eod_id
+        self._parts: list[np.ndarray] = []
+        self._size = 0
+        if leftover is not None and len(leftover):
+            self._append(np.asarray(leftover, dtype=np.int64))
+
+    def _append(self, ids: np.ndarray) -> None:
+        self._parts.append(ids)
+        self._size += len(ids)
+
+    def add(self, ids: np.ndarray) -> None:
+        """One document: its ids, then the end-of-document id."""
+        self._append(np.asarray(ids, dtype=np.int64))
+        self._append(np.array([self.eod_id], dtype=np.int64))
+
+    def add_tokens(self, ids: np.ndarray) -> None:
+        """Ids that already carry their end-of-document markers."""
+        self._append(np.asarray(ids, dtype=np.int64))
+
+    def take(self) -> np.ndarray:
+        """Every full window now available, as [n, window]; the rest stays for the next documents."""
+        n = self._size // self.window
+        if n == 0:
+            return np.empty((0, self.window), dtype=np.int64)
+        flat = np.concatenate(self._parts) if len(self._parts) > 1 else self._parts[0]
+        cut = n * self.window
+        rest = flat[cut:]
+        self._parts, self._size = ([rest], len(rest)) if len(rest) else ([], 0)
+        return flat[:cut].reshape(n, self.window)
+
+    @property
+    def leftover(self) -> np.ndarray:
+        if not self._parts:
+            return np.empty(0, dtype=np.int64)
+        return self._parts[0] if len(self._parts) == 1 else np.concatenate(self._parts)
+
+
+def split_inputs_targets(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, S+1] windows -> (inputs [b, S], targets [b, S]) as int64: targets are inputs shifted by one."""
+    windows = windows.long()
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def collate_windows(items: list | torch.Tensor | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """DataLoader collate: a stacked [b, S+1] block (``__getitems__``) or a list of [S+1] windows."""
+    if isinstance(items, np.ndarray):
+        windows = torch.from_numpy(items)
+    elif isinstance(items, torch.Tensor):
+        windows = items
+    else:
+        windows = torch.stack([torch.as_tensor(w) for w in items])
+    return split_inputs_targets(windows)

@@ -1,0 +1,184 @@
+"""Map-style preparation: tokenise, split, pack and save once; every later run memory-maps the cache.
+
+Safe when many ranks start at once: one process prepares under a file lock into a temporary folder and
+renames it into place (atomic), the others wait on the lock and then load the finished folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from filelock import FileLock
+
+from lightning_titan.data.corpus import Source, check_text_column, is_validation, load_documents
+from lightning_titan.data.packing import Packer
+from lightning_titan.data.tokenizer import ByteTokenizer, HFTokenizer, token_dtype
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "validation")
+
+
+def default_cache_dir() -> str:
+    """``$LIGHTNING_TITAN_CACHE``, else ``~/.cache/lightning_titan``."""
+    env = os.environ.get("LIGHTNING_TITAN_CACHE")
+    return env or os.path.join(os.path.expanduser("~"), ".cache", "lightning_titan")
+
+
+@dataclass(frozen=True)
+class PackedCorpus:
+    """The prepared splits: rows are windows of S+1 token ids, row index = sequence id."""
+
+    path: Path
+    train: datasets.Dataset
+    validation: datasets.Dataset
+    meta: dict
+
+
+def cache_key(
+    src: Source, tokenizer: ByteTokenizer | HFTokenizer, seq_len: int, val_fraction: float
+) -> str:
+    spec = {
+        "format": FORMAT_VERSION,
+        "source": src.describe(),
+        "column": src.column,
+        "max_bytes": src.byte_cap,
+        "tokenizer": [tokenizer.name, tokenizer.vocab_size, tokenizer.eod_id],
+        "seq_len": seq_len,
+        "val_fraction": val_fraction,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def prepare(
+    src: Source,
+    tokenizer: ByteTokenizer | HFTokenizer,
+    seq_len: int,
+    val_fraction: float,
+    cache_dir: str,
+    num_proc: int | None = None,
+) -> Path:
+    """Build the packed corpus unless it is cached; return its folder. Every caller may call this."""
+    root = Path(cache_dir) / "packed"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / cache_key(src, tokenizer, seq_len, val_fraction)
+    if final.exists():
+        return final
+    with FileLock(str(final) + ".lock"):
+        if final.exists():  # another rank finished it while we waited
+            return final
+        work = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+        try:
+            _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work)
+            os.rename(work / "dataset", final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def load_packed(path: Path) -> PackedCorpus:
+    splits = datasets.load_from_disk(str(path))
+    meta = json.loads((path / "meta.json").read_text())
+    return PackedCorpus(path, splits["train"], splits["validation"], meta)
+
+
+def _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work: Path) -> None:
+    raw = load_documents(src, cache_dir)
+    check_text_column(raw.column_names, src.column, src.source)
+    if len(raw) == 0:
+        raise ValueError(
+            f"source {src.source!r} has no documents; point source at a non-empty dataset"
+        )
+    raw = raw.select_columns([src.column])
+    if src.source is not None and src.byte_cap is not None:
+        raw = raw.select(range(_docs_within(raw, src.column, src.byte_cap)))
+    dtype = token_dtype(tokenizer.vocab_size)
+    features = datasets.Features(
+        {"input_ids": datasets.List(datasets.Value(dtype.name)), "val": datasets.Value("bool")}
+    )
+    cores = os.cpu_count() or 1
+    tokens = raw.map(
+        _tokenize,
+        batched=True,
+        batch_size=256,
+        num_proc=num_proc or min(cores, max(1, len(raw) // 5000)),
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "column": src.column,
+            "val_fraction": val_fraction,
+            "dtype": dtype,
+        },
+        remove_columns=[src.column],
+        features=features,
+        cache_file_name=str(work / "tokens.arrow"),
+        desc="tokenising",
+    )
+    meta = {"seq_len": seq_len, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
+    splits = {}
+    for split in SPLITS:
+        splits[split], meta[split] = _pack(tokens, split == "validation", seq_len + 1, dtype, work)
+    # an empty split saved as zero shards cannot be loaded again (datasets 5.2): keep one
+    empty = {name: 1 for name, ds in splits.items() if len(ds) == 0}
+    datasets.DatasetDict(splits).save_to_disk(str(work / "dataset"), num_shards=empty or None)
+    (work / "dataset" / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _docs_within(raw: datasets.Dataset, column: str, max_bytes: int) -> int:
+    """Whole documents in order until max_bytes (the one that crosses the cap is kept)."""
+    sizes = pc.binary_length(raw.data.column(column)).to_numpy(zero_copy_only=False)
+    cumulative = np.cumsum(np.nan_to_num(sizes.astype(np.float64)))
+    return int(min(len(sizes), np.searchsorted(cumulative, max_bytes, side="left") + 1))
+
+
+def _tokenize(batch: dict, tokenizer, column: str, val_fraction: float, dtype: np.dtype) -> dict:
+    ids, val = [], []
+    for text in batch[column]:
+        text = text or ""
+        body = tokenizer.encode_array(text)
+        doc = np.empty(len(body) + 1, dtype=dtype)
+        doc[:-1] = body
+        doc[-1] = tokenizer.eod_id
+        ids.append(doc)
+        val.append(is_validation(text, val_fraction))
+    return {"input_ids": ids, "val": val}
+
+
+def _pack(tokens: datasets.Dataset, want_val: bool, window: int, dtype: np.dtype, work: Path):
+    """Stream the tokenised documents of one split through a Packer into an Arrow file of windows."""
+    schema = pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(dtype), window))])
+    path = work / f"{'validation' if want_val else 'train'}.arrow"
+    packer = Packer(window, eod_id=-1)
+    documents = total = sequences = 0
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for table in tokens.with_format("arrow").iter(batch_size=4096):
+            mask = pc.equal(table.column("val"), want_val)
+            docs = pc.filter(table.column("input_ids"), mask).combine_chunks()
+            flat = docs.flatten().to_numpy(zero_copy_only=False)
+            documents += len(docs)
+            total += len(flat)
+            packer.add_tokens(flat)
+            windows = packer.take()
+            sequences += len(windows)
+            if len(windows):
+                values = pa.array(windows.astype(dtype).ravel())
+                writer.write_batch(
+                    pa.record_batch([pa.FixedSizeListArray.from_arrays(values, window)], schema)
+                )
+        if sequences == 0:  # a table with no batch at all cannot be memory-mapped
+            writer.write_batch(pa.record_batch([pa.array([], type=schema.field(0).type)], schema))
+    stats = {
+        "documents": documents,
+        "tokens": total,
+        "sequences": sequences,
+        "tail": len(packer.leftover),
+    }
+    return datasets.Dataset.from_file(str(path)), stats

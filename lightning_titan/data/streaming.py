@@ -1,0 +1,251 @@
+"""Streaming mode (the write-up's way): shuffle, ``split_dataset_by_node`` by data rank, pack per rank.
+
+Batches here depend on the layout: each data rank packs its own shard of the stream, so a different
+dp*ep gives different sequences. Use the map-style mode when runs must match across layouts.
+
+Exact resume: Hugging Face's shuffle buffer is not part of ``IterableDataset.state_dict()`` (it is
+refilled and its contents lost on load). So ``IterableDataset.shuffle(seed + pass, buffer_size=1)``
+shuffles only the shard order, and documents are shuffled here, in windows of ``shuffle_buffer``
+documents with a permutation seeded by (seed, data rank, pass, window). The position is the stream's
+``state_dict()`` at the window's start, the documents taken from the window and the packer's leftover
+tokens: small, and restoring it serves exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import datasets
+import numpy as np
+import torch
+from datasets.distributed import split_dataset_by_node
+from torch.utils.data import IterableDataset
+
+from lightning_titan.data.corpus import Source, check_text_column, is_validation, load_documents
+from lightning_titan.data.packing import Packer
+
+
+@dataclass
+class StreamPosition:
+    """Where one data rank's stream stands at a batch boundary (plain types: it goes in checkpoints)."""
+
+    epoch: int = 0  # this rank's pass over its shard
+    window: int = 0  # shuffle window within the pass
+    window_state: dict | None = None  # stream.state_dict() at the window's start (None: pass start)
+    docs_taken: int = 0  # documents of the window already packed
+    leftover: list[int] = field(default_factory=list)  # packed tokens not yet served
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """A position recorded at every batch boundary, cheaply: the leftover stays as array views until a
+    checkpoint asks for it (copying a long document's rest at every batch would dominate the cost)."""
+
+    batches: int
+    epoch: int
+    window: int
+    window_state: dict | None
+    docs_taken: int
+    leftover: tuple[np.ndarray, ...]
+
+    def position(self) -> StreamPosition:
+        tokens = np.concatenate([np.ravel(part) for part in self.leftover]) if self.leftover else []
+        state = copy.deepcopy(self.window_state)
+        return StreamPosition(
+            self.epoch, self.window, state, self.docs_taken, np.asarray(tokens).tolist()
+        )
+
+    @classmethod
+    def at(cls, batches: int, position: StreamPosition) -> _Mark:
+        leftover = (np.asarray(position.leftover, dtype=np.int64),)
+        state = copy.deepcopy(position.window_state)
+        return cls(batches, position.epoch, position.window, state, position.docs_taken, leftover)
+
+
+class StreamingWindows(IterableDataset):
+    """One data rank's endless stream of S+1 windows; each ``iter()`` serves ``batches_per_iter`` batches
+    (all of them, forever, when None) and continues where the previous one stopped.
+
+    Every rank serves the same number of batches because the count is fixed, not read off the data: a
+    rank whose shard runs out starts its next pass (reshuffled by seed + pass) instead of stopping.
+    Validation streams (``restart=True``) start from the beginning on every ``iter()``.
+    """
+
+    def __init__(
+        self,
+        make_stream: Callable[[int], datasets.IterableDataset],
+        encode: Callable[[str], np.ndarray],
+        eod_id: int,
+        seq_len: int,
+        local_batch_size: int,
+        column: str,
+        validation: bool,
+        val_fraction: float,
+        seed: int,
+        data_rank: int,
+        shuffle_buffer: int,
+        batches_per_iter: int | None,
+        restart: bool = False,
+    ) -> None:
+        self.make_stream, self.encode, self.eod_id = make_stream, encode, eod_id
+        self.window_len, self.local_batch_size = seq_len + 1, local_batch_size
+        self.column, self.validation, self.val_fraction = column, validation, val_fraction
+        self.seed, self.data_rank, self.shuffle_buffer = seed, data_rank, max(1, shuffle_buffer)
+        self.batches_per_iter, self.restart = batches_per_iter, restart
+        # the last few batch boundaries: a consumer that prefetches is ahead of what training used
+        self._marks: deque[_Mark] = deque([_Mark.at(0, StreamPosition())], maxlen=8)
+
+    def __len__(self) -> int:
+        if self.batches_per_iter is None:
+            raise TypeError("an endless stream has no length")
+        return self.batches_per_iter * self.local_batch_size
+
+    @property
+    def batches_served(self) -> int:
+        return self._marks[-1].batches
+
+    @property
+    def position(self) -> StreamPosition:
+        return self._marks[-1].position()
+
+    def state_dict(self, batches: int | None = None) -> dict:
+        """The position after ``batches`` served batches (default: all served so far); pass the count
+        training really consumed when the consumer prefetches."""
+        batches = self.batches_served if batches is None else batches
+        for mark in reversed(self._marks):
+            if mark.batches == batches:
+                return {"batches": batches, "position": asdict(mark.position())}
+        known = [mark.batches for mark in self._marks]
+        raise ValueError(f"no stream position kept for {batches} batches (kept: {known})")
+
+    def load_state_dict(self, state: dict) -> None:
+        self._marks.clear()
+        self._marks.append(_Mark.at(int(state["batches"]), StreamPosition(**state["position"])))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self.restart:
+            return self._serve(StreamPosition(), 0, self.batches_per_iter, record=False)
+        limit = None
+        if self.batches_per_iter is not None:
+            limit = self.batches_per_iter - self.batches_served % self.batches_per_iter
+        return self._serve(self.position, self.batches_served, limit, record=True)
+
+    def _serve(self, pos: StreamPosition, served: int, limit: int | None, record: bool):
+        b, end = self.local_batch_size, None if limit is None else served + limit
+        packer = Packer(self.window_len, self.eod_id, np.asarray(pos.leftover, dtype=np.int64))
+        in_batch = 0
+        while True:
+            stream = self.make_stream(pos.epoch)
+            if pos.window_state is not None:
+                _load_quietly(
+                    stream, copy.deepcopy(pos.window_state)
+                )  # marks share pos.window_state
+            fresh_pass, found = pos.window_state is None and pos.docs_taken == 0, False
+            docs_iter = iter(stream)
+            while docs := self._read_window(docs_iter):
+                found = True
+                rng = np.random.default_rng([self.seed, self.data_rank, pos.epoch, pos.window])
+                order = rng.permutation(len(docs))
+                for j in range(pos.docs_taken, len(docs)):
+                    packer.add(self.encode(docs[order[j]]))
+                    pos.docs_taken = j + 1
+                    windows = packer.take()
+                    for i, window in enumerate(windows):
+                        in_batch += 1
+                        if in_batch == b:  # record before the batch's last window leaves
+                            in_batch, served = 0, served + 1
+                            if record:
+                                rest = (windows[i + 1 :], packer.leftover)
+                                self._marks.append(
+                                    _Mark(
+                                        served, pos.epoch, pos.window, pos.window_state, j + 1, rest
+                                    )
+                                )
+                        yield torch.from_numpy(window)
+                        if in_batch == 0 and served == end:
+                            return
+                pos.window, pos.docs_taken = pos.window + 1, 0
+                pos.window_state = stream.state_dict()  # a fresh dict: marks may keep the old one
+            if fresh_pass and not found:
+                raise ValueError(
+                    f"data rank {self.data_rank} got no {'validation' if self.validation else 'training'} "
+                    "documents from the stream; use fewer data ranks (dp*ep), more files/shards, a larger "
+                    "val_fraction, or the map-style mode (streaming=False)"
+                )
+            pos.epoch, pos.window, pos.window_state, pos.docs_taken = pos.epoch + 1, 0, None, 0
+
+    def _read_window(self, docs_iter: Iterator[dict]) -> list[str]:
+        docs: list[str] = []
+        for example in docs_iter:
+            text = example[self.column] or ""
+            if is_validation(text, self.val_fraction) == self.validation:
+                docs.append(text)
+                if len(docs) == self.shuffle_buffer:
+                    break
+        return docs
+
+    def _record(self, served: int, pos: StreamPosition, leftover: np.ndarray) -> None:
+        snapshot = StreamPosition(
+            pos.epoch,
+            pos.window,
+            copy.deepcopy(pos.window_state),
+            pos.docs_taken,
+            leftover.tolist(),
+        )
+        self.position, self.batches_served = snapshot, served
+        self._snapshots.append((served, copy.deepcopy(snapshot)))
+
+
+def rank_stream(
+    src: Source,
+    cache_dir: str,
+    seed: int,
+    data_rank: int,
+    data_world: int,
+    texts: list[str] | None = None,
+) -> datasets.IterableDataset:
+    """One data rank's documents for one pass: shard order shuffled by ``seed``, then split by data rank."""
+    stream = load_documents(src, cache_dir, streaming=True, texts=texts, data_world=data_world)
+    # buffer_size=1 shuffles the shard order only: the buffer is then always empty between examples, so
+    # the stream's state_dict() is exact (documents are shuffled in StreamingWindows instead)
+    stream = stream.shuffle(seed=seed, buffer_size=1)
+    return split_dataset_by_node(stream, rank=data_rank, world_size=data_world)
+
+
+def check_rank_shard(
+    stream: datasets.IterableDataset,
+    src: Source,
+    val_fraction: float,
+    data_rank: int,
+    data_world: int,
+) -> None:
+    """Fail in setup, on the rank concerned, rather than hang later: the text column exists and this rank's
+    shard holds training (and, if wanted, validation) documents. Reads until it has seen both kinds."""
+    check_text_column(stream.column_names, src.column, src.source)
+    missing = {False} | ({True} if val_fraction > 0 else set())
+    for example in stream:
+        check_text_column(list(example), src.column, src.source)
+        missing.discard(is_validation(example[src.column] or "", val_fraction))
+        if not missing:
+            return
+    kind = "any" if False in missing else "validation"
+    raise ValueError(
+        f"data rank {data_rank} of {data_world} gets no {kind} documents from source {src.source!r}; use "
+        "fewer data ranks (dp*ep), a source with more files/shards, a larger val_fraction (or 0 for no "
+        "validation), or the map-style mode (streaming=False)"
+    )
+
+
+def _load_quietly(stream: datasets.IterableDataset, state: dict) -> None:
+    """Load a position; silence the warning about a lost shuffle buffer, which is empty at buffer_size=1."""
+    logger = logging.getLogger("datasets.iterable_dataset")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        stream.load_state_dict(state)
+    finally:
+        logger.setLevel(level)
