@@ -1,4 +1,4 @@
-"""The ``titan`` command: LightningCLI over TitanLM and TitanDataModule.
+"""The ``titan`` command: LightningCLI over TitanLM and TitanDataModule, plus ``export`` and ``bench``.
 
 titan fit --config configs/dp_pp_ep.yaml
 titan fit --config configs/dp_pp_ep.yaml --trainer.strategy.init_args.pp=4
@@ -59,6 +59,14 @@ def cli_components() -> tuple[type, type]:
 
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] == "export":
+        from lightning_titan.export import main as export_main
+
+        return export_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from lightning_titan.bench import main as bench_main
+
+        return bench_main(argv[1:])
     TitanCLI(
         *cli_components(),
         trainer_defaults=TRAINER_DEFAULTS,

@@ -21,7 +21,9 @@ class TitanLM(L.LightningModule):
         model: the model's shape; every layout builds its stage of this same model.
         learning_rate: peak AdamW learning rate.
         min_lr_ratio: the cosine schedule decays to ``learning_rate * min_lr_ratio``.
-        warmup_steps: linear warmup from 0, then cosine to the end of training (``max_steps``).
+        warmup_steps: linear warmup from 0, then cosine decay.
+        lr_decay_steps: steps over which the cosine decays (None: the whole run, ``max_steps``); set it to
+            keep the schedule fixed when a run is stopped and resumed with another ``max_steps``.
         weight_decay: AdamW weight decay for matrices (not for norms).
         betas: AdamW betas.
         seed: initial weights depend on this seed and the global parameter names only.
@@ -33,6 +35,7 @@ class TitanLM(L.LightningModule):
         learning_rate: float = 3e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 10,
+        lr_decay_steps: int | None = None,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         seed: int = 1234,
@@ -44,6 +47,10 @@ class TitanLM(L.LightningModule):
             raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must be in [0, 1]")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps!r} must be >= 0")
+        if lr_decay_steps is not None and lr_decay_steps < 1:
+            raise ValueError(
+                f"lr_decay_steps={lr_decay_steps!r} must be >= 1, or None for the whole run"
+            )
         self.config = model if model is not None else ModelConfig()
         self.save_hyperparameters(ignore=["model"])
         self.hparams["model"] = vars(self.config)
@@ -88,7 +95,7 @@ class TitanLM(L.LightningModule):
              {"params": no_decay, "weight_decay": 0.0}],
             lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas),
         )  # fmt: skip
-        total = max(1, self.trainer.estimated_stepping_batches)
+        total = self.hparams.lr_decay_steps or max(1, self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(total))
         return {
             "optimizer": optimizer,

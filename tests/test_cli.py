@@ -1,4 +1,11 @@
-"""The `titan` CLI over configs/: every config parses, runs, and reproduces the single-process curve."""
+"""The `titan` CLI over configs/: every config parses, trains, checkpoints and reproduces the single-process
+curve; checkpoints resume under other layouts on the uninterrupted curve; `titan export` gives a model that
+Hugging Face transformers loads with our logits.
+
+The runs are shared by the tests of this file (one fixture), because every launch costs seconds per rank.
+All launches but the main job's use start_method=fork (no re-import per rank); the main job
+(dp_pp_ep.yaml) keeps the default script launch.
+"""
 
 import csv
 import os
@@ -7,60 +14,192 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_titan.cli import TitanCLI, cli_components
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-SHORT = ["--trainer.max_steps=3", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1"]
+STEPS, RESUMED_STEPS = 3, 6
+COMMON = [
+    "--trainer.val_check_interval=2",
+    "--trainer.limit_val_batches=1",
+    "--model.lr_decay_steps=50",
+]
+FORK = "--trainer.strategy.init_args.start_method=fork"
 
 
-def titan_fit(config: Path, cwd: Path, *extra: str, name: str | None = None, timeout: int = 240):
-    name = name or config.stem
-    env = {**os.environ, "LIGHTNING_TITAN_CACHE": str(cwd.parent / "cache")}
-    cmd = [sys.executable, "-m", "lightning_titan", "fit", "--config", str(config), *SHORT,
-           f"--trainer.logger.init_args.name={name}", *extra]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{config.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc
+def config(name: str) -> Path:
+    return ROOT / "configs" / f"{name}.yaml"
 
 
-def train_losses(run_dir: Path) -> list[float]:
-    rows = list(csv.DictReader(open(run_dir / "version_0" / "metrics.csv")))
-    return [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+def layout(dp: int, pp: int, ep: int, *extra: str) -> list[str]:
+    return [f"--trainer.devices={dp * pp * ep}", f"--trainer.strategy.init_args.dp={dp}",
+            f"--trainer.strategy.init_args.pp={pp}", f"--trainer.strategy.init_args.ep={ep}", *extra]  # fmt: skip
+
+
+def titan_fit(cwd: Path, cfg: Path, name: str, *extra: str, steps: int = STEPS) -> str:
+    env = {**os.environ, "LIGHTNING_TITAN_CACHE": str(cwd / "cache")}
+    cmd = [sys.executable, "-m", "lightning_titan", "fit", "--config", str(cfg), *COMMON,
+           f"--trainer.max_steps={steps}", f"--trainer.logger.init_args.name={name}", *extra]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def curve(cwd: Path, name: str) -> dict[int, float]:
+    rows = csv.DictReader(open(cwd / "runs" / name / "version_0" / "metrics.csv"))
+    return {int(r["step"]): float(r["train_loss"]) for r in rows if r.get("train_loss")}
+
+
+def mid_epoch_checkpoint(cwd: Path, name: str) -> list[str]:
+    """One more ModelCheckpoint that saves at step 3 inside the epoch, as a run that is stopped (or
+    preempted) mid-epoch has. (A run that simply reaches max_steps ends its epoch: resuming it with a
+    larger max_steps starts the next epoch, which is Lightning's semantics, not a continuation.)"""
+    return ["--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={cwd / 'mid' / name}",
+            f"--trainer.callbacks.every_n_train_steps={STEPS}", "--trainer.callbacks.save_last=true"]  # fmt: skip
+
+
+def last_ckpt(cwd: Path, name: str, mid: bool = False) -> Path:
+    path = (
+        cwd / "mid" / name if mid else cwd / "runs" / name / "version_0" / "checkpoints"
+    ) / "last.ckpt"
+    assert (path / "COMPLETE").exists(), f"{name} left no complete last.ckpt"
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("cli")
+    out = {}
+    for cfg in CONFIGS:
+        extra = [] if cfg.stem == "dp_pp_ep" else [FORK]  # the main job keeps the script launch
+        out[cfg.stem] = titan_fit(cwd, cfg, cfg.stem, *extra)
+    titan_fit(
+        cwd, config("pp_ep"), "pp_ep_gpipe", FORK, "--trainer.strategy.init_args.schedule=gpipe"
+    )
+    titan_fit(cwd, config("pp"), "pp4", FORK, *layout(1, 4, 1))
+    titan_fit(cwd, config("single"), "uninterrupted", FORK, steps=RESUMED_STEPS)
+    titan_fit(cwd, config("pp_ep"), "pp_ep_bf16", FORK, "--trainer.precision=bf16-mixed")
+    return cwd, out
 
 
 def test_configs_exist_for_every_composition():
-    names = {c.stem for c in CONFIGS}
-    assert names == {"single", "dp", "pp", "ep", "dp_pp", "pp_ep", "dp_ep", "dp_pp_ep"}
+    assert {c.stem for c in CONFIGS} == {
+        "single",
+        "dp",
+        "pp",
+        "ep",
+        "dp_pp",
+        "pp_ep",
+        "dp_ep",
+        "dp_pp_ep",
+    }
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
-def test_every_config_parses(config):
-    cli = TitanCLI(*cli_components(), run=False, args=["--config", str(config)])
-    strategy = cli.trainer.strategy
-    dims = strategy.parallel_dims
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.stem)
+def test_every_config_parses(cfg):
+    cli = TitanCLI(*cli_components(), run=False, args=["--config", str(cfg)])
+    dims = cli.trainer.strategy.parallel_dims
     assert dims.world_size == cli.trainer.num_devices
-    assert cli.datamodule.global_batch_size == 16 and cli.model.config.n_layers % 4 == 0
-    assert cli.model.config.n_experts % 4 == 0  # so pp and ep up to 4 work by flag
+    assert cli.datamodule.global_batch_size == 16
+    assert (
+        cli.model.config.n_layers % 4 == 0 and cli.model.config.n_experts % 4 == 0
+    )  # pp, ep <= 4 by flag
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_every_config_runs_and_matches_single(tmp_path):
-    """Each config trains 3 steps (validation, checkpointing and callbacks included) and its per-step
-    train_loss equals the single-process run's; pp_ep with gpipe equals it too."""
-    runs = tmp_path / "work"
-    runs.mkdir()
-    for config in CONFIGS:
-        proc = titan_fit(config, runs)
-        if config.stem == "dp_pp_ep":
-            assert "== titan fit: done" in proc.stdout and "dp=2 pp=2 ep=2" in proc.stdout
-    titan_fit(ROOT / "configs" / "pp_ep.yaml", runs, "--trainer.strategy.init_args.schedule=gpipe",
-              name="pp_ep_gpipe")  # fmt: skip
-    reference = train_losses(runs / "runs" / "single")
-    assert len(reference) == 3
-    for name in [c.stem for c in CONFIGS] + ["pp_ep_gpipe"]:
-        losses = train_losses(runs / "runs" / name)
-        assert losses == pytest.approx(reference, rel=1e-5), name
-        assert (runs / "runs" / name / "version_0" / "checkpoints" / "last.ckpt" / "COMPLETE").exists(), name
+@pytest.mark.timeout(1200)
+def test_every_config_trains_the_single_process_curve(runs):
+    cwd, stdout = runs
+    reference = curve(cwd, "single")
+    assert sorted(reference) == list(range(STEPS))
+    for name in [c.stem for c in CONFIGS] + ["pp_ep_gpipe", "pp4"]:
+        got = curve(cwd, name)
+        assert sorted(got) == sorted(reference), name
+        for step, loss in reference.items():
+            assert got[step] == pytest.approx(loss, rel=1e-5), f"{name} step {step}"
+        last_ckpt(cwd, name)
+    # the main job ends with a summary
+    assert (
+        "== titan fit: done" in stdout["dp_pp_ep"]
+        and "dp=2 pp=2 ep=2 (8 ranks)" in stdout["dp_pp_ep"]
+    )
+    uninterrupted = curve(cwd, "uninterrupted")
+    for step in range(STEPS):
+        assert uninterrupted[step] == pytest.approx(reference[step], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_bf16_mixed_trains_under_pp_and_ep(runs):
+    cwd, _ = runs
+    fp32, bf16 = curve(cwd, "single"), curve(cwd, "pp_ep_bf16")
+    assert sorted(bf16) == sorted(fp32)
+    for step, loss in fp32.items():
+        assert bf16[step] == pytest.approx(loss, rel=2e-2), f"bf16 step {step}"
+    assert bf16 != fp32, "bf16 autocast was not in effect"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_validate_from_a_checkpoint_under_another_layout(runs):
+    cwd, _ = runs
+    env = {**os.environ, "LIGHTNING_TITAN_CACHE": str(cwd / "cache")}
+    cmd = [sys.executable, "-m", "lightning_titan", "validate", "--config", str(config("pp_ep")), FORK,
+           "--trainer.limit_val_batches=2", f"--ckpt_path={last_ckpt(cwd, 'dp_pp_ep')}",
+           "--trainer.logger.init_args.name=validate"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "val_loss" in proc.stdout and "val_perplexity" in proc.stdout
+
+
+RESUMES = [  # (written by, config to resume with, layout overrides)
+    ("dp_pp_ep", "dp_pp_ep", layout(1, 2, 4)),
+    ("dp_pp_ep", "dp_pp_ep", layout(4, 1, 2)),
+    ("dp_pp_ep", "single", []),
+    ("single", "dp_pp_ep", []),
+    ("pp4", "dp_pp_ep", ["--trainer.strategy.init_args.schedule=gpipe"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_resume_under_another_layout_continues_the_curve(runs):
+    """Model, optimizer, LR schedule, data position and loops resume under a different (dp, pp, ep):
+    steps 3..5 equal those of an uninterrupted run."""
+    cwd, _ = runs
+    uninterrupted = curve(cwd, "uninterrupted")
+    for i, (source, cfg, overrides) in enumerate(RESUMES):
+        name = f"resume{i}_{source}_to_{cfg}"
+        titan_fit(cwd, config(cfg), name, FORK, *overrides, f"--ckpt_path={last_ckpt(cwd, source, mid=True)}",
+                  steps=RESUMED_STEPS)  # fmt: skip
+        resumed = curve(cwd, name)
+        assert sorted(resumed) == list(range(STEPS, RESUMED_STEPS)), name
+        for step, loss in resumed.items():
+            assert loss == pytest.approx(uninterrupted[step], rel=1e-5), f"{name} step {step}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_export_loads_in_transformers_with_our_logits(runs, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lightning_titan.export import load_full_model
+
+    cwd, _ = runs
+    ckpt = last_ckpt(cwd, "dp_pp_ep")  # written by 8 ranks, read by one process
+    proc = subprocess.run([sys.executable, "-m", "lightning_titan", "export", "--ckpt", str(ckpt),
+                           "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = load_full_model(ckpt)
+    theirs = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def main():\n    return 'héllo'\n"
+    ids = tokenizer(text)["input_ids"]
+    assert ids == list(text.encode("utf-8")), "the exported tokenizer is our byte tokenizer"
+    tokens = torch.tensor([ids[:64]])
+    with torch.no_grad():
+        expected, _ = ours(tokens)
+        got = theirs(tokens).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert tokenizer.decode(ids) == text

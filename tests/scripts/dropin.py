@@ -62,9 +62,11 @@ def main(kind: str, out: str) -> None:
         enable_model_summary=False,
     )
     module = Regressor()
+    initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=16))
     if trainer.is_global_zero:
-        torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, out)
+        final = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        torch.save({"initial": initial, "final": final}, out)
 
 
 if __name__ == "__main__":

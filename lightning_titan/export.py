@@ -1,0 +1,163 @@
+"""From a sharded checkpoint to one process: the full model, and the Hugging Face Mixtral format.
+
+titan export --ckpt runs/dp_pp_ep/version_0/checkpoints/last.ckpt --out mixtral-tiny
+# then: transformers.MixtralForCausalLM.from_pretrained("mixtral-tiny")
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from lightning_titan.checkpoint import consolidate, read_checkpoint_info
+from lightning_titan.model import ModelConfig, StageModel, hf_mixtral_state_dict
+
+
+def load_full_model(ckpt: str | Path) -> StageModel:
+    """The whole model (every layer and expert) in this process, in eval mode; no process group needed."""
+    info = read_checkpoint_info(ckpt)
+    if not info.get("model_config"):
+        raise ValueError(
+            f"{ckpt} holds no model config: it was not written by TitanLM under TitanStrategy"
+        )
+    model = StageModel(ModelConfig(**info["model_config"]))
+    state = consolidate(ckpt)
+    # TitanLM holds the stage as `self.model`: its keys start with "model."
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "num_local_experts": config.n_experts,
+        "num_experts_per_tok": config.top_k,
+        "max_position_embeddings": config.seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "router_aux_loss_coef": config.aux_loss_coef,
+        "output_router_logits": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "initializer_range": config.init_std,
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+    }
+
+
+def byte_tokenizer_files() -> dict[str, dict]:
+    """Our byte tokenizer (ids 0-255 = bytes, 256 = end of document) as a Hugging Face fast tokenizer:
+    byte-level BPE with no merges, so every byte is one token with id = its value."""
+    byte_chars = _bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    eod = "<|endoftext|>"
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": 256,
+                "content": eod,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],  # fmt: skip
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": False,
+            "use_regex": False,
+        },  # fmt: skip
+        "post_processor": None,
+        "decoder": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": False,
+            "use_regex": False,
+        },
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "vocab": {**vocab, eod: 256},
+            "merges": [],
+        },  # fmt: skip
+    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod, "model_max_length": 1 << 30,
+              "clean_up_tokenization_spaces": False}  # fmt: skip
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenisation emits)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def export_hf(ckpt: str | Path, out: str | Path) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (+ the tokenizer when it is our byte tokenizer)."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise ImportError(
+            "titan export needs safetensors: pip install 'lightning-titan[export]'"
+        ) from e
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new --out directory")
+    model = load_full_model(ckpt)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in hf_mixtral_state_dict(model).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    info = read_checkpoint_info(ckpt)
+    tokenizer = (info.get("meta", {}).get("datamodule_hyper_parameters") or {}).get(
+        "tokenizer", "byte"
+    )
+    byte_tokenizer = tokenizer == "byte" and model.config.vocab_size >= 257
+    eos = 256 if byte_tokenizer else None
+    (out / "config.json").write_text(json.dumps(hf_config(model.config, eos), indent=2))
+    if byte_tokenizer:
+        for name, content in byte_tokenizer_files().items():
+            (out / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="titan export", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--ckpt", required=True, help="a checkpoint directory written by TitanStrategy"
+    )
+    parser.add_argument("--out", required=True, help="a new directory for the Hugging Face files")
+    args = parser.parse_args(argv)
+    out = export_hf(args.ckpt, args.out)
+    print(f"wrote {out.resolve()} (load with transformers.MixtralForCausalLM.from_pretrained)")
