@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from lightning_titan import checkpoint_files as files
 from lightning_titan import checkpoint_reader as reader
 from lightning_titan import checkpoint_state as keys
+from lightning_titan import faults
 from lightning_titan.checkpoint_files import is_complete_checkpoint, latest_complete
 from lightning_titan.checkpoint_reader import (
     FORMAT_VERSION,
@@ -124,6 +125,7 @@ def save_sharded(
         if _rank() == 0:
             files.remove(tmp)
         raise
+    faults.inject("checkpoint_save")  # shards written, not yet complete: the worst moment to die
     # dcp.save returns only after its coordinator gathered every rank's write result, so all shards are
     # on disk (fsynced) before rank 0 marks the directory complete and swaps it in.
     error = None

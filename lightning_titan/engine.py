@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_titan import faults
 from lightning_titan.clipping import clip_grad_norm_
 from lightning_titan.model import split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
@@ -22,6 +23,7 @@ from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import get_schedule
 from lightning_titan.pipeline.stage import PipelineStage, StepSums
 from lightning_titan.reducer import GradReducer
+from lightning_titan.tracing import span
 
 
 class Engine:
@@ -47,14 +49,17 @@ class Engine:
         self.expert_params = [p for _, p in expert]
         self.non_expert_params = [p for _, p in non_expert]
         kw = {"bucket_cap_mb": bucket_cap_mb, "mode": reducer}
-        scale = 1.0 / (
-            dims.dp * dims.ep
-        )  # = 1/data_world: the global mean over every data rank's loss
-        self.reducers = [
-            GradReducer(self.non_expert_params, groups.non_expert_dp, scale=scale, **kw),
-            # averaged over expert-DP (1/dp) and divided by ep: an owner sums every EP rank's contributions
-            GradReducer(self.expert_params, groups.expert_dp, scale=scale, **kw),
-        ]
+        scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
+        if dims.ep == 1:
+            # expert-DP and non-expert-DP are the same ranks: one reducer, fewer and fuller buckets
+            params = [p for p in module.parameters() if p.requires_grad]
+            self.reducers = [GradReducer(params, groups.non_expert_dp, scale=scale, **kw)]
+        else:
+            self.reducers = [
+                GradReducer(self.non_expert_params, groups.non_expert_dp, scale=scale, **kw),
+                # 1/data_world = 1/dp (the expert-DP average) / ep: an owner sums every EP rank's tokens
+                GradReducer(self.expert_params, groups.expert_dp, scale=scale, **kw),
+            ]
 
     @torch.no_grad()
     def broadcast_replicated(self) -> None:
@@ -117,15 +122,17 @@ class Engine:
     def finish_gradients(self, max_norm: float | None = None) -> Tensor:
         """Wait for every bucket (launching, in order, any that never filled), then clip by the global norm
         composed over stages and expert shards. Returns the pre-clip norm, the same on every rank."""
+        faults.inject("all_reduce")
         for r in self.reducers:
             r.finish()
-        return clip_grad_norm_(
-            self.expert_params,
-            self.non_expert_params,
-            max_norm,
-            ep_group=self.groups.ep,
-            pp_group=self.groups.pp,
-        )
+        with span("all_reduce", "grad norm"):
+            return clip_grad_norm_(
+                self.expert_params,
+                self.non_expert_params,
+                max_norm,
+                ep_group=self.groups.ep,
+                pp_group=self.groups.pp,
+            )
 
     def global_means(self, sums: StepSums, global_sequences: int) -> tuple[float, float]:
         """(mean token cross-entropy, mean per-sequence aux loss) over the global batch, on every rank.
@@ -139,7 +146,8 @@ class Engine:
             ]
         )
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(totals)
+            with span("all_reduce", "loss"):
+                dist.all_reduce(totals)
         ce, aux, tokens = totals.tolist()
         return ce / tokens, aux / global_sequences
 

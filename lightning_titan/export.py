@@ -1,6 +1,6 @@
 """From a sharded checkpoint to one process: the full model, and the Hugging Face Mixtral format.
 
-titan export --ckpt runs/dp_pp_ep/version_0/checkpoints/last.ckpt --out mixtral-tiny
+titan export --ckpt runs/dp_pp_ep/checkpoints/last.ckpt --out mixtral-tiny
 # then: transformers.MixtralForCausalLM.from_pretrained("mixtral-tiny")
 """
 

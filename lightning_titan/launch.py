@@ -30,12 +30,14 @@ def cpu_threads_per_rank(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_world_size)
 
 
-def _entry(rank, world_size, port, timeout_s, fn, args, queue):
+def _entry(rank, world_size, port, timeout_s, backend, fn, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(cpu_threads_per_rank(world_size))
+    if "nccl" in backend and torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
         # plain pickle bytes: torch's queue pickler would share tensors through file descriptors that
         # vanish when this process exits, before the parent reads them
@@ -49,10 +51,16 @@ def _entry(rank, world_size, port, timeout_s, fn, args, queue):
 
 
 def run_on_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return each rank's result.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return each rank's result.
 
+    ``backend`` is passed to ``init_process_group`` (e.g. ``"cpu:gloo,cuda:nccl"`` on GPUs, where rank r
+    uses ``cuda:r % device_count``).
     ``fn`` must be importable (a module-level function). Raises if any rank fails or the deadline passes;
     the survivors are killed either way, so nothing is left hanging.
     """
@@ -61,7 +69,9 @@ def run_on_ranks(
     port = free_port()
     procs = [
         ctx.Process(
-            target=_entry, args=(r, world_size, port, timeout_s, fn, args, queue), daemon=True
+            target=_entry,
+            args=(r, world_size, port, timeout_s, backend, fn, args, queue),
+            daemon=True,
         )
         for r in range(world_size)
     ]

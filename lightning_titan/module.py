@@ -11,6 +11,7 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.strategy import TitanStrategy
 
 
@@ -68,6 +69,14 @@ class TitanLM(L.LightningModule):
                 "Trainer(strategy=TitanStrategy(dp=..., pp=..., ep=...)) or strategy='titan'"
             )
         return strategy
+
+    def check_layout(self, dims: ParallelDims, datamodule: Any = None) -> None:
+        """Raise ValueError unless this model splits over ``dims`` and ``datamodule``'s batches fit it.
+
+        TitanStrategy runs this before any rank starts (and on every rank before the process group)."""
+        self.config.validate_layout(dims.pp, dims.ep)
+        if datamodule is not None and hasattr(datamodule, "check_model"):
+            datamodule.check_model(vocab_size=self.config.vocab_size, seq_len=self.config.seq_len)
 
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning calls this on every fit/validate
@@ -127,13 +136,14 @@ class TitanLM(L.LightningModule):
         sums = engine.forward_backward(
             self.model, inputs, targets, m, backward=self.manual_backward
         )
+        global_sequences = inputs.shape[0] * strategy.parallel_dims.data_world
+        loss, aux = engine.global_means(sums, global_sequences)
+        strategy.step_loss = loss  # a non-finite loss stops (or skips) the step on every rank
         optimizer = self.optimizers()
-        optimizer.step()  # the strategy waits for the reducers and clips here
+        optimizer.step()  # the strategy waits for the reducers, checks and clips here
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
 
-        global_sequences = inputs.shape[0] * strategy.parallel_dims.data_world
-        loss, aux = engine.global_means(sums, global_sequences)
         seconds = time.perf_counter() - start
         tokens_per_sec = global_sequences * inputs.shape[1] / seconds
         # the same keys on every rank: the loggers live on rank 0, the loss on the last stage

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_titan.tracing import span
+
 MODES = ("bucketed", "per_param")
 _MIB = 1024 * 1024
 
@@ -192,7 +194,8 @@ class GradReducer:
             flat = bucket.buffer if bucket.buffer is not None else bucket.params[0].grad
             if self.scale != 1.0:
                 flat.mul_(self.scale)
-            bucket.work = dist.all_reduce(flat, group=self.group, async_op=True)
+            with span("all_reduce", "grad bucket launch", bucket=self._next_launch):
+                bucket.work = dist.all_reduce(flat, group=self.group, async_op=True)
             self._launch_log.append((self._next_launch, where))
             self._next_launch += 1
 
@@ -214,7 +217,8 @@ class GradReducer:
                     self._fill(bucket, slot)
         self._launch_ready("finish")
         for bucket in self._buckets:
-            bucket.work.wait()
+            with span("wait", "grad all-reduce"):
+                bucket.work.wait()
             if bucket.buffer is not None:
                 for slot, p in enumerate(bucket.params):
                     reduced = self._slice(bucket, slot)

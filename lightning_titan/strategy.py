@@ -6,6 +6,7 @@ trainer = L.Trainer(accelerator="cpu", devices=8,
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -24,18 +25,16 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import (
-    _MultiProcessingLauncher,
-    _SubprocessScriptLauncher,
-)
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_titan.checkpoint import load_sharded, remove_checkpoint, save_sharded
+from lightning_titan import faults, supervisor
+from lightning_titan.checkpoint import _agree, load_sharded, remove_checkpoint, save_sharded
 from lightning_titan.engine import Engine
 from lightning_titan.launch import cpu_threads_per_rank
 from lightning_titan.parallel_dims import (
@@ -65,7 +64,10 @@ class TitanStrategy(ParallelStrategy):
             parameter; a baseline for benchmarks).
         gradient_clip_norm: clip the global gradient norm (composed over stages and expert shards) to this
             value; None disables clipping (the norm is still computed and logged).
-        timeout_minutes: collective timeout; a rank that dies brings the others down after this long.
+        timeout_minutes: collective timeout; a rank that hangs brings the others down after this long
+            (one that dies or raises does so within seconds).
+        on_nonfinite: a NaN/inf loss or gradient norm ``"raise"`` s FloatingPointError on every rank
+            (naming the step and the stages), or ``"skip"`` s that step's update (a warning says so).
         start_method: ``"popen"`` re-runs the script per rank; ``"fork"`` for notebooks.
         process_group_backend: default ``nccl`` on CUDA, ``gloo`` on CPU.
     """
@@ -84,6 +86,7 @@ class TitanStrategy(ParallelStrategy):
         reducer: Literal["bucketed", "per_param"] = "bucketed",
         gradient_clip_norm: float | None = None,
         timeout_minutes: float = 30.0,
+        on_nonfinite: Literal["raise", "skip"] = "raise",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
         **kwargs: Any,
@@ -92,7 +95,7 @@ class TitanStrategy(ParallelStrategy):
         _check_args(
             schedule=schedule, num_microbatches=num_microbatches, microbatch_size=microbatch_size,
             bucket_cap_mb=bucket_cap_mb, reducer=reducer, gradient_clip_norm=gradient_clip_norm,
-            timeout_minutes=timeout_minutes, start_method=start_method,
+            timeout_minutes=timeout_minutes, start_method=start_method, on_nonfinite=on_nonfinite,
         )  # fmt: skip
         self._degrees = (dp, pp, ep)
         resolve_degrees(
@@ -105,6 +108,7 @@ class TitanStrategy(ParallelStrategy):
         self.reducer_mode = reducer
         self.gradient_clip_norm = gradient_clip_norm
         self.timeout_minutes = timeout_minutes
+        self.on_nonfinite = on_nonfinite
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -112,6 +116,13 @@ class TitanStrategy(ParallelStrategy):
         self._groups: ProcessGroups | None = None
         self._engine: Engine | None = None
         self.last_grad_norm: Tensor | None = None
+        # the step's global loss, set by the module before optimizer.step(): checked with the grad norm
+        self.step_loss: float | None = None
+        self.skipped_steps = 0  # steps whose update on_nonfinite="skip" dropped
+        # From the process group's start to the end of setup(), every collective of ours is an
+        # agreement (one object gather), so a rank that fails there can join the one its peers wait in.
+        self._setup_phase = False
+        self._peers: list[tuple[str, int]] | None = None
 
     # -- layout ------------------------------------------------------------------------------------
     @property
@@ -142,6 +153,28 @@ class TitanStrategy(ParallelStrategy):
                 f"choose a divisor of {local_batch} (per-rank batch = global batch / (dp*ep))"
             )
         return m
+
+    def preflight(self, module: Any, datamodule: Any) -> None:
+        """Checks that need the model and the data but no process group. They run in the launcher before
+        any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
+        mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
+        dims = self.parallel_dims
+        check_layout = getattr(module, "check_layout", None)
+        if callable(check_layout):
+            check_layout(dims, datamodule)  # TitanLM: layers/experts split, data fits the model
+        batch = getattr(datamodule, "global_batch_size", None)
+        if isinstance(batch, int) and batch > 0:
+            if batch % dims.data_world:
+                raise ValueError(
+                    f"global_batch_size={batch} is not divisible by the number of data ranks "
+                    f"dp*ep={dims.dp}*{dims.ep}={dims.data_world}; choose a multiple of {dims.data_world}"
+                )
+            self.microbatches_for(batch // dims.data_world)
+
+    @property
+    def _grace_s(self) -> float:
+        """How long a rank whose job failed may take to leave before it is killed."""
+        return min(30.0, self.timeout_minutes * 60)
 
     # -- Lightning plumbing --------------------------------------------------------------------------
     @property
@@ -192,8 +225,8 @@ class TitanStrategy(ParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = supervisor.TitanLauncher(
+                self.preflight, self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
@@ -206,6 +239,8 @@ class TitanStrategy(ParallelStrategy):
         if self.root_device.type == "cpu":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
             torch.set_num_threads(cpu_threads_per_rank(local_world))
+        module = self.lightning_module
+        self.preflight(module, getattr(getattr(module, "_trainer", None), "datamodule", None))
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -214,11 +249,15 @@ class TitanStrategy(ParallelStrategy):
             self.cluster_environment, backend, timeout=timedelta(minutes=self.timeout_minutes),
             device_id=self.root_device if self.root_device.type == "cuda" else None,
         )  # fmt: skip
+        self._setup_phase = True
         self._groups = build_process_groups(self.parallel_dims)
+        self._peers = supervisor.gather_peers()
+        supervisor.watch_launcher(self._grace_s)
 
     @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._end_setup_phase()  # a rank that failed in configure_model is heard before any broadcast
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -260,17 +299,54 @@ class TitanStrategy(ParallelStrategy):
             self.engine.set_grad_sync(True)
 
     def finish_gradients(self) -> Tensor:
-        """Wait for the reducers, then clip by the composed global norm. Returns the pre-clip norm."""
+        """Wait for the reducers, then clip by the composed global norm. Returns the pre-clip norm.
+
+        A non-finite norm or ``step_loss`` raises FloatingPointError, or with ``on_nonfinite="skip"``
+        drops every gradient so the optimizer step changes nothing. Both numbers are the same on every
+        rank, so every rank takes the same branch."""
         norm = self.engine.finish_gradients(self.gradient_clip_norm)
         self.last_grad_norm = norm
-        if not torch.isfinite(norm):
-            dims = self.parallel_dims
+        loss, self.step_loss = self.step_loss, None
+        if torch.isfinite(norm) and (loss is None or math.isfinite(loss)):
+            return norm
+        message = self._nonfinite_message(norm.item(), loss)
+        if self.on_nonfinite == "raise":
             raise FloatingPointError(
-                f"the gradient norm is {norm.item()} at step {self.lightning_module.trainer.global_step} "
-                f"(layout dp={dims.dp} pp={dims.pp} ep={dims.ep}); no optimizer step was taken. Lower the "
-                "learning rate, set gradient_clip_norm, or use precision='32-true' to find the cause"
+                f"{message}; no optimizer step was taken. Lower the learning rate, set "
+                "gradient_clip_norm, use precision='32-true' to find the cause, or "
+                "TitanStrategy(on_nonfinite='skip') to skip such steps"
             )
+        rank_zero_warn(f"{message}; this step's update is skipped (on_nonfinite='skip')")
+        # the optimizer skips parameters without a grad: no update, no state change
+        for p in self.lightning_module.parameters():
+            p.grad = None
+        self.skipped_steps += 1
         return norm
+
+    def _nonfinite_message(self, norm: float, loss: float | None) -> str:
+        """Where the non-finite values are: one gather of every rank's verdict on its own grads."""
+        first_bad = next(
+            (n for n, p in self.lightning_module.named_parameters()
+             if p.grad is not None and not torch.isfinite(p.grad).all()),
+            None,
+        )  # fmt: skip
+        dims = self.parallel_dims
+        verdicts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, (dims.pp_rank, first_bad))
+        bad = sorted({(pp, rank, name) for rank, (pp, name) in enumerate(verdicts) if name})
+        parts = [f"non-finite values at step {self.lightning_module.trainer.global_step}"]
+        if loss is not None and not math.isfinite(loss):
+            parts.append(f"the loss is {loss} (computed on the last stage, pp_rank={dims.pp - 1})")
+        parts.append(f"the gradient norm is {norm}")
+        if bad:
+            stages = sorted({pp for pp, _, _ in bad})
+            # backward runs the last stage first: the latest stage with bad grads is the origin
+            pp, rank, name = bad[-1]
+            parts.append(
+                f"non-finite gradients on stage(s) pp_rank={stages}, first (in backward order) on "
+                f"stage {pp} (e.g. {name!r} on rank {rank})"
+            )
+        return "; ".join(parts) + f" (layout dp={dims.dp} pp={dims.pp} ep={dims.ep})"
 
     @override
     def optimizer_step(
@@ -282,6 +358,49 @@ class TitanStrategy(ParallelStrategy):
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        faults.set_step(self.lightning_module.trainer.global_step)
+        return super().training_step(*args, **kwargs)
+
+    # -- failures: on every rank, naming the rank (lightning_titan.supervisor) ---------------------------
+    def _end_setup_phase(self) -> None:
+        if self._setup_phase and _distributed_is_initialized():
+            self._agree()
+        self._setup_phase = False
+
+    def _agree(self, error: BaseException | None = None, payload: Any = None) -> list[Any]:
+        try:
+            return _agree(error, payload)
+        except BaseException:
+            self._setup_phase = False  # agreed: the peers raise it too, nobody waits for another
+            raise
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._setup_phase and _distributed_is_initialized():
+            # the peers wait in one of our setup collectives (a barrier, a broadcast): all agreements
+            try:
+                self._agree(exception)
+            except BaseException:  # noqa: BLE001 - this rank raises its own error below
+                pass
+        self._setup_phase = False
+        env = self.cluster_environment
+        if _distributed_is_initialized() or (env is not None and env.creates_processes_externally):
+            dims, trainer = self.parallel_dims, getattr(self.lightning_module, "_trainer", None)
+            where = f"dp={dims.dp_rank} pp={dims.pp_rank} ep={dims.ep_rank}"
+            if trainer is not None:
+                where += f", global_step={trainer.global_step}"
+            who = f"rank {self.global_rank}/{self.world_size} ({where})"
+        else:  # no rank started yet (popen), or the parent of fork/spawn ranks
+            who = "the launcher"
+        report = supervisor.failure_report(
+            exception, who=who, rank=self.global_rank, peers=self._peers
+        )
+        supervisor.say(report)
+        if _distributed_is_initialized():
+            supervisor.leave_after_failure(self._grace_s)
 
     # -- checkpoints: sharded, under global names, loadable under any layout (lightning_titan.checkpoint) --
     @property
@@ -345,7 +464,9 @@ class TitanStrategy(ParallelStrategy):
     # -- collectives Lightning calls -----------------------------------------------------------------
     @override
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
+        if self._setup_phase and _distributed_is_initialized():
+            self._agree()
+        elif _distributed_is_initialized():
             if dist.get_backend() == "nccl":
                 dist.barrier(device_ids=[self.root_device.index])
             else:
@@ -355,6 +476,8 @@ class TitanStrategy(ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
+        if self._setup_phase:
+            return self._agree(None, obj if self.global_rank == src else None)[src]
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
@@ -405,6 +528,7 @@ def _check_args(
     gradient_clip_norm,
     timeout_minutes,
     start_method,
+    on_nonfinite,
 ) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
@@ -428,6 +552,8 @@ def _check_args(
         )
     if not timeout_minutes > 0:
         raise ValueError(f"timeout_minutes={timeout_minutes!r} must be > 0")
+    if on_nonfinite not in ("raise", "skip"):
+        raise ValueError(f"on_nonfinite={on_nonfinite!r} is unknown; choose 'raise' or 'skip'")
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r} is unknown; choose one of {START_METHODS}")
 

@@ -23,6 +23,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_titan import faults
+from lightning_titan.tracing import span
+
 
 def ep_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -32,7 +35,8 @@ def _all_to_all(
     x: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
 ) -> Tensor:
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    with span("all_to_all", "tokens"):
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
     return out
 
 
@@ -118,10 +122,12 @@ def dispatch(
         plan.tokens_per_local_expert = counts.tolist()
         return packed, plan
 
+    packed = faults.inject("all_to_all", packed)
     n_local = n_experts // ep
     send_matrix = counts.view(ep, n_local)
     recv_matrix = torch.empty_like(send_matrix)
-    dist.all_to_all_single(recv_matrix, send_matrix, group=group)
+    with span("all_to_all", "counts"):
+        dist.all_to_all_single(recv_matrix, send_matrix, group=group)
     plan.send_splits = send_matrix.sum(dim=1).tolist()
     plan.recv_splits = recv_matrix.sum(dim=1).tolist()
     plan.tokens_per_local_expert = recv_matrix.sum(dim=0).tolist()

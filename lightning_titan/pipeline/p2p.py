@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_titan import faults
 from lightning_titan.parallel_dims import ParallelDims
 
 
@@ -32,6 +33,7 @@ class StageLinks:
 
     def _run(self, ops: list[dist.P2POp]) -> None:
         if ops:
+            faults.inject("p2p")
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 

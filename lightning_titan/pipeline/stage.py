@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_titan import faults, tracing
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import forward_only, get_schedule
@@ -71,9 +72,9 @@ class PipelineStage:
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
 
     def _span(self, name: str, i: int):
-        from contextlib import nullcontext
-
-        return self._tracer(name, i) if self._tracer is not None else nullcontext()
+        if self._tracer is not None:
+            return self._tracer(name, i)
+        return tracing.span(name if name in tracing.COMPUTE_KINDS else "p2p", name, mb=i)
 
     # compute ---------------------------------------------------------------------------------------
     def forward(self, i: int, x: Tensor | None) -> Tensor | None:
@@ -84,6 +85,8 @@ class PipelineStage:
             elif grad_enabled:
                 x = x.requires_grad_()
             out, aux = self.model(x)
+            if grad_enabled:
+                out = faults.inject("forward", out)
             self.aux_sum += aux.detach().sum()
             objective = aux.sum() / self.local_sequences
             if self.is_last:
@@ -109,7 +112,7 @@ class PipelineStage:
             self._backwards_done += 1
             if self._backwards_done == self.num_microbatches and self._on_last_backward is not None:
                 self._on_last_backward()
-            self._backward(objective)
+            self._backward(faults.inject("backward", objective))
             return None if x is None else x.grad
 
     # communication ---------------------------------------------------------------------------------

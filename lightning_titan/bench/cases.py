@@ -1,0 +1,100 @@
+"""What the benchmark runs: the compositions per world size, their peers, and the shared settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_titan.model import ModelConfig
+
+OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
+IMPL_LABELS = {
+    OURS: "ours",
+    PER_PARAM: "ours, per-param all-reduce",
+    DDP: "torch DDP",
+    TORCH_PP: "torch.distributed.pipelining",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout and schedule; ``impls[0]`` is ours, the rest are peers timed in the same rounds."""
+
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+    schedule: str = "1f1b"
+    impls: tuple[str, ...] = (OURS,)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.ep
+
+    @property
+    def layout(self) -> str:
+        parts = [
+            f"{name}{n}" for name, n in (("dp", self.dp), ("pp", self.pp), ("ep", self.ep)) if n > 1
+        ]
+        return "x".join(parts) or "single"
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout} {self.schedule}" if self.pp > 1 else self.layout
+
+
+@dataclass(frozen=True)
+class Settings:
+    config: ModelConfig = field(default_factory=ModelConfig)
+    global_batch: int = 32  # sequences per step, the same for every world size
+    warmup: int = 2  # steps per implementation before timing (allocator, p2p shape exchange)
+    steps: int = 4  # timed steps per round
+    rounds: int = 3  # rounds alternate the implementations of a case; the median round is reported
+    traced_steps: int = 3  # extra steps recorded as spans for the time breakdown and the bubble
+    microbatches_per_stage: int = 4  # M = this * pp (capped by the per-rank batch)
+    device: str = "cpu"
+    threads_per_rank: int | None = None  # None: the launcher's split of the cores between the ranks
+    timeout_s: float = 1800.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.config.seq_len
+
+    def num_microbatches(self, case: Case) -> int:
+        if case.pp == 1:
+            return 1
+        local = self.global_batch // (case.dp * case.ep)
+        m = min(local, self.microbatches_per_stage * case.pp)
+        while local % m:
+            m -= 1
+        return m
+
+
+def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
+    """The write-up's compositions on each world size (pp <= 4: the default model has 4 layers)."""
+    dp_peers = (OURS, PER_PARAM, DDP) if peers else (OURS,)
+    pp_peers = (OURS, TORCH_PP) if peers else (OURS,)
+    table = {
+        1: [Case()],
+        2: [Case(dp=2, impls=dp_peers), Case(pp=2, schedule="gpipe", impls=pp_peers),
+            Case(pp=2, impls=pp_peers), Case(ep=2)],
+        4: [Case(dp=4, impls=dp_peers), Case(pp=4, schedule="gpipe", impls=pp_peers),
+            Case(pp=4, impls=pp_peers), Case(ep=4), Case(dp=2, pp=2), Case(pp=2, ep=2),
+            Case(dp=2, ep=2)],
+        8: [Case(dp=8, impls=dp_peers), Case(ep=8), Case(dp=4, pp=2), Case(pp=4, ep=2),
+            Case(dp=2, ep=4), Case(dp=2, pp=2, ep=2)],
+    }  # fmt: skip
+    unknown = [w for w in worlds if w not in table]
+    if unknown:
+        raise ValueError(
+            f"no default compositions for world sizes {unknown}; choose from {sorted(table)}"
+        )
+    return [case for w in worlds for case in table[w]]
+
+
+def quick_cases(peers: bool = True) -> list[Case]:
+    """Two ranks, one case per axis, with their peers: the smoke test's run."""
+    return [
+        Case(dp=2, impls=(OURS, PER_PARAM, DDP) if peers else (OURS,)),
+        Case(pp=2, impls=(OURS, TORCH_PP) if peers else (OURS,)),
+        Case(pp=2, schedule="gpipe"),
+        Case(ep=2),
+    ]

@@ -1,0 +1,128 @@
+"""Memory the benchmark reports: activations saved for backward, model state, and process peaks.
+
+On CPU the process RSS is dominated by the torch libraries and the allocator's caching, so the
+schedule comparison counts what autograd keeps alive instead: the bytes of the tensors saved for
+backward, each storage once, at their peak. That number is deterministic and device-independent.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_titan.model import split_expert_parameters
+
+
+class _Held:
+    """What autograd stores instead of a saved tensor while the meter is on; releases on collection."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: Tensor, meter: SavedTensorMeter, key: int) -> None:
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+class SavedTensorMeter:
+    """Peak bytes of the storages autograd saves for backward inside ``with meter:``.
+
+    A storage saved by several ops (or as several views) counts once; ``exclude`` (the parameters)
+    is model state, not activation memory, and is not counted.
+    """
+
+    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [nbytes, references]
+        self.current = 0
+        self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: Tensor) -> object:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._exclude or storage.nbytes() == 0:
+            return tensor
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [storage.nbytes(), 1]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[1] += 1
+        return _Held(tensor, self, key)
+
+    @staticmethod
+    def _unpack(held: object) -> Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self._live[key]
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _nbytes(tensors: Iterable[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, grads (as allocated at the step: one per parameter) and optimizer state,
+    split into expert and non-expert parts."""
+    expert, non_expert = split_expert_parameters(model)
+    out = {}
+    for part, named in (("expert", expert), ("non_expert", non_expert)):
+        params = [p for _, p in named]
+        opt_state = [
+            t
+            for p in params
+            for t in optimizer.state.get(p, {}).values()
+            if isinstance(t, Tensor) and t.dim() > 0
+        ]
+        out[f"{part}_params"] = _nbytes(params)
+        out[f"{part}_grads"] = _nbytes(params)
+        out[f"{part}_optimizer"] = _nbytes(opt_state)
+    return out
+
+
+def state_total(state: dict[str, int], part: str) -> int:
+    return sum(v for k, v in state.items() if k.startswith(part + "_"))
+
+
+def reset_peak(device: torch.device) -> None:
+    """Restart the peak: the allocator's on CUDA, the process high-water mark (VmHWM) on Linux."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux: ru_maxrss below is then the peak since the process started
+
+
+def peak_bytes(device: torch.device) -> int:
+    """Peak since ``reset_peak``: allocated bytes on CUDA, resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,245 @@
+"""From every rank's raw measurements to the rows, peer ratios and targets the benchmark reports."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict
+
+from lightning_titan import tracing
+from lightning_titan.bench.cases import IMPL_LABELS, OURS, TORCH_PP, Case, Settings
+from lightning_titan.model import StageModel, split_expert_parameters
+from lightning_titan.parallel_dims import ParallelDims
+
+_MB = 1e6
+
+
+def full_model_params(settings: Settings) -> dict[str, int]:
+    """Parameter bytes of the whole model, expert and non-expert: what the per-rank shares divide."""
+    expert, non_expert = split_expert_parameters(StageModel(settings.config))
+    return {
+        part: sum(p.numel() * p.element_size() for _, p in named)
+        for part, named in (("expert", expert), ("non_expert", non_expert))
+    }
+
+
+def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[str, int]
+              ) -> tuple[dict, list[tracing.Span]]:  # fmt: skip
+    """One row for ``case`` from every rank's result, and the spans recorded for it."""
+    dims = ParallelDims(case.dp, case.pp, case.ep)
+    impls = {}
+    for impl in case.impls:
+        step_s = per_rank[0][impl]["median_step_s"]
+        impls[impl] = {
+            "step_ms": step_s * 1e3,
+            "tokens_per_s": settings.tokens_per_step / step_s,
+            "rounds_ms": [s * 1e3 for s in per_rank[0][impl]["step_s"]],
+            "cpu_ms": per_rank[0][impl]["median_cpu_s"] * 1e3,  # all ranks together, per step
+            "peak_mb_per_rank": [r[impl]["peak_bytes"] / _MB for r in per_rank],
+        }
+    spans = [s for r in per_rank for s in r[OURS]["spans"]]
+    row = {
+        "world": case.world, "case": case.name, "layout": case.layout, "dp": case.dp, "pp": case.pp,
+        "ep": case.ep, "schedule": case.schedule, "microbatches": settings.num_microbatches(case),
+        "impls": impls, "time_ms": tracing.time_by_kind(spans),
+    }  # fmt: skip
+    if case.pp > 1:
+        pipelines = dims.all_groups("pp")
+        bubbles = tracing.measure_bubbles(spans, pipelines)
+        replayed = tracing.measure_bubbles(
+            tracing.replay_without_communication(spans, pipelines), pipelines
+        )
+        row["bubbles"] = [
+            {**asdict(b), "compute_only": r.measured}
+            for b, r in zip(bubbles, replayed, strict=True)
+        ]
+        saved: dict[int, int] = defaultdict(int)
+        for r in per_rank:
+            stage = r[OURS]["coords"][1]
+            saved[stage] = max(saved[stage], r[OURS]["saved_peak_bytes"])
+        row["saved_peak_mb_per_stage"] = [saved[p] / _MB for p in range(case.pp)]
+    states = [r[OURS]["state_bytes"] for r in per_rank]
+    row["state"] = {
+        "mb_per_rank": [sum(s.values()) / _MB for s in states],
+        "expert_share": [s["expert_params"] / full["expert"] for s in states],
+        "non_expert_share": [s["non_expert_params"] / full["non_expert"] for s in states],
+        "expected_expert_share": 1 / (case.pp * case.ep),
+        "expected_non_expert_share": 1 / case.pp,
+    }
+    return row, spans
+
+
+def peer_ratios(rows: list[dict]) -> list[dict]:
+    """Peer step time / ours: above 1 means ours is faster."""
+    out = []
+    for row in rows:
+        ours = row["impls"][OURS]
+        for impl, peer in row["impls"].items():
+            if impl == OURS:
+                continue
+            target = 1.05 if impl == TORCH_PP else (1.00 if impl == "ddp" else None)
+            ratio = peer["step_ms"] / ours["step_ms"]
+            out.append({
+                "world": row["world"], "case": row["case"], "peer": impl,
+                "peer_label": IMPL_LABELS[impl], "ours_tokens_per_s": ours["tokens_per_s"],
+                "peer_tokens_per_s": peer["tokens_per_s"], "ratio": ratio, "target": target,
+                "ours_cpu_ms": ours["cpu_ms"], "peer_cpu_ms": peer["cpu_ms"],
+                "cpu_ratio": peer["cpu_ms"] / ours["cpu_ms"],
+                "met": None if target is None else ratio >= target,
+            })  # fmt: skip
+    return out
+
+
+def memory_pairs(rows: list[dict]) -> list[dict]:
+    """1F1B vs GPipe peak activation memory on the same layout and M; target <= (P / M) * 1.1."""
+    by_key = {
+        (r["dp"], r["pp"], r["ep"], r["microbatches"], r["schedule"]): r
+        for r in rows
+        if r["pp"] > 1
+    }
+    out = []
+    for (dp, pp, ep, m, schedule), row in by_key.items():
+        gpipe = by_key.get((dp, pp, ep, m, "gpipe"))
+        if schedule != "1f1b" or gpipe is None:
+            continue
+        ours, theirs = row["saved_peak_mb_per_stage"], gpipe["saved_peak_mb_per_stage"]
+        # per stage: 1F1B keeps P - p microbatches live where GPipe keeps M; stage 0 is the worst
+        per_stage = [a / b for a, b in zip(ours, theirs, strict=True)]
+        ratio = max(per_stage)
+        out.append({
+            "world": row["world"], "layout": row["layout"], "microbatches": m,
+            "gpipe_mb_per_stage": theirs, "1f1b_mb_per_stage": ours, "ratio_per_stage": per_stage,
+            "ratio": ratio,
+            "ideal": pp / m, "target": pp / m * 1.1, "met": ratio <= pp / m * 1.1,
+        })  # fmt: skip
+    return out
+
+
+def bubble_checks(rows: list[dict]) -> list[dict]:
+    """Target: measured <= theory + 5 points on every stage, for 1F1B at M >= 4P."""
+    out = []
+    for row in rows:
+        if row["pp"] == 1 or row["schedule"] != "1f1b" or row["microbatches"] < 4 * row["pp"]:
+            continue
+        worst = max(row["bubbles"], key=lambda b: b["measured"] - b["theory"])
+        out.append({
+            "world": row["world"], "case": row["case"], "theory": worst["theory"],
+            "measured_max": worst["measured"], "stage": worst["stage"],
+            "compute_only": worst["compute_only"],
+            "met": worst["measured"] <= worst["theory"] + 0.05,
+        })  # fmt: skip
+    return out
+
+
+def dispatch_check(dispatch_rows: list[dict]) -> list[dict]:
+    return [
+        {"experts": r["experts"], "ratio_fwd": r["ratio_fwd"], "ratio_fwd_bwd": r["ratio_fwd_bwd"],
+         "target": 10.0, "met": r["ratio_fwd_bwd"] >= 10.0}
+        for r in dispatch_rows if r["experts"] >= 64
+    ]  # fmt: skip
+
+
+# -- markdown -------------------------------------------------------------------------------------------
+
+
+def _mark(met: bool | None) -> str:
+    return "" if met is None else ("yes" if met else "**no**")
+
+
+def _stages(values: list[float], fmt: str = "{:.2f}") -> str:
+    return " / ".join(fmt.format(v) for v in values)
+
+
+def markdown(results: dict) -> str:
+    """The tables of one benchmark run, as markdown."""
+    s, lines = results["settings"], []
+    lines += [
+        f"Machine: {results['machine']}. Model: d_model={s['config']['d_model']}, "
+        f"{s['config']['n_layers']} layers, {s['config']['n_experts']} experts top-{s['config']['top_k']}, "
+        f"seq_len={s['config']['seq_len']}; global batch {s['global_batch']} sequences "
+        f"({s['global_batch'] * s['config']['seq_len']} tokens/step) on every world size. "
+        f"Median of {s['rounds']} rounds of {s['steps']} steps after {s['warmup']} warm-up steps; "
+        f"torch threads per rank: {s['threads_per_rank'] or 'cores / ranks'}. "
+        "CPU ms: process CPU time per step summed over ranks. Time split (compute ... other): from "
+        "separately recorded steps, exclusive time per rank, mean over ranks.",
+        "",
+        "| ranks | composition | M | tokens/s | step ms | CPU ms | compute ms | p2p ms | all-to-all ms "
+        "| all-reduce ms | wait ms | optimizer ms | other ms | bubble per stage (theory) "
+        "| peak RSS MB/rank | state MB/rank |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in results["rows"]:
+        ours, t = r["impls"][OURS], r["time_ms"]
+        bubble = "-"
+        if "bubbles" in r:
+            bubble = (
+                _stages([b["measured"] for b in r["bubbles"]])
+                + f" ({r['bubbles'][0]['theory']:.2f})"
+            )
+        lines.append(
+            f"| {r['world']} | {r['case']} | {r['microbatches']} | {ours['tokens_per_s']:,.0f} | "
+            f"{ours['step_ms']:.1f} | {ours['cpu_ms']:.0f} | {t['forward'] + t['backward']:.1f} | "
+            f"{t['p2p']:.1f} | "
+            f"{t['all_to_all']:.1f} | {t['all_reduce']:.1f} | {t['wait']:.1f} | {t['optimizer']:.1f} | "
+            f"{t['other']:.1f} | {bubble} | {max(ours['peak_mb_per_rank']):.0f} | "
+            f"{max(r['state']['mb_per_rank']):.2f} |"
+        )
+    lines += ["", "**Peers** (same model, batches, steps and rounds; ratio = peer step time / ours; "
+              "CPU ratio = peer CPU time per step / ours, all ranks, which other load on the machine "
+              "does not inflate)", "",
+              "| ranks | composition | peer | ours tokens/s | peer tokens/s | ratio | target | met "
+              "| CPU ms ours / peer | CPU ratio |", "|---:|---|---|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
+    for p in results["peers"]:
+        target = "-" if p["target"] is None else f">= {p['target']:.2f}x"
+        lines.append(
+            f"| {p['world']} | {p['case']} | {p['peer_label']} | {p['ours_tokens_per_s']:,.0f} | "
+            f"{p['peer_tokens_per_s']:,.0f} | {p['ratio']:.2f}x | {target} | {_mark(p['met'])} | "
+            f"{p['ours_cpu_ms']:.0f} / {p['peer_cpu_ms']:.0f} | {p['cpu_ratio']:.2f}x |"
+        )
+    if results["dispatch"]:
+        lines += ["", "**EP dispatch + combine** (one process, identity experts; "
+                  f"{results['dispatch_settings']}): vectorised vs the write-up's per-expert loop", "",
+                  "| experts | vectorised fwd ms | loop fwd ms | ratio fwd | vectorised fwd+bwd ms "
+                  "| loop fwd+bwd ms | ratio fwd+bwd |", "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for d in results["dispatch"]:
+            lines.append(
+                f"| {d['experts']} | {d['vectorised_fwd_ms']:.3f} | {d['loop_fwd_ms']:.3f} | "
+                f"{d['ratio_fwd']:.1f}x | {d['vectorised_fwd_bwd_ms']:.3f} | "
+                f"{d['loop_fwd_bwd_ms']:.3f} | {d['ratio_fwd_bwd']:.1f}x |"
+            )
+    if results["memory"]:
+        lines += ["", "**Activation memory**: peak bytes saved for backward per stage (MB), 1F1B vs "
+                  "GPipe on the same layout and M", "",
+                  "| ranks | layout | M | GPipe per stage | 1F1B per stage | 1F1B / GPipe per stage | worst "
+                  "| P/M | target | met |", "|---:|---|---:|---|---|---|---:|---:|---:|---|"]  # fmt: skip
+        for m in results["memory"]:
+            lines.append(
+                f"| {m['world']} | {m['layout']} | {m['microbatches']} | "
+                f"{_stages(m['gpipe_mb_per_stage'])} | {_stages(m['1f1b_mb_per_stage'])} | "
+                f"{_stages(m['ratio_per_stage'], '{:.3f}')} | {m['ratio']:.3f} | {m['ideal']:.3f} | <= {m['target']:.3f} | {_mark(m['met'])} |"
+            )
+    lines += ["", "**Model state per rank** (params + grads + AdamW moments): share of the whole "
+              "model's parameters held, min..max over ranks, vs the expected 1/(PP*EP) of the experts "
+              "and 1/PP of the rest (the embedding and head sit on the first and last stage)", "",
+              "| ranks | composition | state MB/rank | expert share | expected | non-expert share "
+              "| expected |", "|---:|---|---:|---|---:|---|---:|"]  # fmt: skip
+    for r in results["rows"]:
+        st = r["state"]
+        e, n = st["expert_share"], st["non_expert_share"]
+        lines.append(
+            f"| {r['world']} | {r['case']} | {max(st['mb_per_rank']):.2f} | {min(e):.3f}..{max(e):.3f} | "
+            f"{st['expected_expert_share']:.3f} | {min(n):.3f}..{max(n):.3f} | "
+            f"{st['expected_non_expert_share']:.3f} |"
+        )
+    if results["bubble_checks"]:
+        lines += ["", "**Pipeline bubble**, 1F1B at M >= 4P: worst stage measured vs theory (P-1)/(M+P-1). "
+                  "Compute only: the same recorded forwards and backwards replayed with free send/recv, "
+                  "i.e. the part of the bubble that uneven or jittery stage compute explains", "",
+                  "| ranks | composition | theory | measured (worst stage) | compute only | target | met |",
+                  "|---:|---|---:|---:|---:|---:|---|"]  # fmt: skip
+        for b in results["bubble_checks"]:
+            lines.append(
+                f"| {b['world']} | {b['case']} | {b['theory']:.3f} | {b['measured_max']:.3f} "
+                f"(stage {b['stage']}) | {b['compute_only']:.3f} | <= {b['theory'] + 0.05:.3f} | "
+                f"{_mark(b['met'])} |"
+            )
+    return "\n".join(lines) + "\n"

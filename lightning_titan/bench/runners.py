@@ -1,0 +1,157 @@
+"""One training step of the same model, three ways: ours (Engine), torch DDP, torch.distributed.pipelining.
+
+Every runner does forward, backward, gradient synchronisation, clipping to norm 1 and an AdamW step on
+the same ``StageModel`` and the same local batch; they differ only in the parallel machinery. The
+objective is the same everywhere: mean token cross-entropy plus the mean per-sequence aux loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_titan.clipping import clip_grad_norm_
+from lightning_titan.engine import Engine
+from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
+from lightning_titan.tracing import span
+
+SEED = 1234
+MAX_NORM = 1.0
+LR = 1e-3
+
+
+def build_stage(config: ModelConfig, dims: ParallelDims, groups: ProcessGroups, device: torch.device
+                ) -> StageModel:  # fmt: skip
+    model = StageModel(
+        config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
+        ep_group=groups.ep if dims.ep > 1 else None,
+    )  # fmt: skip
+    model.init_weights(SEED)
+    return model.to(device)
+
+
+class TitanRunner:
+    """Our stack: Engine (schedule + bucketed or per-parameter reducers + composed clipping)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dims: ParallelDims,
+        groups: ProcessGroups,
+        device: torch.device,
+        *,
+        schedule: str,
+        num_microbatches: int,
+        reducer: str = "bucketed",
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        self.model = build_stage(config, dims, groups, device)
+        self.engine = Engine(self.model, dims, groups, schedule=schedule,
+                             bucket_cap_mb=bucket_cap_mb, reducer=reducer)  # fmt: skip
+        self.engine.broadcast_replicated()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.num_microbatches = num_microbatches
+
+    def step(self, inputs: Tensor, targets: Tensor) -> None:
+        self.engine.forward_backward(self.model, inputs, targets, self.num_microbatches)
+        self.engine.finish_gradients(MAX_NORM)
+        with span("optimizer", "AdamW"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        self.engine.remove()
+
+
+class DDPRunner:
+    """``torch.nn.parallel.DistributedDataParallel`` with its defaults (25 MiB buckets), which is what
+    Lightning's ``DDPStrategy`` wraps; pure data parallelism only."""
+
+    def __init__(self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups,
+                 device: torch.device) -> None:  # fmt: skip
+        if dims.pp != 1 or dims.ep != 1:
+            raise ValueError(f"the DDP peer runs pure DP layouts, not pp={dims.pp} ep={dims.ep}")
+        self.model = build_stage(config, dims, groups, device)
+        self.ddp = nn.parallel.DistributedDataParallel(
+            self.model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+
+    def step(self, inputs: Tensor, targets: Tensor) -> None:
+        logits, aux = self.ddp(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) + aux.mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _AuxCarrying(nn.Module):
+    """A stage for torch.distributed.pipelining: passes the running aux loss on with the activations,
+    so every stage's aux loss reaches the last stage's loss (pipelining back-propagates only that)."""
+
+    def __init__(self, stage: StageModel) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: Tensor, aux_in: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        out, aux = self.stage(x)
+        return out, aux if aux_in is None else aux + aux_in
+
+
+def _pipe_loss(output: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
+    logits, aux = output
+    # per microbatch; the schedule divides the grads by M (scale_grads=True): the mean over microbatches
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten()) + aux.mean()
+
+
+class TorchPipeRunner:
+    """``torch.distributed.pipelining`` ``ScheduleGPipe`` / ``Schedule1F1B`` over the same stage modules,
+    with the same composed clipping (a norm all-reduce over the pipeline); pure PP layouts only."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dims: ParallelDims,
+        groups: ProcessGroups,
+        device: torch.device,
+        *,
+        schedule: str,
+        num_microbatches: int,
+    ) -> None:
+        from torch.distributed import pipelining
+
+        if dims.dp != 1 or dims.ep != 1:
+            raise ValueError(
+                f"the pipelining peer runs pure PP layouts, not dp={dims.dp} ep={dims.ep}"
+            )
+        kinds = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}
+        self.model = build_stage(config, dims, groups, device)
+        stage = pipelining.PipelineStage(
+            _AuxCarrying(self.model), dims.pp_rank, dims.pp, device, group=groups.pp
+        )
+        self.schedule = kinds[schedule](stage, n_microbatches=num_microbatches, loss_fn=_pipe_loss)
+        self.dims, self.groups = dims, groups
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.expert, self.non_expert = (
+            [p for _, p in named] for named in split_expert_parameters(self.model)
+        )
+
+    def step(self, inputs: Tensor, targets: Tensor) -> None:
+        dims = self.dims
+        args = (inputs,) if dims.is_first_stage else ()
+        kwargs = {"target": targets} if dims.is_last_stage else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        clip_grad_norm_(
+            self.expert, self.non_expert, MAX_NORM, ep_group=None, pp_group=self.groups.pp
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,162 @@
+"""What each rank runs (spawned by ``lightning_titan.launch.run_on_ranks``): every case of one world size.
+
+Per case: build each implementation, warm it up, then time ``rounds`` blocks of ``steps`` steps,
+rotating the implementations between rounds so that load from elsewhere on the machine falls on all
+of them alike; then record a few extra steps of ours as spans, measure the activations one step saves
+for backward, and count the model state. Timed steps run with recording off.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_titan import tracing
+from lightning_titan.bench.cases import DDP, OURS, PER_PARAM, TORCH_PP, Case, Settings
+from lightning_titan.bench.memory import SavedTensorMeter, peak_bytes, reset_peak, state_bytes
+from lightning_titan.bench.runners import DDPRunner, TitanRunner, TorchPipeRunner
+from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
+
+NUM_BATCHES = 4  # distinct global batches, cycled
+
+
+def _device(settings: Settings, rank: int) -> torch.device:
+    if settings.device == "cuda":
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(settings.device)
+
+
+def _batches(
+    settings: Settings, dims: ParallelDims, device: torch.device
+) -> list[tuple[Tensor, Tensor]]:
+    """This data rank's shard of the same random global batches on every layout."""
+    config, b = settings.config, settings.global_batch // dims.data_world
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(NUM_BATCHES):
+        tokens = torch.randint(
+            0, config.vocab_size, (settings.global_batch, config.seq_len + 1), generator=g
+        )
+        rows = tokens[dims.data_rank * b : (dims.data_rank + 1) * b].to(device)
+        out.append((rows[:, :-1], rows[:, 1:]))
+    return out
+
+
+def _make(impl: str, case: Case, settings: Settings, dims: ParallelDims, groups: ProcessGroups,
+          device: torch.device) -> Any:  # fmt: skip
+    m = settings.num_microbatches(case)
+    if impl in (OURS, PER_PARAM):
+        reducer = "bucketed" if impl == OURS else "per_param"
+        return TitanRunner(settings.config, dims, groups, device, schedule=case.schedule,
+                           num_microbatches=m, reducer=reducer)  # fmt: skip
+    if impl == DDP:
+        return DDPRunner(settings.config, dims, groups, device)
+    if impl == TORCH_PP:
+        return TorchPipeRunner(settings.config, dims, groups, device, schedule=case.schedule,
+                               num_microbatches=m)  # fmt: skip
+    raise ValueError(f"impl={impl!r} is unknown; choose one of {(OURS, PER_PARAM, DDP, TORCH_PP)}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_block(
+    runner: Any, batches: list, steps: int, device: torch.device
+) -> tuple[float, float]:
+    """(wall seconds per step, the slowest rank's; CPU seconds per step, all ranks together).
+
+    CPU time (every thread of the process; waiting in gloo does not spin) is what a step costs
+    whatever else the machine runs, so it stays comparable on a shared box where wall time is not.
+    """
+    _sync(device)
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    for k in range(steps):
+        runner.step(*batches[k % len(batches)])
+    _sync(device)
+    cpu = time.process_time() - cpu
+    dist.barrier()
+    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    cpu_all = torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(cpu_all)
+    return wall.item() / steps, cpu_all.item() / steps
+
+
+def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: ProcessGroups,
+             device: torch.device) -> dict[str, dict]:  # fmt: skip
+    """This rank's measurements of every implementation of ``case``."""
+    batches = _batches(settings, dims, device)
+    runners, out = {}, {}
+    for impl in case.impls:
+        torch.manual_seed(dims.rank)
+        reset_peak(device)
+        runners[impl] = _make(impl, case, settings, dims, groups, device)
+        for k in range(settings.warmup):
+            runners[impl].step(*batches[k % len(batches)])
+        _sync(device)
+        out[impl] = {"rank": dims.rank, "coords": dims.coords_of(dims.rank), "step_s": [],
+                     "cpu_s": [], "peak_bytes": peak_bytes(device)}  # fmt: skip
+    for r in range(settings.rounds):
+        order = case.impls[r % len(case.impls) :] + case.impls[: r % len(case.impls)]
+        for impl in order:
+            wall, cpu = _timed_block(runners[impl], batches, settings.steps, device)
+            out[impl]["step_s"].append(wall)
+            out[impl]["cpu_s"].append(cpu)
+    for result in out.values():
+        result["median_step_s"] = statistics.median(result["step_s"])
+        result["median_cpu_s"] = statistics.median(result["cpu_s"])
+
+    ours = runners[OURS]
+    spans = []
+    for k in range(settings.traced_steps):
+        dist.barrier()
+        tracing.start(dims.rank, step=k, synchronize=device.type == "cuda")
+        try:
+            ours.step(*batches[k % len(batches)])
+        finally:
+            spans += tracing.stop()
+    out[OURS]["spans"] = spans
+    out[OURS]["state_bytes"] = state_bytes(ours.model, ours.optimizer)
+    if case.pp > 1:
+        out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
+    for runner in runners.values():
+        runner.close()
+    return out
+
+
+def _saved_peak(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> int:
+    """Peak bytes saved for backward during one step's schedule (activations only)."""
+    meter = SavedTensorMeter(exclude=list(runner.model.parameters()))
+    with meter:
+        runner.engine.forward_backward(runner.model, *batch, runner.num_microbatches)
+    runner.engine.finish_gradients(None)
+    runner.optimizer.zero_grad(set_to_none=True)
+    return meter.peak
+
+
+def run_world(rank: int, world_size: int, cases: list[Case], settings: Settings) -> list[dict]:
+    """Spawned on every rank: run every case of this world size, in order."""
+    device = _device(settings, rank)
+    if settings.threads_per_rank is not None:
+        torch.set_num_threads(settings.threads_per_rank)
+    groups_by_layout: dict[tuple[int, int, int], ProcessGroups] = {}
+    results = []
+    for case in cases:
+        dims = ParallelDims(case.dp, case.pp, case.ep, rank)
+        layout = (case.dp, case.pp, case.ep)
+        if layout not in groups_by_layout:  # new_group is collective: every rank, same order
+            groups_by_layout[layout] = build_process_groups(dims)
+        results.append(run_case(case, settings, dims, groups_by_layout[layout], device))
+        gc.collect()
+    return results

@@ -1,0 +1,113 @@
+"""Fault injection for the reliability tests: make one rank fail at one step in one phase.
+
+    TITAN_FAULT="rank=1,step=2,phase=backward,action=kill" titan fit --config configs/pp_ep.yaml
+
+``step`` is the index of the training step (``trainer.global_step`` when the step began; a checkpoint
+saved after a step belongs to it), ``rank`` the global rank. The fault fires once, at the first
+injection point of that phase in that step. Actions:
+
+- ``raise``: raise :class:`InjectedFault` (a Python error, as a bug would);
+- ``exit``: leave at once with exit code :data:`EXIT_CODE`, no cleanup (as a C++ abort would);
+- ``kill``: SIGKILL this process (as the OOM killer would);
+- ``nan`` / ``inf``: poison the phase's tensor (stage output, backward objective, all-to-all payload).
+
+Unset, every injection point is one ``is None`` test: the variable is read once, at import.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ENV = "TITAN_FAULT"
+PHASES = ("forward", "backward", "p2p", "all_to_all", "all_reduce", "checkpoint_save")
+ACTIONS = ("raise", "exit", "kill", "nan", "inf")
+TENSOR_PHASES = ("forward", "backward", "all_to_all")  # where nan/inf has a tensor to poison
+EXIT_CODE = 13
+
+
+class InjectedFault(RuntimeError):
+    """The error ``action=raise`` raises."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    phase: str
+    action: str
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        """``"rank=1,step=2,phase=backward,action=raise"`` -> Fault; ValueError naming what is wrong."""
+        fields: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in ("rank", "step", "phase", "action"):
+                raise ValueError(
+                    f"{ENV}={spec!r}: {item!r} is not one of rank=R, step=S, phase=P, action=A"
+                )
+            fields[key] = value.strip()
+        missing = [k for k in ("rank", "step", "phase", "action") if k not in fields]
+        if missing:
+            raise ValueError(f"{ENV}={spec!r} lacks {', '.join(missing)}; e.g. {_EXAMPLE}")
+        for key in ("rank", "step"):
+            if not fields[key].isdigit():
+                raise ValueError(f"{ENV}={spec!r}: {key}={fields[key]!r} must be an int >= 0")
+        fault = cls(int(fields["rank"]), int(fields["step"]), fields["phase"], fields["action"])
+        if fault.phase not in PHASES:
+            raise ValueError(f"{ENV}={spec!r}: phase={fault.phase!r} is not one of {PHASES}")
+        if fault.action not in ACTIONS:
+            raise ValueError(f"{ENV}={spec!r}: action={fault.action!r} is not one of {ACTIONS}")
+        if fault.action in ("nan", "inf") and fault.phase not in TENSOR_PHASES:
+            raise ValueError(
+                f"{ENV}={spec!r}: action={fault.action} needs a tensor; use a phase of {TENSOR_PHASES}"
+            )
+        return fault
+
+
+_EXAMPLE = "rank=1,step=2,phase=backward,action=raise"
+_fault: Fault | None = Fault.parse(os.environ[ENV]) if os.environ.get(ENV) else None
+_step = 0
+_fired = False
+
+
+def set_step(step: int) -> None:
+    """The training step now running (the strategy calls this as each step begins)."""
+    global _step
+    _step = step
+
+
+def inject(phase: str, tensor: Tensor | None = None) -> Tensor | None:
+    """An injection point: returns ``tensor`` (poisoned for nan/inf), or fails as TITAN_FAULT says."""
+    if _fault is None:
+        return tensor
+    return _fire(phase, tensor)
+
+
+def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
+    global _fired
+    fault = _fault
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if _fired or phase != fault.phase or _step != fault.step or rank != fault.rank:
+        return tensor
+    _fired = True
+    what = f"{ENV} fired: rank {rank} {fault.action} in {phase} at step {_step}"
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"{what}\n".encode())  # one write: ranks share the stream
+    if fault.action == "raise":
+        raise InjectedFault(what)
+    if fault.action == "exit":
+        sys.stdout.flush()
+        os._exit(EXIT_CODE)
+    if fault.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    value = float("nan") if fault.action == "nan" else float("inf")
+    # multiply (not fill) so autograd carries the poison to every gradient upstream
+    return tensor * torch.tensor(value, dtype=tensor.dtype, device=tensor.device)

@@ -1,0 +1,294 @@
+"""Per-rank span recorder for measured timelines, and the analysis of what it recorded.
+
+    with tracing.span("p2p", "send_forward", mb=3):
+        ...
+    tracing.start(rank, step=7)   # this process records from now on
+    spans = tracing.stop()        # ... and hands back what it recorded
+
+Recording is off unless ``start`` was called in this process; ``span`` then returns one shared no-op
+context, so the instrumented code paths cost a function call and a global read. The recorder is
+process-wide (like ``torch.profiler``), not passed around, because the spans come from deep inside the
+stage, the reducer hooks and the MoE dispatch, which run on whatever thread autograd picks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+COMPUTE_KINDS = ("forward", "backward")
+COMM_KINDS = ("p2p", "all_to_all", "all_reduce", "wait")
+KINDS = (*COMPUTE_KINDS, *COMM_KINDS, "optimizer")
+OTHER = "other"  # time inside a step covered by no span (Python, scheduler, logging)
+
+
+@dataclass(slots=True)
+class Span:
+    kind: str
+    name: str
+    rank: int
+    start_ns: int
+    end_ns: int
+    step: int = 0
+    thread: int = 0
+    args: dict = field(default_factory=dict)
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+class _Recorder:
+    def __init__(self, rank: int, step: int, synchronize: bool) -> None:
+        self.rank, self.step, self.synchronize = rank, step, synchronize
+        self.spans: list[Span] = []
+        self.lock = threading.Lock()  # autograd may run hooks on its own device threads
+
+
+_recorder: _Recorder | None = None
+_NULL = nullcontext()
+
+
+class _Open:
+    __slots__ = ("recorder", "kind", "name", "args", "start_ns")
+
+    def __init__(self, recorder: _Recorder, kind: str, name: str, args: dict) -> None:
+        self.recorder, self.kind, self.name, self.args = recorder, kind, name, args
+
+    def __enter__(self) -> _Open:
+        if self.recorder.synchronize:  # on CUDA: time the kernels, not their launches
+            torch.cuda.synchronize()
+        self.start_ns = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        rec = self.recorder
+        if rec.synchronize:
+            torch.cuda.synchronize()
+        end = time.perf_counter_ns()
+        span = Span(self.kind, self.name, rec.rank, self.start_ns, end, rec.step,
+                    threading.get_ident(), self.args)  # fmt: skip
+        with rec.lock:
+            rec.spans.append(span)
+
+
+def span(kind: str, name: str, **args: object):
+    """A context manager that records ``(kind, name)`` on this rank while recording is on."""
+    rec = _recorder
+    if rec is None:
+        return _NULL
+    return _Open(rec, kind, name, args)
+
+
+def start(rank: int, *, step: int = 0, synchronize: bool = False) -> None:
+    """Record spans in this process from now on, tagged with ``rank`` and ``step``.
+
+    ``synchronize`` waits for the GPU at each span edge: slower, but the spans then hold kernel time.
+    """
+    global _recorder
+    if _recorder is not None:
+        raise RuntimeError("tracing.start() called while already recording; call stop() first")
+    _recorder = _Recorder(rank, step, synchronize)
+
+
+def stop() -> list[Span]:
+    """Stop recording and return the spans recorded since ``start`` (empty if not recording)."""
+    global _recorder
+    rec, _recorder = _recorder, None
+    return [] if rec is None else rec.spans
+
+
+def is_recording() -> bool:
+    return _recorder is not None
+
+
+# -- analysis -------------------------------------------------------------------------------------------
+
+
+def exclusive_ns(spans: Iterable[Span], window: tuple[int, int] | None = None) -> dict[str, int]:
+    """Time of one rank by kind, each instant counted once, for the innermost span covering it.
+
+    A forward that contains an all-to-all gives the all-to-all's time to ``all_to_all`` and the rest to
+    ``forward``. Instants of ``window`` covered by no span go to ``OTHER``.
+    """
+    spans = [s for s in spans if s.end_ns > s.start_ns]
+    edges = sorted({t for s in spans for t in (s.start_ns, s.end_ns)} | set(window or ()))
+    if window is not None:
+        edges = [t for t in edges if window[0] <= t <= window[1]]
+    by_start = sorted(spans, key=lambda s: s.start_ns)
+    out: dict[str, int] = defaultdict(int)
+    active: list[Span] = []
+    nxt = 0
+    for left, right in zip(edges, edges[1:], strict=False):
+        while nxt < len(by_start) and by_start[nxt].start_ns <= left:
+            active.append(by_start[nxt])
+            nxt += 1
+        active = [s for s in active if s.end_ns > left]
+        if active:
+            # innermost: started last; among equal starts, the one ending first
+            inner = max(active, key=lambda s: (s.start_ns, -s.end_ns))
+            out[inner.kind] += right - left
+        elif window is not None:
+            out[OTHER] += right - left
+    return dict(out)
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    total, cur_start, cur_end = 0, None, None
+    for a, b in sorted(intervals):
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def theory_bubble(pp: int, num_microbatches: int) -> float:
+    """Idle fraction of each stage for GPipe and 1F1B with equal stages: (P - 1) / (M + P - 1)."""
+    return (pp - 1) / (num_microbatches + pp - 1)
+
+
+@dataclass
+class StageBubble:
+    stage: int
+    measured: float  # median over (pipeline, step) samples: one disturbed step does not decide it
+    theory: float
+    num_microbatches: int
+    samples: int  # (pipeline, step) pairs measured
+    mean: float = 0.0
+
+
+def measure_bubbles(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -> list[StageBubble]:
+    """Idle fraction of each pipeline stage, measured: ``1 - busy / window`` where busy is the union of
+    the stage's forward/backward spans and the window runs from the pipeline's first compute start to
+    its last compute end, per step; the median over pipelines and steps (and the mean). ``pipelines``
+    lists each pipeline's global ranks by stage (``ParallelDims.all_groups("pp")``). Time in send/recv
+    counts as idle: that is the bubble."""
+    compute: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    forwards: dict[tuple[int, int], int] = defaultdict(int)
+    for s in spans:
+        if s.kind in COMPUTE_KINDS:
+            compute[(s.rank, s.step)].append((s.start_ns, s.end_ns))
+            forwards[(s.rank, s.step)] += s.kind == "forward"
+    steps = sorted({step for _, step in compute})
+    fractions: dict[int, list[float]] = defaultdict(list)
+    microbatches: dict[int, int] = {}
+    for ranks in pipelines:
+        for step in steps:
+            per_rank = [compute.get((r, step), []) for r in ranks]
+            if not all(per_rank):
+                continue
+            start = min(a for iv in per_rank for a, _ in iv)
+            end = max(b for iv in per_rank for _, b in iv)
+            for stage, intervals in enumerate(per_rank):
+                fractions[stage].append(1.0 - _union_ns(intervals) / max(1, end - start))
+                microbatches[stage] = forwards[(ranks[stage], step)]
+    pp = len(pipelines[0]) if pipelines else 1
+    m = microbatches.get(0, 1)
+    return [
+        StageBubble(stage, statistics.median(f), theory_bubble(pp, m), microbatches[stage], len(f),
+                    sum(f) / len(f))
+        for stage, f in sorted(fractions.items())
+    ]  # fmt: skip
+
+
+def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]
+                                 ) -> list[Span]:  # fmt: skip
+    """The recorded forwards and backwards, each stage in its recorded order and with its recorded
+    durations, re-timed as if send/recv cost nothing: forward i on stage p starts once forward i on
+    p - 1 ended, backward i once backward i on p + 1 ended. ``measure_bubbles`` of the result is the
+    bubble that compute alone (its imbalance and jitter) explains; the rest is communication."""
+    by_rank_step: dict[tuple[int, int], list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.kind in COMPUTE_KINDS:
+            by_rank_step[(s.rank, s.step)].append(s)
+    out = []
+    for ranks in pipelines:
+        for step in sorted({st for r, st in by_rank_step if r in ranks}):
+            orders = [sorted(by_rank_step[(r, step)], key=lambda s: s.start_ns) for r in ranks]
+            done: dict[tuple[str, int, object], int] = {}
+            free, nxt = [0] * len(ranks), [0] * len(ranks)
+            while any(n < len(o) for n, o in zip(nxt, orders, strict=True)):
+                progressed = False
+                for p, order in enumerate(orders):
+                    if nxt[p] == len(order):
+                        continue
+                    s, mb = order[nxt[p]], order[nxt[p]].args.get("mb")
+                    if s.kind == "forward":
+                        deps = [("forward", p - 1, mb)] if p > 0 else []
+                    else:
+                        deps = [("forward", p, mb)] + (
+                            [("backward", p + 1, mb)] if p + 1 < len(ranks) else []
+                        )
+                    if any(d not in done for d in deps):
+                        continue
+                    start = max([free[p]] + [done[d] for d in deps])
+                    free[p] = done[(s.kind, p, mb)] = start + s.duration_ns
+                    out.append(Span(s.kind, s.name, s.rank, start, free[p], step, s.thread, s.args))
+                    nxt[p] += 1
+                    progressed = True
+                if not progressed:
+                    raise ValueError(f"the recorded order of step {step} on ranks {list(ranks)} cannot be "
+                                     "replayed: spans without matching microbatch ids (args['mb'])?")  # fmt: skip
+    return out
+
+
+def step_windows(spans: Iterable[Span]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(rank, step) -> (first span start, last span end)."""
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for s in spans:
+        key = (s.rank, s.step)
+        a, b = out.get(key, (s.start_ns, s.end_ns))
+        out[key] = (min(a, s.start_ns), max(b, s.end_ns))
+    return out
+
+
+def time_by_kind(spans: Sequence[Span]) -> dict[str, float]:
+    """Mean per rank and step of the exclusive time of each kind, in ms (``OTHER`` included)."""
+    by_key: dict[tuple[int, int], list[Span]] = defaultdict(list)
+    for s in spans:
+        by_key[(s.rank, s.step)].append(s)
+    windows = step_windows(spans)
+    totals: dict[str, float] = defaultdict(float)
+    for key, group in by_key.items():
+        for kind, ns in exclusive_ns(group, windows[key]).items():
+            totals[kind] += ns / 1e6
+    n = max(1, len(by_key))
+    return {kind: totals.get(kind, 0.0) / n for kind in (*KINDS, OTHER)}
+
+
+def chrome_trace(spans: Iterable[Span], rank_labels: dict[int, str] | None = None) -> dict:
+    """Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev): one process per rank, times in us
+    from the earliest span. Ranks of one host share the monotonic clock, so their spans line up."""
+    spans = list(spans)
+    t0 = min((s.start_ns for s in spans), default=0)
+    threads: dict[tuple[int, int], int] = {}
+    events = []
+    for s in sorted(spans, key=lambda s: (s.rank, s.start_ns)):
+        tid = threads.setdefault((s.rank, s.thread), sum(r == s.rank for r, _ in threads))
+        events.append({
+            "name": s.name if "mb" not in s.args else f"{s.name} {s.args['mb']}",
+            "cat": s.kind, "ph": "X", "pid": s.rank, "tid": tid,
+            "ts": (s.start_ns - t0) / 1e3, "dur": s.duration_ns / 1e3,
+            "args": {"step": s.step, **{k: _jsonable(v) for k, v in s.args.items()}},
+        })  # fmt: skip
+    for rank in sorted({s.rank for s in spans}):
+        label = (rank_labels or {}).get(rank, f"rank {rank}")
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": label}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})  # fmt: skip
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _jsonable(value: object) -> object:
+    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)

@@ -1,0 +1,237 @@
+"""Measurement: the span analysis on simulated schedules and synthetic spans, the saved-tensor meter,
+the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 ranks."""
+
+import json
+
+import pytest
+import torch
+
+from lightning_titan import tracing
+from lightning_titan.bench.memory import SavedTensorMeter
+from lightning_titan.engine import Engine
+from lightning_titan.model import ModelConfig, StageModel
+from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
+from lightning_titan.pipeline.schedules import get_schedule
+
+
+class _OrderOnly:
+    """A stage that only records the order in which a schedule calls forward and backward."""
+
+    def __init__(self, pp, pp_rank):
+        self.pp, self.pp_rank, self.order = pp, pp_rank, []
+
+    def forward(self, i, x):
+        self.order.append(("forward", i))
+
+    def backward(self, i, g):
+        self.order.append(("backward", i))
+
+    def __getattr__(self, name):  # every send / recv: nothing to move here
+        return lambda *args: None
+
+
+def simulate(schedule, pp, m, fwd_ns=1000, bwd_ns=2000, slowdown=None, latency_ns=0):
+    """Spans of a pipeline whose stages run ``schedule``'s order as early as the data dependencies allow:
+    forward i on stage p after forward i on p-1; backward i after forward i and after backward i on p+1."""
+    orders = []
+    for p in range(pp):
+        stage = _OrderOnly(pp, p)
+        get_schedule(schedule)(stage, m)
+        orders.append(stage.order)
+    done, free, nxt, spans = {}, [0] * pp, [0] * pp, []
+    while any(nxt[p] < len(orders[p]) for p in range(pp)):
+        progressed = False
+        for p in range(pp):
+            if nxt[p] == len(orders[p]):
+                continue
+            kind, i = orders[p][nxt[p]]
+            deps = [("forward", p - 1, i)] if kind == "forward" and p > 0 else []
+            if kind == "backward":
+                deps = [("forward", p, i)] + ([("backward", p + 1, i)] if p < pp - 1 else [])
+            if all(d in done for d in deps):
+                # a message between stages arrives latency_ns after it was sent
+                start = max([free[p]] + [done[d] + latency_ns * (d[1] != p) for d in deps])
+                scale = (slowdown or {}).get(p, 1)
+                end = start + scale * (fwd_ns if kind == "forward" else bwd_ns)
+                done[(kind, p, i)], free[p] = end, end
+                spans.append(tracing.Span(kind, kind, p, start, end, args={"mb": i}))
+                nxt[p] += 1
+                progressed = True
+        assert progressed, f"{schedule} deadlocks in the simulation"
+    return spans
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp,m", [(2, 8), (4, 4), (4, 16), (3, 7)])
+def test_measured_bubble_of_ideal_pipelines_is_the_textbook_one(schedule, pp, m):
+    spans = simulate(schedule, pp, m)
+    bubbles = tracing.measure_bubbles(spans, [list(range(pp))])
+    assert [b.stage for b in bubbles] == list(range(pp))
+    for b in bubbles:
+        # independent of the formula in tracing: busy M*(F+B) of a (M+P-1)*(F+B) flush
+        assert b.measured == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+        assert b.theory == pytest.approx((pp - 1) / (m + pp - 1)) and b.num_microbatches == m
+
+
+def test_a_slow_stage_shows_up_as_bubble_on_the_others():
+    bubbles = tracing.measure_bubbles(simulate("1f1b", 2, 8, slowdown={1: 2}), [[0, 1]])
+    # stage 1 twice as slow: it paces the pipeline, stage 0 idles about half the time
+    assert bubbles[0].measured > 0.4 and bubbles[1].measured < tracing.theory_bubble(2, 8)
+
+
+def test_replay_removes_communication_delay_but_keeps_compute_imbalance():
+    pipelines, theory = [[0, 1, 2, 3]], tracing.theory_bubble(4, 16)
+    late = simulate("1f1b", 4, 16, latency_ns=300)
+    assert tracing.measure_bubbles(late, pipelines)[0].measured > theory + 0.05
+    replay = tracing.replay_without_communication(late, pipelines)
+    assert all(
+        b.measured == pytest.approx(theory) for b in tracing.measure_bubbles(replay, pipelines)
+    )
+    slow = simulate("1f1b", 4, 16, slowdown={2: 1.5})
+    kept = tracing.measure_bubbles(tracing.replay_without_communication(slow, pipelines), pipelines)
+    assert kept[0].measured > theory + 0.1
+
+
+def test_exclusive_time_goes_to_the_innermost_span():
+    forward = tracing.Span("forward", "forward", 0, 0, 100)
+    a2a = [
+        tracing.Span("all_to_all", "tokens", 0, 20, 30),
+        tracing.Span("all_to_all", "t", 0, 50, 70),
+    ]
+    other_thread = tracing.Span("all_reduce", "launch", 0, 60, 65, thread=2)
+    got = tracing.exclusive_ns([forward, *a2a, other_thread], window=(0, 120))
+    assert got == {"forward": 70, "all_to_all": 25, "all_reduce": 5, "other": 20}
+    per_kind = tracing.time_by_kind([forward, *a2a])
+    assert per_kind["forward"] == pytest.approx(70e-6) and per_kind["all_to_all"] == pytest.approx(
+        30e-6
+    )
+
+
+def test_chrome_trace_has_one_process_per_rank_in_microseconds():
+    spans = [tracing.Span("forward", "forward", 1, 5_000, 9_000, step=3, args={"mb": 2}),
+             tracing.Span("p2p", "send_forward", 0, 2_000, 3_000)]  # fmt: skip
+    trace = json.loads(json.dumps(tracing.chrome_trace(spans, {0: "rank 0 (pp0)"})))
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {(e["pid"], e["name"], e["ts"], e["dur"]) for e in events} == {
+        (1, "forward 2", 3.0, 4.0),
+        (0, "send_forward", 0.0, 1.0),
+    }
+    names = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"
+    }
+    assert names == {0: "rank 0 (pp0)", 1: "rank 1"}
+
+
+def test_saved_tensor_meter_counts_each_storage_once_and_releases_it():
+    n = 1000
+    w = torch.nn.Parameter(torch.randn(n))
+    x = torch.randn(n, requires_grad=True)
+    meter = SavedTensorMeter(exclude=[w])
+    with meter:
+        a = x.exp()  # saves its output a
+        b = a.sin()  # saves its input a: the same storage, counted once
+        c = b.cos()  # saves b: a second storage
+        d = (c * w).sum()  # saves c (counted) and w (a parameter: not counted)
+    assert meter.peak == 3 * n * 4
+    d.backward()
+    del a, b, c, d
+    assert meter.current == 0 and meter.peak == 3 * n * 4
+
+
+def test_recording_is_off_by_default_and_the_stack_reports_its_spans():
+    config = ModelConfig(vocab_size=31, d_model=16, n_layers=2, n_heads=2, ffn_dim=8, n_experts=2,
+                         seq_len=6)  # fmt: skip
+    model = StageModel(config)
+    model.init_weights(0)
+    engine = Engine(model, ParallelDims(1, 1, 1), ProcessGroups(None, None, None, None))
+    tokens = torch.randint(0, 31, (4, 7))
+    engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 2)
+    assert not tracing.is_recording() and tracing.stop() == []
+    tracing.start(rank=3, step=9)
+    engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 2)
+    engine.finish_gradients(1.0)
+    spans = tracing.stop()
+    kinds = [s.kind for s in spans]
+    assert kinds.count("forward") == 2 and kinds.count("backward") == 2
+    assert {s.rank for s in spans} == {3} and {s.step for s in spans} == {9}
+    assert all(s.end_ns >= s.start_ns for s in spans)
+    assert sorted(s.args["mb"] for s in spans if s.kind == "forward") == [0, 1]
+    with pytest.raises(RuntimeError, match="already recording"):
+        tracing.start(0)
+        tracing.start(0)
+    tracing.stop()
+
+
+@pytest.mark.timeout(300)
+def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
+    from lightning_titan.bench import main
+
+    results = main(["--quick", "--out", str(tmp_path)])
+    for name in ("bench.md", "bench.json", "throughput.png", "breakdown.png", "peers.png", "memory.png",
+                 "timeline/pp2_1f1b.json", "timeline/pp2_1f1b.png", "timeline/dp2.json"):  # fmt: skip
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"] == results["rows"]
+    assert {r["case"] for r in results["rows"]} == {"dp2", "pp2 1f1b", "pp2 gpipe", "ep2"}
+    for row in results["rows"]:
+        for impl in row["impls"].values():
+            assert impl["tokens_per_s"] > 0 and impl["step_ms"] > 0
+    assert {(p["case"], p["peer"]) for p in results["peers"]} == {
+        ("dp2", "titan_per_param"), ("dp2", "ddp"), ("pp2 1f1b", "torch_pp")}  # fmt: skip
+    ep = next(r for r in results["rows"] if r["case"] == "ep2")
+    assert ep["time_ms"]["all_to_all"] > 0 and ep["state"]["expert_share"] == [0.5, 0.5]
+    # 1F1B keeps P - p microbatches' activations on stage p where GPipe keeps all M
+    (memory,) = results["memory"]
+    m = memory["microbatches"]
+    assert memory["ratio_per_stage"] == pytest.approx([2 / m, 1 / m], abs=0.02)
+    pp = next(r for r in results["rows"] if r["case"] == "pp2 1f1b")
+    assert [b["stage"] for b in pp["bubbles"]] == [0, 1]
+    assert all(0 <= b["measured"] < 1 for b in pp["bubbles"])
+    trace = json.loads((tmp_path / "timeline" / "pp2_1f1b.json").read_text())
+    forwards = [e for e in trace["traceEvents"] if e.get("cat") == "forward"]
+    assert sorted({e["pid"] for e in forwards}) == [0, 1] and len(forwards) == 2 * m
+    assert "| 2 | pp2 1f1b |" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_callbacks_under_titan_fit_write_the_timeline_and_log_expert_load(tmp_path):
+    """PipelineTimeline and ExpertLoad added from the command line to a pp=2 run: every rank makes the
+    same collectives and logs the same keys (a mismatch would hang), rank 0 writes the files."""
+    import csv
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "pp.yaml"
+    cmd = [sys.executable, "-m", "lightning_titan", "fit", "--config", str(config),
+           "--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+           "--trainer.callbacks+=lightning_titan.timeline.PipelineTimeline",
+           "--trainer.callbacks.steps=[2]", "--trainer.callbacks.out_dir=tl",
+           "--trainer.callbacks+=lightning_titan.timeline.ExpertLoad",
+           "--trainer.callbacks.plot_path=expert_load.png"]  # fmt: skip
+    env = {**os.environ, "LIGHTNING_TITAN_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "stage 1: bubble measured" in proc.stdout + proc.stderr
+    trace = json.loads((tmp_path / "tl" / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):  # configs/pp.yaml: M = 4
+        names = [e["cat"] for e in spans if e["pid"] == rank]
+        assert names.count("forward") == 4 and names.count("backward") == 4
+        assert "optimizer" in names and "p2p" in names
+    bubbles = json.loads((tmp_path / "tl" / "bubbles.json").read_text())["bubbles"]
+    assert [b["stage"] for b in bubbles] == [0, 1] and bubbles[0]["theory"] == pytest.approx(1 / 5)
+    assert (tmp_path / "tl" / "timeline.png").stat().st_size > 0
+    assert (tmp_path / "expert_load.png").stat().st_size > 0
+    rows = list(csv.DictReader(open(next(tmp_path.glob("runs/pp/version_*/metrics.csv")))))
+    logged = [r for r in rows if r.get("expert_load/layer0/expert0")]
+    assert len(logged) == 4
+    for row in logged:
+        for layer in range(4):  # layers 0-1 live on rank 0, 2-3 on rank 1: all are in rank 0's log
+            shares = [float(row[f"expert_load/layer{layer}/expert{e}"]) for e in range(8)]
+            assert sum(shares) == pytest.approx(1.0)
+            assert float(row[f"expert_load/layer{layer}/max_over_mean"]) == pytest.approx(
+                max(shares) * 8
+            )
+    assert any(r.get("timeline/bubble_stage1") for r in rows)
