@@ -56,15 +56,17 @@ def run_on_ranks(
     *args: Any,
     timeout_s: float = 300.0,
     backend: str = "gloo",
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return each rank's result.
 
     ``backend`` is passed to ``init_process_group`` (e.g. ``"cpu:gloo,cuda:nccl"`` on GPUs, where rank r
     uses ``cuda:r % device_count``).
+    ``start_method="fork"`` runs functions defined in a notebook (no import needed); with ``"spawn"``
     ``fn`` must be importable (a module-level function). Raises if any rank fails or the deadline passes;
     the survivors are killed either way, so nothing is left hanging.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [

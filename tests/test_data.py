@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from lightning_titan.data import ByteTokenizer, LayoutFreeSampler, Packer, TitanDataModule, prepare
 from lightning_titan.data.corpus import Source
+from lightning_titan.data.tokenizer import load_tokenizer
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.parallel_dims import ParallelDims
 
@@ -471,14 +472,27 @@ def test_bad_inputs_raise_in_setup(tmp_path, corpus):
         dm.check_model(vocab_size=257, seq_len=16)
 
 
-def test_hf_tokenizer_is_optional():
+def test_hf_tokenizer_by_local_path_or_a_clear_error(tmp_path):
+    """With transformers: a Hugging Face tokenizer from a local folder (our byte tokenizer in HF form, as
+    `titan export` writes it) tokenises like ByteTokenizer. Without: a clear error naming the package."""
+    import json
+
+    from lightning_titan.export import byte_tokenizer_files
+
+    for name, content in byte_tokenizer_files().items():
+        (tmp_path / name).write_text(json.dumps(content, ensure_ascii=False))
     try:
         import transformers  # noqa: F401
     except ImportError:
         with pytest.raises(ValueError, match="transformers"):
-            _ = TitanDataModule(tokenizer="gpt2").vocab_size
-    else:
-        pytest.skip("transformers is installed; the missing-package path cannot be exercised")
+            _ = TitanDataModule(tokenizer=str(tmp_path)).vocab_size
+        return
+    hf, byte = load_tokenizer(str(tmp_path)), ByteTokenizer()
+    text = "def f():\n    return 'héllo ✓'\n"
+    assert (hf.vocab_size, hf.eod_id) == (byte.vocab_size, byte.eod_id) == (257, 256)
+    assert hf.encode(text) == byte.encode(text)
+    assert hf.decode(hf.encode(text)) == text
+    assert TitanDataModule(tokenizer=str(tmp_path)).vocab_size == 257
 
 
 # -- Lightning --------------------------------------------------------------------------------------

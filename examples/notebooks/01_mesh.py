@@ -19,13 +19,6 @@
 
 # %%
 import logging
-import multiprocessing as mp
-import os
-import pickle
-import queue
-import socket
-import traceback
-from datetime import timedelta
 
 import lightning as L
 import matplotlib.pyplot as plt
@@ -34,6 +27,7 @@ import torch.distributed as dist
 from matplotlib.patches import Rectangle
 
 from lightning_titan import ModelConfig, ParallelDims, StageModel, TitanStrategy
+from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import split_expert_parameters
 from lightning_titan.parallel_dims import GROUP_KINDS, build_process_groups
 
@@ -238,57 +232,14 @@ except ValueError as error:
 # strategy uses. Each rank discovers its group of each kind by summing one-hot vectors inside it
 # (an `all_reduce` over that group only) and we compare with the picture above.
 #
-# `run_forked` is a small launcher for this notebook: fork (so the ranks see functions defined here),
-# one gloo process group, results back through a queue. Training launches through the Trainer instead.
+# `run_forked` starts gloo ranks with `lightning_titan.launch.run_on_ranks` by fork, so the ranks see
+# functions defined in this notebook. Training launches through the Trainer instead.
 
 
 # %%
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_forked(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; return results by rank."""
-    ctx = mp.get_context("fork")
-    results, port = ctx.Queue(), free_port()
-
-    def entry(rank: int) -> None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)  # the ranks share this machine's cores
-        try:
-            dist.init_process_group(
-                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-            )
-            results.put((rank, None, pickle.dumps(fn(rank, world_size, *args))))
-        except BaseException:  # noqa: BLE001 - report anything, the parent raises it
-            results.put((rank, traceback.format_exc(), None))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-    procs = [ctx.Process(target=entry, args=(rank,), daemon=True) for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(world_size):
-            try:
-                rank, error, value = results.get(timeout=timeout_s)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"ranks {sorted(set(range(world_size)) - set(out))} did not finish"
-                ) from None
-            if error is not None:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
-            out[rank] = pickle.loads(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [out[rank] for rank in range(world_size)]
+def run_forked(fn, world_size: int, *args) -> list:
+    """``fn(rank, world_size, *args)`` on forked gloo ranks (they see this notebook's functions)."""
+    return run_on_ranks(fn, world_size, *args, timeout_s=120, start_method="fork")
 
 
 def discover_groups(rank: int, world_size: int) -> dict[str, list[int]]:

@@ -16,14 +16,8 @@
 
 # %%
 import logging
-import multiprocessing as mp
 import os
-import pickle
-import queue
-import socket
-import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -31,11 +25,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from matplotlib.patches import Rectangle
 
 from lightning_titan import ModelConfig, ParallelDims, TitanDataModule, TitanLM, TitanStrategy
+from lightning_titan.launch import run_on_ranks
 from lightning_titan.moe.dispatch import combine, dispatch
 from lightning_titan.moe.layer import MoELayer
 from lightning_titan.moe.router import route
@@ -126,59 +120,16 @@ print("route -> dispatch -> experts -> combine == MoELayer.forward")
 # `rank * 100 + token` through the same plan. Every rank builds the same full layer from the same seed
 # and keeps only its experts, so we can compare the EP output with the full layer on the same tokens.
 #
-# `run_forked` is this notebook's small launcher (fork, so the ranks see functions defined here;
-# one gloo group; results back through a queue).
+# `run_forked` starts gloo ranks with `lightning_titan.launch.run_on_ranks` by fork, so the ranks see
+# functions defined in this notebook. Training launches through the Trainer instead.
 
 # %%
 EP = 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_forked(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; return results by rank."""
-    ctx = mp.get_context("fork")
-    results, port = ctx.Queue(), free_port()
-
-    def entry(rank: int) -> None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)  # the ranks share this machine's cores
-        try:
-            dist.init_process_group(
-                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-            )
-            results.put((rank, None, pickle.dumps(fn(rank, world_size, *args))))
-        except BaseException:  # noqa: BLE001 - report anything, the parent raises it
-            results.put((rank, traceback.format_exc(), None))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-    procs = [ctx.Process(target=entry, args=(rank,), daemon=True) for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(world_size):
-            try:
-                rank, error, value = results.get(timeout=timeout_s)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"ranks {sorted(set(range(world_size)) - set(out))} did not finish"
-                ) from None
-            if error is not None:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
-            out[rank] = pickle.loads(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [out[rank] for rank in range(world_size)]
+def run_forked(fn, world_size: int, *args) -> list:
+    """``fn(rank, world_size, *args)`` on forked gloo ranks (they see this notebook's functions)."""
+    return run_on_ranks(fn, world_size, *args, timeout_s=120, start_method="fork")
 
 
 def exchange(rank: int, world_size: int) -> dict:
