@@ -49,6 +49,9 @@ def bench_case(
     x = torch.randn(n_tokens, d_model, generator=g).to(device)
     ids = torch.rand(n_tokens, n_experts, generator=g).topk(top_k, dim=-1).indices.to(device)
     weights = torch.softmax(torch.randn(n_tokens, top_k, generator=g), -1).to(device)
+    # A dense upstream gradient, as from the layer above: ``.sum().backward()`` would hand both sides
+    # a stride-0 gradient, which no model produces.
+    grad_out = torch.randn(n_tokens, d_model, generator=g).to(device)
 
     def vectorised(inp: Tensor) -> Tensor:
         expert_in, plan = dispatch(inp, ids, n_experts)
@@ -65,7 +68,7 @@ def bench_case(
         with torch.no_grad():
             result[f"{name}_fwd_ms"] = _best_ms(lambda fn=fn: fn(x), repeats, device)
         result[f"{name}_fwd_bwd_ms"] = _best_ms(
-            lambda fn=fn: fn(x_grad).sum().backward(), repeats, device
+            lambda fn=fn: fn(x_grad).backward(grad_out), repeats, device
         )
     return result
 

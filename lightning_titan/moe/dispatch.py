@@ -81,10 +81,45 @@ class _PermuteRows(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
+class _PackTokens(torch.autograd.Function):
+    """Expert-major rows ``x[token_of_row]``, each token K times. The backward sums each token's K row
+    gradients, gathered slot by slot (``slot_rows[k]``): 3-4x faster on CPU than the scatter-add
+    (``index_add_``) autograd derives for ``index_select`` with repeated indices."""
+
+    @staticmethod
+    def forward(ctx, x, token_of_row, slot_rows):
+        ctx.save_for_backward(slot_rows)
+        return x.index_select(0, token_of_row)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (slot_rows,) = ctx.saved_tensors
+        grad_x = grad.index_select(0, slot_rows[0])
+        for rows in slot_rows[1:]:  # a loop over K (small), not over experts
+            grad_x += grad.index_select(0, rows)
+        return grad_x, None, None
+
+
 def _inverse_permutation(index: Tensor) -> Tensor:
-    inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(index.numel(), device=index.device)
-    return inverse
+    positions = torch.arange(index.numel(), device=index.device)
+    return torch.empty_like(index).scatter_(0, index, positions)
+
+
+# torch's CPU sort is fbgemm's radix sort (linear and stable) for 1-D integer tensors of at least
+# GRAIN_SIZE = 32768 elements, a comparison sort below that: 16k top-2 ids of 8k tokens sort 5-7x
+# faster padded to 32k. Narrow keys mean fewer radix passes.
+_RADIX_SORT_MIN = 32768
+_PAD_FROM = 2048  # below this the comparison sort beats sorting 32k padded keys
+
+
+def sort_by_expert(ids: Tensor, n_experts: int) -> Tensor:
+    """Stable argsort of integer ``ids`` in ``[0, n_experts)`` (a permutation, int64)."""
+    keys = ids.to(torch.uint8 if n_experts < 255 else torch.int32)
+    n = keys.numel()
+    if keys.device.type == "cpu" and _PAD_FROM <= n < _RADIX_SORT_MIN:
+        keys = torch.cat([keys, keys.new_full((_RADIX_SORT_MIN - n,), n_experts)])
+    return torch.sort(keys, stable=True).indices[:n]
 
 
 @dataclass
@@ -92,7 +127,8 @@ class DispatchPlan:
     """What ``combine`` needs to undo a ``dispatch``."""
 
     order: Tensor  # [T*K] flat assignment ids (token * K + k) in expert-major order (stable)
-    order_inverse: Tensor  # [T*K] expert-major position of each flat assignment
+    token_of_row: Tensor  # [T*K] token of each expert-major row (order // K)
+    slot_rows: Tensor  # [K, T] expert-major row of each token's k-th assignment
     tokens_per_expert: Tensor  # [E] long, this rank's assignments per global expert
     tokens_per_local_expert: list[int]  # [E_local] rows each local expert received (all sources)
     send_splits: list[int] | None = None  # rows sent to each EP rank; None with one EP rank
@@ -112,10 +148,12 @@ def dispatch(
     """
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
+    order = sort_by_expert(flat_ids, n_experts)
     counts = torch.bincount(flat_ids, minlength=n_experts)
-    packed = x.index_select(0, order // top_k)
-    plan = DispatchPlan(order, _inverse_permutation(order), counts, [])
+    # Slot-major ([K, T], contiguous) so that each gather below reads one index vector.
+    slot_rows = _inverse_permutation(order).view(-1, top_k).t().contiguous()
+    plan = DispatchPlan(order, order // top_k, slot_rows, counts, [])
+    packed = _PackTokens.apply(x, plan.token_of_row, plan.slot_rows)
 
     ep = ep_size(group)
     if ep == 1:
@@ -141,7 +179,7 @@ def dispatch(
         recv_matrix.reshape(-1),
         output_size=sum(plan.recv_splits),  # known size: no device sync
     )
-    plan.local_order = torch.argsort(local_expert_of_row, stable=True)
+    plan.local_order = sort_by_expert(local_expert_of_row, n_local)
     plan.local_order_inverse = _inverse_permutation(plan.local_order)
     return _PermuteRows.apply(received, plan.local_order, plan.local_order_inverse), plan
 
@@ -151,7 +189,7 @@ def combine(expert_out: Tensor, weights: Tensor, plan: DispatchPlan) -> Tensor:
     if plan.local_order is not None:
         source_major = _PermuteRows.apply(expert_out, plan.local_order_inverse, plan.local_order)
         expert_out = all_to_all(source_major, plan.send_splits, plan.recv_splits, plan.group)
-    return _WeightedUnpack.apply(expert_out, weights, plan.order, plan.order_inverse)
+    return _WeightedUnpack.apply(expert_out, weights, plan.order, plan.token_of_row, plan.slot_rows)
 
 
 class _WeightedUnpack(torch.autograd.Function):
@@ -162,28 +200,30 @@ class _WeightedUnpack(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, weights, order, order_inverse):
-        n_tokens, top_k = weights.shape
-        per_token = rows.index_select(0, order_inverse).view(n_tokens, top_k, -1)
+    def forward(ctx, rows, weights, order, token_of_row, slot_rows):
         w = weights.to(rows.dtype)  # Mixtral applies the fp32 router weights in the hidden dtype
-        ctx.save_for_backward(per_token, w, order)
+        # One [T, D] gather per slot k (K is small), not one [T, K, D] gather: reductions over the
+        # middle dimension of [T, K, D] are several times slower than these row-wise ones on CPU.
+        slot_out = [rows.index_select(0, r) for r in slot_rows]
+        ctx.save_for_backward(w, order, token_of_row, *slot_out)
         ctx.weights_dtype = weights.dtype
-        out = per_token[:, 0] * w[:, 0:1]
-        for k in range(1, top_k):  # a loop over K (small), not over experts
-            out.addcmul_(per_token[:, k], w[:, k : k + 1])
+        out = slot_out[0] * w[:, 0:1]
+        for k in range(1, len(slot_out)):
+            out.addcmul_(slot_out[k], w[:, k : k + 1])
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        per_token, w, order = ctx.saved_tensors
-        top_k = w.shape[1]
+        w, order, token_of_row, *slot_out = ctx.saved_tensors
         grad_rows = grad_weights = None
         if ctx.needs_input_grad[0]:
-            grad_rows = grad.index_select(0, order // top_k) * w.reshape(-1)[order].unsqueeze(1)
+            row_weight = w.reshape(-1).index_select(0, order).unsqueeze(1)
+            grad_rows = grad.index_select(0, token_of_row).mul_(row_weight)
         if ctx.needs_input_grad[1]:
-            grad_weights = (per_token * grad.unsqueeze(1)).sum(-1).to(ctx.weights_dtype)
-        return grad_rows, grad_weights, None, None
+            grad_weights = torch.stack([torch.linalg.vecdot(o, grad) for o in slot_out], dim=1)
+            grad_weights = grad_weights.to(ctx.weights_dtype)
+        return grad_rows, grad_weights, None, None, None
 
 
 # Reference for the benchmark and tests: the write-up's per-expert Python loop ("Producing assignments").

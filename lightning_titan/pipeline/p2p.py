@@ -1,11 +1,22 @@
 """Point-to-point transfers of ``[m, S, D]`` activations and their grads between neighbouring stages.
 
 Every method is a no-op at the end of the pipeline where it has no neighbour, so a schedule reads the same
-on every stage. Paired calls (``send_forward_recv_backward`` on stage p, ``send_backward_recv_forward`` on
-stage p+1) go through ``batch_isend_irecv`` so neither blocks the other.
+on every stage. Each direction of a link carries one ordered stream per step: activations y_0 .. y_{M-1}
+from the previous stage, grads g_0 .. g_{M-1} (in the schedule's backward order) from the next.
+
+On gloo a send completes only after the receiver has posted the matching receive, and the payload moves
+when the sender's side notices that; a stage busy computing notices late (3-5 ms per message on 2 shared
+cores). So, on CPU, the receive of the next message is posted as soon as the current one is taken, before
+it is needed, and sends are not waited at once: the sender finds the receive already posted and writes
+from its own thread. One batch of sends stays in flight (waited when the next one goes out, and by
+``finish``), which bounds the activations the sends hold. NCCL runs a pair's sends and receives on one
+stream, where an early receive would hold up the send it is waiting for: there each exchange posts its
+sends and receives together (``batch_isend_irecv``) and waits for them.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -15,8 +26,31 @@ from lightning_titan import faults
 from lightning_titan.parallel_dims import ParallelDims
 
 
+class _Inbox:
+    """Receives from one neighbour, posted ahead of use when ``early``."""
+
+    def __init__(self, links: StageLinks, peer: int | None, expected: int) -> None:
+        self.links, self.peer = links, peer
+        self.unposted = expected if peer is not None else 0
+        self.posted: deque[tuple[dist.Work, Tensor]] = deque()
+
+    def post(self) -> None:
+        if self.unposted:
+            self.unposted -= 1
+            buffer = self.links.new_buffer()
+            self.posted.append((dist.irecv(buffer, self.peer, group=self.links.group), buffer))
+
+    def take(self) -> Tensor:
+        if not self.posted:
+            self.post()
+        work, buffer = self.posted.popleft()
+        self.post()  # the next message's receive is up before this one is waited for
+        work.wait()
+        return buffer
+
+
 class StageLinks:
-    """This rank's links to the previous and next stage of its pipeline (its PP group)."""
+    """This rank's links to the previous and next stage of its pipeline (its PP group), for one step."""
 
     def __init__(
         self,
@@ -27,58 +61,71 @@ class StageLinks:
     ) -> None:
         self.prev, self.next = dims.prev_stage_rank, dims.next_stage_rank
         self.group, self.dtype, self.device = group, dtype, device
+        self.early = device.type == "cpu"
+        self.shape: tuple[int, ...] = ()
+        self._from_prev = _Inbox(self, self.prev, 0)
+        self._from_next = _Inbox(self, self.next, 0)
+        self._sends: list[dist.Work] = []  # in flight; each work holds its tensor until waited
 
-    def _buffer(self, shape: tuple[int, ...]) -> Tensor:
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+    def start(self, shape: tuple[int, ...], forward: int, backward: int) -> None:
+        """Announce the step: ``forward`` activations from the previous stage, ``backward`` grads from
+        the next, each of ``shape``. On CPU the first receive of each stream is posted now."""
+        self.shape = shape
+        self._from_prev = _Inbox(self, self.prev, forward)
+        self._from_next = _Inbox(self, self.next, backward)
+        if self.early:
+            self._from_prev.post()
+            self._from_next.post()
 
-    def _run(self, ops: list[dist.P2POp]) -> None:
-        if ops:
-            faults.inject("p2p")
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+    def finish(self) -> None:
+        """Wait for the sends still in flight (the step's last call)."""
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
 
-    def _send(self, tensor: Tensor, peer: int) -> dist.P2POp:
-        return dist.P2POp(dist.isend, tensor.detach().to(self.dtype).contiguous(), peer, self.group)
+    def new_buffer(self) -> Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
-    def _recv(self, buffer: Tensor, peer: int) -> dist.P2POp:
-        return dist.P2POp(dist.irecv, buffer, peer, self.group)
-
-    def recv_forward(self, shape: tuple[int, ...]) -> Tensor | None:
-        if self.prev is None:
+    def _exchange(
+        self, send: Tensor | None, send_to: int | None, inbox: _Inbox | None
+    ) -> Tensor | None:
+        """Send ``send`` to ``send_to`` (if both are given) and take the next message of ``inbox``."""
+        send_to = send_to if send is not None else None
+        inbox = inbox if inbox is not None and inbox.peer is not None else None
+        if send_to is None and inbox is None:
             return None
-        buffer = self._buffer(shape)
-        self._run([self._recv(buffer, self.prev)])
-        return buffer
+        faults.inject("p2p")
+        if send_to is not None:
+            self.finish()
+            send = send.detach().to(self.dtype).contiguous()
+        if self.early:
+            if send_to is not None:
+                self._sends.append(dist.isend(send, send_to, group=self.group))
+            return None if inbox is None else inbox.take()
+        ops, received = [], None
+        if send_to is not None:
+            ops.append(dist.P2POp(dist.isend, send, send_to, self.group))
+        if inbox is not None:
+            received = self.new_buffer()
+            ops.append(dist.P2POp(dist.irecv, received, inbox.peer, self.group))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return received
+
+    def recv_forward(self) -> Tensor | None:
+        return self._exchange(None, None, self._from_prev)
 
     def send_forward(self, activation: Tensor | None) -> None:
-        if self.next is not None:
-            self._run([self._send(activation, self.next)])
+        self._exchange(activation, self.next, None)
 
-    def recv_backward(self, shape: tuple[int, ...]) -> Tensor | None:
-        if self.next is None:
-            return None
-        buffer = self._buffer(shape)
-        self._run([self._recv(buffer, self.next)])
-        return buffer
+    def recv_backward(self) -> Tensor | None:
+        return self._exchange(None, None, self._from_next)
 
     def send_backward(self, grad: Tensor | None) -> None:
-        if self.prev is not None:
-            self._run([self._send(grad, self.prev)])
+        self._exchange(grad, self.prev, None)
 
-    def send_forward_recv_backward(
-        self, activation: Tensor | None, shape: tuple[int, ...]
-    ) -> Tensor | None:
-        if self.next is None:
-            return None
-        buffer = self._buffer(shape)
-        self._run([self._send(activation, self.next), self._recv(buffer, self.next)])
-        return buffer
+    def send_forward_recv_backward(self, activation: Tensor | None) -> Tensor | None:
+        return self._exchange(activation, self.next, self._from_next)
 
-    def send_backward_recv_forward(
-        self, grad: Tensor | None, shape: tuple[int, ...]
-    ) -> Tensor | None:
-        if self.prev is None:
-            return None
-        buffer = self._buffer(shape)
-        self._run([self._send(grad, self.prev), self._recv(buffer, self.prev)])
-        return buffer
+    def send_backward_recv_forward(self, grad: Tensor | None) -> Tensor | None:
+        return self._exchange(grad, self.prev, self._from_prev)

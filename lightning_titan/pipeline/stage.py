@@ -118,7 +118,7 @@ class PipelineStage:
     # communication ---------------------------------------------------------------------------------
     def recv_forward(self, i: int) -> Tensor | None:
         with self._span("recv_forward", i):
-            return self.links.recv_forward(self.shape)
+            return self.links.recv_forward()
 
     def send_forward(self, i: int, y: Tensor | None) -> None:
         with self._span("send_forward", i):
@@ -126,7 +126,7 @@ class PipelineStage:
 
     def recv_backward(self, i: int) -> Tensor | None:
         with self._span("recv_backward", i):
-            return self.links.recv_backward(self.shape)
+            return self.links.recv_backward()
 
     def send_backward(self, i: int, dx: Tensor | None) -> None:
         with self._span("send_backward", i):
@@ -134,16 +134,20 @@ class PipelineStage:
 
     def send_forward_recv_backward(self, i: int, y: Tensor | None, j: int) -> Tensor | None:
         with self._span("send_forward_recv_backward", i):
-            return self.links.send_forward_recv_backward(y, self.shape)
+            return self.links.send_forward_recv_backward(y)
 
     def send_backward_recv_forward(self, j: int, dx: Tensor | None, i: int) -> Tensor | None:
         with self._span("send_backward_recv_forward", j):
-            return self.links.send_backward_recv_forward(dx, self.shape)
+            return self.links.send_backward_recv_forward(dx)
 
     # driving ---------------------------------------------------------------------------------------
     def run(self, schedule: str | None) -> StepSums:
         """Run a training schedule by name, or forward only when ``schedule`` is None."""
-        (forward_only if schedule is None else get_schedule(schedule))(self, self.num_microbatches)
+        m = self.num_microbatches
+        self.links.start(self.shape, forward=m, backward=0 if schedule is None else m)
+        (forward_only if schedule is None else get_schedule(schedule))(self, m)
+        with self._span("wait_sends", m - 1):
+            self.links.finish()
         if self._saved and schedule is not None:
             raise RuntimeError(
                 f"schedule {schedule!r} left microbatches {sorted(self._saved)} without backward"
