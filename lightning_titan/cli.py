@@ -66,7 +66,8 @@ def main(args: list[str] | None = None) -> None:
     if argv and argv[0] == "bench":
         from lightning_titan.bench import main as bench_main
 
-        return bench_main(argv[1:])
+        bench_main(argv[1:])  # its results dict is for Python callers, not an exit status
+        return None
     TitanCLI(
         *cli_components(),
         trainer_defaults=TRAINER_DEFAULTS,

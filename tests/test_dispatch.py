@@ -106,7 +106,7 @@ def test_large_dispatch_matches_loop_reference_forward_and_backward():
         out = combine(rows, wi, plan) if vectorised else combine_loop_reference(rows, wi, indices)
         out.backward(upstream)
         results.append((out, xi.grad, wi.grad))
-    for got, want in zip(*results):
+    for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want)
 
 
