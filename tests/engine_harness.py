@@ -38,8 +38,12 @@ def train(
     config: ModelConfig = CONFIG,
     steps: int = STEPS,
     bucket_cap_mb: float = 0.01,
+    paired_p2p: bool = False,
 ) -> dict:
-    """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights."""
+    """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
+
+    ``paired_p2p`` runs the pipeline transport CUDA gets (each exchange posts its receive with its
+    send and waits for both) on gloo, so that CPU tests cover it too."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
     model = StageModel(
         config,
@@ -51,6 +55,15 @@ def train(
     )
     model.init_weights(SEED)
     engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb)
+    if paired_p2p:
+        make_links = engine._links
+
+        def paired_links(stage_model, device):
+            links = make_links(stage_model, device)
+            links.early = False
+            return links
+
+        engine._links = paired_links
     engine.broadcast_replicated()
     # Adam divides by sqrt(v) + eps: with the default eps=1e-8 a grad element of ~1e-10 whose last bits
     # differ (summation order differs between layouts) moves its weight by a visible fraction of lr.
@@ -95,11 +108,13 @@ def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
 def run_layouts(
     rank: int, world_size: int, cases: list[tuple[tuple[int, int, int], str, int]]
 ) -> list[dict]:
-    """Spawned: every case (layout, schedule, M) in turn, on the same ranks."""
+    """Spawned: every case (layout, schedule, M) in turn, on the same ranks; a schedule named
+    ``"<name>:paired"`` runs with ``paired_p2p``."""
     out = []
     for (dp, pp, ep), schedule, m in cases:
         dims = ParallelDims(dp, pp, ep, rank)
-        result = train(dims, build_process_groups(dims), schedule, m)
+        name, _, transport = schedule.partition(":")
+        result = train(dims, build_process_groups(dims), name, m, paired_p2p=transport == "paired")
         out.append(result)
     return out
 

@@ -25,6 +25,8 @@ CASES = {
     ],
     8: [((2, 2, 2), 2)],
 }
+# The pipeline transport CUDA gets (receives posted with their exchange), run here on gloo.
+PAIRED = {2: [((1, 2, 1), 2)], 4: [((1, 4, 1), 8), ((1, 2, 2), 2)], 8: []}
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,7 @@ def ref():
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_every_layout_equals_one_process(ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
+    cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400)
     for i, (layout, schedule, m) in enumerate(cases):
         assert_matches_reference(

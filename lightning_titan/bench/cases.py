@@ -51,6 +51,7 @@ class Settings:
     traced_steps: int = 3  # extra steps recorded as spans for the time breakdown and the bubble
     microbatches_per_stage: int = 4  # M = this * pp (capped by the per-rank batch)
     device: str = "cpu"
+    bucket_cap_mb: float = 25.0  # ours; the DDP peer keeps its own defaults
     threads_per_rank: int | None = None  # None: the launcher's split of the cores between the ranks
     timeout_s: float = 1800.0
 

@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         help="torch CPU threads per rank (default: the cores split between the ranks); 1 on a "
         "shared box, where a second thread mostly waits for a preempted core",
     )  # fmt: skip
+    p.add_argument("--bucket-cap-mb", type=float, default=Settings.bucket_cap_mb,
+                   help="our reducer's bucket size (DDP keeps its defaults)")  # fmt: skip
     p.add_argument("--dispatch-tokens", type=int, default=8192)
     p.add_argument("--dispatch-threads", type=int, default=1)
     p.add_argument("--note", default="", help="free text for the machine line (e.g. 'shared box')")
@@ -81,7 +83,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     settings = Settings(config=config, global_batch=args.global_batch, warmup=args.warmup,
                         steps=args.steps, rounds=args.rounds, traced_steps=args.traced_steps,
                         microbatches_per_stage=args.microbatches_per_stage, device=device,
-                        threads_per_rank=args.threads_per_rank, timeout_s=args.timeout)  # fmt: skip
+                        threads_per_rank=args.threads_per_rank, timeout_s=args.timeout,
+                        bucket_cap_mb=args.bucket_cap_mb)  # fmt: skip
     if args.quick:
         settings = replace(settings, config=replace(config, d_model=32, ffn_dim=32, seq_len=16),
                            global_batch=16, warmup=1, steps=2, rounds=2, traced_steps=1)  # fmt: skip

@@ -56,7 +56,8 @@ def _make(impl: str, case: Case, settings: Settings, dims: ParallelDims, groups:
     if impl in (OURS, PER_PARAM):
         reducer = "bucketed" if impl == OURS else "per_param"
         return TitanRunner(settings.config, dims, groups, device, schedule=case.schedule,
-                           num_microbatches=m, reducer=reducer)  # fmt: skip
+                           num_microbatches=m, reducer=reducer,
+                           bucket_cap_mb=settings.bucket_cap_mb)  # fmt: skip
     if impl == DDP:
         return DDPRunner(settings.config, dims, groups, device)
     if impl == TORCH_PP:
