@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -83,22 +84,19 @@ class _PermuteRows(torch.autograd.Function):
 
 class _PackTokens(torch.autograd.Function):
     """Expert-major rows ``x[token_of_row]``, each token K times. The backward sums each token's K row
-    gradients, gathered slot by slot (``slot_rows[k]``): 3-4x faster on CPU than the scatter-add
+    gradients with one ``embedding_bag`` over ``token_rows``: 3-4x faster on CPU than the scatter-add
     (``index_add_``) autograd derives for ``index_select`` with repeated indices."""
 
     @staticmethod
-    def forward(ctx, x, token_of_row, slot_rows):
-        ctx.save_for_backward(slot_rows)
+    def forward(ctx, x, token_of_row, token_rows):
+        ctx.save_for_backward(token_rows)
         return x.index_select(0, token_of_row)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        (slot_rows,) = ctx.saved_tensors
-        grad_x = grad.index_select(0, slot_rows[0])
-        for rows in slot_rows[1:]:  # a loop over K (small), not over experts
-            grad_x += grad.index_select(0, rows)
-        return grad_x, None, None
+        (token_rows,) = ctx.saved_tensors
+        return F.embedding_bag(token_rows, grad.contiguous(), mode="sum"), None, None
 
 
 def _inverse_permutation(index: Tensor) -> Tensor:
@@ -128,7 +126,7 @@ class DispatchPlan:
 
     order: Tensor  # [T*K] flat assignment ids (token * K + k) in expert-major order (stable)
     token_of_row: Tensor  # [T*K] token of each expert-major row (order // K)
-    slot_rows: Tensor  # [K, T] expert-major row of each token's k-th assignment
+    token_rows: Tensor  # [T, K] expert-major row of each token's k-th assignment
     tokens_per_expert: Tensor  # [E] long, this rank's assignments per global expert
     tokens_per_local_expert: list[int]  # [E_local] rows each local expert received (all sources)
     send_splits: list[int] | None = None  # rows sent to each EP rank; None with one EP rank
@@ -150,10 +148,9 @@ def dispatch(
     flat_ids = expert_ids.reshape(-1)
     order = sort_by_expert(flat_ids, n_experts)
     counts = torch.bincount(flat_ids, minlength=n_experts)
-    # Slot-major ([K, T], contiguous) so that each gather below reads one index vector.
-    slot_rows = _inverse_permutation(order).view(-1, top_k).t().contiguous()
-    plan = DispatchPlan(order, order // top_k, slot_rows, counts, [])
-    packed = _PackTokens.apply(x, plan.token_of_row, plan.slot_rows)
+    token_rows = _inverse_permutation(order).view(-1, top_k)
+    plan = DispatchPlan(order, order // top_k, token_rows, counts, [])
+    packed = _PackTokens.apply(x, plan.token_of_row, plan.token_rows)
 
     ep = ep_size(group)
     if ep == 1:
@@ -189,40 +186,40 @@ def combine(expert_out: Tensor, weights: Tensor, plan: DispatchPlan) -> Tensor:
     if plan.local_order is not None:
         source_major = _PermuteRows.apply(expert_out, plan.local_order_inverse, plan.local_order)
         expert_out = all_to_all(source_major, plan.send_splits, plan.recv_splits, plan.group)
-    return _WeightedUnpack.apply(expert_out, weights, plan.order, plan.token_of_row, plan.slot_rows)
+    return _WeightedUnpack.apply(
+        expert_out, weights, plan.order, plan.token_of_row, plan.token_rows
+    )
 
 
 class _WeightedUnpack(torch.autograd.Function):
     """Expert-major rows [T*K, D] -> sum over k of ``weights[t, k] * row(t, k)``, [T, D].
 
-    Hand-written backward: autograd's would zero-fill and scatter a [T, K, D] buffer per k, several
-    times slower on CPU. The row gradient is the dispatch gather again, scaled by the weights.
+    The forward is one ``embedding_bag`` (token t's bag: its K rows, weighted), which gathers and sums
+    without materialising [T, K, D]: ~3x faster on CPU than K gathers and multiply-adds. Hand-written
+    backward: each row's gradient is its token's gradient (the dispatch gather again) times its weight,
+    and each weight's gradient is its row dotted with that same gathered gradient.
     """
 
     @staticmethod
-    def forward(ctx, rows, weights, order, token_of_row, slot_rows):
+    def forward(ctx, rows, weights, order, token_of_row, token_rows):
         w = weights.to(rows.dtype)  # Mixtral applies the fp32 router weights in the hidden dtype
-        # One [T, D] gather per slot k (K is small), not one [T, K, D] gather: reductions over the
-        # middle dimension of [T, K, D] are several times slower than these row-wise ones on CPU.
-        slot_out = [rows.index_select(0, r) for r in slot_rows]
-        ctx.save_for_backward(w, order, token_of_row, *slot_out)
+        ctx.save_for_backward(rows, w, order, token_of_row, token_rows)
         ctx.weights_dtype = weights.dtype
-        out = slot_out[0] * w[:, 0:1]
-        for k in range(1, len(slot_out)):
-            out.addcmul_(slot_out[k], w[:, k : k + 1])
-        return out
+        return F.embedding_bag(token_rows, rows.contiguous(), per_sample_weights=w, mode="sum")
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        w, order, token_of_row, *slot_out = ctx.saved_tensors
+        rows, w, order, token_of_row, token_rows = ctx.saved_tensors
+        grad_of_row = grad.index_select(0, token_of_row)  # [T*K, D], expert-major
         grad_rows = grad_weights = None
+        if ctx.needs_input_grad[1]:
+            per_row = torch.linalg.vecdot(rows, grad_of_row)  # [T*K], expert-major
+            grad_weights = per_row.index_select(0, token_rows.reshape(-1)).view(token_rows.shape)
+            grad_weights = grad_weights.to(ctx.weights_dtype)
         if ctx.needs_input_grad[0]:
             row_weight = w.reshape(-1).index_select(0, order).unsqueeze(1)
-            grad_rows = grad.index_select(0, token_of_row).mul_(row_weight)
-        if ctx.needs_input_grad[1]:
-            grad_weights = torch.stack([torch.linalg.vecdot(o, grad) for o in slot_out], dim=1)
-            grad_weights = grad_weights.to(ctx.weights_dtype)
+            grad_rows = grad_of_row.mul_(row_weight)
         return grad_rows, grad_weights, None, None, None
 
 
