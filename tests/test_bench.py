@@ -239,3 +239,25 @@ def test_callbacks_under_titan_fit_write_the_timeline_and_log_expert_load(tmp_pa
                 max(shares) * 8
             )
     assert any(r.get("timeline/bubble_stage1") for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--worlds", "3"], "no default compositions for world sizes [3]"),
+        (["--worlds", "2", "--global-batch", "7"], "use a --global-batch divisible by 2"),
+        (["--device", "cuda", "--worlds", "1"], "sees no CUDA device; use --device cpu"),
+    ],
+)
+def test_bench_rejects_bad_arguments_before_running_anything(tmp_path, capsys, argv, message):
+    from lightning_titan.bench import main
+
+    if "cuda" in argv and torch.cuda.is_available():  # a GPU host: ask for more GPUs than it has
+        if torch.cuda.device_count() >= 8:
+            pytest.skip("8 or more GPUs: every default world size fits")
+        argv, message = ["--device", "cuda", "--worlds", "8"], "need that many GPUs"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--no-dispatch", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -123,9 +123,6 @@ def _launch(cases: list[Case], settings: Settings, world: int) -> list[list[dict
 
     kwargs = {}
     if settings.device == "cuda":
-        if world > torch.cuda.device_count():
-            raise ValueError(f"{world} ranks need {world} GPUs (one rank per GPU), found "
-                             f"{torch.cuda.device_count()}; pass --worlds up to that")  # fmt: skip
         kwargs["backend"] = "cpu:gloo,cuda:nccl"
     return run_on_ranks(run_world, world, cases, settings, timeout_s=settings.timeout_s, **kwargs)
 
@@ -145,19 +142,40 @@ def _write_timeline(
                          labels, title=f"{case.name}, M={num_microbatches}: measured timeline")  # fmt: skip
 
 
+def _check_device(settings: Settings, cases: list[Case]) -> None:
+    if settings.device != "cuda":
+        return
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise ValueError(
+            f"--device cuda, but torch {torch.__version__} sees no CUDA device; use --device cpu"
+        )
+    worlds = sorted({c.world for c in cases if c.world > gpus})
+    if worlds:
+        raise ValueError(
+            f"world sizes {worlds} need that many GPUs (NCCL takes one rank per GPU) and this machine "
+            f"has {gpus}; pass --worlds up to {gpus}, or --device cpu"
+        )
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
-    settings = _settings(args)
-    cases = (
-        quick_cases(not args.no_peers)
-        if args.quick
-        else default_cases(args.worlds, not args.no_peers)
-    )
-    if args.only:
-        cases = [c for c in cases if any(word in c.name for word in args.only)]
-    for case in cases:
-        _check_case(case, settings)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:  # every bad argument is reported before anything runs, as a usage error
+        settings = _settings(args)
+        cases = (
+            quick_cases(not args.no_peers)
+            if args.quick
+            else default_cases(args.worlds, not args.no_peers)
+        )
+        if args.only:
+            cases = [c for c in cases if any(word in c.name for word in args.only)]
+        for case in cases:
+            _check_case(case, settings)
+        _check_device(settings, cases)
+    except ValueError as error:
+        parser.error(str(error))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started, load_before = time.perf_counter(), _load()
