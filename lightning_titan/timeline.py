@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +58,7 @@ class PipelineTimeline(Callback):
         self.out_dir = Path(out_dir)
         self.log = log
         self.spans: list[tracing.Span] = []  # all ranks' spans once written
-        self.bubbles: list[tracing.StageBubble] = []
-        self.compute_only: list[tracing.StageBubble] = []  # the same steps replayed with free p2p
+        self.bubbles: list[dict] = []  # tracing.bubble_breakdown, per stage
         self._mine: list[tracing.Span] = []
         self._hooks: list[Any] = []
         self._optimizer_span: Any = None
@@ -116,15 +114,13 @@ class PipelineTimeline(Callback):
         self.spans = [s for rank_spans in gathered for s in rank_spans]
         dims = _dims(trainer)
         pipelines = dims.all_groups("pp")
-        self.bubbles = tracing.measure_bubbles(self.spans, pipelines) if dims.pp > 1 else []
-        replay = tracing.replay_without_communication(self.spans, pipelines) if dims.pp > 1 else []
-        self.compute_only = tracing.measure_bubbles(replay, pipelines) if dims.pp > 1 else []
+        self.bubbles = tracing.bubble_breakdown(self.spans, pipelines) if dims.pp > 1 else []
         times = tracing.time_by_kind(self.spans)
         if trainer.is_global_zero:
             self._save(dims, times)
         if self.log and pl_module is not None and self.bubbles:
-            metrics = {f"timeline/bubble_stage{b.stage}": b.measured for b in self.bubbles}
-            metrics["timeline/bubble_theory"] = self.bubbles[0].theory
+            metrics = {f"timeline/bubble_stage{b['stage']}": b["measured"] for b in self.bubbles}
+            metrics["timeline/bubble_theory"] = self.bubbles[0]["theory"]
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     def _save(self, dims: ParallelDims, times: dict[str, float]) -> None:
@@ -141,14 +137,13 @@ class PipelineTimeline(Callback):
             title = f"step {last}, dp={dims.dp} pp={dims.pp} ep={dims.ep}: measured"
             last_spans = [s for s in self.spans if s.step == last]
             plots.plot_gantt(last_spans, self.out_dir / "timeline.png", labels, title=title)
-        summary = {"steps": self.steps, "ms_per_step_and_rank": times,
-                   "bubbles": [{**asdict(b), "compute_only": r.measured}
-                               for b, r in zip(self.bubbles, self.compute_only, strict=True)]}  # fmt: skip
+        summary = {"steps": self.steps, "ms_per_step_and_rank": times, "bubbles": self.bubbles}
         (self.out_dir / "bubbles.json").write_text(json.dumps(summary, indent=1))
         lines = [f"PipelineTimeline: steps {self.steps} -> {self.out_dir.resolve()}"]
-        lines += [f"  stage {b.stage}: bubble measured {b.measured:.3f}, theory (P-1)/(M+P-1) = "
-                  f"{b.theory:.3f} (M={b.num_microbatches}), with free send/recv {r.measured:.3f}"
-                  for b, r in zip(self.bubbles, self.compute_only, strict=True)]  # fmt: skip
+        lines += [f"  stage {b['stage']}: bubble measured {b['measured']:.3f}, theory (P-1)/(M+P-1) = "
+                  f"{b['theory']:.3f} (M={b['num_microbatches']}); with free send/recv "
+                  f"{b['compute_only']:.3f}, and steady compute {b['steady_compute']:.3f}"
+                  for b in self.bubbles]  # fmt: skip
         lines.append(
             "  ms per step and rank: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
         )

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -242,6 +242,38 @@ def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequ
                     raise ValueError(f"the recorded order of step {step} on ranks {list(ranks)} cannot be "
                                      "replayed: spans without matching microbatch ids (args['mb'])?")  # fmt: skip
     return out
+
+
+def with_steady_compute(spans: Sequence[Span]) -> list[Span]:
+    """The forward and backward spans, each one's duration replaced by the median of that rank's spans
+    of the same kind: jitter removed, uneven stages kept. Only meaningful replayed (the start times no
+    longer fit together)."""
+    durations: dict[tuple[int, str], list[int]] = defaultdict(list)
+    compute = [s for s in spans if s.kind in COMPUTE_KINDS]
+    for s in compute:
+        durations[(s.rank, s.kind)].append(s.duration_ns)
+    median = {key: round(statistics.median(d)) for key, d in durations.items()}
+    return [replace(s, end_ns=s.start_ns + median[(s.rank, s.kind)]) for s in compute]
+
+
+def bubble_breakdown(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -> list[dict]:
+    """Per stage, the measured bubble beside what explains it, each a ``measure_bubbles`` median:
+
+    - ``theory``: (P-1)/(M+P-1), equal and steady stages, free transfers;
+    - ``steady_compute``: the recorded order replayed with free send/recv and every forward/backward
+      at its rank's median length, i.e. what uneven stages alone cost;
+    - ``compute_only``: the same with the recorded lengths, i.e. uneven stages and jitter;
+    - ``measured``: the rest is time in (or waiting for) sends and receives.
+    """
+    measured = measure_bubbles(spans, pipelines)
+    recorded = measure_bubbles(replay_without_communication(spans, pipelines), pipelines)
+    steady = measure_bubbles(
+        replay_without_communication(with_steady_compute(spans), pipelines), pipelines
+    )
+    return [
+        {**asdict(b), "compute_only": r.measured, "steady_compute": q.measured}
+        for b, r, q in zip(measured, recorded, steady, strict=True)
+    ]
 
 
 def step_windows(spans: Iterable[Span]) -> dict[tuple[int, int], tuple[int, int]]:

@@ -30,9 +30,10 @@ class _OrderOnly:
         return lambda *args: None
 
 
-def simulate(schedule, pp, m, fwd_ns=1000, bwd_ns=2000, slowdown=None, latency_ns=0):
+def simulate(schedule, pp, m, fwd_ns=1000, bwd_ns=2000, slowdown=None, latency_ns=0, stretch=None):
     """Spans of a pipeline whose stages run ``schedule``'s order as early as the data dependencies allow:
-    forward i on stage p after forward i on p-1; backward i after forward i and after backward i on p+1."""
+    forward i on stage p after forward i on p-1; backward i after forward i and after backward i on p+1.
+    ``slowdown``: stage -> factor on all its spans; ``stretch``: (stage, kind, i) -> factor on one."""
     orders = []
     for p in range(pp):
         stage = _OrderOnly(pp, p)
@@ -51,7 +52,7 @@ def simulate(schedule, pp, m, fwd_ns=1000, bwd_ns=2000, slowdown=None, latency_n
             if all(d in done for d in deps):
                 # a message between stages arrives latency_ns after it was sent
                 start = max([free[p]] + [done[d] + latency_ns * (d[1] != p) for d in deps])
-                scale = (slowdown or {}).get(p, 1)
+                scale = (slowdown or {}).get(p, 1) * (stretch or {}).get((p, kind, i), 1)
                 end = start + scale * (fwd_ns if kind == "forward" else bwd_ns)
                 done[(kind, p, i)], free[p] = end, end
                 spans.append(tracing.Span(kind, kind, p, start, end, args={"mb": i}))
@@ -90,6 +91,28 @@ def test_replay_removes_communication_delay_but_keeps_compute_imbalance():
     slow = simulate("1f1b", 4, 16, slowdown={2: 1.5})
     kept = tracing.measure_bubbles(tracing.replay_without_communication(slow, pipelines), pipelines)
     assert kept[0].measured > theory + 0.1
+
+
+def test_bubble_breakdown_tells_uneven_stages_jitter_and_transfers_apart():
+    pipelines, theory = [[0, 1]], tracing.theory_bubble(2, 8)
+
+    def worst(spans):
+        return max(tracing.bubble_breakdown(spans, pipelines), key=lambda b: b["measured"])
+
+    # a few slow microbatches (jitter), stages equal on the median, free transfers
+    jitter = worst(simulate("1f1b", 2, 8, stretch={(1, "backward", 2): 3, (1, "backward", 5): 3}))
+    assert jitter["steady_compute"] == pytest.approx(theory)
+    assert jitter["compute_only"] > theory + 0.05
+    assert jitter["measured"] == pytest.approx(jitter["compute_only"])
+    # an uneven stage: steady compute already shows it
+    uneven = worst(simulate("1f1b", 2, 8, slowdown={1: 1.5}))
+    assert uneven["steady_compute"] == pytest.approx(uneven["compute_only"])
+    assert uneven["steady_compute"] > theory + 0.05
+    # slow transfers only: both replays give the theory, the measurement does not
+    late = worst(simulate("1f1b", 2, 8, latency_ns=500))
+    assert late["steady_compute"] == pytest.approx(theory)
+    assert late["compute_only"] == pytest.approx(theory)
+    assert late["measured"] > theory + 0.05
 
 
 def test_exclusive_time_goes_to_the_innermost_span():
