@@ -224,10 +224,12 @@ print("ideal bubble == (P-1)/(M+P-1); live microbatches: gpipe M, 1f1b min(M, P 
 # A caveat for reading the numbers: on a laptop or a small CI box, 4 ranks share 2 CPU cores. A stage
 # computing beside three others runs slower than one computing alone, a rank that waits in a receive may
 # not be scheduled the moment its data arrives, and the first and last stages do more work (embedding;
-# LM head and loss). So the measured bubble sits above the formula. `bubbles.json` also holds the bubble
-# *with free send/recv*: the recorded forwards and backwards, each stage in its recorded order, re-timed
-# as if communication cost nothing. What is left there is stage imbalance and jitter; the difference to
-# the measured bubble is time spent in (or waiting for) sends and receives.
+# LM head and loss). So the measured bubble sits above the formula. `bubbles.json` says how much of it
+# each cause explains: the bubble *with free send/recv* (`compute_only`: the recorded forwards and
+# backwards, each stage in its recorded order, re-timed as if communication cost nothing: stage imbalance
+# and jitter), and the same with every forward and backward at its stage's median length
+# (`steady_compute`: stage imbalance alone). The difference between the measured bubble and
+# `compute_only` is time spent in (or waiting for) sends and receives.
 
 
 # %%
@@ -361,8 +363,9 @@ for schedule in SCHEDULES:
         summary = bubble_summary(runs[(schedule, m)])
         measured = " ".join(f"{b['measured']:.2f}" for b in summary)
         compute_only = " ".join(f"{b['compute_only']:.2f}" for b in summary)
+        steady = " ".join(f"{b['steady_compute']:.2f}" for b in summary)
         print(f"{schedule:>5} M={m:>2}: theory {theory_bubble(P, m):.2f} | per stage: measured {measured}"
-              f" | free send/recv {compute_only}")  # fmt: skip
+              f" | free send/recv {compute_only} | steady compute {steady}")  # fmt: skip
 
 # %% [markdown]
 # The memory claim holds in bytes, not just in the diagram: a stage's peak under 1F1B is its GPipe peak
