@@ -43,6 +43,10 @@ class _Inbox:
     def take(self) -> Tensor:
         if not self.posted:
             self.post()
+        if not self.posted:
+            raise RuntimeError(
+                f"the schedule asked rank {self.peer} for more messages than StageLinks.start() announced"
+            )
         work, buffer = self.posted.popleft()
         self.post()  # the next message's receive is up before this one is waited for
         work.wait()
