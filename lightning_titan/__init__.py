@@ -1,7 +1,5 @@
 """lightning_titan: DP x PP x EP training of Mixture-of-Experts decoders as a Lightning strategy."""
 
-import os
-
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.parallel_dims import ParallelDims
 
@@ -14,22 +12,30 @@ __all__ = [
     "TitanStrategy",
 ]
 
-# Importing Lightning costs ~6 CPU-seconds per process; engine-only processes (tests and benchmarks
-# spawned by lightning_titan.launch) set this variable to skip it.
-if not os.environ.get("LIGHTNING_TITAN_ENGINE_ONLY"):
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_titan.module import TitanLM
-    from lightning_titan.strategy import TitanStrategy
-
-    if TitanStrategy.strategy_name not in StrategyRegistry:  # a re-import must not raise
-        TitanStrategy.register_strategies(StrategyRegistry)
+# Lightning (~6 CPU-seconds to import) and `datasets` load only when one of these is asked for, so
+# processes that run the engine alone (tests, benchmarks) never pay for them. Importing
+# lightning_titan.strategy registers strategy="titan".
+_LAZY = {
+    "TitanLM": "lightning_titan.module",
+    "TitanStrategy": "lightning_titan.strategy",
+    "TitanDataModule": "lightning_titan.data",
+}
 
 
 def __getattr__(name: str):
-    # the data module pulls in `datasets`; import it only when asked for
-    if name == "TitanDataModule":
-        from lightning_titan.data import TitanDataModule
+    if name in _LAZY:
+        import importlib
 
-        return TitanDataModule
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'lightning_titan' has no attribute {name!r}")
+
+
+def _register_if_lightning_is_loaded() -> None:
+    # with Lightning already imported this costs nothing, and `strategy="titan"` works at once
+    import sys
+
+    if "lightning.pytorch" in sys.modules:
+        import lightning_titan.strategy  # noqa: F401
+
+
+_register_if_lightning_is_loaded()

@@ -2,14 +2,15 @@
 
 engine = Engine(module, dims, groups, schedule="1f1b")
 engine.broadcast_replicated()
-sums = engine.forward_backward(stage_model, inputs, targets, num_microbatches=4)
-norm = engine.finish_gradients(max_norm=1.0)
+step = engine.forward_backward(stage_model, inputs, targets, 4, loss_fn)  # global loss and aux
+norm = engine.finish_gradients(max_norm=1.0)  # reduced, clipped; the pre-clip norm
 optimizer.step(); optimizer.zero_grad()
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,18 @@ from lightning_titan.model import split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
 from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import get_schedule
-from lightning_titan.pipeline.stage import PipelineStage, StepSums
+from lightning_titan.pipeline.stage import LossFn, PipelineStage, StepSums
 from lightning_titan.reducer import GradReducer
 from lightning_titan.tracing import span
+
+
+@dataclass
+class StepLoss:
+    """The step's global means over every data rank's sequences, the same on every rank (0-dim fp64
+    tensors on the device: reading them is the caller's one host sync)."""
+
+    loss: Tensor  # mean token loss (loss_fn) of the global batch
+    aux: Tensor  # mean per-sequence aux loss (router balance + z), summed over stages
 
 
 class Engine:
@@ -86,34 +96,39 @@ class Engine:
         inputs: Tensor,
         targets: Tensor,
         num_microbatches: int,
+        loss_fn: LossFn,
         *,
         backward: Callable[[Tensor], None] | None = None,
         tracer: Callable[[str, int], object] | None = None,
-    ) -> StepSums:
+    ) -> StepLoss:
         """One step's forward and backward over ``num_microbatches`` with the schedule; grads are reduced
         during the last backward (overlapped), finished by ``finish_gradients``."""
         self.set_grad_sync(False)
         stage = PipelineStage(
-            stage_model, self.dims, self._links(stage_model, inputs.device), inputs, targets, num_microbatches,
-            backward=backward, on_last_backward=lambda: self.set_grad_sync(True), tracer=tracer,
+            stage_model, self.dims, self._links(stage_model, inputs.device), inputs, targets,
+            num_microbatches, loss_fn, backward=backward,
+            on_last_backward=lambda: self.set_grad_sync(True), tracer=tracer,
         )  # fmt: skip
         try:
-            return stage.run(self.schedule)
+            sums = stage.run(self.schedule)
         finally:
             self.set_grad_sync(True)
+        return self._global_means(sums, inputs.shape[0])
 
     @torch.no_grad()
-    def forward_only(self, stage_model: nn.Module, inputs: Tensor, targets: Tensor, num_microbatches: int
-                     ) -> StepSums:  # fmt: skip
+    def forward_only(
+        self,
+        stage_model: nn.Module,
+        inputs: Tensor,
+        targets: Tensor,
+        num_microbatches: int,
+        loss_fn: LossFn,
+    ) -> StepLoss:
+        links = self._links(stage_model, inputs.device)
         stage = PipelineStage(
-            stage_model,
-            self.dims,
-            self._links(stage_model, inputs.device),
-            inputs,
-            targets,
-            num_microbatches,
+            stage_model, self.dims, links, inputs, targets, num_microbatches, loss_fn
         )
-        return stage.run(None)
+        return self._global_means(stage.run(None), inputs.shape[0])
 
     def _links(self, stage_model: nn.Module, device: torch.device) -> StageLinks:
         dtype = next(stage_model.parameters()).dtype
@@ -134,22 +149,15 @@ class Engine:
                 pp_group=self.groups.pp,
             )
 
-    def global_means(self, sums: StepSums, global_sequences: int) -> tuple[float, float]:
-        """(mean token cross-entropy, mean per-sequence aux loss) over the global batch, on every rank.
-
-        One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0."""
-        totals = torch.stack(
-            [
-                sums.ce_sum.double(),
-                sums.aux_sum.double(),
-                torch.tensor(float(sums.tokens), dtype=torch.float64, device=sums.ce_sum.device),
-            ]
-        )
+    def _global_means(self, sums: StepSums, local_sequences: int) -> StepLoss:
+        """One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0."""
+        tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)
+        totals = torch.stack([sums.loss_sum.double(), sums.aux_sum.double(), tokens])
         if dist.is_initialized() and dist.get_world_size() > 1:
             with span("all_reduce", "loss"):
                 dist.all_reduce(totals)
-        ce, aux, tokens = totals.tolist()
-        return ce / tokens, aux / global_sequences
+        global_sequences = local_sequences * self.dims.data_world
+        return StepLoss(loss=totals[0] / totals[2], aux=totals[1] / global_sequences)
 
     def remove(self) -> None:
         for r in self.reducers:

@@ -77,17 +77,8 @@ def run_on_ranks(
         )
         for r in range(world_size)
     ]
-    # the children only run engine code: let them skip importing Lightning (see lightning_titan/__init__)
-    previous = os.environ.get("LIGHTNING_TITAN_ENGINE_ONLY")
-    os.environ["LIGHTNING_TITAN_ENGINE_ONLY"] = "1"
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if previous is None:
-            del os.environ["LIGHTNING_TITAN_ENGINE_ONLY"]
-        else:
-            os.environ["LIGHTNING_TITAN_ENGINE_ONLY"] = previous
+    for p in procs:
+        p.start()
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
     failure = None

@@ -326,39 +326,3 @@ def split_expert_parameters(
     for name, p in module.named_parameters():
         (expert if id(p) in expert_ids else non_expert).append((name, p))
     return expert, non_expert
-
-
-# Our name -> Hugging Face Mixtral name ("{i}" is the global layer id). Experts map per row, transposed.
-HF_MIXTRAL_NAMES = {
-    "embed.weight": "model.embed_tokens.weight",
-    "layers.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.attn.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attn.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attn.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attn.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.moe_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
-    "layers.{i}.moe.experts.{w}": "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-
-
-def hf_mixtral_state_dict(model: StageModel) -> dict[str, Tensor]:
-    """This stage's parameters under Hugging Face Mixtral names (experts split per global id)."""
-    out = {}
-    for name, p in model.named_parameters():
-        parts = name.split(".")
-        if parts[0] != "layers":
-            out[HF_MIXTRAL_NAMES[name]] = p.detach()
-            continue
-        layer, rest = parts[1], ".".join(parts[2:])
-        if rest.startswith("moe.experts."):
-            w = parts[-1]
-            template = HF_MIXTRAL_NAMES["layers.{i}.moe.experts.{w}"]
-            for row in range(p.shape[0]):
-                e = model.expert_range[0] + row
-                out[template.format(i=layer, e=e, w=w)] = p[row].detach().t().contiguous()
-        else:
-            out[HF_MIXTRAL_NAMES["layers.{i}." + rest].format(i=layer)] = p.detach()
-    return out

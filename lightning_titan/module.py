@@ -8,9 +8,11 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 
-from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.strategy import TitanStrategy
 
@@ -81,24 +83,16 @@ class TitanLM(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning calls this on every fit/validate
             return
-        dims = self.strategy.parallel_dims
-        self.config.validate_layout(dims.pp, dims.ep)
+        dims = self.strategy.parallel_dims  # checked against the model by check_layout already
         self.model = StageModel(
             self.config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
             ep_group=self.strategy.groups.ep,
         )  # fmt: skip
         self.model.init_weights(self.hparams.seed)
 
-    def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is not None and hasattr(datamodule, "check_model"):
-            datamodule.check_model(vocab_size=self.config.vocab_size, seq_len=self.config.seq_len)
-
     def configure_optimizers(self) -> Any:
-        expert, non_expert = split_expert_parameters(self)
-        named = expert + non_expert
-        decay = [p for _, p in named if p.ndim >= 2]
-        no_decay = [p for _, p in named if p.ndim < 2]
+        decay = [p for p in self.parameters() if p.ndim >= 2]  # matrices; not norms
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.hparams.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
@@ -123,45 +117,54 @@ class TitanLM(L.LightningModule):
         return factor
 
     # -- steps -----------------------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """The stage's own forward (logits only on a single-stage layout)."""
         assert self.model is not None
         return self.model(tokens)
 
+    def loss_fn(self, logits_MSV: Tensor, targets_MS: Tensor) -> Tensor:
+        """The sum of the token losses of one microbatch (the engine makes it the global mean).
+
+        Runs on the last stage; override it to train another objective."""
+        return F.cross_entropy(
+            logits_MSV.float().flatten(0, 1), targets_MS.flatten(), reduction="sum"
+        )
+
     def training_step(self, batch: Any, batch_idx: int) -> None:
         inputs, targets = batch
         strategy, start = self.strategy, time.perf_counter()
-        engine = strategy.engine
-        m = strategy.microbatches_for(inputs.shape[0])
-        sums = engine.forward_backward(
-            self.model, inputs, targets, m, backward=self.manual_backward
-        )
-        global_sequences = inputs.shape[0] * strategy.parallel_dims.data_world
-        loss, aux = engine.global_means(sums, global_sequences)
-        strategy.step_loss = loss  # a non-finite loss stops (or skips) the step on every rank
+        # 1. every microbatch forward and backward, in the schedule's order; the reducers all-reduce
+        #    the grads while the last backward runs. The global loss and aux come back on every rank.
+        step = strategy.engine.forward_backward(
+            self.model, inputs, targets, strategy.microbatches_for(inputs.shape[0]), self.loss_fn,
+            backward=self.manual_backward,
+        )  # fmt: skip
+        # 2. wait for the reducers, stop (or skip) on a non-finite loss or norm, clip by the norm
+        #    composed across stages and expert shards
+        grad_norm = strategy.finish_gradients(step.loss)
+        # 3. the update
         optimizer = self.optimizers()
-        optimizer.step()  # the strategy waits for the reducers, checks and clips here
+        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
 
-        seconds = time.perf_counter() - start
-        tokens_per_sec = global_sequences * inputs.shape[1] / seconds
-        # the same keys on every rank: the loggers live on rank 0, the loss on the last stage
+        loss, aux, norm = torch.stack([step.loss, step.aux, grad_norm.double()]).tolist()
+        tokens = inputs.numel() * strategy.parallel_dims.data_world
+        # the same keys on every rank, values already global: the loggers live on rank 0, the loss
+        # on the last stage
         self.log("train_loss", loss, prog_bar=True)
         self.log("aux_loss", aux)
-        self.log("grad_norm", strategy.last_grad_norm.item())
+        self.log("grad_norm", norm)
         self.log("lr", optimizer.param_groups[0]["lr"])
-        self.log("tokens_per_sec", tokens_per_sec, prog_bar=True)
+        self.log("tokens_per_sec", tokens / (time.perf_counter() - start), prog_bar=True)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         inputs, targets = batch
         strategy = self.strategy
-        m = strategy.microbatches_for(inputs.shape[0])
-        sums = strategy.engine.forward_only(self.model, inputs, targets, m)
-        loss, _ = strategy.engine.global_means(
-            sums, inputs.shape[0] * strategy.parallel_dims.data_world
+        step = strategy.engine.forward_only(
+            self.model, inputs, targets, strategy.microbatches_for(inputs.shape[0]), self.loss_fn
         )
-        self.val_loss.update(loss)
+        self.val_loss.update(step.loss)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()

@@ -1,30 +1,42 @@
-"""Degrees of parallelism, this rank's coordinates, and the four group kinds.
+"""Degrees of parallelism, this rank's coordinates, and the group kinds, all named by mesh axis.
 
-The convention is fixed (see DESIGN.md): ``ep_rank`` changes fastest, then ``pp_rank``::
+The mesh convention is fixed (DESIGN.md): axes from slowest to fastest are ``AXES``; a rank's
+coordinates are its mixed-radix digits in that order. With the three axes the code has today::
 
     rank = (dp_rank * pp + pp_rank) * ep + ep_rank
 
-| group         | fixed   | varies  | used for                                  |
-|---------------|---------|---------|-------------------------------------------|
-| ep            | dp, pp  | ep      | token all-to-all inside one stage         |
-| pp            | dp, ep  | pp      | activation send/recv; grad-norm sum       |
-| expert_dp     | pp, ep  | dp      | all-reduce of expert grads                |
-| non_expert_dp | pp      | dp, ep  | all-reduce of non-expert grads (router)   |
+A group kind is the set of axes that vary inside one group (the others are fixed):
+
+| group         | varies  | used for                                  |
+|---------------|---------|-------------------------------------------|
+| ep            | ep      | token all-to-all inside one stage         |
+| pp            | pp      | activation send/recv; grad-norm sum       |
+| expert_dp     | dp      | all-reduce of expert grads                |
+| non_expert_dp | dp, ep  | all-reduce of non-expert grads (router)   |
+
+A new axis is one more name in ``AXES`` (and a field below) plus the groups it joins in ``GROUPS``.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-GROUP_KINDS = ("ep", "pp", "expert_dp", "non_expert_dp")
+AXES = ("dp", "pp", "ep")  # slowest to fastest
+GROUPS: dict[str, tuple[str, ...]] = {
+    "ep": ("ep",),
+    "pp": ("pp",),
+    "expert_dp": ("dp",),
+    "non_expert_dp": ("dp", "ep"),
+}
+GROUP_KINDS = tuple(GROUPS)
 
 
-def resolve_degrees(dp: int, pp: int, ep: int, world_size: int) -> tuple[int, int, int]:
-    """Fill the one degree given as -1 so that dp * pp * ep == world_size, and check the product."""
-    degrees = {"dp": dp, "pp": pp, "ep": ep}
+def check_degrees(**degrees: int) -> dict[str, int]:
+    """Type and sign of each degree, before the world size is known; at most one may be -1."""
     for name, value in degrees.items():
         if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
             raise ValueError(
@@ -33,31 +45,37 @@ def resolve_degrees(dp: int, pp: int, ep: int, world_size: int) -> tuple[int, in
     free = [name for name, value in degrees.items() if value == -1]
     if len(free) > 1:
         raise ValueError(
-            f"{' and '.join(free)} are both -1: at most one degree may be -1 (fill the rest)"
+            f"{' and '.join(free)} are -1: at most one degree may be -1 (fill the rest)"
         )
+    return dict(degrees)
+
+
+def resolve_degrees(degrees: dict[str, int], world_size: int) -> dict[str, int]:
+    """Fill the one degree given as -1 so that the product is ``world_size``, and check the product."""
+    degrees = check_degrees(**degrees)
+    fixed = math.prod(v for v in degrees.values() if v != -1)
+    free = [name for name, value in degrees.items() if value == -1]
     if free:
-        fixed = 1
-        for value in degrees.values():
-            if value != -1:
-                fixed *= value
         if world_size % fixed:
             raise ValueError(
-                f"cannot fill {free[0]}=-1: world size {world_size} is not divisible by the other degrees' "
-                f"product {fixed}; choose degrees whose product divides {world_size}"
+                f"cannot fill {free[0]}=-1: world size {world_size} is not divisible by the other "
+                f"degrees' product {fixed}; choose degrees whose product divides {world_size}"
             )
         degrees[free[0]] = world_size // fixed
-    product = degrees["dp"] * degrees["pp"] * degrees["ep"]
+    product = math.prod(degrees.values())
     if product != world_size:
+        formula = "*".join(degrees)
+        values = "*".join(str(v) for v in degrees.values())
         raise ValueError(
-            f"dp*pp*ep = {degrees['dp']}*{degrees['pp']}*{degrees['ep']} = {product} but the world size is "
-            f"{world_size} (devices x num_nodes); make the product equal the world size, or set one degree to -1"
+            f"{formula} = {values} = {product} but the world size is {world_size} "
+            "(devices x num_nodes); make the product equal the world size, or set one degree to -1"
         )
-    return degrees["dp"], degrees["pp"], degrees["ep"]
+    return degrees
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The (dp, pp, ep) layout and the coordinates of one rank in it. Pure logic, no collectives."""
+    """The layout (a degree per axis) and the coordinates of one rank in it. Pure logic, no collectives."""
 
     dp: int
     pp: int
@@ -65,37 +83,57 @@ class ParallelDims:
     rank: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "ep"):
+        for name in AXES:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        if not 0 <= self.rank < self.world_size:
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(
-                f"rank={self.rank} is outside the world of {self.world_size} ranks (dp*pp*ep)"
+                f"rank={self.rank} is outside the world of {self.world_size} ranks "
+                f"({'*'.join(AXES)}); with torchrun, start as many processes as devices x nodes"
             )
 
     @property
+    def degrees(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.ep
+        return math.prod(self.degrees.values())
 
     def rank_of(self, dp_rank: int, pp_rank: int, ep_rank: int) -> int:
-        return (dp_rank * self.pp + pp_rank) * self.ep + ep_rank
+        return self.rank_at({"dp": dp_rank, "pp": pp_rank, "ep": ep_rank})
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        """The global rank at the given coordinates (one per axis)."""
+        rank = 0
+        for axis in AXES:
+            rank = rank * getattr(self, axis) + coords[axis]
+        return rank
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinates of a global rank, one per axis."""
+        coords = {}
+        for axis in reversed(AXES):
+            rank, coords[axis] = divmod(rank, getattr(self, axis))
+        return {axis: coords[axis] for axis in AXES}
 
     def coords_of(self, rank: int) -> tuple[int, int, int]:
         """(dp_rank, pp_rank, ep_rank) of a global rank."""
-        return rank // (self.pp * self.ep), (rank // self.ep) % self.pp, rank % self.ep
+        c = self.coords(rank)
+        return c["dp"], c["pp"], c["ep"]
 
     @property
     def dp_rank(self) -> int:
-        return self.coords_of(self.rank)[0]
+        return self.coords(self.rank)["dp"]
 
     @property
     def pp_rank(self) -> int:
-        return self.coords_of(self.rank)[1]
+        return self.coords(self.rank)["pp"]
 
     @property
     def ep_rank(self) -> int:
-        return self.coords_of(self.rank)[2]
+        return self.coords(self.rank)["ep"]
 
     @property
     def data_rank(self) -> int:
@@ -114,31 +152,35 @@ class ParallelDims:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
+    def _stage_neighbour(self, offset: int) -> int | None:
+        coords = self.coords(self.rank)
+        coords["pp"] += offset
+        return self.rank_at(coords) if 0 <= coords["pp"] < self.pp else None
+
     @property
     def prev_stage_rank(self) -> int | None:
         """Global rank of the previous stage of this pipeline, None on the first stage."""
-        if self.is_first_stage:
-            return None
-        return self.rank_of(self.dp_rank, self.pp_rank - 1, self.ep_rank)
+        return self._stage_neighbour(-1)
 
     @property
     def next_stage_rank(self) -> int | None:
-        if self.is_last_stage:
-            return None
-        return self.rank_of(self.dp_rank, self.pp_rank + 1, self.ep_rank)
+        return self._stage_neighbour(+1)
 
     def all_groups(self, kind: str) -> list[list[int]]:
         """Every group of one kind, as sorted global ranks, in the same order on every rank."""
-        d, p, e = range(self.dp), range(self.pp), range(self.ep)
-        if kind == "ep":
-            return [[self.rank_of(i, j, k) for k in e] for i, j in itertools.product(d, p)]
-        if kind == "pp":
-            return [[self.rank_of(i, j, k) for j in p] for i, k in itertools.product(d, e)]
-        if kind == "expert_dp":
-            return [[self.rank_of(i, j, k) for i in d] for j, k in itertools.product(p, e)]
-        if kind == "non_expert_dp":
-            return [[self.rank_of(i, j, k) for i in d for k in e] for j in p]
-        raise ValueError(f"unknown group kind {kind!r}; choose one of {GROUP_KINDS}")
+        if kind not in GROUPS:
+            raise ValueError(f"unknown group kind {kind!r}; choose one of {GROUP_KINDS}")
+        varying = GROUPS[kind]
+        fixed = [a for a in AXES if a not in varying]
+        groups = []
+        for outer in itertools.product(*(range(getattr(self, a)) for a in fixed)):
+            base = dict(zip(fixed, outer, strict=True))
+            ranks = [
+                self.rank_at({**base, **dict(zip(varying, inner, strict=True))})
+                for inner in itertools.product(*(range(getattr(self, a)) for a in varying))
+            ]
+            groups.append(sorted(ranks))
+        return groups
 
     def group_ranks(self, kind: str) -> list[int]:
         """The global ranks of this rank's group of one kind."""
@@ -161,7 +203,8 @@ def build_process_groups(dims: ParallelDims) -> ProcessGroups:
         raise RuntimeError("build_process_groups needs torch.distributed initialised first")
     if dist.get_world_size() != dims.world_size:
         raise ValueError(
-            f"the process group has {dist.get_world_size()} ranks but dp*pp*ep = {dims.world_size}"
+            f"the process group has {dist.get_world_size()} ranks but the layout "
+            f"{dims.degrees} has {dims.world_size}"
         )
     mine = {}
     for kind in GROUP_KINDS:

@@ -8,6 +8,7 @@ import torch
 
 from lightning_titan import tracing
 from lightning_titan.bench.memory import SavedTensorMeter
+from lightning_titan.bench.runners import token_loss_sum
 from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
@@ -168,10 +169,10 @@ def test_recording_is_off_by_default_and_the_stack_reports_its_spans():
     model.init_weights(0)
     engine = Engine(model, ParallelDims(1, 1, 1), ProcessGroups(None, None, None, None))
     tokens = torch.randint(0, 31, (4, 7))
-    engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 2)
+    engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 2, token_loss_sum)
     assert not tracing.is_recording() and tracing.stop() == []
     tracing.start(rank=3, step=9)
-    engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 2)
+    engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 2, token_loss_sum)
     engine.finish_gradients(1.0)
     spans = tracing.stop()
     kinds = [s.kind for s in spans]

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_titan import checkpoint_files as files
 from lightning_titan.checkpoint import (
     consolidate,
     consolidate_optimizers,
+    files,
     is_complete_checkpoint,
     latest_complete,
     load_sharded,

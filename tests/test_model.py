@@ -8,12 +8,8 @@ import json
 import pytest
 import torch
 
-from lightning_titan.model import (
-    ModelConfig,
-    StageModel,
-    hf_mixtral_state_dict,
-    split_expert_parameters,
-)
+from lightning_titan.export import hf_mixtral_state_dict
+from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.moe.experts import GroupedExperts
 from lightning_titan.moe.router import route
 

@@ -57,21 +57,22 @@ def test_pp_ep_example_from_the_write_up():
     "args,match",
     [
         ((2, 2, 2, 4), r"2\*2\*2 = 8 but the world size is 4"),
-        ((-1, -1, 2, 4), "dp and pp are both -1"),
+        ((-1, -1, 2, 4), "dp and pp are -1: at most one"),
         ((0, 1, 1, 1), "dp=0 is not valid"),
         ((-1, 3, 1, 4), "not divisible"),
         ((1, "2", 1, 2), "pp='2' is not valid"),
     ],
 )
 def test_resolve_degrees_errors_name_the_values(args, match):
+    *degrees, world = args
     with pytest.raises(ValueError, match=match):
-        resolve_degrees(*args)
+        resolve_degrees(dict(zip(("dp", "pp", "ep"), degrees, strict=True)), world)
 
 
 def test_resolve_fills_minus_one():
-    assert resolve_degrees(-1, 2, 2, 8) == (2, 2, 2)
-    assert resolve_degrees(1, -1, 4, 8) == (1, 2, 4)
-    assert resolve_degrees(2, 2, 2, 8) == (2, 2, 2)
+    assert resolve_degrees({"dp": -1, "pp": 2, "ep": 2}, 8) == {"dp": 2, "pp": 2, "ep": 2}
+    assert resolve_degrees({"dp": 1, "pp": -1, "ep": 4}, 8) == {"dp": 1, "pp": 2, "ep": 4}
+    assert resolve_degrees({"dp": 2, "pp": 2, "ep": 2}, 8) == {"dp": 2, "pp": 2, "ep": 2}
 
 
 def test_rank_outside_world_is_rejected():

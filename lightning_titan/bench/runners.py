@@ -55,7 +55,9 @@ class TitanRunner:
         self.num_microbatches = num_microbatches
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
-        self.engine.forward_backward(self.model, inputs, targets, self.num_microbatches)
+        self.engine.forward_backward(
+            self.model, inputs, targets, self.num_microbatches, token_loss_sum
+        )
         self.engine.finish_gradients(MAX_NORM)
         with span("optimizer", "AdamW"):
             self.optimizer.step()
@@ -102,6 +104,11 @@ class _AuxCarrying(nn.Module):
     def forward(self, x: Tensor, aux_in: Tensor | None = None) -> tuple[Tensor, Tensor]:
         out, aux = self.stage(x)
         return out, aux if aux_in is None else aux + aux_in
+
+
+def token_loss_sum(logits_MSV: Tensor, targets_MS: Tensor) -> Tensor:
+    """TitanLM's objective for the engine: the sum of the token cross-entropies of a microbatch."""
+    return F.cross_entropy(logits_MSV.float().flatten(0, 1), targets_MS.flatten(), reduction="sum")
 
 
 def _pipe_loss(output: tuple[Tensor, Tensor], target: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from torch import Tensor
 from lightning_titan import tracing
 from lightning_titan.bench.cases import DDP, OURS, PER_PARAM, TORCH_PP, Case, Settings
 from lightning_titan.bench.memory import SavedTensorMeter, peak_bytes, reset_peak, state_bytes
-from lightning_titan.bench.runners import DDPRunner, TitanRunner, TorchPipeRunner
+from lightning_titan.bench.runners import DDPRunner, TitanRunner, TorchPipeRunner, token_loss_sum
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
 
 NUM_BATCHES = 4  # distinct global batches, cycled
@@ -140,7 +140,9 @@ def _saved_peak(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> int:
     """Peak bytes saved for backward during one step's schedule (activations only)."""
     meter = SavedTensorMeter(exclude=list(runner.model.parameters()))
     with meter:
-        runner.engine.forward_backward(runner.model, *batch, runner.num_microbatches)
+        runner.engine.forward_backward(
+            runner.model, *batch, runner.num_microbatches, token_loss_sum
+        )
     runner.engine.finish_gradients(None)
     runner.optimizer.zero_grad(set_to_none=True)
     return meter.peak

@@ -1,11 +1,12 @@
 """One rank's pipeline stage for one step: runs microbatches through the stage-local model.
 
-The loss each rank back-propagates is its share of the global objective:
+The objective each rank back-propagates is its share of the global one:
 
-    sum_tokens(CE) / local_tokens + sum_sequences(aux) / local_sequences
+    loss_fn sums over local tokens / local_tokens + sum over sequences of aux / local_sequences
 
 so that averaging grads over the data ranks (the reducers) gives the gradient of the global mean loss,
-whatever the layout (DESIGN.md invariant 3).
+whatever the layout (DESIGN.md invariant 3). ``loss_fn(logits_MSV, targets_MS)`` is the caller's
+(TitanLM's): the sum of the token losses of one microbatch.
 """
 
 from __future__ import annotations
@@ -14,20 +15,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_titan import faults, tracing
+from lightning_titan.batching import split_microbatches
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import forward_only, get_schedule
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
 @dataclass
 class StepSums:
     """This rank's local sums for one step; the global values need one all-reduce over the world."""
 
-    ce_sum: Tensor  # sum of token cross-entropies (last stage only, else 0)
+    loss_sum: Tensor  # sum of the token losses (last stage only, else 0)
     aux_sum: Tensor  # sum over sequences of this stage's weighted aux losses
     tokens: int  # tokens this rank's pipeline saw (counted on the last stage only, else 0)
 
@@ -41,23 +44,18 @@ class PipelineStage:
         inputs: Tensor,
         targets: Tensor,
         num_microbatches: int,
+        loss_fn: LossFn,
         *,
         backward: Callable[[Tensor], None] | None = None,
         on_last_backward: Callable[[], None] | None = None,
         tracer: Callable[[str, int], object] | None = None,
     ) -> None:
         local_batch = inputs.shape[0]
-        if num_microbatches < 1 or local_batch % num_microbatches:
-            raise ValueError(
-                f"the local batch of {local_batch} sequences cannot be split into {num_microbatches} "
-                "microbatches; choose num_microbatches dividing the per-rank batch "
-                "(global_batch_size / (dp*ep))"
-            )
-        self.model, self.links = model, links
+        self.model, self.links, self.loss_fn = model, links, loss_fn
         self.pp, self.pp_rank = dims.pp, dims.pp_rank
         self.is_first, self.is_last = dims.is_first_stage, dims.is_last_stage
-        self.inputs = inputs.chunk(num_microbatches)
-        self.targets = targets.chunk(num_microbatches)
+        self.inputs = split_microbatches(inputs, num_microbatches)
+        self.targets = split_microbatches(targets, num_microbatches)
         self.num_microbatches = num_microbatches
         self.local_sequences = local_batch
         self.local_tokens = inputs.numel()
@@ -66,9 +64,10 @@ class PipelineStage:
         self._backward = backward or (lambda loss: loss.backward())
         self._on_last_backward = on_last_backward
         self._tracer = tracer
-        self._saved: dict[int, tuple[Tensor | None, Tensor]] = {}
+        # microbatch -> (its input to get the grad of, its output to back-propagate into, its objective)
+        self._saved: dict[int, tuple[Tensor | None, Tensor | None, Tensor]] = {}
         self._backwards_done = 0
-        self.ce_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
 
     def _span(self, name: str, i: int):
@@ -90,11 +89,9 @@ class PipelineStage:
             self.aux_sum += aux.detach().sum()
             objective = aux.sum() / self.local_sequences
             if self.is_last:
-                ce = F.cross_entropy(
-                    out.float().flatten(0, 1), self.targets[i].flatten(), reduction="sum"
-                )
-                self.ce_sum += ce.detach()
-                objective = objective + ce / self.local_tokens
+                loss = self.loss_fn(out, self.targets[i])
+                self.loss_sum += loss.detach()
+                objective = objective + loss / self.local_tokens
             if grad_enabled:
                 # the surrogate (out * grad).sum() below gives `out` exactly the received grad
                 self._saved[i] = (
@@ -152,4 +149,4 @@ class PipelineStage:
             raise RuntimeError(
                 f"schedule {schedule!r} left microbatches {sorted(self._saved)} without backward"
             )
-        return StepSums(self.ce_sum, self.aux_sum, self.local_tokens if self.is_last else 0)
+        return StepSums(self.loss_sum, self.aux_sum, self.local_tokens if self.is_last else 0)

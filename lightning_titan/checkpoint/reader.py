@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_titan import checkpoint_files as files
-from lightning_titan import checkpoint_state as keys
+from lightning_titan.checkpoint import files
+from lightning_titan.checkpoint import state as keys
 
 FORMAT_VERSION = 1
 

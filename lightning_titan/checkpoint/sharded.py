@@ -1,8 +1,8 @@
-"""Sharded, layout-free, atomic checkpoints: save under one (dp, pp, ep), load under any other.
+"""Save under one (dp, pp, ep), load under any other: the collective part of the checkpoint package.
 
 A checkpoint is a directory: ``torch.distributed.checkpoint`` shards of the model and optimizer state
-under global keys (``checkpoint_state``), ``meta.pt`` (Lightning's other state, optimizer
-hyper-parameters, layout, model config) and the ``COMPLETE`` marker (``checkpoint_files``).
+under global keys (``state``), ``meta.pt`` (Lightning's other state, optimizer hyper-parameters,
+layout, model config) and the ``COMPLETE`` marker (``files``).
 
 Every rank calls ``save_sharded``/``load_sharded`` together. Bad input is found before any shard is
 written or read, and every rank raises the same error (the ranks agree through one object gather), so
@@ -24,29 +24,11 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_titan import checkpoint_files as files
-from lightning_titan import checkpoint_reader as reader
-from lightning_titan import checkpoint_state as keys
 from lightning_titan import faults
-from lightning_titan.checkpoint_files import is_complete_checkpoint, latest_complete
-from lightning_titan.checkpoint_reader import (
-    FORMAT_VERSION,
-    consolidate,
-    consolidate_optimizers,
-    read_checkpoint_info,
-)
-
-__all__ = [
-    "FORMAT_VERSION",
-    "consolidate",
-    "consolidate_optimizers",
-    "is_complete_checkpoint",
-    "latest_complete",
-    "load_sharded",
-    "read_checkpoint_info",
-    "remove_checkpoint",
-    "save_sharded",
-]
+from lightning_titan.agreement import agree as _agree
+from lightning_titan.checkpoint import files, reader
+from lightning_titan.checkpoint import state as keys
+from lightning_titan.checkpoint.reader import FORMAT_VERSION, read_checkpoint_info
 
 
 def _distributed() -> bool:
@@ -55,30 +37,6 @@ def _distributed() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
-
-
-def _agree(error: BaseException | None, payload: Any = None) -> list[Any]:
-    """Collective: if any rank has an error, raise the lowest rank's on every rank; else gather payloads."""
-    if not _distributed():
-        if error is not None:
-            raise error
-        return [payload]
-    report = None
-    if error is not None:
-        # Only builtin exception classes travel: a class another rank cannot unpickle would hang it.
-        builtin = type(error).__module__ == "builtins"
-        report = (type(error) if builtin else RuntimeError, str(error))
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (report, payload))
-    reports = [(rank, r) for rank, (r, _) in enumerate(gathered) if r is not None]
-    if not reports:
-        return [p for _, p in gathered]
-    first_rank, (kind, message) = reports[0]
-    if len(reports) < len(gathered) or any(r != reports[0][1] for _, r in reports):
-        message = f"{message} (raised on rank {first_rank})"
-    if error is not None and isinstance(error, kind) and str(error) == message:
-        raise error
-    raise kind(message) from error
 
 
 def save_sharded(

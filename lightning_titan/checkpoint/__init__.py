@@ -1,0 +1,29 @@
+"""Sharded, layout-free, atomic checkpoints: save under one layout, load under any other.
+
+- ``sharded``: ``save_sharded`` / ``load_sharded``, called by every rank together;
+- ``state``: the global keys (one per parameter, one per global expert row, optimizer state likewise);
+- ``files``: the directory protocol (temp sibling, ``COMPLETE`` marker, atomic swap);
+- ``reader``: reading one back in a single process (info, consolidation, checks and messages);
+- ``hooks``: the strategy's Lightning checkpoint hooks.
+"""
+
+from lightning_titan.checkpoint.files import is_complete_checkpoint, latest_complete
+from lightning_titan.checkpoint.reader import (
+    FORMAT_VERSION,
+    consolidate,
+    consolidate_optimizers,
+    read_checkpoint_info,
+)
+from lightning_titan.checkpoint.sharded import load_sharded, remove_checkpoint, save_sharded
+
+__all__ = [
+    "FORMAT_VERSION",
+    "consolidate",
+    "consolidate_optimizers",
+    "is_complete_checkpoint",
+    "latest_complete",
+    "load_sharded",
+    "read_checkpoint_info",
+    "remove_checkpoint",
+    "save_sharded",
+]

@@ -1,0 +1,111 @@
+"""The strategy's training options, validated once, where they are given.
+
+The reducer, the clipping and the schedules trust these values; a wrong one fails at
+``TitanStrategy(...)`` with a message that names it and says what would be right.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_titan.batching import check_microbatch_args, local_batch_size, num_microbatches
+from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.pipeline.schedules import SCHEDULES
+
+REDUCERS = ("bucketed", "per_param")
+ON_NONFINITE = ("raise", "skip")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def _positive(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Everything about a step that is not the layout (see ``TitanStrategy`` for each meaning)."""
+
+    schedule: str = "1f1b"
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    bucket_cap_mb: float = 25.0
+    reducer: str = "bucketed"
+    gradient_clip_norm: float | None = None
+    timeout_minutes: float = 30.0
+    on_nonfinite: str = "raise"
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule={self.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}"
+            )
+        check_microbatch_args(self.num_microbatches, self.microbatch_size)
+        if not _positive(self.bucket_cap_mb):
+            raise ValueError(
+                f"bucket_cap_mb={self.bucket_cap_mb!r} must be > 0 MiB "
+                "(25 is a good default; a tiny value gives one parameter per bucket)"
+            )
+        if self.reducer not in REDUCERS:
+            raise ValueError(f"reducer={self.reducer!r} is unknown; choose one of {REDUCERS}")
+        if self.gradient_clip_norm is not None and not _positive(self.gradient_clip_norm):
+            raise ValueError(
+                f"gradient_clip_norm={self.gradient_clip_norm!r} must be > 0, or None to disable "
+                "clipping"
+            )
+        if not _positive(self.timeout_minutes):
+            raise ValueError(f"timeout_minutes={self.timeout_minutes!r} must be > 0")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(
+                f"on_nonfinite={self.on_nonfinite!r} is unknown; choose one of {ON_NONFINITE}"
+            )
+        if self.start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method={self.start_method!r} is unknown; choose one of {START_METHODS}"
+            )
+
+    def microbatches(self, local_batch: int, *, pp: int) -> int:
+        """How many microbatches a per-rank batch of ``local_batch`` sequences is split into."""
+        return num_microbatches(
+            local_batch, num_microbatches=self.num_microbatches,
+            microbatch_size=self.microbatch_size, pp=pp,
+        )  # fmt: skip
+
+    @property
+    def grace_s(self) -> float:
+        """How long a rank whose job failed may take to leave before it is killed."""
+        return min(30.0, self.timeout_minutes * 60)
+
+
+def preflight(dims: ParallelDims, options: TrainOptions, module: Any, datamodule: Any) -> None:
+    """Checks that need the model and the data but no process group. They run in the launcher before
+    any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
+    mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
+    check_layout = getattr(module, "check_layout", None)
+    if callable(check_layout):
+        check_layout(dims, datamodule)  # TitanLM: layers/experts split, data fits the model
+    batch = getattr(datamodule, "global_batch_size", None)
+    if isinstance(batch, int) and batch > 0:
+        options.microbatches(local_batch_size(batch, dims.data_world), pp=dims.pp)
+
+
+def check_precision(plugin: Any) -> None:
+    precision = getattr(plugin, "precision", "32-true")
+    if precision == "16-mixed":
+        raise ValueError(
+            "precision='16-mixed' is not supported by TitanStrategy: its GradScaler would scale the "
+            "activation grads that stages send each other and unscale after our clipping. Use "
+            "precision='bf16-mixed' (or '32-true')"
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not supported by TitanStrategy; use one of {PRECISIONS}"
+        )
