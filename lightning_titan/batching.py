@@ -11,9 +11,9 @@ from __future__ import annotations
 from torch import Tensor
 
 
-def local_batch_size(global_batch_size: int, data_world: int) -> int:
+def local_batch_size(global_batch_size: int, data_world: int, ranks: str = "dp*ep") -> int:
     """The per-rank batch b = B / data_world (data_world = dp * ep: DP and EP ranks read different
-    sequences, the stages of one pipeline the same)."""
+    sequences, the stages of one pipeline the same). ``ranks`` says how data_world came about."""
     if (
         not isinstance(global_batch_size, int)
         or global_batch_size < 1
@@ -21,7 +21,7 @@ def local_batch_size(global_batch_size: int, data_world: int) -> int:
     ):
         raise ValueError(
             f"global_batch_size={global_batch_size} is not divisible by the number of data ranks "
-            f"dp*ep={data_world}; choose a global batch size that is a positive multiple of {data_world}"
+            f"{ranks}={data_world}; choose a global batch size that is a positive multiple of {data_world}"
         )
     return global_batch_size // data_world
 

@@ -94,7 +94,8 @@ def preflight(dims: ParallelDims, options: TrainOptions, module: Any, datamodule
         check_layout(dims, datamodule)  # TitanLM: layers/experts split, data fits the model
     batch = getattr(datamodule, "global_batch_size", None)
     if isinstance(batch, int) and batch > 0:
-        options.microbatches(local_batch_size(batch, dims.data_world), pp=dims.pp)
+        local = local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")
+        options.microbatches(local, pp=dims.pp)
 
 
 def check_precision(plugin: Any) -> None:
