@@ -58,17 +58,22 @@ class Engine:
         expert, non_expert = split_expert_parameters(module)
         self.expert_params = [p for _, p in expert]
         self.non_expert_params = [p for _, p in non_expert]
-        kw = {"bucket_cap_mb": bucket_cap_mb, "mode": reducer}
         scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
+
+        def reducer_over(params: list[nn.Parameter], group: dist.ProcessGroup) -> GradReducer:
+            return GradReducer(
+                params, group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
+            )
+
         if dims.ep == 1:
             # expert-DP and non-expert-DP are the same ranks: one reducer, fewer and fuller buckets
             params = [p for p in module.parameters() if p.requires_grad]
-            self.reducers = [GradReducer(params, groups.non_expert_dp, scale=scale, **kw)]
+            self.reducers = [reducer_over(params, groups.non_expert_dp)]
         else:
             self.reducers = [
-                GradReducer(self.non_expert_params, groups.non_expert_dp, scale=scale, **kw),
+                reducer_over(self.non_expert_params, groups.non_expert_dp),
                 # 1/data_world = 1/dp (the expert-DP average) / ep: an owner sums every EP rank's tokens
-                GradReducer(self.expert_params, groups.expert_dp, scale=scale, **kw),
+                reducer_over(self.expert_params, groups.expert_dp),
             ]
 
     @torch.no_grad()

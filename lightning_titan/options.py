@@ -20,6 +20,13 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 PRECISIONS = ("32-true", "bf16-mixed")
 
 
+def _choose(values: Any) -> str:
+    names = [repr(v) for v in values]
+    return (
+        f"choose {' or '.join(names)}" if len(names) == 2 else f"choose one of {', '.join(names)}"
+    )
+
+
 def _positive(value: Any) -> bool:
     return (
         isinstance(value, (int, float))
@@ -45,9 +52,7 @@ class TrainOptions:
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"schedule={self.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}"
-            )
+            raise ValueError(f"schedule={self.schedule!r} is unknown; {_choose(sorted(SCHEDULES))}")
         check_microbatch_args(self.num_microbatches, self.microbatch_size)
         if not _positive(self.bucket_cap_mb):
             raise ValueError(
@@ -55,7 +60,7 @@ class TrainOptions:
                 "(25 is a good default; a tiny value gives one parameter per bucket)"
             )
         if self.reducer not in REDUCERS:
-            raise ValueError(f"reducer={self.reducer!r} is unknown; choose one of {REDUCERS}")
+            raise ValueError(f"reducer={self.reducer!r} is unknown; {_choose(REDUCERS)}")
         if self.gradient_clip_norm is not None and not _positive(self.gradient_clip_norm):
             raise ValueError(
                 f"gradient_clip_norm={self.gradient_clip_norm!r} must be > 0, or None to disable "
@@ -65,11 +70,11 @@ class TrainOptions:
             raise ValueError(f"timeout_minutes={self.timeout_minutes!r} must be > 0")
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(
-                f"on_nonfinite={self.on_nonfinite!r} is unknown; choose one of {ON_NONFINITE}"
+                f"on_nonfinite={self.on_nonfinite!r} is unknown; {_choose(ON_NONFINITE)}"
             )
         if self.start_method not in START_METHODS:
             raise ValueError(
-                f"start_method={self.start_method!r} is unknown; choose one of {START_METHODS}"
+                f"start_method={self.start_method!r} is unknown; {_choose(START_METHODS)}"
             )
 
     def microbatches(self, local_batch: int, *, pp: int) -> int:

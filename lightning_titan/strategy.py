@@ -163,7 +163,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
                 self.node_rank * self.num_processes + self.local_rank
             )
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         degrees = resolve_degrees(self._degrees, self.num_nodes * self.num_processes)
         self._dims = ParallelDims(**degrees, rank=self.global_rank)
         check_precision(self.precision_plugin)
@@ -179,7 +179,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
                 self.preflight, env, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=method)  # type: ignore[arg-type]
 
     @override
     def setup_environment(self) -> None:
