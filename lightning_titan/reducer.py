@@ -320,7 +320,7 @@ class GradReducer:
                     "deadlock against other groups' collectives. It launches from finish() from now on.",
                     stacklevel=3,
                 )
-            self._from_hooks[b] = True
+            self._from_hooks[b] = all_hooked == self._world and b not in self._demoted
             self._launched[b] = False
 
     def remove(self) -> None:
