@@ -55,7 +55,8 @@ def test_init_under_a_device_context_draws_on_cpu_and_equals_the_cpu_init():
     reference = StageModel(small_config(), pp_rank=1, pp=2, ep_rank=1, ep=2)
     reference.init_weights(SEED)
     with GeneratorOnItsDevice(), torch.device("meta"):
-        StageModel(small_config(), pp_rank=0, pp=2).init_weights(SEED)  # built on the context's device
+        # built on the context's device (meta: nothing to compare, only no draw may be rejected)
+        StageModel(small_config(), pp_rank=0, pp=2).init_weights(SEED)
     stage = StageModel(small_config(), pp_rank=1, pp=2, ep_rank=1, ep=2)
     with GeneratorOnItsDevice(), torch.device("meta"):
         stage.init_weights(SEED)
@@ -63,3 +64,125 @@ def test_init_under_a_device_context_draws_on_cpu_and_equals_the_cpu_init():
     for name, p in stage.named_parameters():
         assert p.device.type == "cpu"
         torch.testing.assert_close(p, want[name], rtol=0, atol=0, msg=name)
+
+
+# ---- device-to-host reads: each is a stream sync on CUDA ------------------------------------------
+
+# Tensor -> Python reads, and ops whose CUDA kernels read a size or a value back to the host.
+_HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
+_SYNCING_OPS = {"bincount", "nonzero", "unique", "masked_select", "argwhere"}
+
+
+class HostReads(TorchFunctionMode):
+    """Count what would be device-to-host transfers on CUDA; ``repeat_interleave`` syncs there only
+    without ``output_size``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _HOST_READS or name in _SYNCING_OPS:
+            self.calls.append(name)
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None:
+            if len(args) > 1 and isinstance(args[1], torch.Tensor):
+                self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+def test_the_host_read_counter_sees_python_reads():
+    x = torch.ones(3)
+    with HostReads() as reads:
+        bool(x.sum() > 0), x.tolist(), x[0].item(), torch.bincount(x.long())
+        if x[0] == 1:
+            pass
+    assert reads.calls == ["__bool__", "tolist", "item", "bincount", "__bool__"]
+
+
+def test_moe_layer_reads_the_host_once_per_forward_and_never_in_backward():
+    from lightning_titan.moe.layer import MoELayer
+
+    layer = MoELayer(16, 24, 8, 2)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with HostReads() as reads:
+        out, aux = layer(x)
+        forward = list(reads.calls)
+        (out.square().sum() + aux.sum()).backward()
+    assert forward == ["tolist"], forward  # the split sizes of the local experts
+    assert reads.calls == forward, reads.calls
+
+
+# ---- p2p: wire dtype under autocast, send-only batches not waited at once -------------------------
+
+
+class _Work:
+    def __init__(self, log: list, what: str) -> None:
+        self.log, self.what = log, what
+
+    def wait(self) -> bool:
+        self.log.append(("wait", self.what))
+        return True
+
+
+def _fake_p2p(monkeypatch) -> list:
+    """Replace torch.distributed's point-to-point calls by recorders: (call, dtype) and waits."""
+    import torch.distributed as dist
+
+    log: list = []
+
+    def isend(tensor, dst, group=None):
+        log.append(("isend", tensor.dtype))
+        return _Work(log, "isend")
+
+    def irecv(tensor, src, group=None):
+        log.append(("irecv", tensor.dtype))
+        return _Work(log, "irecv")
+
+    def batch(ops):
+        return [op[0](op[1], op[2]) for op in ops]
+
+    monkeypatch.setattr(dist, "isend", isend)
+    monkeypatch.setattr(dist, "irecv", irecv)
+    monkeypatch.setattr(dist, "P2POp", lambda op, t, peer, group=None: (op, t, peer))
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch)
+    return log
+
+
+def _middle_stage_links(early: bool):
+    from lightning_titan.parallel_dims import ParallelDims
+    from lightning_titan.pipeline.p2p import StageLinks
+
+    links = StageLinks(ParallelDims(1, 3, 1, 1), None, torch.float32, torch.device("cpu"))
+    links.early = early
+    links.start((2, 3, 4), forward=2, backward=2)
+    return links
+
+
+def test_p2p_sends_in_the_autocast_dtype_and_returns_the_stage_dtype(monkeypatch):
+    for autocast, want in ((False, torch.float32), (True, torch.bfloat16)):
+        for early in (True, False):
+            log = _fake_p2p(monkeypatch)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                links = _middle_stage_links(early)
+                got = links.recv_forward()
+                links.send_forward(torch.randn(2, 3, 4))
+                back = links.send_backward_recv_forward(torch.randn(2, 3, 4))
+                links.finish()
+            assert got.dtype == back.dtype == torch.float32  # the stage computes as in one process
+            payloads = [dtype for call, dtype in log if call in ("isend", "irecv")]
+            assert payloads and set(payloads) == {want}, (autocast, early, log)
+
+
+def test_paired_p2p_waits_for_a_send_only_batch_in_finish(monkeypatch):
+    """Under NCCL a wait makes this rank's compute stream wait for the send to complete, i.e. for
+    the peer to receive it: a send-only batch must not be waited before the stage computes on."""
+    log = _fake_p2p(monkeypatch)
+    links = _middle_stage_links(early=False)
+    links.send_forward(torch.randn(2, 3, 4))
+    assert log == [("isend", torch.float32)], log  # not waited yet
+    links.recv_backward()  # a batch with a receive is waited at once (its buffer is used next)
+    assert log[-1] == ("wait", "irecv"), log
+    links.finish()
+    assert log[-1] == ("wait", "isend"), log
