@@ -197,3 +197,60 @@ def test_a_rank_without_grads_measures_its_norm_on_the_parameters_device():
     non_expert = [torch.nn.Parameter(torch.zeros(4, device="meta"))]
     norm = clip_grad_norm_(iter(expert), iter(non_expert), 1.0, ep_group=None, pp_group=None)
     assert norm.device.type == "meta"
+
+
+# ---- tracing on CUDA: events, one wait at stop; ExpertLoad: one read per logged step -------------
+
+
+class _FakeEvent:
+    """A CUDA event on a fake GPU clock (ms), advanced by the test."""
+
+    now_ms = 0.0
+
+    def record(self) -> None:
+        self.at = _FakeEvent.now_ms
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        return other.at - self.at
+
+
+def test_cuda_tracing_times_spans_by_events_without_a_sync_per_span(monkeypatch):
+    from lightning_titan import tracing
+
+    def no_sync(*args):
+        raise AssertionError("torch.cuda.synchronize() in a span")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    monkeypatch.setattr(tracing, "_new_cuda_event", _FakeEvent, raising=False)
+    _FakeEvent.now_ms = 0.0
+    tracing.start(0, synchronize=True)
+    with tracing.span("forward", "f"):
+        _FakeEvent.now_ms = 2.0  # the GPU reaches the span's end 2 ms after the anchor
+        with tracing.span("all_to_all", "a"):
+            _FakeEvent.now_ms = 3.5
+    spans = {s.name: s for s in tracing.stop()}
+    assert spans["f"].duration_ns == 3_500_000
+    assert spans["a"].start_ns - spans["f"].start_ns == 2_000_000
+    assert spans["a"].duration_ns == 1_500_000
+
+
+def test_expert_load_reads_the_table_once_per_logged_step():
+    from types import SimpleNamespace
+
+    from lightning_titan.timeline import ExpertLoad
+
+    callback = ExpertLoad(plot_path=None)
+    callback._shape = (2, 4)
+    callback._counts = {0: torch.tensor([3.0, 1.0, 0.0, 0.0]), 1: torch.tensor([1.0, 1, 1, 1])}
+    logged = {}
+    trainer = SimpleNamespace(global_step=1, strategy=SimpleNamespace(root_device="cpu"))
+    module = SimpleNamespace(log_dict=lambda metrics, **kw: logged.update(metrics))
+    with HostReads() as reads:
+        callback.on_train_batch_end(trainer, module, None, None, 0)
+    assert reads.calls == ["tolist"], reads.calls
+    assert logged["expert_load/layer0/max_over_mean"] == 3.0
+    assert logged["expert_load/layer0/expert1"] == 0.25
+    assert callback.history == [(1, [[0.75, 0.25, 0.0, 0.0], [0.25] * 4])]
