@@ -48,10 +48,13 @@ def clip_grad_norm_(
         raise ValueError(
             f"max_norm={max_norm!r} must be a positive number, or None to only measure the norm"
         )
+    expert_params, non_expert_params = list(expert_params), list(non_expert_params)
     expert = [p.grad for p in expert_params if p.grad is not None]
     non_expert = [p.grad for p in non_expert_params if p.grad is not None]
     grads = expert + non_expert
-    device = grads[0].device if grads else torch.device("cpu")
+    # The parameters' device also on a rank without grads: an NCCL group only takes CUDA tensors.
+    params = expert_params + non_expert_params
+    device = params[0].device if params else torch.device("cpu")
 
     expert_sq = _local_sq_norm(expert, device)
     if not _is_trivial(ep_group):

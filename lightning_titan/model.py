@@ -308,7 +308,10 @@ class StageModel(nn.Module):
 def _seeded_normal(shape: torch.Size, std: float, seed: int, name: str, expert: int = -1) -> Tensor:
     # crc32, not hash(): Python's string hash is salted per process, so ranks would disagree.
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}|{name}|{expert}".encode()))
-    return torch.randn(shape, generator=generator) * std
+    # Drawn on CPU whatever the ambient device: Lightning builds the model under ``with root_device:``,
+    # where a CUDA randn would reject this CPU generator (and a CUDA one would give other values).
+    # The caller's copy_ moves the values to the parameter's device.
+    return torch.randn(shape, generator=generator, device="cpu") * std
 
 
 def split_expert_parameters(

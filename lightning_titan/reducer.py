@@ -6,11 +6,20 @@ post-accumulate-grad hook copies its grad into its bucket's slice; a bucket whos
 filled is ready, and ready buckets launch their async all-reduce strictly in bucket order, so every
 rank of the group enters the same collectives in the same order (DESIGN invariant 6) while backward
 keeps computing earlier layers. ``finish()`` launches whatever is left, waits, and writes back.
+
+Order across groups. Backward also runs other groups' collectives (the EP all-to-alls), and NCCL needs
+every rank to enqueue collectives of different communicators in the same relative order: a rank that
+launches a bucket from a hook between two all-to-alls while its peer launches the same bucket from
+``finish()`` (its hooks never all fired: a parameter unused there) can deadlock. So a bucket launches
+from a hook only if, in the previous step, every hook of that bucket fired on every rank of the group
+(one flag per bucket, reduced with the bucket itself: no extra collective); the first step and every
+bucket that ever missed a hook on some rank launch from ``finish()``, in bucket order, on every rank.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,17 +62,31 @@ class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
     # Flat buffer in "bucketed" mode: the grads, then one "has a grad" flag per parameter, reduced
-    # together so that a parameter no rank used keeps grad None (as in one process, and as DDP does).
+    # together so that a parameter no rank used keeps grad None (as in one process, and as DDP does),
+    # then two flags: "all its hooks fired" and "launched from a hook" (after the sum: the counts of
+    # such ranks; see the module doc).
     # None in "per_param" mode, which reduces p.grad in place.
     buffer: Tensor | None
     filled: list[bool] = field(default_factory=list)
     num_filled: int = 0
+    num_hooked: int = 0  # slots filled by a hook (the rest by finish)
+    hooked_launch: bool = False  # launched from a hook (else from finish)
     work: dist.Work | None = None
 
     def reset(self) -> None:
         self.filled = [False] * len(self.params)
-        self.num_filled = 0
+        self.num_filled = self.num_hooked = 0
+        self.hooked_launch = False
         self.work = None
+
+    @property
+    def numel(self) -> int:
+        """Elements of the grads, without the flags."""
+        return self.offsets[-1] + self.params[-1].numel()
+
+    @property
+    def all_hooked(self) -> bool:
+        return self.num_hooked == len(self.params)
 
 
 class GradReducer:
@@ -107,18 +130,26 @@ class GradReducer:
         self.scale = float(scale)
         self.mode = mode
         self.sync = True
-        # Test/benchmark record of the last finished step: (bucket index, "hook" | "finish").
+        # Test/benchmark record of the last finished step: (bucket index, "hook" | "finish"), and the
+        # launch order that step agreed on (see launch_order).
         self.last_launch_log: list[tuple[int, str]] = []
+        self.last_launch_order: list[int] = []
         self._launch_log: list[tuple[int, str]] = []
-        self._trivial = group is None or dist.get_world_size(group) == 1
+        self._world = 1 if group is None else dist.get_world_size(group)
+        self._trivial = self._world == 1
         self._buckets: list[_Bucket] = []
-        self._next_launch = 0
+        self._launched: list[bool] = []
+        # buckets that launch from a hook this step: agreed by every rank of the group (module doc)
+        self._from_hooks: list[bool] = []
+        self._demoted: set[int] = set()  # once a hook was missing somewhere, finish() only
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         if self._trivial:
             return  # nothing to overlap: finish() scales in place
         cap = 0.0 if mode == "per_param" else bucket_cap_mb * _MIB
         for b, indices in enumerate(assign_buckets(params, cap)):
             self._buckets.append(self._make_bucket([params[i] for i in indices]))
+            self._launched.append(False)
+            self._from_hooks.append(False)  # the first step cannot know: launch from finish()
             for slot, i in enumerate(indices):
                 hook = self._hook(b, slot)
                 self._handles.append(params[i].register_post_accumulate_grad_hook(hook))
@@ -131,7 +162,7 @@ class GradReducer:
         buffer = None
         if self.mode == "bucketed":
             buffer = torch.zeros(
-                total + len(params), dtype=params[0].dtype, device=params[0].device
+                total + len(params) + 2, dtype=params[0].dtype, device=params[0].device
             )
         bucket = _Bucket(params, offsets, buffer)
         bucket.reset()
@@ -139,7 +170,7 @@ class GradReducer:
 
     @property
     def bucket_params(self) -> list[list[nn.Parameter]]:
-        """The parameters of each bucket, in launch order (empty when there is no collective)."""
+        """The parameters of each bucket, in bucket order (empty when there is no collective)."""
         return [list(b.params) for b in self._buckets]
 
     def _hook(self, b: int, slot: int):
@@ -154,8 +185,9 @@ class GradReducer:
                     "accumulate and True just before the last one, and call finish() every step"
                 )
             self._fill(bucket, slot)
-            if bucket.num_filled == len(bucket.params):
-                self._launch_ready("hook")
+            bucket.num_hooked += 1
+            if bucket.num_filled == len(bucket.params) and self._from_hooks[b]:
+                self._launch_ready_hooked()
 
         return on_grad_accumulated
 
@@ -183,24 +215,48 @@ class GradReducer:
 
     @staticmethod
     def _flag_index(bucket: _Bucket, slot: int) -> int:
-        return bucket.buffer.numel() - len(bucket.params) + slot
+        return bucket.numel + slot
 
-    def _launch_ready(self, where: str) -> None:
-        # Strictly in bucket order, so every rank issues the same collective sequence.
-        while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
-            if bucket.num_filled < len(bucket.params):
-                return
-            flat = bucket.buffer if bucket.buffer is not None else bucket.params[0].grad
-            if self.scale != 1.0:
-                flat.mul_(self.scale)
-            with span("all_reduce", "grad bucket launch", bucket=self._next_launch):
-                bucket.work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._launch_log.append((self._next_launch, where))
-            self._next_launch += 1
+    @property
+    def launch_order(self) -> list[int]:
+        """This step's bucket order: the hook buckets, then the others, each in bucket order. Built
+        from reduced values only, so every rank of the group has the same list, and launching strictly
+        in it (hooks a prefix, ``finish()`` the rest) gives one collective sequence on every rank."""
+        hooked = [b for b, yes in enumerate(self._from_hooks) if yes]
+        return hooked + [b for b, yes in enumerate(self._from_hooks) if not yes]
+
+    def _launch_ready_hooked(self) -> None:
+        for b in self.launch_order:
+            if not self._from_hooks[b]:
+                return  # the rest launch from finish()
+            if not self._launched[b]:
+                bucket = self._buckets[b]
+                if bucket.num_filled < len(bucket.params):
+                    return
+                self._launch(b, "hook")
+
+    def _launch(self, b: int, where: str) -> None:
+        bucket = self._buckets[b]
+        if bucket.buffer is None:
+            flat = bucket.params[0].grad
+        else:
+            # Python scalars: a fill on the device, where a host tensor would be a synced copy
+            bucket.buffer[-2] = float(bucket.all_hooked)
+            bucket.buffer[-1] = float(where == "hook")
+            flat = bucket.buffer[: bucket.numel]  # the flags stay unscaled counts
+        if self.scale != 1.0:
+            flat.mul_(self.scale)
+        with span("all_reduce", "grad bucket launch", bucket=b):
+            bucket.work = dist.all_reduce(
+                flat if bucket.buffer is None else bucket.buffer, group=self.group, async_op=True
+            )
+        self._launch_log.append((b, where))
+        self._launched[b] = True
+        bucket.hooked_launch = where == "hook"
 
     def finish(self) -> None:
-        """Launch every bucket not launched yet (in order), wait for all, write the reduced grads back.
+        """Launch every bucket not launched yet (in ``launch_order``), wait for all, write the reduced
+        grads back, and agree on which buckets may launch from hooks next step.
 
         A parameter whose hook never fired counts with its current ``p.grad`` (accumulated by
         non-sync backwards) or zeros if it has none, so unused parameters never hang the group; one
@@ -211,26 +267,61 @@ class GradReducer:
                 if p.grad is not None and self.scale != 1.0:
                     p.grad.mul_(self.scale)
             return
-        for bucket in self._buckets[self._next_launch :]:
-            for slot, filled in enumerate(bucket.filled):
-                if not filled:
-                    self._fill(bucket, slot)
-        self._launch_ready("finish")
-        for bucket in self._buckets:
+        order = self.launch_order
+        for b in order:
+            if not self._launched[b]:
+                bucket = self._buckets[b]
+                for slot, filled in enumerate(bucket.filled):
+                    if not filled:
+                        self._fill(bucket, slot)
+                self._launch(b, "finish")
+        counts = self._hook_counts()
+        for b, bucket in enumerate(self._buckets):
             with span("wait", "grad all-reduce"):
                 bucket.work.wait()
             if bucket.buffer is not None:
+                # one device-to-host read per bucket (each is a stream sync on CUDA)
+                flags = bucket.buffer[bucket.numel :].tolist()
+                counts[b] = flags[-2:]
                 for slot, p in enumerate(bucket.params):
                     reduced = self._slice(bucket, slot)
-                    if bucket.buffer[self._flag_index(bucket, slot)] == 0:
+                    if flags[slot] == 0:
                         p.grad = None
                     elif p.grad is None:
                         p.grad = reduced.clone()
                     else:
                         p.grad.copy_(reduced)
             bucket.reset()
-        self._next_launch = 0
+        self._agree_on_hooks(counts)
         self.last_launch_log, self._launch_log = self._launch_log, []
+        self.last_launch_order = order
+
+    def _hook_counts(self) -> list[list[float]]:
+        """Per bucket, on how many ranks (all its hooks fired, it launched from a hook). "bucketed"
+        reads them from the flags that travelled with the bucket (filled in after the waits);
+        "per_param" has no room for flags and pays one small all-reduce, after every bucket, at the
+        same place on every rank."""
+        if self.mode == "bucketed":
+            return [[0.0, 0.0] for _ in self._buckets]
+        device = self._buckets[0].params[0].device
+        mine = [[float(b.all_hooked), float(b.hooked_launch)] for b in self._buckets]
+        counts = torch.tensor(mine, device=device)
+        dist.all_reduce(counts, group=self.group)
+        return counts.tolist()
+
+    def _agree_on_hooks(self, counts: list[list[float]]) -> None:
+        """Next step's hook buckets, the same list on every rank (built from reduced values only)."""
+        for b, (all_hooked, hook_launches) in enumerate(counts):
+            if 0 < hook_launches < self._world:
+                self._demoted.add(b)
+                warnings.warn(
+                    f"grad bucket {b} launched from a backward hook on some ranks and from finish() "
+                    "on others (a parameter used on some ranks only): under NCCL that order can "
+                    "deadlock against other groups' collectives. It launches from finish() from now on.",
+                    stacklevel=3,
+                )
+            self._from_hooks[b] = all_hooked == self._world and b not in self._demoted
+            self._launched[b] = False
 
     def remove(self) -> None:
         """Remove the grad hooks; ``finish()`` then still reduces ``p.grad``, only without overlap."""

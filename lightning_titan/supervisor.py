@@ -2,17 +2,22 @@
 
 - ``TitanLauncher``: Lightning's script launcher (``popen``), plus the layout/model/data checks run
   before any rank starts, and a watcher that stops the job within a second of a rank's death, naming
-  it (Lightning's own observer polls every 5 s and SIGKILLs every process, this one included).
+  it (Lightning's own observer polls every 5 s and SIGKILLs every process, this one included). The
+  launcher itself then leaves within ``LAUNCHER_WAIT_S``, its user's logs flushed, unless its own
+  collectives fail first (gloo's do at once; NCCL does not notice a dead peer on the same node).
 - ``watch_launcher``: a rank the launcher started leaves at most ``grace_s`` after the launcher died.
-- ``leave_after_failure``: a failed rank leaves as soon as its traceback is printed (a process that
-  exists only to be a rank: within ``grace_s`` in any case). Without it, a rank that raised while an
-  async collective of its own still waited for peers that are blocked elsewhere stays in gloo's
-  destructor at exit, its sockets open, and those peers wait for it until the collective timeout.
+- ``leave_after_failure``: a failed rank leaves as soon as its traceback is printed, after the
+  ``atexit`` handlers (bounded by ``grace_s``); one whose failure handling inside Lightning does not
+  finish within ``grace_s`` leaves then. A caller that catches the error keeps running. Without it, a
+  rank that raised while an async collective of its own still waited for peers that are blocked
+  elsewhere stays in gloo's destructor at exit, its sockets open, and those peers wait for it until
+  the collective timeout.
 - ``failure_report``: the one line every rank prints, naming itself, the step and any peer that died.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import signal
@@ -31,6 +36,8 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
 LAUNCHER_PID = "TITAN_LAUNCHER_PID"  # set for the ranks the launcher starts
+LAUNCHER_WAIT_S = 3.0  # after a rank died: how long the launcher's own failure may take to start
+_failing = threading.Event()  # set once this process is in Lightning's failure handling
 
 
 class TitanLauncher(_SubprocessScriptLauncher):
@@ -57,7 +64,9 @@ class TitanLauncher(_SubprocessScriptLauncher):
             os.environ[LAUNCHER_PID] = str(os.getpid())
             self._call_children_scripts()
             first = self.cluster_environment.node_rank() * self.num_processes + 1
-            _RankWatcher(self.procs, first).start()
+            grace_s = getattr(getattr(trainer, "strategy", None), "_grace_s", 30.0)
+            loggers = list(getattr(trainer, "loggers", None) or [])
+            _RankWatcher(self.procs, first, grace_s=grace_s, loggers=loggers).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
@@ -88,15 +97,29 @@ def describe_exit(code: int) -> str:
 
 
 class _RankWatcher(threading.Thread):
-    """In the launcher: when a rank it started dies, say which and kill the others.
+    """In the launcher: when a rank it started dies, say which, kill the others, and make sure this
+    process (rank 0) goes down too.
 
-    This process (rank 0) then fails in its next collective: gloo reports a closed connection at once,
-    also to work in flight, so with every peer gone nothing here can wait for long.
+    Under gloo this process then fails in its next collective (a closed connection is reported at
+    once, also to work in flight) and leaves through ``leave_after_failure``. NCCL does not notice a
+    dead peer on the same node: if no failure has started here within ``wait_s``, this thread leaves
+    for the main thread, blocked in a collective that would wait for the whole collective timeout,
+    after flushing the user's loggers and running the ``atexit`` handlers.
     """
 
-    def __init__(self, procs: list[Popen], first_rank: int) -> None:
+    def __init__(
+        self,
+        procs: list[Popen],
+        first_rank: int,
+        *,
+        grace_s: float = 30.0,
+        loggers: Sequence[Any] = (),
+        wait_s: float | None = None,
+    ) -> None:
         super().__init__(daemon=True, name="titan-rank-watcher")
         self.procs, self.first_rank = procs, first_rank
+        self.grace_s, self.loggers = grace_s, list(loggers)
+        self.wait_s = min(LAUNCHER_WAIT_S, grace_s) if wait_s is None else wait_s
 
     def run(self) -> None:
         while True:
@@ -114,7 +137,35 @@ class _RankWatcher(threading.Thread):
                 for p in self.procs:
                     if p.poll() is None:
                         p.kill()
+                if not _failing.wait(self.wait_s):
+                    say(
+                        f"[titan] the launcher's own collectives did not fail within {self.wait_s:g} s "
+                        "(NCCL does not notice a dead peer): leaving with its logs flushed"
+                    )
+                    leave(1, self.grace_s, self.loggers)
                 return
+
+
+def leave(code: int, grace_s: float, loggers: Sequence[Any] = ()) -> None:
+    """End this process now with ``code``, after what a normal exit would do for the user: finalize
+    ``loggers`` (CSV, W&B, MLflow write what they buffered) and run the ``atexit`` handlers, bounded
+    by ``grace_s`` (a handler may block on a dead peer). Then ``os._exit``: an orderly interpreter exit
+    can hang in a process group's destructor while work of its own still waits for peers."""
+
+    def flush() -> None:
+        for logger in loggers:
+            try:
+                logger.finalize("failed")
+            except Exception as err:  # noqa: BLE001 - the process is leaving: say it, go on
+                say(f"[titan] {type(logger).__name__}.finalize failed: {err!r}")
+        atexit._run_exitfuncs()
+
+    worker = threading.Thread(target=flush, daemon=True, name="titan-leave")
+    worker.start()
+    worker.join(timeout=grace_s)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def watch_launcher(grace_s: float) -> None:
@@ -145,25 +196,61 @@ def is_worker() -> bool:
 
 
 def leave_after_failure(grace_s: float) -> None:
-    """Once the uncaught exception's traceback is printed, leave with code 1 at once; a worker
-    leaves within ``grace_s`` whatever happens (SIGALRM's default action ends the process).
+    """Once the uncaught exception's traceback is printed, leave with code 1 (``leave``: atexit
+    handlers run, bounded by ``grace_s``); if Lightning's own failure handling (``on_exception``
+    hooks, loggers' finalize, teardown) does not finish within ``grace_s``, leave then.
 
-    Only an exception nobody catches reaches ``sys.excepthook``: a user's script that handles the
-    failure keeps running."""
-    if is_worker():
-        signal.alarm(max(1, round(grace_s)))
+    Only an exception nobody catches reaches ``sys.excepthook``, and the deadline stops counting once
+    the exception has left Lightning's call: a user's script that handles the failure keeps running.
+    Call it from the failing call (``Strategy.on_exception``)."""
+    _failing.set()
+    call = _lightning_call_frame()
+    if call is not None:
+        threading.Thread(
+            target=_leave_unless_done, args=(call, grace_s), daemon=True, name="titan-failure-watch"
+        ).start()
+    elif is_worker():
+        signal.alarm(max(1, round(grace_s)))  # no Lightning call to watch: a bounded exit anyway
     previous = sys.excepthook
     if getattr(previous, "_titan", False):
         return
 
     def excepthook(*exc_info: Any) -> None:
         previous(*exc_info)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        leave(1, grace_s)
 
     excepthook._titan = True  # type: ignore[attr-defined]
     sys.excepthook = excepthook
+
+
+def _lightning_call_frame() -> Any:
+    """The frame of Lightning's ``_call_and_handle_interrupt`` this thread is failing inside."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "_call_and_handle_interrupt":
+        frame = frame.f_back
+    return frame
+
+
+def _on_main_stack(frame: Any) -> bool:
+    current = sys._current_frames().get(threading.main_thread().ident)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
+
+
+def _leave_unless_done(call: Any, grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not _on_main_stack(call):
+            _failing.clear()
+            return  # the exception left Lightning: its caller handles it, or the excepthook does
+        time.sleep(0.1)
+    say(f"[titan] failure handling did not finish within {grace_s:g} s: leaving")
+    trainer = call.f_locals.get("trainer")
+    del call
+    leave(1, grace_s, list(getattr(trainer, "loggers", None) or []))
 
 
 # -- who is alive ---------------------------------------------------------------------------------------

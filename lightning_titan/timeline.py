@@ -216,17 +216,19 @@ class ExpertLoad(Callback):
             # each layer's counts live on its stage's ranks only, one per token shard: a plain sum
             dist.all_reduce(table)
         shares = table / table.sum(-1, keepdim=True).clamp_min(1)
+        max_over_mean = table.max(-1).values / table.mean(-1).clamp_min(1e-12)
+        # one device-to-host read for the whole table (an .item() per expert is a sync each on CUDA)
+        host = torch.cat([max_over_mean, shares.flatten()]).tolist()
+        ratios, flat = host[:n_layers], host[n_layers:]
+        shares_list = [flat[i * n_experts : (i + 1) * n_experts] for i in range(n_layers)]
         metrics = {}
         for layer in range(n_layers):
-            row = table[layer]
-            metrics[f"expert_load/layer{layer}/max_over_mean"] = (
-                row.max() / row.mean().clamp_min(1e-12)
-            ).item()
+            metrics[f"expert_load/layer{layer}/max_over_mean"] = ratios[layer]
             if self.log_per_expert:
                 for e in range(n_experts):
-                    metrics[f"expert_load/layer{layer}/expert{e}"] = shares[layer, e].item()
+                    metrics[f"expert_load/layer{layer}/expert{e}"] = shares_list[layer][e]
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
-        self.history.append((trainer.global_step, shares.tolist()))
+        self.history.append((trainer.global_step, shares_list))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

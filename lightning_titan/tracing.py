@@ -20,6 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -45,11 +46,30 @@ class Span:
         return self.end_ns - self.start_ns
 
 
+def _new_cuda_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
 class _Recorder:
     def __init__(self, rank: int, step: int, synchronize: bool) -> None:
         self.rank, self.step, self.synchronize = rank, step, synchronize
         self.spans: list[Span] = []
         self.lock = threading.Lock()  # autograd may run hooks on its own device threads
+        # On CUDA a span edge records an event instead of waiting for the GPU; ``stop`` waits once
+        # and places the events on this clock, anchored by one event recorded now.
+        self.pending: list[tuple[Span, Any, Any]] = []
+        if synchronize:
+            self.anchor = _new_cuda_event()
+            self.anchor.record()
+            self.anchor_ns = time.perf_counter_ns()
+
+    def resolve(self) -> None:
+        """Give the spans timed by events their times on the host clock (waits for the GPU once)."""
+        for span, start, end in self.pending:
+            end.synchronize()  # the first one waits, the others are done by then
+            span.start_ns = self.anchor_ns + round(self.anchor.elapsed_time(start) * 1e6)
+            span.end_ns = self.anchor_ns + round(self.anchor.elapsed_time(end) * 1e6)
+        self.pending.clear()
 
 
 _recorder: _Recorder | None = None
@@ -57,26 +77,31 @@ _NULL = nullcontext()
 
 
 class _Open:
-    __slots__ = ("recorder", "kind", "name", "args", "start_ns")
+    __slots__ = ("recorder", "kind", "name", "args", "start_ns", "start_event")
 
     def __init__(self, recorder: _Recorder, kind: str, name: str, args: dict) -> None:
         self.recorder, self.kind, self.name, self.args = recorder, kind, name, args
 
     def __enter__(self) -> _Open:
         if self.recorder.synchronize:  # on CUDA: time the kernels, not their launches
-            torch.cuda.synchronize()
+            self.start_event = _new_cuda_event()
+            self.start_event.record()
         self.start_ns = time.perf_counter_ns()
         return self
 
     def __exit__(self, *exc: object) -> None:
         rec = self.recorder
-        if rec.synchronize:
-            torch.cuda.synchronize()
         end = time.perf_counter_ns()
         span = Span(self.kind, self.name, rec.rank, self.start_ns, end, rec.step,
                     threading.get_ident(), self.args)  # fmt: skip
+        end_event = None
+        if rec.synchronize:
+            end_event = _new_cuda_event()
+            end_event.record()
         with rec.lock:
             rec.spans.append(span)
+            if end_event is not None:
+                rec.pending.append((span, self.start_event, end_event))
 
 
 def span(kind: str, name: str, **args: object):
@@ -90,7 +115,9 @@ def span(kind: str, name: str, **args: object):
 def start(rank: int, *, step: int = 0, synchronize: bool = False) -> None:
     """Record spans in this process from now on, tagged with ``rank`` and ``step``.
 
-    ``synchronize`` waits for the GPU at each span edge: slower, but the spans then hold kernel time.
+    ``synchronize`` (on CUDA) times the spans by the GPU: each edge records a CUDA event, and ``stop``
+    waits for the GPU once and gives the spans the events' times, so spans hold kernel time without a
+    host sync per span.
     """
     global _recorder
     if _recorder is not None:
@@ -102,7 +129,10 @@ def stop() -> list[Span]:
     """Stop recording and return the spans recorded since ``start`` (empty if not recording)."""
     global _recorder
     rec, _recorder = _recorder, None
-    return [] if rec is None else rec.spans
+    if rec is None:
+        return []
+    rec.resolve()
+    return rec.spans
 
 
 def is_recording() -> bool:

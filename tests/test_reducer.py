@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -49,8 +50,10 @@ def _expected(params, i, ranks, microbatches=(0,), scale=1 / WORLD) -> torch.Ten
 
 
 def _check_launch_log(reducer: GradReducer) -> None:
+    """Launched in the order the step agreed on: hook buckets, then the rest, each in bucket order."""
     order = [b for b, _ in reducer.last_launch_log]
-    assert order == list(range(len(reducer.bucket_params))), order
+    assert order == reducer.last_launch_order, (order, reducer.last_launch_order)
+    assert sorted(order) == list(range(len(reducer.bucket_params))), order
 
 
 def _case_hand_checked(rank: int, group) -> dict:
@@ -66,16 +69,21 @@ def _case_hand_checked(rank: int, group) -> dict:
             params = _params()
             reducer = GradReducer(params, group, scale=1 / WORLD, bucket_cap_mb=cap, mode=mode)
             n = len(params)
-            if ready == "forward":
-                _backward(params, rank, range(n))
-            else:
-                _backward(params, rank, range(n), one_graph=True)
-            reducer.finish()
-            for i, p in enumerate(params):
-                torch.testing.assert_close(
-                    p.grad, _expected(params, i, range(WORLD)), rtol=0, atol=0
-                )
-            _check_launch_log(reducer)
+            for step in range(2):  # the first step launches from finish(), then hooks are agreed
+                for p in params:
+                    p.grad = None
+                if ready == "forward":
+                    _backward(params, rank, range(n))
+                else:
+                    _backward(params, rank, range(n), one_graph=True)
+                reducer.finish()
+                for i, p in enumerate(params):
+                    torch.testing.assert_close(
+                        p.grad, _expected(params, i, range(WORLD)), rtol=0, atol=0
+                    )
+                _check_launch_log(reducer)
+                if step == 0:
+                    assert all(where == "finish" for _, where in reducer.last_launch_log)
             info[(name, ready)] = list(reducer.last_launch_log)
             reducer.remove()
     # forward ready order with one param per bucket: bucket 0 (the last param) is ready last, so
@@ -92,16 +100,20 @@ def _case_accumulation_and_unused(rank: int, group) -> None:
         params = _params()
         reducer = GradReducer(params, group, scale=1 / WORLD, bucket_cap_mb=cap, mode=mode)
         n = len(params)
-        for mb in range(3):
-            reducer.sync = mb == 2
-            _backward(params, rank, range(n), microbatch=mb, one_graph=True)
-            if mb < 2:
-                assert reducer._launch_log == [], "a non-sync backward launched a collective"
-        reducer.finish()
-        for i, p in enumerate(params):
-            torch.testing.assert_close(p.grad, _expected(params, i, range(WORLD), (0, 1, 2)))
-        assert all(where == "hook" for _, where in reducer.last_launch_log)
-        _check_launch_log(reducer)
+        for step in range(2):  # the first step launches from finish(), the second from the hooks
+            for p in params:
+                p.grad = None
+            for mb in range(3):
+                reducer.sync = mb == 2
+                _backward(params, rank, range(n), microbatch=mb, one_graph=True)
+                if mb < 2:
+                    assert reducer._launch_log == [], "a non-sync backward launched a collective"
+            reducer.finish()
+            for i, p in enumerate(params):
+                torch.testing.assert_close(p.grad, _expected(params, i, range(WORLD), (0, 1, 2)))
+            want = "finish" if step == 0 else "hook"
+            assert all(where == want for _, where in reducer.last_launch_log), step
+            _check_launch_log(reducer)
 
         # second step on the same reducer, with unused parameters:
         # 0 never used, 1 only on even ranks, 2 only in the non-sync microbatch, the rest always.
@@ -133,6 +145,39 @@ def _case_accumulation_and_unused(rank: int, group) -> None:
             torch.testing.assert_close(p.grad, _expected(params, i, range(WORLD)))
         assert all(where == "finish" for _, where in reducer.last_launch_log)
         reducer.remove()
+
+
+def _case_used_on_some_ranks_launches_in_one_place(rank: int, group) -> dict:
+    """A parameter used on even ranks only: its bucket must launch from the same place (hook or
+    finish) on every rank, or under NCCL its all-reduce lands elsewhere among other groups'
+    collectives on each rank. Returns each step's launch log; the caller compares the ranks."""
+    logs = {}
+    n = len(SHAPES)
+    # params[0] is in the last bucket: with every earlier bucket launched from hooks, nothing but its
+    # own hook decides where it launches
+    for name, steps in [("from_start", ["some"] * 3), ("later", ["all", "some", "some"])]:
+        params = _params(extra_fp64=False)
+        reducer = GradReducer(params, group, scale=1 / WORLD, bucket_cap_mb=1e-9)
+        for step, used in enumerate(steps):
+            for p in params:
+                p.grad = None
+            indices = list(range(1, n)) + ([0] if used == "all" or rank % 2 == 0 else [])
+            _backward(params, rank, indices, one_graph=True)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                reducer.finish()
+            ranks = range(WORLD) if used == "all" else range(0, WORLD, 2)
+            torch.testing.assert_close(params[0].grad, _expected(params, 0, ranks))
+            _check_launch_log(reducer)
+            logs[(name, step)] = list(reducer.last_launch_log)
+            # the one step where hooks were agreed and then missed on some ranks says so
+            missed = name == "later" and step == 1
+            assert any("from finish() from now on" in str(w.message) for w in caught) == missed
+        last = n - 1
+        assert logs[(name, 2)][-1] == (last, "finish"), logs[(name, 2)]
+        assert all(where == "hook" for _, where in logs[(name, 2)][:-1]), logs[(name, 2)]
+        reducer.remove()
+    return logs
 
 
 def _case_double_fire_raises(rank: int, group) -> None:
@@ -289,11 +334,16 @@ def _all_cases(rank: int, world_size: int) -> dict:
     group = dist.group.WORLD
     launch_sites = _case_hand_checked(rank, group)
     _case_accumulation_and_unused(rank, group)
+    used_on_some = _case_used_on_some_ranks_launches_in_one_place(rank, group)
     _case_double_fire_raises(rank, group)
     _case_random_vs_manual_all_reduce(rank, group)
     _case_vs_ddp(rank)
     _case_subgroups(rank)
-    return {"launch_sites": launch_sites, "norms": _case_clipping(rank)}
+    return {
+        "launch_sites": launch_sites,
+        "used_on_some": used_on_some,
+        "norms": _case_clipping(rank),
+    }
 
 
 @pytest.mark.timeout(180)
@@ -302,6 +352,11 @@ def test_reducers_and_clipping_on_four_gloo_ranks():
     for r in results[1:]:
         # same launches from the same places, and the bitwise-same norm, on every rank
         assert r["launch_sites"] == results[0]["launch_sites"]
+        # a parameter used on some ranks only: the same launches from the same places, except in
+        # the one step where the hooks agreed on were missed (which warns and stops it)
+        for (name, step), log in r["used_on_some"].items():
+            if (name, step) != ("later", 1):
+                assert log == results[0]["used_on_some"][(name, step)], (name, step)
         for label, value in r["norms"].items():
             ref = results[0]["norms"][label]
             assert value == ref or (math.isnan(value) and math.isnan(ref)), (label, value, ref)

@@ -550,3 +550,38 @@ def test_kill_9_loses_nothing(work, reference, when, fault, rank, resumes_at):
     for step, loss in resumed.items():
         assert float(loss) == pytest.approx(float(reference[step]), rel=1e-5), step
     assert all(before[s] == reference[s] for s in before if s < resumes_at)
+
+
+# -- a dead rank while the launcher's own collective cannot fail (NCCL's case) ---------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_launcher_leaves_by_itself_with_its_logs_when_a_rank_dies(tmp_path):
+    """Rank 1 dies at step 3 while rank 0 waits in something that never fails (NCCL does not notice
+    a dead peer on the same node): rank 0, the launcher, must leave within seconds, and the CSV
+    logger's buffered rows of steps 0-2 must be on disk (it writes every 100 steps otherwise)."""
+    script = SCRIPTS / "dead_rank.py"
+    out = tmp_path / "stuck"
+    job = launch([sys.executable, str(script), "stuck", str(out)], tmp_path, tmp_path / "cache",
+                 out, timeout=240)  # fmt: skip
+    assert job.returncode != 0, job.stderr[-3000:]
+    assert re.search(r"rank 1 \(pid \d+\) exited with code 7", job.stderr), job.stderr[-3000:]
+    reached = job.stderr.index("rank 0 reached the failure step")
+    assert "leaving with its logs flushed" in job.stderr[reached:], job.stderr[-3000:]
+    rows = list(csv.DictReader(open(next(out.glob("run/version_*/metrics.csv")))))
+    assert sorted({int(r["step"]) for r in rows if r.get("train_loss")}) == [0, 1, 2], rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_script_that_catches_the_failure_keeps_running(tmp_path):
+    """Both ranks raise at step 3, and the script catches it and goes on past the grace period: no
+    rank may be killed for a failure its caller handled."""
+    script = SCRIPTS / "dead_rank.py"
+    out = tmp_path / "caught"
+    job = launch([sys.executable, str(script), "caught", str(out)], tmp_path, tmp_path / "cache",
+                 out, timeout=240)  # fmt: skip
+    assert (out / "survived_1").exists(), job.stderr[-3000:]
+    assert (out / "survived_0").exists(), job.stderr[-3000:]
+    assert job.returncode == 0, job.stderr[-3000:]

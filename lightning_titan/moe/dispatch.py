@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_titan import faults
 from lightning_titan.tracing import span
+from lightning_titan.wire import wire_dtype
 
 
 def ep_size(group: ProcessGroup | None) -> int:
@@ -113,11 +114,23 @@ _PAD_FROM = 2048  # below this the comparison sort beats sorting 32k padded keys
 
 def sort_by_expert(ids: Tensor, n_experts: int) -> Tensor:
     """Stable argsort of integer ``ids`` in ``[0, n_experts)`` (a permutation, int64)."""
+    return sort_and_count(ids, n_experts)[0]
+
+
+def sort_and_count(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
+    """(stable argsort of ``ids`` in ``[0, n_experts)``, [n_experts] int64 count of each id).
+
+    The counts come from the sorted keys (a ``searchsorted`` of each id's first position), not from
+    ``bincount``, which on CUDA reads the ids' min and max back to the host: two syncs per call.
+    """
     keys = ids.to(torch.uint8 if n_experts < 255 else torch.int32)
     n = keys.numel()
     if keys.device.type == "cpu" and _PAD_FROM <= n < _RADIX_SORT_MIN:
         keys = torch.cat([keys, keys.new_full((_RADIX_SORT_MIN - n,), n_experts)])
-    return torch.sort(keys, stable=True).indices[:n]
+    sorted_keys, order = torch.sort(keys, stable=True)
+    sorted_keys, order = sorted_keys[:n], order[:n]  # the padding sorts last
+    boundaries = torch.arange(n_experts + 1, dtype=keys.dtype, device=keys.device)
+    return order, torch.searchsorted(sorted_keys, boundaries).diff()
 
 
 @dataclass
@@ -146,8 +159,7 @@ def dispatch(
     """
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
-    order = sort_by_expert(flat_ids, n_experts)
-    counts = torch.bincount(flat_ids, minlength=n_experts)
+    order, counts = sort_and_count(flat_ids, n_experts)
     token_rows = _inverse_permutation(order).view(-1, top_k)
     plan = DispatchPlan(order, order // top_k, token_rows, counts, [])
     packed = _PackTokens.apply(x, plan.token_of_row, plan.token_rows)
@@ -157,15 +169,20 @@ def dispatch(
         plan.tokens_per_local_expert = counts.tolist()
         return packed, plan
 
+    # under autocast the experts compute in the autocast dtype: send that, half the bytes of fp32,
+    # the same values (an autograd cast: the grads travel back narrow too, and widen here)
+    packed = packed.to(wire_dtype(packed.dtype, packed.device))
     packed = faults.inject("all_to_all", packed)
     n_local = n_experts // ep
     send_matrix = counts.view(ep, n_local)
     recv_matrix = torch.empty_like(send_matrix)
     with span("all_to_all", "counts"):
         dist.all_to_all_single(recv_matrix, send_matrix, group=group)
-    plan.send_splits = send_matrix.sum(dim=1).tolist()
-    plan.recv_splits = recv_matrix.sum(dim=1).tolist()
-    plan.tokens_per_local_expert = recv_matrix.sum(dim=0).tolist()
+    # one device-to-host read for all three lists (each read is a stream sync on CUDA)
+    sizes = torch.cat([send_matrix.sum(dim=1), recv_matrix.sum(dim=1), recv_matrix.sum(dim=0)])
+    sizes = sizes.tolist()
+    plan.send_splits, plan.recv_splits = sizes[:ep], sizes[ep : 2 * ep]
+    plan.tokens_per_local_expert = sizes[2 * ep :]
     plan.group = group
     received = all_to_all(packed, plan.recv_splits, plan.send_splits, group)
 

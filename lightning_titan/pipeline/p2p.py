@@ -11,7 +11,13 @@ it is needed, and sends are not waited at once: the sender finds the receive alr
 from its own thread. One batch of sends stays in flight (waited when the next one goes out, and by
 ``finish``), which bounds the activations the sends hold. NCCL runs a pair's sends and receives on one
 stream, where an early receive would hold up the send it is waiting for: there each exchange posts its
-sends and receives together (``batch_isend_irecv``) and waits for them.
+sends and receives together (``batch_isend_irecv``) and waits for the ones with a receive; a send-only
+batch is waited by ``finish`` (waiting it at once would hold this rank's compute stream until the peer
+takes the message).
+
+Under autocast the wire carries the autocast dtype (``lightning_titan.wire``): the receiver's matmuls
+compute in it anyway. The receiver widens what it takes back to the stage's dtype, so the residual
+stream and its grads keep the dtype they have in one process, rounded once at the stage boundary.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import Tensor
 
 from lightning_titan import faults
 from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.wire import wire_dtype
 
 
 class _Inbox:
@@ -50,11 +57,14 @@ class _Inbox:
         work, buffer = self.posted.popleft()
         self.post()  # the next message's receive is up before this one is waited for
         work.wait()
-        return buffer
+        return buffer.to(self.links.dtype)
 
 
 class StageLinks:
-    """This rank's links to the previous and next stage of its pipeline (its PP group), for one step."""
+    """This rank's links to the previous and next stage of its pipeline (its PP group), for one step.
+
+    ``dtype`` is the stage's activation dtype (what a receive returns); messages travel in
+    ``wire_dtype``, the autocast dtype when links are built under autocast."""
 
     def __init__(
         self,
@@ -65,6 +75,7 @@ class StageLinks:
     ) -> None:
         self.prev, self.next = dims.prev_stage_rank, dims.next_stage_rank
         self.group, self.dtype, self.device = group, dtype, device
+        self.wire_dtype = wire_dtype(dtype, device)
         self.early = device.type == "cpu"
         self.shape: tuple[int, ...] = ()
         self._from_prev = _Inbox(self, self.prev, 0)
@@ -88,7 +99,7 @@ class StageLinks:
         self._sends.clear()
 
     def new_buffer(self) -> Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
 
     def _exchange(
         self, send: Tensor | None, send_to: int | None, inbox: _Inbox | None
@@ -100,10 +111,10 @@ class StageLinks:
             return None
         faults.inject("p2p")
         if send_to is not None:
-            self.finish()
-            send = send.detach().to(self.dtype).contiguous()
+            send = send.detach().to(self.wire_dtype).contiguous()
         if self.early:
             if send_to is not None:
+                self.finish()  # one batch of sends in flight: bounds what they hold
                 self._sends.append(dist.isend(send, send_to, group=self.group))
             return None if inbox is None else inbox.take()
         ops, received = [], None
@@ -112,9 +123,13 @@ class StageLinks:
         if inbox is not None:
             received = self.new_buffer()
             ops.append(dist.P2POp(dist.irecv, received, inbox.peer, self.group))
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        if received is None:
+            self._sends.extend(works)  # the sent tensors live until finish(): the step's last call
+            return None
+        for work in works:
             work.wait()
-        return received
+        return received.to(self.dtype)
 
     def recv_forward(self) -> Tensor | None:
         return self._exchange(None, None, self._from_prev)

@@ -1,0 +1,157 @@
+"""Collective order across groups, logged on 4 gloo ranks (issue 22, DESIGN invariant 6).
+
+NCCL needs every rank to enqueue the collectives of different communicators in the same relative
+order (a blocked kernel of one can stop the other's progress). gloo does not care, so here every
+collective is logged with its group, and the logs are compared: per group, every member enters the
+same sequence; per pair of groups, every rank in both interleaves them the same way. The layouts
+include EP > 1 (all-to-alls in backward) and a parameter that only some ranks use (its bucket cannot
+become ready from a hook there).
+
+Also, per step: the host reads (each a stream sync on CUDA) are a fixed number per MoE layer per
+microbatch and per bucket, and under CPU autocast the all-to-all and p2p payloads travel in bf16.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from itertools import combinations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_gpu_readiness import HostReads
+from torch import nn
+
+from lightning_titan.engine import Engine
+from lightning_titan.launch import run_on_ranks
+from lightning_titan.model import ModelConfig, StageModel
+from lightning_titan.parallel_dims import ParallelDims, build_process_groups
+
+WORLD = 4
+LAYOUTS = [(1, 2, 2), (2, 1, 2), (1, 1, 4), (2, 2, 1)]
+CONFIG = ModelConfig(
+    vocab_size=31, d_model=16, n_layers=4, n_heads=2, ffn_dim=16, n_experts=4, top_k=2, seq_len=6
+)
+BATCH, M, STEPS = 8, 2, 3
+COLLECTIVES = ("all_reduce", "all_to_all_single", "broadcast", "all_gather")
+
+
+class CollectiveLog:
+    """Wraps torch.distributed's collectives (and the p2p sends, for their dtypes) while entered."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, tuple[int, ...]]] = []
+        self.dtypes: dict[str, set[torch.dtype]] = {"all_to_all_single": set(), "isend": set()}
+        self._saved: dict[str, Callable] = {}
+
+    def _wrap(self, name: str, func: Callable) -> Callable:
+        signature = inspect.signature(func)
+
+        def logged(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            group = bound.arguments.get("group")
+            tensor = next(iter(bound.arguments.values()))
+            if name in self.dtypes and tensor.is_floating_point():
+                self.dtypes[name].add(tensor.dtype)
+            if name in COLLECTIVES:
+                ranks = range(dist.get_world_size()) if group is None else None
+                ranks = ranks or dist.get_process_group_ranks(group)
+                self.entries.append((name, tuple(ranks)))
+            return func(*args, **kwargs)
+
+        return logged
+
+    def __enter__(self) -> CollectiveLog:
+        for name in (*COLLECTIVES, "isend"):
+            self._saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, func in self._saved.items():
+            setattr(dist, name, func)
+
+
+def _model_with_a_parameter_some_ranks_use(dims: ParallelDims, groups) -> StageModel:
+    """The stage model plus ``layers.<last>.extra`` [D], added to the last local block's output on
+    ranks with an even data rank only: its grad is ready there before that block's all-to-alls run
+    backward, and never from a hook elsewhere. Registered last, so its bucket comes early."""
+    model = StageModel(CONFIG, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
+                       ep_group=groups.ep)  # fmt: skip
+    model.init_weights(7)
+    block = model.layers[str(model.layer_range[1] - 1)]
+    block.extra = nn.Parameter(torch.zeros(CONFIG.d_model))
+    if dims.data_rank % 2 == 0:
+        block.register_forward_hook(lambda mod, args, out: (out[0] + mod.extra, out[1]))
+    return model
+
+
+def _run_layout(rank: int, layout: tuple[int, int, int]) -> dict:
+    dims = ParallelDims(*layout, rank)
+    groups = build_process_groups(dims)
+    model = _model_with_a_parameter_some_ranks_use(dims, groups)
+    engine = Engine(model, dims, groups, schedule="1f1b", bucket_cap_mb=1e-9)  # a bucket each
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    b = BATCH // dims.data_world
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))[dims.data_rank * b:][:b]  # fmt: skip
+    logs, reads = [], []
+    for step in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step == STEPS - 1):
+            with CollectiveLog() as log, HostReads() as step_reads:
+                engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], M)
+                forward_backward_reads = len(step_reads.calls)
+                engine.finish_gradients(1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        logs.append(log.entries)
+        reads.append((forward_backward_reads, len(step_reads.calls) - forward_backward_reads))
+    engine.remove()
+    return {
+        "logs": logs,
+        "reads": reads,
+        "buckets": sum(len(r.bucket_params) for r in engine.reducers),
+        "layers": len(model.layers),
+        "dtypes": {k: sorted(str(d) for d in v) for k, v in log.dtypes.items()},
+    }
+
+
+def _all_layouts(rank: int, world_size: int) -> list[dict]:
+    torch.set_num_threads(1)
+    return [_run_layout(rank, layout) for layout in LAYOUTS]
+
+
+def _check_order(logs: list[list[tuple[str, tuple[int, ...]]]], label: str) -> None:
+    """Per group, and per pair of groups, the same sequence on every rank that is in them. Groups are
+    told apart by their ranks: groups with the same ranks count as one (a stricter check)."""
+    groups = sorted({g for log in logs for _, g in log})
+    for chosen in [*([g] for g in groups), *map(list, combinations(groups, 2))]:
+        members = set(chosen[0]).intersection(*chosen[1:])
+        if not members:
+            continue
+        seqs = {r: [e for e in logs[r] if e[1] in chosen] for r in members}
+        first = seqs[min(members)]
+        for r, seq in seqs.items():
+            assert seq == first, f"{label}: rank {r} orders {chosen} unlike rank {min(members)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_collective_order_host_reads_and_payload_dtypes():
+    per_rank = run_on_ranks(_all_layouts, WORLD, timeout_s=360)
+    for i, layout in enumerate(LAYOUTS):
+        results = [per_rank[r][i] for r in range(WORLD)]
+        for step in range(STEPS):
+            _check_order([r["logs"][step] for r in results], f"{layout} step {step}")
+        dp, pp, ep = layout
+        for r in results:
+            # one read per MoE layer per microbatch (the dispatch split sizes), none in backward;
+            # one per bucket to finish the gradients (its used-flags), none for clipping
+            for fb, finish in r["reads"]:
+                assert fb == r["layers"] * M and finish == r["buckets"], (layout, r["reads"])
+            want = ["torch.bfloat16"]  # the last step ran under autocast
+            if ep > 1:
+                assert r["dtypes"]["all_to_all_single"] == want, (layout, r["dtypes"])
+            if pp > 1:
+                assert r["dtypes"]["isend"] == want, (layout, r["dtypes"])
