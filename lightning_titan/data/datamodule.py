@@ -193,6 +193,11 @@ class TitanDataModule(L.LightningDataModule):
         )
         return self._loader(PackedSequences(self.corpus.validation), sampler)
 
+    def test_dataloader(self) -> DataLoader | list:
+        """``titan test``: the held-out documents, as validation sees them (the corpus has one held-out
+        split; Trainer ``limit_test_batches`` caps it)."""
+        return self.val_dataloader()
+
     # -- resumable position ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The data position; Lightning puts it in checkpoints. Map-style it is the same on every rank."""
