@@ -9,6 +9,7 @@ All launches but the main job's use start_method=fork (no re-import per rank); t
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -197,6 +198,32 @@ def test_every_config_trains_the_single_process_curve(runs):
     )
 
 
+# what the main job printed before issue 12, each something a user could do nothing about
+NOISE = {
+    "LightningCLI's args and sys.argv warning": "not recommended to provide both args and command line",
+    "torch's LeafSpec deprecation (Lightning's CombinedLoader)": "LeafSpec",
+    "ModelCheckpoint's manual-optimization warning": "pre-optimization state",
+    "sync_dist advice for values already global": "sync_dist=True",
+    "`Epoch 0/-2` under max_steps": "/-2",
+    "the logger version in the progress bar": "v_num",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_main_job_prints_progress_and_no_noise(runs):
+    """The main job (script launch, 8 ranks, a validation and a ModelCheckpoint every 3 steps: each of
+    the old messages had its trigger) shows steps out of max_steps, loss and tokens/s, and no warning."""
+    _, output = runs
+    job = output["dp_pp_ep"]
+    for what, text in NOISE.items():
+        assert text not in job, f"the main job printed {what}:\n{job[-3000:]}"
+    warnings = [line for line in job.splitlines() if re.search(r"\.py:\d+: ", line)]
+    assert not warnings, "the main job printed warnings:\n" + "\n".join(warnings)
+    assert "train: 100%" in job and f"{STEPS}/{STEPS}" in job
+    assert "loss=" in job and "tok/s=" in job
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_bf16_mixed_trains_under_pp_and_ep(runs):
@@ -220,6 +247,13 @@ def test_validate_from_a_checkpoint_under_another_layout(runs):
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "val_loss" in proc.stdout and "val_perplexity" in proc.stdout
+    # `titan test` evaluates the held-out split (as validation sees it) from the same checkpoint
+    cmd = [sys.executable, "-m", "lightning_titan", "test", "--config", str(config("single")),
+           "--trainer.limit_test_batches=2", f"--ckpt_path={last_ckpt(cwd, 'dp_pp_ep')}",
+           "--trainer.logger.init_args.name=test"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "test_loss" in proc.stdout and "test_perplexity" in proc.stdout
 
 
 RESUMES = [  # (written by, config to resume with, layout overrides)
