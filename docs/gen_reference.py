@@ -18,14 +18,21 @@ import textwrap
 from pathlib import Path
 
 import docstring_parser
-import yaml
 
 from lightning_titan import ModelConfig, StageModel, TitanDataModule, TitanLM, TitanStrategy
+from lightning_titan.config_files import compose_config
 from lightning_titan.model import split_expert_parameters
 from lightning_titan.timeline import ExpertLoad, PipelineTimeline
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "docs" / "reference.md"
+
+# arguments the CLI sets from another one (LightningCLI link_arguments in lightning_titan/cli.py)
+LINKED = {
+    "--data.seq_len": "--model.model.seq_len",
+    "--model.seed": "--seed_everything",
+    "--data.seed": "--seed_everything",
+}
 
 # ModelConfig documents some fields with trailing comments only; these cover the others.
 MODEL_FIELD_DOCS = {
@@ -34,7 +41,7 @@ MODEL_FIELD_DOCS = {
     "n_heads": "attention heads; must divide `d_model`, with an even head size.",
     "n_experts": "experts E in every MoE layer; `ep` must divide it.",
     "top_k": "experts each token is sent to (K).",
-    "seq_len": "tokens per sequence S; the data module's `seq_len` must equal it.",
+    "seq_len": "tokens per sequence S; the CLI sets the data module's `seq_len` to it.",
     "rope_theta": "RoPE base frequency.",
     "norm_eps": "RMSNorm epsilon.",
     "init_std": "standard deviation of the initial weights (output projections scaled by 1/sqrt(2L)).",
@@ -71,11 +78,15 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _flag(flag: str) -> str:
+    return f"set by `{LINKED[flag]}`" if flag in LINKED else f"`{flag}`"
+
+
 def _table(rows: list[tuple[str, str, str, str, str]]) -> list[str]:
     lines = ["| argument | type | default | CLI flag | description |", "|---|---|---|---|---|"]
     for name, kind, default, flag, doc in rows:
         lines.append(
-            f"| `{name}` | `{_cell(kind)}` | `{_cell(default)}` | `{flag}` | {_cell(doc) or '—'} |"
+            f"| `{name}` | `{_cell(kind)}` | `{_cell(default)}` | {_flag(flag)} | {_cell(doc) or '—'} |"
         )
     return lines
 
@@ -136,7 +147,9 @@ def _configs_table() -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for path in sorted((ROOT / "configs").glob("*.yaml")):
-        config = yaml.safe_load(path.read_text())
+        if path.stem == "base":  # what the layouts share, not a layout
+            continue
+        config = compose_config(path)
         strategy = config["trainer"]["strategy"]["init_args"]
         dp, pp, ep = strategy["dp"], strategy["pp"], strategy["ep"]
         m = strategy.get("num_microbatches") or pp
@@ -206,8 +219,9 @@ def render() -> str:
         "",
         "## The configs in `configs/`",
         "",
-        "One per composition, all the same model and the same global batches, so their loss curves "
-        "coincide. Parameters and state bytes are per rank, for the largest rank (the embedding sits on "
+        "One per composition: `configs/base.yaml` (model, data, trainer, logger, callbacks) with the "
+        "layout's degrees and name in place of its own, so all train the same model on the same global "
+        "batches and their loss curves coincide. Parameters and state bytes are per rank, for the largest rank (the embedding sits on "
         "the first stage, the LM head on the last); activations come on top (see "
         "[choosing_a_layout.md](choosing_a_layout.md)).",
         "",

@@ -7,13 +7,26 @@ python -m lightning_titan validate --config configs/single.yaml --ckpt_path last
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+import torch
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
+from lightning_titan.config_files import compose_config
 from lightning_titan.data import TitanDataModule
+from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.module import TitanLM
+from lightning_titan.progress import StepProgressBar
+
+__all__ = ["TitanCLI", "cli_components", "compose_config", "main"]
 
 TRAINER_DEFAULTS = {
     "accelerator": "cpu",
@@ -22,35 +35,137 @@ TRAINER_DEFAULTS = {
         "init_args": {"save_dir": "runs"},
     },
 }
+# the commands that are not Trainer methods: name -> one line for `titan --help`
+OTHER_COMMANDS = {
+    "export": "Write a checkpoint as one Hugging Face Mixtral model (transformers loads it).",
+    "bench": "Time every composition on 2, 4 and 8 ranks at the same tokens per step.",
+}
+
+
+def quiet_known_noise() -> None:
+    """Silence the warnings a titan user can do nothing about, each by its exact text and category."""
+    # Lightning 2.6's CombinedLoader builds torch's LeafSpec(), which torch 2.13 deprecates (once per rank)
+    warnings.filterwarnings(
+        "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )  # fmt: skip
+    # under manual optimization ModelCheckpoint asks for a copy of the weights from before
+    # optimizer.step(); ours are rightly the weights after step N, which a resume at step N continues
+    warnings.filterwarnings(
+        "ignore", r"Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
+        r"pre-optimization state was saved", UserWarning,
+    )  # fmt: skip
+    # TitanLM's epoch-level values are global by construction (every rank logs the same all-reduced
+    # mean): a sync_dist mean would only cost a collective. Only these keys: others still warn.
+    warnings.filterwarnings(
+        "ignore", r"It is recommended to use `self.log\('(val|test)_(loss|perplexity)', \.\.\., "
+        r"sync_dist=True\)`", PossibleUserWarning,
+        module=r"lightning\.pytorch\.trainer\.connectors\.logger_connector",
+    )  # fmt: skip
+
+
+def one_seed(seed: bool | int) -> int:
+    """``seed_everything`` is also the model's init seed and the data's order seed: one value."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(
+            f"seed_everything={seed!r}: titan needs an int seed, the same on every rank, for the "
+            "initial weights and the data order; e.g. --seed_everything=1234"
+        )
+    return seed
+
+
+def model_seq_len(model: Namespace | ModelConfig | None) -> int:
+    """The model's ``seq_len`` from the parsed ``model.model`` value (None: ModelConfig's default)."""
+    if model is None:
+        return ModelConfig().seq_len
+    if isinstance(model, ModelConfig):
+        return model.seq_len
+    return int(model.init_args.seq_len)
 
 
 class TitanCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # no `predict`: the pipeline engine computes losses, not outputs to collect; to generate, use
+        # `titan export` and transformers' `generate()`
+        return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict
+    ) -> None:
+        main_kwargs.setdefault(
+            "description", "Train Mixture-of-Experts decoders with DP x PP x EP."
+        )
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        action = self.parser._subcommands_action
+        if add_subcommands and action is not None:  # listed in `titan --help`; main() runs them
+            for name, line in OTHER_COMMANDS.items():
+                action.add_subcommand(name, self.init_parser(description=line), help=line)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("model.model", "data.seq_len", compute_fn=model_seq_len)
+        parser.link_arguments("seed_everything", "model.seed", compute_fn=one_seed)
+        parser.link_arguments("seed_everything", "data.seed", compute_fn=one_seed)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        fix_checkpoint_dirs(config.trainer)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        trainer = config["trainer"]
+        callbacks = list(trainer.get("callbacks") or [])
+        has_bar = any(isinstance(c, ProgressBar) for c in callbacks)
+        if trainer.get("enable_progress_bar") is not False and not has_bar:
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
     def after_fit(self) -> None:
-        trainer = self.trainer
-        if not trainer.is_global_zero:
-            return
-        metrics = trainer.callback_metrics
-        lines = ["", "== titan fit: done"]
-        if "train_loss" in metrics:
-            lines.append(
-                f"final train_loss   {float(metrics['train_loss']):.4f} (step {trainer.global_step})"
-            )
-        if "val_loss" in metrics:
-            lines.append(f"final val_loss     {float(metrics['val_loss']):.4f}")
-        if "tokens_per_sec" in metrics:
-            lines.append(f"tokens/s (last)    {float(metrics['tokens_per_sec']):,.0f}")
-        dims = getattr(trainer.strategy, "parallel_dims", None)
-        if dims is not None:
-            lines.append(
-                f"layout             dp={dims.dp} pp={dims.pp} ep={dims.ep} ({dims.world_size} ranks)"
-            )
-        if trainer.logger is not None and trainer.logger.log_dir:
-            lines.append(f"logs               {Path(trainer.logger.log_dir).resolve()}/metrics.csv")
-        if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
-            lines.append(
-                f"checkpoints        {Path(trainer.checkpoint_callback.dirpath).resolve()}"
-            )
-        print("\n".join(lines), flush=True)
+        if self.trainer.is_global_zero:
+            print(fit_summary(self.trainer, self.model), flush=True)
+
+
+def fix_checkpoint_dirs(trainer: Namespace) -> None:
+    """A ModelCheckpoint without ``dirpath`` saves in <save_dir>/<logger name>/checkpoints: the same
+    folder for every run of a layout (Lightning's default adds version_N), so ``--ckpt_path last``
+    finds the previous run's."""
+    logger = trainer.get("logger")
+    args = logger.get("init_args") if isinstance(logger, Namespace) else None
+    if args is None or not args.get("save_dir") or not args.get("name"):
+        return
+    for callback in trainer.get("callbacks") or []:
+        if not isinstance(callback, Namespace) or "class_path" not in callback:
+            continue
+        module, _, name = callback.class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        if issubclass(cls, ModelCheckpoint) and callback.init_args.get("dirpath") is None:
+            callback.init_args.dirpath = os.path.join(args.save_dir, args.name, "checkpoints")
+
+
+def fit_summary(trainer: Any, module: TitanLM) -> str:
+    metrics = trainer.callback_metrics
+    lines = ["", "== titan fit: done"]
+    if "train_loss" in metrics:
+        lines.append(
+            f"final train_loss   {float(metrics['train_loss']):.4f} (step {trainer.global_step})"
+        )
+    if "val_loss" in metrics:
+        lines.append(f"final val_loss     {float(metrics['val_loss']):.4f}")
+    if "tokens_per_sec" in metrics:
+        lines.append(f"tokens/s (last)    {float(metrics['tokens_per_sec']):,.0f}")
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    if dims is not None:
+        lines.append(
+            f"layout             dp={dims.dp} pp={dims.pp} ep={dims.ep} ({dims.world_size} ranks)"
+        )
+    with torch.device("meta"):  # the whole model's size, without its memory
+        params = sum(p.numel() for p in StageModel(module.config).parameters())
+    lines.append(f"model              {params:,} parameters")
+    if trainer.logger is not None and trainer.logger.log_dir:
+        lines.append(f"logs               {Path(trainer.logger.log_dir).resolve()}/metrics.csv")
+    if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
+        lines.append(f"checkpoints        {Path(trainer.checkpoint_callback.dirpath).resolve()}")
+    return "\n".join(lines)
 
 
 def cli_components() -> tuple[type, type]:
@@ -58,6 +173,7 @@ def cli_components() -> tuple[type, type]:
 
 
 def main(args: list[str] | None = None) -> None:
+    """``titan``: ``args`` for Python callers; None reads the command line (as every rank does)."""
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] == "export":
         from lightning_titan.export import main as export_main
@@ -68,12 +184,13 @@ def main(args: list[str] | None = None) -> None:
 
         bench_main(argv[1:])  # its results dict is for Python callers, not an exit status
         return None
+    quiet_known_noise()
     TitanCLI(
         *cli_components(),
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=1234,
         save_config_kwargs={"overwrite": True},
-        args=argv,
+        args=args,  # None: LightningCLI reads sys.argv itself (both would warn)
     )
 
 

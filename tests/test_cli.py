@@ -9,6 +9,7 @@ All launches but the main job's use start_method=fork (no re-import per rank); t
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_titan.cli import TitanCLI, cli_components
+from lightning_titan.cli import TitanCLI, cli_components, compose_config, main
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+CONFIGS = sorted(c for c in (ROOT / "configs").glob("*.yaml") if c.stem != "base")  # the layouts
 STEPS, RESUMED_STEPS = 3, 6
 COMMON = [
     "--trainer.val_check_interval=2",
@@ -44,7 +45,7 @@ def titan_fit(cwd: Path, cfg: Path, name: str, *extra: str, steps: int = STEPS) 
            f"--trainer.max_steps={steps}", f"--trainer.logger.init_args.name={name}", *extra]  # fmt: skip
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    return proc.stdout + proc.stderr
 
 
 def curve(cwd: Path, name: str) -> dict[int, float]:
@@ -107,14 +108,74 @@ def test_configs_exist_for_every_composition():
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.stem)
-def test_every_config_parses(cfg):
-    cli = TitanCLI(*cli_components(), run=False, args=["--config", str(cfg)])
+def test_every_config_parses(cfg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = TitanCLI(*cli_components(), run=False, args=["--config", str(cfg), "--seed_everything=7"])
     dims = cli.trainer.strategy.parallel_dims
     assert dims.world_size == cli.trainer.num_devices
     assert cli.datamodule.global_batch_size == 16
     assert (
         cli.model.config.n_layers % 4 == 0 and cli.model.config.n_experts % 4 == 0
     )  # pp, ep <= 4 by flag
+    # base.yaml's values arrive (a nested block in an overlay would have dropped them)
+    assert cli.trainer.max_steps == 200 and cli.trainer.strategy.gradient_clip_norm == 1.0
+    names = {type(c).__name__ for c in cli.trainer.callbacks}
+    assert {"LearningRateMonitor", "EarlyStopping", "ModelCheckpoint", "StepProgressBar"} <= names
+    # one name per layout: logs in runs/<layout>/version_N, checkpoints in runs/<layout>/checkpoints
+    assert cli.trainer.logger.name == cfg.stem
+    assert cli.trainer.checkpoint_callback.dirpath == str(
+        tmp_path / "runs" / cfg.stem / "checkpoints"
+    )
+    # set once: data.seq_len is the model's, and seed_everything seeds the init and the data order
+    assert cli.datamodule.seq_len == cli.model.config.seq_len == 64
+    assert cli.model.hparams.seed == cli.datamodule.seed == 7
+    # compose_config (what scripts edit) agrees with the parser on every value it names
+    composed = compose_config(cfg)
+    parsed = cli.config.as_dict()
+    for key in ("trainer", "model", "data"):
+        assert _subset(composed[key], parsed[key]), key
+
+
+def _subset(small, big) -> bool:
+    if isinstance(small, dict):
+        return isinstance(big, dict) and all(_subset(v, big.get(k)) for k, v in small.items())
+    if isinstance(small, list):
+        return isinstance(big, list) and len(small) == len(big) and all(map(_subset, small, big))
+    return small == big
+
+
+def test_linked_and_misplaced_keys_fail_with_the_key_to_use(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        TitanCLI(
+            *cli_components(), run=False, args=["--config", str(config("pp")), "--data.seq_len=32"]
+        )
+    assert 'Linked "data.seq_len" must be given via "model.model"' in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        TitanCLI(
+            *cli_components(),
+            run=False,
+            args=["--config", str(config("pp")), "--seed_everything=true"],
+        )
+    assert "titan needs an int seed" in capsys.readouterr().err
+    late = tmp_path / "late.yaml"
+    late.write_text(f"trainer.devices: 2\nconfig: {config('single')}\n")
+    with pytest.raises(ValueError, match="must come first"):
+        compose_config(late)
+
+
+def test_help_lists_every_command_and_each_runs(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "export", "bench"):
+        assert f"    {command} " in out, f"`titan --help` does not list {command}:\n{out}"
+    assert (
+        "predict" not in out
+    )  # TitanLM has no predict_step: `titan export` is the way to inference
+    for command in ("export", "bench"):  # main() runs them, not LightningCLI
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        assert exit_.value.code == 0 and f"titan {command}" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -135,6 +196,32 @@ def test_every_config_trains_the_single_process_curve(runs):
         "== titan fit: done" in stdout["dp_pp_ep"]
         and "dp=2 pp=2 ep=2 (8 ranks)" in stdout["dp_pp_ep"]
     )
+
+
+# what the main job printed before issue 12, each something a user could do nothing about
+NOISE = {
+    "LightningCLI's args and sys.argv warning": "not recommended to provide both args and command line",
+    "torch's LeafSpec deprecation (Lightning's CombinedLoader)": "LeafSpec",
+    "ModelCheckpoint's manual-optimization warning": "pre-optimization state",
+    "sync_dist advice for values already global": "sync_dist=True",
+    "`Epoch 0/-2` under max_steps": "/-2",
+    "the logger version in the progress bar": "v_num",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_main_job_prints_progress_and_no_noise(runs):
+    """The main job (script launch, 8 ranks, a validation and a ModelCheckpoint every 3 steps: each of
+    the old messages had its trigger) shows steps out of max_steps, loss and tokens/s, and no warning."""
+    _, output = runs
+    job = output["dp_pp_ep"]
+    for what, text in NOISE.items():
+        assert text not in job, f"the main job printed {what}:\n{job[-3000:]}"
+    warnings = [line for line in job.splitlines() if re.search(r"\.py:\d+: ", line)]
+    assert not warnings, "the main job printed warnings:\n" + "\n".join(warnings)
+    assert "train: 100%" in job and f"{STEPS}/{STEPS}" in job
+    assert "loss=" in job and "tok/s=" in job
 
 
 @pytest.mark.slow
@@ -160,6 +247,13 @@ def test_validate_from_a_checkpoint_under_another_layout(runs):
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "val_loss" in proc.stdout and "val_perplexity" in proc.stdout
+    # `titan test` evaluates the held-out split (as validation sees it) from the same checkpoint
+    cmd = [sys.executable, "-m", "lightning_titan", "test", "--config", str(config("single")),
+           "--trainer.limit_test_batches=2", f"--ckpt_path={last_ckpt(cwd, 'dp_pp_ep')}",
+           "--trainer.logger.init_args.name=test"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "test_loss" in proc.stdout and "test_perplexity" in proc.stdout
 
 
 RESUMES = [  # (written by, config to resume with, layout overrides)

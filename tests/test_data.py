@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from lightning_titan.data import ByteTokenizer, LayoutFreeSampler, Packer, TitanDataModule, prepare
 from lightning_titan.data.corpus import Source
-from lightning_titan.data.tokenizer import load_tokenizer
+from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.parallel_dims import ParallelDims
 
@@ -78,6 +78,33 @@ def test_byte_tokenizer_round_trips_unicode():
     assert tok.decode(ids) == text
     assert tok.decode([*ids, tok.eod_id]) == text
     assert (tok.vocab_size, tok.eod_id) == (257, 256)
+
+
+def test_tokenizer_protocol_names_what_the_pipeline_calls():
+    """`prepare` keys its cache by `name` and packs with `encode_array`: the Protocol must require both,
+    and the built-in tokenizer must satisfy it (the HF one is checked where transformers is installed)."""
+
+    class Unnamed:  # everything but `name`
+        vocab_size, eod_id = 257, 256
+
+        def encode(self, text: str) -> list[int]:
+            return list(text.encode("utf-8"))
+
+        def encode_array(self, text: str) -> np.ndarray:
+            return np.asarray(self.encode(text))
+
+        def decode(self, ids: list[int]) -> str:
+            return bytes(ids).decode("utf-8")
+
+    class WithoutPackingPath(Unnamed):
+        name = "partial"
+        encode_array = None  # Protocol checks treat a None member as absent
+
+    assert isinstance(ByteTokenizer(), Tokenizer)
+    assert not isinstance(WithoutPackingPath(), Tokenizer)
+    assert not isinstance(Unnamed(), Tokenizer)
+    arr = ByteTokenizer().encode_array("héllo")
+    assert arr.ndim == 1 and arr.tolist() == ByteTokenizer().encode("héllo")
 
 
 def test_packer_loses_only_the_tail():
@@ -488,9 +515,10 @@ def test_hf_tokenizer_by_local_path_or_a_clear_error(tmp_path):
             _ = TitanDataModule(tokenizer=str(tmp_path)).vocab_size
         return
     hf, byte = load_tokenizer(str(tmp_path)), ByteTokenizer()
+    assert isinstance(hf, Tokenizer) and hf.name == str(tmp_path)
     text = "def f():\n    return 'héllo ✓'\n"
     assert (hf.vocab_size, hf.eod_id) == (byte.vocab_size, byte.eod_id) == (257, 256)
-    assert hf.encode(text) == byte.encode(text)
+    assert hf.encode(text) == byte.encode(text) == hf.encode_array(text).tolist()
     assert hf.decode(hf.encode(text)) == text
     assert TitanDataModule(tokenizer=str(tmp_path)).vocab_size == 257
 

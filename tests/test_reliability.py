@@ -33,6 +33,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_titan import TitanStrategy
 from lightning_titan.checkpoint import consolidate, consolidate_optimizers
+from lightning_titan.config_files import compose_config
 from lightning_titan.faults import Fault
 from lightning_titan.launch import free_port
 from lightning_titan.supervisor import describe_exit, failure_report
@@ -153,7 +154,7 @@ def write_config(
 ) -> Path:
     """configs/pp_ep.yaml's model, data and seed on 2 ranks, STEPS steps, a checkpoint every `every`
     steps into work/name/ckpt, logs in work/name/logs; no validation (it would add collectives)."""
-    config = yaml.safe_load(BASE_CONFIG.read_text())
+    config = compose_config(BASE_CONFIG)  # configs/base.yaml with the layout's values
     trainer = config["trainer"]
     trainer.update(
         devices=2, max_steps=STEPS, limit_val_batches=0, enable_progress_bar=False,
@@ -294,7 +295,8 @@ BEFORE_LAUNCH = [
     # precision (16-mixed: see test_16_mixed_is_rejected; on CPU Lightning turns it into bf16-mixed)
     ("16-true", ["--trainer.precision=16-true"], r"precision='16-true' is not supported"),
     # data
-    ("data seq_len", ["--data.seq_len=128"], r"data seq_len=128 exceeds the model's seq_len=64"),
+    # (no data seq_len case: the CLI sets data.seq_len from model.model.seq_len; test_data checks
+    # check_model's message)
     ("tokenizer vocabulary", ["--model.model.vocab_size=200"],
      r"tokenizer 'byte' has 257 ids but the model's vocab_size is 200"),
     ("global batch 0", ["--data.global_batch_size=0"], r"global_batch_size=0 must be at least 1"),

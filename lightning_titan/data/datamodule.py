@@ -28,7 +28,7 @@ from lightning_titan.data.packing import collate_windows
 from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, load_packed, prepare
 from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences, check_divisible
 from lightning_titan.data.streaming import StreamingWindows, check_rank_shard, rank_stream
-from lightning_titan.data.tokenizer import load_tokenizer
+from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer
 
 
 class TitanDataModule(L.LightningDataModule):
@@ -133,7 +133,7 @@ class TitanDataModule(L.LightningDataModule):
 
     # -- tokenizer and model --------------------------------------------------------------------
     @functools.cached_property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.tokenizer_name)
 
     @property
@@ -192,6 +192,11 @@ class TitanDataModule(L.LightningDataModule):
             n, self.global_batch_size, *self._layout, seed=self.seed, shuffle=False
         )
         return self._loader(PackedSequences(self.corpus.validation), sampler)
+
+    def test_dataloader(self) -> DataLoader | list:
+        """``titan test``: the held-out documents, as validation sees them (the corpus has one held-out
+        split; Trainer ``limit_test_batches`` caps it)."""
+        return self.val_dataloader()
 
     # -- resumable position ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

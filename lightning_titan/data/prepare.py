@@ -22,7 +22,7 @@ from filelock import FileLock
 
 from lightning_titan.data.corpus import Source, check_text_column, is_validation, load_documents
 from lightning_titan.data.packing import Packer
-from lightning_titan.data.tokenizer import ByteTokenizer, HFTokenizer, token_dtype
+from lightning_titan.data.tokenizer import Tokenizer, token_dtype
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "validation")
@@ -44,9 +44,7 @@ class PackedCorpus:
     meta: dict
 
 
-def cache_key(
-    src: Source, tokenizer: ByteTokenizer | HFTokenizer, seq_len: int, val_fraction: float
-) -> str:
+def cache_key(src: Source, tokenizer: Tokenizer, seq_len: int, val_fraction: float) -> str:
     spec = {
         "format": FORMAT_VERSION,
         "source": src.describe(),
@@ -61,7 +59,7 @@ def cache_key(
 
 def prepare(
     src: Source,
-    tokenizer: ByteTokenizer | HFTokenizer,
+    tokenizer: Tokenizer,
     seq_len: int,
     val_fraction: float,
     cache_dir: str,

@@ -188,17 +188,6 @@ class StreamingWindows(IterableDataset):
                     break
         return docs
 
-    def _record(self, served: int, pos: StreamPosition, leftover: np.ndarray) -> None:
-        snapshot = StreamPosition(
-            pos.epoch,
-            pos.window,
-            copy.deepcopy(pos.window_state),
-            pos.docs_taken,
-            leftover.tolist(),
-        )
-        self.position, self.batches_served = snapshot, served
-        self._snapshots.append((served, copy.deepcopy(snapshot)))
-
 
 def rank_stream(
     src: Source,

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 
+@runtime_checkable
 class Tokenizer(Protocol):
+    """What the data pipeline calls: ``prepare`` keys its cache by ``name``, packs ``encode_array``."""
+
+    name: str  # identifies the vocabulary in the cache key of a prepared corpus
     vocab_size: int
     eod_id: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """The ids of ``text`` as a 1-D integer array (the packing path: no Python int per token)."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -74,7 +82,7 @@ class HFTokenizer:
         self.__init__(state["name"])
 
 
-def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(spec: str) -> Tokenizer:
     """'byte' for the built-in tokenizer, else a Hugging Face tokenizer name or local path."""
     if spec == "byte":
         return ByteTokenizer()
