@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_titan import faults
+from lightning_titan import probes
 from lightning_titan.clipping import clip_grad_norm_
 from lightning_titan.model import split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
@@ -24,7 +24,6 @@ from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import get_schedule
 from lightning_titan.pipeline.stage import LossFn, PipelineStage, StepSums
 from lightning_titan.reducer import GradReducer
-from lightning_titan.tracing import span
 
 
 @dataclass
@@ -142,10 +141,10 @@ class Engine:
     def finish_gradients(self, max_norm: float | None = None) -> Tensor:
         """Wait for every bucket (launching, in order, any that never filled), then clip by the global norm
         composed over stages and expert shards. Returns the pre-clip norm, the same on every rank."""
-        faults.inject("all_reduce")
+        probes.fault("all_reduce")
         for r in self.reducers:
             r.finish()
-        with span("all_reduce", "grad norm"):
+        with probes.span("all_reduce", "grad norm"):
             return clip_grad_norm_(
                 self.expert_params,
                 self.non_expert_params,
@@ -159,7 +158,7 @@ class Engine:
         tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)
         totals = torch.stack([sums.loss_sum.double(), sums.aux_sum.double(), tokens])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            with span("all_reduce", "loss"):
+            with probes.span("all_reduce", "loss"):
                 dist.all_reduce(totals)
         global_sequences = local_sequences * self.dims.data_world
         return StepLoss(loss=totals[0] / totals[2], aux=totals[1] / global_sequences)

@@ -11,7 +11,8 @@ injection point of that phase in that step. Actions:
 - ``kill``: SIGKILL this process (as the OOM killer would);
 - ``nan`` / ``inf``: poison the phase's tensor (stage output, backward objective, all-to-all payload).
 
-Unset, every injection point is one ``is None`` test: the variable is read once, at import.
+The variable is read once, when this module is imported (by the strategy); a fault installs itself at
+``lightning_titan.probes``, the injection points' seam. Unset, nothing is installed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_titan import probes
 
 ENV = "TITAN_FAULT"
 PHASES = ("forward", "backward", "p2p", "all_to_all", "all_reduce", "checkpoint_save")
@@ -84,16 +87,11 @@ def set_step(step: int) -> None:
     _step = step
 
 
-def inject(phase: str, tensor: Tensor | None = None) -> Tensor | None:
-    """An injection point: returns ``tensor`` (poisoned for nan/inf), or fails as TITAN_FAULT says."""
-    if _fault is None:
-        return tensor
-    return _fire(phase, tensor)
-
-
 def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
+    """An injection point reached: return ``tensor`` (poisoned for nan/inf), or fail as TITAN_FAULT says."""
     global _fired
     fault = _fault
+    assert fault is not None
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if _fired or phase != fault.phase or _step != fault.step or rank != fault.rank:
         return tensor
@@ -111,3 +109,7 @@ def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
     value = float("nan") if fault.action == "nan" else float("inf")
     # multiply (not fill) so autograd carries the poison to every gradient upstream
     return tensor * torch.tensor(value, dtype=tensor.dtype, device=tensor.device)
+
+
+if _fault is not None:
+    probes.faulter = _fire

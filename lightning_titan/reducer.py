@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_titan.tracing import span
+from lightning_titan import probes
 
 MODES = ("bucketed", "per_param")
 _MIB = 1024 * 1024
@@ -246,7 +246,7 @@ class GradReducer:
             flat = bucket.buffer[: bucket.numel]  # the flags stay unscaled counts
         if self.scale != 1.0:
             flat.mul_(self.scale)
-        with span("all_reduce", "grad bucket launch", bucket=b):
+        with probes.span("all_reduce", "grad bucket launch", bucket=b):
             bucket.work = dist.all_reduce(
                 flat if bucket.buffer is None else bucket.buffer, group=self.group, async_op=True
             )
@@ -277,7 +277,7 @@ class GradReducer:
                 self._launch(b, "finish")
         counts = self._hook_counts()
         for b, bucket in enumerate(self._buckets):
-            with span("wait", "grad all-reduce"):
+            with probes.span("wait", "grad all-reduce"):
                 bucket.work.wait()
             if bucket.buffer is not None:
                 # one device-to-host read per bucket (each is a stream sync on CUDA)

@@ -5,8 +5,8 @@
     tracing.start(rank, step=7)   # this process records from now on
     spans = tracing.stop()        # ... and hands back what it recorded
 
-Recording is off unless ``start`` was called in this process; ``span`` then returns one shared no-op
-context, so the instrumented code paths cost a function call and a global read. The recorder is
+Recording is off unless ``start`` was called in this process; it reaches the instrumented code through
+``lightning_titan.probes`` (a shared no-op context otherwise: a function call and a global read). The recorder is
 process-wide (like ``torch.profiler``), not passed around, because the spans come from deep inside the
 stage, the reducer hooks and the MoE dispatch, which run on whatever thread autograd picks.
 """
@@ -18,11 +18,12 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+
+from lightning_titan import probes
 
 COMPUTE_KINDS = ("forward", "backward")
 COMM_KINDS = ("p2p", "all_to_all", "all_reduce", "wait")
@@ -73,7 +74,6 @@ class _Recorder:
 
 
 _recorder: _Recorder | None = None
-_NULL = nullcontext()
 
 
 class _Open:
@@ -104,12 +104,7 @@ class _Open:
                 rec.pending.append((span, self.start_event, end_event))
 
 
-def span(kind: str, name: str, **args: object):
-    """A context manager that records ``(kind, name)`` on this rank while recording is on."""
-    rec = _recorder
-    if rec is None:
-        return _NULL
-    return _Open(rec, kind, name, args)
+span = probes.span  # the hot path calls probes.span directly; tools outside it may use this name
 
 
 def start(rank: int, *, step: int = 0, synchronize: bool = False) -> None:
@@ -122,13 +117,15 @@ def start(rank: int, *, step: int = 0, synchronize: bool = False) -> None:
     global _recorder
     if _recorder is not None:
         raise RuntimeError("tracing.start() called while already recording; call stop() first")
-    _recorder = _Recorder(rank, step, synchronize)
+    rec = _recorder = _Recorder(rank, step, synchronize)
+    probes.tracer = lambda kind, name, args: _Open(rec, kind, name, args)
 
 
 def stop() -> list[Span]:
     """Stop recording and return the spans recorded since ``start`` (empty if not recording)."""
     global _recorder
     rec, _recorder = _recorder, None
+    probes.tracer = None
     if rec is None:
         return []
     rec.resolve()

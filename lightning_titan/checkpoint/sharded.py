@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_titan import faults
+from lightning_titan import probes
 from lightning_titan.agreement import agree as _agree
 from lightning_titan.checkpoint import files, reader
 from lightning_titan.checkpoint import state as keys
@@ -83,7 +83,7 @@ def save_sharded(
         if _rank() == 0:
             files.remove(tmp)
         raise
-    faults.inject("checkpoint_save")  # shards written, not yet complete: the worst moment to die
+    probes.fault("checkpoint_save")  # shards written, not yet complete: the worst moment to die
     # dcp.save returns only after its coordinator gathered every rank's write result, so all shards are
     # on disk (fsynced) before rank 0 marks the directory complete and swaps it in.
     error = None

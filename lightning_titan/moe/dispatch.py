@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_titan import faults
-from lightning_titan.tracing import span
+from lightning_titan import probes
 from lightning_titan.wire import wire_dtype
 
 
@@ -37,7 +36,7 @@ def _all_to_all(
     x: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
 ) -> Tensor:
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    with span("all_to_all", "tokens"):
+    with probes.span("all_to_all", "tokens"):
         dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
     return out
 
@@ -172,11 +171,11 @@ def dispatch(
     # under autocast the experts compute in the autocast dtype: send that, half the bytes of fp32,
     # the same values (an autograd cast: the grads travel back narrow too, and widen here)
     packed = packed.to(wire_dtype(packed.dtype, packed.device))
-    packed = faults.inject("all_to_all", packed)
+    packed = probes.fault("all_to_all", packed)
     n_local = n_experts // ep
     send_matrix = counts.view(ep, n_local)
     recv_matrix = torch.empty_like(send_matrix)
-    with span("all_to_all", "counts"):
+    with probes.span("all_to_all", "counts"):
         dist.all_to_all_single(recv_matrix, send_matrix, group=group)
     # one device-to-host read for all three lists (each read is a stream sync on CUDA)
     sizes = torch.cat([send_matrix.sum(dim=1), recv_matrix.sum(dim=1), recv_matrix.sum(dim=0)])

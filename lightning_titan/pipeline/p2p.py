@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_titan import faults
+from lightning_titan import probes
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.wire import wire_dtype
 
@@ -109,7 +109,7 @@ class StageLinks:
         inbox = inbox if inbox is not None and inbox.peer is not None else None
         if send_to is None and inbox is None:
             return None
-        faults.inject("p2p")
+        probes.fault("p2p")
         if send_to is not None:
             send = send.detach().to(self.wire_dtype).contiguous()
         if self.early:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_titan import faults, tracing
+from lightning_titan import probes
 from lightning_titan.batching import split_microbatches
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.pipeline.p2p import StageLinks
@@ -73,7 +73,7 @@ class PipelineStage:
     def _span(self, name: str, i: int):
         if self._tracer is not None:
             return self._tracer(name, i)
-        return tracing.span(name if name in tracing.COMPUTE_KINDS else "p2p", name, mb=i)
+        return probes.span(name if name in ("forward", "backward") else "p2p", name, mb=i)
 
     # compute ---------------------------------------------------------------------------------------
     def forward(self, i: int, x: Tensor | None) -> Tensor | None:
@@ -85,7 +85,7 @@ class PipelineStage:
                 x = x.requires_grad_()
             out, aux = self.model(x)
             if grad_enabled:
-                out = faults.inject("forward", out)
+                out = probes.fault("forward", out)
             self.aux_sum += aux.detach().sum()
             objective = aux.sum() / self.local_sequences
             if self.is_last:
@@ -109,7 +109,7 @@ class PipelineStage:
             self._backwards_done += 1
             if self._backwards_done == self.num_microbatches and self._on_last_backward is not None:
                 self._on_last_backward()
-            self._backward(faults.inject("backward", objective))
+            self._backward(probes.fault("backward", objective))
             return None if x is None else x.grad
 
     # communication ---------------------------------------------------------------------------------
