@@ -6,7 +6,6 @@ from lightning_titan.data.prepare import default_cache_dir, load_packed, prepare
 from lightning_titan.data.sampler import (
     LayoutFreeSampler,
     PackedSequences,
-    check_divisible,
     epoch_order,
 )
 from lightning_titan.data.streaming import StreamingWindows, StreamPosition
@@ -21,7 +20,6 @@ __all__ = [
     "StreamPosition",
     "StreamingWindows",
     "TitanDataModule",
-    "check_divisible",
     "default_cache_dir",
     "epoch_order",
     "load_packed",

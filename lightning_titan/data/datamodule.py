@@ -17,6 +17,7 @@ import lightning.pytorch as L
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from lightning_titan.batching import local_batch_size
 from lightning_titan.data.checks import (
     check_args,
     check_model_fits,
@@ -26,7 +27,7 @@ from lightning_titan.data.checks import (
 from lightning_titan.data.corpus import Source, default_corpus_texts
 from lightning_titan.data.packing import collate_windows
 from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, load_packed, prepare
-from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences, check_divisible
+from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences
 from lightning_titan.data.streaming import StreamingWindows, check_rank_shard, rank_stream
 from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -124,7 +125,7 @@ class TitanDataModule(L.LightningDataModule):
 
     @property
     def local_batch_size(self) -> int:
-        return self.global_batch_size // self.data_world
+        return local_batch_size(self.global_batch_size, self.data_world)
 
     def _require_layout(self) -> tuple[int, int]:
         if self._layout is None:
@@ -151,7 +152,7 @@ class TitanDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self._layout = self._resolve_layout()
-        check_divisible(self.global_batch_size, self.data_world)
+        local_batch_size(self.global_batch_size, self.data_world)
         if self.streaming:
             trainer = self.trainer
             if (

@@ -7,15 +7,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-
-def check_divisible(global_batch_size: int, data_world: int) -> int:
-    """The per-rank batch b = B / data_world (data_world = dp * ep)."""
-    if global_batch_size < 1 or global_batch_size % data_world:
-        raise ValueError(
-            f"global_batch_size={global_batch_size} is not divisible by the number of data ranks "
-            f"dp*ep={data_world}; choose a global batch size that is a positive multiple of {data_world}"
-        )
-    return global_batch_size // data_world
+from lightning_titan.batching import local_batch_size
 
 
 def epoch_order(num_sequences: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
@@ -47,7 +39,7 @@ class LayoutFreeSampler(DistributedSampler):
         epoch: int = 0,
         start_batch: int = 0,
     ) -> None:
-        self.local_batch_size = check_divisible(global_batch_size, data_world)
+        self.local_batch_size = local_batch_size(global_batch_size, data_world)
         super().__init__(
             range(num_sequences),
             num_replicas=data_world,
