@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_titan import probes
 from lightning_titan.clipping import clip_grad_norm_
-from lightning_titan.model import split_expert_parameters
+from lightning_titan.model import StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
 from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import get_schedule
@@ -96,7 +96,7 @@ class Engine:
 
     def forward_backward(
         self,
-        stage_model: nn.Module,
+        stage_model: StageModel,
         inputs: Tensor,
         targets: Tensor,
         num_microbatches: int,
@@ -122,7 +122,7 @@ class Engine:
     @torch.no_grad()
     def forward_only(
         self,
-        stage_model: nn.Module,
+        stage_model: StageModel,
         inputs: Tensor,
         targets: Tensor,
         num_microbatches: int,
@@ -134,7 +134,7 @@ class Engine:
         )
         return self._global_means(stage.run(None), inputs.shape[0])
 
-    def _links(self, stage_model: nn.Module, device: torch.device) -> StageLinks:
+    def _links(self, stage_model: StageModel, device: torch.device) -> StageLinks:
         dtype = next(stage_model.parameters()).dtype
         return StageLinks(self.dims, self.groups.pp, dtype, device)
 

@@ -66,7 +66,7 @@ def run_on_ranks(
     ``fn`` must be importable (a module-level function). Raises if any rank fails or the deadline passes;
     the survivors are killed either way, so nothing is left hanging.
     """
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)  # a start method's context has Process
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [

@@ -325,7 +325,8 @@ def split_expert_parameters(
     expert_ids = {
         id(p) for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters()
     }
-    expert, non_expert = [], []
+    expert: list[tuple[str, nn.Parameter]] = []
+    non_expert: list[tuple[str, nn.Parameter]] = []
     for name, p in module.named_parameters():
         (expert if id(p) in expert_ids else non_expert).append((name, p))
     return expert, non_expert

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
+from torch.optim.lr_scheduler import LRScheduler
 from torchmetrics.aggregation import MeanMetric
 
 from lightning_titan.model import ModelConfig, StageModel
@@ -88,17 +90,19 @@ class TitanLM(L.LightningModule):
             self.config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
             ep_group=self.strategy.groups.ep,
         )  # fmt: skip
-        self.model.init_weights(self.hparams.seed)
+        self.model.init_weights(self.hparams["seed"])
 
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.ndim >= 2]  # matrices; not norms
         no_decay = [p for p in self.parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay},
+            [{"params": decay, "weight_decay": self.hparams["weight_decay"]},
              {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas),
+            lr=self.hparams["learning_rate"], betas=tuple(self.hparams["betas"]),
         )  # fmt: skip
-        total = self.hparams.lr_decay_steps or max(1, self.trainer.estimated_stepping_batches)
+        total = self.hparams["lr_decay_steps"] or max(
+            1, int(self.trainer.estimated_stepping_batches)
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(total))
         return {
             "optimizer": optimizer,
@@ -106,7 +110,7 @@ class TitanLM(L.LightningModule):
         }
 
     def _lr_factor(self, total_steps: int):
-        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+        warmup, floor = self.hparams["warmup_steps"], self.hparams["min_lr_ratio"]
 
         def factor(step: int) -> float:
             if step < warmup:
@@ -143,10 +147,10 @@ class TitanLM(L.LightningModule):
         #    composed across stages and expert shards
         grad_norm = strategy.finish_gradients(step.loss)
         # 3. the update
-        optimizer = self.optimizers()
+        optimizer = cast(LightningOptimizer, self.optimizers())  # TitanLM has one
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.lr_schedulers().step()
+        cast(LRScheduler, self.lr_schedulers()).step()
 
         loss, aux, norm = torch.stack([step.loss, step.aux, grad_norm.double()]).tolist()
         tokens = inputs.numel() * strategy.parallel_dims.data_world

@@ -177,7 +177,7 @@ class ExpertLoad(Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        layers = {}
+        layers: dict[int, MoELayer] = {}
         for name, module in pl_module.named_modules():
             if isinstance(module, MoELayer):
                 match = _LAYER.search(name + ".")
@@ -188,7 +188,8 @@ class ExpertLoad(Callback):
         if _distributed():
             shape = shape.to(trainer.strategy.root_device)
             dist.all_reduce(shape, op=dist.ReduceOp.MAX)
-        self._shape = tuple(int(v) for v in shape.tolist())
+        n_layers, n_experts = shape.tolist()
+        self._shape = (int(n_layers), int(n_experts))
         for layer, module in layers.items():
             self._hooks.append(module.register_forward_hook(self._counter(layer)))
 

@@ -19,3 +19,13 @@ def test_ruff(args):
 
 def test_python_is_supported():
     assert sys.version_info >= (3, 10)
+
+
+@pytest.mark.timeout(600)
+def test_mypy():
+    """The package type-checks (settings in pyproject.toml)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "lightning_titan"],
+        cwd=ROOT, capture_output=True, text=True, timeout=560,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -66,9 +67,9 @@ def bench_case(
     result = {}
     for name, fn in (("vectorised", vectorised), ("loop", loop)):
         with torch.no_grad():
-            result[f"{name}_fwd_ms"] = _best_ms(lambda fn=fn: fn(x), repeats, device)
+            result[f"{name}_fwd_ms"] = _best_ms(partial(fn, x), repeats, device)
         result[f"{name}_fwd_bwd_ms"] = _best_ms(
-            lambda fn=fn: fn(x_grad).backward(grad_out), repeats, device
+            partial(lambda f: f(x_grad).backward(grad_out), fn), repeats, device
         )
     return result
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import resource
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +58,7 @@ class SavedTensorMeter:
         return _Held(tensor, self, key)
 
     @staticmethod
-    def _unpack(held: object) -> Tensor:
+    def _unpack(held: Any) -> Tensor:
         return held.tensor if isinstance(held, _Held) else held
 
     def _release(self, key: int) -> None:

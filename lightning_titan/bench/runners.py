@@ -7,6 +7,8 @@ objective is the same everywhere: mean token cross-entropy plus the mean per-seq
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -152,7 +154,7 @@ class TorchPipeRunner:
     def step(self, inputs: Tensor, targets: Tensor) -> None:
         dims = self.dims
         args = (inputs,) if dims.is_first_stage else ()
-        kwargs = {"target": targets} if dims.is_last_stage else {}
+        kwargs: dict[str, Any] = {"target": targets} if dims.is_last_stage else {}
         self.schedule.step(*args, return_outputs=False, **kwargs)
         clip_grad_norm_(
             self.expert, self.non_expert, MAX_NORM, ep_group=None, pp_group=self.groups.pp

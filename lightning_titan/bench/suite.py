@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             _write_timeline(out, case, spans, settings.num_microbatches(case))
 
-    results = {
+    results: dict[str, Any] = {
         "command": "titan bench " + shlex.join(argv),
         "machine": _machine(settings, args.note) + f"; load average {load_before} -> {_load()}",
         "settings": {**asdict(settings), "tokens_per_step": settings.tokens_per_step},

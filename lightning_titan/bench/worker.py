@@ -98,7 +98,8 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
              device: torch.device) -> dict[str, dict]:  # fmt: skip
     """This rank's measurements of every implementation of ``case``."""
     batches = _batches(settings, dims, device)
-    runners, out = {}, {}
+    runners: dict[str, Any] = {}
+    out: dict[str, dict[str, Any]] = {}
     for impl in case.impls:
         torch.manual_seed(dims.rank)
         reset_peak(device)

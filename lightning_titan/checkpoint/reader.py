@@ -94,7 +94,7 @@ def check_entries(entries: Mapping[str, Any], metadata: Metadata) -> list[str]:
             problems.append(f"{key} is not in the checkpoint")
         elif is_tensor != isinstance(saved, TensorStorageMetadata):
             problems.append(f"{key} is a {'tensor' if is_tensor else 'non-tensor'} here, not there")
-        elif is_tensor and tuple(saved.size) != tuple(value.shape):
+        elif isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != tuple(value.shape):
             problems.append(f"{key} has shape {tuple(saved.size)} there, {tuple(value.shape)} here")
     return problems
 
@@ -148,9 +148,10 @@ def _full_state(path: Path, prefix: str) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for key, saved in metadata.state_dict_metadata.items():
         if key.startswith(prefix):
-            is_tensor = isinstance(saved, TensorStorageMetadata)
             state[key] = (
-                torch.empty(saved.size, dtype=saved.properties.dtype) if is_tensor else None
+                torch.empty(saved.size, dtype=saved.properties.dtype)
+                if isinstance(saved, TensorStorageMetadata)
+                else None
             )
     with single_process_ok():
         dcp.load(state, checkpoint_id=path, no_dist=True)

@@ -61,7 +61,7 @@ def _stdlib_root() -> str:
 def default_corpus_files() -> list[Path]:
     """The standard library's .py files in sorted order (tests and vendored packages left out)."""
     root = Path(_stdlib_root())
-    found = []
+    found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         found.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))

@@ -110,7 +110,7 @@ class TitanDataModule(L.LightningDataModule):
         if self.trainer is None:
             return 0, 1
         try:  # TitanStrategy: every stage of one pipeline reads the same shard
-            dims = self.trainer.strategy.parallel_dims
+            dims = self.trainer.strategy.parallel_dims  # type: ignore[attr-defined]
             return dims.data_rank, dims.data_world
         except (AttributeError, RuntimeError):
             return self.trainer.global_rank, self.trainer.world_size
@@ -165,7 +165,9 @@ class TitanDataModule(L.LightningDataModule):
                     "streaming=True with steps_per_epoch=None is an endless stream and the Trainer has no "
                     "max_steps: set trainer max_steps, or data steps_per_epoch (batches per epoch)"
                 )
-            check_rank_shard(self._make_stream(0), self.src, self.val_fraction, *self._layout)
+            check_rank_shard(
+                self._make_stream(0), self.src, self.val_fraction, self.data_rank, self.data_world
+            )
         else:
             self.corpus = load_packed(self._prepare())
             check_split_sizes(self.corpus, self.global_batch_size, self.val_fraction)
@@ -178,7 +180,7 @@ class TitanDataModule(L.LightningDataModule):
             return self._loader(self._train_stream)
         epoch, start = (0, 0) if self._pending is None else self._map_position(self._pending)
         self._train_sampler = LayoutFreeSampler(
-            len(self.corpus.train), self.global_batch_size, *self._layout, seed=self.seed,
+            len(self.corpus.train), self.global_batch_size, self.data_rank, self.data_world, seed=self.seed,
             epoch=epoch, start_batch=start,
         )  # fmt: skip
         return self._loader(PackedSequences(self.corpus.train), self._train_sampler)
@@ -190,7 +192,12 @@ class TitanDataModule(L.LightningDataModule):
             return self._loader(self._stream(validation=True))
         n = len(self.corpus.validation)
         sampler = LayoutFreeSampler(
-            n, self.global_batch_size, *self._layout, seed=self.seed, shuffle=False
+            n,
+            self.global_batch_size,
+            self.data_rank,
+            self.data_world,
+            seed=self.seed,
+            shuffle=False,
         )
         return self._loader(PackedSequences(self.corpus.validation), sampler)
 
@@ -295,7 +302,14 @@ class TitanDataModule(L.LightningDataModule):
 
     def _make_stream(self, epoch: int):
         texts = self._default_texts if self.src.source is None else None
-        return rank_stream(self.src, self.cache_dir, self.seed + epoch, *self._layout, texts=texts)
+        return rank_stream(
+            self.src,
+            self.cache_dir,
+            self.seed + epoch,
+            self.data_rank,
+            self.data_world,
+            texts=texts,
+        )
 
     @functools.cached_property
     def _default_texts(self) -> list[str]:

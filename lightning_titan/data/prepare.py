@@ -134,7 +134,7 @@ def _docs_within(raw: datasets.Dataset, column: str, max_bytes: int) -> int:
     """Whole documents in order until max_bytes (the one that crosses the cap is kept)."""
     sizes = pc.binary_length(raw.data.column(column)).to_numpy(zero_copy_only=False)
     cumulative = np.cumsum(np.nan_to_num(sizes.astype(np.float64)))
-    return int(min(len(sizes), np.searchsorted(cumulative, max_bytes, side="left") + 1))
+    return min(len(sizes), int(np.searchsorted(cumulative, max_bytes, side="left")) + 1)
 
 
 def _tokenize(batch: dict, tokenizer, column: str, val_fraction: float, dtype: np.dtype) -> dict:

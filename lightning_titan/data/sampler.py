@@ -41,7 +41,7 @@ class LayoutFreeSampler(DistributedSampler):
     ) -> None:
         self.local_batch_size = local_batch_size(global_batch_size, data_world)
         super().__init__(
-            range(num_sequences),
+            range(num_sequences),  # type: ignore[arg-type]  # only its len() is used
             num_replicas=data_world,
             rank=data_rank,
             shuffle=shuffle,

@@ -18,6 +18,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import datasets
 import numpy as np
@@ -53,7 +54,9 @@ class _Mark:
     leftover: tuple[np.ndarray, ...]
 
     def position(self) -> StreamPosition:
-        tokens = np.concatenate([np.ravel(part) for part in self.leftover]) if self.leftover else []
+        tokens: Any = (
+            np.concatenate([np.ravel(part) for part in self.leftover]) if self.leftover else []
+        )
         state = copy.deepcopy(self.window_state)
         return StreamPosition(
             self.epoch, self.window, state, self.docs_taken, np.asarray(tokens).tolist()

@@ -72,14 +72,14 @@ class HFTokenizer:
         return np.asarray(self.encode(text), dtype=np.int64)
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+        return str(self._tok.decode(ids))
 
     def __getstate__(self) -> dict:
         # `datasets` fingerprints and pickles the map function; the name is enough to rebuild it.
         return {"name": self.name}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["name"])
+        self.__init__(state["name"])  # type: ignore[misc]  # rebuilt from its name, as at first
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

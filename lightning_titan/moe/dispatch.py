@@ -178,8 +178,9 @@ def dispatch(
     with probes.span("all_to_all", "counts"):
         dist.all_to_all_single(recv_matrix, send_matrix, group=group)
     # one device-to-host read for all three lists (each read is a stream sync on CUDA)
-    sizes = torch.cat([send_matrix.sum(dim=1), recv_matrix.sum(dim=1), recv_matrix.sum(dim=0)])
-    sizes = sizes.tolist()
+    sizes: list[int] = torch.cat(
+        [send_matrix.sum(dim=1), recv_matrix.sum(dim=1), recv_matrix.sum(dim=0)]
+    ).tolist()
     plan.send_splits, plan.recv_splits = sizes[:ep], sizes[ep : 2 * ep]
     plan.tokens_per_local_expert = sizes[2 * ep :]
     plan.group = group

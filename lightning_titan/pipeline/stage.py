@@ -15,10 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_titan import probes
 from lightning_titan.batching import split_microbatches
+from lightning_titan.model import StageModel
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import forward_only, get_schedule
@@ -38,7 +39,7 @@ class StepSums:
 class PipelineStage:
     def __init__(
         self,
-        model: nn.Module,
+        model: StageModel,
         dims: ParallelDims,
         links: StageLinks,
         inputs: Tensor,
