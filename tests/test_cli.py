@@ -27,7 +27,7 @@ COMMON = [
     "--model.lr_decay_steps=50",
     # no warm-up and a larger step, so a gradient of the wrong size shows in the curve; z-loss on too
     "--model.warmup_steps=0",
-    "--model.learning_rate=0.01",
+    "--model.learning_rate=0.003",
     "--model.model.z_loss_coef=0.001",
 ]
 FORK = "--trainer.strategy.init_args.start_method=fork"
@@ -56,7 +56,15 @@ def curve(cwd: Path, name: str, key: str = "train_loss") -> dict[int, float]:
     return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
 
 
-def assert_same_curves(name: str, got: str, want: str, cwd: Path, rel: float, steps: int) -> None:
+FP32_REL = {
+    "train_loss": 1e-5,
+    "aux_loss": 1e-4,
+    "grad_norm": 1e-4,
+}  # a norm is a derivative: looser
+BF16_REL = dict.fromkeys(FP32_REL, 5e-2)
+
+
+def assert_same_curves(name: str, got: str, want: str, cwd: Path, rel: dict, steps: int) -> None:
     """Loss, aux loss and pre-clip grad norm of run ``got`` equal run ``want``'s at steps < ``steps``."""
     for key in ("train_loss", "aux_loss", "grad_norm"):
         reference = {k: v for k, v in curve(cwd, want, key).items() if k < steps}
@@ -64,7 +72,7 @@ def assert_same_curves(name: str, got: str, want: str, cwd: Path, rel: float, st
         ours = {k: v for k, v in curve(cwd, got, key).items() if k < steps}
         assert sorted(ours) == sorted(reference), f"{name} {key}"
         for step, value in reference.items():
-            assert ours[step] == pytest.approx(value, rel=rel), f"{name} {key} step {step}"
+            assert ours[step] == pytest.approx(value, rel=rel[key]), f"{name} {key} step {step}"
 
 
 def mid_epoch_checkpoint(cwd: Path, name: str) -> list[str]:
@@ -137,7 +145,7 @@ def test_every_config_parses(cfg):
 def test_every_config_trains_the_single_process_curve(runs):
     cwd, stdout = runs
     for name in [c.stem for c in CONFIGS] + ["pp_ep_gpipe", "pp4"]:
-        assert_same_curves(name, name, "single", cwd, rel=1e-5, steps=STEPS)
+        assert_same_curves(name, name, "single", cwd, FP32_REL, steps=STEPS)
         if name != "single":
             assert sorted(curve(cwd, name)) == list(range(STEPS)), name
     # the aux (load-balance + z) losses are on, so their gradients are in the compared norms
@@ -158,7 +166,7 @@ def test_bf16_mixed_trains_under_pp_and_ep(runs):
     fp32 = {k: v for k, v in curve(cwd, "single").items() if k < STEPS}
     bf16 = curve(cwd, "pp_ep_bf16")
     # the backward too: gradient norms (and the aux losses) follow fp32 within bf16's precision
-    assert_same_curves("bf16", "pp_ep_bf16", "single", cwd, rel=5e-2, steps=STEPS)
+    assert_same_curves("bf16", "pp_ep_bf16", "single", cwd, BF16_REL, steps=STEPS)
     assert bf16 != fp32, "bf16 autocast was not in effect"
 
 

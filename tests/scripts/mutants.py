@@ -91,6 +91,12 @@ def run(name: str, timeout_s: float) -> tuple[str, float]:
         shutil.copytree(ROOT, copy, ignore=IGNORE)
         apply(copy, file, old, new)
         env = {**os.environ, "PYTHONPATH": str(copy)}
+        where = subprocess.run(
+            [sys.executable, "-c", "import lightning_titan; print(lightning_titan.__file__)"],
+            env={**env, "LIGHTNING_TITAN_ENGINE_ONLY": "1"}, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+        if not where.startswith(str(copy)):
+            raise SystemExit(f"the copy imports lightning_titan from {where!r}, not {copy}")
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
         start = time.monotonic()
         try:
