@@ -112,7 +112,15 @@ def _save_killed_at(path: Path, kill_at: int, exchange: bool) -> bool:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename_aside"])
 def test_a_save_killed_at_any_file_operation_leaves_a_complete_last(tmp_path, exchange):
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # nothing in a thread pool when the child forks
+    try:
+        _kill_at_every_point(tmp_path, exchange)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _kill_at_every_point(tmp_path: Path, exchange: bool) -> None:
     last = tmp_path / "ckpt" / "last.ckpt"
     points = []
     for kill_at in range(200):

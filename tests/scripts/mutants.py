@@ -93,7 +93,7 @@ def run(name: str, timeout_s: float) -> tuple[str, float]:
         env = {**os.environ, "PYTHONPATH": str(copy)}
         where = subprocess.run(
             [sys.executable, "-c", "import lightning_titan; print(lightning_titan.__file__)"],
-            env={**env, "LIGHTNING_TITAN_ENGINE_ONLY": "1"}, capture_output=True, text=True,
+            env={**env, "LIGHTNING_TITAN_ENGINE_ONLY": "1"}, capture_output=True, text=True, cwd=copy,
         ).stdout.strip()  # fmt: skip
         if not where.startswith(str(copy)):
             raise SystemExit(f"the copy imports lightning_titan from {where!r}, not {copy}")
