@@ -151,3 +151,54 @@ def assert_matches_reference(ref: dict, results: list[dict], label: str) -> None
 
 def config_dict() -> dict:
     return asdict(CONFIG)
+
+
+def grads_of_one_step(
+    dims: ParallelDims,
+    groups: ProcessGroups,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    num_microbatches: int,
+    max_norms: tuple[float | None, ...],
+    schedule: str = "1f1b",
+) -> dict:
+    """This rank's reduced gradients of one forward/backward on its rows of the global batch, once per
+    ``max_norms`` entry (None = no clipping): {"grads": [{name: local grad}], "norm": [pre-clip norm],
+    "loss"/"aux": global means, "expert_names", "expert_range", "coords"}."""
+    model = StageModel(
+        CONFIG,
+        pp_rank=dims.pp_rank,
+        pp=dims.pp,
+        ep_rank=dims.ep_rank,
+        ep=dims.ep,
+        ep_group=groups.ep,
+    )
+    model.init_weights(SEED)
+    engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=0.01)
+    engine.broadcast_replicated()
+    b = inputs.shape[0] // dims.data_world
+    rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
+    out = {"grads": [], "norm": []}
+    for max_norm in max_norms:
+        step = engine.forward_backward(
+            model, inputs[rows], targets[rows], num_microbatches, token_loss_sum
+        )
+        out["norm"].append(engine.finish_gradients(max_norm).item())
+        out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    out["loss"], out["aux"] = step.loss.item(), step.aux.item()
+    engine.remove()
+    expert, _ = split_expert_parameters(model)
+    out.update(
+        expert_names={n for n, _ in expert},
+        expert_range=model.expert_range,
+        coords=(dims.dp_rank, dims.pp_rank, dims.ep_rank),
+    )
+    return out
+
+
+def full_initial_weights(config: ModelConfig = CONFIG) -> dict[str, torch.Tensor]:
+    """The whole model's initial weights under global names (one process, ``init_weights(SEED)``)."""
+    model = StageModel(config)
+    model.init_weights(SEED)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

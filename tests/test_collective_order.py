@@ -20,6 +20,7 @@ from itertools import combinations
 import pytest
 import torch
 import torch.distributed as dist
+from engine_harness import token_loss_sum
 from test_gpu_readiness import HostReads
 from torch import nn
 
@@ -100,7 +101,7 @@ def _run_layout(rank: int, layout: tuple[int, int, int]) -> dict:
     for step in range(STEPS):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step == STEPS - 1):
             with CollectiveLog() as log, HostReads() as step_reads:
-                engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], M)
+                engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], M, token_loss_sum)
                 forward_backward_reads = len(step_reads.calls)
                 engine.finish_gradients(1.0)
         optimizer.step()

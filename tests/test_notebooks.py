@@ -12,10 +12,9 @@ import json
 import time
 from pathlib import Path
 
+import nbclient  # test dependencies (pip install -e '.[test]'): missing, the suite must fail loudly
+import nbformat
 import pytest
-
-nbclient = pytest.importorskip("nbclient", reason="pip install -e '.[test]' (nbclient, ipykernel)")
-nbformat = pytest.importorskip("nbformat")
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "examples" / "notebooks"

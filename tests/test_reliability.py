@@ -43,6 +43,7 @@ BASE_CONFIG = ROOT / "configs" / "pp_ep.yaml"
 SCRIPTS = Path(__file__).parent / "scripts"
 STEPS = 6  # checkpoints after global steps 2, 4, 6
 TIMEOUT_MINUTES = 1.0  # every launch's collective timeout: the backstop a failure must beat
+DOWN_WITHIN_S = 15.0  # fault to last rank gone: "within seconds" (ranks on 2 busy cores)
 PP2 = {"pp": 2, "ep": 1}  # 2 ranks: p2p between stages, grad-norm all-reduce over the pipeline
 EP2 = {"pp": 1, "ep": 2}  # 2 ranks: token all-to-all, grad all-reduce over the expert ranks
 
@@ -191,6 +192,15 @@ def losses(work: Path, name: str) -> dict[int, str]:
     return curve
 
 
+def logged_steps(work: Path, name: str) -> list[list[int]]:
+    """Per launch (CSV logger version, in order): the steps it logged a train_loss for."""
+    runs = []
+    for version in sorted((work / name / "logs" / name).glob("version_*")):
+        rows = csv.DictReader(open(version / "metrics.csv"))
+        runs.append(sorted(int(row["step"]) for row in rows if row.get("train_loss")))
+    return runs
+
+
 def tree_digest(path: Path) -> dict[str, str]:
     return {
         str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -221,7 +231,8 @@ def assert_brought_down(job: Job, rank: int, action: str) -> None:
     assert job.fault_at is not None, f"the fault never fired:\n{job.stderr[-3000:]}"
     assert job.returncode != 0, job.stderr[-3000:]
     down = job.seconds - job.fault_at
-    assert down < TIMEOUT_MINUTES * 60, f"the job took {down:.1f} s to come down"
+    # the promise is "within seconds", not "within the collective timeout" (the 60 s backstop)
+    assert down < DOWN_WITHIN_S, f"the job took {down:.1f} s to come down"
     assert names_rank(job, rank, action), f"no message names rank {rank}:\n{job.stderr[-3000:]}"
 
 
@@ -480,11 +491,12 @@ def test_nonfinite_loss_stops_the_run_on_every_rank(work):
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_nonfinite_gradient_skip_takes_no_optimizer_step(work, reference):
-    """on_nonfinite="skip", NaN in stage 0's backward at step 2: the checkpoints before and after
+    """on_nonfinite="skip", inf in stage 0's backward at step 2: the checkpoints before and after
     step 2 hold the same weights and AdamW state; training goes on and the other steps are finite."""
     root, cache = work
     config = write_config(root, "nan_skip", PP2, every=1, on_nonfinite="skip", start_method="fork")
-    job = titan_fit(config, root, cache, fault="rank=0,step=2,phase=backward,action=nan")
+    # inf here (nan is the forward test's): both poisons are injected somewhere
+    job = titan_fit(config, root, cache, fault="rank=0,step=2,phase=backward,action=inf")
     assert job.returncode == 0, job.stderr[-3000:]
     assert "non-finite values at step 2" in job.stderr and "update is skipped" in job.stderr
     ckpt = root / "nan_skip" / "ckpt"
@@ -547,6 +559,9 @@ def test_kill_9_loses_nothing(work, reference, when, fault, rank, resumes_at):
     fork = "--trainer.strategy.init_args.start_method=fork"  # resuming is not about the launcher
     job = titan_fit(config, root, cache, "--ckpt_path=last", fork)
     assert job.returncode == 0, job.stderr[-3000:]
+    # a resume, not a restart: the new launch's first step is the saved one; nothing before it re-ran
+    *_, resumed_steps = logged_steps(root, run)
+    assert resumed_steps == list(range(resumes_at, STEPS)), resumed_steps
     resumed = {s: v for s, v in losses(root, run).items() if s >= resumes_at}
     assert sorted(resumed) == list(range(resumes_at, STEPS))
     for step, loss in resumed.items():

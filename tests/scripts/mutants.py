@@ -1,0 +1,145 @@
+"""Plant one-line bugs, one at a time, in a copy of the repository and check that the tests kill them.
+
+    python tests/scripts/mutants.py            # every mutation
+    python tests/scripts/mutants.py aux_detach clip_none   # some
+    python tests/scripts/mutants.py --check    # only check that every target string is still there
+
+Each mutation is (file, old, new) applied by exact string replacement: a target that is missing or not
+unique fails loudly, so a moved line is noticed (update the triple when the code is reshaped). The
+tests run in the copy with PYTHONPATH pointing at it; a mutation is "killed" when they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# name: (file, old, new, pytest arguments)
+MUTATIONS = {
+    # issue 21.1: the router losses become non-trainable in the stage objective
+    "aux_detach": ("lightning_titan/pipeline/stage.py",
+                   "objective = aux.sum() / self.local_sequences",
+                   "objective = aux.detach().sum() / self.local_sequences",
+                   ["tests/test_reference.py"]),
+    # an expert gradient twice too large (the expert reducer's scale)
+    "expert_grad_x2": ("lightning_titan/engine.py",
+                       "GradReducer(self.expert_params, groups.expert_dp, scale=scale, **kw)",
+                       "GradReducer(self.expert_params, groups.expert_dp, scale=2 * scale, **kw)",
+                       ["tests/test_reference.py"]),
+    # issue 21.2: the strategy does not clip
+    "clip_none": ("lightning_titan/strategy.py",
+                  "self.engine.finish_gradients(self.gradient_clip_norm)",
+                  "self.engine.finish_gradients(None)",
+                  ["tests/test_strategy_step.py"]),
+    # issue 21.3: the broadcast of replicated parameters does nothing / is not called
+    "broadcast_noop": ("lightning_titan/engine.py",
+                       "dist.broadcast(t.data, src=ranks[0], group=group)",
+                       "pass",
+                       ["tests/test_strategy_step.py"]),
+    "broadcast_not_called": ("lightning_titan/strategy.py",
+                             "        self._engine.broadcast_replicated()\n",
+                             "",
+                             ["tests/test_strategy_step.py"]),
+    # issue 21.4: the old checkpoint is deleted before the new one is renamed in
+    "delete_before_rename": ("lightning_titan/checkpoint_files.py",
+                             "    if not (path.exists() or path.is_symlink()):\n        os.rename(tmp, path)",
+                             "    _delete(path)\n    if not (path.exists() or path.is_symlink()):\n"
+                             "        os.rename(tmp, path)",
+                             ["tests/test_checkpoint_install.py"]),
+    # issue 21.5: the resume after kill -9 restarts from scratch (a mutation of the test's command)
+    "resume_without_ckpt": ("tests/test_reliability.py",
+                            'job = titan_fit(config, root, cache, "--ckpt_path=last", fork)',
+                            "job = titan_fit(config, root, cache, fork)",
+                            ["tests/test_reliability.py", "-k", "kill_9"]),
+    # issue 21.6: the sampler gets the DP rank instead of the data rank
+    "sampler_dp_rank": ("lightning_titan/strategy.py",
+                        '"rank": self.parallel_dims.data_rank}',
+                        '"rank": self.parallel_dims.dp_rank}',
+                        ["tests/test_strategy_step.py"]),
+    # issue 21.8: the inf fault action poisons nothing
+    "inf_action_noop": ("lightning_titan/faults.py",
+                        'value = float("nan") if fault.action == "nan" else float("inf")',
+                        'value = float("nan") if fault.action == "nan" else 1.0',
+                        ["tests/test_reliability.py", "-k", "skip_takes"]),
+}  # fmt: skip
+
+IGNORE = shutil.ignore_patterns(
+    ".git", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", ".benchmarks"
+)
+
+
+def apply(copy: Path, file: str, old: str, new: str) -> None:
+    path = copy / file
+    text = path.read_text()
+    count = text.count(old)
+    if count != 1:
+        raise SystemExit(f"{file}: target {old!r} found {count} times (need exactly 1); update it")
+    path.write_text(text.replace(old, new))
+
+
+def run(name: str, timeout_s: float) -> tuple[str, float]:
+    file, old, new, args = MUTATIONS[name]
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(ROOT, copy, ignore=IGNORE)
+        apply(copy, file, old, new)
+        env = {**os.environ, "PYTHONPATH": str(copy)}
+        where = subprocess.run(
+            [sys.executable, "-c", "import lightning_titan; print(lightning_titan.__file__)"],
+            env={**env, "LIGHTNING_TITAN_ENGINE_ONLY": "1"}, capture_output=True, text=True, cwd=copy,
+        ).stdout.strip()  # fmt: skip
+        if not where.startswith(str(copy)):
+            raise SystemExit(f"the copy imports lightning_titan from {where!r}, not {copy}")
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(
+                cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            return "timeout", time.monotonic() - start
+        seconds = time.monotonic() - start
+    if proc.returncode == 1:
+        return "killed", seconds
+    if proc.returncode == 0:
+        return "SURVIVED", seconds
+    return f"error (pytest rc {proc.returncode}): {proc.stdout[-300:]}", seconds
+
+
+def main(argv: list[str]) -> int:
+    names = [a for a in argv if not a.startswith("--")] or list(MUTATIONS)
+    unknown = [n for n in names if n not in MUTATIONS]
+    if unknown:
+        raise SystemExit(f"unknown mutations {unknown}; choose from {list(MUTATIONS)}")
+    for name in names:  # every target first, so a moved line fails before anything runs
+        file, old, _, _ = MUTATIONS[name]
+        apply_check = (ROOT / file).read_text().count(old)
+        if apply_check != 1:
+            raise SystemExit(f"{name}: {file} has target {old!r} {apply_check} times; update it")
+    if "--check" in argv:
+        print(f"all {len(names)} targets found")
+        return 0
+    rows = []
+    for name in names:
+        verdict, seconds = run(name, timeout_s=900)
+        rows.append((name, verdict, seconds))
+        print(
+            f"{name:24} {verdict:10} {seconds:6.0f} s  ({' '.join(MUTATIONS[name][3])})", flush=True
+        )
+    survived = [n for n, v, _ in rows if v != "killed"]
+    print(
+        f"\n{len(rows) - len(survived)}/{len(rows)} killed"
+        + (f"; not killed: {survived}" if survived else "")
+    )
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

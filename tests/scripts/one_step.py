@@ -1,0 +1,90 @@
+"""One training step of TitanLM under Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm) on a
+plain DataLoader, with an init that differs per rank (the case the broadcast of replicated parameters
+exists for). Every rank saves what it saw to OUT/rank<r>.pt; tests/test_strategy_step.py checks it.
+
+python tests/scripts/one_step.py OUT   # popen: re-runs this script per rank
+"""
+
+import sys
+import zlib
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_titan import ModelConfig, TitanLM, TitanStrategy
+
+CONFIG = ModelConfig(
+    vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=24, n_experts=4, top_k=2,
+    seq_len=12, aux_loss_coef=0.05, z_loss_coef=0.01,
+)  # fmt: skip
+LAYOUT = {"dp": 2, "pp": 2, "ep": 2}
+SEED = 7
+MAX_NORM = 0.05
+LR = 1.0  # plain SGD: the update is the clipped gradient itself, so clipping shows in the weights
+GLOBAL_BATCH = 8
+
+
+def rank_noise(rank: int, name: str, shape: torch.Size) -> torch.Tensor:
+    """What rank ``rank`` adds to ``name`` after the layout-free init (crc32: the same in every process)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rank}|{name}".encode()))
+    return torch.randn(shape, generator=g) * 0.01
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(99)
+    tokens = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.seq_len + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+class PerRankInitLM(TitanLM):
+    """A user's init that used per-rank randomness: replicas disagree until the strategy broadcasts."""
+
+    def configure_model(self) -> None:
+        fresh = self.model is None
+        super().configure_model()
+        if fresh:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.add_(rank_noise(self.global_rank, name, p.shape))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": torch.optim.lr_scheduler.ConstantLR(optimizer, 1.0),
+        }
+
+    def on_train_start(self) -> None:  # after the strategy's setup: the broadcast is done
+        self.record = {
+            "initial": {n: p.detach().clone() for n, p in self.model.named_parameters()},
+            "sampler": self.trainer.strategy.distributed_sampler_kwargs,
+            "batches": [],
+        }
+
+    def training_step(self, batch, batch_idx):
+        self.record["batches"].append([t.clone() for t in batch])
+        super().training_step(batch, batch_idx)
+        self.record["grad_norm"] = self.trainer.strategy.last_grad_norm.item()
+
+
+def main(out: str) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=8, strategy=TitanStrategy(**LAYOUT, gradient_clip_norm=MAX_NORM),
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    module = PerRankInitLM(CONFIG, seed=SEED, warmup_steps=0)
+    loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // (LAYOUT["dp"] * LAYOUT["ep"]))
+    trainer.fit(module, loader)
+    dims = trainer.strategy.parallel_dims
+    record = module.record
+    record["final"] = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    record["coords"] = (dims.dp_rank, dims.pp_rank, dims.ep_rank)
+    record["expert_range"] = module.model.expert_range
+    torch.save(record, Path(out) / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
