@@ -133,7 +133,8 @@ def test_configs_exist_for_every_composition():
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.stem)
 def test_every_config_parses(cfg, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cli = TitanCLI(*cli_components(), run=False, args=["--config", str(cfg), "--seed_everything=7"])
+    args = ["--config", str(cfg), "--seed_everything=7", "--model.model.seq_len=32"]
+    cli = TitanCLI(*cli_components(), run=False, args=args)
     dims = cli.trainer.strategy.parallel_dims
     assert dims.world_size == cli.trainer.num_devices
     assert cli.datamodule.global_batch_size == 16
@@ -150,10 +151,11 @@ def test_every_config_parses(cfg, tmp_path, monkeypatch):
         tmp_path / "runs" / cfg.stem / "checkpoints"
     )
     # set once: data.seq_len is the model's, and seed_everything seeds the init and the data order
-    assert cli.datamodule.seq_len == cli.model.config.seq_len == 64
+    assert cli.datamodule.seq_len == cli.model.config.seq_len == 32
     assert cli.model.hparams.seed == cli.datamodule.seed == 7
     # compose_config (what scripts edit) agrees with the parser on every value it names
     composed = compose_config(cfg)
+    composed["model"]["model"]["seq_len"] = 32  # as given above
     parsed = cli.config.as_dict()
     for key in ("trainer", "model", "data"):
         assert _subset(composed[key], parsed[key]), key
