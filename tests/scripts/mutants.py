@@ -30,12 +30,13 @@ MUTATIONS = {
                    ["tests/test_reference.py"]),
     # an expert gradient twice too large (the expert reducer's scale)
     "expert_grad_x2": ("lightning_titan/engine.py",
-                       "GradReducer(self.expert_params, groups.expert_dp, scale=scale, **kw)",
-                       "GradReducer(self.expert_params, groups.expert_dp, scale=2 * scale, **kw)",
+                       "reducer_over(self.expert_params, groups.expert_dp),",
+                       "GradReducer(self.expert_params, groups.expert_dp, scale=2 * scale, "
+                       "bucket_cap_mb=bucket_cap_mb, mode=reducer),",
                        ["tests/test_reference.py"]),
     # issue 21.2: the strategy does not clip
     "clip_none": ("lightning_titan/strategy.py",
-                  "self.engine.finish_gradients(self.gradient_clip_norm)",
+                  "self.engine.finish_gradients(self.options.gradient_clip_norm)",
                   "self.engine.finish_gradients(None)",
                   ["tests/test_strategy_step.py"]),
     # issue 21.3: the broadcast of replicated parameters does nothing / is not called
@@ -48,7 +49,7 @@ MUTATIONS = {
                              "",
                              ["tests/test_strategy_step.py"]),
     # issue 21.4: the old checkpoint is deleted before the new one is renamed in
-    "delete_before_rename": ("lightning_titan/checkpoint_files.py",
+    "delete_before_rename": ("lightning_titan/checkpoint/files.py",
                              "    if not (path.exists() or path.is_symlink()):\n        os.rename(tmp, path)",
                              "    _delete(path)\n    if not (path.exists() or path.is_symlink()):\n"
                              "        os.rename(tmp, path)",
@@ -58,6 +59,11 @@ MUTATIONS = {
                             'job = titan_fit(config, root, cache, "--ckpt_path=last", fork)',
                             "job = titan_fit(config, root, cache, fork)",
                             ["tests/test_reliability.py", "-k", "kill_9"]),
+    # issue 12.1: manual optimization may step on grads that were never reduced
+    "step_unreduced": ("lightning_titan/strategy.py",
+                       "        if self._grads_pending:\n",
+                       "        if False:\n",
+                       ["tests/test_agreement.py", "-k", "unreduced"]),
     # issue 21.6: the sampler gets the DP rank instead of the data rank
     "sampler_dp_rank": ("lightning_titan/strategy.py",
                         '"rank": self.parallel_dims.data_rank}',
@@ -93,7 +99,7 @@ def run(name: str, timeout_s: float) -> tuple[str, float]:
         env = {**os.environ, "PYTHONPATH": str(copy)}
         where = subprocess.run(
             [sys.executable, "-c", "import lightning_titan; print(lightning_titan.__file__)"],
-            env={**env, "LIGHTNING_TITAN_ENGINE_ONLY": "1"}, capture_output=True, text=True, cwd=copy,
+            env=env, capture_output=True, text=True, cwd=copy,
         ).stdout.strip()  # fmt: skip
         if not where.startswith(str(copy)):
             raise SystemExit(f"the copy imports lightning_titan from {where!r}, not {copy}")
