@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from lightning_titan.checkpoint import (
     read_checkpoint_info,
     save_sharded,
 )
+from lightning_titan.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_titan.checkpoint.storage import UnsafeCheckpointError
 from lightning_titan.model import ModelConfig, StageModel
 
@@ -199,10 +201,13 @@ def test_two_jobs_on_one_directory(tmp_path: Path) -> None:
         dead = files.sibling(ckpts / "last.ckpt", "tmp", f"{host}-{2**22 + 1}-{'a' * 12}")
         live.mkdir()
         dead.mkdir()
-        with pytest.raises(
-            RuntimeError, match=f"{ckpts} is in use by another job \\(pid {job.pid}"
-        ):
+        in_use = f"{ckpts} is in use by another job \\(pid {job.pid}"
+        with pytest.raises(RuntimeError, match=in_use):
             save_sharded(ckpts / "other.ckpt", nn.Linear(2, 2), [], {}, layout={})
+        strategy = SimpleNamespace(global_rank=0)  # the strategy calls this in setup, before a step
+        trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(ckpts))])
+        with pytest.raises(RuntimeError, match=in_use):
+            ShardedCheckpointHooks.claim_checkpoint_dirs(strategy, trainer)
         files.recover(ckpts / "last.ckpt")  # even unlocked, recovery spares the live job's save
         assert live.exists() and not dead.exists()
         assert is_complete_checkpoint(ckpts / "last.ckpt")

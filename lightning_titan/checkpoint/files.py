@@ -42,7 +42,10 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # another user's process
-    return True
+    try:  # a killed process its parent has not reaped yet is dead too
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _newest_mtime(path: Path) -> float:
