@@ -271,11 +271,14 @@ def test_other_checkpoints_are_named_not_called_interrupted(tmp_path: Path) -> N
     torch.save({"epoch": 0, "global_step": 3}, foreign / "meta.pt")
     plain = tmp_path / "plain.ckpt"
     torch.save({"state_dict": {}}, plain)
+    ckpt = _save(tmp_path / "dirpath" / "last.ckpt")
     model, opt = _model()
     with pytest.raises(ValueError, match="fsdp.ckpt is not a TitanStrategy checkpoint"):
         load_sharded(foreign, model, [opt])
     with pytest.raises(ValueError, match="plain.ckpt is a file, .*plain Lightning checkpoint"):
         load_sharded(plain, model, [opt])
+    with pytest.raises(ValueError, match=f"is a directory of checkpoints.*e.g. {ckpt}"):
+        load_sharded(ckpt.parent, model, [opt])
     (tmp_path / "empty.ckpt").mkdir()
     with pytest.raises(ValueError, match="empty.ckpt is not a TitanStrategy .*it is empty"):
         consolidate(tmp_path / "empty.ckpt")

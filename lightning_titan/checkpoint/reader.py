@@ -54,6 +54,12 @@ def _check_is_checkpoint(path: Path) -> None:
         )
     if files.is_complete_checkpoint(path):
         return
+    inner = files.latest_complete(path)
+    if inner is not None:
+        raise ValueError(
+            f"{path} is a directory of checkpoints, not one checkpoint; pass one of them, e.g. "
+            f"{inner} (or ckpt_path='last')"
+        )
     foreign = _not_ours(path)
     if foreign is not None:
         raise ValueError(
