@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from torch import Tensor
 
-from lightning_titan.checkpoint import consolidate, read_checkpoint_info
+from lightning_titan.checkpoint import consolidate, files, read_checkpoint_info
 from lightning_titan.model import ModelConfig, StageModel
 
 # Our name -> Hugging Face Mixtral name ("{i}" is the global layer id). Experts map per row, transposed.
@@ -161,6 +162,32 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
+def _looks_like_checkpoint(path: Path) -> bool:
+    names = (files.MARKER, files.META_FILE, files.DCP_METADATA)
+    return path.is_dir() and any((path / name).exists() for name in names)
+
+
+def check_out(out: Path) -> None:
+    """Refuse an ``--out`` that would overwrite something or vanish, before any model is loaded."""
+    if out.is_symlink() and not out.exists():
+        raise FileExistsError(
+            f"--out {out} is a dangling symlink (to {os.readlink(out)}); remove it or choose a new "
+            "--out directory"
+        )
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(
+            f"--out {out} is an existing file; choose a new --out directory (or delete the file)"
+        )
+    inside = next((p for p in [out, *out.parents] if _looks_like_checkpoint(p)), None)
+    if inside is not None:
+        raise ValueError(
+            f"--out {out} is inside the checkpoint directory {inside}: the next save of that "
+            "checkpoint replaces the directory and deletes the export; choose an --out outside it"
+        )
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out} exists and is not empty; choose a new --out directory")
+
+
 def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (+ the tokenizer when it is our byte tokenizer)."""
     try:
@@ -170,8 +197,7 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
             "titan export needs safetensors: pip install 'lightning-titan[export]'"
         ) from e
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; choose a new --out directory")
+    check_out(out)
     model = load_full_model(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in hf_mixtral_state_dict(model).items()}

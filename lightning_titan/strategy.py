@@ -20,7 +20,6 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -64,6 +63,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
             (naming the step and the stages), or ``"skip"`` s that step's update (a warning says so).
         start_method: ``"popen"`` re-runs the script per rank; ``"fork"`` for notebooks.
         process_group_backend: default ``nccl`` on CUDA, ``gloo`` on CPU.
+        allow_config_change: model-config fields a resume may change (others must match the saved).
     """
 
     strategy_name = "titan"
@@ -83,6 +83,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         on_nonfinite: Literal["raise", "skip"] = "raise",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
+        allow_config_change: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -93,6 +94,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         )  # fmt: skip
         self._degrees = check_degrees(dp=dp, pp=pp, ep=ep)  # the world size is known later
         self._process_group_backend = process_group_backend
+        self.allow_config_change = tuple(allow_config_change or ())
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
         self._groups: ProcessGroups | None = None
@@ -170,16 +172,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        env, method = self.cluster_environment, self.options.start_method
-        assert env is not None
-        if env.creates_processes_externally:
-            return
-        if method == "popen":
-            self._launcher = supervisor.TitanLauncher(
-                self.preflight, env, self.num_processes, self.num_nodes
-            )
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=method)  # type: ignore[arg-type]
+        self._launcher = supervisor.launcher_for(self, self.options.start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -189,16 +182,16 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         if self.root_device.type == "cpu":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
             torch.set_num_threads(cpu_threads_per_rank(local_world))
-        module = self.lightning_module
-        self.preflight(module, getattr(getattr(module, "_trainer", None), "datamodule", None))
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        self.preflight(self.lightning_module, getattr(trainer, "datamodule", None))
+        device = self.root_device
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
+            device
         )
-        assert self.cluster_environment is not None
         _init_dist_connection(
             self.cluster_environment, backend,
             timeout=timedelta(minutes=self.options.timeout_minutes),
-            device_id=self.root_device if self.root_device.type == "cuda" else None,
+            device_id=device if device.type == "cuda" else None,
         )  # fmt: skip
         self._setup_phase.start()
         self._groups = build_process_groups(self.parallel_dims)
@@ -220,10 +213,11 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
             bucket_cap_mb=o.bucket_cap_mb, reducer=o.reducer,
         )  # fmt: skip
         self._engine.broadcast_replicated()
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override

@@ -32,7 +32,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import (
+    _MultiProcessingLauncher,
+    _SubprocessScriptLauncher,
+)
 from typing_extensions import override
 
 LAUNCHER_PID = "TITAN_LAUNCHER_PID"  # set for the ranks the launcher starts
@@ -317,3 +320,14 @@ def failure_report(
         names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
         line += f"{names} {'is' if len(gone) == 1 else 'are'} no longer running; "
     return line + f"{type(exception).__name__}: {first_line}"
+
+
+def launcher_for(strategy: Any, start_method: str) -> Any:
+    """The launcher for a strategy: none when processes are created outside (torchrun, SLURM), ours
+    for ``popen`` (checks first, watches after), Lightning's multiprocessing one for fork/spawn."""
+    env = strategy.cluster_environment
+    if env.creates_processes_externally:
+        return None
+    if start_method == "popen":
+        return TitanLauncher(strategy.preflight, env, strategy.num_processes, strategy.num_nodes)
+    return _MultiProcessingLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]

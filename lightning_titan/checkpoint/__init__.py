@@ -2,12 +2,16 @@
 
 - ``sharded``: ``save_sharded`` / ``load_sharded``, called by every rank together;
 - ``state``: the global keys (one per parameter, one per global expert row, optimizer state likewise);
-- ``files``: the directory protocol (temp sibling, ``COMPLETE`` marker, atomic swap);
+- ``files``: the directory protocol (temp sibling, ``COMPLETE`` marker, atomic swap, recovery);
+- ``lock``: one job per checkpoint directory;
+- ``storage``: DCP reading that runs no code from the files, writing that names a full disk;
+- ``integrity``: checksums written with a save, checked on load;
 - ``reader``: reading one back in a single process (info, consolidation, checks and messages);
 - ``hooks``: the strategy's Lightning checkpoint hooks.
 """
 
 from lightning_titan.checkpoint.files import is_complete_checkpoint, latest_complete
+from lightning_titan.checkpoint.lock import CheckpointDirInUse
 from lightning_titan.checkpoint.reader import (
     FORMAT_VERSION,
     consolidate,
@@ -15,9 +19,12 @@ from lightning_titan.checkpoint.reader import (
     read_checkpoint_info,
 )
 from lightning_titan.checkpoint.sharded import load_sharded, remove_checkpoint, save_sharded
+from lightning_titan.checkpoint.storage import UnsafeCheckpointError
 
 __all__ = [
     "FORMAT_VERSION",
+    "CheckpointDirInUse",
+    "UnsafeCheckpointError",
     "consolidate",
     "consolidate_optimizers",
     "is_complete_checkpoint",

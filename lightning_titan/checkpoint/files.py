@@ -13,9 +13,12 @@ import ctypes
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
+import socket
 import time
+import zlib
 from pathlib import Path
 
 MARKER = "COMPLETE"
@@ -25,7 +28,50 @@ _SIBLING_KINDS = ("tmp", "old", "del")
 
 
 def new_token() -> str:
-    return secrets.token_hex(6)
+    """``<host>-<pid>-<random>``: whoever finds the leftover can tell whether its writer still lives."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+_TOKEN = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{12}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:  # a killed process its parent has not reaped yet is dead too
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _newest_mtime(path: Path) -> float:
+    times = [path.lstat().st_mtime]
+    if path.is_dir() and not path.is_symlink():
+        times += [p.lstat().st_mtime for p in path.iterdir()]
+    return max(times)
+
+
+def is_dead(path: Path, leftover: Path, since: float) -> bool:
+    """Whether no live process can still be writing ``leftover`` (a hidden sibling of ``path``).
+
+    Its name records the writer's host and pid: on this host, dead means that pid is gone (this very
+    process counts as dead: its saves are synchronous, so an own leftover is from a failed one).
+    Otherwise (another host, an older name) it must be untouched since ``since``, the time this
+    job took the directory's lock: a writer alive then would have held the lock.
+    """
+    token = leftover.name[len(f".{path.name}.") :].partition("-")[2]  # after "<kind>-"
+    match = _TOKEN.fullmatch(token)
+    if match and match["host"] == socket.gethostname():
+        pid = int(match["pid"])
+        return pid == os.getpid() or not _pid_alive(pid)
+    try:
+        return _newest_mtime(leftover) < since
+    except FileNotFoundError:
+        return False  # it is being moved or deleted by its owner right now
 
 
 def sibling(path: Path, kind: str, token: str) -> Path:
@@ -82,6 +128,24 @@ def write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def checksum(file: Path) -> list[int]:
+    """``[size, crc32]`` of a file, read in 8 MiB pieces."""
+    crc, size = 0, 0
+    with open(file, "rb") as f:
+        while piece := f.read(8 << 20):
+            crc, size = zlib.crc32(piece, crc), size + len(piece)
+    return [size, crc]
+
+
+def read_marker(path: Path) -> dict:
+    """The ``COMPLETE`` marker's JSON ({} if it is not JSON: an older or foreign marker)."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
 def mark_complete(path: Path, info: dict) -> None:
     """Write the marker last into a finished directory (its files are already fsynced)."""
     write_file(path / MARKER, json.dumps({**info, "completed_at": time.time()}).encode())
@@ -132,13 +196,16 @@ def install(tmp: Path, path: Path, *, allow_exchange: bool = True) -> None:
     _fsync(path.parent)
 
 
-def recover(path: Path) -> None:
+def recover(path: Path, since: float | None = None) -> None:
     """Clean up what earlier killed saves/removals of ``path`` left behind (rank 0, before a save).
 
     If ``path`` is missing but a finished save (or the version set aside for it) survived as a hidden
-    sibling, the newest complete one is moved back to ``path``; every other leftover is deleted.
+    sibling, the newest complete one is moved back to ``path``; every other leftover is deleted. Only
+    leftovers of dead writers are touched (:func:`is_dead`; ``since``: when this job took the
+    directory's lock, default now): a live job's save in progress is never deleted.
     """
-    leftovers = siblings(path)
+    since = time.time() if since is None else since
+    leftovers = [p for p in siblings(path) if is_dead(path, p, since)]
     if not (path.exists() or path.is_symlink()):
         complete = [p for p in leftovers if not p.name.startswith(f".{path.name}.del-")]
         complete = [p for p in complete if is_complete_checkpoint(p)]

@@ -10,10 +10,16 @@ from typing import Any
 
 from torch.optim import Optimizer
 
+from lightning_titan.agreement import agree
+from lightning_titan.checkpoint import lock
 from lightning_titan.checkpoint.sharded import load_sharded, remove_checkpoint, save_sharded
 
 
 class ShardedCheckpointHooks:
+    # Config fields a resume may change deliberately, e.g. ("rope_theta",); any other field of the
+    # saved model config that differs from the model's is an error (``load_sharded``).
+    allow_config_change: tuple[str, ...] = ()
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the stage-local model and the optimizer must exist to load into
@@ -59,7 +65,27 @@ class ShardedCheckpointHooks:
         path = self.broadcast(str(checkpoint_path))
         batch = self._global_batch_size()
         expect = {} if batch is None else {"global_batch_size": batch}
-        return load_sharded(path, self.lightning_module, self.optimizers, expect_layout=expect)
+        return load_sharded(
+            path, self.lightning_module, self.optimizers, expect_layout=expect,
+            weights_only=weights_only, allow_config_change=self.allow_config_change,
+        )  # fmt: skip
+
+    def on_train_start(self: Any) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        self.claim_checkpoint_dirs(self.lightning_module.trainer)
+
+    def claim_checkpoint_dirs(self: Any, trainer: Any) -> None:
+        """Collective: global rank 0 locks every ModelCheckpoint directory for this job's life, so a
+        second job on one of them is refused at setup, not at its first save (which also locks)."""
+        error = None
+        if self.global_rank == 0:
+            try:
+                for callback in trainer.checkpoint_callbacks:
+                    if getattr(callback, "dirpath", None):
+                        lock.acquire(callback.dirpath)
+            except Exception as e:  # noqa: BLE001 - every rank raises it
+                error = e
+        agree(error)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         remove_checkpoint(filepath)

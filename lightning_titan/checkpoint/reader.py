@@ -9,43 +9,93 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_titan.checkpoint import files
+from lightning_titan.checkpoint import files, integrity, storage
 from lightning_titan.checkpoint import state as keys
+from lightning_titan.checkpoint.storage import UnsafeCheckpointError
 
 FORMAT_VERSION = 1
 
 
-def read_checkpoint_info(path: str | os.PathLike) -> dict[str, Any]:
-    """``meta.pt`` of a complete checkpoint: format_version, meta, layout, model_config, param_groups."""
-    path = Path(path)
+def _not_ours(path: Path) -> str | None:
+    """Why a directory without our marker is not a TitanStrategy checkpoint (None: it is one of ours
+    whose marker is gone, i.e. its save or removal was interrupted)."""
+    names = sorted(p.name for p in path.iterdir())
+    if not names:
+        return "it is empty"
+    if (path / files.META_FILE).is_file():
+        try:
+            info = torch.load(path / files.META_FILE, map_location="cpu", weights_only=True)
+            if isinstance(info, dict) and "format_version" in info:
+                return None
+        except Exception:  # noqa: BLE001 - unreadable: not ours
+            pass
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    return f"it holds {shown} but no {files.MARKER} marker and no {files.META_FILE} of ours"
+
+
+def _check_is_checkpoint(path: Path) -> None:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist; check the path (or ckpt_path)")
     if not path.is_dir():
         raise ValueError(
-            f"{path} is a file, not a sharded checkpoint directory; pass a directory written by "
-            "save_sharded (TitanStrategy.save_checkpoint)"
+            f"{path} is a file, not a sharded checkpoint directory (a plain Lightning checkpoint?); "
+            "TitanStrategy loads only directories written by TitanStrategy.save_checkpoint"
         )
-    if not files.is_complete_checkpoint(path):
+    if files.is_complete_checkpoint(path):
+        return
+    inner = files.latest_complete(path)
+    if inner is not None:
         raise ValueError(
-            f"incomplete checkpoint {path}: no {files.MARKER} marker (or its shard index or "
-            f"{files.META_FILE} is missing); its save was interrupted, use an earlier checkpoint"
+            f"{path} is a directory of checkpoints, not one checkpoint; pass one of them, e.g. "
+            f"{inner} (or ckpt_path='last')"
         )
+    foreign = _not_ours(path)
+    if foreign is not None:
+        raise ValueError(
+            f"{path} is not a TitanStrategy checkpoint: {foreign} (a checkpoint of another "
+            "strategy, e.g. Lightning's FSDP or ModelParallelStrategy?). Load it with the strategy "
+            "that wrote it, or pass a directory written by TitanStrategy"
+        )
+    raise ValueError(
+        f"incomplete checkpoint {path}: no {files.MARKER} marker (or its shard index or "
+        f"{files.META_FILE} is missing); its save was interrupted, use an earlier checkpoint"
+    )
+
+
+def read_checkpoint_info(
+    path: str | os.PathLike, *, weights_only: bool | None = None
+) -> dict[str, Any]:
+    """``meta.pt`` of a complete checkpoint: format_version, meta, layout, model_config, param_groups.
+
+    Read weights-only (plain containers, numbers, strings, tensors: nothing in it can run code)
+    unless ``weights_only=False``, for a checkpoint you trust whose Lightning state holds other
+    objects (a callback's custom state)."""
+    path = Path(path)
+    _check_is_checkpoint(path)
+    integrity.verify(path, [files.META_FILE])
     try:
-        # Lightning's loop/callback state holds arbitrary objects, hence weights_only=False.
-        info = torch.load(path / files.META_FILE, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
+        info = torch.load(
+            path / files.META_FILE, map_location="cpu", weights_only=weights_only is not False
+        )
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"refused to load {path / files.META_FILE}: {storage.why_refused(e)} (it holds an "
+            "object a weights-only load does not allow: loading it could run code). If "
+            "you wrote this checkpoint and trust it, load it with weights_only=False, e.g. "
+            "trainer.fit(..., weights_only=False)"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - any other failure means the same thing here
         raise ValueError(f"corrupt checkpoint {path}: cannot read {files.META_FILE}: {e}") from e
     version = info.get("format_version") if isinstance(info, dict) else None
     if version != FORMAT_VERSION:
@@ -57,9 +107,13 @@ def read_checkpoint_info(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_metadata(path: Path) -> Metadata:
-    """DCP's shard index, after checking that every shard file is there and not truncated."""
+    """DCP's shard index (read through the allow-list), after checking that every shard file is
+    there and not truncated."""
+    integrity.verify(path, [files.DCP_METADATA])
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = storage.load_metadata(path / files.DCP_METADATA)
+    except UnsafeCheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"corrupt checkpoint {path}: cannot read its shard index: {e}") from e
     ends: dict[str, int] = {}
@@ -75,13 +129,58 @@ def read_metadata(path: Path) -> Metadata:
     return metadata
 
 
-def model_config(model: nn.Module) -> dict[str, Any] | None:
-    """The first dataclass ``config`` on the model or a submodule (e.g. ``ModelConfig``), as a dict."""
+def _config_object(model: nn.Module) -> Any:
     for module in model.modules():
         config = getattr(module, "config", None)
         if dataclasses.is_dataclass(config) and not isinstance(config, type):
-            return dataclasses.asdict(config)
+            return config
     return None
+
+
+def model_config(model: nn.Module) -> dict[str, Any] | None:
+    """The first dataclass ``config`` on the model or a submodule (e.g. ``ModelConfig``), as a dict."""
+    config = _config_object(model)
+    return None if config is None else dataclasses.asdict(config)
+
+
+# Fields that change neither what a loaded model computes nor how it trains on: free to differ.
+FREE_FIELDS = frozenset({"activation_checkpointing", "init_std"})
+
+
+def check_config(
+    path: Path, saved: dict | None, model: nn.Module, allow: Collection[str] = ()
+) -> None:
+    """Every field of the model's config must equal the saved one, except ``FREE_FIELDS`` and those
+    named in ``allow`` (a deliberate change, e.g. ``["rope_theta"]``); shapes alone miss n_heads,
+    top_k, rope_theta... A field the checkpoint predates passes if the model has its default."""
+    config = _config_object(model)
+    if not saved or config is None:
+        return
+    current = dataclasses.asdict(config)
+    unknown = sorted(set(allow) - set(current))
+    if unknown:
+        raise ValueError(
+            f"allow_config_change names {unknown}, not fields of {type(config).__name__} "
+            f"({', '.join(current)})"
+        )
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    diffs = []
+    for k in sorted(set(saved) | set(current)):
+        if k in FREE_FIELDS or k in allow:
+            continue
+        if k not in saved and current.get(k) == defaults.get(k, dataclasses.MISSING):
+            continue
+        if saved.get(k) != current.get(k):
+            diffs.append(k)
+    if diffs:
+        shown = "; ".join(f"checkpoint has {k}={saved.get(k)!r}, model has {current.get(k)!r}"
+                          for k in diffs)  # fmt: skip
+        raise ValueError(
+            f"checkpoint {path} was saved with another model config: {shown}. Build the model "
+            f"with the checkpoint's config, or to change it deliberately pass "
+            f"allow_config_change={diffs} (load_sharded's argument; on a TitanStrategy set "
+            "strategy.allow_config_change)"
+        )
 
 
 def check_entries(entries: Mapping[str, Any], metadata: Metadata) -> list[str]:
@@ -138,13 +237,14 @@ def single_process_ok() -> Iterator[None]:
         yield
 
 
-def _full_state(path: Path, prefix: str) -> dict[str, Any]:
+def _full_state(path: Path, prefix: str, weights_only: bool | None) -> dict[str, Any]:
     """Every entry under ``prefix``, read in this process, per-expert rows stacked to ``[E, ...]``.
 
     Returned names drop the prefix; optimizer entries keep their ``/<state name>`` suffix.
     """
-    read_checkpoint_info(path)
+    read_checkpoint_info(path, weights_only=weights_only)
     metadata = read_metadata(path)
+    integrity.verify(path, integrity.shard_names(metadata))
     state: dict[str, Any] = {}
     for key, saved in metadata.state_dict_metadata.items():
         if key.startswith(prefix):
@@ -154,7 +254,7 @@ def _full_state(path: Path, prefix: str) -> dict[str, Any]:
                 else None
             )
     with single_process_ok():
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        storage.load(state, path, no_dist=True, weights_only=weights_only)
 
     out: dict[str, Any] = {}
     rows: dict[str, dict[int, Tensor]] = {}
@@ -176,22 +276,27 @@ def _full_state(path: Path, prefix: str) -> dict[str, Any]:
     return out
 
 
-def consolidate(path: str | os.PathLike) -> dict[str, Tensor]:
+def consolidate(path: str | os.PathLike, *, weights_only: bool | None = None) -> dict[str, Tensor]:
     """The full model state dict, experts stacked to ``[E, ...]``, read in one process.
 
     Names are those of the module given to ``save_sharded`` (``model.layers.0...`` when that was a
-    LightningModule holding the StageModel as ``self.model``).
+    LightningModule holding the StageModel as ``self.model``). Every file is checked against the
+    checksums written with the save; nothing in the files can run code (see ``read_checkpoint_info``
+    for ``weights_only``).
     """
-    return _full_state(Path(path), keys.MODEL)
+    return _full_state(Path(path), keys.MODEL, weights_only)
 
 
-def consolidate_optimizers(path: str | os.PathLike) -> list[dict[str, dict[str, Any]]]:
+def consolidate_optimizers(
+    path: str | os.PathLike, *, weights_only: bool | None = None
+) -> list[dict[str, dict[str, Any]]]:
     """Each optimizer's full state as ``{param name: {state name: value}}``, experts stacked."""
     path = Path(path)
     out = []
-    for i in range(len(read_checkpoint_info(path)["param_groups"])):
+    info = read_checkpoint_info(path, weights_only=weights_only)
+    for i in range(len(info["param_groups"])):
         per_param: dict[str, dict[str, Any]] = {}
-        for key, value in _full_state(path, keys.optim_prefix(i)).items():
+        for key, value in _full_state(path, keys.optim_prefix(i), weights_only).items():
             param, _, state_name = key.rpartition("/")
             per_param.setdefault(param, {})[state_name] = value
         out.append(per_param)

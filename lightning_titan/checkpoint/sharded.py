@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_titan import probes
 from lightning_titan.agreement import agree as _agree
-from lightning_titan.checkpoint import files, reader
+from lightning_titan.checkpoint import files, integrity, lock, reader, storage
 from lightning_titan.checkpoint import state as keys
 from lightning_titan.checkpoint.reader import FORMAT_VERSION, read_checkpoint_info
 
@@ -37,6 +37,10 @@ def _distributed() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
 
 
 def save_sharded(
@@ -51,7 +55,8 @@ def save_sharded(
 
     ``meta`` (Lightning's checkpoint dict without ``state_dict``/``optimizer_states``) and ``layout``
     (dp, pp, ep, global batch size, ...) go into ``meta.pt`` from rank 0. An existing ``path`` is
-    replaced only after the new directory is complete.
+    replaced only after the new directory is complete. Rank 0 first takes the lock of ``path``'s
+    directory (``lock``): a second job saving there is refused.
     """
     path = Path(path)
     error, token, state, info_bytes = None, None, {}, b""
@@ -59,13 +64,13 @@ def save_sharded(
         state = keys.model_entries(model)
         state.update(keys.optimizer_entries(model, optimizers).state_dict())
         if _rank() == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            files.recover(path)
+            since = lock.acquire(path.parent)
+            files.recover(path, since)
             token = files.new_token()
             info = {
                 "format_version": FORMAT_VERSION,
                 "meta": meta,
-                "layout": {**layout, "world_size": dist.get_world_size() if _distributed() else 1},
+                "layout": {**layout, "world_size": _world()},
                 "model_config": reader.model_config(model),
                 "param_groups": [keys.hyperparameters(o) for o in optimizers],
             }
@@ -76,26 +81,51 @@ def save_sharded(
         error = e
     tmp = files.sibling(path, "tmp", _agree(error, token)[0])
 
+    writer = storage.RecordingWriter(tmp)
     try:
         with reader.single_process_ok():
-            dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
-    except BaseException:
+            dcp.save(state, storage_writer=writer, checkpoint_id=tmp, no_dist=not _distributed())
+        probes.fault("checkpoint_save")  # shards written, not yet complete: the worst moment to die
+        # dcp.save returns only after its coordinator gathered every rank's write result, so all
+        # shards are on disk (fsynced); each rank checksums its own while they are in its page cache.
+        error, sums = None, {}
+        try:
+            sums = integrity.checksums(tmp, writer.shards)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        gathered = _agree(error, sums)
+    except BaseException as e:
         if _rank() == 0:
             files.remove(tmp)
-        raise
-    probes.fault("checkpoint_save")  # shards written, not yet complete: the worst moment to die
-    # dcp.save returns only after its coordinator gathered every rank's write result, so all shards are
-    # on disk (fsynced) before rank 0 marks the directory complete and swaps it in.
+        explained = storage.explain_write_error(e, path, writer)
+        if explained is None:
+            raise
+        raise explained from e
+    _finish(path, tmp, info_bytes, {k: v for s in gathered for k, v in s.items()}, len(state))
+
+
+def _finish(path: Path, tmp: Path, info_bytes: bytes, sums: dict, entries: int) -> None:
+    """Rank 0 writes ``meta.pt`` and the marker (with every file's checksum) and swaps ``tmp`` in."""
     error = None
     if _rank() == 0:
         try:
             files.write_file(tmp / files.META_FILE, info_bytes)
-            files.mark_complete(tmp, {"format_version": FORMAT_VERSION, "entries": len(state)})
+            sums.update(integrity.checksums(tmp, [files.META_FILE, files.DCP_METADATA]))
+            marker = {"format_version": FORMAT_VERSION, "entries": entries, "files": sums}
+            files.mark_complete(tmp, marker)
             files.install(tmp, path)
         except Exception as e:  # noqa: BLE001
-            error = e
+            error = storage.explain_write_error(e, path) if isinstance(e, OSError) else e
+            error = error or e
             files.remove(tmp)
     _agree(error)  # the closing barrier: no rank returns before ``path`` is complete
+
+
+@dataclass(frozen=True)
+class _LoadOptions:
+    expect_layout: Mapping[str, Any] | None
+    weights_only: bool | None
+    allow_config_change: Collection[str]
 
 
 @dataclass
@@ -118,15 +148,19 @@ class _LoadPlan:
 
 
 def _plan_load(
-    path: Path, model: nn.Module, optimizers: list[Optimizer], expect: Mapping[str, Any] | None
+    path: Path, model: nn.Module, optimizers: list[Optimizer], options: _LoadOptions
 ) -> _LoadPlan:
-    plan = _LoadPlan(info=read_checkpoint_info(path))
+    plan = _LoadPlan(info=read_checkpoint_info(path, weights_only=options.weights_only))
     metadata = reader.read_metadata(path)
-    reader.check_layout(path, plan.info["layout"], expect)
+    reader.check_layout(path, plan.info["layout"], options.expect_layout)
+    config = plan.info.get("model_config")
+    reader.check_config(path, config, model, options.allow_config_change)
     model_entries = keys.model_entries(model)
     problems = reader.check_entries(model_entries, metadata)
     if problems:
         raise reader.mismatch(path, plan.info.get("model_config"), model, problems)
+    # the cheap checks first; then each rank reads a share of the shard files against their checksums
+    integrity.verify(path, integrity.shard_names(metadata)[_rank() :: _world()])
     plan.targets.update(model_entries)
     plan.model_keys = sorted(k for k in metadata.state_dict_metadata if k.startswith(keys.MODEL))
     index = {k: i for i, k in enumerate(plan.model_keys)}
@@ -176,6 +210,8 @@ def load_sharded(
     optimizers: list[Optimizer],
     *,
     expect_layout: Mapping[str, Any] | None = None,
+    weights_only: bool | None = None,
+    allow_config_change: Collection[str] = (),
 ) -> dict[str, Any]:
     """Load a checkpoint written under any (dp, pp, ep) into ``model`` and ``optimizers`` in place.
 
@@ -183,11 +219,17 @@ def load_sharded(
     change), then overwritten; param-group hyper-parameters are restored. ``optimizers=[]`` loads the
     model only. ``expect_layout`` names layout values that must match, e.g.
     ``{"global_batch_size": 32}``. Returns the ``meta`` dict given to ``save_sharded``.
+
+    Every file is checked against the checksums written with the save, and the model's config
+    against the saved one: a differing field (n_heads, top_k, rope_theta, ...) is an error unless
+    named in ``allow_config_change``. Nothing in the files can run code; ``weights_only=False``
+    lets ``meta.pt`` and non-tensor values hold any object (only for checkpoints you trust).
     """
     path = Path(path)
     plan, error = None, None
+    options = _LoadOptions(expect_layout, weights_only, tuple(allow_config_change))
     try:
-        plan = _plan_load(path, model, optimizers, expect_layout)
+        plan = _plan_load(path, model, optimizers, options)
     except Exception as e:  # noqa: BLE001 - every rank must raise it, before the collective load
         error = e
     try:
@@ -205,7 +247,7 @@ def load_sharded(
         raise
 
     with reader.single_process_ok():
-        dcp.load(plan.targets, checkpoint_id=path, no_dist=not _distributed())
+        storage.load(plan.targets, path, no_dist=not _distributed(), weights_only=weights_only)
     for key, (state, name) in plan.objects.items():
         state[name] = plan.targets[key]  # DCP hands non-tensor values back by replacing the entry
     for optimizer, p in plan.stale:
