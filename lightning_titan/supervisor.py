@@ -31,7 +31,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
+    _set_num_threads_if_needed,
+)
 from lightning.pytorch.strategies.launchers import (
     _MultiProcessingLauncher,
     _SubprocessScriptLauncher,
@@ -152,7 +155,7 @@ class _RankWatcher(threading.Thread):
 def leave(code: int, grace_s: float, loggers: Sequence[Any] = ()) -> None:
     """End this process now with ``code``, after what a normal exit would do for the user: finalize
     ``loggers`` (CSV, W&B, MLflow write what they buffered) and run the ``atexit`` handlers, bounded
-    by ``grace_s`` (a handler may block on a dead peer). Then ``os._exit``: an orderly interpreter exit
+    by ``grace_s`` and 5 s (a handler may block on a dead peer). Then ``os._exit``: an orderly interpreter exit
     can hang in a process group's destructor while work of its own still waits for peers."""
 
     def flush() -> None:
@@ -161,11 +164,14 @@ def leave(code: int, grace_s: float, loggers: Sequence[Any] = ()) -> None:
                 logger.finalize("failed")
             except Exception as err:  # noqa: BLE001 - the process is leaving: say it, go on
                 say(f"[titan] {type(logger).__name__}.finalize failed: {err!r}")
-        atexit._run_exitfuncs()
 
-    worker = threading.Thread(target=flush, daemon=True, name="titan-leave")
-    worker.start()
-    worker.join(timeout=grace_s)
+    # Lightning's handler destroys an NCCL group at exit, which can wait on the dead peer; the OS
+    # frees the communicators of a process that ends anyway.
+    atexit.unregister(_destroy_dist_connection)
+    for step, seconds in ((flush, grace_s), (atexit._run_exitfuncs, min(grace_s, 5.0))):
+        worker = threading.Thread(target=step, daemon=True, name="titan-leave")
+        worker.start()
+        worker.join(timeout=seconds)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -584,8 +584,12 @@ def test_the_launcher_leaves_by_itself_with_its_logs_when_a_rank_dies(tmp_path):
                  out, timeout=240)  # fmt: skip
     assert job.returncode != 0, job.stderr[-3000:]
     assert re.search(r"rank 1 \(pid \d+\) exited with code 7", job.stderr), job.stderr[-3000:]
-    reached = job.stderr.index("rank 0 reached the failure step")
-    assert "leaving with its logs flushed" in job.stderr[reached:], job.stderr[-3000:]
+    ended = time.time()
+    reached = re.search(r"rank 0 reached the failure step at ([\d.]+)", job.stderr)
+    assert reached, job.stderr[-3000:]
+    assert "leaving with its logs flushed" in job.stderr[reached.end() :], job.stderr[-3000:]
+    # the watcher polls every 0.2 s and waits LAUNCHER_WAIT_S = 3 s for a failure of this process
+    assert ended - float(reached.group(1)) < 20, f"{ended - float(reached.group(1)):.1f} s"
     rows = list(csv.DictReader(open(next(out.glob("run/version_*/metrics.csv")))))
     assert sorted({int(r["step"]) for r in rows if r.get("train_loss")}) == [0, 1, 2], rows
 

@@ -33,7 +33,7 @@ class Regressor(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         if self.global_step == FAIL_AT:
-            sys.stderr.write(f"rank {self.global_rank} reached the failure step\n")
+            sys.stderr.write(f"rank {self.global_rank} reached the failure step at {time.time()}\n")
             if self.mode == "caught":
                 raise RuntimeError(f"rank {self.global_rank} fails on purpose")
             if self.global_rank == 1:
