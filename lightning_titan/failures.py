@@ -126,21 +126,15 @@ def nonfinite_message(
 
 
 def check_finite(
-    module: nn.Module,
-    dims: ParallelDims,
-    step: int,
-    norm: Tensor,
-    loss: Tensor | None,
-    action: str,
+    module: nn.Module, dims: ParallelDims, step: int, norm_and_loss: list[float], action: str
 ) -> bool:
     """True when the step's gradient norm and loss (global, so every rank takes the same branch) are
     finite. Otherwise raise FloatingPointError naming where it began (``action="raise"``), or drop every
     gradient so that the optimizer step changes nothing and return False (``"skip"``)."""
-    values = norm.double().view(1) if loss is None else torch.stack([norm.double(), loss.double()])
-    if bool(torch.isfinite(values).all()):  # the check's one host sync
+    if all(math.isfinite(v) for v in norm_and_loss):
         return True
-    norm_value, *loss_value = values.tolist()
-    message = nonfinite_message(module, dims, step, norm_value, (loss_value or [None])[0])
+    norm, *loss = norm_and_loss
+    message = nonfinite_message(module, dims, step, norm, loss[0] if loss else None)
     if action == "raise":
         raise FloatingPointError(
             f"{message}; no optimizer step was taken. Lower the learning rate, set "

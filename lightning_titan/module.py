@@ -144,21 +144,20 @@ class TitanLM(L.LightningModule):
             backward=self.manual_backward,
         )  # fmt: skip
         # 2. wait for the reducers, stop (or skip) on a non-finite loss or norm, clip by the norm
-        #    composed across stages and expert shards
-        grad_norm = strategy.finish_gradients(step.loss)
+        #    composed across stages and expert shards; the numbers come back in one host read
+        grad_norm, loss, aux = strategy.finish_gradients(step.loss, step.aux)
         # 3. the update
         optimizer = cast(LightningOptimizer, self.optimizers())  # TitanLM has one
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         cast(LRScheduler, self.lr_schedulers()).step()
 
-        loss, aux, norm = torch.stack([step.loss, step.aux, grad_norm.double()]).tolist()
         tokens = inputs.numel() * strategy.parallel_dims.data_world
         # the same keys on every rank, values already global: the loggers live on rank 0, the loss
         # on the last stage
         self.log("train_loss", loss, prog_bar=True)
         self.log("aux_loss", aux)
-        self.log("grad_norm", norm)
+        self.log("grad_norm", grad_norm)
         self.log("lr", optimizer.param_groups[0]["lr"])
         self.log("tokens_per_sec", tokens / (time.perf_counter() - start), prog_bar=True)
 

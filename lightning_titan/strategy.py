@@ -241,20 +241,22 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         self._grads_pending = True
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def finish_gradients(self, loss: Tensor | None = None) -> Tensor:
+    def finish_gradients(self, loss: Tensor | None = None, *metrics: Tensor) -> list[float]:
         """Wait for the reducers, check for non-finite values, clip by the composed global norm.
 
-        Returns the pre-clip norm (0-dim, on the device). A non-finite norm or ``loss`` (the step's
-        global loss, the same on every rank) raises FloatingPointError on every rank, or with
-        ``on_nonfinite="skip"`` drops every gradient so that the optimizer step changes nothing."""
+        Returns ``[pre-clip norm, loss, *metrics]`` as floats, read in one host sync. A non-finite
+        norm or ``loss`` (the step's global loss, the same on every rank) raises FloatingPointError on
+        every rank, or with ``on_nonfinite="skip"`` drops every gradient so that the optimizer step
+        changes nothing."""
         norm = self.engine.finish_gradients(self.options.gradient_clip_norm)
         self._grads_pending = False
         module, action = self.lightning_module, self.options.on_nonfinite
-        if not check_finite(
-            module, self.parallel_dims, module.trainer.global_step, norm, loss, action
-        ):
+        tensors = [norm] if loss is None else [norm, loss, *metrics]
+        values = torch.stack([t.double() for t in tensors]).tolist()  # the step's one host read
+        step = module.trainer.global_step
+        if not check_finite(module, self.parallel_dims, step, values[:2], action):
             self.skipped_steps += 1
-        return norm
+        return values
 
     @override
     def optimizer_step(

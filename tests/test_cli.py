@@ -142,7 +142,7 @@ def test_every_config_parses(cfg, tmp_path, monkeypatch):
         cli.model.config.n_layers % 4 == 0 and cli.model.config.n_experts % 4 == 0
     )  # pp, ep <= 4 by flag
     # base.yaml's values arrive (a nested block in an overlay would have dropped them)
-    assert cli.trainer.max_steps == 200 and cli.trainer.strategy.gradient_clip_norm == 1.0
+    assert cli.trainer.max_steps == 200 and cli.trainer.strategy.options.gradient_clip_norm == 1.0
     names = {type(c).__name__ for c in cli.trainer.callbacks}
     assert {"LearningRateMonitor", "EarlyStopping", "ModelCheckpoint", "StepProgressBar"} <= names
     # one name per layout: logs in runs/<layout>/version_N, checkpoints in runs/<layout>/checkpoints

@@ -66,7 +66,11 @@ class PerRankInitLM(TitanLM):
     def training_step(self, batch, batch_idx):
         self.record["batches"].append([t.clone() for t in batch])
         super().training_step(batch, batch_idx)
-        self.record["grad_norm"] = self.trainer.strategy.last_grad_norm.item()
+
+    def log(self, name, value, *args, **kwargs):  # the step's pre-clip norm, as TitanLM logs it
+        if name == "grad_norm":
+            self.record["grad_norm"] = float(value)
+        super().log(name, value, *args, **kwargs)
 
 
 def main(out: str) -> None:
