@@ -112,7 +112,11 @@ def run(name: str, timeout_s: float) -> tuple[str, float]:
             return "timeout", time.monotonic() - start
         seconds = time.monotonic() - start
     if proc.returncode == 1:
-        return "killed", seconds
+        # the first assertion line says what caught it
+        caught = next(
+            (ln[1:].strip() for ln in proc.stdout.splitlines() if ln.startswith("E ")), ""
+        )
+        return f"killed  {caught[:100]}", seconds
     if proc.returncode == 0:
         return "SURVIVED", seconds
     return f"error (pytest rc {proc.returncode}): {proc.stdout[-300:]}", seconds
@@ -138,7 +142,7 @@ def main(argv: list[str]) -> int:
         print(
             f"{name:24} {verdict:10} {seconds:6.0f} s  ({' '.join(MUTATIONS[name][3])})", flush=True
         )
-    survived = [n for n, v, _ in rows if v != "killed"]
+    survived = [n for n, v, _ in rows if not v.startswith("killed")]
     print(
         f"\n{len(rows) - len(survived)}/{len(rows)} killed"
         + (f"; not killed: {survived}" if survived else "")
