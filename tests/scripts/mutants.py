@@ -139,9 +139,8 @@ def main(argv: list[str]) -> int:
     for name in names:
         verdict, seconds = run(name, timeout_s=900)
         rows.append((name, verdict, seconds))
-        print(
-            f"{name:24} {verdict:10} {seconds:6.0f} s  ({' '.join(MUTATIONS[name][3])})", flush=True
-        )
+        tests = " ".join(MUTATIONS[name][3])
+        print(f"{name:22} {seconds:4.0f} s  {tests:45} {verdict}", flush=True)
     survived = [n for n, v, _ in rows if not v.startswith("killed")]
     print(
         f"\n{len(rows) - len(survived)}/{len(rows)} killed"
