@@ -34,6 +34,11 @@ MUTATIONS = {
                        "GradReducer(self.expert_params, groups.expert_dp, scale=2 * scale, "
                        "bucket_cap_mb=bucket_cap_mb, mode=reducer),",
                        ["tests/test_reference.py"]),
+    # issue 21.7: the same bug through the CLI (grad_norm of the ep configs against the single run)
+    "expert_grad_x2_cli": ("lightning_titan/engine.py",
+                           "GradReducer(self.expert_params, groups.expert_dp, scale=scale, **kw)",
+                           "GradReducer(self.expert_params, groups.expert_dp, scale=2 * scale, **kw)",
+                           ["tests/test_cli.py", "-k", "single_process_curve"]),
     # issue 21.2: the strategy does not clip
     "clip_none": ("lightning_titan/strategy.py",
                   "self.engine.finish_gradients(self.options.gradient_clip_norm)",
@@ -113,7 +118,11 @@ def run(name: str, timeout_s: float) -> tuple[str, float]:
             return "timeout", time.monotonic() - start
         seconds = time.monotonic() - start
     if proc.returncode == 1:
-        return "killed", seconds
+        # the first assertion line says what caught it
+        caught = next(
+            (ln[1:].strip() for ln in proc.stdout.splitlines() if ln.startswith("E ")), ""
+        )
+        return f"killed  {caught[:100]}", seconds
     if proc.returncode == 0:
         return "SURVIVED", seconds
     return f"error (pytest rc {proc.returncode}): {proc.stdout[-300:]}", seconds
@@ -136,10 +145,9 @@ def main(argv: list[str]) -> int:
     for name in names:
         verdict, seconds = run(name, timeout_s=900)
         rows.append((name, verdict, seconds))
-        print(
-            f"{name:24} {verdict:10} {seconds:6.0f} s  ({' '.join(MUTATIONS[name][3])})", flush=True
-        )
-    survived = [n for n, v, _ in rows if v != "killed"]
+        tests = " ".join(MUTATIONS[name][3])
+        print(f"{name:22} {seconds:4.0f} s  {tests:45} {verdict}", flush=True)
+    survived = [n for n, v, _ in rows if not v.startswith("killed")]
     print(
         f"\n{len(rows) - len(survived)}/{len(rows)} killed"
         + (f"; not killed: {survived}" if survived else "")
