@@ -36,8 +36,9 @@ MUTATIONS = {
                        ["tests/test_reference.py"]),
     # issue 21.7: the same bug through the CLI (grad_norm of the ep configs against the single run)
     "expert_grad_x2_cli": ("lightning_titan/engine.py",
-                           "GradReducer(self.expert_params, groups.expert_dp, scale=scale, **kw)",
-                           "GradReducer(self.expert_params, groups.expert_dp, scale=2 * scale, **kw)",
+                           "reducer_over(self.expert_params, groups.expert_dp),",
+                           "GradReducer(self.expert_params, groups.expert_dp, scale=2 * scale, "
+                           "bucket_cap_mb=bucket_cap_mb, mode=reducer),",
                            ["tests/test_cli.py", "-k", "single_process_curve"]),
     # issue 21.2: the strategy does not clip
     "clip_none": ("lightning_titan/strategy.py",
