@@ -173,6 +173,8 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def _delete(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
+        # the marker first: a delete killed midway must not leave a partial directory that looks complete
+        (path / MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink(missing_ok=True)
