@@ -154,11 +154,11 @@ def _plan_load(
     metadata = reader.read_metadata(path)
     reader.check_layout(path, plan.info["layout"], options.expect_layout)
     config = plan.info.get("model_config")
-    reader.check_config(path, config, model, options.allow_config_change)
     model_entries = keys.model_entries(model)
     problems = reader.check_entries(model_entries, metadata)
-    if problems:
-        raise reader.mismatch(path, plan.info.get("model_config"), model, problems)
+    if problems:  # another shape: no config change can allow that
+        raise reader.mismatch(path, config, model, problems)
+    reader.check_config(path, config, model, options.allow_config_change)
     # the cheap checks first; then each rank reads a share of the shard files against their checksums
     integrity.verify(path, integrity.shard_names(metadata)[_rank() :: _world()])
     plan.targets.update(model_entries)
