@@ -22,14 +22,15 @@ from lightning_titan.cli import TitanCLI, cli_components, compose_config, main
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(c for c in (ROOT / "configs").glob("*.yaml") if c.stem != "base")  # the layouts
 STEPS, RESUMED_STEPS = 3, 6
+MODEL = ["--model.model.z_loss_coef=0.001"]  # z-loss on too; a checkpoint's readers must agree
 COMMON = [
     "--trainer.val_check_interval=2",
     "--trainer.limit_val_batches=1",
     "--model.lr_decay_steps=50",
-    # no warm-up and a larger step, so a gradient of the wrong size shows in the curve; z-loss on too
+    # no warm-up and a larger step, so a gradient of the wrong size shows in the curve
     "--model.warmup_steps=0",
     "--model.learning_rate=0.003",
-    "--model.model.z_loss_coef=0.001",
+    *MODEL,
 ]
 FORK = "--trainer.strategy.init_args.start_method=fork"
 
@@ -269,7 +270,7 @@ def test_validate_from_a_checkpoint_under_another_layout(runs):
     for name, cfg, ckpt in (("validate", "pp_ep", step3_ckpt(cwd, "dp_pp_ep")),
                             ("validate_ref", "single", step3_ckpt(cwd, "single"))):  # fmt: skip
         cmd = [sys.executable, "-m", "lightning_titan", "validate", "--config", str(config(cfg)),
-               FORK, "--trainer.limit_val_batches=2", f"--ckpt_path={ckpt}",
+               *MODEL, FORK, "--trainer.limit_val_batches=2", f"--ckpt_path={ckpt}",
                f"--trainer.logger.init_args.name={name}"]  # fmt: skip
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -280,7 +281,7 @@ def test_validate_from_a_checkpoint_under_another_layout(runs):
     # and not the initial model's: the checkpoint was loaded
     assert val_loss["validate"] < curve(cwd, "single")[0], val_loss
     # `titan test` evaluates the held-out split (as validation sees it) from the same checkpoint
-    cmd = [sys.executable, "-m", "lightning_titan", "test", "--config", str(config("single")),
+    cmd = [sys.executable, "-m", "lightning_titan", "test", "--config", str(config("single")), *MODEL,
            "--trainer.limit_test_batches=2", f"--ckpt_path={last_ckpt(cwd, 'dp_pp_ep')}",
            "--trainer.logger.init_args.name=test"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

@@ -1,6 +1,6 @@
 """Manual optimization under TitanStrategy: stepping before the gradients are finished must raise.
 
-python tests/scripts/manual_step.py skip|finish    (launches 2 ranks by popen, dp=2)
+python tests/scripts/manual_step.py skip|finish    (one rank: the guard is the strategy's, not the reducers')
 """
 
 import sys
@@ -33,7 +33,7 @@ class Manual(L.LightningModule):
 if __name__ == "__main__":
     data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=TitanStrategy(dp=2), max_steps=2,
+        accelerator="cpu", devices=1, strategy=TitanStrategy(dp=1), max_steps=2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
