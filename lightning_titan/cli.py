@@ -123,6 +123,9 @@ class TitanCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
             print(fit_summary(self.trainer, self.model), flush=True)
+            warning = skipped_warning(self.trainer)
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
 
 
 def fix_checkpoint_dirs(trainer: Namespace) -> None:
@@ -153,6 +156,9 @@ def fit_summary(trainer: Any, module: TitanLM) -> str:
         lines.append(f"final val_loss     {float(metrics['val_loss']):.4f}")
     if "tokens_per_sec" in metrics:
         lines.append(f"tokens/s (last)    {float(metrics['tokens_per_sec']):,.0f}")
+    skipped = getattr(trainer.strategy, "skipped_steps", None)
+    if skipped is not None:
+        lines.append(f"skipped steps      {skipped} of {trainer.global_step} (non-finite, skipped)")
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if dims is not None:
         lines.append(
@@ -166,6 +172,18 @@ def fit_summary(trainer: Any, module: TitanLM) -> str:
     if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
         lines.append(f"checkpoints        {Path(trainer.checkpoint_callback.dirpath).resolve()}")
     return "\n".join(lines)
+
+
+def skipped_warning(trainer: Any) -> str | None:
+    """A run whose updates were mostly dropped (on_nonfinite="skip") did not train: say so loudly."""
+    skipped, steps = getattr(trainer.strategy, "skipped_steps", 0), trainer.global_step
+    if not skipped or skipped * 2 < steps:
+        return None
+    return (
+        f"WARNING: {skipped} of {steps} optimizer steps were skipped for a non-finite loss or gradient "
+        "(on_nonfinite='skip'): the model barely trained; lower learning_rate, set gradient_clip_norm, "
+        "check the data, or use on_nonfinite='raise' to stop at the first one"
+    )
 
 
 def cli_components() -> tuple[type, type]:

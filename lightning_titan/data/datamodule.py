@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from lightning_titan.batching import local_batch_size
 from lightning_titan.data.checks import (
     check_args,
+    check_counts,
     check_model_fits,
     check_resume,
     check_split_sizes,
@@ -80,6 +81,7 @@ class TitanDataModule(L.LightningDataModule):
         # values under one key (the data seed is in this module's state_dict in every checkpoint instead)
         self.save_hyperparameters(ignore=["seed"])
         check_args(seq_len, global_batch_size, val_fraction, streaming, num_workers, shuffle_buffer)
+        check_counts(max_bytes, steps_per_epoch, val_batches)
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
         self.val_fraction, self.streaming, self.num_workers = val_fraction, streaming, num_workers
         self.shuffle_buffer, self.steps_per_epoch = shuffle_buffer, steps_per_epoch
