@@ -59,3 +59,57 @@ def test_fit_summary_counts_skipped_steps_and_warns_when_most_were_skipped():
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def _bad_files(root: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (file, what the message must say): each one `datasets` fails on without naming a file."""
+    (root / "binary").mkdir()
+    cases = {
+        "binary .txt": (root / "binary" / "a.txt", r"holds binary data \(a NUL byte at offset 0\)"),
+        "latin-1 .txt": (root / "latin1.txt", r"is not UTF-8 text \(byte 0xe9 at offset 3\)"),
+        "binary .jsonl": (root / "noise.jsonl", r"(holds binary data|is not UTF-8 text)"),
+        "bad JSON line": (root / "broken.jsonl", r"is not JSON Lines: line 2"),
+    }
+    cases["binary .txt"][0].write_bytes(bytes(range(256)) * 50)
+    cases["latin-1 .txt"][0].write_bytes(
+        ("caf\xe9 na\xefve " * 200 + "\n\nmore\n").encode("latin-1")
+    )
+    cases["binary .jsonl"][0].write_bytes(bytes(range(255, -1, -1)) * 20)
+    cases["bad JSON line"][0].write_text('{"text": "fine"}\n{"text": "cut off\n{"text": "x"}\n')
+    return cases
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_an_unreadable_data_file_is_named_with_the_fix(tmp_path, streaming):
+    for name, (path, pattern) in _bad_files(tmp_path).items():
+        dm = TitanDataModule(
+            source=str(path), cache_dir=str(tmp_path / "cache"), streaming=streaming,
+            steps_per_epoch=2, seq_len=16, global_batch_size=2,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=f"source file '{path}' {pattern}") as info:
+            dm.bind(0, 1).setup("fit")
+        assert "leave it out of source" in str(info.value), name
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_a_text_column_that_is_not_text_is_named(tmp_path, streaming):
+    ints, mixed = tmp_path / "ints.jsonl", tmp_path / "mixed.jsonl"
+    write_jsonl(ints, [{"text": i, "body": "x" * 50} for i in range(50)])
+    write_jsonl(mixed, [{"text": "abc" * 30 if i % 2 else 7} for i in range(50)])
+    for path, kind in ((ints, "int64"), (mixed, "Json")):
+        dm = TitanDataModule(
+            source=str(path), cache_dir=str(tmp_path / "cache"), streaming=streaming,
+            steps_per_epoch=2, seq_len=16, global_batch_size=2,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=f"text_column='text' of source '{path}' holds {kind}"):
+            dm.bind(0, 1).setup("fit")
+
+
+def test_as_text_names_a_value_that_is_not_text():
+    from lightning_titan.data.readable import as_text
+
+    assert as_text("abc", "text", "s") == "abc" and as_text(None, "text", "s") == ""
+    with pytest.raises(ValueError, match=r"text_column='n' of source 'f.jsonl' holds int values"):
+        as_text(3, "n", "f.jsonl")

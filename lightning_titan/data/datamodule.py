@@ -300,6 +300,7 @@ class TitanDataModule(L.LightningDataModule):
             shuffle_buffer=self.shuffle_buffer,
             batches_per_iter=self.val_batches if validation else self.steps_per_epoch,
             restart=validation,
+            source=self.src,
         )
 
     def _make_stream(self, epoch: int):

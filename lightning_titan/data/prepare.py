@@ -22,6 +22,7 @@ from filelock import FileLock
 
 from lightning_titan.data.corpus import Source, check_text_column, is_validation, load_documents
 from lightning_titan.data.packing import Packer
+from lightning_titan.data.readable import as_text, check_text_feature
 from lightning_titan.data.tokenizer import Tokenizer, token_dtype
 
 FORMAT_VERSION = 1
@@ -92,6 +93,7 @@ def load_packed(path: Path) -> PackedCorpus:
 def _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work: Path) -> None:
     raw = load_documents(src, cache_dir)
     check_text_column(raw.column_names, src.column, src.source)
+    check_text_feature(raw.features, src.column, src.source)
     if len(raw) == 0:
         raise ValueError(
             f"source {src.source!r} has no documents; point source at a non-empty dataset"
@@ -112,6 +114,7 @@ def _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work: Pat
         fn_kwargs={
             "tokenizer": tokenizer,
             "column": src.column,
+            "source": src.source,
             "val_fraction": val_fraction,
             "dtype": dtype,
         },
@@ -137,10 +140,10 @@ def _docs_within(raw: datasets.Dataset, column: str, max_bytes: int) -> int:
     return min(len(sizes), int(np.searchsorted(cumulative, max_bytes, side="left")) + 1)
 
 
-def _tokenize(batch: dict, tokenizer, column: str, val_fraction: float, dtype: np.dtype) -> dict:
+def _tokenize(batch: dict, tokenizer, column: str, source, val_fraction: float, dtype) -> dict:
     ids, val = [], []
-    for text in batch[column]:
-        text = text or ""
+    for value in batch[column]:
+        text = as_text(value, column, source)
         body = tokenizer.encode_array(text)
         doc = np.empty(len(body) + 1, dtype=dtype)
         doc[:-1] = body
