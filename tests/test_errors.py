@@ -135,3 +135,40 @@ def test_an_unknown_tokenizer_fails_fast_and_says_tokenizer(monkeypatch, offline
         ValueError, match=r"tokenizer '/no/such/folder' could not be loaded: no such"
     ):
         _ = TitanDataModule(tokenizer="/no/such/folder").vocab_size
+
+
+def _damage(path: Path, how: str) -> None:
+    arrow = next((path / "train").glob("*.arrow"))
+    if how == "truncated":
+        with open(arrow, "r+b") as f:
+            f.truncate(arrow.stat().st_size // 2)
+    elif how == "emptied":
+        arrow.write_bytes(b"")
+    elif how == "no meta.json":
+        (path / "meta.json").unlink()
+    elif how == "short":  # loads, but fewer rows than were written
+        meta = json.loads((path / "meta.json").read_text())
+        meta["train"]["sequences"] += 3
+        (path / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.timeout(240)
+def test_a_damaged_data_cache_is_named_and_rebuilt(tmp_path, capfd):
+    from lightning_titan.data.prepare import DamagedCache, load_packed
+
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": f"document {i} " * 20} for i in range(60)])
+    args = dict(source=str(tmp_path / "docs.jsonl"), cache_dir=str(tmp_path / "cache"), seq_len=16)
+    dm = TitanDataModule(**args, global_batch_size=2).bind(0, 1)
+    dm.setup("fit")
+    path, first = dm.corpus.path, dm.corpus.train[:]["input_ids"]
+    for how in ("truncated", "emptied", "no meta.json", "short"):
+        _damage(path, how)
+        with pytest.raises(
+            DamagedCache, match=rf"cache {path} is damaged .*rm -r {path}\) and it is"
+        ):
+            load_packed(path)
+        capfd.readouterr()
+        dm = TitanDataModule(**args, global_batch_size=2).bind(0, 1)
+        dm.setup("fit")  # rebuilt under the lock, the same rows as at first
+        assert dm.corpus.train[:]["input_ids"] == first, how
+        assert f"the prepared data cache {path} is damaged (" in capfd.readouterr().err, how

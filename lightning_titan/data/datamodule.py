@@ -27,7 +27,7 @@ from lightning_titan.data.checks import (
 )
 from lightning_titan.data.corpus import Source, default_corpus_texts
 from lightning_titan.data.packing import collate_windows
-from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, load_packed, prepare
+from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, prepare, prepare_and_load
 from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences
 from lightning_titan.data.streaming import StreamingWindows, check_rank_shard, rank_stream
 from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer
@@ -171,7 +171,9 @@ class TitanDataModule(L.LightningDataModule):
                 self._make_stream(0), self.src, self.val_fraction, self.data_rank, self.data_world
             )
         else:
-            self.corpus = load_packed(self._prepare())
+            tok, cache = self.tokenizer, self.cache_dir
+            args = (self.src, tok, self.seq_len, self.val_fraction, cache, self.num_proc)
+            self.corpus = prepare_and_load(*args)
             check_split_sizes(self.corpus, self.global_batch_size, self.val_fraction)
 
     def train_dataloader(self) -> DataLoader:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,19 +76,79 @@ def prepare(
     with FileLock(str(final) + ".lock"):
         if final.exists():  # another rank finished it while we waited
             return final
-        work = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-        try:
-            _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work)
-            os.rename(work / "dataset", final)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        _build_into(final, src, tokenizer, seq_len, val_fraction, cache_dir, num_proc)
     return final
 
 
+def prepare_and_load(
+    src: Source,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    val_fraction: float,
+    cache_dir: str,
+    num_proc: int | None = None,
+) -> PackedCorpus:
+    """``load_packed(prepare(...))``, and a damaged cache (a truncated or missing file: a full disk, a
+    copy cut short) is rebuilt once, under the lock, instead of failing every later run."""
+    args = (src, tokenizer, seq_len, val_fraction, cache_dir, num_proc)
+    final = prepare(*args)
+    try:
+        return load_packed(final)
+    except DamagedCache as err:
+        damage = err
+    with FileLock(str(final) + ".lock"):
+        try:  # another rank may have rebuilt it while we waited
+            return load_packed(final)
+        except DamagedCache:
+            pass
+        print(
+            f"the prepared data cache {final} is damaged ({damage.why}): rebuilding it",
+            file=sys.stderr,
+        )
+        aside = final.with_name(f".{final.name}.damaged-{os.getpid()}")
+        os.rename(final, aside)  # ranks that hold it open keep reading the old files
+        shutil.rmtree(aside, ignore_errors=True)
+        _build_into(final, *args)
+    try:
+        return load_packed(final)
+    except DamagedCache as err:
+        raise ValueError(f"{err} (rebuilding it here failed too: check the disk)") from err
+
+
+class DamagedCache(ValueError):
+    """A prepared corpus folder that cannot be read back whole: names it, why, and the fix."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        self.why = why
+        super().__init__(
+            f"the prepared data cache {path} is damaged ({why}); delete it (rm -r {path}) and it is "
+            "rebuilt on the next run"
+        )
+
+
 def load_packed(path: Path) -> PackedCorpus:
-    splits = datasets.load_from_disk(str(path))
-    meta = json.loads((path / "meta.json").read_text())
-    return PackedCorpus(path, splits["train"], splits["validation"], meta)
+    """The prepared corpus at ``path``; DamagedCache (naming the folder and the fix) if it is not whole."""
+    try:
+        splits = datasets.load_from_disk(str(path))
+        meta = json.loads((path / "meta.json").read_text())
+        corpus = PackedCorpus(path, splits["train"], splits["validation"], meta)
+        rows = {split: len(getattr(corpus, split)) for split in SPLITS}
+        want = {split: meta[split]["sequences"] or 0 for split in SPLITS}
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as err:
+        raise DamagedCache(path, f"{type(err).__name__}: {str(err)[:200]}") from err
+    if rows != want:  # an Arrow stream cut at a batch boundary still loads, short
+        raise DamagedCache(path, f"it holds {rows} sequences, its meta.json says {want}")
+    return corpus
+
+
+def _build_into(final: Path, src, tokenizer, seq_len, val_fraction, cache_dir, num_proc) -> None:
+    """Build in a temporary folder next to ``final`` and rename it into place (the caller holds the lock)."""
+    work = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work)
+        os.rename(work / "dataset", final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work: Path) -> None:
