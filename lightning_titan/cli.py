@@ -25,6 +25,7 @@ from lightning_titan.data import TitanDataModule
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.module import TitanLM
 from lightning_titan.progress import StepProgressBar
+from lightning_titan.strategy import TitanStrategy
 
 __all__ = ["TitanCLI", "cli_components", "compose_config", "main"]
 
@@ -109,6 +110,7 @@ class TitanCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        check_strategy(config.trainer)
         fix_checkpoint_dirs(config.trainer)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -126,6 +128,26 @@ class TitanCLI(LightningCLI):
             warning = skipped_warning(self.trainer)
             if warning:
                 print(warning, file=sys.stderr, flush=True)
+
+
+def check_strategy(trainer: Namespace) -> None:
+    """Build a TitanStrategy once before LightningCLI does, so that its ValueError is the last line the
+    user sees: jsonargparse buries it in a dump of what each type of ``str | Strategy`` expected."""
+    strategy = trainer.get("strategy")
+    if not isinstance(strategy, Namespace) or "class_path" not in strategy:
+        return
+    module, _, name = strategy.class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, TitanStrategy)):
+        return
+    init = strategy.get("init_args")
+    kwargs = init.as_dict() if isinstance(init, Namespace) else dict(init or {})
+    try:
+        cls(**kwargs)
+    except ValueError as err:
+        raise ValueError(str(err)) from None
+    except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before
+        return
 
 
 def fix_checkpoint_dirs(trainer: Namespace) -> None:

@@ -172,3 +172,26 @@ def test_a_damaged_data_cache_is_named_and_rebuilt(tmp_path, capfd):
         dm.setup("fit")  # rebuilt under the lock, the same rows as at first
         assert dm.corpus.train[:]["input_ids"] == first, how
         assert f"the prepared data cache {path} is damaged (" in capfd.readouterr().err, how
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--trainer.strategy.init_args.dp=-1", "--trainer.strategy.init_args.pp=-1"],
+         "dp and pp are -1: at most one degree may be -1 (fill the rest)"),
+        (["--trainer.strategy.init_args.timeout_minutes=0"], "timeout_minutes=0.0 must be > 0"),
+    ],
+)  # fmt: skip
+def test_a_bad_strategy_argument_is_the_last_line_not_a_cli_dump(
+    tmp_path, monkeypatch, args, message
+):
+    """LightningCLI builds the strategy through jsonargparse's ``str | Strategy`` union, whose error
+    lists every type's complaint and dumps the whole namespace; ours must be the whole message."""
+    from lightning_titan.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[1] / "configs" / "dp.yaml"
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", str(config), *args])
+    assert str(info.value) == message
+    assert not (tmp_path / "runs").exists()
