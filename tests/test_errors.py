@@ -195,3 +195,25 @@ def test_a_bad_strategy_argument_is_the_last_line_not_a_cli_dump(
         main(["fit", "--config", str(config), *args])
     assert str(info.value) == message
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_torchrun_with_more_processes_than_devices_names_world_size(monkeypatch, rank):
+    """torchrun --nproc_per_node=3 with Trainer devices=2: every rank (not only the one outside the
+    layout, while the others wait in the rendezvous) says WORLD_SIZE differs and how to match it."""
+    import lightning.pytorch as L
+
+    from lightning_titan.strategy import TitanStrategy
+
+    env = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "3", "RANK": str(rank), "LOCAL_RANK": str(rank),
+           "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500"}  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError) as info:
+        L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(dp=-1), logger=False)
+    assert str(info.value) == (
+        "WORLD_SIZE from torchrun is 3 but the Trainer has devices x num_nodes = 2 x 1 = 2: start 2 "
+        "processes per node on 1 node(s) (torchrun --nproc_per_node=2 --nnodes=1), or set Trainer "
+        "devices and num_nodes so that devices x num_nodes = 3"
+    )

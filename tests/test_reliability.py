@@ -296,6 +296,7 @@ BEFORE_LAUNCH = [
     # model
     ("top_k", ["--model.model.top_k=9"], r"top_k=9 > n_experts=8; use top_k <= n_experts"),
     ("learning rate", ["--model.learning_rate=-0.001"], r"learning_rate=-0.001 must be > 0"),
+    ("weight decay", ["--model.weight_decay=-1"], r"weight_decay=-1(\.0)? must be >= 0"),
     # batch
     ("global batch % (dp*ep)", ["--data.global_batch_size=15"],
      r"global_batch_size=15 is not divisible by the number of data ranks dp\*ep=1\*2=2"),
@@ -311,9 +312,14 @@ BEFORE_LAUNCH = [
     ("tokenizer vocabulary", ["--model.model.vocab_size=200"],
      r"tokenizer 'byte' has 257 ids but the model's vocab_size is 200"),
     ("global batch 0", ["--data.global_batch_size=0"], r"global_batch_size=0 must be at least 1"),
+    ("max_bytes", ["--data.max_bytes=-5"], r"max_bytes=-5 must be at least 1"),
+    ("steps_per_epoch 0", ["--data.streaming=true", "--data.steps_per_epoch=0"],
+     r"steps_per_epoch=0 must be at least 1"),
     # the failure options themselves
     ("timeout", ["--trainer.strategy.init_args.timeout_minutes=0"],
-     r"timeout_minutes=0(\.0)? must be > 0"),
+     r"^timeout_minutes=0(\.0)? must be > 0$"),  # the whole message: not in the CLI's union dump
+    ("two degrees -1", ["--trainer.strategy.init_args.pp=-1", "--trainer.strategy.init_args.ep=-1"],
+     r"^pp and ep are -1: at most one degree may be -1"),
 ]  # fmt: skip
 
 
