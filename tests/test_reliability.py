@@ -390,6 +390,28 @@ def test_bad_layout_fails_on_every_rank_under_torchrun(work):
     assert not (root / "torchrun_bad" / "ckpt").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchrun_with_more_processes_than_devices_fails_on_every_rank(work):
+    """3 processes for a Trainer of devices=2: the ranks name WORLD_SIZE and the fix while the Trainer
+    is built (before this, rank 2 alone said 'rank=2 is outside the world' and ranks 0, 1 waited)."""
+    root, cache = work
+    config = write_config(root, "torchrun_world", PP2)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port",
+        str(free_port()), "-m", "lightning_titan", "fit", "--config", str(config),
+    ]  # fmt: skip
+    job = launch(cmd, root, cache, config)
+    assert job.returncode != 0
+    message = "ValueError: WORLD_SIZE from torchrun is 3 but the Trainer has devices x num_nodes = 2 x 1 = 2"
+    # torchrun stops the other ranks when the first one fails: how many got to print it is a race
+    # (test_errors checks that rank 0 raises the same as rank 2)
+    assert message in job.stderr and "is outside the world" not in job.stderr, job.stderr[-3000:]
+    assert "--nproc_per_node=2 --nnodes=1" in job.stderr
+    assert job.seconds < 60
+    assert not (root / "torchrun_world" / "ckpt").exists()
+
+
 def _empty_source(root: Path) -> list[str]:
     (root / "empty.txt").write_text("")
     return [f"--data.source={root / 'empty.txt'}"]
