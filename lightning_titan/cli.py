@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
@@ -118,8 +118,10 @@ class TitanCLI(LightningCLI):
         trainer = config["trainer"]
         callbacks = list(trainer.get("callbacks") or [])
         has_bar = any(isinstance(c, ProgressBar) for c in callbacks)
+        extra: list[Callback] = [FitCounts()]
         if trainer.get("enable_progress_bar") is not False and not has_bar:
-            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+            extra.append(StepProgressBar())
+        kwargs["callbacks"] = [*callbacks, *extra]
         return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
@@ -167,20 +169,38 @@ def fix_checkpoint_dirs(trainer: Namespace) -> None:
             callback.init_args.dirpath = os.path.join(args.save_dir, args.name, "checkpoints")
 
 
+class FitCounts(Callback):
+    """Puts the step count and the skipped steps among the callback metrics when training ends: the
+    fork/spawn launcher carries those (not global_step, not the strategy's counters) back to the
+    process that prints the summary."""
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        trainer.callback_metrics["titan_steps"] = torch.tensor(trainer.global_step)
+        skipped = getattr(trainer.strategy, "skipped_steps", None)
+        if skipped is not None:
+            trainer.callback_metrics["titan_skipped_steps"] = torch.tensor(skipped)
+
+
+def fit_counts(trainer: Any) -> tuple[int, int | None]:
+    """(optimizer steps, steps skipped for non-finite values or None) of the fit that just ended."""
+    metrics = trainer.callback_metrics
+    steps = int(metrics.get("titan_steps", trainer.global_step))
+    skipped = metrics.get("titan_skipped_steps", getattr(trainer.strategy, "skipped_steps", None))
+    return steps, None if skipped is None else int(skipped)
+
+
 def fit_summary(trainer: Any, module: TitanLM) -> str:
     metrics = trainer.callback_metrics
+    steps, skipped = fit_counts(trainer)
     lines = ["", "== titan fit: done"]
     if "train_loss" in metrics:
-        lines.append(
-            f"final train_loss   {float(metrics['train_loss']):.4f} (step {trainer.global_step})"
-        )
+        lines.append(f"final train_loss   {float(metrics['train_loss']):.4f} (step {steps})")
     if "val_loss" in metrics:
         lines.append(f"final val_loss     {float(metrics['val_loss']):.4f}")
     if "tokens_per_sec" in metrics:
         lines.append(f"tokens/s (last)    {float(metrics['tokens_per_sec']):,.0f}")
-    skipped = getattr(trainer.strategy, "skipped_steps", None)
     if skipped is not None:
-        lines.append(f"skipped steps      {skipped} of {trainer.global_step} (non-finite, skipped)")
+        lines.append(f"skipped steps      {skipped} of {steps} (non-finite, skipped)")
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if dims is not None:
         lines.append(
@@ -198,7 +218,7 @@ def fit_summary(trainer: Any, module: TitanLM) -> str:
 
 def skipped_warning(trainer: Any) -> str | None:
     """A run whose updates were mostly dropped (on_nonfinite="skip") did not train: say so loudly."""
-    skipped, steps = getattr(trainer.strategy, "skipped_steps", 0), trainer.global_step
+    steps, skipped = fit_counts(trainer)
     if not skipped or skipped * 2 < steps:
         return None
     return (

@@ -217,3 +217,21 @@ def test_torchrun_with_more_processes_than_devices_names_world_size(monkeypatch,
         "processes per node on 1 node(s) (torchrun --nproc_per_node=2 --nnodes=1), or set Trainer "
         "devices and num_nodes so that devices x num_nodes = 3"
     )
+
+
+def test_fit_summary_reads_the_counts_the_fork_launcher_carries_back():
+    """Under start_method=fork the summary is printed by the launcher, whose own trainer has run no
+    step: FitCounts puts the worker's counts among the callback metrics, which the launcher receives."""
+    import torch
+
+    from lightning_titan.cli import FitCounts
+
+    worker = _trainer(7, 8)
+    worker.callback_metrics = {}
+    FitCounts().on_train_end(worker, None)
+    launcher = _trainer(None, 0)
+    launcher.callback_metrics = {**worker.callback_metrics, "train_loss": torch.tensor(2.5)}
+    summary = fit_summary(launcher, TitanLM())
+    assert "final train_loss   2.5000 (step 8)" in summary
+    assert "skipped steps      7 of 8" in summary
+    assert skipped_warning(launcher).startswith("WARNING: 7 of 8 optimizer steps were skipped")
