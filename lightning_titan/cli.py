@@ -200,7 +200,7 @@ def fit_summary(trainer: Any, module: TitanLM) -> str:
     if "tokens_per_sec" in metrics:
         lines.append(f"tokens/s (last)    {float(metrics['tokens_per_sec']):,.0f}")
     if skipped is not None:
-        lines.append(f"skipped steps      {skipped} of {steps} (update dropped: non-finite loss or grads)")
+        lines.append(f"skipped steps      {skipped} of {steps} (non-finite loss or grads)")
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if dims is not None:
         lines.append(
