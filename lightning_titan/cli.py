@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
@@ -25,6 +25,7 @@ from lightning_titan.data import TitanDataModule
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.module import TitanLM
 from lightning_titan.progress import StepProgressBar
+from lightning_titan.strategy import TitanStrategy
 
 __all__ = ["TitanCLI", "cli_components", "compose_config", "main"]
 
@@ -109,6 +110,7 @@ class TitanCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        check_strategy(config.trainer)
         fix_checkpoint_dirs(config.trainer)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -116,13 +118,38 @@ class TitanCLI(LightningCLI):
         trainer = config["trainer"]
         callbacks = list(trainer.get("callbacks") or [])
         has_bar = any(isinstance(c, ProgressBar) for c in callbacks)
+        extra: list[Callback] = [FitCounts()]
         if trainer.get("enable_progress_bar") is not False and not has_bar:
-            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+            extra.append(StepProgressBar())
+        kwargs["callbacks"] = [*callbacks, *extra]
         return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
             print(fit_summary(self.trainer, self.model), flush=True)
+            warning = skipped_warning(self.trainer)
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+
+
+def check_strategy(trainer: Namespace) -> None:
+    """Build a TitanStrategy once before LightningCLI does, so that its ValueError is the last line the
+    user sees: jsonargparse buries it in a dump of what each type of ``str | Strategy`` expected."""
+    strategy = trainer.get("strategy")
+    if not isinstance(strategy, Namespace) or "class_path" not in strategy:
+        return
+    module, _, name = strategy.class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, TitanStrategy)):
+        return
+    init = strategy.get("init_args")
+    kwargs = init.as_dict() if isinstance(init, Namespace) else dict(init or {})
+    try:
+        cls(**kwargs)
+    except ValueError as err:
+        raise ValueError(str(err)) from None
+    except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before
+        return
 
 
 def fix_checkpoint_dirs(trainer: Namespace) -> None:
@@ -142,17 +169,38 @@ def fix_checkpoint_dirs(trainer: Namespace) -> None:
             callback.init_args.dirpath = os.path.join(args.save_dir, args.name, "checkpoints")
 
 
+class FitCounts(Callback):
+    """Puts the step count and the skipped steps among the callback metrics when training ends: the
+    fork/spawn launcher carries those (not global_step, not the strategy's counters) back to the
+    process that prints the summary."""
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        trainer.callback_metrics["titan_steps"] = torch.tensor(trainer.global_step)
+        skipped = getattr(trainer.strategy, "skipped_steps", None)
+        if skipped is not None:
+            trainer.callback_metrics["titan_skipped_steps"] = torch.tensor(skipped)
+
+
+def fit_counts(trainer: Any) -> tuple[int, int | None]:
+    """(optimizer steps, steps skipped for non-finite values or None) of the fit that just ended."""
+    metrics = trainer.callback_metrics
+    steps = int(metrics.get("titan_steps", trainer.global_step))
+    skipped = metrics.get("titan_skipped_steps", getattr(trainer.strategy, "skipped_steps", None))
+    return steps, None if skipped is None else int(skipped)
+
+
 def fit_summary(trainer: Any, module: TitanLM) -> str:
     metrics = trainer.callback_metrics
+    steps, skipped = fit_counts(trainer)
     lines = ["", "== titan fit: done"]
     if "train_loss" in metrics:
-        lines.append(
-            f"final train_loss   {float(metrics['train_loss']):.4f} (step {trainer.global_step})"
-        )
+        lines.append(f"final train_loss   {float(metrics['train_loss']):.4f} (step {steps})")
     if "val_loss" in metrics:
         lines.append(f"final val_loss     {float(metrics['val_loss']):.4f}")
     if "tokens_per_sec" in metrics:
         lines.append(f"tokens/s (last)    {float(metrics['tokens_per_sec']):,.0f}")
+    if skipped is not None:
+        lines.append(f"skipped steps      {skipped} of {steps} (non-finite loss or grads)")
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if dims is not None:
         lines.append(
@@ -166,6 +214,18 @@ def fit_summary(trainer: Any, module: TitanLM) -> str:
     if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
         lines.append(f"checkpoints        {Path(trainer.checkpoint_callback.dirpath).resolve()}")
     return "\n".join(lines)
+
+
+def skipped_warning(trainer: Any) -> str | None:
+    """A run whose updates were mostly dropped (on_nonfinite="skip") did not train: say so loudly."""
+    steps, skipped = fit_counts(trainer)
+    if not skipped or skipped * 2 < steps:
+        return None
+    return (
+        f"WARNING: {skipped} of {steps} optimizer steps were skipped for a non-finite loss or gradient "
+        "(on_nonfinite='skip'): the model barely trained; lower learning_rate, set gradient_clip_norm, "
+        "check the data, or use on_nonfinite='raise' to stop at the first one"
+    )
 
 
 def cli_components() -> tuple[type, type]:

@@ -48,6 +48,8 @@ class TitanLM(L.LightningModule):
         super().__init__()
         if not learning_rate > 0:
             raise ValueError(f"learning_rate={learning_rate!r} must be > 0 (e.g. 3e-3)")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay={weight_decay!r} must be >= 0 (e.g. 0.1; 0: off)")
         if not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must be in [0, 1]")
         if warmup_steps < 0:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -48,6 +49,28 @@ def check_degrees(**degrees: int) -> dict[str, int]:
             f"{' and '.join(free)} are -1: at most one degree may be -1 (fill the rest)"
         )
     return dict(degrees)
+
+
+# where a launcher that fixes the world itself (set_world_size is ignored) takes it from
+WORLD_SIZE_FROM = {
+    "TorchElasticEnvironment": "WORLD_SIZE from torchrun",
+    "SLURMEnvironment": "SLURM_NTASKS",
+}
+
+
+def check_launched_world(environment: Any, devices: int, num_nodes: int) -> None:
+    """The processes the launcher started are the ranks the Trainer was given (every rank raises the
+    same, before any process group); else a rank outside the layout would fail alone and the others wait."""
+    launched = environment.world_size() if environment is not None else None
+    if launched is None or launched == devices * num_nodes:
+        return
+    source = WORLD_SIZE_FROM.get(type(environment).__name__, "the cluster environment's world size")
+    raise ValueError(
+        f"{source} is {launched} but the Trainer has devices x num_nodes = {devices} x {num_nodes} = "
+        f"{devices * num_nodes}: start {devices} processes per node on {num_nodes} node(s) (torchrun "
+        f"--nproc_per_node={devices} --nnodes={num_nodes}), or set Trainer devices and num_nodes so "
+        f"that devices x num_nodes = {launched}"
+    )
 
 
 def resolve_degrees(degrees: dict[str, int], world_size: int) -> dict[str, int]:

@@ -39,6 +39,7 @@ from lightning_titan.parallel_dims import (
     ProcessGroups,
     build_process_groups,
     check_degrees,
+    check_launched_world,
     resolve_degrees,
 )
 
@@ -165,6 +166,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
                 self.node_rank * self.num_processes + self.local_rank
             )
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            check_launched_world(self.cluster_environment, self.num_processes, self.num_nodes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         degrees = resolve_degrees(self._degrees, self.num_nodes * self.num_processes)
         self._dims = ParallelDims(**degrees, rank=self.global_rank)

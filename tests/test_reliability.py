@@ -296,6 +296,7 @@ BEFORE_LAUNCH = [
     # model
     ("top_k", ["--model.model.top_k=9"], r"top_k=9 > n_experts=8; use top_k <= n_experts"),
     ("learning rate", ["--model.learning_rate=-0.001"], r"learning_rate=-0.001 must be > 0"),
+    ("weight decay", ["--model.weight_decay=-1"], r"weight_decay=-1(\.0)? must be >= 0"),
     # batch
     ("global batch % (dp*ep)", ["--data.global_batch_size=15"],
      r"global_batch_size=15 is not divisible by the number of data ranks dp\*ep=1\*2=2"),
@@ -311,9 +312,14 @@ BEFORE_LAUNCH = [
     ("tokenizer vocabulary", ["--model.model.vocab_size=200"],
      r"tokenizer 'byte' has 257 ids but the model's vocab_size is 200"),
     ("global batch 0", ["--data.global_batch_size=0"], r"global_batch_size=0 must be at least 1"),
+    ("max_bytes", ["--data.max_bytes=-5"], r"max_bytes=-5 must be at least 1"),
+    ("steps_per_epoch 0", ["--data.streaming=true", "--data.steps_per_epoch=0"],
+     r"steps_per_epoch=0 must be at least 1"),
     # the failure options themselves
     ("timeout", ["--trainer.strategy.init_args.timeout_minutes=0"],
-     r"timeout_minutes=0(\.0)? must be > 0"),
+     r"^timeout_minutes=0(\.0)? must be > 0$"),  # the whole message: not in the CLI's union dump
+    ("two degrees -1", ["--trainer.strategy.init_args.pp=-1", "--trainer.strategy.init_args.ep=-1"],
+     r"^pp and ep are -1: at most one degree may be -1"),
 ]  # fmt: skip
 
 
@@ -382,6 +388,28 @@ def test_bad_layout_fails_on_every_rank_under_torchrun(work):
     assert all("n_layers=3 is not divisible by pp=2" in line for line in lines.values())
     assert job.seconds < 60
     assert not (root / "torchrun_bad" / "ckpt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchrun_with_more_processes_than_devices_fails_on_every_rank(work):
+    """3 processes for a Trainer of devices=2: the ranks name WORLD_SIZE and the fix while the Trainer
+    is built (before this, rank 2 alone said 'rank=2 is outside the world' and ranks 0, 1 waited)."""
+    root, cache = work
+    config = write_config(root, "torchrun_world", PP2)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port",
+        str(free_port()), "-m", "lightning_titan", "fit", "--config", str(config),
+    ]  # fmt: skip
+    job = launch(cmd, root, cache, config)
+    assert job.returncode != 0
+    message = "ValueError: WORLD_SIZE from torchrun is 3 but the Trainer has devices x num_nodes = 2 x 1 = 2"
+    # torchrun stops the other ranks when the first one fails: how many got to print it is a race
+    # (test_errors checks that rank 0 raises the same as rank 2)
+    assert message in job.stderr and "is outside the world" not in job.stderr, job.stderr[-3000:]
+    assert "--nproc_per_node=2 --nnodes=1" in job.stderr
+    assert job.seconds < 60
+    assert not (root / "torchrun_world" / "ckpt").exists()
 
 
 def _empty_source(root: Path) -> list[str]:
@@ -514,6 +542,9 @@ def test_nonfinite_gradient_skip_takes_no_optimizer_step(work, reference):
     assert all(curve[s] == reference[s] for s in (0, 1, 2))  # the poison is in backward only
     assert all(math.isfinite(float(curve[s])) for s in curve)
     assert curve[3] != reference[3]  # step 2's update is missing from then on
+    # the end-of-fit summary counts it; one of six is no reason for the "barely trained" warning
+    assert f"skipped steps      1 of {STEPS}" in job.stdout, job.stdout[-2000:]
+    assert "optimizer steps were skipped" not in job.stderr
 
 
 # -- 4. determinism --------------------------------------------------------------------------------------

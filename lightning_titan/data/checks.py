@@ -30,6 +30,24 @@ def check_args(
         )
 
 
+def check_counts(max_bytes: int | None, steps_per_epoch: int | None, val_batches: int) -> None:
+    """Caps and counts that must be positive: 0 or less would read nothing or divide by zero later."""
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(
+            f"max_bytes={max_bytes} must be at least 1 (a cap on the source's bytes of text), or None "
+            "for no cap (the default corpus then uses 4 MB)"
+        )
+    if steps_per_epoch is not None and steps_per_epoch < 1:
+        raise ValueError(
+            f"steps_per_epoch={steps_per_epoch} must be at least 1 (batches per streaming epoch), or "
+            "None for an endless stream bounded by the Trainer's max_steps"
+        )
+    if val_batches < 1:
+        raise ValueError(
+            f"val_batches={val_batches} must be at least 1; to turn validation off set val_fraction=0"
+        )
+
+
 def check_split_sizes(corpus: PackedCorpus, global_batch_size: int, val_fraction: float) -> None:
     """Each split used must fill at least one global batch."""
     window = corpus.meta["seq_len"] + 1

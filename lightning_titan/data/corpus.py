@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import sys
 import sysconfig
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+
+from lightning_titan.data.readable import READ_ERRORS, unreadable
 
 DEFAULT_CORPUS_BYTES = 4_000_000  # a few MB of real text: prepares in seconds on 2 cores
 BUILDERS = {  # suffix -> the `datasets` builder that reads it
@@ -175,20 +179,36 @@ def load_documents(
     # text files: a blank line ends a document (one line per document cuts code and prose apart)
     extra = {"sample_by": "paragraph"} if builder == "text" else {}
     try:
-        return datasets.load_dataset(
-            builder,
-            data_files=files,
-            split="train",
-            streaming=streaming,
-            cache_dir=hf_cache,
-            **extra,
-        )
+        with reading(src):
+            return datasets.load_dataset(
+                builder,
+                data_files=files,
+                split="train",
+                streaming=streaming,
+                cache_dir=hf_cache,
+                **extra,
+            )
     except StopIteration as err:  # the json builder's "no row to infer a schema from"
         raise empty from err
     except ValueError as err:
         if "corresponds to no data" in str(err):
             raise empty from err
         raise
+
+
+@contextlib.contextmanager
+def reading(src: Source) -> Iterator[None]:
+    """Read errors of local files (`datasets` names no file) become a ValueError naming the file and
+    the fix; the files are examined only once something failed."""
+    try:
+        yield
+    except READ_ERRORS as err:
+        files = local_files(src.source) if src.source is not None else None
+        if not files:
+            raise
+        kinds = {BUILDERS.get(_suffix(f)) for f in files}
+        builder = kinds.pop() if len(kinds) == 1 else None
+        raise unreadable(src.source, files, builder, err) from err
 
 
 def check_text_column(column_names: list[str] | None, column: str, source: object) -> None:

@@ -20,13 +20,14 @@ from torch.utils.data import DataLoader
 from lightning_titan.batching import local_batch_size
 from lightning_titan.data.checks import (
     check_args,
+    check_counts,
     check_model_fits,
     check_resume,
     check_split_sizes,
 )
 from lightning_titan.data.corpus import Source, default_corpus_texts
 from lightning_titan.data.packing import collate_windows
-from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, load_packed, prepare
+from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, prepare, prepare_and_load
 from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences
 from lightning_titan.data.streaming import StreamingWindows, check_rank_shard, rank_stream
 from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer
@@ -80,6 +81,7 @@ class TitanDataModule(L.LightningDataModule):
         # values under one key (the data seed is in this module's state_dict in every checkpoint instead)
         self.save_hyperparameters(ignore=["seed"])
         check_args(seq_len, global_batch_size, val_fraction, streaming, num_workers, shuffle_buffer)
+        check_counts(max_bytes, steps_per_epoch, val_batches)
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
         self.val_fraction, self.streaming, self.num_workers = val_fraction, streaming, num_workers
         self.shuffle_buffer, self.steps_per_epoch = shuffle_buffer, steps_per_epoch
@@ -169,7 +171,9 @@ class TitanDataModule(L.LightningDataModule):
                 self._make_stream(0), self.src, self.val_fraction, self.data_rank, self.data_world
             )
         else:
-            self.corpus = load_packed(self._prepare())
+            tok, cache = self.tokenizer, self.cache_dir
+            args = (self.src, tok, self.seq_len, self.val_fraction, cache, self.num_proc)
+            self.corpus = prepare_and_load(*args)
             check_split_sizes(self.corpus, self.global_batch_size, self.val_fraction)
 
     def train_dataloader(self) -> DataLoader:
@@ -298,6 +302,7 @@ class TitanDataModule(L.LightningDataModule):
             shuffle_buffer=self.shuffle_buffer,
             batches_per_iter=self.val_batches if validation else self.steps_per_epoch,
             restart=validation,
+            source=self.src,
         )
 
     def _make_stream(self, epoch: int):

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from filelock import FileLock
 
 from lightning_titan.data.corpus import Source, check_text_column, is_validation, load_documents
 from lightning_titan.data.packing import Packer
+from lightning_titan.data.readable import as_text, check_text_feature
 from lightning_titan.data.tokenizer import Tokenizer, token_dtype
 
 FORMAT_VERSION = 1
@@ -74,24 +76,85 @@ def prepare(
     with FileLock(str(final) + ".lock"):
         if final.exists():  # another rank finished it while we waited
             return final
-        work = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-        try:
-            _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work)
-            os.rename(work / "dataset", final)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        _build_into(final, src, tokenizer, seq_len, val_fraction, cache_dir, num_proc)
     return final
 
 
+def prepare_and_load(
+    src: Source,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    val_fraction: float,
+    cache_dir: str,
+    num_proc: int | None = None,
+) -> PackedCorpus:
+    """``load_packed(prepare(...))``, and a damaged cache (a truncated or missing file: a full disk, a
+    copy cut short) is rebuilt once, under the lock, instead of failing every later run."""
+    args = (src, tokenizer, seq_len, val_fraction, cache_dir, num_proc)
+    final = prepare(*args)
+    try:
+        return load_packed(final)
+    except DamagedCache as err:
+        damage = err
+    with FileLock(str(final) + ".lock"):
+        try:  # another rank may have rebuilt it while we waited
+            return load_packed(final)
+        except DamagedCache:
+            pass
+        print(
+            f"the prepared data cache {final} is damaged ({damage.why}): rebuilding it",
+            file=sys.stderr,
+        )
+        aside = final.with_name(f".{final.name}.damaged-{os.getpid()}")
+        os.rename(final, aside)  # ranks that hold it open keep reading the old files
+        shutil.rmtree(aside, ignore_errors=True)
+        _build_into(final, *args)
+    try:
+        return load_packed(final)
+    except DamagedCache as err:
+        raise ValueError(f"{err} (rebuilding it here failed too: check the disk)") from err
+
+
+class DamagedCache(ValueError):
+    """A prepared corpus folder that cannot be read back whole: names it, why, and the fix."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        self.why = why
+        super().__init__(
+            f"the prepared data cache {path} is damaged ({why}); delete it (rm -r {path}) and it is "
+            "rebuilt on the next run"
+        )
+
+
 def load_packed(path: Path) -> PackedCorpus:
-    splits = datasets.load_from_disk(str(path))
-    meta = json.loads((path / "meta.json").read_text())
-    return PackedCorpus(path, splits["train"], splits["validation"], meta)
+    """The prepared corpus at ``path``; DamagedCache (naming the folder and the fix) if it is not whole."""
+    try:
+        splits = datasets.load_from_disk(str(path))
+        meta = json.loads((path / "meta.json").read_text())
+        corpus = PackedCorpus(path, splits["train"], splits["validation"], meta)
+        rows = {split: len(getattr(corpus, split)) for split in SPLITS}
+        want = {split: meta[split]["sequences"] or 0 for split in SPLITS}
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as err:
+        raise DamagedCache(path, f"{type(err).__name__}: {str(err)[:200]}") from err
+    if rows != want:  # an Arrow stream cut at a batch boundary still loads, short
+        raise DamagedCache(path, f"it holds {rows} sequences, its meta.json says {want}")
+    return corpus
+
+
+def _build_into(final: Path, src, tokenizer, seq_len, val_fraction, cache_dir, num_proc) -> None:
+    """Build in a temporary folder next to ``final`` and rename it into place (the caller holds the lock)."""
+    work = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work)
+        os.rename(work / "dataset", final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work: Path) -> None:
     raw = load_documents(src, cache_dir)
     check_text_column(raw.column_names, src.column, src.source)
+    check_text_feature(raw.features, src.column, src.source)
     if len(raw) == 0:
         raise ValueError(
             f"source {src.source!r} has no documents; point source at a non-empty dataset"
@@ -112,6 +175,7 @@ def _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work: Pat
         fn_kwargs={
             "tokenizer": tokenizer,
             "column": src.column,
+            "source": src.source,
             "val_fraction": val_fraction,
             "dtype": dtype,
         },
@@ -137,10 +201,10 @@ def _docs_within(raw: datasets.Dataset, column: str, max_bytes: int) -> int:
     return min(len(sizes), int(np.searchsorted(cumulative, max_bytes, side="left")) + 1)
 
 
-def _tokenize(batch: dict, tokenizer, column: str, val_fraction: float, dtype: np.dtype) -> dict:
+def _tokenize(batch: dict, tokenizer, column: str, source, val_fraction: float, dtype) -> dict:
     ids, val = [], []
-    for text in batch[column]:
-        text = text or ""
+    for value in batch[column]:
+        text = as_text(value, column, source)
         body = tokenizer.encode_array(text)
         doc = np.empty(len(body) + 1, dtype=dtype)
         doc[:-1] = body

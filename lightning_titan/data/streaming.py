@@ -13,6 +13,7 @@ tokens: small, and restoring it serves exactly the next batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections import deque
@@ -26,8 +27,15 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import IterableDataset
 
-from lightning_titan.data.corpus import Source, check_text_column, is_validation, load_documents
+from lightning_titan.data.corpus import (
+    Source,
+    check_text_column,
+    is_validation,
+    load_documents,
+    reading,
+)
 from lightning_titan.data.packing import Packer
+from lightning_titan.data.readable import as_text, check_text_feature
 
 
 @dataclass
@@ -93,12 +101,14 @@ class StreamingWindows(IterableDataset):
         shuffle_buffer: int,
         batches_per_iter: int | None,
         restart: bool = False,
+        source: Source | None = None,
     ) -> None:
         self.make_stream, self.encode, self.eod_id = make_stream, encode, eod_id
         self.window_len, self.local_batch_size = seq_len + 1, local_batch_size
         self.column, self.validation, self.val_fraction = column, validation, val_fraction
         self.seed, self.data_rank, self.shuffle_buffer = seed, data_rank, max(1, shuffle_buffer)
         self.batches_per_iter, self.restart = batches_per_iter, restart
+        self.source = source  # names the file a read error comes from
         # the last few batch boundaries: a consumer that prefetches is ahead of what training used
         self._marks: deque[_Mark] = deque([_Mark.at(0, StreamPosition())], maxlen=8)
 
@@ -183,12 +193,14 @@ class StreamingWindows(IterableDataset):
 
     def _read_window(self, docs_iter: Iterator[dict]) -> list[str]:
         docs: list[str] = []
-        for example in docs_iter:
-            text = example[self.column] or ""
-            if is_validation(text, self.val_fraction) == self.validation:
-                docs.append(text)
-                if len(docs) == self.shuffle_buffer:
-                    break
+        name = None if self.source is None else self.source.source
+        with reading(self.source) if self.source is not None else contextlib.nullcontext():
+            for example in docs_iter:
+                text = as_text(example[self.column], self.column, name)
+                if is_validation(text, self.val_fraction) == self.validation:
+                    docs.append(text)
+                    if len(docs) == self.shuffle_buffer:
+                        break
         return docs
 
 
@@ -218,12 +230,15 @@ def check_rank_shard(
     """Fail in setup, on the rank concerned, rather than hang later: the text column exists and this rank's
     shard holds training (and, if wanted, validation) documents. Reads until it has seen both kinds."""
     check_text_column(stream.column_names, src.column, src.source)
+    check_text_feature(stream.features, src.column, src.source)
     missing = {False} | ({True} if val_fraction > 0 else set())
-    for example in stream:
-        check_text_column(list(example), src.column, src.source)
-        missing.discard(is_validation(example[src.column] or "", val_fraction))
-        if not missing:
-            return
+    with reading(src):
+        for example in stream:
+            check_text_column(list(example), src.column, src.source)
+            text = as_text(example[src.column], src.column, src.source)
+            missing.discard(is_validation(text, val_fraction))
+            if not missing:
+                return
     kind = "any" if False in missing else "validation"
     raise ValueError(
         f"data rank {data_rank} of {data_world} gets no {kind} documents from source {src.source!r}; use "

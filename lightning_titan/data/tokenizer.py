@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import os
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class HFTokenizer:
                 "`pip install transformers`, or use tokenizer='byte'"
             ) from err
         self.name = name_or_path
-        self._tok = AutoTokenizer.from_pretrained(name_or_path)
+        self._tok = _from_pretrained(AutoTokenizer, name_or_path)
         eod = self._tok.eos_token_id
         if eod is None:
             raise ValueError(
@@ -80,6 +81,56 @@ class HFTokenizer:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["name"])  # type: ignore[misc]  # rebuilt from its name, as at first
+
+
+def _from_pretrained(auto: Any, name: str) -> Any:
+    """A local folder or a cached download at once; else one quick probe of the hub first, so that an
+    offline machine fails in a second instead of after transformers' minute of retries per file."""
+    if name.startswith(("/", ".", "~")) and not os.path.exists(name):
+        raise ValueError(
+            f"tokenizer {name!r} could not be loaded: no such file or folder; give a tokenizer folder "
+            "that exists, a Hugging Face hub name, or tokenizer='byte'"
+        )
+    try:
+        return auto.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as err:
+        if os.path.exists(name) or _offline():
+            raise _unloadable(name, err) from err
+    _probe_hub(name)
+    try:
+        return auto.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise _unloadable(name, err) from err
+
+
+def _offline() -> bool:
+    flags = (os.environ.get(k, "").upper() for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(flag in ("1", "ON", "YES", "TRUE") for flag in flags)
+
+
+def _probe_hub(name: str) -> None:
+    """One request without retries: unreachable hub or unknown repository fail here, with our message."""
+    from huggingface_hub import model_info
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        model_info(name, timeout=10)
+    except RepositoryNotFoundError as err:
+        raise _unloadable(name, err, "no such repository on the Hugging Face hub") from err
+    except HFValidationError as err:
+        raise _unloadable(name, err, "not a hub name 'owner/name' nor a local folder") from err
+    except HfHubHTTPError:
+        return  # gated, private, rate-limited: let from_pretrained try (it has the token logic)
+    except Exception as err:  # httpx / requests connection errors: no network
+        raise _unloadable(name, err) from err
+
+
+def _unloadable(name: str, err: BaseException, why: str = "") -> ValueError:
+    cause = why or f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    return ValueError(
+        f"tokenizer {name!r} could not be loaded ({cause}); offline? use tokenizer='byte' or a local "
+        "path to a tokenizer folder (or download it once with network: it is cached then)"
+    )
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
