@@ -24,6 +24,20 @@ SEED = 7
 MAX_NORM = 0.3  # small enough that clipping bites on every step (checked against the reference)
 
 
+def stage_model(dims: ParallelDims, groups: ProcessGroups, config: ModelConfig) -> StageModel:
+    """This rank's stage of the model, with the layout-free init every layout starts from."""
+    model = StageModel(
+        config,
+        pp_rank=dims.pp_rank,
+        pp=dims.pp,
+        ep_rank=dims.ep_rank,
+        ep=dims.ep,
+        ep_group=groups.ep,
+    )
+    model.init_weights(SEED)
+    return model
+
+
 def token_loss_sum(logits_MSV: torch.Tensor, targets_MS: torch.Tensor) -> torch.Tensor:
     """The objective TitanLM hands the engine, stated again here: summed token cross-entropy."""
     return F.cross_entropy(logits_MSV.float().flatten(0, 1), targets_MS.flatten(), reduction="sum")
@@ -50,15 +64,7 @@ def train(
     ``paired_p2p`` runs the pipeline transport CUDA gets (each exchange posts its receive with its
     send and waits for both) on gloo, so that CPU tests cover it too."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
-    model = StageModel(
-        config,
-        pp_rank=dims.pp_rank,
-        pp=dims.pp,
-        ep_rank=dims.ep_rank,
-        ep=dims.ep,
-        ep_group=groups.ep,
-    )
-    model.init_weights(SEED)
+    model = stage_model(dims, groups, config)
     engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb)
     if paired_p2p:
         make_links = engine._links
@@ -165,15 +171,7 @@ def grads_of_one_step(
     """This rank's reduced gradients of one forward/backward on its rows of the global batch, once per
     ``max_norms`` entry (None = no clipping): {"grads": [{name: local grad}], "norm": [pre-clip norm],
     "loss"/"aux": global means, "expert_names", "expert_range", "coords"}."""
-    model = StageModel(
-        CONFIG,
-        pp_rank=dims.pp_rank,
-        pp=dims.pp,
-        ep_rank=dims.ep_rank,
-        ep=dims.ep,
-        ep_group=groups.ep,
-    )
-    model.init_weights(SEED)
+    model = stage_model(dims, groups, CONFIG)
     engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=0.01)
     engine.broadcast_replicated()
     b = inputs.shape[0] // dims.data_world
