@@ -2,7 +2,7 @@
 rank owns, named globally so that any (pp, ep) layout holds slices of the same full model.
 
 Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))``. Names map to Hugging Face Mixtral
-(see ``HF_MIXTRAL_NAMES`` and ``hf_mixtral_state_dict``); logits match ``MixtralForCausalLM``.
+(``lightning_titan.export.hf_mixtral_state_dict``); logits match ``MixtralForCausalLM``.
 """
 
 from __future__ import annotations
