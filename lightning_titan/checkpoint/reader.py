@@ -176,7 +176,8 @@ def check_config(
         shown = "; ".join(f"checkpoint has {k}={saved.get(k)!r}, model has {current.get(k)!r}"
                           for k in diffs)  # fmt: skip
         raise ValueError(
-            f"checkpoint {path} was saved with another model config: {shown}. Build the model "
+            # the same opening as a shape mismatch: ranks whose shapes fit report this one instead
+            f"checkpoint {path} does not fit this model: {shown}. Build the model "
             f"with the checkpoint's config, or to change it deliberately pass "
             f"allow_config_change={diffs} (load_sharded's argument; on a TitanStrategy set "
             "strategy.allow_config_change)"
