@@ -18,6 +18,7 @@ REDUCERS = ("bucketed", "per_param")
 ON_NONFINITE = ("raise", "skip")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 PRECISIONS = ("32-true", "bf16-mixed")
+ZERO_LEVELS = (0, 1)
 
 
 def _choose(values: Any) -> str:
@@ -49,6 +50,7 @@ class TrainOptions:
     timeout_minutes: float = 30.0
     on_nonfinite: str = "raise"
     start_method: str = "popen"
+    zero: int = 0
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -71,6 +73,11 @@ class TrainOptions:
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(
                 f"on_nonfinite={self.on_nonfinite!r} is unknown; {_choose(ON_NONFINITE)}"
+            )
+        if self.zero not in ZERO_LEVELS or isinstance(self.zero, bool):
+            raise ValueError(
+                f"zero={self.zero!r} is not a ZeRO level; choose 0 (every replica holds the whole "
+                "optimizer state) or 1 (each data-parallel group splits it)"
             )
         if self.start_method not in START_METHODS:
             raise ValueError(

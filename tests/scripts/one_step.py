@@ -1,6 +1,7 @@
-"""One training step of TitanLM under Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm) on a
-plain DataLoader, with an init that differs per rank (the case the broadcast of replicated parameters
-exists for). Every rank saves what it saw to OUT/rank<r>.pt; tests/test_strategy_step.py checks it.
+"""One training step of TitanLM under Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm,
+zero=1) on a plain DataLoader, with an init that differs per rank (the case the broadcast of replicated
+parameters exists for). Under zero=1 each rank's SGD updates only its rows; the rest arrive by the
+all-gather. Every rank saves what it saw to OUT/rank<r>.pt; tests/test_strategy_step.py checks it.
 
 python tests/scripts/one_step.py OUT   # popen: re-runs this script per rank
 """
@@ -75,7 +76,7 @@ class PerRankInitLM(TitanLM):
 
 def main(out: str) -> None:
     trainer = L.Trainer(
-        accelerator="cpu", devices=8, strategy=TitanStrategy(**LAYOUT, gradient_clip_norm=MAX_NORM),
+        accelerator="cpu", devices=8, strategy=TitanStrategy(**LAYOUT, gradient_clip_norm=MAX_NORM, zero=1),
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0,
     )  # fmt: skip
@@ -87,6 +88,8 @@ def main(out: str) -> None:
     record["final"] = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     record["coords"] = (dims.dp_rank, dims.pp_rank, dims.ep_rank)
     record["expert_range"] = module.model.expert_range
+    optimizer = trainer.optimizers[0]
+    record["optimizer_numel"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     torch.save(record, Path(out) / f"rank{trainer.global_rank}.pt")
 
 
