@@ -36,6 +36,9 @@ from lightning_titan import probes
 from lightning_titan.reducer import assign_buckets
 
 LEVELS = (0, 1)
+# torch's optimizers whose update of an element reads the rest of the tensor: row shards would change
+# the result (the element-wise ones, Adam/AdamW/SGD/..., give the same numbers on any rows)
+WHOLE_TENSOR_OPTIMIZERS = (torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.Muon)
 ATTR = "_titan_zero_shard"  # on a shard's leaf tensor: its ZeroShard (checkpoint keys need it)
 
 
@@ -146,6 +149,12 @@ class ZeroGroup:
 def shard_optimizer(optimizer: Optimizer, groups: Sequence[ZeroGroup]) -> None:
     """Point ``optimizer`` at this rank's shards in place (its param groups, hyper-parameters and any
     scheduler stay); a parameter no shard covers stays whole. Only before the optimizer has state."""
+    if isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS):
+        raise ValueError(
+            f"zero=1 cannot split {type(optimizer).__name__}: its update of a weight depends on the "
+            "whole tensor (a factored or orthogonalised update, or a line search), not on each "
+            "element alone; use zero=0 with it, or an element-wise optimizer such as AdamW"
+        )
     if optimizer.state:
         raise RuntimeError(
             "zero>0 shards an optimizer before its first step; this one already has state"

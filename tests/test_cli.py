@@ -33,6 +33,7 @@ COMMON = [
     *MODEL,
 ]
 FORK = "--trainer.strategy.init_args.start_method=fork"
+ZERO1 = "--trainer.strategy.init_args.zero=1"
 
 
 def config(name: str) -> Path:
@@ -104,7 +105,9 @@ def runs(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")
     out = {}
     for cfg in CONFIGS:
-        extra = [] if cfg.stem == "dp_pp_ep" else [FORK]  # the main job keeps the script launch
+        # the main job keeps the script launch, and runs with ZeRO-1 (its checkpoints resume below
+        # under zero=0 and zero=1 layouts, and the single run's under zero=1)
+        extra = [ZERO1] if cfg.stem == "dp_pp_ep" else [FORK]
         if cfg.stem in ("dp_pp_ep", "single"):
             extra += mid_epoch_checkpoint(cwd, cfg.stem)
         # the single-process run goes on to step 6: the uninterrupted curve the resumed runs must follow
@@ -289,11 +292,11 @@ def test_validate_from_a_checkpoint_under_another_layout(runs):
     assert "test_loss" in proc.stdout and "test_perplexity" in proc.stdout
 
 
-RESUMES = [  # (written by, config to resume with, layout overrides)
+RESUMES = [  # (written by, config to resume with, layout overrides); dp_pp_ep saved under zero=1
     ("dp_pp_ep", "dp_pp_ep", layout(1, 2, 4)),
-    ("dp_pp_ep", "dp_pp_ep", layout(4, 1, 2)),
+    ("dp_pp_ep", "dp_pp_ep", layout(4, 1, 2, ZERO1)),
     ("dp_pp_ep", "single", []),
-    ("single", "dp_pp_ep", []),
+    ("single", "dp_pp_ep", [ZERO1]),
     ("pp4", "dp_pp_ep", ["--trainer.strategy.init_args.schedule=gpipe"]),
 ]
 
@@ -301,8 +304,8 @@ RESUMES = [  # (written by, config to resume with, layout overrides)
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_resume_under_another_layout_continues_the_curve(runs):
-    """Model, optimizer, LR schedule, data position and loops resume under a different (dp, pp, ep):
-    steps 3..5 equal those of an uninterrupted run."""
+    """Model, optimizer, LR schedule, data position and loops resume under a different (dp, pp, ep)
+    and zero level: steps 3..5 equal those of an uninterrupted run."""
     cwd, _ = runs
     uninterrupted = curve(cwd, "single")
     for i, (source, cfg, overrides) in enumerate(RESUMES):

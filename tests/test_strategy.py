@@ -11,7 +11,10 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_titan import TitanStrategy
+from lightning_titan.engine import Engine
 from lightning_titan.launch import free_port
+from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
+from lightning_titan.zero import shard_optimizer
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -31,6 +34,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
         ({"timeout_minutes": 0}, 2, "timeout_minutes=0 must be > 0"),
         ({"start_method": "thread"}, 2, "start_method='thread' is unknown"),
         ({"reducer": "ring"}, 2, "reducer='ring' is unknown"),
+        ({"zero": 3}, 2, "zero=3 is not a ZeRO level; choose 0"),
     ],
 )
 def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
@@ -38,6 +42,19 @@ def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
         L.Trainer(
             accelerator="cpu", devices=devices, strategy=TitanStrategy(**kwargs), logger=False
         )
+
+
+def test_zero_with_nothing_to_split_warns_and_whole_tensor_optimizers_are_refused():
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"zero=1 changes nothing here: .*dp=1, ep=1.*use dp > 1"):
+        engine = Engine(model, ParallelDims(1, 1, 1), ProcessGroups(None, None, None, None), zero=1)
+    assert engine.zero_groups == []
+    for optimizer in (
+        torch.optim.Adafactor(model.parameters()),
+        torch.optim.LBFGS(model.parameters()),
+    ):
+        with pytest.raises(ValueError, match=f"zero=1 cannot split {type(optimizer).__name__}"):
+            shard_optimizer(optimizer, [])
 
 
 def test_16_mixed_is_rejected_with_the_alternative():
