@@ -101,6 +101,7 @@ def preflight(dims: ParallelDims, options: TrainOptions, module: Any, datamodule
     """Checks that need the model and the data but no process group. They run in the launcher before
     any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
     mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
+    check_trainer_clipping(dims, options, getattr(module, "_trainer", None))
     check_layout = getattr(module, "check_layout", None)
     if callable(check_layout):
         check_layout(dims, datamodule)  # TitanLM: layers/experts split, data fits the model
@@ -108,6 +109,18 @@ def preflight(dims: ParallelDims, options: TrainOptions, module: Any, datamodule
     if isinstance(batch, int) and batch > 0:
         local = local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")
         options.microbatches(local, pp=dims.pp)
+
+
+def check_trainer_clipping(dims: ParallelDims, options: TrainOptions, trainer: Any) -> None:
+    """Lightning's own clipping (``Trainer(gradient_clip_val=...)``) sees only this rank's grads: right
+    for pure DP, wrong once a stage, expert shard or ZeRO shard holds part of the model."""
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if clip and (dims.pp > 1 or dims.ep > 1 or options.zero):
+        raise ValueError(
+            f"Trainer(gradient_clip_val={clip}) would clip each rank's part of the gradient by its own "
+            f"norm under pp={dims.pp} ep={dims.ep} zero={options.zero}; use "
+            f"TitanStrategy(gradient_clip_norm={clip}) instead, which clips by the whole model's norm"
+        )
 
 
 def check_precision(plugin: Any) -> None:

@@ -186,13 +186,12 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         self.set_world_ranks()
         if self.root_device.type == "cpu":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
-            torch.set_num_threads(cpu_threads_per_rank(local_world))
+            forked = self.options.start_method == "fork"
+            torch.set_num_threads(cpu_threads_per_rank(local_world, forked=forked))
         trainer = getattr(self.lightning_module, "_trainer", None)
         self.preflight(self.lightning_module, getattr(trainer, "datamodule", None))
         device = self.root_device
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            device
-        )
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)  # fmt: skip
         _init_dist_connection(
             self.cluster_environment, backend,
             timeout=timedelta(minutes=self.options.timeout_minutes),

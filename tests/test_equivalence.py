@@ -50,7 +50,7 @@ def test_every_layout_equals_one_process(ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero1", m) for layout, s, m in ZERO[world]]
-    per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400)
+    per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
     for i, (layout, schedule, m) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
         assert_matches_reference(ref, results, f"{layout} {schedule} M={m}")

@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_titan import TitanStrategy
@@ -55,6 +56,16 @@ def test_zero_with_nothing_to_split_warns_and_whole_tensor_optimizers_are_refuse
     ):
         with pytest.raises(ValueError, match=f"zero=1 cannot split {type(optimizer).__name__}"):
             shard_optimizer(optimizer, [])
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2, "zero": 1}, {"pp": 2, "dp": 1}])
+def test_lightning_clipping_is_refused_where_it_sees_part_of_the_gradient(layout):
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=TitanStrategy(**layout, start_method="fork"),
+        gradient_clip_val=0.5, max_steps=1, logger=False, enable_checkpointing=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"gradient_clip_val=0.5\) would clip each rank's part"):
+        trainer.fit(BoringModel())
 
 
 def test_16_mixed_is_rejected_with_the_alternative():
