@@ -97,11 +97,13 @@ class TrainOptions:
         return min(30.0, self.timeout_minutes * 60)
 
 
-def preflight(dims: ParallelDims, options: TrainOptions, module: Any, datamodule: Any) -> None:
+def preflight(
+    dims: ParallelDims, options: TrainOptions, module: Any, datamodule: Any, trainer: Any = None
+) -> None:
     """Checks that need the model and the data but no process group. They run in the launcher before
     any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
     mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
-    check_trainer_clipping(dims, options, getattr(module, "_trainer", None))
+    check_trainer_clipping(dims, options, trainer)
     check_layout = getattr(module, "check_layout", None)
     if callable(check_layout):
         check_layout(dims, datamodule)  # TitanLM: layers/experts split, data fits the model

@@ -129,9 +129,9 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
     def microbatches_for(self, local_batch: int) -> int:
         return self.options.microbatches(local_batch, pp=self.parallel_dims.pp)
 
-    def preflight(self, module: Any, datamodule: Any) -> None:
+    def preflight(self, module: Any, datamodule: Any, trainer: Any = None) -> None:
         """The checks that need no process group, in the launcher and on every rank before it."""
-        preflight(self.parallel_dims, self.options, module, datamodule)
+        preflight(self.parallel_dims, self.options, module, datamodule, trainer)
 
     @property
     @override
@@ -189,7 +189,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
             forked = self.options.start_method == "fork"
             torch.set_num_threads(cpu_threads_per_rank(local_world, forked=forked))
         trainer = getattr(self.lightning_module, "_trainer", None)
-        self.preflight(self.lightning_module, getattr(trainer, "datamodule", None))
+        self.preflight(self.lightning_module, getattr(trainer, "datamodule", None), trainer)
         device = self.root_device
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)  # fmt: skip
         _init_dist_connection(

@@ -60,8 +60,9 @@ def test_zero_with_nothing_to_split_warns_and_whole_tensor_optimizers_are_refuse
 
 @pytest.mark.parametrize("layout", [{"dp": 2, "zero": 1}, {"pp": 2, "dp": 1}])
 def test_lightning_clipping_is_refused_where_it_sees_part_of_the_gradient(layout):
+    # raised by the launcher's checks, before any rank starts
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=TitanStrategy(**layout, start_method="fork"),
+        accelerator="cpu", devices=2, strategy=TitanStrategy(**layout),
         gradient_clip_val=0.5, max_steps=1, logger=False, enable_checkpointing=False,
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"gradient_clip_val=0.5\) would clip each rank's part"):
