@@ -5,10 +5,13 @@ engine.broadcast_replicated()
 step = engine.forward_backward(stage_model, inputs, targets, 4, loss_fn)  # global loss and aux
 norm = engine.finish_gradients(max_norm=1.0)  # reduced, clipped; the pre-clip norm
 optimizer.step(); optimizer.zero_grad()
+# zero=1: engine.shard_optimizer(optimizer) once, and the step between
+# engine.bind_shard_grads() and engine.gather_params()
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_titan import probes
+from lightning_titan import zero as zero_levels
 from lightning_titan.clipping import clip_grad_norm_
 from lightning_titan.model import StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
@@ -51,8 +55,13 @@ class Engine:
         schedule: str = "1f1b",
         bucket_cap_mb: float = 25.0,
         reducer: str = "bucketed",
+        zero: int = 0,
     ) -> None:
         get_schedule(schedule)
+        if zero not in zero_levels.LEVELS:
+            raise ValueError(
+                f"zero={zero!r} is not a ZeRO level; choose one of {zero_levels.LEVELS}"
+            )
         self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
         expert, non_expert = split_expert_parameters(module)
         self.expert_params = [p for _, p in expert]
@@ -74,6 +83,19 @@ class Engine:
                 # 1/data_world = 1/dp (the expert-DP average) / ep: an owner sums every EP rank's tokens
                 reducer_over(self.expert_params, groups.expert_dp),
             ]
+        # ZeRO: the optimizer state of each reducer's parameters is split over that reducer's group
+        expert_ids = {id(p) for p in self.expert_params}
+        self.zero_groups = [
+            zero_levels.ZeroGroup(r.params, expert_ids, r.group, bucket_cap_mb=bucket_cap_mb)
+            for r in self.reducers
+            if zero and r.group is not None and dist.get_world_size(r.group) > 1
+        ]
+        if zero and not self.zero_groups:
+            warnings.warn(
+                f"zero={zero} changes nothing here: this layout (dp={dims.dp}, ep={dims.ep}) has no "
+                "data-parallel group to split the optimizer state over; use dp > 1 (or ep > 1)",
+                stacklevel=2,
+            )
 
     @torch.no_grad()
     def broadcast_replicated(self) -> None:
@@ -152,6 +174,21 @@ class Engine:
                 ep_group=self.groups.ep,
                 pp_group=self.groups.pp,
             )
+
+    def shard_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Under zero>0, make each optimizer update only this rank's shards (see ``zero``)."""
+        for optimizer in optimizers:
+            zero_levels.shard_optimizer(optimizer, self.zero_groups)
+
+    def bind_shard_grads(self) -> None:
+        """Under zero>0, just before the optimizer step: the shards' grads, views of the reduced ones."""
+        for g in self.zero_groups:
+            g.bind_grads()
+
+    def gather_params(self) -> None:
+        """Under zero>0, just after the optimizer step: every rank's parameters whole again."""
+        for g in self.zero_groups:
+            g.gather()
 
     def _global_means(self, sums: StepSums, local_sequences: int) -> StepLoss:
         """One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0."""

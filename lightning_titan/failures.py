@@ -145,3 +145,11 @@ def check_finite(
     for p in module.parameters():  # the optimizer skips parameters without a grad: no update
         p.grad = None
     return False
+
+
+def unreduced_step_error() -> RuntimeError:
+    return RuntimeError(
+        "optimizer.step() was called on gradients that are not reduced yet: under manual "
+        "optimization call `self.trainer.strategy.finish_gradients(loss)` after the backward "
+        "and before optimizer.step() (TitanLM.training_step shows the order)"
+    )

@@ -25,14 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_threads_per_rank(local_world_size: int) -> int:
-    """Split the cores between the ranks on this machine so they do not oversubscribe them."""
-    return max(1, (os.cpu_count() or 1) // local_world_size)
+def cpu_threads_per_rank(local_world_size: int, *, forked: bool = False) -> int:
+    """Split the cores between the ranks on this machine so they do not oversubscribe them.
+
+    A forked rank gets one thread: GNU OpenMP (torch's CPU thread pool) is not fork-safe, and a child
+    that runs a parallel region with more than one thread after its parent ran one hangs for good
+    (seen with torch 2.13: a notebook that computed anything before a fork launch)."""
+    return 1 if forked else max(1, (os.cpu_count() or 1) // local_world_size)
 
 
-def _entry(rank, world_size, port, timeout_s, backend, fn, args, queue):
+def _entry(rank, world_size, port, timeout_s, backend, fn, args, queue, forked):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(cpu_threads_per_rank(world_size))
+    torch.set_num_threads(cpu_threads_per_rank(world_size, forked=forked))
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
@@ -72,7 +76,7 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_entry,
-            args=(r, world_size, port, timeout_s, backend, fn, args, queue),
+            args=(r, world_size, port, timeout_s, backend, fn, args, queue, start_method == "fork"),
             daemon=True,
         )
         for r in range(world_size)

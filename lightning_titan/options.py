@@ -18,6 +18,7 @@ REDUCERS = ("bucketed", "per_param")
 ON_NONFINITE = ("raise", "skip")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 PRECISIONS = ("32-true", "bf16-mixed")
+ZERO_LEVELS = (0, 1)
 
 
 def _choose(values: Any) -> str:
@@ -49,6 +50,7 @@ class TrainOptions:
     timeout_minutes: float = 30.0
     on_nonfinite: str = "raise"
     start_method: str = "popen"
+    zero: int = 0
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -72,6 +74,11 @@ class TrainOptions:
             raise ValueError(
                 f"on_nonfinite={self.on_nonfinite!r} is unknown; {_choose(ON_NONFINITE)}"
             )
+        if self.zero not in ZERO_LEVELS or isinstance(self.zero, bool):
+            raise ValueError(
+                f"zero={self.zero!r} is not a ZeRO level; choose 0 (every replica holds the whole "
+                "optimizer state) or 1 (each data-parallel group splits it)"
+            )
         if self.start_method not in START_METHODS:
             raise ValueError(
                 f"start_method={self.start_method!r} is unknown; {_choose(START_METHODS)}"
@@ -90,10 +97,13 @@ class TrainOptions:
         return min(30.0, self.timeout_minutes * 60)
 
 
-def preflight(dims: ParallelDims, options: TrainOptions, module: Any, datamodule: Any) -> None:
+def preflight(
+    dims: ParallelDims, options: TrainOptions, module: Any, datamodule: Any, trainer: Any = None
+) -> None:
     """Checks that need the model and the data but no process group. They run in the launcher before
     any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
     mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
+    check_trainer_clipping(dims, options, trainer)
     check_layout = getattr(module, "check_layout", None)
     if callable(check_layout):
         check_layout(dims, datamodule)  # TitanLM: layers/experts split, data fits the model
@@ -101,6 +111,18 @@ def preflight(dims: ParallelDims, options: TrainOptions, module: Any, datamodule
     if isinstance(batch, int) and batch > 0:
         local = local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")
         options.microbatches(local, pp=dims.pp)
+
+
+def check_trainer_clipping(dims: ParallelDims, options: TrainOptions, trainer: Any) -> None:
+    """Lightning's own clipping (``Trainer(gradient_clip_val=...)``) sees only this rank's grads: right
+    for pure DP, wrong once a stage, expert shard or ZeRO shard holds part of the model."""
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if clip and (dims.pp > 1 or dims.ep > 1 or options.zero):
+        raise ValueError(
+            f"Trainer(gradient_clip_val={clip}) would clip each rank's part of the gradient by its own "
+            f"norm under pp={dims.pp} ep={dims.ep} zero={options.zero}; use "
+            f"TitanStrategy(gradient_clip_norm={clip}) instead, which clips by the whole model's norm"
+        )
 
 
 def check_precision(plugin: Any) -> None:

@@ -31,7 +31,7 @@ from lightning_titan import faults, supervisor
 from lightning_titan.agreement import SetupPhase
 from lightning_titan.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_titan.engine import Engine
-from lightning_titan.failures import FailTogether, check_finite
+from lightning_titan.failures import FailTogether, check_finite, unreduced_step_error
 from lightning_titan.launch import cpu_threads_per_rank
 from lightning_titan.options import TrainOptions, check_precision, preflight
 from lightning_titan.parallel_dims import (
@@ -56,6 +56,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
         bucket_cap_mb: size of a gradient all-reduce bucket.
         reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
+        zero: 1 splits the optimizer state of each parameter over its data-parallel group (ZeRO-1).
         gradient_clip_norm: clip the global gradient norm (composed over stages and expert shards) to this
             value; None disables clipping (the norm is still computed and logged).
         timeout_minutes: collective timeout: how long a rank that hangs can hold the others (one that
@@ -79,6 +80,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         microbatch_size: int | None = None,
         bucket_cap_mb: float = 25.0,
         reducer: Literal["bucketed", "per_param"] = "bucketed",
+        zero: Literal[0, 1] = 0,
         gradient_clip_norm: float | None = None,
         timeout_minutes: float = 30.0,
         on_nonfinite: Literal["raise", "skip"] = "raise",
@@ -92,6 +94,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
             schedule=schedule, num_microbatches=num_microbatches, microbatch_size=microbatch_size,
             bucket_cap_mb=bucket_cap_mb, reducer=reducer, gradient_clip_norm=gradient_clip_norm,
             timeout_minutes=timeout_minutes, on_nonfinite=on_nonfinite, start_method=start_method,
+            zero=zero,
         )  # fmt: skip
         self._degrees = check_degrees(dp=dp, pp=pp, ep=ep)  # the world size is known later
         self._process_group_backend = process_group_backend
@@ -126,9 +129,9 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
     def microbatches_for(self, local_batch: int) -> int:
         return self.options.microbatches(local_batch, pp=self.parallel_dims.pp)
 
-    def preflight(self, module: Any, datamodule: Any) -> None:
+    def preflight(self, module: Any, datamodule: Any, trainer: Any = None) -> None:
         """The checks that need no process group, in the launcher and on every rank before it."""
-        preflight(self.parallel_dims, self.options, module, datamodule)
+        preflight(self.parallel_dims, self.options, module, datamodule, trainer)
 
     @property
     @override
@@ -183,13 +186,12 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         self.set_world_ranks()
         if self.root_device.type == "cpu":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
-            torch.set_num_threads(cpu_threads_per_rank(local_world))
+            forked = self.options.start_method == "fork"
+            torch.set_num_threads(cpu_threads_per_rank(local_world, forked=forked))
         trainer = getattr(self.lightning_module, "_trainer", None)
-        self.preflight(self.lightning_module, getattr(trainer, "datamodule", None))
+        self.preflight(self.lightning_module, getattr(trainer, "datamodule", None), trainer)
         device = self.root_device
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            device
-        )
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)  # fmt: skip
         _init_dist_connection(
             self.cluster_environment, backend,
             timeout=timedelta(minutes=self.options.timeout_minutes),
@@ -212,12 +214,13 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         o = self.options
         self._engine = Engine(
             self.lightning_module, self.parallel_dims, self.groups, schedule=o.schedule,
-            bucket_cap_mb=o.bucket_cap_mb, reducer=o.reducer,
+            bucket_cap_mb=o.bucket_cap_mb, reducer=o.reducer, zero=o.zero,
         )  # fmt: skip
         self._engine.broadcast_replicated()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
+            self._engine.shard_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -258,6 +261,7 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         step = module.trainer.global_step
         if not check_finite(module, self.parallel_dims, step, values[:2], action):
             self.skipped_steps += 1
+        self.engine.bind_shard_grads()  # zero=1: after the clip and the skip acted on the full grads
         return values
 
     @override
@@ -266,19 +270,17 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
     ) -> Any:
         if self.lightning_module.automatic_optimization:
             # drop-in for DDP: Lightning's closure runs the backward, then the gradients are finished
-            def closure_then_finish() -> Any:
-                result = closure()
+            def closure_then_finish(user_closure: Callable[[], Any] = closure) -> Any:
+                result = user_closure()
                 self.finish_gradients()
                 return result
 
-            return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
-        if self._grads_pending:
-            raise RuntimeError(
-                "optimizer.step() was called on gradients that are not reduced yet: under manual "
-                "optimization call `self.trainer.strategy.finish_gradients(loss)` after the backward "
-                "and before optimizer.step() (TitanLM.training_step shows the order)"
-            )
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+            closure = closure_then_finish
+        elif self._grads_pending:
+            raise unreduced_step_error()
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.engine.gather_params()  # zero=1: every rank's updated shards, to every rank
+        return output
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -51,7 +51,7 @@ class TitanLauncher(_SubprocessScriptLauncher):
 
     def __init__(
         self,
-        preflight: Callable[[Any, Any], None],
+        preflight: Callable[[Any, Any, Any], None],
         cluster_environment: Any,
         num_processes: int,
         num_nodes: int,
@@ -62,7 +62,7 @@ class TitanLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         # one process, no process group: a bad layout, model or batch costs one interpreter start
-        self._preflight(*_module_and_data(args, kwargs))
+        self._preflight(*_module_and_data(args, kwargs), trainer)
         self.cluster_environment.validate_settings(
             num_devices=self.num_processes, num_nodes=self.num_nodes
         )

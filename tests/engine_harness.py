@@ -58,14 +58,16 @@ def train(
     steps: int = STEPS,
     bucket_cap_mb: float = 0.01,
     paired_p2p: bool = False,
+    zero: int = 0,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
     ``paired_p2p`` runs the pipeline transport CUDA gets (each exchange posts its receive with its
-    send and waits for both) on gloo, so that CPU tests cover it too."""
+    send and waits for both) on gloo, so that CPU tests cover it too. ``zero`` shards the optimizer
+    state over the data-parallel groups."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
     model = stage_model(dims, groups, config)
-    engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb)
+    engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb, zero=zero)
     if paired_p2p:
         make_links = engine._links
 
@@ -80,6 +82,7 @@ def train(
     # differ (summation order differs between layouts) moves its weight by a visible fraction of lr.
     # eps=1e-6 bounds that amplification so atol 1e-5 on weights tests the gradients, not rounding.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    engine.shard_optimizers([optimizer])
     b = GLOBAL_BATCH // dims.data_world
     losses, auxes, norms = [], [], []
     for step in range(steps):
@@ -89,7 +92,9 @@ def train(
             model, inputs[rows], targets[rows], num_microbatches, token_loss_sum
         )
         norms.append(engine.finish_gradients(MAX_NORM).item())
+        engine.bind_shard_grads()
         optimizer.step()
+        engine.gather_params()
         optimizer.zero_grad(set_to_none=True)
         loss, aux = step_loss.loss.item(), step_loss.aux.item()
         losses.append(loss)
@@ -98,6 +103,7 @@ def train(
     expert_names = {n for n, _ in expert}
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.remove()
+    state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     return {
         "loss": losses,
         "aux": auxes,
@@ -106,6 +112,7 @@ def train(
         "expert_names": expert_names,
         "expert_range": model.expert_range,
         "coords": (dims.dp_rank, dims.pp_rank, dims.ep_rank),
+        "state_numel": sum(v.numel() for v in state),
     }
 
 
@@ -119,12 +126,15 @@ def run_layouts(
     rank: int, world_size: int, cases: list[tuple[tuple[int, int, int], str, int]]
 ) -> list[dict]:
     """Spawned: every case (layout, schedule, M) in turn, on the same ranks; a schedule named
-    ``"<name>:paired"`` runs with ``paired_p2p``."""
+    ``"<name>:paired"`` runs with ``paired_p2p``, ``"<name>:zero1"`` with ``zero=1``."""
     out = []
     for (dp, pp, ep), schedule, m in cases:
         dims = ParallelDims(dp, pp, ep, rank)
-        name, _, transport = schedule.partition(":")
-        result = train(dims, build_process_groups(dims), name, m, paired_p2p=transport == "paired")
+        name, *options = schedule.split(":")
+        zero = 1 if "zero1" in options else 0
+        result = train(
+            dims, build_process_groups(dims), name, m, paired_p2p="paired" in options, zero=zero
+        )
         out.append(result)
     return out
 

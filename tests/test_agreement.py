@@ -41,7 +41,7 @@ def _agree_on_rank(rank: int, world_size: int) -> str:
 
 @pytest.mark.timeout(120)
 def test_every_rank_raises_the_failing_ranks_error():
-    raised = run_on_ranks(_agree_on_rank, 2, timeout_s=90)
+    raised = run_on_ranks(_agree_on_rank, 2, timeout_s=90, start_method="fork")
     assert raised[0].startswith("RuntimeError: UnicodeDecodeError: 'utf-8' codec")
     assert raised[0].endswith("(raised on rank 1)")
     assert raised[1] == raised[0]

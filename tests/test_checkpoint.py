@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_titan import zero
 from lightning_titan.checkpoint import (
     consolidate,
     consolidate_optimizers,
@@ -31,13 +32,15 @@ from lightning_titan.checkpoint import (
     remove_checkpoint,
     save_sharded,
 )
+from lightning_titan.engine import Engine
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
-from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.parallel_dims import ParallelDims, build_process_groups
 
 CONFIG = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, ffn_dim=48, n_experts=4, seq_len=16)
 LAYOUT_A = (1, 2, 2)  # (dp, pp, ep) the checkpoint is written under
 LAYOUTS_B = [(2, 1, 2), (1, 4, 1), (1, 1, 4)]
+ZERO_LAYOUTS = [(2, 1, 2), (4, 1, 1)]  # expert state over dp=2 and non-expert over 4; all over 4
 META = {"loops": {"fit_loop": {"step": 2}}, "rng": torch.arange(3), "epoch": 0}
 
 
@@ -95,6 +98,27 @@ def snapshot(
     return out
 
 
+def shard_rows(model: StageModel, optimizer: torch.optim.Optimizer) -> list[tuple]:
+    """This rank's ZeRO shards of optimizer state: (name, global expert or None, state, first row,
+    rows); an expert tensor's rows are of one expert's slice. Whole tensors are left out."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    start = model.expert_range[0]
+    out = []
+    for leaf in (p for g in optimizer.param_groups for p in g["params"]):
+        shard = zero.shard_of(leaf)
+        if shard is None:
+            continue
+        for k, v in optimizer.state[leaf].items():
+            if v.shape != leaf.shape:
+                continue  # AdamW's step count: a scalar, whole on every rank
+            name = names[id(shard.param)]
+            experts = range(v.shape[0]) if shard.dim == 1 else [None]
+            for e in experts:
+                value = v if e is None else v[e]
+                out.append((name, None if e is None else start + e, k, shard.start, value.clone()))
+    return out
+
+
 def hyper(optimizer: torch.optim.Optimizer) -> list[tuple[float, float]]:
     return [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups]
 
@@ -123,6 +147,22 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
         model, opt = build(ParallelDims(*layout, rank=rank), seed=2, lr=0.5)
         meta = load_sharded(ckpt, model, [opt], expect_layout={"global_batch_size": 8})
         result["loads"][layout] = (snapshot(model, opt), hyper(opt), meta)
+
+    # ZeRO-1: the same checkpoint into sharded optimizer state, saved again (as DTensor rows), read
+    # back whole in every process.
+    result["zero"] = {}
+    for layout in ZERO_LAYOUTS:
+        dims = ParallelDims(*layout, rank=rank)
+        model, opt = build(dims, seed=2, lr=0.5)
+        engine = Engine(model, dims, build_process_groups(dims), zero=1)
+        engine.shard_optimizers([opt])
+        load_sharded(ckpt, model, [opt])
+        rows = shard_rows(model, opt)
+        save_sharded(root_path / "zero.ckpt", model, [opt], META, layout={"zero": 1})
+        engine.remove()
+        whole, whole_opt = build(None, seed=5)
+        load_sharded(root_path / "zero.ckpt", whole, [whole_opt])
+        result["zero"][layout] = (rows, snapshot(whole, whole_opt))
 
     # Bad input: every rank must raise the same error, and leave model and optimizer untouched.
     dims_b = ParallelDims(*LAYOUTS_B[0], rank=rank)
@@ -169,6 +209,21 @@ def _assert_equal_states(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[key], value), f"{what}: {key} differs"
 
 
+def _assert_zero_shards(reference: dict, per_rank: list[list[tuple]], layout: tuple) -> None:
+    """Each rank's shard rows equal the reference's rows there, and the ranks cover every row once."""
+    covered: dict[tuple, int] = {}
+    for rows in per_rank:
+        for name, expert, k, first, value in rows:
+            full = reference[("state", name, expert, k)]
+            got = full.narrow(0, first, value.shape[0])
+            assert torch.equal(value, got), f"zero=1 {layout}: rows {first}.. of {name} {k} differ"
+            covered[(name, expert, k)] = covered.get((name, expert, k), 0) + value.numel()
+    assert covered, f"zero=1 {layout}: no optimizer state was sharded"
+    for (name, expert, k), numel in covered.items():
+        want = reference[("state", name, expert, k)].numel()
+        assert numel == want, f"zero=1 {layout}: {name} {expert} {k}: {numel} of {want} elements"
+
+
 def _from_consolidated(path: Path) -> dict:
     """The checkpoint read by ``consolidate*`` in this process, keyed like ``snapshot``."""
     experts = {n for n, p in split_expert_parameters(build(None, 0)[0])[0]}
@@ -185,7 +240,7 @@ def _from_consolidated(path: Path) -> dict:
 
 @pytest.mark.timeout(300)
 def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
-    results = run_on_ranks(_layouts_worker, 4, str(tmp_path), timeout_s=240)
+    results = run_on_ranks(_layouts_worker, 4, str(tmp_path), timeout_s=240, start_method="fork")
     reference = _merge([r["A"] for r in results])
     assert any(k[0] == "state" and k[3] == "exp_avg" and k[2] == 3 for k in reference)
 
@@ -196,6 +251,13 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
             _, hyper_b, meta = r["loads"][layout]
             assert hyper_b == r["A_hyper"] == [(1e-2, 0.1), (1e-2 / 3, 0.0)]
             assert meta["loops"] == META["loops"] and torch.equal(meta["rng"], META["rng"])
+
+    for layout in ZERO_LAYOUTS:
+        _assert_zero_shards(reference, [r["zero"][layout][0] for r in results], layout)
+        for r in results:
+            _assert_equal_states(
+                r["zero"][layout][1], reference, f"zero=1 {layout} saved, read whole"
+            )
 
     errors = results[0]["errors"]
     assert all(r["errors"] == errors for r in results), "ranks raised different errors"
@@ -208,7 +270,7 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
 
     # The checkpoint now holds what layout B saved; it must still be the layout-A state.
     ckpt = tmp_path / "last.ckpt"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "partial.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "partial.ckpt", "zero.ckpt"]
     assert read_checkpoint_info(ckpt)["layout"] == {"dp": 2, "pp": 1, "ep": 2, "world_size": 4}
     _assert_equal_states(_from_consolidated(ckpt), reference, "consolidate")
     model, opt = build(None, seed=5)  # world 1, no process group

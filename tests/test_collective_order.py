@@ -140,7 +140,7 @@ def _check_order(logs: list[list[tuple[str, tuple[int, ...]]]], label: str) -> N
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_collective_order_host_reads_and_payload_dtypes():
-    per_rank = run_on_ranks(_all_layouts, WORLD, timeout_s=360)
+    per_rank = run_on_ranks(_all_layouts, WORLD, timeout_s=360, start_method="fork")
     for i, layout in enumerate(LAYOUTS):
         results = [per_rank[r][i] for r in range(WORLD)]
         for step in range(STEPS):

@@ -447,7 +447,9 @@ def _stream_checkpoint_on_ranks(rank: int, world: int, root: str, files: list[st
 @pytest.mark.timeout(120)
 def test_streaming_checkpoint_holds_every_data_rank(uneven_files):
     root, files, _ = uneven_files
-    results = run_on_ranks(_stream_checkpoint_on_ranks, 2, str(root), files, timeout_s=100)
+    results = run_on_ranks(
+        _stream_checkpoint_on_ranks, 2, str(root), files, timeout_s=100, start_method="fork"
+    )
     assert all(r["resumed_exactly"] for r in results)
     assert (
         results[0]["state"] == results[1]["state"]

@@ -227,4 +227,4 @@ def _ep_cases(rank: int, world_size: int) -> str:
 
 @pytest.mark.timeout(300)
 def test_expert_parallel_matches_local_moe():
-    assert run_on_ranks(_ep_cases, 4, timeout_s=240) == ["ok"] * 4
+    assert run_on_ranks(_ep_cases, 4, timeout_s=240, start_method="fork") == ["ok"] * 4

@@ -348,7 +348,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
 
 @pytest.mark.timeout(180)
 def test_reducers_and_clipping_on_four_gloo_ranks():
-    results = run_on_ranks(_all_cases, WORLD, timeout_s=150)
+    results = run_on_ranks(_all_cases, WORLD, timeout_s=150, start_method="fork")
     for r in results[1:]:
         # same launches from the same places, and the bitwise-same norm, on every rank
         assert r["launch_sites"] == results[0]["launch_sites"]

@@ -70,4 +70,6 @@ def _dp2_pp2_ep2(rank: int, world_size: int) -> dict:
 
 @pytest.mark.timeout(240)
 def test_dp2_pp2_ep2_equals_the_independent_reference(ref):
-    assert_matches(ref, run_on_ranks(_dp2_pp2_ep2, 8, timeout_s=200), "dp2 x pp2 x ep2")
+    assert_matches(
+        ref, run_on_ranks(_dp2_pp2_ep2, 8, timeout_s=200, start_method="fork"), "dp2 x pp2 x ep2"
+    )

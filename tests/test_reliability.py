@@ -31,7 +31,7 @@ import torch
 import yaml
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_titan import TitanStrategy
+from lightning_titan import TitanDataModule, TitanStrategy
 from lightning_titan.checkpoint import consolidate, consolidate_optimizers
 from lightning_titan.config_files import compose_config
 from lightning_titan.faults import Fault
@@ -438,16 +438,30 @@ def _missing_checkpoint(root: Path) -> list[str]:
 
 # Found only once the ranks run: the data is prepared by local rank 0 alone (the others wait for it in
 # a barrier, which during setup is an agreement that carries its error to them), read on every rank,
-# and checkpoints are checked by every rank before any shard is read.
+# and checkpoints are checked by every rank before any shard is read. One launch per mechanism; the other
+# bad sources take the same path (their messages: test_unusable_sources_are_named_in_one_process).
 AFTER_LAUNCH = [
-    ("empty dataset", _empty_source, r"source '.*empty\.txt' has no documents"),
     ("missing text column", _no_text_column,
      r"text_column='text' is not a column of source .*; its columns are \['content'\]"),
+    ("checkpoint of another shape", _other_shape, r"does not fit this model: checkpoint has n_layers=4, model has 8"),
+]  # fmt: skip
+IN_PROCESS = [
+    ("empty dataset", _empty_source, r"source '.*empty\.txt' has no documents"),
     ("corpus below one global batch", _small_corpus,
      r"the training split packs into \d+ sequences .* one global batch needs global_batch_size=16"),
-    ("checkpoint of another shape", _other_shape, r"does not fit this model: checkpoint has n_layers=4, model has 8"),
-    ("missing checkpoint", _missing_checkpoint, r"checkpoint .*no_such\.ckpt does not exist"),
 ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,make_args,pattern", IN_PROCESS, ids=[c[0] for c in IN_PROCESS])
+def test_unusable_sources_are_named_in_one_process(tmp_path, name, make_args, pattern):
+    (source,) = make_args(tmp_path)
+    dm = TitanDataModule(
+        source=source.partition("=")[2], cache_dir=str(tmp_path / "cache"), seq_len=64,
+        global_batch_size=16,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=pattern):
+        dm.prepare_data()
+        dm.bind(0, 1).setup("fit")
 
 
 @pytest.mark.slow

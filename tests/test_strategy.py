@@ -8,10 +8,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_titan import TitanStrategy
+from lightning_titan.engine import Engine
 from lightning_titan.launch import free_port
+from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
+from lightning_titan.zero import shard_optimizer
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -31,6 +35,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
         ({"timeout_minutes": 0}, 2, "timeout_minutes=0 must be > 0"),
         ({"start_method": "thread"}, 2, "start_method='thread' is unknown"),
         ({"reducer": "ring"}, 2, "reducer='ring' is unknown"),
+        ({"zero": 3}, 2, "zero=3 is not a ZeRO level; choose 0"),
     ],
 )
 def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
@@ -38,6 +43,30 @@ def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
         L.Trainer(
             accelerator="cpu", devices=devices, strategy=TitanStrategy(**kwargs), logger=False
         )
+
+
+def test_zero_with_nothing_to_split_warns_and_whole_tensor_optimizers_are_refused():
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"zero=1 changes nothing here: .*dp=1, ep=1.*use dp > 1"):
+        engine = Engine(model, ParallelDims(1, 1, 1), ProcessGroups(None, None, None, None), zero=1)
+    assert engine.zero_groups == []
+    for optimizer in (
+        torch.optim.Adafactor(model.parameters()),
+        torch.optim.LBFGS(model.parameters()),
+    ):
+        with pytest.raises(ValueError, match=f"zero=1 cannot split {type(optimizer).__name__}"):
+            shard_optimizer(optimizer, [])
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2, "zero": 1}, {"pp": 2, "dp": 1}])
+def test_lightning_clipping_is_refused_where_it_sees_part_of_the_gradient(layout):
+    # raised by the launcher's checks, before any rank starts
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=TitanStrategy(**layout),
+        gradient_clip_val=0.5, max_steps=1, logger=False, enable_checkpointing=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"gradient_clip_val=0.5\) would clip each rank's part"):
+        trainer.fit(BoringModel())
 
 
 def test_16_mixed_is_rejected_with_the_alternative():
@@ -65,7 +94,8 @@ def test_registry_name_and_minus_one_fill():
 @pytest.mark.timeout(300)
 def test_drop_in_for_ddp_gives_the_same_weights(tmp_path):
     """An ordinary module (automatic optimization, gradient accumulation, an unused layer) under
-    TitanStrategy(dp=2) launched by torchrun ends with exactly the weights of DDPStrategy (script launch)."""
+    TitanStrategy(dp=2, zero=1) launched by torchrun ends with exactly the weights of DDPStrategy
+    (script launch): AdamW, the user's own optimizer, updates each rank's half of every weight."""
     ours, theirs = tmp_path / "titan.pt", tmp_path / "ddp.pt"
     torchrun = [
         sys.executable,

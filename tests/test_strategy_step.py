@@ -1,12 +1,14 @@
-"""One step through Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm) on a plain DataLoader,
-checked on every rank (tests/scripts/one_step.py records what each rank saw):
+"""One step through Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm, zero=1) on a plain
+DataLoader, checked on every rank (tests/scripts/one_step.py records what each rank saw):
 
 - the sampler gives each rank its data rank: all stages of one pipeline read the same rows, DP and EP
   ranks different rows, and together the global batch;
 - a per-rank init is overwritten by the broadcast: every replicated parameter (and every expert row)
   equals its group's first rank's;
 - the configured clip norm bites: the weights after the step equal those of an independent reference
-  (tests/mixtral_reference.py) with the gradient clipped to ``MAX_NORM``, not the unclipped ones.
+  (tests/mixtral_reference.py) with the gradient clipped to ``MAX_NORM``, not the unclipped ones;
+- zero=1: each rank's optimizer holds about half of its parameters' elements (non-expert ones split
+  over 4 ranks, expert ones over 2), and the all-gather makes every rank's weights whole.
 """
 
 import subprocess
@@ -98,6 +100,8 @@ def test_per_rank_init_is_broadcast_and_the_clip_norm_bites(records):
     assert scale < 0.5, "clipping must bite for the test to check it"
     for rank, r in enumerate(records):
         where = f"rank {rank} coords {r['coords']}"
+        held = sum(w.numel() for w in r["initial"].values())
+        assert r["optimizer_numel"] < 0.55 * held, f"{where}: the optimizer is not sharded"
         assert r["grad_norm"] == pytest.approx(norm, rel=1e-4), where
         for name, w0 in r["initial"].items():
             want = _local(initial[name], name, r["expert_range"])

@@ -14,7 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_titan import zero
 from lightning_titan.model import split_expert_parameters
+
+PARTS = ("params", "grads", "optimizer")
 
 
 class _Held:
@@ -82,20 +85,22 @@ def _nbytes(tensors: Iterable[Tensor]) -> int:
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of parameters, grads (as allocated at the step: one per parameter) and optimizer state,
-    split into expert and non-expert parts."""
-    expert, non_expert = split_expert_parameters(model)
-    out = {}
-    for part, named in (("expert", expert), ("non_expert", non_expert)):
-        params = [p for _, p in named]
-        opt_state = [
-            t
-            for p in params
-            for t in optimizer.state.get(p, {}).values()
-            if isinstance(t, Tensor) and t.dim() > 0
-        ]
-        out[f"{part}_params"] = _nbytes(params)
-        out[f"{part}_grads"] = _nbytes(params)
-        out[f"{part}_optimizer"] = _nbytes(opt_state)
+    split into expert and non-expert parts. Under ZeRO the optimizer holds shards of the parameters:
+    their state counts for the parameter they are cut from."""
+    expert, _ = split_expert_parameters(model)
+    expert_ids = {id(p) for _, p in expert}
+    out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
+    for p in model.parameters():
+        part = "expert" if id(p) in expert_ids else "non_expert"
+        out[f"{part}_params"] += _nbytes([p])
+        out[f"{part}_grads"] += _nbytes([p])
+    for group in optimizer.param_groups:
+        for leaf in group["params"]:
+            part = "expert" if id(zero.full_param(leaf)) in expert_ids else "non_expert"
+            state = optimizer.state.get(leaf, {}).values()
+            out[f"{part}_optimizer"] += _nbytes(
+                t for t in state if isinstance(t, Tensor) and t.dim()
+            )
     return out
 
 

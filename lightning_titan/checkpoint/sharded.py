@@ -180,13 +180,14 @@ def _plan_load(
         for i, optimizer in enumerate(optimizers):
             have = keys.params_with_state(metadata.state_dict_metadata, i)
             params = list(keys.optimizer_params(optimizer))
-            empty = [p for p in params if names.get(id(p)) in have and not optimizer.state.get(p)]
+            name_of = {id(p): keys.optimizer_param_name(p, names) for p in params}
+            empty = [p for p in params if name_of[id(p)] in have and not optimizer.state.get(p)]
             plan.initialised += [(optimizer, p) for p in empty]
             keys.init_optimizer_state(optimizer, empty)
-            plan.stale += [(optimizer, p) for p in params if names.get(id(p)) not in have]
+            plan.stale += [(optimizer, p) for p in params if name_of[id(p)] not in have]
         entries = keys.optimizer_entries(model, optimizers)
         for optimizer, p in plan.stale:  # state the checkpoint does not have is dropped, not loaded
-            i, name = optimizers.index(optimizer), names.get(id(p))
+            i, name = optimizers.index(optimizer), keys.optimizer_param_name(p, names)
             for table in (entries.tensors, entries.objects):
                 for key in [k for k in table if keys.key_param(k, i) == name]:
                     del table[key]

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_titan import zero
 from lightning_titan.model import split_expert_parameters
 
 MODEL = "model/"
@@ -112,27 +113,53 @@ def param_key(optimizer_index: int, name: str) -> str:
     return f"{optim_prefix(optimizer_index)}{name}/"
 
 
+def optimizer_param_name(tensor: Tensor, names: dict[int, str]) -> str | None:
+    """The global name of the parameter an optimizer's tensor is (or, under ZeRO, is a shard of)."""
+    return names.get(id(zero.full_param(tensor)))
+
+
+def _shard_entries(
+    i: int, name: str, state_name: str, value: Tensor, shard: zero.ZeroShard, start: int | None
+) -> dict[str, Tensor]:
+    """A ZeRO shard's state tensor as its rows of the whole parameter's state (per expert for
+    stacked experts), so that the checkpoint holds one logical tensor under any zero level."""
+    if start is None:
+        return {param_key(i, name) + state_name: zero.as_dtensor(value, shard, shard.param.shape)}
+    return {
+        param_key(i, expert_key(name, start + row)) + state_name: zero.as_dtensor(
+            value[row], shard, shard.param.shape[1:]
+        )
+        for row in range(value.shape[0])
+    }
+
+
 def optimizer_entries(model: nn.Module, optimizers: list[Optimizer]) -> OptimizerEntries:
     names, starts = param_names(model), expert_starts(model)
     out = OptimizerEntries()
     for i, optimizer in enumerate(optimizers):
         for p in optimizer_params(optimizer):
-            if id(p) not in names:
+            name = optimizer_param_name(p, names)
+            if name is None:
                 raise ValueError(
                     f"optimizer {i} holds a parameter of shape {tuple(p.shape)} that is not in the "
                     "model; build the optimizer from this model's parameters"
                 )
-            name, state = names[id(p)], optimizer.state.get(p, {})
+            state, shard = optimizer.state.get(p, {}), zero.shard_of(p)
+            start = starts.get(id(zero.full_param(p)))
             for state_name, value in state.items():
-                start = starts.get(id(p))
-                if isinstance(value, Tensor) and start is not None and _rows(value, p):
+                key = param_key(i, name) + state_name
+                if isinstance(value, Tensor) and shard is not None and value.shape == p.shape:
+                    out.tensors.update(
+                        _shard_entries(i, name, state_name, value.detach(), shard, start)
+                    )
+                elif isinstance(value, Tensor) and start is not None and _rows(value, p):
                     for row in range(value.shape[0]):
                         key = param_key(i, expert_key(name, start + row)) + state_name
                         out.tensors[key] = value.detach()[row]
                 elif isinstance(value, Tensor):
-                    out.tensors[param_key(i, name) + state_name] = value.detach()
+                    out.tensors[key] = value.detach()
                 else:
-                    out.objects[param_key(i, name) + state_name] = (state, state_name)
+                    out.objects[key] = (state, state_name)
     return out
 
 

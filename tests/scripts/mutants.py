@@ -23,6 +23,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # name: (file, old, new, pytest arguments)
 MUTATIONS = {
+    # issue 16: ZeRO-1 without its all-gather (other ranks' rows never arrive), through the strategy
+    "zero_no_gather": ("lightning_titan/strategy.py",
+                       "        self.engine.gather_params()  # zero=1",
+                       "        pass  # zero=1",
+                       ["tests/test_strategy_step.py"]),
+    # ZeRO-1: the gather puts each rank's updated rows in another rank's place (engine layouts)
+    "zero_gather_misplaced": ("lightning_titan/zero.py",
+                              "rows = s.rows(s.param, q)",
+                              "rows = s.rows(s.param, self.n - 1 - q)",
+                              ["tests/test_equivalence.py", "-k", "2"]),
+    # ZeRO-1 checkpoint rows saved at another rank's offset
+    "zero_ckpt_rows": ("lightning_titan/zero.py",
+                       "start, stop = owned_rows(p.shape[dim], self.n, self.q)",
+                       "start, stop = owned_rows(p.shape[dim], self.n, self.n - 1 - self.q)",
+                       ["tests/test_checkpoint.py", "-k", "save_under_one"]),
     # issue 21.1: the router losses become non-trainable in the stage objective
     "aux_detach": ("lightning_titan/pipeline/stage.py",
                    "objective = aux.sum() / self.local_sequences",
@@ -67,8 +82,8 @@ MUTATIONS = {
                             ["tests/test_reliability.py", "-k", "kill_9"]),
     # issue 12.1: manual optimization may step on grads that were never reduced
     "step_unreduced": ("lightning_titan/strategy.py",
-                       "        if self._grads_pending:\n",
-                       "        if False:\n",
+                       "        elif self._grads_pending:\n",
+                       "        elif False:\n",
                        ["tests/test_agreement.py", "-k", "unreduced"]),
     # issue 21.6: the sampler gets the DP rank instead of the data rank
     "sampler_dp_rank": ("lightning_titan/strategy.py",

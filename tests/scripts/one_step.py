@@ -1,8 +1,9 @@
-"""One training step of TitanLM under Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm) on a
-plain DataLoader, with an init that differs per rank (the case the broadcast of replicated parameters
-exists for). Every rank saves what it saw to OUT/rank<r>.pt; tests/test_strategy_step.py checks it.
+"""One training step of TitanLM under Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm,
+zero=1) on a plain DataLoader, with an init that differs per rank (the case the broadcast of replicated
+parameters exists for). Under zero=1 each rank's SGD updates only its rows; the rest arrive by the
+all-gather. Every rank saves what it saw to OUT/rank<r>.pt; tests/test_strategy_step.py checks it.
 
-python tests/scripts/one_step.py OUT   # popen: re-runs this script per rank
+python tests/scripts/one_step.py OUT   # fork: one import, eight ranks
 """
 
 import sys
@@ -72,22 +73,29 @@ class PerRankInitLM(TitanLM):
             self.record["grad_norm"] = float(value)
         super().log(name, value, *args, **kwargs)
 
+    def on_train_end(self) -> None:  # in each rank's own process (fork launch): save what it saw
+        dims = self.trainer.strategy.parallel_dims
+        optimizer = self.trainer.optimizers[0]
+        self.record.update(
+            final={n: p.detach().clone() for n, p in self.model.named_parameters()},
+            coords=(dims.dp_rank, dims.pp_rank, dims.ep_rank),
+            expert_range=self.model.expert_range,
+            optimizer_numel=sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
+        )
+        torch.save(self.record, Path(self.out) / f"rank{self.global_rank}.pt")
+
 
 def main(out: str) -> None:
+    strategy = TitanStrategy(**LAYOUT, gradient_clip_norm=MAX_NORM, zero=1, start_method="fork")
     trainer = L.Trainer(
-        accelerator="cpu", devices=8, strategy=TitanStrategy(**LAYOUT, gradient_clip_norm=MAX_NORM),
-        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0,
+        accelerator="cpu", devices=8, strategy=strategy, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0,
     )  # fmt: skip
     module = PerRankInitLM(CONFIG, seed=SEED, warmup_steps=0)
+    module.out = out
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // (LAYOUT["dp"] * LAYOUT["ep"]))
     trainer.fit(module, loader)
-    dims = trainer.strategy.parallel_dims
-    record = module.record
-    record["final"] = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    record["coords"] = (dims.dp_rank, dims.pp_rank, dims.ep_rank)
-    record["expert_range"] = module.model.expert_range
-    torch.save(record, Path(out) / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

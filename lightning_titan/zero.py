@@ -1,0 +1,197 @@
+"""ZeRO-1: the ranks of a data-parallel group split the optimizer state of its parameters.
+
+Each parameter is cut into row ranges along one dimension (dim 0; dim 1 for stacked experts, whose
+dim 0 is the experts), ``torch.chunk``-style: rank ``q`` of an ``n``-rank group owns rows
+``[q * c, (q + 1) * c)`` with ``c = ceil(rows / n)`` (the last ranks may own fewer, or none). The
+user's optimizer is kept, and only its ``param_groups`` lists change: each parameter is replaced by
+a leaf ``nn.Parameter`` that is a view of the rank's rows, so the optimizer's in-place update writes
+straight into the model, and its state (AdamW's two moments) exists for those rows only. After the
+step the group all-gathers the updated rows (bucketed: one collective per bucket) and the grads are
+dropped.
+
+Grads are all-reduced in full as before (ZeRO-1), so the clipping norm is computed as without ZeRO;
+the shard grads are views of the reduced grads, bound just before the optimizer step, after any
+clipping or non-finite skip has acted on the full grads.
+
+Checkpoints stay layout-free: a shard's state is saved as a ``DTensor`` over the group's mesh (its
+rows of the full tensor), so DCP writes one logical tensor per parameter that loads under any zero
+level and layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from lightning_titan import probes
+from lightning_titan.reducer import assign_buckets
+
+LEVELS = (0, 1)
+# torch's optimizers whose update of an element reads the rest of the tensor: row shards would change
+# the result (the element-wise ones, Adam/AdamW/SGD/..., give the same numbers on any rows)
+WHOLE_TENSOR_OPTIMIZERS = (torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.Muon)
+ATTR = "_titan_zero_shard"  # on a shard's leaf tensor: its ZeroShard (checkpoint keys need it)
+
+
+def owned_rows(size: int, n: int, q: int) -> tuple[int, int]:
+    """Rank ``q``'s rows ``[start, stop)`` of ``size`` rows cut into ``n`` ``torch.chunk`` pieces."""
+    chunk = math.ceil(size / n)
+    start = min(q * chunk, size)
+    return start, min(start + chunk, size)
+
+
+@dataclass
+class ZeroShard:
+    """One parameter's rows ``[start, stop)`` along ``dim`` on this rank, and the leaf the optimizer
+    updates (a view of them)."""
+
+    param: nn.Parameter
+    dim: int
+    start: int
+    stop: int
+    leaf: nn.Parameter
+    group: dist.ProcessGroup
+    n: int
+
+    def rows(self, tensor: Tensor, q: int | None = None) -> Tensor:
+        """Rank ``q``'s rows of ``tensor`` (this rank's by default), a view."""
+        start, stop = (self.start, self.stop) if q is None else owned_rows(self.size, self.n, q)
+        return tensor.narrow(self.dim, start, stop - start)
+
+    @property
+    def size(self) -> int:
+        return self.param.shape[self.dim]
+
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of the largest rank's rows: every rank's slot in a gather buffer has this size."""
+        return math.ceil(self.size / self.n) * (self.param.numel() // max(1, self.size))
+
+
+def cut_dim(param: Tensor, expert: bool) -> int | None:
+    """The dimension to cut, or None when the parameter stays whole on every rank (a scalar, a
+    one-dimensional expert tensor: every rank then applies the same update to all of it)."""
+    dim = 1 if expert else 0
+    return dim if param.dim() > dim else None
+
+
+class ZeroGroup:
+    """The parameters reduced over one data-parallel group, their shards on this rank, and the
+    bucketed all-gather that makes every rank's copy whole again after the optimizer step."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        expert_ids: set[int],
+        group: dist.ProcessGroup,
+        *,
+        bucket_cap_mb: float,
+    ) -> None:
+        self.group = group
+        self.n, self.q = dist.get_world_size(group), dist.get_rank(group)
+        self.shards: dict[int, ZeroShard] = {}
+        for p in params:
+            dim = cut_dim(p, id(p) in expert_ids)
+            if dim is None:
+                continue
+            start, stop = owned_rows(p.shape[dim], self.n, self.q)
+            leaf = nn.Parameter(p.detach().narrow(dim, start, stop - start))
+            shard = ZeroShard(p, dim, start, stop, leaf, group, self.n)
+            setattr(leaf, ATTR, shard)
+            self.shards[id(p)] = shard
+        sharded = [s.param for s in self.shards.values()]
+        self.buckets = [
+            [self.shards[id(sharded[i])] for i in indices]
+            for indices in assign_buckets(sharded, bucket_cap_mb * 1024 * 1024)
+        ]
+
+    def bind_grads(self) -> None:
+        """Each shard's grad: a view of its rows of the (reduced, clipped) full grad, or None."""
+        for s in self.shards.values():
+            s.leaf.grad = None if s.param.grad is None else s.rows(s.param.grad)
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Every rank's updated rows into every rank's parameters, one all-gather per bucket; then
+        the full grads go (the optimizer step consumed them)."""
+        for bucket in self.buckets:
+            slot = sum(s.chunk_numel for s in bucket)
+            mine = bucket[0].param.new_zeros(slot)
+            offset = 0
+            for s in bucket:
+                rows = s.rows(s.param)
+                mine[offset : offset + rows.numel()].view(rows.shape).copy_(rows)
+                offset += s.chunk_numel
+            everyone = mine.new_empty(slot * self.n)
+            with probes.span("all_gather", "zero params"):
+                dist.all_gather_single(everyone, mine, group=self.group)
+            for q in range(self.n):
+                if q == self.q:
+                    continue
+                offset = q * slot
+                for s in bucket:
+                    rows = s.rows(s.param, q)
+                    rows.copy_(everyone[offset : offset + rows.numel()].view(rows.shape))
+                    offset += s.chunk_numel
+        for s in self.shards.values():
+            s.param.grad = None
+
+
+def shard_optimizer(optimizer: Optimizer, groups: Sequence[ZeroGroup]) -> None:
+    """Point ``optimizer`` at this rank's shards in place (its param groups, hyper-parameters and any
+    scheduler stay); a parameter no shard covers stays whole. Only before the optimizer has state."""
+    if isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS):
+        raise ValueError(
+            f"zero=1 cannot split {type(optimizer).__name__}: its update of a weight depends on the "
+            "whole tensor (a factored or orthogonalised update, or a line search), not on each "
+            "element alone; use zero=0 with it, or an element-wise optimizer such as AdamW"
+        )
+    if optimizer.state:
+        raise RuntimeError(
+            "zero>0 shards an optimizer before its first step; this one already has state"
+        )
+    shards = {pid: s for g in groups for pid, s in g.shards.items()}
+    for param_group in optimizer.param_groups:
+        leaves = []
+        for p in param_group["params"]:
+            shard = shards.get(id(p))
+            if shard is None:
+                leaves.append(p)
+            elif shard.stop > shard.start:  # a rank past the last row holds nothing of it
+                leaves.append(shard.leaf)
+        param_group["params"] = leaves
+
+
+@functools.cache
+def _mesh(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
+    return DeviceMesh.from_group(group, device_type)
+
+
+def as_dtensor(local: Tensor, shard: ZeroShard, shape: torch.Size) -> DTensor:
+    """``local``, this rank's rows (dim 0) of a tensor of ``shape``, as a DTensor over the group: how
+    DCP learns where the rows go (no copy: DCP reads into and writes from ``local`` itself)."""
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, _mesh(shard.group, local.device.type), [Shard(0)], run_check=False, shape=shape,
+        stride=stride,
+    )  # fmt: skip
+
+
+def shard_of(tensor: Tensor) -> ZeroShard | None:
+    """The ZeroShard a tensor in an optimizer stands for, None for a whole parameter."""
+    return getattr(tensor, ATTR, None)
+
+
+def full_param(tensor: Tensor) -> Tensor:
+    """The model parameter an optimizer's tensor belongs to (itself unless it is a shard)."""
+    shard = shard_of(tensor)
+    return tensor if shard is None else shard.param
