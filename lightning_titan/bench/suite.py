@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
         "peers": report.peer_ratios(rows),
         "memory": report.memory_pairs(rows),
+        "zero": report.zero_rows(rows),
         "bubble_checks": report.bubble_checks(rows),
         "dispatch": dispatch_rows,
         "dispatch_settings": dispatch_settings,
