@@ -131,6 +131,14 @@ def test_exclusive_time_goes_to_the_innermost_span():
     )
 
 
+def test_time_split_counts_the_zero_parameter_gather():
+    spans = [tracing.Span("optimizer", "AdamW", 0, 0, 40_000),
+             tracing.Span("all_gather", "zero params", 0, 40_000, 100_000)]  # fmt: skip
+    per_kind = tracing.time_by_kind(spans)
+    assert per_kind["all_gather"] == pytest.approx(0.06) and per_kind["optimizer"] == 0.04
+    assert sum(per_kind.values()) == pytest.approx(0.1)  # the step, nothing dropped
+
+
 def test_chrome_trace_has_one_process_per_rank_in_microseconds():
     spans = [tracing.Span("forward", "forward", 1, 5_000, 9_000, step=3, args={"mb": 2}),
              tracing.Span("p2p", "send_forward", 0, 2_000, 3_000)]  # fmt: skip
@@ -272,6 +280,9 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     assert sum(peer_ranks) == pytest.approx(zero["mb"]["titan"]["optimizer"] * 1e6, abs=1)
     assert min(peer_ranks) > 0
     assert zero["step_ratio"] > 0 and zero["peer_step_ratio"] > 0
+    split = zero["split_ms"]  # recorded steps: only zero=1 gathers parameters
+    assert split["zero0"]["all_gather"] == 0 < split["zero1"]["all_gather"]
+    assert split["zero1"]["optimizer"] > 0
     ep = next(r for r in results["rows"] if r["case"] == "ep2")
     assert ep["time_ms"]["all_to_all"] > 0 and ep["state"]["expert_share"] == [0.5, 0.5]
     # 1F1B keeps P - p microbatches' activations on stage p where GPipe keeps all M

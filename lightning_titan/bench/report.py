@@ -47,6 +47,10 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
             "peak_mb_per_rank": [r[impl]["peak_bytes"] / _MB for r in per_rank],
             "state_bytes_per_rank": [r[impl]["state_bytes"] for r in per_rank],
         }
+        if impl != OURS and "spans" in per_rank[0][impl]:
+            impls[impl]["time_ms"] = tracing.time_by_kind(
+                [s for r in per_rank for s in r[impl]["spans"]]
+            )
     spans = [s for r in per_rank for s in r[OURS]["spans"]]
     row = {
         "world": case.world, "case": case.name, "layout": case.layout, "dp": case.dp, "pp": case.pp,
@@ -142,6 +146,11 @@ def zero_rows(rows: list[dict]) -> list[dict]:
             "step_ratio": step_ratio, "cpu_ratio": zero1["cpu_ms"] / zero0["cpu_ms"],
             "time_target": 1.05, "time_met": step_ratio <= 1.05,
         }  # fmt: skip
+        if "time_ms" in zero1:  # recorded steps, per rank: what zero=1 saves and what it adds
+            entry["split_ms"] = {
+                level: {kind: t[kind] for kind in ("optimizer", "all_gather")}
+                for level, t in (("zero0", row["time_ms"]), ("zero1", zero1["time_ms"]))
+            }
         if peer is not None:
             entry["peer_step_ratio"] = peer["step_ms"] / zero0["step_ms"]
             entry["peer_cpu_ratio"] = peer["cpu_ms"] / zero0["cpu_ms"]
@@ -316,13 +325,15 @@ def zero_markdown(zero: list[dict]) -> list[str]:
     lines = ["", "**ZeRO-1**: model state per rank in MB (largest rank; params and grads stay whole "
              "at zero=1), optimizer state zero=1 / zero=0 on the worst rank against the ideal "
              "(expert state over dp ranks, the rest over dp x ep); step and CPU time per step "
-             "against zero=0 in the same rounds. ZRO: torch DDP + ZeroRedundancyOptimizer(AdamW)",
+             "against zero=0 in the same rounds; optimizer and parameter all-gather ms per rank from the "
+             "recorded steps. ZRO: torch DDP + ZeroRedundancyOptimizer(AdamW)",
              "",
              "| ranks | composition | params MB | grads MB | optimizer MB zero=0 | zero=1 "
-             "| zero=1 / zero=0 (ideal) | within 5% | ZRO optimizer MB | step zero=1 / zero=0 "
+             "| zero=1 / zero=0 (ideal) | within 5% | ZRO optimizer MB "
+             "| optimizer + all-gather ms zero=0 -> zero=1 | step zero=1 / zero=0 "
              "| CPU zero=1 / zero=0 | <= 1.05x | step ZRO / zero=0 | CPU ZRO / zero=0 "
              "| zero=1 as fast as ZRO |",
-             "|---:|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|---:|---:|---|"]  # fmt: skip
+             "|---:|---|---:|---:|---:|---:|---|---|---:|---|---:|---:|---|---:|---:|---|"]  # fmt: skip
     for z in zero:
         mb = z["mb"]
         peer = "- | - | - | - |"
@@ -330,11 +341,15 @@ def zero_markdown(zero: list[dict]) -> list[str]:
             peer = (f"{mb[DDP_ZERO]['optimizer']:.3f} | {z['peer_step_ratio']:.2f}x | "
                     f"{z['peer_cpu_ratio']:.2f}x | {_mark(z['peer_met'])} |")  # fmt: skip
         peer_mb, peer_time = peer.split(" | ", 1)
+        split = "-"
+        if "split_ms" in z:
+            split = " -> ".join(f"{t['optimizer']:.1f} + {t['all_gather']:.1f}"
+                                for t in (z["split_ms"]["zero0"], z["split_ms"]["zero1"]))  # fmt: skip
         lines.append(
             f"| {z['world']} | {z['case']} | {mb[OURS]['params']:.3f} | {mb[OURS]['grads']:.3f} | "
             f"{mb[OURS]['optimizer']:.3f} | {mb[ZERO1]['optimizer']:.3f} | "
             f"{z['optimizer_ratio']:.3f} ({z['ideal']:.3f}) | {_mark(z['memory_met'])} | "
-            f"{peer_mb} | {z['step_ratio']:.2f}x | {z['cpu_ratio']:.2f}x | "
+            f"{peer_mb} | {split} | {z['step_ratio']:.2f}x | {z['cpu_ratio']:.2f}x | "
             f"{_mark(z['time_met'])} | {peer_time}"
         )
     return lines

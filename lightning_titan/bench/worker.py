@@ -137,16 +137,10 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
         result["median_step_s"] = statistics.median(result["step_s"])
         result["median_cpu_s"] = statistics.median(result["cpu_s"])
 
+    for impl in (OURS, ZERO1):  # zero=1's time split: where its gather and smaller step go
+        if impl in runners:
+            out[impl]["spans"] = _traced(runners[impl], batches, settings, dims, device)
     ours = runners[OURS]
-    spans = []
-    for k in range(settings.traced_steps):
-        dist.barrier()
-        tracing.start(dims.rank, step=k, synchronize=device.type == "cuda")
-        try:
-            ours.step(*batches[k % len(batches)])
-        finally:
-            spans += tracing.stop()
-    out[OURS]["spans"] = spans
     for impl, runner in runners.items():  # after steps: the optimizers hold their state
         out[impl]["state_bytes"] = state_bytes(runner.model, runner.optimizer)
     if case.pp > 1:
@@ -154,6 +148,19 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
     for runner in runners.values():
         runner.close()
     return out
+
+
+def _traced(runner: TitanRunner, batches: list, settings: Settings, dims: ParallelDims,
+            device: torch.device) -> list[tracing.Span]:  # fmt: skip
+    spans = []
+    for k in range(settings.traced_steps):
+        dist.barrier()
+        tracing.start(dims.rank, step=k, synchronize=device.type == "cuda")
+        try:
+            runner.step(*batches[k % len(batches)])
+        finally:
+            spans += tracing.stop()
+    return spans
 
 
 def _saved_peak(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> int:
