@@ -216,6 +216,8 @@ def test_zero_table_ideal_splits_expert_state_over_dp_and_the_rest_over_dp_times
     assert z["ideal"] == pytest.approx(700 / 2000) and z["optimizer_ratio"] == pytest.approx(0.35)
     assert z["memory_met"] and z["time_met"] and z["step_ratio"] == pytest.approx(1.04)
     assert z["mb"]["titan_zero1"] == {"params": 200e-6, "grads": 200e-6, "optimizer": 700e-6}
+    row["impls"]["titan_zero1"]["cpu_ms"] = 22.0  # wall within 1.05x, CPU 1.10x: missed
+    assert not report.zero_rows([row])[0]["time_met"]
     # everything over 4 ranks is not what zero=1 does with experts: the worst rank is 10% off
     uneven = [_state(400, 300)] * 3 + [_state(400, 370)]
     row["impls"]["titan_zero1"] = impl(11.0, uneven)

@@ -125,8 +125,8 @@ def optimizer_shares(zero0: list[dict[str, int]], zero1: list[dict[str, int]], d
 def zero_rows(rows: list[dict]) -> list[dict]:
     """Per case with ours at zero=1: per-rank state (largest rank) at zero=0, zero=1 and under torch's
     ZeroRedundancyOptimizer; the optimizer-state ratio against its ideal (target: the worst rank
-    within 5%); step and CPU time against zero=0 in the same rounds (target: zero=1 within 1.05x,
-    and no slower than the ZeroRedundancyOptimizer)."""
+    within 5%); step and CPU time against zero=0 in the same rounds (target: zero=1 within 1.05x in
+    both, and a step no slower than the ZeroRedundancyOptimizer's)."""
     out = []
     for row in rows:
         impls = row["impls"]
@@ -136,15 +136,15 @@ def zero_rows(rows: list[dict]) -> list[dict]:
         ratios, ideals = optimizer_shares(states[OURS], states[ZERO1], row["dp"], row["ep"])
         worst = max(range(len(ratios)), key=lambda r: ratios[r] / ideals[r])
         zero0, zero1, peer = impls[OURS], impls[ZERO1], impls.get(DDP_ZERO)
-        step_ratio = zero1["step_ms"] / zero0["step_ms"]
+        step_ratio, cpu_ratio = (zero1[k] / zero0[k] for k in ("step_ms", "cpu_ms"))
         entry = {
             "world": row["world"], "case": row["case"], "dp": row["dp"], "ep": row["ep"],
             "mb": {impl: {kind: _mb(st, kind) for kind in PARTS} for impl, st in states.items()},
             "optimizer_ratio_per_rank": ratios, "ideal_per_rank": ideals,
             "optimizer_ratio": ratios[worst], "ideal": ideals[worst],
             "memory_met": abs(ratios[worst] / ideals[worst] - 1) <= 0.05,
-            "step_ratio": step_ratio, "cpu_ratio": zero1["cpu_ms"] / zero0["cpu_ms"],
-            "time_target": 1.05, "time_met": step_ratio <= 1.05,
+            "step_ratio": step_ratio, "cpu_ratio": cpu_ratio,
+            "time_target": 1.05, "time_met": max(step_ratio, cpu_ratio) <= 1.05,
         }  # fmt: skip
         if "time_ms" in zero1:  # recorded steps, per rank: what zero=1 saves and what it adds
             entry["split_ms"] = {
@@ -331,7 +331,7 @@ def zero_markdown(zero: list[dict]) -> list[str]:
              "| ranks | composition | params MB | grads MB | optimizer MB zero=0 | zero=1 "
              "| zero=1 / zero=0 (ideal) | within 5% | ZRO optimizer MB "
              "| optimizer + all-gather ms zero=0 -> zero=1 | step zero=1 / zero=0 "
-             "| CPU zero=1 / zero=0 | <= 1.05x | step ZRO / zero=0 | CPU ZRO / zero=0 "
+             "| CPU zero=1 / zero=0 | both <= 1.05x | step ZRO / zero=0 | CPU ZRO / zero=0 "
              "| zero=1 as fast as ZRO |",
              "|---:|---|---:|---:|---:|---:|---|---|---:|---|---:|---:|---|---:|---:|---|"]  # fmt: skip
     for z in zero:
