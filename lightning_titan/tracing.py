@@ -26,7 +26,7 @@ import torch
 from lightning_titan import probes
 
 COMPUTE_KINDS = ("forward", "backward")
-COMM_KINDS = ("p2p", "all_to_all", "all_reduce", "wait")
+COMM_KINDS = ("p2p", "all_to_all", "all_reduce", "wait", "all_gather")  # all_gather: ZeRO's params
 KINDS = (*COMPUTE_KINDS, *COMM_KINDS, "optimizer")
 OTHER = "other"  # time inside a step covered by no span (Python, scheduler, logging)
 

@@ -131,6 +131,14 @@ def test_exclusive_time_goes_to_the_innermost_span():
     )
 
 
+def test_time_split_counts_the_zero_parameter_gather():
+    spans = [tracing.Span("optimizer", "AdamW", 0, 0, 40_000),
+             tracing.Span("all_gather", "zero params", 0, 40_000, 100_000)]  # fmt: skip
+    per_kind = tracing.time_by_kind(spans)
+    assert per_kind["all_gather"] == pytest.approx(0.06) and per_kind["optimizer"] == 0.04
+    assert sum(per_kind.values()) == pytest.approx(0.1)  # the step, nothing dropped
+
+
 def test_chrome_trace_has_one_process_per_rank_in_microseconds():
     spans = [tracing.Span("forward", "forward", 1, 5_000, 9_000, step=3, args={"mb": 2}),
              tracing.Span("p2p", "send_forward", 0, 2_000, 3_000)]  # fmt: skip
@@ -186,6 +194,59 @@ def test_recording_is_off_by_default_and_the_stack_reports_its_spans():
     tracing.stop()
 
 
+def _state(expert_opt, non_expert_opt, params=100):
+    return {"expert_params": params, "non_expert_params": params, "expert_grads": params,
+            "non_expert_grads": params, "expert_optimizer": expert_opt,
+            "non_expert_optimizer": non_expert_opt}  # fmt: skip
+
+
+def test_zero_table_ideal_splits_expert_state_over_dp_and_the_rest_over_dp_times_ep():
+    from lightning_titan.bench import report
+
+    def impl(step_ms, states):
+        return {"step_ms": step_ms, "cpu_ms": 2 * step_ms, "tokens_per_s": 1e3 / step_ms,
+                "state_bytes_per_rank": states}  # fmt: skip
+
+    # dp2 x ep2, per rank at zero=0: 800 B of expert state (its EP share), 1200 B of the rest
+    zero0 = [_state(800, 1200)] * 4
+    exact = [_state(400, 300)] * 4  # experts over dp=2, the rest over dp*ep=4
+    row = {"world": 4, "case": "dp2xep2", "dp": 2, "ep": 2,
+           "impls": {"titan": impl(10.0, zero0), "titan_zero1": impl(10.4, exact)}}  # fmt: skip
+    (z,) = report.zero_rows([row])
+    assert z["ideal"] == pytest.approx(700 / 2000) and z["optimizer_ratio"] == pytest.approx(0.35)
+    assert z["memory_met"] and z["time_met"] and z["step_ratio"] == pytest.approx(1.04)
+    assert z["mb"]["titan_zero1"] == {"params": 200e-6, "grads": 200e-6, "optimizer": 700e-6}
+    row["impls"]["titan_zero1"]["cpu_ms"] = 22.0  # wall within 1.05x, CPU 1.10x: missed
+    assert not report.zero_rows([row])[0]["time_met"]
+    # everything over 4 ranks is not what zero=1 does with experts: the worst rank is 10% off
+    uneven = [_state(400, 300)] * 3 + [_state(400, 370)]
+    row["impls"]["titan_zero1"] = impl(11.0, uneven)
+    (z,) = report.zero_rows([row])
+    assert (
+        not z["memory_met"] and not z["time_met"] and z["optimizer_ratio"] == pytest.approx(0.385)
+    )
+    assert "peer_met" not in z and "| 4 | dp2xep2 |" in "\n".join(report.zero_markdown([z]))
+    assert report.peer_ratios([row]) == []  # zero=1 is ours, not a peer
+
+
+def test_the_zero_peer_is_timed_against_ours_at_zero_1():
+    from lightning_titan.bench import report
+
+    def impl(step_ms):
+        return {"step_ms": step_ms, "cpu_ms": step_ms, "tokens_per_s": 1e3 / step_ms,
+                "state_bytes_per_rank": [_state(50, 50)] * 2}  # fmt: skip
+
+    row = {"world": 2, "case": "dp2", "dp": 2, "ep": 1,
+           "impls": {"titan": impl(10.0), "titan_zero1": impl(12.0), "ddp": impl(11.0),
+                     "ddp_zero": impl(13.0)}}  # fmt: skip
+    peers = {p["peer"]: p for p in report.peer_ratios([row])}
+    assert peers["ddp"]["baseline"] == "titan" and peers["ddp"]["ratio"] == pytest.approx(1.1)
+    assert peers["ddp_zero"]["baseline"] == "titan_zero1" and peers["ddp_zero"]["met"]
+    assert peers["ddp_zero"]["ratio"] == pytest.approx(13 / 12)
+    (z,) = report.zero_rows([row])
+    assert z["peer_step_ratio"] == pytest.approx(1.3) and z["peer_met"]
+
+
 @pytest.mark.timeout(300)
 def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     import subprocess
@@ -203,8 +264,27 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     for row in results["rows"]:
         for impl in row["impls"].values():
             assert impl["tokens_per_s"] > 0 and impl["step_ms"] > 0
-    assert {(p["case"], p["peer"]) for p in results["peers"]} == {
-        ("dp2", "titan_per_param"), ("dp2", "ddp"), ("pp2 1f1b", "torch_pp")}  # fmt: skip
+    assert {(p["case"], p["peer"], p["baseline"]) for p in results["peers"]} == {
+        ("dp2", "titan_per_param", "titan"), ("dp2", "ddp", "titan"),
+        ("dp2", "ddp_zero", "titan_zero1"), ("pp2 1f1b", "torch_pp", "titan")}  # fmt: skip
+    # ZeRO-1: each rank keeps about half the AdamW state at dp2, params and grads whole; torch's
+    # ZeroRedundancyOptimizer gives each parameter's state to one rank: its ranks add up to zero=0
+    dp = next(r for r in results["rows"] if r["case"] == "dp2")
+    (zero,) = results["zero"]
+    assert zero["case"] == "dp2" and zero["ideal"] == 0.5 and zero["memory_met"]
+    assert zero["optimizer_ratio_per_rank"] == pytest.approx([0.5, 0.5], rel=0.05)
+    assert zero["mb"]["titan"]["optimizer"] == pytest.approx(2 * zero["mb"]["titan"]["params"])
+    for kind in ("params", "grads"):
+        assert zero["mb"]["titan_zero1"][kind] == zero["mb"]["titan"][kind] > 0
+    states = {impl: v["state_bytes_per_rank"] for impl, v in dp["impls"].items()}
+    assert states["ddp"] == states["titan"] == states["titan_per_param"]
+    peer_ranks = [s["expert_optimizer"] + s["non_expert_optimizer"] for s in states["ddp_zero"]]
+    assert sum(peer_ranks) == pytest.approx(zero["mb"]["titan"]["optimizer"] * 1e6, abs=1)
+    assert min(peer_ranks) > 0
+    assert zero["step_ratio"] > 0 and zero["peer_step_ratio"] > 0
+    split = zero["split_ms"]  # recorded steps: only zero=1 gathers parameters
+    assert split["zero0"]["all_gather"] == 0 < split["zero1"]["all_gather"]
+    assert split["zero1"]["optimizer"] > 0
     ep = next(r for r in results["rows"] if r["case"] == "ep2")
     assert ep["time_ms"]["all_to_all"] > 0 and ep["state"]["expert_share"] == [0.5, 0.5]
     # 1F1B keeps P - p microbatches' activations on stage p where GPipe keeps all M
@@ -218,6 +298,7 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     forwards = [e for e in trace["traceEvents"] if e.get("cat") == "forward"]
     assert sorted({e["pid"] for e in forwards}) == [0, 1] and len(forwards) == 2 * m
     assert "| 2 | pp2 1f1b |" in (tmp_path / "bench.md").read_text()
+    assert "**ZeRO-1**" in (tmp_path / "bench.md").read_text()
 
 
 @pytest.mark.slow

@@ -7,12 +7,17 @@ from dataclasses import dataclass, field
 from lightning_titan.model import ModelConfig
 
 OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
+ZERO1, DDP_ZERO = "titan_zero1", "ddp_zero"
 IMPL_LABELS = {
     OURS: "ours",
+    ZERO1: "ours, zero=1",
     PER_PARAM: "ours, per-param all-reduce",
     DDP: "torch DDP",
+    DDP_ZERO: "torch DDP + ZeroRedundancyOptimizer",
     TORCH_PP: "torch.distributed.pipelining",
 }
+# what a peer is timed against (default: OURS): the sharded-state peer against our sharded state
+BASELINES = {DDP_ZERO: ZERO1}
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,8 @@ class Settings:
 
 def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
     """The write-up's compositions on each world size (pp <= 4: the default model has 4 layers)."""
-    dp_peers = (OURS, PER_PARAM, DDP) if peers else (OURS,)
+    # zero=1 is ours with a flag: it stays under --no-peers, its ZeRO peer goes
+    dp_peers = (OURS, ZERO1, PER_PARAM, DDP, DDP_ZERO) if peers else (OURS, ZERO1)
     pp_peers = (OURS, TORCH_PP) if peers else (OURS,)
     table = {
         1: [Case()],
@@ -79,7 +85,7 @@ def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
             Case(pp=2, impls=pp_peers), Case(ep=2)],
         4: [Case(dp=4, impls=dp_peers), Case(pp=4, schedule="gpipe", impls=pp_peers),
             Case(pp=4, impls=pp_peers), Case(ep=4), Case(dp=2, pp=2), Case(pp=2, ep=2),
-            Case(dp=2, ep=2)],
+            Case(dp=2, ep=2, impls=(OURS, ZERO1))],
         8: [Case(dp=8, impls=dp_peers), Case(ep=8), Case(dp=4, pp=2), Case(pp=4, ep=2),
             Case(dp=2, ep=4), Case(dp=2, pp=2, ep=2)],
     }  # fmt: skip
@@ -94,7 +100,7 @@ def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
 def quick_cases(peers: bool = True) -> list[Case]:
     """Two ranks, one case per axis, with their peers: the smoke test's run."""
     return [
-        Case(dp=2, impls=(OURS, PER_PARAM, DDP) if peers else (OURS,)),
+        Case(dp=2, impls=(OURS, ZERO1, PER_PARAM, DDP, DDP_ZERO) if peers else (OURS, ZERO1)),
         Case(pp=2, impls=(OURS, TORCH_PP) if peers else (OURS,)),
         Case(pp=2, schedule="gpipe"),
         Case(ep=2),

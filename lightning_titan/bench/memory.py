@@ -87,6 +87,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     """Bytes of parameters, grads (as allocated at the step: one per parameter) and optimizer state,
     split into expert and non-expert parts. Under ZeRO the optimizer holds shards of the parameters:
     their state counts for the parameter they are cut from."""
+    optimizer = local_optimizer(optimizer)
     expert, _ = split_expert_parameters(model)
     expert_ids = {id(p) for _, p in expert}
     out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
@@ -102,6 +103,15 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
                 t for t in state if isinstance(t, Tensor) and t.dim()
             )
     return out
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: torch's ``ZeroRedundancyOptimizer`` keeps it in
+    the local optimizer it wraps (``.optim``, over the parameters this rank owns); its own ``state``
+    stays empty."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def state_total(state: dict[str, int], part: str) -> int:

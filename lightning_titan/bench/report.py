@@ -5,7 +5,18 @@ from __future__ import annotations
 from collections import defaultdict
 
 from lightning_titan import tracing
-from lightning_titan.bench.cases import IMPL_LABELS, OURS, TORCH_PP, Case, Settings
+from lightning_titan.bench.cases import (
+    BASELINES,
+    DDP,
+    DDP_ZERO,
+    IMPL_LABELS,
+    OURS,
+    TORCH_PP,
+    ZERO1,
+    Case,
+    Settings,
+)
+from lightning_titan.bench.memory import PARTS
 from lightning_titan.model import StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims
 
@@ -34,7 +45,12 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
             "rounds_ms": [s * 1e3 for s in per_rank[0][impl]["step_s"]],
             "cpu_ms": per_rank[0][impl]["median_cpu_s"] * 1e3,  # all ranks together, per step
             "peak_mb_per_rank": [r[impl]["peak_bytes"] / _MB for r in per_rank],
+            "state_bytes_per_rank": [r[impl]["state_bytes"] for r in per_rank],
         }
+        if impl != OURS and "spans" in per_rank[0][impl]:
+            impls[impl]["time_ms"] = tracing.time_by_kind(
+                [s for r in per_rank for s in r[impl]["spans"]]
+            )
     spans = [s for r in per_rank for s in r[OURS]["spans"]]
     row = {
         "world": case.world, "case": case.name, "layout": case.layout, "dp": case.dp, "pp": case.pp,
@@ -60,24 +76,86 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
     return row, spans
 
 
+PEER_TARGETS = {TORCH_PP: 1.05, DDP: 1.00, DDP_ZERO: 1.00}  # peer time / ours at least this
+
+
 def peer_ratios(rows: list[dict]) -> list[dict]:
-    """Peer step time / ours: above 1 means ours is faster."""
+    """Peer step time / ours (its baseline: ours at zero=1 for the ZeRO peer): above 1 means ours is
+    faster. Ours at zero=1 against zero=0 is ``zero_rows``'s."""
     out = []
     for row in rows:
-        ours = row["impls"][OURS]
         for impl, peer in row["impls"].items():
-            if impl == OURS:
+            if impl in (OURS, ZERO1):
                 continue
-            target = 1.05 if impl == TORCH_PP else (1.00 if impl == "ddp" else None)
+            base = BASELINES.get(impl, OURS)
+            base = base if base in row["impls"] else OURS
+            ours, target = row["impls"][base], PEER_TARGETS.get(impl)
+            label = IMPL_LABELS[impl] + ("" if base == OURS else f" (vs {IMPL_LABELS[base]})")
             ratio = peer["step_ms"] / ours["step_ms"]
             out.append({
-                "world": row["world"], "case": row["case"], "peer": impl,
-                "peer_label": IMPL_LABELS[impl], "ours_tokens_per_s": ours["tokens_per_s"],
+                "world": row["world"], "case": row["case"], "peer": impl, "baseline": base,
+                "peer_label": label, "ours_tokens_per_s": ours["tokens_per_s"],
                 "peer_tokens_per_s": peer["tokens_per_s"], "ratio": ratio, "target": target,
                 "ours_cpu_ms": ours["cpu_ms"], "peer_cpu_ms": peer["cpu_ms"],
                 "cpu_ratio": peer["cpu_ms"] / ours["cpu_ms"],
                 "met": None if target is None else ratio >= target,
             })  # fmt: skip
+    return out
+
+
+def _mb(states: list[dict[str, int]], kind: str) -> float:
+    """The largest rank's bytes of one kind (params, grads, optimizer), expert and non-expert, in MB."""
+    return max(s[f"expert_{kind}"] + s[f"non_expert_{kind}"] for s in states) / _MB
+
+
+def optimizer_shares(zero0: list[dict[str, int]], zero1: list[dict[str, int]], dp: int, ep: int
+                     ) -> tuple[list[float], list[float]]:  # fmt: skip
+    """Per rank: optimizer bytes at zero=1 / zero=0, and the ideal ratio, per part: expert state
+    split over the expert-DP group (dp ranks), the rest over the non-expert-DP group (dp * ep)."""
+    ratios, ideals = [], []
+    for s0, s1 in zip(zero0, zero1, strict=True):
+        whole = s0["expert_optimizer"] + s0["non_expert_optimizer"]
+        ratios.append((s1["expert_optimizer"] + s1["non_expert_optimizer"]) / whole)
+        ideals.append(
+            (s0["expert_optimizer"] / dp + s0["non_expert_optimizer"] / (dp * ep)) / whole
+        )
+    return ratios, ideals
+
+
+def zero_rows(rows: list[dict]) -> list[dict]:
+    """Per case with ours at zero=1: per-rank state (largest rank) at zero=0, zero=1 and under torch's
+    ZeroRedundancyOptimizer; the optimizer-state ratio against its ideal (target: the worst rank
+    within 5%); step and CPU time against zero=0 in the same rounds (target: zero=1 within 1.05x in
+    both, and a step no slower than the ZeroRedundancyOptimizer's)."""
+    out = []
+    for row in rows:
+        impls = row["impls"]
+        if ZERO1 not in impls:
+            continue
+        states = {impl: v["state_bytes_per_rank"] for impl, v in impls.items()}
+        ratios, ideals = optimizer_shares(states[OURS], states[ZERO1], row["dp"], row["ep"])
+        worst = max(range(len(ratios)), key=lambda r: ratios[r] / ideals[r])
+        zero0, zero1, peer = impls[OURS], impls[ZERO1], impls.get(DDP_ZERO)
+        step_ratio, cpu_ratio = (zero1[k] / zero0[k] for k in ("step_ms", "cpu_ms"))
+        entry = {
+            "world": row["world"], "case": row["case"], "dp": row["dp"], "ep": row["ep"],
+            "mb": {impl: {kind: _mb(st, kind) for kind in PARTS} for impl, st in states.items()},
+            "optimizer_ratio_per_rank": ratios, "ideal_per_rank": ideals,
+            "optimizer_ratio": ratios[worst], "ideal": ideals[worst],
+            "memory_met": abs(ratios[worst] / ideals[worst] - 1) <= 0.05,
+            "step_ratio": step_ratio, "cpu_ratio": cpu_ratio,
+            "time_target": 1.05, "time_met": max(step_ratio, cpu_ratio) <= 1.05,
+        }  # fmt: skip
+        if "time_ms" in zero1:  # recorded steps, per rank: what zero=1 saves and what it adds
+            entry["split_ms"] = {
+                level: {kind: t[kind] for kind in ("optimizer", "all_gather")}
+                for level, t in (("zero0", row["time_ms"]), ("zero1", zero1["time_ms"]))
+            }
+        if peer is not None:
+            entry["peer_step_ratio"] = peer["step_ms"] / zero0["step_ms"]
+            entry["peer_cpu_ratio"] = peer["cpu_ms"] / zero0["cpu_ms"]
+            entry["peer_met"] = peer["step_ms"] >= zero1["step_ms"]
+        out.append(entry)
     return out
 
 
@@ -222,6 +300,7 @@ def markdown(results: dict) -> str:
             f"{st['expected_expert_share']:.3f} | {min(n):.3f}..{max(n):.3f} | "
             f"{st['expected_non_expert_share']:.3f} |"
         )
+    lines += zero_markdown(results.get("zero", []))
     if results["bubble_checks"]:
         lines += ["", "**Pipeline bubble**, 1F1B at M >= 4P: worst stage measured vs theory (P-1)/(M+P-1), "
                   "beside what explains it: the recorded forwards and backwards replayed with free "
@@ -236,3 +315,41 @@ def markdown(results: dict) -> str:
                 f"<= {b['theory'] + 0.05:.3f} | {_mark(b['met'])} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def zero_markdown(zero: list[dict]) -> list[str]:
+    """The ZeRO-1 table: state per rank at zero=0 / zero=1 and the time both cost, beside torch's
+    ZeroRedundancyOptimizer (over DDP) where the case has it."""
+    if not zero:
+        return []
+    lines = ["", "**ZeRO-1**: model state per rank in MB (largest rank; params and grads stay whole "
+             "at zero=1), optimizer state zero=1 / zero=0 on the worst rank against the ideal "
+             "(expert state over dp ranks, the rest over dp x ep); step and CPU time per step "
+             "against zero=0 in the same rounds; optimizer and parameter all-gather ms per rank from the "
+             "recorded steps. ZRO: torch DDP + ZeroRedundancyOptimizer(AdamW)",
+             "",
+             "| ranks | composition | params MB | grads MB | optimizer MB zero=0 | zero=1 "
+             "| zero=1 / zero=0 (ideal) | within 5% | ZRO optimizer MB "
+             "| optimizer + all-gather ms zero=0 -> zero=1 | step zero=1 / zero=0 "
+             "| CPU zero=1 / zero=0 | both <= 1.05x | step ZRO / zero=0 | CPU ZRO / zero=0 "
+             "| zero=1 as fast as ZRO |",
+             "|---:|---|---:|---:|---:|---:|---|---|---:|---|---:|---:|---|---:|---:|---|"]  # fmt: skip
+    for z in zero:
+        mb = z["mb"]
+        peer = "- | - | - | - |"
+        if DDP_ZERO in mb:
+            peer = (f"{mb[DDP_ZERO]['optimizer']:.3f} | {z['peer_step_ratio']:.2f}x | "
+                    f"{z['peer_cpu_ratio']:.2f}x | {_mark(z['peer_met'])} |")  # fmt: skip
+        peer_mb, peer_time = peer.split(" | ", 1)
+        split = "-"
+        if "split_ms" in z:
+            split = " -> ".join(f"{t['optimizer']:.1f} + {t['all_gather']:.1f}"
+                                for t in (z["split_ms"]["zero0"], z["split_ms"]["zero1"]))  # fmt: skip
+        lines.append(
+            f"| {z['world']} | {z['case']} | {mb[OURS]['params']:.3f} | {mb[OURS]['grads']:.3f} | "
+            f"{mb[OURS]['optimizer']:.3f} | {mb[ZERO1]['optimizer']:.3f} | "
+            f"{z['optimizer_ratio']:.3f} ({z['ideal']:.3f}) | {_mark(z['memory_met'])} | "
+            f"{peer_mb} | {split} | {z['step_ratio']:.2f}x | {z['cpu_ratio']:.2f}x | "
+            f"{_mark(z['time_met'])} | {peer_time}"
+        )
+    return lines

@@ -1,4 +1,5 @@
-"""One training step of the same model, three ways: ours (Engine), torch DDP, torch.distributed.pipelining.
+"""One training step of the same model, four ways: ours (Engine, zero=0 or 1), torch DDP (with AdamW
+or with ``ZeroRedundancyOptimizer`` over AdamW), torch.distributed.pipelining.
 
 Every runner does forward, backward, gradient synchronisation, clipping to norm 1 and an AdamW step on
 the same ``StageModel`` and the same local batch; they differ only in the parallel machinery. The
@@ -48,12 +49,14 @@ class TitanRunner:
         num_microbatches: int,
         reducer: str = "bucketed",
         bucket_cap_mb: float = 25.0,
+        zero: int = 0,
     ) -> None:
         self.model = build_stage(config, dims, groups, device)
         self.engine = Engine(self.model, dims, groups, schedule=schedule,
-                             bucket_cap_mb=bucket_cap_mb, reducer=reducer)  # fmt: skip
+                             bucket_cap_mb=bucket_cap_mb, reducer=reducer, zero=zero)  # fmt: skip
         self.engine.broadcast_replicated()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.engine.shard_optimizers([self.optimizer])  # zero=0: changes nothing
         self.num_microbatches = num_microbatches
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
@@ -61,9 +64,11 @@ class TitanRunner:
             self.model, inputs, targets, self.num_microbatches, token_loss_sum
         )
         self.engine.finish_gradients(MAX_NORM)
+        self.engine.bind_shard_grads()
         with span("optimizer", "AdamW"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.engine.gather_params()
 
     def close(self) -> None:
         self.engine.remove()
@@ -81,7 +86,7 @@ class DDPRunner:
         self.ddp = nn.parallel.DistributedDataParallel(
             self.model, device_ids=[device.index] if device.type == "cuda" else None
         )
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
         logits, aux = self.ddp(inputs)
@@ -93,6 +98,21 @@ class DDPRunner:
 
     def close(self) -> None:
         pass
+
+
+class DDPZeroRunner(DDPRunner):
+    """DDP with ``torch.distributed.optim.ZeroRedundancyOptimizer`` over AdamW: the sharded-state
+    setup a torch user would pick. It gives each whole parameter to one rank (sorted-greedy by size)
+    and broadcasts the updated parameters from their owners after the step; pure DP layouts only."""
+
+    def __init__(self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups,
+                 device: torch.device) -> None:  # fmt: skip
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        super().__init__(config, dims, groups, device)
+        self.optimizer = ZeroRedundancyOptimizer(
+            self.model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR
+        )
 
 
 class _AuxCarrying(nn.Module):

@@ -3,6 +3,7 @@
     titan bench                                  # = python -m lightning_titan.bench
     titan bench --worlds 2 4 --rounds 5 --out bench_out
     titan bench --quick                          # 2 ranks, tiny model: a smoke run (~30 s)
+    titan bench --worlds 2 4 --only dp2 dp4 dp2xep2  # ZeRO-1 vs zero=0 and ZeroRedundancyOptimizer
     titan bench --global-batch 128 --d-model 256 --device cuda   # scale up (CUDA: one rank per GPU)
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
@@ -42,8 +43,10 @@ def _parser() -> argparse.ArgumentParser:
         "--only", nargs="+", default=None, help="run cases whose name contains one of these"
     )
     p.add_argument(
-        "--no-peers", action="store_true", help="ours only (no DDP / pipelining / per-param)"
-    )
+        "--no-peers", action="store_true",
+        help="ours only (zero=0, and zero=1 where it is timed): no DDP, ZeroRedundancyOptimizer, "
+        "pipelining or per-param",
+    )  # fmt: skip
     p.add_argument(
         "--no-dispatch", action="store_true", help="skip the EP dispatch micro-benchmark"
     )
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
         "peers": report.peer_ratios(rows),
         "memory": report.memory_pairs(rows),
+        "zero": report.zero_rows(rows),
         "bubble_checks": report.bubble_checks(rows),
         "dispatch": dispatch_rows,
         "dispatch_settings": dispatch_settings,

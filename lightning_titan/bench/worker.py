@@ -3,7 +3,7 @@
 Per case: build each implementation, warm it up, then time ``rounds`` blocks of ``steps`` steps,
 rotating the implementations between rounds so that load from elsewhere on the machine falls on all
 of them alike; then record a few extra steps of ours as spans, measure the activations one step saves
-for backward, and count the model state. Timed steps run with recording off.
+for backward, and count every implementation's model state. Timed steps run with recording off.
 """
 
 from __future__ import annotations
@@ -18,9 +18,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_titan import tracing
-from lightning_titan.bench.cases import DDP, OURS, PER_PARAM, TORCH_PP, Case, Settings
+from lightning_titan.bench.cases import (
+    DDP,
+    DDP_ZERO,
+    IMPL_LABELS,
+    OURS,
+    PER_PARAM,
+    TORCH_PP,
+    ZERO1,
+    Case,
+    Settings,
+)
 from lightning_titan.bench.memory import SavedTensorMeter, peak_bytes, reset_peak, state_bytes
-from lightning_titan.bench.runners import DDPRunner, TitanRunner, TorchPipeRunner, token_loss_sum
+from lightning_titan.bench.runners import (
+    DDPRunner,
+    DDPZeroRunner,
+    TitanRunner,
+    TorchPipeRunner,
+    token_loss_sum,
+)
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
 
 NUM_BATCHES = 4  # distinct global batches, cycled
@@ -53,17 +69,19 @@ def _batches(
 def _make(impl: str, case: Case, settings: Settings, dims: ParallelDims, groups: ProcessGroups,
           device: torch.device) -> Any:  # fmt: skip
     m = settings.num_microbatches(case)
-    if impl in (OURS, PER_PARAM):
-        reducer = "bucketed" if impl == OURS else "per_param"
+    if impl in (OURS, ZERO1, PER_PARAM):
+        reducer = "per_param" if impl == PER_PARAM else "bucketed"
         return TitanRunner(settings.config, dims, groups, device, schedule=case.schedule,
-                           num_microbatches=m, reducer=reducer,
+                           num_microbatches=m, reducer=reducer, zero=int(impl == ZERO1),
                            bucket_cap_mb=settings.bucket_cap_mb)  # fmt: skip
     if impl == DDP:
         return DDPRunner(settings.config, dims, groups, device)
+    if impl == DDP_ZERO:
+        return DDPZeroRunner(settings.config, dims, groups, device)
     if impl == TORCH_PP:
         return TorchPipeRunner(settings.config, dims, groups, device, schedule=case.schedule,
                                num_microbatches=m)  # fmt: skip
-    raise ValueError(f"impl={impl!r} is unknown; choose one of {(OURS, PER_PARAM, DDP, TORCH_PP)}")
+    raise ValueError(f"impl={impl!r} is unknown; choose one of {list(IMPL_LABELS)}")
 
 
 def _sync(device: torch.device) -> None:
@@ -119,22 +137,30 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
         result["median_step_s"] = statistics.median(result["step_s"])
         result["median_cpu_s"] = statistics.median(result["cpu_s"])
 
+    for impl in (OURS, ZERO1):  # zero=1's time split: where its gather and smaller step go
+        if impl in runners:
+            out[impl]["spans"] = _traced(runners[impl], batches, settings, dims, device)
     ours = runners[OURS]
-    spans = []
-    for k in range(settings.traced_steps):
-        dist.barrier()
-        tracing.start(dims.rank, step=k, synchronize=device.type == "cuda")
-        try:
-            ours.step(*batches[k % len(batches)])
-        finally:
-            spans += tracing.stop()
-    out[OURS]["spans"] = spans
-    out[OURS]["state_bytes"] = state_bytes(ours.model, ours.optimizer)
+    for impl, runner in runners.items():  # after steps: the optimizers hold their state
+        out[impl]["state_bytes"] = state_bytes(runner.model, runner.optimizer)
     if case.pp > 1:
         out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
     for runner in runners.values():
         runner.close()
     return out
+
+
+def _traced(runner: TitanRunner, batches: list, settings: Settings, dims: ParallelDims,
+            device: torch.device) -> list[tracing.Span]:  # fmt: skip
+    spans = []
+    for k in range(settings.traced_steps):
+        dist.barrier()
+        tracing.start(dims.rank, step=k, synchronize=device.type == "cuda")
+        try:
+            runner.step(*batches[k % len(batches)])
+        finally:
+            spans += tracing.stop()
+    return spans
 
 
 def _saved_peak(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> int:
