@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,7 @@ class Job:
     stderr: str
     seconds: float  # from launch until every rank was gone (the pipes they share closed)
     fault_at: float | None  # when TITAN_FAULT fired, seconds from launch
+    launcher_s: float  # from launch until the launcher (the process started) exited
 
 
 def _leftovers(pgid: int, marker: str) -> list[int]:
@@ -85,17 +87,20 @@ def _kill(pids: list[int]) -> None:
 
 def launch(
     cmd: list[str], cwd: Path, cache: Path, marker: Path, *, fault: str | None = None,
-    timeout: float = 180,
+    timeout: float = 180, env_extra: dict[str, str] | None = None,
+    on_fault: Callable[[subprocess.Popen, str], None] | None = None,
 ) -> Job:  # fmt: skip
     """Run a job in its own session; kill what is left of it afterwards and fail if anything was.
 
-    ``marker``: a path on the command line unique to this job (it finds torchrun's workers)."""
+    ``marker``: a path on the command line unique to this job (it finds torchrun's workers);
+    ``on_fault(launcher, line)`` runs when the TITAN_FAULT line is printed (e.g. sends a signal)."""
     marker = str(marker)
     assert any(marker in arg for arg in cmd)
     env = {k: v for k, v in os.environ.items() if k not in ("TITAN_FAULT", "LOCAL_RANK")}
     env.update(LIGHTNING_TITAN_CACHE=str(cache), PYTHONPATH=str(ROOT))
     if fault:
         env["TITAN_FAULT"] = fault
+    env.update(env_extra or {})
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -109,6 +114,8 @@ def launch(
         for line in stream:
             if watch and "TITAN_FAULT fired" in line and not fired:
                 fired.append(time.monotonic() - start)
+                if on_fault is not None:
+                    on_fault(proc, line)
             sink.append(line)
 
     readers = [
@@ -117,8 +124,10 @@ def launch(
     ]
     for r in readers:
         r.start()
+    launcher_s = timeout
     try:
         proc.wait(timeout=timeout)
+        launcher_s = time.monotonic() - start
         for r in readers:  # every rank holds the pipes: EOF means every rank is gone
             r.join(timeout=max(1.0, timeout - (time.monotonic() - start)))
         hung = any(r.is_alive() for r in readers)
@@ -133,15 +142,18 @@ def launch(
         except ProcessLookupError:
             pass
         proc.wait()
-    job = Job(proc.returncode, "".join(out), "".join(err), seconds, fired[0] if fired else None)
+    fault_at = fired[0] if fired else None
+    job = Job(proc.returncode, "".join(out), "".join(err), seconds, fault_at, launcher_s)
     assert not hung, f"the job did not end within {timeout} s:\n{job.stderr[-3000:]}"
     assert not leftovers, f"processes {leftovers} outlived the job:\n{job.stderr[-3000:]}"
     return job
 
 
-def titan_fit(config: Path, cwd: Path, cache: Path, *args: str, fault: str | None = None) -> Job:
+def titan_fit(
+    config: Path, cwd: Path, cache: Path, *args: str, fault: str | None = None, **kwargs
+) -> Job:
     cmd = [sys.executable, "-m", "lightning_titan", "fit", "--config", str(config), *args]
-    return launch(cmd, cwd, cache, config, fault=fault)
+    return launch(cmd, cwd, cache, config, fault=fault, **kwargs)
 
 
 def write_config(
