@@ -190,13 +190,13 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             device
         )
+        timeout = timedelta(minutes=self.options.timeout_minutes)  # the subgroups' too
         _init_dist_connection(
-            self.cluster_environment, backend,
-            timeout=timedelta(minutes=self.options.timeout_minutes),
+            self.cluster_environment, backend, timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )  # fmt: skip
         self._setup_phase.start()
-        self._groups = build_process_groups(self.parallel_dims)
+        self._groups = build_process_groups(self.parallel_dims, timeout)
         self._peers = supervisor.gather_peers()
 
     @override

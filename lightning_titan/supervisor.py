@@ -42,18 +42,25 @@ from lightning.fabric.utilities.distributed import (
 from lightning.pytorch.strategies.launchers import (
     _MultiProcessingLauncher,
     _SubprocessScriptLauncher,
+    subprocess_script,
 )
 from lightning.pytorch.trainer.call import _interrupt
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_titan.orphans import LAUNCHER_PID, process_state, running, watch_launcher
+from lightning_titan.orphans import (
+    LAUNCHER_PID,
+    die_with_launcher,
+    process_state,
+    running,
+    watch_launcher,
+)
 
 __all__ = ["LAUNCHER_PID", "watch_launcher"]
 LAUNCHER_WAIT_S = 3.0  # after a rank died: how long the launcher's own failure may take to start
 _failing = threading.Event()  # set once this process is in Lightning's failure handling
 preempting = threading.Event()  # the ranks agreed to stop on SIGTERM: an exit code 143 is expected
-_children: list[Popen] = []  # the ranks this process (the popen launcher) started
+_children: list[tuple[int, Popen]] = []  # (rank, process) this process (the popen launcher) started
 
 
 class TitanLauncher(_SubprocessScriptLauncher):
@@ -79,13 +86,20 @@ class TitanLauncher(_SubprocessScriptLauncher):
         if not self.cluster_environment.creates_processes_externally:
             os.environ[LAUNCHER_PID] = str(os.getpid())
             self._call_children_scripts()
-            _children[:] = self.procs
             first = self.cluster_environment.node_rank() * self.num_processes + 1
-            grace_s = getattr(getattr(trainer, "strategy", None), "_grace_s", 30.0)
+            _children[:] = [(first + i, p) for i, p in enumerate(self.procs)]
+            grace_s = getattr(getattr(trainer, "strategy", None), "options", None)
+            grace_s = getattr(grace_s, "grace_s", 30.0)
             loggers = list(getattr(trainer, "loggers", None) or [])
             _RankWatcher(self.procs, first, grace_s=grace_s, loggers=loggers).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
+
+    @override
+    def _call_children_scripts(self) -> None:
+        # the kernel signals the ranks when this process dies, also while they still import
+        with die_with_launcher(subprocess_script):
+            super()._call_children_scripts()
 
 
 def _module_and_data(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -186,9 +200,9 @@ def leave(code: int, grace_s: float, loggers: Sequence[Any] = ()) -> None:
         worker.join(timeout=seconds)
     # the ranks this launcher started leave by themselves once it is gone (``orphans``); not a stopped
     # one (SIGSTOP): it cannot run, and would hold the job's pipes and ports forever
-    for p in _children:
+    for rank, p in _children:
         if p.poll() is None and process_state(p.pid) == "T":
-            say(f"[titan] rank pid {p.pid} is stopped (SIGSTOP): killing it")
+            say(f"[titan] rank {rank} (pid {p.pid}) is stopped (SIGSTOP): killing it")
             p.kill()
     sys.stdout.flush()
     sys.stderr.flush()
