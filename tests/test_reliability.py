@@ -34,6 +34,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_titan import TitanStrategy
 from lightning_titan.checkpoint import consolidate, consolidate_optimizers
+from lightning_titan.checkpoint.reader import read_checkpoint_info
 from lightning_titan.config_files import compose_config
 from lightning_titan.faults import Fault
 from lightning_titan.launch import free_port
@@ -657,6 +658,10 @@ def _no_temp_dirs(ckpt: Path) -> None:
     assert not leftovers, leftovers
 
 
+def _global_step(checkpoint: Path) -> int:
+    return read_checkpoint_info(checkpoint)["meta"]["global_step"]
+
+
 def _preempted_at(job: Job) -> int:
     """The global step every rank says it stopped after (the same on both ranks)."""
     steps = re.findall(
@@ -686,6 +691,7 @@ def test_sigterm_saves_last_and_exits_143_and_an_interrupt_stops_a_fork_run(work
         "epoch=0-step=2.ckpt",
         "last.ckpt",
     ]
+    assert _global_step(ckpt / "last.ckpt") == 3
     _no_temp_dirs(ckpt)
 
     interrupted: list[float] = []
@@ -709,6 +715,7 @@ def test_sigterm_saves_last_and_exits_143_and_an_interrupt_stops_a_fork_run(work
     curve = losses(root, "preempt")
     for step in range(stopped_at):
         assert float(curve[step]) == pytest.approx(float(reference[step]), rel=1e-5), step
+    assert _global_step(ckpt / "last.ckpt") == stopped_at
     _no_temp_dirs(ckpt)
 
 
