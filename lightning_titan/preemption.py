@@ -45,10 +45,6 @@ def install() -> None:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def requested() -> bool:
-    return _requested.is_set()
-
-
 def start_agreement(device: torch.device) -> Callable[[], torch.Tensor]:
     """Start the all-reduce (max over the world) of this rank's flag; the returned function waits
     for it (on CUDA: the stream waits, the host does not) and gives the agreed flag, 0-dim."""
