@@ -78,6 +78,11 @@ class Preemptible:
             trainer._signal_connector.received_sigterm = True  # Lightning stops after this step
 
     def on_exception(self: Any, exception: BaseException) -> None:
+        if isinstance(self.launcher, supervisor.TitanForkLauncher) and not dist.is_initialized():
+            if isinstance(exception, (KeyboardInterrupt, SystemExit)):  # the parent: no failure
+                what = "interrupted" if isinstance(exception, KeyboardInterrupt) else "preempted"
+                supervisor.say(f"[titan] the launcher was {what}: every rank has stopped")
+                return
         if not (isinstance(exception, SIGTERMException) and self._preempted_at is not None):
             super().on_exception(exception)  # type: ignore[misc]
             return

@@ -406,8 +406,9 @@ class TitanForkLauncher(_MultiProcessingLauncher):
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException as err:
             self._stop_ranks(err)
-            if self._sigterm:
-                raise SystemExit(128 + signal.SIGTERM) from err
+            preempted = self.procs and all(p.exitcode == 143 for p in self.procs)
+            if not isinstance(err, KeyboardInterrupt) and (self._sigterm or preempted):
+                raise SystemExit(128 + signal.SIGTERM) from err  # every rank saved `last`
             raise
         finally:
             if main:

@@ -706,6 +706,7 @@ def test_sigterm_saves_last_and_exits_143_and_an_interrupt_stops_a_fork_run(work
                     fault="rank=0,step=4,phase=forward,action=note")  # fmt: skip
     assert interrupted and job.returncode != 0, job.stderr[-3000:]
     assert "the launcher got KeyboardInterrupt: stopping every rank" in job.stderr
+    assert "the launcher was interrupted: every rank has stopped" in job.stderr
     down = start + job.seconds - interrupted[0]
     assert down < DOWN_WITHIN_S, f"{down:.1f} s from the interrupt to every rank gone"
     stopped_at = _preempted_at(job)
