@@ -30,6 +30,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'lightning_titan' has no attribute {name!r}")
 
 
+def _watch_the_launcher_if_a_rank() -> None:
+    # a rank TitanLauncher started leaves when the launcher dies, from its first import on: before
+    # Lightning is imported and before the rendezvous, where it would wait for timeout_minutes
+    import os
+
+    if os.environ.get("TITAN_LAUNCHER_PID"):
+        from lightning_titan.orphans import watch_launcher
+
+        watch_launcher()
+
+
 def _register_if_lightning_is_loaded() -> None:
     # with Lightning already imported this costs nothing, and `strategy="titan"` works at once
     import sys
@@ -38,4 +49,5 @@ def _register_if_lightning_is_loaded() -> None:
         import lightning_titan.strategy  # noqa: F401
 
 
+_watch_the_launcher_if_a_rank()
 _register_if_lightning_is_loaded()

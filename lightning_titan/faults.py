@@ -9,6 +9,8 @@ injection point of that phase in that step. Actions:
 - ``raise``: raise :class:`InjectedFault` (a Python error, as a bug would);
 - ``exit``: leave at once with exit code :data:`EXIT_CODE`, no cleanup (as a C++ abort would);
 - ``kill``: SIGKILL this process (as the OOM killer would);
+- ``term``: SIGTERM to this process (as a scheduler preempting the job would);
+- ``note``: nothing but the line below (the test sends a signal of its own when it reads it);
 - ``nan`` / ``inf``: poison the phase's tensor (stage output, backward objective, all-to-all payload).
 
 The variable is read once, when this module is imported (by the strategy); a fault installs itself at
@@ -30,7 +32,7 @@ from lightning_titan import probes
 
 ENV = "TITAN_FAULT"
 PHASES = ("forward", "backward", "p2p", "all_to_all", "all_reduce", "checkpoint_save")
-ACTIONS = ("raise", "exit", "kill", "nan", "inf")
+ACTIONS = ("raise", "exit", "kill", "term", "note", "nan", "inf")
 TENSOR_PHASES = ("forward", "backward", "all_to_all")  # where nan/inf has a tensor to poison
 EXIT_CODE = 13
 
@@ -96,7 +98,7 @@ def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
     if _fired or phase != fault.phase or _step != fault.step or rank != fault.rank:
         return tensor
     _fired = True
-    what = f"{ENV} fired: rank {rank} {fault.action} in {phase} at step {_step}"
+    what = f"{ENV} fired: rank {rank} (pid {os.getpid()}) {fault.action} in {phase} at step {_step}"
     sys.stderr.flush()
     os.write(sys.stderr.fileno(), f"{what}\n".encode())  # one write: ranks share the stream
     if fault.action == "raise":
@@ -104,8 +106,10 @@ def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
     if fault.action == "exit":
         sys.stdout.flush()
         os._exit(EXIT_CODE)
-    if fault.action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.action in ("kill", "term"):
+        os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGTERM)
+    if fault.action in ("term", "note"):
+        return tensor
     value = float("nan") if fault.action == "nan" else float("inf")
     # multiply (not fill) so autograd carries the poison to every gradient upstream
     return tensor * torch.tensor(value, dtype=tensor.dtype, device=tensor.device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -220,8 +221,11 @@ class ProcessGroups:
     non_expert_dp: dist.ProcessGroup
 
 
-def build_process_groups(dims: ParallelDims) -> ProcessGroups:
-    """Create every group of every kind, on every rank in the same order (``new_group`` is collective)."""
+def build_process_groups(dims: ParallelDims, timeout: timedelta | None = None) -> ProcessGroups:
+    """Create every group of every kind, on every rank in the same order (``new_group`` is collective).
+
+    ``timeout``: the collective timeout of the groups (None: torch's default, 30 min, whatever the
+    world group's is), how long a stalled peer holds the others."""
     if not dist.is_initialized():
         raise RuntimeError("build_process_groups needs torch.distributed initialised first")
     if dist.get_world_size() != dims.world_size:
@@ -231,6 +235,6 @@ def build_process_groups(dims: ParallelDims) -> ProcessGroups:
         )
     mine = {}
     for kind in GROUP_KINDS:
-        group, _ = dist.new_subgroups_by_enumeration(dims.all_groups(kind))
+        group, _ = dist.new_subgroups_by_enumeration(dims.all_groups(kind), timeout=timeout)
         mine[kind] = group
     return ProcessGroups(**mine)

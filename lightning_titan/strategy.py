@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_titan import faults, supervisor
+from lightning_titan import faults, preemption, supervisor
 from lightning_titan.agreement import SetupPhase
 from lightning_titan.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_titan.engine import Engine
@@ -44,7 +44,7 @@ from lightning_titan.parallel_dims import (
 )
 
 
-class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
+class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks, ParallelStrategy):
     """Data, pipeline and expert parallelism composed, for a stage-local model built in ``configure_model``.
 
     Args:
@@ -192,15 +192,14 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
         self.preflight(self.lightning_module, getattr(trainer, "datamodule", None), trainer)
         device = self.root_device
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)  # fmt: skip
+        timeout = timedelta(minutes=self.options.timeout_minutes)  # the subgroups' too
         _init_dist_connection(
-            self.cluster_environment, backend,
-            timeout=timedelta(minutes=self.options.timeout_minutes),
+            self.cluster_environment, backend, timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )  # fmt: skip
         self._setup_phase.start()
-        self._groups = build_process_groups(self.parallel_dims)
+        self._groups = build_process_groups(self.parallel_dims, timeout)
         self._peers = supervisor.gather_peers()
-        supervisor.watch_launcher(self.options.grace_s)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -249,15 +248,17 @@ class TitanStrategy(FailTogether, ShardedCheckpointHooks, ParallelStrategy):
     def finish_gradients(self, loss: Tensor | None = None, *metrics: Tensor) -> list[float]:
         """Wait for the reducers, check for non-finite values, clip by the composed global norm.
 
-        Returns ``[pre-clip norm, loss, *metrics]`` as floats, read in one host sync. A non-finite
-        norm or ``loss`` (the step's global loss, the same on every rank) raises FloatingPointError on
-        every rank, or with ``on_nonfinite="skip"`` drops every gradient so that the optimizer step
-        changes nothing."""
+        Returns ``[pre-clip norm, loss, *metrics]`` as floats, read in one host sync with the ranks'
+        agreement on a SIGTERM (``preemption``). A non-finite norm or ``loss`` (the step's global loss,
+        the same on every rank) raises FloatingPointError on every rank, or with
+        ``on_nonfinite="skip"`` drops every gradient so that the optimizer step changes nothing."""
+        stop = preemption.start_agreement(self.root_device)  # on SIGTERM, over the world
         norm = self.engine.finish_gradients(self.options.gradient_clip_norm)
         self._grads_pending = False
         module, action = self.lightning_module, self.options.on_nonfinite
-        tensors = [norm] if loss is None else [norm, loss, *metrics]
-        values = torch.stack([t.double() for t in tensors]).tolist()  # the step's one host read
+        tensors = [norm, stop()] if loss is None else [norm, loss, *metrics, stop()]
+        *values, stopping = torch.stack([t.double() for t in tensors]).tolist()  # one host read
+        self.decide(stopping)
         step = module.trainer.global_step
         if not check_finite(module, self.parallel_dims, step, values[:2], action):
             self.skipped_steps += 1

@@ -5,14 +5,18 @@
   it (Lightning's own observer polls every 5 s and SIGKILLs every process, this one included). The
   launcher itself then leaves within ``LAUNCHER_WAIT_S``, its user's logs flushed, unless its own
   collectives fail first (gloo's do at once; NCCL does not notice a dead peer on the same node).
-- ``watch_launcher``: a rank the launcher started leaves at most ``grace_s`` after the launcher died.
+- ``watch_launcher`` (``orphans``): a rank leaves within seconds of the launcher's death, before and
+  after the rendezvous; the launcher, leaving, kills the ranks it started (a stopped one too).
+- ``TitanForkLauncher``: Lightning's fork/spawn launcher, but an interrupt (or SIGTERM) in the parent
+  stops every rank: SIGTERM first (they save ``last`` after the step, ``preemption``), then SIGKILL.
 - ``leave_after_failure``: a failed rank leaves as soon as its traceback is printed, after the
   ``atexit`` handlers (bounded by ``grace_s``); one whose failure handling inside Lightning does not
   finish within ``grace_s`` leaves then. A caller that catches the error keeps running. Without it, a
   rank that raised while an async collective of its own still waited for peers that are blocked
   elsewhere stays in gloo's destructor at exit, its sockets open, and those peers wait for it until
   the collective timeout.
-- ``failure_report``: the one line every rank prints, naming itself, the step and any peer that died.
+- ``failure_report`` (``peers``): the one line every rank prints, naming itself, the step, any peer
+  that died or is stopped (a stall), and the collective it was waiting in.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import atexit
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -30,7 +33,6 @@ from subprocess import Popen
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
     _set_num_threads_if_needed,
@@ -38,12 +40,20 @@ from lightning.fabric.utilities.distributed import (
 from lightning.pytorch.strategies.launchers import (
     _MultiProcessingLauncher,
     _SubprocessScriptLauncher,
+    subprocess_script,
 )
+from lightning.pytorch.trainer.call import _interrupt
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-LAUNCHER_PID = "TITAN_LAUNCHER_PID"  # set for the ranks the launcher starts
+from lightning_titan.orphans import LAUNCHER_PID, die_with_launcher, process_state, watch_launcher
+from lightning_titan.peers import dead_peers, failure_report, gather_peers
+
+__all__ = ["LAUNCHER_PID", "dead_peers", "failure_report", "gather_peers", "watch_launcher"]
 LAUNCHER_WAIT_S = 3.0  # after a rank died: how long the launcher's own failure may take to start
 _failing = threading.Event()  # set once this process is in Lightning's failure handling
+preempting = threading.Event()  # the ranks agreed to stop on SIGTERM: an exit code 143 is expected
+_children: list[tuple[int, Popen]] = []  # (rank, process) this process (the popen launcher) started
 
 
 class TitanLauncher(_SubprocessScriptLauncher):
@@ -70,11 +80,19 @@ class TitanLauncher(_SubprocessScriptLauncher):
             os.environ[LAUNCHER_PID] = str(os.getpid())
             self._call_children_scripts()
             first = self.cluster_environment.node_rank() * self.num_processes + 1
-            grace_s = getattr(getattr(trainer, "strategy", None), "_grace_s", 30.0)
+            _children[:] = [(first + i, p) for i, p in enumerate(self.procs)]
+            grace_s = getattr(getattr(trainer, "strategy", None), "options", None)
+            grace_s = getattr(grace_s, "grace_s", 30.0)
             loggers = list(getattr(trainer, "loggers", None) or [])
             _RankWatcher(self.procs, first, grace_s=grace_s, loggers=loggers).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
+
+    @override
+    def _call_children_scripts(self) -> None:
+        # the kernel signals the ranks when this process dies, also while they still import
+        with die_with_launcher(subprocess_script):
+            super()._call_children_scripts()
 
 
 def _module_and_data(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -131,9 +149,10 @@ class _RankWatcher(threading.Thread):
         while True:
             time.sleep(0.2)
             codes = [p.poll() for p in self.procs]
-            if all(code == 0 for code in codes):
+            done = (0, 143) if preempting.is_set() else (0,)  # 143: preempted, `last` saved
+            if all(code in done for code in codes):
                 return
-            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, *done)]
             if failed:
                 i, code = failed[0]
                 say(
@@ -172,25 +191,15 @@ def leave(code: int, grace_s: float, loggers: Sequence[Any] = ()) -> None:
         worker = threading.Thread(target=step, daemon=True, name="titan-leave")
         worker.start()
         worker.join(timeout=seconds)
+    # the ranks this launcher started leave by themselves once it is gone (``orphans``); not a stopped
+    # one (SIGSTOP): it cannot run, and would hold the job's pipes and ports forever
+    for rank, p in _children:
+        if p.poll() is None and process_state(p.pid) == "T":
+            say(f"[titan] rank {rank} (pid {p.pid}) is stopped (SIGSTOP): killing it")
+            p.kill()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def watch_launcher(grace_s: float) -> None:
-    """In a rank started by ``TitanLauncher``: leave at most ``grace_s`` after the launcher died.
-
-    Its peers' collectives fail at once when it dies; this covers a rank that is not in one."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    if not launcher or int(launcher) == os.getpid():
-        return
-
-    def watch() -> None:
-        while os.getppid() == int(launcher):
-            time.sleep(0.5)
-        signal.alarm(max(1, round(grace_s)))  # default action: terminate
-
-    threading.Thread(target=watch, daemon=True, name="titan-launcher-watch").start()
 
 
 def is_worker() -> bool:
@@ -262,70 +271,16 @@ def _leave_unless_done(call: Any, grace_s: float) -> None:
     leave(1, grace_s, list(getattr(trainer, "loggers", None) or []))
 
 
-# -- who is alive ---------------------------------------------------------------------------------------
-
-
-def gather_peers() -> list[tuple[str, int]]:
-    """(host, pid) of every rank, from one gather while the group is healthy."""
-    peers: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
-    return peers
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-        return state not in ("Z", "X")  # a zombie is dead, only not reaped yet
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-
-
-# gloo's words for "the peer's sockets closed": the peer is dying, maybe not yet marked dead
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def dead_peers(
-    peers: Sequence[tuple[str, int]] | None, wait_s: float = 0.0
-) -> list[tuple[int, int]]:
-    """(rank, pid) of the ranks on this host that are no longer running, waiting up to ``wait_s``
-    for one (a killed process closes its sockets before the kernel marks it dead)."""
-    if not peers:
-        return []
-    host = socket.gethostname()
-    deadline = time.monotonic() + wait_s
-    while True:
-        dead = [(r, pid) for r, (h, pid) in enumerate(peers) if h == host and not _running(pid)]
-        if dead or time.monotonic() >= deadline:
-            return dead
+def wait_for(procs: Sequence[Popen], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the ranks this launcher started, then SIGKILL any left, naming it."""
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def failure_report(
-    exception: BaseException,
-    *,
-    who: str,
-    rank: int | None = None,
-    peers: Sequence[tuple[str, int]] | None = None,
-) -> str:
-    """``[titan] rank 1/4 (dp=0 pp=0 ep=1, global_step=3) failed: [rank 2 (pid 9) is no longer
-    running; ]ValueError: ...``: the dead peers (of ``peers``, but ``rank``) first, the likely cause."""
-    first_line = (str(exception).strip().splitlines() or [""])[0]
-    line = f"[titan] {who} failed: "
-    wait_s = 3.0 if any(words in first_line for words in _PEER_GONE) else 0.0
-    gone = [(r, pid) for r, pid in dead_peers(peers, wait_s) if r != rank]
-    if gone:
-        names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
-        line += f"{names} {'is' if len(gone) == 1 else 'are'} no longer running; "
-    return line + f"{type(exception).__name__}: {first_line}"
+    for p in procs:
+        if p.poll() is None:
+            say(f"[titan] rank pid {p.pid} did not leave within {grace_s:g} s: killing it")
+            p.kill()
+            p.wait()
 
 
 def launcher_for(strategy: Any, start_method: str) -> Any:
@@ -336,4 +291,76 @@ def launcher_for(strategy: Any, start_method: str) -> Any:
         return None
     if start_method == "popen":
         return TitanLauncher(strategy.preflight, env, strategy.num_processes, strategy.num_nodes)
-    return _MultiProcessingLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
+    return TitanForkLauncher(strategy, start_method, strategy.options.grace_s)
+
+
+class TitanForkLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher (notebooks), where the parent is no rank: an interrupt or a
+    SIGTERM there stops every rank, instead of returning while they train on. The ranks get SIGTERM
+    (they save ``last`` after the step, ``preemption``), then SIGKILL after ``grace_s`` or at a second
+    interrupt; a SIGTERM makes the parent exit with 143 once they are gone."""
+
+    def __init__(self, strategy: Any, start_method: str, grace_s: float) -> None:
+        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
+        self._grace_s, self._sigterm = grace_s, False
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, self._forward_sigterm) if main else None
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException as err:
+            self._stop_ranks(err)
+            preempted = self.procs and all(p.exitcode == 143 for p in self.procs)
+            if not isinstance(err, KeyboardInterrupt) and (self._sigterm or preempted):
+                raise SystemExit(128 + signal.SIGTERM) from err  # every rank saved `last`
+            raise
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+
+    def _forward_sigterm(self, signum: int, frame: Any) -> None:
+        self._sigterm = True
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def _stop_ranks(self, error: BaseException) -> None:
+        alive = [p for p in self.procs if p.is_alive()]
+        if not alive:
+            return
+        say(
+            f"[titan] the launcher got {type(error).__name__}: stopping every rank (SIGTERM: they "
+            f"save last after this step; SIGKILL after {self._grace_s:g} s or at another interrupt)"
+        )
+        try:
+            for p in alive:
+                os.kill(p.pid, signal.SIGTERM)
+            deadline = time.monotonic() + self._grace_s
+            while any(p.is_alive() for p in alive) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            for p in alive:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+
+    @override
+    def _wrapping_function(self, process_idx: int, trainer: Any, *args: Any, **kwargs: Any) -> Any:
+        # in a rank: the parent decides on an interrupt (a terminal's Ctrl+C reaches every rank; they
+        # would stop at different points) and sends SIGTERM; leave once the parent is gone
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        watch_launcher()
+        try:
+            return super()._wrapping_function(process_idx, trainer, *args, **kwargs)
+        except SIGTERMException as err:
+            # a rank runs the Trainer's function without ``_call_and_handle_interrupt``: do its part
+            # here, where the strategy saves `last` and sets the exit code (``preemption``)
+            _interrupt(trainer, err)
+            trainer._teardown()
+            raise

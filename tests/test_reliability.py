@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_titan import TitanDataModule, TitanStrategy
 from lightning_titan.checkpoint import consolidate, consolidate_optimizers
+from lightning_titan.checkpoint.reader import read_checkpoint_info
 from lightning_titan.config_files import compose_config
 from lightning_titan.faults import Fault
 from lightning_titan.launch import free_port
@@ -56,6 +58,7 @@ class Job:
     stderr: str
     seconds: float  # from launch until every rank was gone (the pipes they share closed)
     fault_at: float | None  # when TITAN_FAULT fired, seconds from launch
+    launcher_s: float  # from launch until the launcher (the process started) exited
 
 
 def _leftovers(pgid: int, marker: str) -> list[int]:
@@ -85,17 +88,20 @@ def _kill(pids: list[int]) -> None:
 
 def launch(
     cmd: list[str], cwd: Path, cache: Path, marker: Path, *, fault: str | None = None,
-    timeout: float = 180,
+    timeout: float = 180, env_extra: dict[str, str] | None = None,
+    on_fault: Callable[[subprocess.Popen, str], None] | None = None,
 ) -> Job:  # fmt: skip
     """Run a job in its own session; kill what is left of it afterwards and fail if anything was.
 
-    ``marker``: a path on the command line unique to this job (it finds torchrun's workers)."""
+    ``marker``: a path on the command line unique to this job (it finds torchrun's workers);
+    ``on_fault(launcher, line)`` runs when the TITAN_FAULT line is printed (e.g. sends a signal)."""
     marker = str(marker)
     assert any(marker in arg for arg in cmd)
     env = {k: v for k, v in os.environ.items() if k not in ("TITAN_FAULT", "LOCAL_RANK")}
     env.update(LIGHTNING_TITAN_CACHE=str(cache), PYTHONPATH=str(ROOT))
     if fault:
         env["TITAN_FAULT"] = fault
+    env.update(env_extra or {})
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -109,6 +115,8 @@ def launch(
         for line in stream:
             if watch and "TITAN_FAULT fired" in line and not fired:
                 fired.append(time.monotonic() - start)
+                if on_fault is not None:
+                    on_fault(proc, line)
             sink.append(line)
 
     readers = [
@@ -117,8 +125,10 @@ def launch(
     ]
     for r in readers:
         r.start()
+    launcher_s = timeout
     try:
         proc.wait(timeout=timeout)
+        launcher_s = time.monotonic() - start
         for r in readers:  # every rank holds the pipes: EOF means every rank is gone
             r.join(timeout=max(1.0, timeout - (time.monotonic() - start)))
         hung = any(r.is_alive() for r in readers)
@@ -133,15 +143,18 @@ def launch(
         except ProcessLookupError:
             pass
         proc.wait()
-    job = Job(proc.returncode, "".join(out), "".join(err), seconds, fired[0] if fired else None)
+    fault_at = fired[0] if fired else None
+    job = Job(proc.returncode, "".join(out), "".join(err), seconds, fault_at, launcher_s)
     assert not hung, f"the job did not end within {timeout} s:\n{job.stderr[-3000:]}"
     assert not leftovers, f"processes {leftovers} outlived the job:\n{job.stderr[-3000:]}"
     return job
 
 
-def titan_fit(config: Path, cwd: Path, cache: Path, *args: str, fault: str | None = None) -> Job:
+def titan_fit(
+    config: Path, cwd: Path, cache: Path, *args: str, fault: str | None = None, **kwargs
+) -> Job:
     cmd = [sys.executable, "-m", "lightning_titan", "fit", "--config", str(config), *args]
-    return launch(cmd, cwd, cache, config, fault=fault)
+    return launch(cmd, cwd, cache, config, fault=fault, **kwargs)
 
 
 def write_config(
@@ -651,3 +664,160 @@ def test_a_script_that_catches_the_failure_keeps_running(tmp_path):
     assert (out / "survived_1").exists(), job.stderr[-3000:]
     assert (out / "survived_0").exists(), job.stderr[-3000:]
     assert job.returncode == 0, job.stderr[-3000:]
+
+
+# -- 6. preemption, interrupts, orphans and stalls (issue 13) ---------------------------------------------
+def _no_temp_dirs(ckpt: Path) -> None:
+    leftovers = [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]
+    assert not leftovers, leftovers
+
+
+def _global_step(checkpoint: Path) -> int:
+    return read_checkpoint_info(checkpoint)["meta"]["global_step"]
+
+
+def _preempted_at(job: Job) -> int:
+    """The global step every rank says it stopped after (the same on both ranks)."""
+    steps = re.findall(
+        r"\[titan\] rank \d/2 preempted \(SIGTERM\) after global_step=(\d+)", job.stderr
+    )
+    assert len(steps) == 2 and len(set(steps)) == 1, job.stderr[-3000:]
+    return int(steps[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sigterm_saves_last_and_exits_143_and_an_interrupt_stops_a_fork_run(work, reference):
+    """1. popen: SIGTERM to rank 1 alone during step 2: both ranks finish step 2, save `last` (global
+    step 3) and exit 143, the launcher too, within seconds; no temp dir is left.
+    2. fork, resumed from that `last`: the curve continues; an interrupt (SIGINT) of the parent during
+    step 4 stops both ranks (they save `last` after the step they are in) instead of returning."""
+    root, cache = work
+    config = write_config(root, "preempt", PP2)
+    ckpt = root / "preempt" / "ckpt"
+    job = titan_fit(config, root, cache, fault="rank=1,step=2,phase=forward,action=term")
+    assert job.returncode == 143, job.stderr[-3000:]
+    assert _preempted_at(job) == 3
+    down = job.seconds - job.fault_at
+    assert down < DOWN_WITHIN_S, f"{down:.1f} s from SIGTERM to every rank gone"
+    assert job.seconds - job.launcher_s < 10
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.endswith(".ckpt")) == [
+        "epoch=0-step=2.ckpt",
+        "last.ckpt",
+    ]
+    assert _global_step(ckpt / "last.ckpt") == 3
+    _no_temp_dirs(ckpt)
+
+    interrupted: list[float] = []
+
+    def interrupt(launcher: subprocess.Popen, line: str) -> None:
+        interrupted.append(time.monotonic())
+        os.kill(launcher.pid, signal.SIGINT)
+
+    fork = "--trainer.strategy.init_args.start_method=fork"
+    start = time.monotonic()
+    job = titan_fit(config, root, cache, "--ckpt_path=last", fork, on_fault=interrupt,
+                    fault="rank=0,step=4,phase=forward,action=note")  # fmt: skip
+    assert interrupted and job.returncode != 0, job.stderr[-3000:]
+    assert "the launcher got KeyboardInterrupt: stopping every rank" in job.stderr
+    assert "the launcher was interrupted: every rank has stopped" in job.stderr
+    down = start + job.seconds - interrupted[0]
+    assert down < DOWN_WITHIN_S, f"{down:.1f} s from the interrupt to every rank gone"
+    stopped_at = _preempted_at(job)
+    assert stopped_at in (5, 6), stopped_at  # after step 4, or 5 when the signal came late
+    *_, resumed_steps = logged_steps(root, "preempt")
+    assert resumed_steps == list(range(3, stopped_at)), resumed_steps
+    curve = losses(root, "preempt")
+    for step in range(stopped_at):
+        assert float(curve[step]) == pytest.approx(float(reference[step]), rel=1e-5), step
+    assert _global_step(ckpt / "last.ckpt") == stopped_at
+    _no_temp_dirs(ckpt)
+
+
+def _dead_rank_job(tmp_path: Path, mode: str, **kwargs) -> Job:
+    out = tmp_path / mode
+    cmd = [sys.executable, str(SCRIPTS / "dead_rank.py"), mode, str(out)]
+    return launch(cmd, tmp_path, tmp_path / "cache", out, timeout=240, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_is_named_and_killed(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at step 3: rank 0 times out (5 s) naming the stopped rank and
+    what it waited in, and the launcher kills the stopped rank (it would hold the job forever)."""
+    job = _dead_rank_job(tmp_path, "stop")
+    assert job.returncode != 0
+    named = re.search(
+        r"\[titan\] rank 0/2 .*failed: rank 1 \(pid (\d+)\) is stopped \(SIGSTOP\) and stalled the "
+        r"job; this rank was waiting in \S+",
+        job.stderr,
+    )
+    assert named, job.stderr[-3000:]
+    assert f"rank 1 (pid {named.group(1)}) is stopped (SIGSTOP): killing it" in job.stderr
+    assert job.seconds - job.launcher_s < 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ranks_leave_when_the_launcher_fails_before_the_rendezvous(tmp_path):
+    """MASTER_PORT is taken: the launcher fails to open the rendezvous; its ranks, still starting or
+    waiting for a rendezvous that never comes, are gone within seconds (not timeout_minutes)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        job = _dead_rank_job(tmp_path, "plain", env_extra={"MASTER_PORT": port})
+    assert job.returncode != 0
+    assert "EADDRINUSE" in job.stderr, job.stderr[-3000:]
+    assert job.seconds - job.launcher_s < 10, f"{job.seconds - job.launcher_s:.1f} s"
+
+
+# orphans.py is standard library only: loaded by path, without the package (and torch), in a second
+_LOAD_ORPHANS = f"""
+import importlib.util
+spec = importlib.util.spec_from_file_location("orphans", {str(ROOT / "lightning_titan" / "orphans.py")!r})
+orphans = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(orphans)
+"""
+_KILLED_LAUNCHER = (
+    _LOAD_ORPHANS
+    + """
+import os, subprocess, sys, types
+
+shim = types.SimpleNamespace(subprocess=subprocess)  # as Lightning's launcher module holds it
+started = LOAD + "orphans.watch_launcher(); print('ready', flush=True); import time; time.sleep(120)"
+env = dict(os.environ, TITAN_LAUNCHER_PID=str(os.getpid()))
+with orphans.die_with_launcher(shim):
+    starting = shim.subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    started = shim.subprocess.Popen([sys.executable, "-c", started], env=env)
+print(starting.pid, started.pid, flush=True)
+started.wait()
+""".replace("LOAD", repr(_LOAD_ORPHANS))
+)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_die_with_a_launcher_killed_during_start_up(tmp_path):
+    """kill -9 of the launcher: a rank still starting (no code of ours ran yet) ends at once, one that
+    watches it (from its first import of lightning_titan) within orphans.GONE_S; both within 10 s."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TITAN_LAUNCHER_PID", None)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_LAUNCHER], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert parent.stdout.readline().strip() == "ready"
+        parent.kill()
+        killed = time.monotonic()
+        while any(_leftovers(parent.pid, "no-marker")) and time.monotonic() - killed < 20:
+            time.sleep(0.05)
+        gone_s = time.monotonic() - killed
+        assert not _leftovers(parent.pid, "no-marker"), f"{pids} outlived the launcher by 20 s"
+        assert gone_s < 10, gone_s
+    finally:
+        _kill(_leftovers(parent.pid, "no-marker"))
+        parent.kill()
+        parent.wait()
+    assert f"the launcher (pid {parent.pid}) is gone" in parent.stderr.read()

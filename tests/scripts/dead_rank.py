@@ -4,24 +4,30 @@ python tests/scripts/dead_rank.py stuck OUT    # rank 1 dies; rank 0 blocks in a
                                                # fails (as NCCL does not notice a dead peer)
 python tests/scripts/dead_rank.py caught OUT   # both ranks raise, catch the error, wait past the
                                                # grace period and write OUT/survived_<rank>
+python tests/scripts/dead_rank.py stop OUT     # rank 1 stops itself (SIGSTOP); collective timeout 5 s
+python tests/scripts/dead_rank.py plain OUT    # no failure (the test breaks the launcher itself)
 """
 
 import os
+import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_titan import TitanStrategy
 
 FAIL_AT = 3
 TIMEOUT_MINUTES = 0.5  # the grace period is derived from it: 30 s
+STALL_TIMEOUT_S = 5  # "stop": the collective timeout once training runs (the rendezvous keeps 30 s)
 
 
 class Regressor(L.LightningModule):
@@ -36,6 +42,10 @@ class Regressor(L.LightningModule):
             sys.stderr.write(f"rank {self.global_rank} reached the failure step at {time.time()}\n")
             if self.mode == "caught":
                 raise RuntimeError(f"rank {self.global_rank} fails on purpose")
+            if self.mode == "stop" and self.global_rank == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if self.mode in ("stop", "plain"):
+                return nn.functional.mse_loss(self.net(batch[0]), batch[1])
             if self.global_rank == 1:
                 os._exit(7)
             threading.Event().wait()  # a collective that never notices the dead peer
@@ -43,6 +53,12 @@ class Regressor(L.LightningModule):
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True)
         return loss
+
+    def on_train_start(self):
+        if self.mode == "stop":  # a short timeout, but not for the rendezvous on a loaded machine
+            timeout = timedelta(seconds=STALL_TIMEOUT_S)
+            for group in [None, *vars(self.trainer.strategy.groups).values()]:
+                _set_pg_timeout(timeout, group)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-2)

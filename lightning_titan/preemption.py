@@ -1,0 +1,116 @@
+"""Preemption: SIGTERM (what SLURM and Kubernetes send) stops the job after the same step on every
+rank, with ``last`` saved through the normal checkpoint path, and exit code 143.
+
+- ``on_sigterm``: the handler only sets a flag. Lightning's own handler is replaced once training
+  starts: it runs a broadcast inside the handler and stops only the rank that got the signal. (A fork
+  launcher's parent, no rank, forwards the signal to the ranks: ``supervisor.TitanForkLauncher``.)
+- ``start_agreement``/``decide``: the ranks agree on the flag once per step, in one tiny all-reduce whose
+  result rides on the step's one host read (``TitanStrategy.finish_gradients``). Once they agree,
+  ``trainer.received_sigterm`` is set on every rank, so Lightning's loop raises ``SIGTERMException``
+  on every rank at the end of the same step.
+- ``Preemptible.on_exception``: every rank then saves ``last`` (``save_sharded`` is collective and
+  atomic) and the exception's exit code becomes 143.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_titan import supervisor
+
+EXIT_CODE = 128 + signal.SIGTERM  # 143: what a shell and a scheduler report for "terminated"
+_requested = threading.Event()  # this process got SIGTERM
+
+
+def on_sigterm(signum: int, frame: Any) -> None:
+    """Set the flag; nothing else (a handler may run between any two bytecodes of a collective)."""
+    first = not _requested.is_set()
+    _requested.set()
+    if first:  # one raw write: the stream's buffer may be in use by the interrupted code
+        line = f"[titan] pid {os.getpid()} got SIGTERM: stopping after this step, saving last\n"
+        os.write(2, line.encode())
+
+
+def install() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def start_agreement(device: torch.device) -> Callable[[], torch.Tensor]:
+    """Start the all-reduce (max over the world) of this rank's flag; the returned function waits
+    for it (on CUDA: the stream waits, the host does not) and gives the agreed flag, 0-dim."""
+    flag = torch.tensor(1.0 if _requested.is_set() else 0.0, device=device)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return lambda: flag
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+
+    def agreed() -> torch.Tensor:
+        work.wait()
+        return flag
+
+    return agreed
+
+
+class Preemptible:
+    """A mixin of ``TitanStrategy``: install the handler, act on the agreement, save ``last``."""
+
+    _preempted_at: int | None = None  # the global step after which every rank stops
+
+    def on_train_start(self: Any) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        install()  # after Lightning registered its own handler (Trainer._run), before the first step
+
+    def decide(self: Any, agreed: float) -> None:
+        """``agreed``: the all-reduced flag, read with the step's other numbers."""
+        if agreed > 0 and self._preempted_at is None:
+            trainer = self.lightning_module.trainer
+            self._preempted_at = trainer.global_step
+            supervisor.preempting.set()  # the launcher's watcher: a rank's exit 143 is no failure
+            trainer._signal_connector.received_sigterm = True  # Lightning stops after this step
+
+    def on_exception(self: Any, exception: BaseException) -> None:
+        if isinstance(self.launcher, supervisor.TitanForkLauncher) and not dist.is_initialized():
+            if isinstance(exception, (KeyboardInterrupt, SystemExit)):  # the parent: no failure
+                what = "interrupted" if isinstance(exception, KeyboardInterrupt) else "preempted"
+                supervisor.say(f"[titan] the launcher was {what}: every rank has stopped")
+                return
+        if not (isinstance(exception, SIGTERMException) and self._preempted_at is not None):
+            super().on_exception(exception)  # type: ignore[misc]
+            return
+        trainer = self.lightning_module.trainer
+        saved = save_last(trainer)
+        where = f"rank {self.global_rank}/{self.world_size}"
+        what = f"saved {', '.join(saved)}" if saved else "no ModelCheckpoint: nothing saved"
+        supervisor.say(
+            f"[titan] {where} preempted (SIGTERM) after global_step={trainer.global_step}: {what}; "
+            f"exit code {EXIT_CODE}"
+        )
+        exception.code = EXIT_CODE
+        procs = getattr(self.launcher, "procs", None)
+        if procs and self.global_rank == 0:  # the popen launcher leaves after its ranks
+            supervisor.wait_for(procs, self.options.grace_s)
+
+
+def save_last(trainer: Any) -> list[str]:
+    """Collective: save ``last`` of every ModelCheckpoint (unless it already holds this step)."""
+    saved = []
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint) or not callback.dirpath:
+            continue
+        done = callback.save_last and callback._last_global_step_saved == trainer.global_step
+        if not (done and callback.last_model_path):
+            candidates = callback._monitor_candidates(trainer)
+            path = callback.format_checkpoint_name(candidates, callback.CHECKPOINT_NAME_LAST)
+            callback.last_model_path = path
+            trainer.save_checkpoint(path, weights_only=False)
+        saved.append(callback.last_model_path)
+    return saved
