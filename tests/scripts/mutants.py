@@ -124,7 +124,19 @@ def run(name: str, timeout_s: float) -> tuple[str, float]:
         ).stdout.strip()  # fmt: skip
         if not where.startswith(str(copy)):
             raise SystemExit(f"the copy imports lightning_titan from {where!r}, not {copy}")
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
+        # one process (no xdist): a failure is pytest rc 1, and -x stops at once
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            *args,
+        ]
         start = time.monotonic()
         try:
             proc = subprocess.run(
