@@ -52,7 +52,14 @@ class ShardedCheckpointHooks:
                 "TitanStrategy.save_checkpoint does not take storage_options (it writes DCP shards)"
             )
         dims = self.parallel_dims
-        layout = {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "schedule": self.options.schedule}
+        o = self.options  # the zero level is a record only: the state loads under any other
+        layout = {
+            "dp": dims.dp,
+            "pp": dims.pp,
+            "ep": dims.ep,
+            "schedule": o.schedule,
+            "zero": o.zero,
+        }
         if self._global_batch_size() is not None:
             layout["global_batch_size"] = self._global_batch_size()
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
