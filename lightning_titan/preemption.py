@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_titan import supervisor
@@ -90,6 +91,18 @@ class Preemptible:
         super().on_train_start()  # type: ignore[misc]
         install(self.world_size)  # after Lightning registered its handlers (Trainer._run)
 
+    def on_validation_start(self: Any) -> None:
+        super().on_validation_start()  # type: ignore[misc]
+        _outside_fit(self)
+
+    def on_test_start(self: Any) -> None:
+        super().on_test_start()  # type: ignore[misc]
+        _outside_fit(self)
+
+    def on_predict_start(self: Any) -> None:
+        super().on_predict_start()  # type: ignore[misc]
+        _outside_fit(self)
+
     def decide(self: Any, agreed: float) -> None:
         """``agreed``: the all-reduced flag (a signal's number, or 0), read with the step's numbers."""
         if agreed > 0 and self._preempted_at is None:
@@ -122,6 +135,26 @@ class Preemptible:
         procs = getattr(self.launcher, "procs", None)
         if procs and self.global_rank == 0:  # the popen launcher leaves after its ranks
             supervisor.wait_for(procs, self.options.grace_s)
+
+
+def _outside_fit(strategy: Any) -> None:
+    """``titan validate``/``test``/``predict``: no step to agree on, nothing to save, so SIGTERM stops
+    this process (and the ranks a popen launcher started) at once, exit code 143. Lightning's own
+    handler would broadcast inside the handler, which blocks, mid-collective, until the timeout."""
+    trainer = strategy.lightning_module.trainer
+    if trainer.state.fn == TrainerFn.FITTING:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    grace_s = strategy.options.grace_s
+    loggers = list(trainer.loggers)
+
+    def stop_now(signum: int, frame: Any) -> None:
+        supervisor.say(f"[titan] pid {os.getpid()} got SIGTERM outside training: stopping now")
+        supervisor.kill_ranks()
+        supervisor.leave(EXIT_CODE, grace_s, loggers)
+
+    signal.signal(signal.SIGTERM, stop_now)  # Trainer._teardown restores the previous handler
 
 
 def save_last(trainer: Any) -> list[str]:

@@ -771,6 +771,25 @@ def test_ctrl_c_to_the_popen_launcher_stops_every_rank_after_the_step_with_last_
         assert float(curve[step]) == pytest.approx(float(reference[step]), rel=1e-5), step
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_sigterm_to_the_launcher_during_titan_validate_stops_every_rank_with_143(work):
+    """Outside training steps there is no step to finish and nothing to save, but a SIGTERM must still
+    stop every rank within seconds, with 143 (Lightning's SIGTERMException alone exits with 0)."""
+    root, cache = work
+    config = write_config(root, "validate", PP2)
+    sent: list[float] = []
+    cmd = [sys.executable, "-m", "lightning_titan", "validate", "--config", str(config),
+           "--trainer.limit_val_batches=200"]  # fmt: skip
+    start = time.monotonic()
+    job = launch(cmd, root, cache, config, fault="rank=1,step=0,phase=p2p,action=note",
+                 on_fault=_signal_launcher(signal.SIGTERM, sent), timeout=120)  # fmt: skip
+    assert sent and job.returncode == 143, job.stderr[-3000:]
+    down = start + job.seconds - sent[0]
+    assert down < DOWN_WITHIN_S, f"{down:.1f} s from SIGTERM to every rank gone"
+    assert job.seconds - job.launcher_s < 10
+
+
 def _dead_rank_job(tmp_path: Path, mode: str, **kwargs) -> Job:
     out = tmp_path / mode
     cmd = [sys.executable, str(SCRIPTS / "dead_rank.py"), mode, str(out)]
