@@ -758,6 +758,8 @@ def test_ctrl_c_to_the_popen_launcher_stops_every_rank_after_the_step_with_last_
                     on_fault=_signal_launcher(signal.SIGINT, sent), timeout=150)  # fmt: skip
     assert sent and job.returncode == 130, job.stderr[-3000:]
     assert "got SIGINT: stopping after this step, saving last" in job.stderr
+    # the launcher's watcher knows a rank's 130 after the agreement is no failure
+    assert not re.search(r"rank \d \(pid \d+\) exited with code", job.stderr), job.stderr[-3000:]
     stopped_at = _preempted_at(job, "interrupted", "SIGINT")
     assert stopped_at in (2, 3), stopped_at  # after step 1, or 2 when the signal came late
     down = start + job.seconds - sent[0]
