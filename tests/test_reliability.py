@@ -268,6 +268,36 @@ def reference(work) -> dict[int, str]:
 
 
 # -- unit checks (no processes) ------------------------------------------------------------------------
+def test_ctrl_c_is_taken_over_only_in_a_job_of_several_processes_and_not_where_ignored(
+    monkeypatch,
+):
+    """SIGINT becomes the agreed stop in a rank of a multi-process job; a single process keeps
+    Lightning's KeyboardInterrupt (a notebook's interrupt), and a fork rank keeps ignoring it (its
+    parent decides). The flag the ranks agree on is the signal's number: SIGTERM (15) wins over 2."""
+    from lightning_titan import preemption
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(preemption, "_requested", threading.Event())
+    monkeypatch.setattr(preemption, "_signum", 0)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        preemption.install(1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is preemption.on_signal
+        preemption.install(2)
+        assert signal.getsignal(signal.SIGINT) is preemption.on_signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        preemption.install(2)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert preemption.start_agreement(torch.device("cpu"))().item() == 0
+        preemption.on_signal(signal.SIGINT, None)
+        preemption.on_signal(signal.SIGTERM, None)  # a later signal changes nothing
+        assert preemption.start_agreement(torch.device("cpu"))().item() == signal.SIGINT
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
 def test_fault_spec_is_parsed_and_checked():
     fault = Fault.parse("rank=1,step=2,phase=backward,action=kill")
     assert fault == Fault(1, 2, "backward", "kill")
