@@ -15,6 +15,7 @@ rank, with ``last`` saved through the normal checkpoint path, and exit code 143.
   on every rank at the end of the same step.
 - ``Preemptible.on_exception``: every rank then saves ``last`` (``save_sharded`` is collective and
   atomic) and the exception's exit code becomes 143 (130 when SIGINT was the only signal).
+- ``_outside_fit``: in ``validate``/``test``/``predict`` a SIGTERM stops at once (nothing to save).
 """
 
 from __future__ import annotations
