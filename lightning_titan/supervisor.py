@@ -52,7 +52,7 @@ from lightning_titan.peers import dead_peers, failure_report, gather_peers
 __all__ = ["LAUNCHER_PID", "dead_peers", "failure_report", "gather_peers", "watch_launcher"]
 LAUNCHER_WAIT_S = 3.0  # after a rank died: how long the launcher's own failure may take to start
 _failing = threading.Event()  # set once this process is in Lightning's failure handling
-preempting = threading.Event()  # the ranks agreed to stop on SIGTERM: an exit code 143 is expected
+preempting = threading.Event()  # the ranks agreed to stop (SIGTERM, SIGINT): 143 or 130 expected
 _children: list[tuple[int, Popen]] = []  # (rank, process) this process (the popen launcher) started
 
 
@@ -149,7 +149,7 @@ class _RankWatcher(threading.Thread):
         while True:
             time.sleep(0.2)
             codes = [p.poll() for p in self.procs]
-            done = (0, 143) if preempting.is_set() else (0,)  # 143: preempted, `last` saved
+            done = (0, 130, 143) if preempting.is_set() else (0,)  # stopped, `last` saved
             if all(code in done for code in codes):
                 return
             failed = [(i, code) for i, code in enumerate(codes) if code not in (None, *done)]
@@ -269,6 +269,16 @@ def _leave_unless_done(call: Any, grace_s: float) -> None:
     trainer = call.f_locals.get("trainer")
     del call
     leave(1, grace_s, list(getattr(trainer, "loggers", None) or []))
+
+
+def kill_ranks() -> None:
+    """SIGKILL the ranks this process (the popen launcher) started; safe in a signal handler."""
+    for _, p in _children:
+        if p.returncode is None:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def wait_for(procs: Sequence[Popen], grace_s: float) -> None:

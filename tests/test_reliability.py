@@ -268,6 +268,36 @@ def reference(work) -> dict[int, str]:
 
 
 # -- unit checks (no processes) ------------------------------------------------------------------------
+def test_ctrl_c_is_taken_over_only_in_a_job_of_several_processes_and_not_where_ignored(
+    monkeypatch,
+):
+    """SIGINT becomes the agreed stop in a rank of a multi-process job; a single process keeps
+    Lightning's KeyboardInterrupt (a notebook's interrupt), and a fork rank keeps ignoring it (its
+    parent decides). The flag the ranks agree on is the signal's number: SIGTERM (15) wins over 2."""
+    from lightning_titan import preemption
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(preemption, "_requested", threading.Event())
+    monkeypatch.setattr(preemption, "_signum", 0)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        preemption.install(1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is preemption.on_signal
+        preemption.install(2)
+        assert signal.getsignal(signal.SIGINT) is preemption.on_signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        preemption.install(2)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert preemption.start_agreement(torch.device("cpu"))().item() == 0
+        preemption.on_signal(signal.SIGINT, None)
+        preemption.on_signal(signal.SIGTERM, None)  # a later signal changes nothing
+        assert preemption.start_agreement(torch.device("cpu"))().item() == signal.SIGINT
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
 def test_fault_spec_is_parsed_and_checked():
     fault = Fault.parse("rank=1,step=2,phase=backward,action=kill")
     assert fault == Fault(1, 2, "backward", "kill")
@@ -676,47 +706,54 @@ def _global_step(checkpoint: Path) -> int:
     return read_checkpoint_info(checkpoint)["meta"]["global_step"]
 
 
-def _preempted_at(job: Job) -> int:
+def _preempted_at(job: Job, how: str = "preempted", name: str = "SIGTERM") -> int:
     """The global step every rank says it stopped after (the same on both ranks)."""
-    steps = re.findall(
-        r"\[titan\] rank \d/2 preempted \(SIGTERM\) after global_step=(\d+)", job.stderr
-    )
+    steps = re.findall(rf"\[titan\] rank \d/2 {how} \({name}\) after global_step=(\d+)", job.stderr)
     assert len(steps) == 2 and len(set(steps)) == 1, job.stderr[-3000:]
     return int(steps[0])
+
+
+def _signal_launcher(signum: int, sent: list[float]) -> Callable[[subprocess.Popen, str], None]:
+    """An ``on_fault``: the signal to the launcher (popen: rank 0; fork: the parent), as a scheduler
+    or a terminal sends it, when the TITAN_FAULT ``note`` line is printed; ``sent``: when."""
+
+    def send(launcher: subprocess.Popen, line: str) -> None:
+        sent.append(time.monotonic())
+        os.kill(launcher.pid, signum)
+
+    return send
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigterm_saves_last_and_exits_143_and_an_interrupt_stops_a_fork_run(work, reference):
-    """1. popen: SIGTERM to rank 1 alone during step 2: both ranks finish step 2, save `last` (global
-    step 3) and exit 143, the launcher too, within seconds; no temp dir is left.
+    """1. popen: SIGTERM to the launcher (rank 0) while rank 1 is in step 2: both ranks finish the
+    step they are in, save `last` and exit 143, the launcher after them, within seconds; no temp dir.
     2. fork, resumed from that `last`: the curve continues; an interrupt (SIGINT) of the parent during
     step 4 stops both ranks (they save `last` after the step they are in) instead of returning."""
     root, cache = work
     config = write_config(root, "preempt", PP2)
     ckpt = root / "preempt" / "ckpt"
-    job = titan_fit(config, root, cache, fault="rank=1,step=2,phase=forward,action=term")
-    assert job.returncode == 143, job.stderr[-3000:]
-    assert _preempted_at(job) == 3
-    down = job.seconds - job.fault_at
+    sent: list[float] = []
+    start = time.monotonic()
+    job = titan_fit(config, root, cache, fault="rank=1,step=2,phase=forward,action=note",
+                    on_fault=_signal_launcher(signal.SIGTERM, sent))  # fmt: skip
+    assert sent and job.returncode == 143, job.stderr[-3000:]
+    first_stop = _preempted_at(job)
+    assert first_stop in (3, 4), first_stop  # after step 2, or 3 when the signal came late
+    down = start + job.seconds - sent[0]
     assert down < DOWN_WITHIN_S, f"{down:.1f} s from SIGTERM to every rank gone"
     assert job.seconds - job.launcher_s < 10
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.endswith(".ckpt")) == [
-        "epoch=0-step=2.ckpt",
-        "last.ckpt",
-    ]
-    assert _global_step(ckpt / "last.ckpt") == 3
+    saved = sorted(p.name for p in ckpt.iterdir() if p.name.endswith(".ckpt"))
+    assert saved == [f"epoch=0-step={s}.ckpt" for s in range(2, first_stop + 1, 2)] + ["last.ckpt"]
+    assert _global_step(ckpt / "last.ckpt") == first_stop
     _no_temp_dirs(ckpt)
 
     interrupted: list[float] = []
-
-    def interrupt(launcher: subprocess.Popen, line: str) -> None:
-        interrupted.append(time.monotonic())
-        os.kill(launcher.pid, signal.SIGINT)
-
     fork = "--trainer.strategy.init_args.start_method=fork"
     start = time.monotonic()
-    job = titan_fit(config, root, cache, "--ckpt_path=last", fork, on_fault=interrupt,
+    job = titan_fit(config, root, cache, "--ckpt_path=last", fork,
+                    on_fault=_signal_launcher(signal.SIGINT, interrupted),
                     fault="rank=0,step=4,phase=forward,action=note")  # fmt: skip
     assert interrupted and job.returncode != 0, job.stderr[-3000:]
     assert "the launcher got KeyboardInterrupt: stopping every rank" in job.stderr
@@ -726,12 +763,63 @@ def test_sigterm_saves_last_and_exits_143_and_an_interrupt_stops_a_fork_run(work
     stopped_at = _preempted_at(job)
     assert stopped_at in (5, 6), stopped_at  # after step 4, or 5 when the signal came late
     *_, resumed_steps = logged_steps(root, "preempt")
-    assert resumed_steps == list(range(3, stopped_at)), resumed_steps
+    assert resumed_steps == list(range(first_stop, stopped_at)), resumed_steps
     curve = losses(root, "preempt")
     for step in range(stopped_at):
         assert float(curve[step]) == pytest.approx(float(reference[step]), rel=1e-5), step
     assert _global_step(ckpt / "last.ckpt") == stopped_at
     _no_temp_dirs(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_ctrl_c_to_the_popen_launcher_stops_every_rank_after_the_step_with_last_saved(
+    work, reference
+):
+    """SIGINT (a terminal's Ctrl+C) to the popen launcher while rank 1 is in step 1: like SIGTERM,
+    both ranks finish the step, save `last` and exit, with 130 (the shell's code for SIGINT), instead
+    of Lightning's KeyboardInterrupt handling (ranks killed wherever they are, nothing saved)."""
+    root, cache = work
+    config = write_config(root, "ctrl_c", PP2)
+    ckpt = root / "ctrl_c" / "ckpt"
+    sent: list[float] = []
+    start = time.monotonic()
+    job = titan_fit(config, root, cache, fault="rank=1,step=1,phase=forward,action=note",
+                    on_fault=_signal_launcher(signal.SIGINT, sent), timeout=150)  # fmt: skip
+    assert sent and job.returncode == 130, job.stderr[-3000:]
+    assert "got SIGINT: stopping after this step, saving last" in job.stderr
+    # the launcher's watcher knows a rank's 130 after the agreement is no failure
+    assert not re.search(r"rank \d \(pid \d+\) exited with code", job.stderr), job.stderr[-3000:]
+    stopped_at = _preempted_at(job, "interrupted", "SIGINT")
+    assert stopped_at in (2, 3), stopped_at  # after step 1, or 2 when the signal came late
+    down = start + job.seconds - sent[0]
+    assert down < DOWN_WITHIN_S, f"{down:.1f} s from SIGINT to every rank gone"
+    assert job.seconds - job.launcher_s < 10
+    assert _global_step(ckpt / "last.ckpt") == stopped_at
+    _no_temp_dirs(ckpt)
+    curve = losses(root, "ctrl_c")
+    assert sorted(curve) == list(range(stopped_at)), curve
+    for step in range(stopped_at):
+        assert float(curve[step]) == pytest.approx(float(reference[step]), rel=1e-5), step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_sigterm_to_the_launcher_during_titan_validate_stops_every_rank_with_143(work):
+    """Outside training steps there is no step to finish and nothing to save, but a SIGTERM must still
+    stop every rank within seconds, with 143 (Lightning's SIGTERMException alone exits with 0)."""
+    root, cache = work
+    config = write_config(root, "validate", PP2)
+    sent: list[float] = []
+    cmd = [sys.executable, "-m", "lightning_titan", "validate", "--config", str(config),
+           "--trainer.limit_val_batches=200"]  # fmt: skip
+    start = time.monotonic()
+    job = launch(cmd, root, cache, config, fault="rank=1,step=0,phase=p2p,action=note",
+                 on_fault=_signal_launcher(signal.SIGTERM, sent), timeout=120)  # fmt: skip
+    assert sent and job.returncode == 143, job.stderr[-3000:]
+    down = start + job.seconds - sent[0]
+    assert down < DOWN_WITHIN_S, f"{down:.1f} s from SIGTERM to every rank gone"
+    assert job.seconds - job.launcher_s < 10
 
 
 def _dead_rank_job(tmp_path: Path, mode: str, **kwargs) -> Job:
