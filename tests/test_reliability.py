@@ -773,6 +773,23 @@ def test_sigterm_saves_last_and_exits_143_and_an_interrupt_stops_a_fork_run(work
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(work):
+    """SIGTERM to rank 1 alone (a node agent signalling one process) during step 2: the ranks agree,
+    both finish step 2, save `last` (global step 3) and exit 143, the launcher after them."""
+    root, cache = work
+    config = write_config(root, "preempt_rank", PP2)
+    ckpt = root / "preempt_rank" / "ckpt"
+    job = titan_fit(config, root, cache, fault="rank=1,step=2,phase=forward,action=term")
+    assert job.returncode == 143, job.stderr[-3000:]
+    assert _preempted_at(job) == 3
+    assert job.seconds - job.fault_at < DOWN_WITHIN_S, job.seconds - job.fault_at
+    assert job.seconds - job.launcher_s < 10
+    assert _global_step(ckpt / "last.ckpt") == 3
+    _no_temp_dirs(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_ctrl_c_to_the_popen_launcher_stops_every_rank_after_the_step_with_last_saved(
     work, reference
 ):
