@@ -330,6 +330,22 @@ class TitanForkLauncher(_MultiProcessingLauncher):
             if main:
                 signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
 
+    @override
+    def get_extra_results(self, trainer: Any) -> dict[str, Any]:
+        # the version folder rank 0's loggers wrote into: the parent's own loggers logged nothing, and
+        # asked for a log_dir they would pick the next free version, a folder that does not exist
+        extra = super().get_extra_results(trainer)
+        extra["titan_logger_versions"] = [getattr(lg, "version", None) for lg in trainer.loggers]
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
+        versions = extra.pop("titan_logger_versions", [])
+        super().update_main_process_results(trainer, extra)
+        for logger, version in zip(trainer.loggers, versions, strict=False):
+            if version is not None and hasattr(logger, "_version"):
+                logger._version = version
+
     def _forward_sigterm(self, signum: int, frame: Any) -> None:
         self._sigterm = True
         for p in self.procs:

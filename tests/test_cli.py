@@ -223,6 +223,11 @@ def test_the_main_job_trains_the_single_process_curve(runs):
         "== titan fit: done" in stdout["dp_pp_ep"]
         and "dp=2 pp=2 ep=2 (8 ranks)" in stdout["dp_pp_ep"]
     )
+    # and each summary names the metrics file the run wrote (under fork the launcher, which logged
+    # nothing itself, prints it: it must name the ranks' version folder, not a next, empty one)
+    for name in TRAINED:
+        (logs,) = re.findall(r"^logs +(\S+)$", stdout[name], flags=re.M)
+        assert Path(logs) == (cwd / "runs" / name / "version_0" / "metrics.csv").resolve(), name
 
 
 # what the main job printed before issue 12, each something a user could do nothing about
