@@ -13,12 +13,12 @@ from typing import Any
 from lightning_titan.batching import check_microbatch_args, local_batch_size, num_microbatches
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.pipeline.schedules import SCHEDULES
+from lightning_titan.zero import LEVELS as ZERO_LEVELS
 
 REDUCERS = ("bucketed", "per_param")
 ON_NONFINITE = ("raise", "skip")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 PRECISIONS = ("32-true", "bf16-mixed")
-ZERO_LEVELS = (0, 1)
 
 
 def _choose(values: Any) -> str:

@@ -21,6 +21,8 @@ import time
 import zlib
 from pathlib import Path
 
+from lightning_titan import orphans
+
 MARKER = "COMPLETE"
 META_FILE = "meta.pt"
 DCP_METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator
@@ -33,19 +35,6 @@ def new_token() -> str:
 
 
 _TOKEN = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{12}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    try:  # a killed process its parent has not reaped yet is dead too
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _newest_mtime(path: Path) -> float:
@@ -67,7 +56,7 @@ def is_dead(path: Path, leftover: Path, since: float) -> bool:
     match = _TOKEN.fullmatch(token)
     if match and match["host"] == socket.gethostname():
         pid = int(match["pid"])
-        return pid == os.getpid() or not _pid_alive(pid)
+        return pid == os.getpid() or not orphans.running(pid)
     try:
         return _newest_mtime(leftover) < since
     except FileNotFoundError:
