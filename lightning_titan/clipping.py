@@ -1,13 +1,13 @@
-"""Gradient-norm clipping composed across expert and pipeline parallelism (DESIGN invariant 4).
+"""Gradient-norm clipping composed across pipeline, expert and tensor parallelism (DESIGN invariant 4).
 
-After the reducers, non-expert grads are identical across the EP group (they live in the
-non-expert-DP group) while each EP rank owns different experts, and each pipeline stage owns
-different layers. So the norm of the whole model's gradient is
-
-    norm^2 = sum over stages of (non-expert local norm^2 + sum over the EP group of expert norm^2)
-
-which needs the expert part summed over EP first, then everything summed over PP. DP replicas
-already hold identical grads, so DP is never reduced here.
+After the reducers, the ranks of one data-parallel replica (the ``model`` group: pp x ep x tp) hold
+each parameter of the model either as a distinct part (each stage its layers, each EP rank its
+experts, each TP rank its heads and vocabulary rows) or as an identical copy (non-expert parameters
+across the EP group; the norms, routers and experts across the TP group). So the norm of the whole
+model's gradient is one sum over the ``model`` group in which every rank counts the parameters it
+holds a part of, and a copy only on the first rank of the axes it is copied over (``counted``):
+exact values, no division by a replica count, one all-reduce. DP replicas hold identical grads, so
+DP is never reduced here.
 """
 
 from __future__ import annotations
@@ -31,37 +31,32 @@ def _local_sq_norm(grads: list[Tensor], device: torch.device) -> Tensor:
 
 
 def clip_grad_norm_(
-    expert_params: Iterable[nn.Parameter],
-    non_expert_params: Iterable[nn.Parameter],
+    params: Iterable[nn.Parameter],
     max_norm: float | None,
     *,
-    ep_group: dist.ProcessGroup | None,
-    pp_group: dist.ProcessGroup | None,
+    counted: Iterable[nn.Parameter] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """Return the pre-clip norm of the whole model's gradient, the same fp32 number on every rank.
 
-    If ``max_norm`` is given, scale every local grad by ``min(1, max_norm / (norm + 1e-6))`` as
-    ``torch.nn.utils.clip_grad_norm_`` does. A non-finite norm is returned without scaling so the
-    caller can skip or stop. Grads that are None count as zero; groups None or of size 1 are skipped.
+    ``counted``: the parameters whose squared grads this rank adds to the sum over ``group`` (default:
+    all of ``params``). If ``max_norm`` is given, scale every grad of ``params`` by
+    ``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_`` does. A non-finite norm
+    is returned without scaling so the caller can skip or stop. Grads that are None count as zero; a
+    group None or of size 1 is skipped.
     """
     if max_norm is not None and not max_norm > 0:  # also rejects NaN
         raise ValueError(
             f"max_norm={max_norm!r} must be a positive number, or None to only measure the norm"
         )
-    expert_params, non_expert_params = list(expert_params), list(non_expert_params)
-    expert = [p.grad for p in expert_params if p.grad is not None]
-    non_expert = [p.grad for p in non_expert_params if p.grad is not None]
-    grads = expert + non_expert
+    params = list(params)
+    counted = params if counted is None else list(counted)
+    grads = [p.grad for p in params if p.grad is not None]
     # The parameters' device also on a rank without grads: an NCCL group only takes CUDA tensors.
-    params = expert_params + non_expert_params
     device = params[0].device if params else torch.device("cpu")
-
-    expert_sq = _local_sq_norm(expert, device)
-    if not _is_trivial(ep_group):
-        dist.all_reduce(expert_sq, group=ep_group)
-    total_sq = _local_sq_norm(non_expert, device) + expert_sq
-    if not _is_trivial(pp_group):
-        dist.all_reduce(total_sq, group=pp_group)
+    total_sq = _local_sq_norm([p.grad for p in counted if p.grad is not None], device)
+    if not _is_trivial(group):
+        dist.all_reduce(total_sq, group=group)
     total = total_sq.sqrt()
 
     if max_norm is not None and grads:

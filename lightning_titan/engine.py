@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from lightning_titan import probes
 from lightning_titan import zero as zero_levels
 from lightning_titan.clipping import clip_grad_norm_
-from lightning_titan.model import StageModel, split_expert_parameters
+from lightning_titan.model import COPIED_OVER, EXPERT, StageModel, grad_group_kinds
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
 from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import get_schedule
@@ -62,27 +62,42 @@ class Engine:
             raise ValueError(
                 f"zero={zero!r} is not a ZeRO level; choose one of {zero_levels.LEVELS}"
             )
-        self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
-        expert, non_expert = split_expert_parameters(module)
-        self.expert_params = [p for _, p in expert]
-        self.non_expert_params = [p for _, p in non_expert]
-        scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
-
-        def reducer_over(params: list[nn.Parameter], group: dist.ProcessGroup) -> GradReducer:
-            return GradReducer(
-                params, group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
+        if zero and dims.tp > 1:
+            raise ValueError(
+                f"zero={zero} with tp={dims.tp} is not supported yet: the optimizer-state shards "
+                "of TP-sharded weights are not saved under global names; use zero=0 with tp > 1"
             )
+        self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
+        kinds = grad_group_kinds(module)
+        self.expert_params = [p for _, p, kind in kinds if kind == EXPERT]
+        scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
+        # 1/data_world = 1/dp (the expert-DP average) / ep: an expert owner sums every EP rank's
+        # tokens; the TP ranks' grads are parts of one sum (their own tokens, heads or vocabulary)
 
-        if dims.ep == 1:
-            # expert-DP and non-expert-DP are the same ranks: one reducer, fewer and fuller buckets
-            params = [p for p in module.parameters() if p.requires_grad]
-            self.reducers = [reducer_over(params, groups.non_expert_dp)]
-        else:
-            self.reducers = [
-                reducer_over(self.non_expert_params, groups.non_expert_dp),
-                # 1/data_world = 1/dp (the expert-DP average) / ep: an owner sums every EP rank's tokens
-                reducer_over(self.expert_params, groups.expert_dp),
-            ]
+        # parameters whose grads sum over the same ranks share a reducer: fewer, fuller buckets
+        # (with tp = ep = 1 every kind is the DP group: one reducer)
+        by_ranks: dict[tuple[int, ...], tuple[str, list[nn.Parameter]]] = {}
+        for _, p, kind in kinds:
+            if p.requires_grad:
+                ranks = tuple(dims.group_ranks(kind))
+                by_ranks.setdefault(ranks, (kind, []))[1].append(p)
+        self.reducers = [
+            GradReducer(
+                params,
+                getattr(groups, kind),
+                scale=scale,
+                bucket_cap_mb=bucket_cap_mb,
+                mode=reducer,
+            )
+            for kind, params in by_ranks.values()
+        ]
+        self._reducer_kinds = [kind for kind, _ in by_ranks.values()]
+        # the norm counts a copy on the first rank of the axes it is copied over (clipping.py)
+        coords = dims.coords(dims.rank)
+        self.norm_params = [
+            p for _, p, kind in kinds if all(coords[axis] == 0 for axis in COPIED_OVER[kind])
+        ]
+        self.params = [p for _, p, _ in kinds]
         # ZeRO: the optimizer state of each reducer's parameters is split over that reducer's group
         expert_ids = {id(p) for p in self.expert_params}
         self.zero_groups = [
@@ -99,14 +114,16 @@ class Engine:
 
     @torch.no_grad()
     def broadcast_replicated(self) -> None:
-        """Replicas start equal: non-expert state from the first rank of its non-expert-DP group, experts from
-        the first rank of their expert-DP group (layout-free init makes them equal already; this guards
-        against drift, e.g. a user's own init that used the global RNG)."""
+        """Replicas start equal: each parameter from the first rank of the group its grads are reduced
+        over, floating buffers over the non-expert-DP group (layout-free init makes them equal already;
+        this guards against drift, e.g. a user's own init that used the global RNG)."""
         buffers = [b for b in self.module.buffers() if b.is_floating_point()]
-        for tensors, kind, group in (
-            (self.non_expert_params + buffers, "non_expert_dp", self.groups.non_expert_dp),
-            (self.expert_params, "expert_dp", self.groups.expert_dp),
-        ):
+        pairs: list[tuple[list[Tensor], str]] = [
+            (list(r.params), kind)
+            for r, kind in zip(self.reducers, self._reducer_kinds, strict=True)
+        ]
+        for tensors, kind in [*pairs, (buffers, "non_expert_dp")]:
+            group = getattr(self.groups, kind)
             ranks = self.dims.group_ranks(kind)
             if len(ranks) > 1:
                 for t in tensors:
@@ -162,17 +179,13 @@ class Engine:
 
     def finish_gradients(self, max_norm: float | None = None) -> Tensor:
         """Wait for every bucket (launching, in order, any that never filled), then clip by the global norm
-        composed over stages and expert shards. Returns the pre-clip norm, the same on every rank."""
+        composed over stages, expert shards and TP shards. Returns the pre-clip norm, the same on every rank."""
         probes.fault("all_reduce")
         for r in self.reducers:
             r.finish()
         with probes.span("all_reduce", "grad norm"):
             return clip_grad_norm_(
-                self.expert_params,
-                self.non_expert_params,
-                max_norm,
-                ep_group=self.groups.ep,
-                pp_group=self.groups.pp,
+                self.params, max_norm, counted=self.norm_params, group=self.groups.model
             )
 
     def shard_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:

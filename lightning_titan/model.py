@@ -1,5 +1,9 @@
 """Stage-local Mixtral-style MoE decoder: the layers ``[start, end)`` and experts ``[start, end)`` one
-rank owns, named globally so that any (pp, ep) layout holds slices of the same full model.
+rank owns, named globally so that any (pp, ep, tp) layout holds slices of the same full model.
+
+Under tensor parallelism (``tensor_parallel``) a rank also holds only its heads of each attention
+(q, k, v rows, o columns) and its rows of the embedding and the LM head (the vocabulary padded to a
+multiple of tp); ``tensor_parallel.TP_SHARD`` on a module says which dim of its ``weight`` is cut.
 
 Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))``. Names map to Hugging Face Mixtral
 (``lightning_titan.export.hf_mixtral_state_dict``); logits match ``MixtralForCausalLM``.
@@ -12,6 +16,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -20,6 +25,16 @@ from torch.utils.checkpoint import checkpoint
 from lightning_titan.moe.dispatch import ep_size
 from lightning_titan.moe.experts import GroupedExperts
 from lightning_titan.moe.layer import MoELayer
+from lightning_titan.tensor_parallel import (
+    gather_sequence,
+    local_slice,
+    mark_tp_shard,
+    padded_vocab,
+    scatter_sequence,
+    tp_shard,
+    tp_size,
+    vocab_parallel_cross_entropy,
+)
 
 
 @dataclass
@@ -94,9 +109,9 @@ class ModelConfig:
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
-    def validate_layout(self, pp: int, ep: int) -> None:
-        """Check that ``pp`` stages and ``ep`` expert ranks split this model evenly."""
-        for name, value in (("pp", pp), ("ep", ep)):
+    def validate_layout(self, pp: int, ep: int, tp: int = 1) -> None:
+        """Check that ``pp`` stages, ``ep`` expert ranks and ``tp`` tensor ranks split this model evenly."""
+        for name, value in (("pp", pp), ("ep", ep), ("tp", tp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.n_layers % pp:
@@ -109,6 +124,15 @@ class ModelConfig:
                 f"n_experts={self.n_experts} is not divisible by ep={ep}; choose ep dividing "
                 f"{self.n_experts} or change n_experts to a multiple of {ep}"
             )
+        for name in ("n_heads", "kv_heads", "seq_len"):
+            value = getattr(self, name)
+            if value % tp:
+                field = "n_kv_heads" if name == "kv_heads" else name
+                raise ValueError(
+                    f"{field}={value} is not divisible by tp={tp}: tensor parallelism splits the "
+                    f"{'sequence' if name == 'seq_len' else 'heads'} evenly; choose tp dividing "
+                    f"{value} or change {field} to a multiple of {tp}"
+                )
 
 
 class RMSNorm(nn.Module):
@@ -144,13 +168,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with RoPE and grouped-query heads; no biases (Mixtral)."""
+    """Causal self-attention with RoPE and grouped-query heads; no biases (Mixtral).
 
-    def __init__(self, config: ModelConfig) -> None:
+    With a ``tp_group`` of n ranks it holds heads ``[r * H/n, (r + 1) * H/n)`` (and the KV heads they
+    read), takes and returns the rank's sequence slice, and gathers the sequence inside."""
+
+    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None = None) -> None:
         super().__init__()
+        tp = tp_size(tp_group)
+        self.tp_group = tp_group
         self.n_heads, self.n_kv_heads, self.head_dim = (
-            config.n_heads,
-            config.kv_heads,
+            config.n_heads // tp,
+            config.kv_heads // tp,
             config.head_dim,
         )
         d = config.d_model
@@ -158,8 +187,12 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        for column_parallel in (self.wq, self.wk, self.wv):
+            mark_tp_shard(column_parallel, 0, column_parallel.out_features * tp)
+        mark_tp_shard(self.wo, 1, self.wo.in_features * tp)  # row-parallel
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = gather_sequence(x, self.tp_group)
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -170,7 +203,8 @@ class Attention(nn.Module):
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        # each rank's o-projection of its heads is a partial sum of the output
+        return scatter_sequence(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.tp_group)
 
 
 class Block(nn.Module):
@@ -179,10 +213,11 @@ class Block(nn.Module):
         config: ModelConfig,
         expert_range: tuple[int, int],
         ep_group: ProcessGroup | None,
+        tp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, tp_group)
         self.moe_norm = RMSNorm(config.d_model, config.norm_eps)
         self.moe = MoELayer(
             config.d_model,
@@ -193,6 +228,7 @@ class Block(nn.Module):
             ep_group=ep_group,
             aux_loss_coef=config.aux_loss_coef,
             z_loss_coef=config.z_loss_coef,
+            sequence_group=tp_group,
         )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -202,11 +238,14 @@ class Block(nn.Module):
 
 
 class StageModel(nn.Module):
-    """The part of the model one (pp_rank, ep_rank) owns; a pure ``nn.Module`` with no Lightning glue.
+    """The part of the model one (pp_rank, ep_rank, tp_rank) owns; a pure ``nn.Module`` with no
+    Lightning glue.
 
-    ``forward`` takes token ids [b, S] on the first stage, hidden states [b, S, D] elsewhere, and
-    returns (hidden [b, S, D] or logits [b, S, V] on the last stage, aux [b] fp32): the per-sequence
-    auxiliary loss summed over this stage's layers, already weighted by the coefficients.
+    ``forward`` takes token ids [b, S] on the first stage, hidden states [b, S/tp, D] elsewhere, and
+    returns (hidden [b, S/tp, D], or on the last stage logits [b, S, V/tp] of this rank's vocabulary
+    shard, and aux [b] fp32): the per-sequence auxiliary loss summed over this stage's layers, already
+    weighted by the coefficients (under TP, this rank's tokens' share). ``token_loss_sum`` turns the
+    logits into the summed cross-entropy, without gathering them.
     """
 
     def __init__(
@@ -218,9 +257,11 @@ class StageModel(nn.Module):
         ep_rank: int = 0,
         ep: int = 1,
         ep_group: ProcessGroup | None = None,
+        tp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        config.validate_layout(pp, ep)
+        tp = tp_size(tp_group)
+        config.validate_layout(pp, ep, tp)
         if not 0 <= pp_rank < pp:
             raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1} (pp={pp})")
         if not 0 <= ep_rank < ep:
@@ -235,16 +276,27 @@ class StageModel(nn.Module):
         self.expert_range = (ep_rank * per_rank, (ep_rank + 1) * per_rank)
         self.is_first_stage = pp_rank == 0
         self.is_last_stage = pp_rank == pp - 1
+        self.tp_group = tp_group
+        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        vocab_rows = padded_vocab(config.vocab_size, tp) // tp
+        self.vocab_start = self.tp_rank * vocab_rows
         self._rope_cache: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
 
         if self.is_first_stage:
-            self.embed = nn.Embedding(config.vocab_size, config.d_model)
+            self.embed = mark_tp_shard(
+                nn.Embedding(vocab_rows, config.d_model), 0, config.vocab_size
+            )
         self.layers = nn.ModuleDict(
-            {str(i): Block(config, self.expert_range, ep_group) for i in range(*self.layer_range)}
+            {
+                str(i): Block(config, self.expert_range, ep_group, tp_group)
+                for i in range(*self.layer_range)
+            }
         )
         if self.is_last_stage:
             self.norm = RMSNorm(config.d_model, config.norm_eps)
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.lm_head = mark_tp_shard(
+                nn.Linear(config.d_model, vocab_rows, bias=False), 0, config.vocab_size
+            )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         if self.is_first_stage:
@@ -252,12 +304,15 @@ class StageModel(nn.Module):
                 raise ValueError(
                     f"the first stage takes token ids [b, S] long, got {x.dtype} {tuple(x.shape)}"
                 )
-            x = self.embed(x)
+            seq_len = x.shape[1]
+            x = self._embed(x)
         elif x.dim() != 3 or x.shape[-1] != self.config.d_model:
             raise ValueError(
-                f"stage {self.layer_range} takes hidden states [b, S, {self.config.d_model}], got {tuple(x.shape)}"
+                f"stage {self.layer_range} takes hidden states [b, S/tp, {self.config.d_model}], got {tuple(x.shape)}"
             )
-        cos, sin = self._rope(x.shape[1], x.device)
+        else:
+            seq_len = x.shape[1] * tp_size(self.tp_group)
+        cos, sin = self._rope(seq_len, x.device)
         aux = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         for block in self.layers.values():
             if self.config.activation_checkpointing and torch.is_grad_enabled():
@@ -266,8 +321,29 @@ class StageModel(nn.Module):
                 x, block_aux = block(x, cos, sin)
             aux = aux + block_aux
         if self.is_last_stage:
-            x = self.lm_head(self.norm(x))
+            x = self.lm_head(gather_sequence(self.norm(x), self.tp_group))
         return x, aux
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        """Token ids [b, S] -> this rank's sequence slice of the embeddings [b, S/tp, D]: each rank
+        looks up the ids in its vocabulary rows, and the reduce-scatter sums the rows and slices."""
+        if tp_size(self.tp_group) == 1:
+            return self.embed(ids)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed.num_embeddings)
+        rows = self.embed(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(
+            self.embed.weight.dtype
+        )
+        return scatter_sequence(rows, self.tp_group)
+
+    def token_loss_sum(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The summed cross-entropy of ``targets`` [..., S] under the last stage's ``logits``
+        [..., S, V/tp] (the padded vocabulary rows excluded); the same value on every TP rank."""
+        losses = vocab_parallel_cross_entropy(
+            logits.flatten(0, -2), targets.flatten(), vocab_start=self.vocab_start,
+            vocab_size=self.config.vocab_size, group=self.tp_group,
+        )  # fmt: skip
+        return losses.sum()
 
     def _rope(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         # A plain cache, not a buffer: a buffer would be garbage after meta-device init + to_empty.
@@ -301,7 +377,13 @@ class StageModel(nn.Module):
                         )
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 param_std = out_std if module_name.endswith("attn.wo") else std
-                weight = _seeded_normal(module.weight.shape, param_std, seed, prefix + "weight")
+                shard = tp_shard(module)
+                shape = list(module.weight.shape)
+                if shard is not None:
+                    shape[shard.dim] = shard.full_size  # draw the whole tensor, keep the slice
+                weight = _seeded_normal(torch.Size(shape), param_std, seed, prefix + "weight")
+                if shard is not None:
+                    weight = local_slice(weight, shard.dim, tp_size(self.tp_group), self.tp_rank)
                 module.weight.copy_(weight)
 
 
@@ -330,3 +412,33 @@ def split_expert_parameters(
     for name, p in module.named_parameters():
         (expert if id(p) in expert_ids else non_expert).append((name, p))
     return expert, non_expert
+
+
+# The group kind (parallel_dims.GROUPS) over which each kind of parameter's grad is summed, and the
+# axes it is held whole (copied) on inside one data-parallel replica, where the norm counts it once.
+EXPERT, TP_SHARDED, SEQUENCE = "expert_dp", "non_expert_dp", "sequence_dp"
+COPIED_OVER = {EXPERT: ("tp",), TP_SHARDED: ("ep",), SEQUENCE: ("ep", "tp")}
+
+
+def grad_group_kinds(module: nn.Module) -> list[tuple[str, nn.Parameter, str]]:
+    """(name, parameter, group kind) in ``module.parameters()`` order.
+
+    Experts (``GroupedExperts``) are split by EP and copied on the TP ranks, which route their own
+    tokens: their grads sum over dp x tp. TP-sharded weights (``tensor_parallel.TP_SHARD``: attention,
+    embedding, LM head) are copied on the EP ranks: dp x ep. Everything else (norms, routers) runs in
+    the sequence-parallel region, whole on every rank of a stage: dp x ep x tp.
+    """
+    expert_ids = {id(p) for _, p in split_expert_parameters(module)[0]}
+    sharded_ids = {
+        id(m.weight) for m in module.modules() if tp_shard(m) is not None and hasattr(m, "weight")
+    }
+    out = []
+    for name, p in module.named_parameters():
+        if id(p) in expert_ids:
+            kind = EXPERT
+        elif id(p) in sharded_ids:
+            kind = TP_SHARDED
+        else:
+            kind = SEQUENCE
+        out.append((name, p, kind))
+    return out

@@ -8,7 +8,6 @@ from typing import Any, cast
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from torch.optim.lr_scheduler import LRScheduler
@@ -80,7 +79,7 @@ class TitanLM(L.LightningModule):
         """Raise ValueError unless this model splits over ``dims`` and ``datamodule``'s batches fit it.
 
         TitanStrategy runs this before any rank starts (and on every rank before the process group)."""
-        self.config.validate_layout(dims.pp, dims.ep)
+        self.config.validate_layout(dims.pp, dims.ep, dims.tp)
         if datamodule is not None and hasattr(datamodule, "check_model"):
             datamodule.check_model(vocab_size=self.config.vocab_size, seq_len=self.config.seq_len)
 
@@ -90,7 +89,7 @@ class TitanLM(L.LightningModule):
         dims = self.strategy.parallel_dims  # checked against the model by check_layout already
         self.model = StageModel(
             self.config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
-            ep_group=self.strategy.groups.ep,
+            ep_group=self.strategy.groups.ep, tp_group=self.strategy.groups.tp,
         )  # fmt: skip
         self.model.init_weights(self.hparams["seed"])
 
@@ -131,10 +130,10 @@ class TitanLM(L.LightningModule):
     def loss_fn(self, logits_MSV: Tensor, targets_MS: Tensor) -> Tensor:
         """The sum of the token losses of one microbatch (the engine makes it the global mean).
 
-        Runs on the last stage; override it to train another objective."""
-        return F.cross_entropy(
-            logits_MSV.float().flatten(0, 1), targets_MS.flatten(), reduction="sum"
-        )
+        Runs on the last stage; override it to train another objective. Under tp > 1 ``logits_MSV``
+        holds this rank's vocabulary shard only (``StageModel.token_loss_sum`` reduces over it)."""
+        assert self.model is not None
+        return self.model.token_loss_sum(logits_MSV, targets_MS)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         inputs, targets = batch

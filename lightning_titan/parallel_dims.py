@@ -1,18 +1,24 @@
 """Degrees of parallelism, this rank's coordinates, and the group kinds, all named by mesh axis.
 
 The mesh convention is fixed (DESIGN.md): axes from slowest to fastest are ``AXES``; a rank's
-coordinates are its mixed-radix digits in that order. With the three axes the code has today::
+coordinates are its mixed-radix digits in that order. With the four axes the code has today::
 
-    rank = (dp_rank * pp + pp_rank) * ep + ep_rank
+    rank = ((dp_rank * pp + pp_rank) * ep + ep_rank) * tp + tp_rank
+
+``tp`` varies fastest: on GPUs a TP group (a collective in every block) sits inside one node.
 
 A group kind is the set of axes that vary inside one group (the others are fixed):
 
-| group         | varies  | used for                                  |
-|---------------|---------|-------------------------------------------|
-| ep            | ep      | token all-to-all inside one stage         |
-| pp            | pp      | activation send/recv; grad-norm sum       |
-| expert_dp     | dp      | all-reduce of expert grads                |
-| non_expert_dp | dp, ep  | all-reduce of non-expert grads (router)   |
+| group         | varies     | used for                                                      |
+|---------------|------------|---------------------------------------------------------------|
+| ep            | ep         | token all-to-all inside one stage                             |
+| pp            | pp         | activation send/recv                                          |
+| tp            | tp         | sequence all-gather / reduce-scatter; vocab-parallel loss     |
+| expert_dp     | dp, tp     | all-reduce of expert grads (TP ranks route their own tokens)  |
+| non_expert_dp | dp, ep     | all-reduce of TP-sharded grads (attention, embedding, head)   |
+| sequence_dp   | dp, ep, tp | all-reduce of the sequence-parallel region's grads (norms,    |
+|               |            | router): every rank holds them whole and sees its own tokens  |
+| model         | pp, ep, tp | the grad-norm sum over everything one DP replica holds        |
 
 A new axis is one more name in ``AXES`` (and a field below) plus the groups it joins in ``GROUPS``.
 """
@@ -27,12 +33,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-AXES = ("dp", "pp", "ep")  # slowest to fastest
+AXES = ("dp", "pp", "ep", "tp")  # slowest to fastest
 GROUPS: dict[str, tuple[str, ...]] = {
     "ep": ("ep",),
     "pp": ("pp",),
-    "expert_dp": ("dp",),
+    "expert_dp": ("dp", "tp"),
     "non_expert_dp": ("dp", "ep"),
+    "tp": ("tp",),
+    "sequence_dp": ("dp", "ep", "tp"),
+    "model": ("pp", "ep", "tp"),
 }
 GROUP_KINDS = tuple(GROUPS)
 
@@ -105,6 +114,7 @@ class ParallelDims:
     pp: int
     ep: int
     rank: int = 0
+    tp: int = 1  # after rank: ParallelDims(dp, pp, ep, rank) reads as before
 
     def __post_init__(self) -> None:
         for name in AXES:
@@ -125,8 +135,8 @@ class ParallelDims:
     def world_size(self) -> int:
         return math.prod(self.degrees.values())
 
-    def rank_of(self, dp_rank: int, pp_rank: int, ep_rank: int) -> int:
-        return self.rank_at({"dp": dp_rank, "pp": pp_rank, "ep": ep_rank})
+    def rank_of(self, dp_rank: int, pp_rank: int, ep_rank: int, tp_rank: int = 0) -> int:
+        return self.rank_at({"dp": dp_rank, "pp": pp_rank, "ep": ep_rank, "tp": tp_rank})
 
     def rank_at(self, coords: dict[str, int]) -> int:
         """The global rank at the given coordinates (one per axis)."""
@@ -160,8 +170,13 @@ class ParallelDims:
         return self.coords(self.rank)["ep"]
 
     @property
+    def tp_rank(self) -> int:
+        return self.coords(self.rank)["tp"]
+
+    @property
     def data_rank(self) -> int:
-        """Which shard of the global batch this rank reads; all stages of one pipeline read the same."""
+        """Which shard of the global batch this rank reads; all stages of one pipeline, and all TP ranks
+        of one stage, read the same."""
         return self.dp_rank * self.ep + self.ep_rank
 
     @property
@@ -215,10 +230,14 @@ class ParallelDims:
 class ProcessGroups:
     """This rank's process group of each kind (see the table at the top of this file)."""
 
-    ep: dist.ProcessGroup
-    pp: dist.ProcessGroup
-    expert_dp: dist.ProcessGroup
-    non_expert_dp: dist.ProcessGroup
+    ep: dist.ProcessGroup | None
+    pp: dist.ProcessGroup | None
+    expert_dp: dist.ProcessGroup | None
+    non_expert_dp: dist.ProcessGroup | None
+    # after the four above: ProcessGroups(None, None, None, None) is one process, as before
+    tp: dist.ProcessGroup | None = None
+    sequence_dp: dist.ProcessGroup | None = None
+    model: dist.ProcessGroup | None = None
 
 
 def build_process_groups(dims: ParallelDims, timeout: timedelta | None = None) -> ProcessGroups:

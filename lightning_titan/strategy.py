@@ -1,4 +1,4 @@
-"""TitanStrategy: DP x PP x EP as a Lightning strategy (Lightning glue; the machinery is elsewhere).
+"""TitanStrategy: DP x PP x EP x TP as a Lightning strategy (Lightning glue; the machinery is elsewhere).
 
 trainer = L.Trainer(accelerator="cpu", devices=8,
                     strategy=TitanStrategy(dp=2, pp=2, ep=2, schedule="1f1b"))
@@ -45,12 +45,13 @@ from lightning_titan.parallel_dims import (
 
 
 class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks, ParallelStrategy):
-    """Data, pipeline and expert parallelism composed, for a stage-local model built in ``configure_model``.
+    """DP, PP, EP and TP (with sequence parallelism) composed, for a stage-local model built in ``configure_model``.
 
     Args:
-        dp: data-parallel replicas (-1: fill what pp and ep leave of the world).
+        dp: data-parallel replicas (-1: fill what pp, ep and tp leave of the world).
         pp: pipeline stages; the model's layers split evenly across them.
         ep: expert-parallel ranks per stage; the experts split evenly across them.
+        tp: tensor-parallel ranks (with sequence parallelism): heads, vocabulary and sequence split.
         schedule: pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
         num_microbatches: microbatches per step on every rank (default: ``pp``).
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
@@ -75,6 +76,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         dp: int = -1,
         pp: int = 1,
         ep: int = 1,
+        tp: int = 1,
         schedule: Literal["1f1b", "gpipe"] = "1f1b",
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
@@ -96,7 +98,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
             timeout_minutes=timeout_minutes, on_nonfinite=on_nonfinite, start_method=start_method,
             zero=zero,
         )  # fmt: skip
-        self._degrees = check_degrees(dp=dp, pp=pp, ep=ep)  # the world size is known later
+        self._degrees = check_degrees(dp=dp, pp=pp, ep=ep, tp=tp)  # the world size is known later
         self._process_group_backend = process_group_backend
         self.allow_config_change = tuple(allow_config_change or ())
         self._num_nodes = 1
@@ -272,9 +274,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         if self.lightning_module.automatic_optimization:
             # drop-in for DDP: Lightning's closure runs the backward, then the gradients are finished
             def closure_then_finish(user_closure: Callable[[], Any] = closure) -> Any:
-                result = user_closure()
-                self.finish_gradients()
-                return result
+                return (user_closure(), self.finish_gradients())[0]  # the closure's result
 
             closure = closure_then_finish
         elif self._grads_pending:
@@ -297,4 +297,6 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
 
 
 if TitanStrategy.strategy_name not in StrategyRegistry:  # a re-import must not raise
-    StrategyRegistry.register("titan", TitanStrategy, description="DP x PP x EP (lightning_titan)")
+    StrategyRegistry.register(
+        "titan", TitanStrategy, description="DP x PP x EP x TP (lightning_titan)"
+    )

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
+from lightning_titan.tensor_parallel import local_slice, tp_shard
 
 CONFIG = ModelConfig(
-    vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=24, n_experts=4, top_k=2,
+    vocab_size=61, d_model=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=24, n_experts=4, top_k=2,
     seq_len=12, aux_loss_coef=0.05, z_loss_coef=0.01,
 )  # fmt: skip
 GLOBAL_BATCH = 8
@@ -33,9 +34,43 @@ def stage_model(dims: ParallelDims, groups: ProcessGroups, config: ModelConfig) 
         ep_rank=dims.ep_rank,
         ep=dims.ep,
         ep_group=groups.ep,
+        tp_group=groups.tp,
     )
     model.init_weights(SEED)
     return model
+
+
+def loss_fn_for(model: StageModel, dims: ParallelDims):
+    """The plain cross-entropy below for one vocabulary, our vocab-parallel one under TP (which the
+    comparison with the plain one then checks)."""
+    return model.token_loss_sum if dims.tp > 1 else token_loss_sum
+
+
+def record(model: StageModel, dims: ParallelDims) -> dict:
+    """What the comparison needs to know of this rank's slice of the model."""
+    expert, _ = split_expert_parameters(model)
+    tp_dims = {}
+    for module_name, module in model.named_modules():
+        shard = tp_shard(module)
+        if shard is not None:
+            tp_dims[f"{module_name}.weight"] = shard.dim
+    return {
+        "expert_names": {n for n, _ in expert},
+        "expert_range": model.expert_range,
+        "tp_dims": tp_dims,
+        "tp": (dims.tp, dims.tp_rank),
+        "coords": tuple(dims.coords(dims.rank).values()),
+    }
+
+
+def expected_slice(result: dict, name: str, full: torch.Tensor) -> torch.Tensor:
+    """The part of the single process's ``full`` tensor ``name`` that this rank must hold."""
+    start, end = result["expert_range"]
+    if name in result["expert_names"]:
+        return full[start:end]
+    if name in result["tp_dims"]:
+        return local_slice(full, result["tp_dims"][name], *result["tp"])
+    return full
 
 
 def token_loss_sum(logits_MSV: torch.Tensor, targets_MS: torch.Tensor) -> torch.Tensor:
@@ -89,7 +124,7 @@ def train(
         inputs, targets = global_batch(step, config)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
         step_loss = engine.forward_backward(
-            model, inputs[rows], targets[rows], num_microbatches, token_loss_sum
+            model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
         )
         norms.append(engine.finish_gradients(MAX_NORM).item())
         engine.bind_shard_grads()
@@ -99,8 +134,6 @@ def train(
         loss, aux = step_loss.loss.item(), step_loss.aux.item()
         losses.append(loss)
         auxes.append(aux)
-    expert, _ = split_expert_parameters(model)
-    expert_names = {n for n, _ in expert}
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.remove()
     state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
@@ -109,10 +142,8 @@ def train(
         "aux": auxes,
         "norm": norms,
         "weights": weights,
-        "expert_names": expert_names,
-        "expert_range": model.expert_range,
-        "coords": (dims.dp_rank, dims.pp_rank, dims.ep_rank),
         "state_numel": sum(v.numel() for v in state),
+        **record(model, dims),
     }
 
 
@@ -123,13 +154,14 @@ def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
 
 
 def run_layouts(
-    rank: int, world_size: int, cases: list[tuple[tuple[int, int, int], str, int]]
+    rank: int, world_size: int, cases: list[tuple[tuple[int, ...], str, int]]
 ) -> list[dict]:
-    """Spawned: every case (layout, schedule, M) in turn, on the same ranks; a schedule named
-    ``"<name>:paired"`` runs with ``paired_p2p``, ``"<name>:zero1"`` with ``zero=1``."""
+    """Spawned: every case (layout (dp, pp, ep) or (dp, pp, ep, tp), schedule, M) in turn, on the same
+    ranks; a schedule named ``"<name>:paired"`` runs with ``paired_p2p``, ``"<name>:zero1"`` with
+    ``zero=1``."""
     out = []
-    for (dp, pp, ep), schedule, m in cases:
-        dims = ParallelDims(dp, pp, ep, rank)
+    for layout, schedule, m in cases:
+        dims = ParallelDims(*layout[:3], rank, *layout[3:])
         name, *options = schedule.split(":")
         zero = 1 if "zero1" in options else 0
         result = train(
@@ -151,10 +183,8 @@ def assert_matches_reference(ref: dict, results: list[dict], label: str) -> None
         torch.testing.assert_close(
             r["norm"], ref["norm"], rtol=1e-5, atol=0, msg=lambda m, w=where: f"{w} norm: {m}"
         )
-        start, end = r["expert_range"]
         for name, local in r["weights"].items():
-            full = ref["weights"][name]
-            expected = full[start:end] if name in r["expert_names"] else full
+            expected = expected_slice(r, name, ref["weights"][name])
             torch.testing.assert_close(
                 local, expected, rtol=0, atol=1e-5, msg=lambda m, w=f"{where} {name}": f"{w}: {m}"
             )
@@ -189,19 +219,14 @@ def grads_of_one_step(
     out = {"grads": [], "norm": []}
     for max_norm in max_norms:
         step = engine.forward_backward(
-            model, inputs[rows], targets[rows], num_microbatches, token_loss_sum
+            model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
         )
         out["norm"].append(engine.finish_gradients(max_norm).item())
         out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         model.zero_grad(set_to_none=True)
     out["loss"], out["aux"] = step.loss.item(), step.aux.item()
     engine.remove()
-    expert, _ = split_expert_parameters(model)
-    out.update(
-        expert_names={n for n, _ in expert},
-        expert_range=model.expert_range,
-        coords=(dims.dp_rank, dims.pp_rank, dims.ep_rank),
-    )
+    out.update(record(model, dims))
     return out
 
 

@@ -4,6 +4,8 @@ One spawn per world size runs all of its layouts x schedules; the parent compare
 loss, aux loss and pre-clip grad norm (rtol 1e-5) and its slice of the final weights (atol 1e-5) with a
 single-process run of the same model on the same global batches. Clipping bites on every step and the aux
 losses are on. ZeRO-1 cases also check that each rank holds only its share of the optimizer state.
+Tensor-parallel layouts are (dp, pp, ep, tp): each rank holds its slice of the heads and of the padded
+vocabulary (the padding stays zero), and the loss is the vocab-parallel cross-entropy.
 """
 
 import pytest
@@ -27,6 +29,18 @@ CASES = {
 }
 # The pipeline transport CUDA gets (receives posted with their exchange), run here on gloo.
 PAIRED = {2: [((1, 2, 1), 2)], 4: [((1, 4, 1), 8), ((1, 2, 2), 2)], 8: []}
+# Tensor parallelism with sequence parallelism, composed with the other axes: (dp, pp, ep, tp)
+TP = {
+    2: [((1, 1, 1, 2), "1f1b", 1), ((1, 1, 1, 2), "gpipe", 2)],
+    4: [
+        ((1, 1, 1, 4), "1f1b", 2),
+        ((2, 1, 1, 2), "1f1b", 1),
+        ((1, 2, 1, 2), "gpipe", 2),
+        ((1, 2, 1, 2), "1f1b", 4),
+        ((1, 1, 2, 2), "1f1b", 2),
+    ],
+    8: [((2, 1, 2, 2), "1f1b", 1), ((1, 2, 2, 2), "1f1b", 2), ((1, 2, 2, 2), "gpipe", 2)],
+}
 # ZeRO-1: the optimizer state split over the data-parallel groups
 ZERO = {
     2: [((2, 1, 1), "1f1b", 1)],
@@ -50,6 +64,7 @@ def test_every_layout_equals_one_process(ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero1", m) for layout, s, m in ZERO[world]]
+    cases += TP[world]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
     for i, (layout, schedule, m) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]

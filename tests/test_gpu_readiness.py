@@ -189,13 +189,13 @@ def test_paired_p2p_waits_for_a_send_only_batch_in_finish(monkeypatch):
 
 
 def test_a_rank_without_grads_measures_its_norm_on_the_parameters_device():
-    """The norm is all-reduced over EP and PP: under NCCL it must be a CUDA tensor also on a rank
+    """The norm is all-reduced over the model group: under NCCL it must be a CUDA tensor also on a rank
     none of whose parameters got a grad (meta stands in for CUDA here)."""
     from lightning_titan.clipping import clip_grad_norm_
 
     expert = [torch.nn.Parameter(torch.zeros(2, 3, device="meta"))]
     non_expert = [torch.nn.Parameter(torch.zeros(4, device="meta"))]
-    norm = clip_grad_norm_(iter(expert), iter(non_expert), 1.0, ep_group=None, pp_group=None)
+    norm = clip_grad_norm_(iter(expert + non_expert), 1.0, counted=iter(expert))
     assert norm.device.type == "meta"
 
 

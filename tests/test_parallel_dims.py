@@ -5,41 +5,61 @@ import pytest
 from lightning_titan.parallel_dims import GROUP_KINDS, ParallelDims, resolve_degrees
 
 LAYOUTS = [
-    (1, 1, 1),
-    (2, 1, 1),
-    (1, 2, 1),
-    (1, 1, 2),
-    (2, 2, 2),
-    (1, 4, 1),
-    (1, 1, 4),
-    (3, 2, 4),
-    (2, 3, 1),
+    (1, 1, 1, 1),
+    (2, 1, 1, 1),
+    (1, 2, 1, 1),
+    (1, 1, 2, 1),
+    (2, 2, 2, 1),
+    (1, 4, 1, 1),
+    (1, 1, 4, 1),
+    (3, 2, 4, 1),
+    (2, 3, 1, 1),
+    (1, 1, 1, 2),
+    (2, 2, 2, 2),
+    (1, 2, 3, 2),
 ]
+# the axes that vary inside each group kind, stated again here (DESIGN.md's table)
+VARIES = {
+    "ep": {"ep"},
+    "pp": {"pp"},
+    "tp": {"tp"},
+    "expert_dp": {"dp", "tp"},
+    "non_expert_dp": {"dp", "ep"},
+    "sequence_dp": {"dp", "ep", "tp"},
+    "model": {"pp", "ep", "tp"},
+}
 
 
-@pytest.mark.parametrize("dp,pp,ep", LAYOUTS)
-def test_coordinates_and_groups_follow_the_formula(dp, pp, ep):
-    world = dp * pp * ep
-    seen = set()
-    for d, p, e in itertools.product(range(dp), range(pp), range(ep)):
-        rank = (d * pp + p) * ep + e
-        dims = ParallelDims(dp, pp, ep, rank)
-        assert (dims.dp_rank, dims.pp_rank, dims.ep_rank) == (d, p, e)
+@pytest.mark.parametrize("dp,pp,ep,tp", LAYOUTS)
+def test_coordinates_and_groups_follow_the_formula(dp, pp, ep, tp):
+    world = dp * pp * ep * tp
+    assert set(GROUP_KINDS) == set(VARIES)
+    grid = list(itertools.product(range(dp), range(pp), range(ep), range(tp)))
+
+    def rank_at(d, p, e, t):
+        return ((d * pp + p) * ep + e) * tp + t
+
+    for d, p, e, t in grid:
+        rank = rank_at(d, p, e, t)
+        dims = ParallelDims(dp, pp, ep, rank, tp=tp)
+        assert (dims.dp_rank, dims.pp_rank, dims.ep_rank, dims.tp_rank) == (d, p, e, t)
         assert dims.data_rank == d * ep + e and dims.data_world == dp * ep
         assert dims.is_first_stage == (p == 0) and dims.is_last_stage == (p == pp - 1)
-        assert dims.prev_stage_rank == (None if p == 0 else (d * pp + p - 1) * ep + e)
-        assert dims.next_stage_rank == (None if p == pp - 1 else (d * pp + p + 1) * ep + e)
-        members = {kind: dims.group_ranks(kind) for kind in GROUP_KINDS}
-        for kind, ranks in members.items():
-            coords = [dims.coords_of(r) for r in ranks]
-            fixed = {"ep": (0, 1), "pp": (0, 2), "expert_dp": (1, 2), "non_expert_dp": (1,)}[kind]
-            for c in coords:
-                assert all(c[a] == (d, p, e)[a] for a in fixed), (kind, c)
-        assert len(members["ep"]) == ep and len(members["pp"]) == pp
-        assert len(members["expert_dp"]) == dp and len(members["non_expert_dp"]) == dp * ep
-        seen.add(rank)
-    assert seen == set(range(world))
-    dims = ParallelDims(dp, pp, ep, 0)
+        assert dims.prev_stage_rank == (None if p == 0 else rank_at(d, p - 1, e, t))
+        assert dims.next_stage_rank == (None if p == pp - 1 else rank_at(d, p + 1, e, t))
+        mine = dict(zip(("dp", "pp", "ep", "tp"), (d, p, e, t), strict=True))
+        for kind, varies in VARIES.items():
+            want = sorted(
+                rank_at(*c)
+                for c in grid
+                if all(
+                    c[i] == mine[a]
+                    for i, a in enumerate(("dp", "pp", "ep", "tp"))
+                    if a not in varies
+                )
+            )
+            assert dims.group_ranks(kind) == want, (kind, mine)
+    dims = ParallelDims(dp, pp, ep, 0, tp=tp)
     for kind in GROUP_KINDS:
         groups = dims.all_groups(kind)
         flat = sorted(r for g in groups for r in g)
@@ -56,7 +76,7 @@ def test_pp_ep_example_from_the_write_up():
 @pytest.mark.parametrize(
     "args,match",
     [
-        ((2, 2, 2, 4), r"2\*2\*2 = 8 but the world size is 4"),
+        ((2, 2, 2, 4), r"2\*2\*2\*1 = 8 but the world size is 4"),
         ((-1, -1, 2, 4), "dp and pp are -1: at most one"),
         ((0, 1, 1, 1), "dp=0 is not valid"),
         ((-1, 3, 1, 4), "not divisible"),
@@ -66,7 +86,7 @@ def test_pp_ep_example_from_the_write_up():
 def test_resolve_degrees_errors_name_the_values(args, match):
     *degrees, world = args
     with pytest.raises(ValueError, match=match):
-        resolve_degrees(dict(zip(("dp", "pp", "ep"), degrees, strict=True)), world)
+        resolve_degrees(dict(zip(("dp", "pp", "ep", "tp"), [*degrees, 1], strict=True)), world)
 
 
 def test_resolve_fills_minus_one():

@@ -296,7 +296,9 @@ def _case_clipping(rank: int) -> dict:
             for p, g in zip(ps, grads, strict=True):
                 p.grad = None if g is None else g.clone()
             local.append(ps)
-        norm = clip_grad_norm_(local[1], local[0], max_norm, ep_group=groups.ep, pp_group=groups.pp)
+        # the non-expert copies (equal across EP) are counted on EP rank 0 only
+        counted = local[1] + (local[0] if dims.ep_rank == 0 else [])
+        norm = clip_grad_norm_(local[1] + local[0], max_norm, counted=counted, group=groups.model)
         assert norm.dtype == torch.float32 and norm.dim() == 0
         norms[label] = norm.item()
         if bad:
@@ -435,7 +437,7 @@ def test_clipping_without_groups_matches_torch():
             p.grad = None if g is None else g.clone()
             q.grad = None if g is None else g.clone()
         want = torch.nn.utils.clip_grad_norm_(ref, max_norm)
-        got = clip_grad_norm_(ours[:2], ours[2:], max_norm, ep_group=None, pp_group=None)
+        got = clip_grad_norm_(ours, max_norm)
         torch.testing.assert_close(got, want)
         for p, q in zip(ours, ref, strict=True):
             if q.grad is None:
@@ -448,7 +450,7 @@ def test_clipping_leaves_grads_alone_on_a_non_finite_norm():
     p = nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([1.0, float("nan"), 2.0])
     before = p.grad.clone()
-    norm = clip_grad_norm_([], [p], 1e-3, ep_group=None, pp_group=None)
+    norm = clip_grad_norm_([p], 1e-3)
     assert torch.isnan(norm)
     torch.testing.assert_close(p.grad, before, equal_nan=True)
 
@@ -456,4 +458,4 @@ def test_clipping_leaves_grads_alone_on_a_non_finite_norm():
 @pytest.mark.parametrize("max_norm", [0.0, -1.0, float("nan")])
 def test_clipping_rejects_a_bad_max_norm(max_norm):
     with pytest.raises(ValueError, match="max_norm="):
-        clip_grad_norm_([], [], max_norm, ep_group=None, pp_group=None)
+        clip_grad_norm_([], max_norm)

@@ -1,12 +1,19 @@
 """Our training step against an independent reference (tests/mixtral_reference.py: plain PyTorch, no
 project code): the same weights and global batch must give the same loss, aux loss, gradient norm and
-gradient of every parameter, for one process and for dp2 x pp2 x ep2, with the aux and z losses on; and
+gradient of every parameter, for one process, dp2 x pp2 x ep2 and tp2 x pp2 x ep2 (each rank its slice of
+every gradient), with the aux and z losses on; and
 the composed clipping must scale every gradient by max_norm / norm.
 """
 
 import pytest
 import torch
-from engine_harness import CONFIG, full_initial_weights, global_batch, grads_of_one_step
+from engine_harness import (
+    CONFIG,
+    expected_slice,
+    full_initial_weights,
+    global_batch,
+    grads_of_one_step,
+)
 from mixtral_reference import loss_and_grads
 
 from lightning_titan.launch import run_on_ranks
@@ -42,10 +49,8 @@ def assert_matches(ref, results: list[dict], label: str) -> None:
         for key in ("loss", "aux"):
             assert r[key] == pytest.approx(values[key], rel=1e-5), f"{where} {key}"
         assert r["norm"] == pytest.approx([values["norm"]] * 2, rel=1e-5), f"{where} norm"
-        start, end = r["expert_range"]
         for name, local in r["grads"][0].items():
-            full = grads[name]
-            expected = full[start:end] if name in r["expert_names"] else full
+            expected = expected_slice(r, name, grads[name])
             _close(local, expected, f"{where} pre-clip grad {name}")
             _close(r["grads"][1][name], expected * scale, f"{where} clipped grad {name}")
     held = set().union(*(r["grads"][0] for r in results))
@@ -62,14 +67,14 @@ def test_one_process_equals_the_independent_reference(ref):
         assert_matches(ref, [result], f"one process M={m}")
 
 
-def _dp2_pp2_ep2(rank: int, world_size: int) -> dict:
-    dims = ParallelDims(2, 2, 2, rank)
+def _one_step(rank: int, world_size: int, layout: tuple[int, int, int, int]) -> dict:
+    dims = ParallelDims(*layout[:3], rank, tp=layout[3])
     inputs, targets = global_batch(0)
     return grads_of_one_step(dims, build_process_groups(dims), inputs, targets, 2, (None, MAX_NORM))
 
 
 @pytest.mark.timeout(240)
-def test_dp2_pp2_ep2_equals_the_independent_reference(ref):
-    assert_matches(
-        ref, run_on_ranks(_dp2_pp2_ep2, 8, timeout_s=200, start_method="fork"), "dp2 x pp2 x ep2"
-    )
+@pytest.mark.parametrize("layout", [(2, 2, 2, 1), (1, 2, 2, 2)], ids=["dp2_pp2_ep2", "tp2_pp2_ep2"])
+def test_eight_ranks_equal_the_independent_reference(ref, layout):
+    results = run_on_ranks(_one_step, 8, layout, timeout_s=200, start_method="fork")
+    assert_matches(ref, results, f"(dp, pp, ep, tp) = {layout}")

@@ -333,7 +333,7 @@ def test_failure_report_names_the_dead_peer():
 # before any rank starts (tests/scripts/bad_input.py: one process, many command lines).
 BEFORE_LAUNCH = [
     # layout
-    ("world", ["--trainer.devices=3"], r"dp\*pp\*ep = 1\*2\*2 = 4 but the world size is 3"),
+    ("world", ["--trainer.devices=3"], r"dp\*pp\*ep\*tp = 1\*2\*2\*1 = 4 but the world size is 3"),
     ("n_layers % pp", ["--model.model.n_layers=3"], r"n_layers=3 is not divisible by pp=2"),
     ("n_experts % ep", ["--model.model.n_experts=5"], r"n_experts=5 is not divisible by ep=2"),
     # model

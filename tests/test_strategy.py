@@ -23,7 +23,11 @@ SCRIPTS = Path(__file__).parent / "scripts"
 @pytest.mark.parametrize(
     "kwargs,devices,match",
     [
-        ({"dp": 3, "pp": 1, "ep": 1}, 2, r"dp\*pp\*ep = 3\*1\*1 = 3 but the world size is 2"),
+        (
+            {"dp": 3, "pp": 1, "ep": 1},
+            2,
+            r"dp\*pp\*ep\*tp = 3\*1\*1\*1 = 3 but the world size is 2",
+        ),
         ({"dp": 2, "pp": 2, "ep": 2}, 4, "= 8 but the world size is 4"),
         ({"dp": -1, "pp": 3, "ep": 1}, 4, "not divisible"),
         ({"dp": 0}, 2, "dp=0 is not valid"),

@@ -56,19 +56,23 @@ for d in dims:
 assert all(d.rank_of(d.dp_rank, d.pp_rank, d.ep_rank) == d.rank for d in dims)
 
 # %% [markdown]
-# ## The four group kinds
+# ## The group kinds
 #
-# Every collective runs inside one group. A group kind fixes some coordinates and lets the others vary:
+# Every collective runs inside one group. A group kind fixes some coordinates and lets the others vary
+# (here tp = 1; the tensor-parallel axis, the fastest, adds the `tp` group and widens some of these):
 #
 # | group | fixed | varies | used for |
 # |---|---|---|---|
 # | `ep` | dp, pp | ep | token all-to-all inside one stage of one replica |
 # | `pp` | dp, ep | pp | activations forward, activation-grads backward |
-# | `expert_dp` | pp, ep | dp | all-reduce of expert grads (same experts, other replica) |
+# | `expert_dp` | pp, ep | dp (and tp) | all-reduce of expert grads (same experts, other replica) |
 # | `non_expert_dp` | pp | dp, ep | all-reduce of everything else (attention, norms, router) |
+# | `sequence_dp` | pp | dp, ep (and tp) | under TP: the norms and routers, whole on every TP rank |
+# | `model` | dp | pp, ep (and tp) | the gradient-norm sum over one replica |
 #
-# The last line is the subtle one: attention weights are *replicated* across the EP ranks of a stage
-# (only experts are split), so they are averaged over DP *and* EP.
+# The `non_expert_dp` line is the subtle one: attention weights are *replicated* across the EP ranks of
+# a stage (only experts are split), so they are averaged over DP *and* EP. With tp = 1, `sequence_dp`
+# is the same ranks as `non_expert_dp`; the pictures show the first four kinds.
 #
 # In the pictures below each column is a data rank and each row a pipeline stage; one color is one group.
 
@@ -76,7 +80,7 @@ assert all(d.rank_of(d.dp_rank, d.pp_rank, d.ep_rank) == d.rank for d in dims)
 # %%
 def draw_groups(dims: ParallelDims, ax_row) -> None:
     colors = plt.get_cmap("tab10").colors
-    for ax, kind in zip(ax_row, GROUP_KINDS, strict=True):
+    for ax, kind in zip(ax_row, GROUP_KINDS[:4], strict=True):
         groups = dims.all_groups(kind)
         for g, ranks in enumerate(groups):
             for rank in ranks:

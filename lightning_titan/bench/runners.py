@@ -176,9 +176,8 @@ class TorchPipeRunner:
         args = (inputs,) if dims.is_first_stage else ()
         kwargs: dict[str, Any] = {"target": targets} if dims.is_last_stage else {}
         self.schedule.step(*args, return_outputs=False, **kwargs)
-        clip_grad_norm_(
-            self.expert, self.non_expert, MAX_NORM, ep_group=None, pp_group=self.groups.pp
-        )
+        # pure PP (checked above): every rank counts all of its parameters, summed over the stages
+        clip_grad_norm_(self.expert + self.non_expert, MAX_NORM, group=self.groups.pp)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

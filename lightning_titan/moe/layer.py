@@ -16,6 +16,8 @@ class MoELayer(nn.Module):
 
     ``router`` is replicated (maps to HF ``block_sparse_moe.gate``); ``experts`` is sharded over the
     EP group. ``tokens_per_expert`` holds the last forward's [E] assignment counts of this rank's tokens.
+    ``sequence_group``: the TP group under sequence parallelism, whose ranks hold the other slices of
+    the sequences this rank routes (for the per-sequence aux losses).
     """
 
     def __init__(
@@ -29,6 +31,7 @@ class MoELayer(nn.Module):
         ep_group: ProcessGroup | None = None,
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
+        sequence_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         expert_range = expert_range or (0, n_experts)
@@ -41,6 +44,7 @@ class MoELayer(nn.Module):
         self.n_experts = n_experts
         self.top_k = top_k
         self.ep_group = ep_group
+        self.sequence_group = sequence_group
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=False)
@@ -57,7 +61,7 @@ class MoELayer(nn.Module):
                 f"this MoE layer holds {self.experts.n_local} of {self.n_experts} experts but has no "
                 "ep_group to reach the others; pass the EP process group"
             )
-        routing = route(self.router(x), self.top_k)
+        routing = route(self.router(x), self.top_k, self.sequence_group)
         tokens = x.reshape(b * s, d)
         expert_in, plan = dispatch(tokens, routing.expert_ids, self.n_experts, self.ep_group)
         expert_out = self.experts(expert_in, plan.tokens_per_local_expert)

@@ -2,6 +2,9 @@
 
 The losses are computed per sequence so that their value does not depend on how sequences are
 split across data ranks or microbatches: the global loss is a mean over sequences whatever the layout.
+Under sequence parallelism each TP rank routes its slice of every sequence: the expert counts are
+summed over the TP group (they carry no gradient), and each rank's losses are its tokens' share of
+the sequence's, so the TP ranks' values sum to one process's.
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 
 @dataclass
@@ -22,9 +27,14 @@ class Routing:
     z_loss: Tensor  # [b] fp32, mean over the sequence's tokens of logsumexp(logits)^2
 
 
-def route(logits: Tensor, top_k: int) -> Routing:
-    """Route tokens given router ``logits`` [b, S, E] (any dtype; the softmax runs in fp32 as in Mixtral)."""
+def route(logits: Tensor, top_k: int, sequence_group: ProcessGroup | None = None) -> Routing:
+    """Route tokens given router ``logits`` [b, S, E] (any dtype; the softmax runs in fp32 as in Mixtral).
+
+    ``sequence_group``: the ranks that hold the other slices of these sequences (sequence
+    parallelism); the losses are then this slice's share (see the module doc)."""
     b, s, n_experts = logits.shape
+    parts = 1 if sequence_group is None else dist.get_world_size(sequence_group)
+    seq_len = s * parts
     logits = logits.float()
     probs = torch.softmax(logits, dim=-1)
     weights, expert_ids = torch.topk(probs, top_k, dim=-1)
@@ -33,12 +43,16 @@ def route(logits: Tensor, top_k: int) -> Routing:
     # f_e is a count, so it carries no gradient; P_e carries the gradient towards balance.
     assignments = torch.zeros(b, n_experts, device=logits.device, dtype=torch.float32)
     assignments.scatter_add_(
-        1, expert_ids.reshape(b, s * top_k), torch.ones(b, s * top_k, device=logits.device)
+        1,
+        expert_ids.reshape(b, s * top_k),
+        torch.ones(b, s * top_k, device=logits.device, dtype=torch.float32),
     )
-    fraction = assignments / (s * top_k)
-    mean_prob = probs.mean(dim=1)
+    if parts > 1:
+        dist.all_reduce(assignments, group=sequence_group)
+    fraction = assignments / (seq_len * top_k)
+    mean_prob = probs.sum(dim=1) / seq_len
     load_balance = n_experts * (fraction * mean_prob).sum(dim=-1)
-    z_loss = torch.logsumexp(logits, dim=-1).square().mean(dim=-1)
+    z_loss = torch.logsumexp(logits, dim=-1).square().sum(dim=-1) / seq_len
     return Routing(
         expert_ids=expert_ids.reshape(b * s, top_k),
         weights=weights.reshape(b * s, top_k),

@@ -31,9 +31,9 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 class StepSums:
     """This rank's local sums for one step; the global values need one all-reduce over the world."""
 
-    loss_sum: Tensor  # sum of the token losses (last stage only, else 0)
-    aux_sum: Tensor  # sum over sequences of this stage's weighted aux losses
-    tokens: int  # tokens this rank's pipeline saw (counted on the last stage only, else 0)
+    loss_sum: Tensor  # sum of the token losses (last stage's first TP rank only, else 0)
+    aux_sum: Tensor  # sum over sequences of this stage's weighted aux losses (under TP: this rank's share)
+    tokens: int  # tokens this rank's pipeline saw (counted where loss_sum is, else 0)
 
 
 class PipelineStage:
@@ -55,13 +55,16 @@ class PipelineStage:
         self.model, self.links, self.loss_fn = model, links, loss_fn
         self.pp, self.pp_rank = dims.pp, dims.pp_rank
         self.is_first, self.is_last = dims.is_first_stage, dims.is_last_stage
+        # every TP rank computes the same loss (vocab-parallel): one of them reports it
+        self.reports_loss = self.is_last and dims.tp_rank == 0
         self.inputs = split_microbatches(inputs, num_microbatches)
         self.targets = split_microbatches(targets, num_microbatches)
         self.num_microbatches = num_microbatches
         self.local_sequences = local_batch
         self.local_tokens = inputs.numel()
         d_model = model.config.d_model
-        self.shape = (local_batch // num_microbatches, inputs.shape[1], d_model)
+        # between stages each TP rank sends its slice of the sequence
+        self.shape = (local_batch // num_microbatches, inputs.shape[1] // dims.tp, d_model)
         self._backward = backward or (lambda loss: loss.backward())
         self._on_last_backward = on_last_backward
         self._tracer = tracer
@@ -91,7 +94,8 @@ class PipelineStage:
             objective = aux.sum() / self.local_sequences
             if self.is_last:
                 loss = self.loss_fn(out, self.targets[i])
-                self.loss_sum += loss.detach()
+                if self.reports_loss:
+                    self.loss_sum += loss.detach()
                 objective = objective + loss / self.local_tokens
             if grad_enabled:
                 # the surrogate (out * grad).sum() below gives `out` exactly the received grad
@@ -150,4 +154,4 @@ class PipelineStage:
             raise RuntimeError(
                 f"schedule {schedule!r} left microbatches {sorted(self._saved)} without backward"
             )
-        return StepSums(self.loss_sum, self.aux_sum, self.local_tokens if self.is_last else 0)
+        return StepSums(self.loss_sum, self.aux_sum, self.local_tokens if self.reports_loss else 0)

@@ -1,0 +1,181 @@
+"""Megatron-style tensor parallelism with sequence parallelism, as explicit autograd functions.
+
+Between blocks every TP rank holds ``1/tp`` of each sequence (``[b, S/tp, D]``, positions
+``[r * S/tp, (r + 1) * S/tp)``): norms, residual adds and the whole MoE layer run there, on no
+replicated activation. Attention gathers the sequence (``gather_sequence``), computes its own heads
+(q, k, v column-parallel), and its row-parallel output projection gives a partial sum that
+``scatter_sequence`` reduce-scatters back to the rank's slice. The embedding and the LM head are
+vocab-parallel; ``vocab_parallel_cross_entropy`` computes the loss from the local vocabulary shard
+with three all-reduces of ``[tokens]`` numbers, never the full logits.
+
+Each function's backward is the other collective (all-gather <-> reduce-scatter), so every rank's
+grads are those of the loss it back-propagates: its own shard of the computation.
+
+Ours rather than DTensor's ``parallelize_module``: our reducers, clipping and checkpoints work on
+plain local tensors with global names, the MoE layer stays per-token and local, and the padded
+vocabulary needs a loss that DTensor's ``loss_parallel`` does not mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+TP_SHARD = "_titan_tp_shard"
+M = TypeVar("M", bound=nn.Module)
+
+
+@dataclass(frozen=True)
+class TpShard:
+    """Which dim of a module's ``weight`` the TP group cuts, and that dim's size in the full model
+    (padded up to a multiple of tp when it does not divide: the vocabulary)."""
+
+    dim: int
+    full_size: int
+
+
+def mark_tp_shard(module: M, dim: int, full_size: int) -> M:
+    setattr(module, TP_SHARD, TpShard(dim, full_size))
+    return module
+
+
+def tp_shard(module: nn.Module) -> TpShard | None:
+    return getattr(module, TP_SHARD, None)
+
+
+def tp_size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def tp_rank(group: ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of ``tp`` (Megatron pads it so that every rank holds
+    as many rows; the padded rows' logits are masked out of the loss and they are never saved)."""
+    return math.ceil(vocab_size / tp) * tp
+
+
+def real_size(full_size: int, tp: int, rank: int) -> int:
+    """How many of rank ``rank``'s ``padded / tp`` entries along a cut dim are real, not padding:
+    the ``torch.chunk`` split of ``full_size``, which is how checkpoints store them."""
+    per_rank = padded_vocab(full_size, tp) // tp
+    return max(0, min(per_rank, full_size - rank * per_rank))
+
+
+def local_slice(full: Tensor, dim: int, tp: int, rank: int) -> Tensor:
+    """Rank ``rank``'s part of ``full`` along ``dim``, zero-padded to ``padded / tp`` entries."""
+    per_rank = padded_vocab(full.shape[dim], tp) // tp
+    part = full.narrow(
+        dim, min(rank * per_rank, full.shape[dim]), real_size(full.shape[dim], tp, rank)
+    )
+    missing = per_rank - part.shape[dim]
+    if missing:
+        pad = [0, 0] * (full.dim() - 1 - dim) + [0, missing]
+        part = F.pad(part, pad)
+    return part
+
+
+def _gather(x: Tensor, group: ProcessGroup) -> Tensor:
+    """All-gather along dim 1 (the sequence), rank-major."""
+    n = dist.get_world_size(group)
+    local = x.movedim(1, 0).contiguous()
+    out = local.new_empty((local.shape[0] * n, *local.shape[1:]))
+    dist.all_gather_single(out, local, group=group)
+    return out.movedim(0, 1)
+
+
+def _reduce_scatter(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Sum over the group, each rank keeping its ``1/n`` of dim 1 (the sequence)."""
+    n = dist.get_world_size(group)
+    full = x.movedim(1, 0).contiguous()
+    out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
+    dist.reduce_scatter_single(out, full, group=group)
+    return out.movedim(0, 1)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank's downstream (its heads, its vocabulary shard) used the whole sequence: the
+        # slice's grad is the sum of theirs
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group), None
+
+
+def gather_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """``[b, S/tp, D]`` on each rank -> ``[b, S, D]`` on every rank (identity without TP)."""
+    return x if tp_size(group) == 1 else _GatherSequence.apply(x, group)
+
+
+def scatter_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Partial sums ``[b, S, D]`` on each rank -> their sum's slice ``[b, S/tp, D]`` (identity
+    without TP)."""
+    return x if tp_size(group) == 1 else _ScatterSequence.apply(x, group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group):
+        # padded rows (global id >= vocab_size) are not in the vocabulary: -inf, so softmax gives 0
+        ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        exp = torch.exp(logits - row_max.unsqueeze(-1))
+        sum_exp = exp.sum(dim=-1)
+        local = (targets >= vocab_start) & (targets < vocab_start + logits.shape[-1])
+        local_target = torch.where(local, targets - vocab_start, 0)
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = torch.where(local, target_logit - row_max, 0.0)
+        stats = torch.stack([sum_exp, target_logit])
+        dist.all_reduce(stats, group=group)  # one collective for both sums
+        sum_exp, target_logit = stats
+        ctx.save_for_backward(exp, sum_exp, local, local_target)
+        return torch.log(sum_exp) - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sum_exp, local, local_target = ctx.saved_tensors
+        grad_logits = exp / sum_exp.unsqueeze(-1)
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -local.to(exp.dtype).unsqueeze(-1))
+        return grad_logits * grad.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group: ProcessGroup | None,
+) -> Tensor:
+    """Per-token cross-entropy ``[N]`` (fp32) from this rank's vocabulary shard ``logits`` [N, V/tp]
+    holding global ids ``[vocab_start, vocab_start + V/tp)``; the same values on every TP rank."""
+    logits = logits.float()
+    if tp_size(group) == 1:
+        return torch.nn.functional.cross_entropy(logits[:, :vocab_size], targets, reduction="none")
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, group)
