@@ -188,8 +188,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
         for column_parallel in (self.wq, self.wk, self.wv):
-            mark_tp_shard(column_parallel, 0, column_parallel.out_features * tp)
-        mark_tp_shard(self.wo, 1, self.wo.in_features * tp)  # row-parallel
+            mark_tp_shard(column_parallel, 0, column_parallel.out_features * tp, tp_group)
+        mark_tp_shard(self.wo, 1, self.wo.in_features * tp, tp_group)  # row-parallel
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = gather_sequence(x, self.tp_group)
@@ -284,7 +284,7 @@ class StageModel(nn.Module):
 
         if self.is_first_stage:
             self.embed = mark_tp_shard(
-                nn.Embedding(vocab_rows, config.d_model), 0, config.vocab_size
+                nn.Embedding(vocab_rows, config.d_model), 0, config.vocab_size, tp_group
             )
         self.layers = nn.ModuleDict(
             {
@@ -295,7 +295,7 @@ class StageModel(nn.Module):
         if self.is_last_stage:
             self.norm = RMSNorm(config.d_model, config.norm_eps)
             self.lm_head = mark_tp_shard(
-                nn.Linear(config.d_model, vocab_rows, bias=False), 0, config.vocab_size
+                nn.Linear(config.d_model, vocab_rows, bias=False), 0, config.vocab_size, tp_group
             )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -25,6 +25,7 @@ A new axis is one more name in ``AXES`` (and a field below) plus the groups it j
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("dp", "pp", "ep", "tp")  # slowest to fastest
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -257,3 +259,10 @@ def build_process_groups(dims: ParallelDims, timeout: timedelta | None = None) -
         group, _ = dist.new_subgroups_by_enumeration(dims.all_groups(kind), timeout=timeout)
         mine[kind] = group
     return ProcessGroups(**mine)
+
+
+@functools.cache
+def group_mesh(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
+    """A 1-D DeviceMesh over ``group`` (for DTensors that tell a checkpoint where a shard goes),
+    built once per group."""
+    return DeviceMesh.from_group(group, device_type)

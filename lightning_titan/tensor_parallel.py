@@ -27,6 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_titan.parallel_dims import group_mesh
 
 TP_SHARD = "_titan_tp_shard"
 M = TypeVar("M", bound=nn.Module)
@@ -39,15 +42,44 @@ class TpShard:
 
     dim: int
     full_size: int
+    group: ProcessGroup | None = None
+
+    @property
+    def size(self) -> int:
+        return tp_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return tp_rank(self.group)
 
 
-def mark_tp_shard(module: M, dim: int, full_size: int) -> M:
-    setattr(module, TP_SHARD, TpShard(dim, full_size))
+def mark_tp_shard(module: M, dim: int, full_size: int, group: ProcessGroup | None) -> M:
+    setattr(module, TP_SHARD, TpShard(dim, full_size, group))
     return module
+
+
+def as_global(local: Tensor, shard: TpShard) -> Tensor:
+    """This rank's (padded) part of a TP-cut tensor as a DTensor of the full model's shape holding
+    the real entries only: how a checkpoint stores it under its global name, loadable under any tp
+    (no copy: DCP reads into and writes from ``local`` itself). Without TP, ``local`` itself."""
+    if shard.size == 1:
+        return local
+    real = local.narrow(shard.dim, 0, real_size(shard.full_size, shard.size, shard.rank))
+    shape = list(local.shape)
+    shape[shard.dim] = shard.full_size
+    return DTensor.from_local(
+        real, group_mesh(shard.group, local.device.type), [Shard(shard.dim)], run_check=False, shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )  # fmt: skip
 
 
 def tp_shard(module: nn.Module) -> TpShard | None:
     return getattr(module, TP_SHARD, None)
+
+
+def tp_shards(module: nn.Module) -> dict[int, TpShard]:
+    """``id(weight) -> TpShard`` for every TP-cut weight under ``module``."""
+    return {id(m.weight): s for m in module.modules() if (s := tp_shard(m)) is not None}
 
 
 def tp_size(group: ProcessGroup | None) -> int:

@@ -20,7 +20,6 @@ level and layout.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,11 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from lightning_titan import probes
+from lightning_titan.parallel_dims import group_mesh
 from lightning_titan.reducer import assign_buckets
 
 LEVELS = (0, 1)
@@ -171,17 +170,12 @@ def shard_optimizer(optimizer: Optimizer, groups: Sequence[ZeroGroup]) -> None:
         param_group["params"] = leaves
 
 
-@functools.cache
-def _mesh(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
-    return DeviceMesh.from_group(group, device_type)
-
-
 def as_dtensor(local: Tensor, shard: ZeroShard, shape: torch.Size) -> DTensor:
     """``local``, this rank's rows (dim 0) of a tensor of ``shape``, as a DTensor over the group: how
     DCP learns where the rows go (no copy: DCP reads into and writes from ``local`` itself)."""
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
-        local, _mesh(shard.group, local.device.type), [Shard(0)], run_check=False, shape=shape,
+        local, group_mesh(shard.group, local.device.type), [Shard(0)], run_check=False, shape=shape,
         stride=stride,
     )  # fmt: skip
 

@@ -36,19 +36,26 @@ from lightning_titan.engine import Engine
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, build_process_groups
+from lightning_titan.tensor_parallel import tp_shard
 
 CONFIG = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, ffn_dim=48, n_experts=4, seq_len=16)
 LAYOUT_A = (1, 2, 2)  # (dp, pp, ep) the checkpoint is written under
 LAYOUTS_B = [(2, 1, 2), (1, 4, 1), (1, 1, 4)]
 ZERO_LAYOUTS = [(2, 1, 2), (4, 1, 1)]  # expert state over dp=2 and non-expert over 4; all over 4
+# (dp, pp, ep, tp), each loading what the one before saved: the first from layout A (tp=1), the
+# second from tp=4 (the vocabulary of 64 + padding splits 16 / 32 rows), then read whole (tp=1)
+TP_LAYOUTS = [(1, 1, 1, 4), (1, 2, 1, 2)]
 META = {"loops": {"fit_loop": {"step": 2}}, "rng": torch.arange(3), "epoch": 0}
 
 
-def build(dims: ParallelDims | None, seed: int, lr: float = 1e-2, **overrides):
+def build(dims: ParallelDims | None, seed: int, lr: float = 1e-2, tp_group=None, **overrides):
     """A stage model with layout-free init and AdamW with two param groups (norms: no decay)."""
     dims = dims or ParallelDims(1, 1, 1)
     config = ModelConfig(**{**CONFIG, **overrides})
-    model = StageModel(config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep)
+    model = StageModel(
+        config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
+        tp_group=tp_group,
+    )  # fmt: skip
     model.init_weights(seed)
     norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
     others = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
@@ -164,6 +171,21 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
         load_sharded(root_path / "zero.ckpt", whole, [whole_opt])
         result["zero"][layout] = (rows, snapshot(whole, whole_opt))
 
+    # TP: each rank loads its slice of every cut weight and of its state; saved again under the
+    # global names, the next layout (and one process) reads the full tensors back.
+    result["tp"], source = {}, ckpt
+    for layout in TP_LAYOUTS:
+        dims = ParallelDims(*layout[:3], rank=rank, tp=layout[3])
+        model, opt = build(dims, seed=2, lr=0.5, tp_group=build_process_groups(dims).tp)
+        load_sharded(source, model, [opt])
+        cut = {n: tp_shard(m).dim for n, m in model.named_modules() if tp_shard(m) is not None}
+        source = root_path / f"tp{layout[3]}.ckpt"
+        save_sharded(source, model, [opt], META, layout={"tp": layout[3]})
+        result["tp"][layout] = (snapshot(model, opt), cut, dims.tp_rank)
+    whole, whole_opt = build(None, seed=5)
+    load_sharded(source, whole, [whole_opt])
+    result["tp_whole"] = snapshot(whole, whole_opt)
+
     # Bad input: every rank must raise the same error, and leave model and optimizer untouched.
     dims_b = ParallelDims(*LAYOUTS_B[0], rank=rank)
     if rank == 0:
@@ -224,6 +246,29 @@ def _assert_zero_shards(reference: dict, per_rank: list[list[tuple]], layout: tu
         assert numel == want, f"zero=1 {layout}: {name} {expert} {k}: {numel} of {want} elements"
 
 
+def _tp_slice(full: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``full`` cut in ``tp`` along ``dim``: zero rows pad it to a multiple."""
+    pad = -full.shape[dim] % tp
+    padded = torch.cat(
+        [full, full.new_zeros((*full.shape[:dim], pad, *full.shape[dim + 1 :]))], dim
+    )
+    return padded.chunk(tp, dim)[rank]
+
+
+def _assert_tp_slices(reference: dict, per_rank: list[tuple], layout: tuple) -> None:
+    """Every rank holds the reference's values, its slice of them where TP cuts the weight (the
+    padded vocabulary rows zero, in the weights and in the optimizer state)."""
+    tp = layout[3]
+    for snap, cut, tp_rank in per_rank:
+        assert cut, f"{layout}: no weight is cut"
+        for (kind, name, expert, state), value in snap.items():
+            want = reference[(kind, name, expert, state)]
+            module = name.rpartition(".")[0]
+            if module in cut and value.dim():
+                want = _tp_slice(want, cut[module], tp, tp_rank)
+            assert torch.equal(value, want), f"{layout} tp rank {tp_rank}: {kind} {name} {state}"
+
+
 def _from_consolidated(path: Path) -> dict:
     """The checkpoint read by ``consolidate*`` in this process, keyed like ``snapshot``."""
     experts = {n for n, p in split_expert_parameters(build(None, 0)[0])[0]}
@@ -259,6 +304,11 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
                 r["zero"][layout][1], reference, f"zero=1 {layout} saved, read whole"
             )
 
+    for layout in TP_LAYOUTS:
+        _assert_tp_slices(reference, [r["tp"][layout] for r in results], layout)
+    for r in results:
+        _assert_equal_states(r["tp_whole"], reference, "saved under tp=2, read whole")
+
     errors = results[0]["errors"]
     assert all(r["errors"] == errors for r in results), "ranks raised different errors"
     assert errors["missing"][0] == "FileNotFoundError" and "nope.ckpt" in errors["missing"][1]
@@ -270,7 +320,9 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
 
     # The checkpoint now holds what layout B saved; it must still be the layout-A state.
     ckpt = tmp_path / "last.ckpt"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "partial.ckpt", "zero.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.ckpt", "partial.ckpt", "tp2.ckpt", "tp4.ckpt", "zero.ckpt"
+    ]  # fmt: skip
     assert read_checkpoint_info(ckpt)["layout"] == {"dp": 2, "pp": 1, "ep": 2, "world_size": 4}
     _assert_equal_states(_from_consolidated(ckpt), reference, "consolidate")
     model, opt = build(None, seed=5)  # world 1, no process group

@@ -57,6 +57,7 @@ class ShardedCheckpointHooks:
             "dp": dims.dp,
             "pp": dims.pp,
             "ep": dims.ep,
+            "tp": dims.tp,
             "schedule": o.schedule,
             "zero": o.zero,
         }

@@ -1,9 +1,11 @@
 """Layout-free keys for a stage-local model and its optimizers, as views into the live tensors.
 
-Every tensor gets a key that names the same thing under any (dp, pp, ep) layout:
+Every tensor gets a key that names the same thing under any (dp, pp, ep, tp) layout:
 
 - ``model/<name>`` for a non-expert parameter or persistent buffer (global name; replicas share the
-  key and DCP keeps one copy, which is right because replicas are equal);
+  key and DCP keeps one copy, which is right because replicas are equal); a TP-cut weight is a
+  ``DTensor`` of the full model's shape over the TP group (``tensor_parallel.as_global``: the padded
+  vocabulary rows are not saved), so it loads under any tp;
 - ``model/<name>#expert=<e>`` for row ``e - start`` of a stacked expert tensor (one key per GLOBAL
   expert: two EP ranks never share a key, so DCP's de-duplication cannot drop a shard);
 - ``optim/<i>/<param key>/<state name>`` for optimizer ``i``'s per-parameter state. State of an expert
@@ -25,6 +27,7 @@ from torch.optim import Optimizer
 
 from lightning_titan import zero
 from lightning_titan.model import split_expert_parameters
+from lightning_titan.tensor_parallel import as_global, tp_shards
 
 MODEL = "model/"
 
@@ -73,14 +76,17 @@ def _rows(tensor: Tensor, param: Tensor) -> bool:
 
 def model_entries(model: nn.Module) -> dict[str, Tensor]:
     """Every parameter and persistent buffer of ``model`` under its layout-free key, as views."""
-    starts = expert_starts(model)
+    starts, shards = expert_starts(model), tp_shards(model)
     entries: dict[str, Tensor] = {}
     for name, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, Tensor):
             continue
         start = starts.get(id(value))
         if start is None:
-            entries[MODEL + name] = value.detach()
+            shard = shards.get(id(value))
+            entries[MODEL + name] = (
+                value.detach() if shard is None else as_global(value.detach(), shard)
+            )
         else:
             for row in range(value.shape[0]):
                 entries[MODEL + expert_key(name, start + row)] = value.detach()[row]
@@ -134,7 +140,7 @@ def _shard_entries(
 
 
 def optimizer_entries(model: nn.Module, optimizers: list[Optimizer]) -> OptimizerEntries:
-    names, starts = param_names(model), expert_starts(model)
+    names, starts, shards = param_names(model), expert_starts(model), tp_shards(model)
     out = OptimizerEntries()
     for i, optimizer in enumerate(optimizers):
         for p in optimizer_params(optimizer):
@@ -156,6 +162,8 @@ def optimizer_entries(model: nn.Module, optimizers: list[Optimizer]) -> Optimize
                     for row in range(value.shape[0]):
                         key = param_key(i, expert_key(name, start + row)) + state_name
                         out.tensors[key] = value.detach()[row]
+                elif isinstance(value, Tensor) and id(p) in shards and value.shape == p.shape:
+                    out.tensors[key] = as_global(value.detach(), shards[id(p)])
                 elif isinstance(value, Tensor):
                     out.tensors[key] = value.detach()
                 else:
