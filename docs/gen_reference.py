@@ -18,10 +18,12 @@ import textwrap
 from pathlib import Path
 
 import docstring_parser
+import torch
 
 from lightning_titan import ModelConfig, StageModel, TitanDataModule, TitanLM, TitanStrategy
 from lightning_titan.config_files import compose_config
 from lightning_titan.model import split_expert_parameters
+from lightning_titan.tensor_parallel import padded_vocab, tp_shards
 from lightning_titan.timeline import ExpertLoad, PipelineTimeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,12 +131,24 @@ def _model_rows() -> list[tuple]:
     return rows
 
 
-def _params_per_rank(model: ModelConfig, pp: int, ep: int) -> tuple[int, int]:
+def _numel_on_rank(p: torch.Tensor, cut: dict, tp: int) -> int:
+    """A TP-cut weight's padded 1/tp, any other parameter whole."""
+    if id(p) not in cut:
+        return p.numel()
+    rows = p.shape[cut[id(p)].dim]
+    return p.numel() // rows * (padded_vocab(rows, tp) // tp)
+
+
+def _params_per_rank(model: ModelConfig, pp: int, ep: int, tp: int) -> tuple[int, int]:
     """(expert, non-expert) parameters of the largest rank."""
     counts = []
     for pp_rank in range(pp):
         stage = StageModel(model, pp_rank=pp_rank, pp=pp, ep_rank=0, ep=ep)
-        expert, other = (sum(p.numel() for _, p in part) for part in split_expert_parameters(stage))
+        cut = tp_shards(stage)
+        expert, other = (
+            sum(_numel_on_rank(p, cut, tp) for _, p in part)
+            for part in split_expert_parameters(stage)
+        )
         counts.append((expert + other, expert, other))
     _, expert, other = max(counts)
     return expert, other
@@ -142,7 +156,7 @@ def _params_per_rank(model: ModelConfig, pp: int, ep: int) -> tuple[int, int]:
 
 def _configs_table() -> list[str]:
     lines = [
-        "| config | ranks | dp, pp, ep | schedule | M | sequences per microbatch | bubble (P-1)/(M+P-1) "
+        "| config | ranks | dp, pp, ep, tp | schedule | M | sequences per microbatch | bubble (P-1)/(M+P-1) "
         "| params on the largest rank (expert + other) | params + grads + AdamW, fp32 |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -151,14 +165,14 @@ def _configs_table() -> list[str]:
             continue
         config = compose_config(path)
         strategy = config["trainer"]["strategy"]["init_args"]
-        dp, pp, ep = strategy["dp"], strategy["pp"], strategy["ep"]
+        dp, pp, ep, tp = (strategy[axis] for axis in ("dp", "pp", "ep", "tp"))
         m = strategy.get("num_microbatches") or pp
         batch = config["data"]["global_batch_size"]
         model = ModelConfig(**config["model"]["model"])
-        expert, other = _params_per_rank(model, pp, ep)
+        expert, other = _params_per_rank(model, pp, ep, tp)
         bubble = (pp - 1) / (m + pp - 1)
         lines.append(
-            f"| `{path.name}` | {dp * pp * ep} | {dp}, {pp}, {ep} | {strategy.get('schedule', '1f1b')} | {m} "
+            f"| `{path.name}` | {dp * pp * ep * tp} | {dp}, {pp}, {ep}, {tp} | {strategy.get('schedule', '1f1b')} | {m} "
             f"| {batch // (dp * ep) // m} | {bubble:.2f} | {expert:,} + {other:,} "
             f"| {16 * (expert + other) / 2**20:.1f} MiB |"
         )

@@ -203,9 +203,7 @@ def fit_summary(trainer: Any, module: TitanLM) -> str:
         lines.append(f"skipped steps      {skipped} of {steps} (non-finite loss or grads)")
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if dims is not None:
-        lines.append(
-            f"layout             dp={dims.dp} pp={dims.pp} ep={dims.ep} ({dims.world_size} ranks)"
-        )
+        lines.append(f"layout             {dims.label()} ({dims.world_size} ranks)")
     with torch.device("meta"):  # the whole model's size, without its memory
         params = sum(p.numel() for p in StageModel(module.config).parameters())
     lines.append(f"model              {params:,} parameters")

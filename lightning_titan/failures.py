@@ -85,7 +85,7 @@ def report_failure(
 ) -> None:
     """Print which rank failed and why (naming dead peers); a rank in a started job then leaves."""
     if dims is not None:
-        where = f"dp={dims.dp_rank} pp={dims.pp_rank} ep={dims.ep_rank}"
+        where = dims.label(dims.rank)
         if global_step is not None:
             where += f", global_step={global_step}"
         who, rank = f"rank {dims.rank}/{dims.world_size} ({where})", dims.rank
@@ -122,7 +122,7 @@ def nonfinite_message(
             f"non-finite gradients on stage(s) pp_rank={stages}, first (in backward order) on "
             f"stage {pp} (e.g. {name!r} on rank {rank})"
         )
-    return "; ".join(parts) + f" (layout dp={dims.dp} pp={dims.pp} ep={dims.ep})"
+    return "; ".join(parts) + f" (layout {dims.label()})"
 
 
 def check_finite(

@@ -137,6 +137,12 @@ class ParallelDims:
     def world_size(self) -> int:
         return math.prod(self.degrees.values())
 
+    def label(self, rank: int | None = None) -> str:
+        """``"dp=2 pp=2 ep=2"`` (the degrees), or a rank's coordinates with ``rank``; tp only when
+        it is used, so a layout without TP reads as it always did."""
+        values = self.degrees if rank is None else self.coords(rank)
+        return " ".join(f"{a}={v}" for a, v in values.items() if a != "tp" or self.tp > 1)
+
     def rank_of(self, dp_rank: int, pp_rank: int, ep_rank: int, tp_rank: int = 0) -> int:
         return self.rank_at({"dp": dp_rank, "pp": pp_rank, "ep": ep_rank, "tp": tp_rank})
 

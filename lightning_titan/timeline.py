@@ -127,14 +127,13 @@ class PipelineTimeline(Callback):
         from lightning_titan.bench import plots
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        labels = {r: "rank {} (dp{} pp{} ep{})".format(r, *dims.coords_of(r))
-                  for r in range(dims.world_size)}  # fmt: skip
+        labels = {r: f"rank {r} ({dims.label(r)})" for r in range(dims.world_size)}
         (self.out_dir / "trace.json").write_text(
             json.dumps(tracing.chrome_trace(self.spans, labels))
         )
         last = max(s.step for s in self.spans)
         if plots.available():
-            title = f"step {last}, dp={dims.dp} pp={dims.pp} ep={dims.ep}: measured"
+            title = f"step {last}, {dims.label()}: measured"
             last_spans = [s for s in self.spans if s.step == last]
             plots.plot_gantt(last_spans, self.out_dir / "timeline.png", labels, title=title)
         summary = {"steps": self.steps, "ms_per_step_and_rank": times, "bubbles": self.bubbles}

@@ -41,9 +41,10 @@ def config(name: str) -> Path:
     return ROOT / "configs" / f"{name}.yaml"
 
 
-def layout(dp: int, pp: int, ep: int, *extra: str) -> list[str]:
-    return [f"--trainer.devices={dp * pp * ep}", f"--trainer.strategy.init_args.dp={dp}",
-            f"--trainer.strategy.init_args.pp={pp}", f"--trainer.strategy.init_args.ep={ep}", *extra]  # fmt: skip
+def layout(dp: int, pp: int, ep: int, *extra: str, tp: int = 1) -> list[str]:
+    return [f"--trainer.devices={dp * pp * ep * tp}", f"--trainer.strategy.init_args.dp={dp}",
+            f"--trainer.strategy.init_args.pp={pp}", f"--trainer.strategy.init_args.ep={ep}",
+            f"--trainer.strategy.init_args.tp={tp}", *extra]  # fmt: skip
 
 
 def titan_fit(cwd: Path, cfg: Path, name: str, *extra: str, steps: int = STEPS) -> str:
@@ -104,7 +105,7 @@ def step3_ckpt(cwd: Path, name: str) -> Path:
 # Through the CLI: the single process (the reference curve), the main job and one layout in bf16. Every
 # other composition runs at the engine level (tests/test_equivalence.py, many layouts per spawn); here
 # every config parses into its layout (test_every_config_parses) and the resumes below change layouts.
-TRAINED = ("single", "dp_pp_ep")
+TRAINED = ("single", "dp_pp_ep", "tp_pp_ep")
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +119,8 @@ def runs(tmp_path_factory):
                               *mid_epoch_checkpoint(cwd, "single"), steps=RESUMED_STEPS)  # fmt: skip
     out["dp_pp_ep"] = titan_fit(cwd, config("dp_pp_ep"), "dp_pp_ep", ZERO1,
                                 *mid_epoch_checkpoint(cwd, "dp_pp_ep"))  # fmt: skip
+    out["tp_pp_ep"] = titan_fit(cwd, config("tp_pp_ep"), "tp_pp_ep", FORK,
+                                *mid_epoch_checkpoint(cwd, "tp_pp_ep"))  # fmt: skip
     titan_fit(cwd, config("pp_ep"), "pp_ep_bf16", FORK, "--trainer.precision=bf16-mixed")
     return cwd, out
 
@@ -132,6 +135,8 @@ def test_configs_exist_for_every_composition():
         "pp_ep",
         "dp_ep",
         "dp_pp_ep",
+        "tp",
+        "tp_pp_ep",
     }
 
 
@@ -212,8 +217,9 @@ def test_help_lists_every_command_and_each_runs(capsys):
 @pytest.mark.timeout(1200)
 def test_the_main_job_trains_the_single_process_curve(runs):
     cwd, stdout = runs
-    assert_same_curves("dp_pp_ep", "dp_pp_ep", "single", cwd, FP32_REL, steps=STEPS)
-    assert sorted(curve(cwd, "dp_pp_ep")) == list(range(STEPS))
+    for name in TRAINED[1:]:  # and tensor parallelism (vocab-parallel loss, sequence parallel)
+        assert_same_curves(name, name, "single", cwd, FP32_REL, steps=STEPS)
+        assert sorted(curve(cwd, name)) == list(range(STEPS))
     # the aux (load-balance + z) losses are on, so their gradients are in the compared norms
     assert all(v > 0 for v in curve(cwd, "single", "aux_loss").values())
     for name in TRAINED:
@@ -223,6 +229,7 @@ def test_the_main_job_trains_the_single_process_curve(runs):
         "== titan fit: done" in stdout["dp_pp_ep"]
         and "dp=2 pp=2 ep=2 (8 ranks)" in stdout["dp_pp_ep"]
     )
+    assert "dp=1 pp=2 ep=2 tp=2 (8 ranks)" in stdout["tp_pp_ep"]
     # and each summary names the metrics file the run wrote (under fork the launcher, which logged
     # nothing itself, prints it: it must name the ranks' version folder, not a next, empty one)
     for name in TRAINED:
@@ -300,14 +307,17 @@ RESUMES = [  # (written by, config to resume with, layout overrides); dp_pp_ep s
     ("dp_pp_ep", "dp_pp_ep", layout(1, 2, 4, "--trainer.strategy.init_args.schedule=gpipe")),
     ("dp_pp_ep", "single", []),
     ("single", "dp_pp_ep", layout(4, 1, 2, ZERO1)),
+    # across tp: a tp=2 checkpoint under tp=1, and a tp=1 one under tp=4 (the vocabulary padded)
+    ("tp_pp_ep", "pp_ep", []),
+    ("dp_pp_ep", "tp_pp_ep", layout(1, 1, 2, tp=4)),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_resume_under_another_layout_continues_the_curve(runs):
-    """Model, optimizer, LR schedule, data position and loops resume under a different (dp, pp, ep)
-    and zero level: steps 3..5 equal those of an uninterrupted run."""
+    """Model, optimizer, LR schedule, data position and loops resume under a different (dp, pp, ep,
+    tp) and zero level: steps 3..5 equal those of an uninterrupted run."""
     cwd, _ = runs
     uninterrupted = curve(cwd, "single")
     for i, (source, cfg, overrides) in enumerate(RESUMES):
@@ -344,3 +354,11 @@ def test_export_loads_in_transformers_with_our_logits(runs, tmp_path):
         got = theirs(tokens).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert tokenizer.decode(ids) == text
+    # a TP run's checkpoint holds the same full model as one process's at the same step (the
+    # vocabulary unpadded: 257 rows, as the export writes them)
+    tp_model, single_model = (load_full_model(step3_ckpt(cwd, n)) for n in ("tp_pp_ep", "single"))
+    tp_weights, single_weights = tp_model.state_dict(), single_model.state_dict()
+    assert tp_weights.keys() == single_weights.keys()
+    assert tp_weights["lm_head.weight"].shape[0] == tp_model.config.vocab_size == 257
+    for name, value in single_weights.items():
+        torch.testing.assert_close(tp_weights[name], value, rtol=0, atol=1e-5, msg=name)
