@@ -6,6 +6,9 @@ random, so a swapped or transposed tensor changes the logits.
 """
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,6 +162,40 @@ def test_every_rank_of_dp2_pp2_ep2_loads_its_slice(hf):
         # half the layers, half of their experts: well under the whole file
         assert r["read"] < 0.45 * total, (rank, r["read"], total)
     assert held == set(full)
+
+
+def _fit(hf_dir: Path, out: Path, run: str) -> list[dict]:
+    script = Path(__file__).parent / "scripts" / "hf_resume.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    cmd = [sys.executable, str(script), str(hf_dir), str(out), run]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=out, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(out / f"{run}_rank{r}.pt") for r in range(4)]
+
+
+@pytest.mark.timeout(420)
+def test_trainer_starts_from_the_folder_and_a_resume_from_the_checkpoint(hf, tmp_path):
+    """Under Trainer + TitanStrategy(pp2 x ep2): the broadcast of replicated parameters keeps the
+    loaded values, the first step's loss is transformers', and a resumed run with init_from still set
+    starts from its checkpoint (restored after configure_model), not from the folder."""
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import hf_resume
+
+    one, sharded, theirs = hf
+    full = {n: p.detach() for n, p in full_model(one).named_parameters()}
+    tokens = hf_resume.global_tokens(61)
+    with torch.no_grad():
+        their_loss = theirs(input_ids=tokens, labels=tokens).loss.item()
+    first = _fit(sharded, tmp_path, "first")
+    resumed = _fit(sharded, tmp_path, "resumed")
+    for rank, (a, b) in enumerate(zip(first, resumed, strict=True)):
+        start, end = a["expert_range"]
+        for name, loaded in a["start"].items():
+            expected = full[name][start:end] if ".moe.experts." in name else full[name]
+            assert torch.equal(loaded, expected), (rank, name)
+            assert torch.equal(b["start"][name], a["end"][name]), (rank, name)
+        assert any(not torch.equal(a["end"][n], a["start"][n]) for n in a["start"]), rank
+        assert a["loss"] == pytest.approx(their_loss, rel=1e-5), rank
 
 
 # -- bad input: each an error naming the field or tensor and both values -----------------------------
