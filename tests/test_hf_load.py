@@ -269,3 +269,22 @@ def test_a_layout_that_does_not_divide_the_loaded_model_is_named(hf):
     with pytest.raises(ValueError, match=r"n_experts=4 is not divisible by ep=3"):
         lm.check_layout(ParallelDims(1, 1, 3, 0))
     assert lm.hparams["model"]["d_model"] == 32 and lm.hparams["init_from"] == str(hf[0])
+
+
+def test_our_own_export_loads_back(tmp_path):
+    """What `titan export` writes (config.json by ``hf_config``, one safetensors file) is a folder
+    init_from takes: the same config and every weight."""
+    from lightning_titan.export import hf_config
+
+    config = ModelConfig(n_kv_heads=2, seq_len=SEQ_LEN, rope_theta=500.0, norm_eps=1e-6)
+    model = StageModel(config)
+    model.init_weights(3)
+    tensors = {k: v.contiguous() for k, v in hf_mixtral_state_dict(model).items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(config)))
+    loaded = TitanLM(ModelConfig(seq_len=SEQ_LEN), init_from=str(tmp_path)).config
+    assert loaded == config
+    again = StageModel(loaded)
+    hf_load.load_stage(again, tmp_path)
+    for name, p in model.named_parameters():
+        assert torch.equal(dict(again.named_parameters())[name], p), name
