@@ -58,9 +58,7 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Non
         raise ValueError(f"{folder}/config.json: {field}={hf.get(field)!r} {why}")
 
     if hf.get("model_type") != "mixtral":
-        refuse(
-            "model_type", "is not supported: init_from loads Mixtral folders (model_type 'mixtral')"
-        )
+        refuse("model_type", "is not supported: init_from loads model_type 'mixtral' folders")
     archs = hf.get("architectures") or ["MixtralForCausalLM"]
     if archs != ["MixtralForCausalLM"]:
         refuse("architectures", "is not supported: init_from loads ['MixtralForCausalLM']")
@@ -75,10 +73,10 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Non
     head_dim, heads = hf.get("head_dim"), hf.get("num_attention_heads", 0)
     if head_dim is not None and head_dim * heads != hf.get("hidden_size"):
         refuse("head_dim", "is not supported: ours is hidden_size / num_attention_heads")
-    rope = hf.get("rope_parameters") or {}
-    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-        refuse(field, "is not supported: we apply plain RoPE (rope_type 'default')")
+    for field in ("rope_scaling", "rope_parameters"):  # transformers 4 / 5 spell it differently
+        rope = hf.get(field) or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            refuse(field, "is not supported: we apply plain RoPE (rope_type 'default')")
     for field in ("router_jitter_noise", "attention_dropout"):
         if hf.get(field, 0.0):
             refuse(field, "is not supported: we model it as 0.0")
@@ -116,9 +114,9 @@ def config_from_folder(folder: str | Path, given: ModelConfig | None = None) -> 
         mine = getattr(given, name)
         if mine != defaults[name] and mine != value:
             raise ValueError(
-                f"model.{name}={mine!r} disagrees with {folder}/config.json "
-                f"{HF_CONFIG_KEYS[name]}={value!r}: leave model.{name} unset to take the folder's "
-                "value, or choose another init_from"
+                f"ModelConfig {name}={mine!r} (--model.model.{name}) disagrees with "
+                f"{folder}/config.json {HF_CONFIG_KEYS[name]}={value!r}: leave {name} at its default "
+                "to take the folder's value, or choose another init_from"
             )
     return dataclasses.replace(given, **values)
 

@@ -222,6 +222,8 @@ def _set(**fields):
         (_set(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
         (_set(rope_parameters={"rope_type": "yarn", "factor": 4.0}), r"rope_parameters=.*yarn"),
         (_set(head_dim=16), r"head_dim=16 is not supported"),
+        (_set(rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope_scaling=.*dynamic"),
+        (_set(router_jitter_noise=0.1), r"router_jitter_noise=0.1 is not supported"),
     ],
 )
 def test_unsupported_configs_are_refused(hf, tmp_path, edit, match):
@@ -235,9 +237,11 @@ def test_unsupported_configs_are_refused(hf, tmp_path, edit, match):
 
 def test_disagreeing_field_missing_and_misshaped_tensors_are_named(hf, tmp_path):
     one = hf[0]
-    with pytest.raises(ValueError, match=r"model.d_model=48 disagrees with .*hidden_size=32"):
+    with pytest.raises(
+        ValueError, match=r"d_model=48 \(--model.model.d_model\) disagrees with .*hidden_size=32"
+    ):
         TitanLM(ModelConfig(d_model=48, seq_len=SEQ_LEN), init_from=str(one))
-    with pytest.raises(ValueError, match=r"model.n_experts=2 disagrees with .*num_local_experts=4"):
+    with pytest.raises(ValueError, match=r"n_experts=2 .* disagrees with .*num_local_experts=4"):
         TitanLM(ModelConfig(n_experts=2), init_from=str(one))
     # the rule: a field at its ModelConfig default (n_experts=8) is not given, the folder's wins
     assert TitanLM(ModelConfig(n_experts=8), init_from=str(one)).config.n_experts == 4
