@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from lightning_titan import hf_load
 from lightning_titan.engine import Engine
-from lightning_titan.export import hf_mixtral_state_dict
+from lightning_titan.export import export_hf, hf_mixtral_state_dict, load_full_model
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.module import TitanLM
@@ -177,7 +177,8 @@ def _fit(hf_dir: Path, out: Path, run: str) -> list[dict]:
 def test_trainer_starts_from_the_folder_and_a_resume_from_the_checkpoint(hf, tmp_path):
     """Under Trainer + TitanStrategy(pp2 x ep2): the broadcast of replicated parameters keeps the
     loaded values, the first step's loss is transformers', and a resumed run with init_from still set
-    starts from its checkpoint (restored after configure_model), not from the folder."""
+    starts from its checkpoint (restored after configure_model), not from the folder; the fine-tune
+    exports back to a folder transformers loads."""
     sys.path.insert(0, str(Path(__file__).parent / "scripts"))
     import hf_resume
 
@@ -196,6 +197,18 @@ def test_trainer_starts_from_the_folder_and_a_resume_from_the_checkpoint(hf, tmp
             assert torch.equal(b["start"][name], a["end"][name]), (rank, name)
         assert any(not torch.equal(a["end"][n], a["start"][n]) for n in a["start"]), rank
         assert a["loss"] == pytest.approx(their_loss, rel=1e-5), rank
+    # the fine-tune exports back to the folder's format: transformers loads it with our logits
+    import transformers
+
+    export_hf(tmp_path / "ckpt" / "last.ckpt", tmp_path / "export")
+    tuned = load_full_model(tmp_path / "ckpt" / "last.ckpt")
+    exported = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "export").eval()
+    with torch.no_grad():
+        ours, _ = tuned(tokens[:, :-1])
+        torch.testing.assert_close(
+            exported(input_ids=tokens[:, :-1]).logits, ours, rtol=0, atol=1e-4
+        )
+        assert not torch.allclose(theirs(input_ids=tokens[:, :-1]).logits, ours, atol=1e-3)
 
 
 # -- bad input: each an error naming the field or tensor and both values -----------------------------
