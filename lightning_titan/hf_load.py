@@ -149,10 +149,10 @@ def hf_shapes(model: StageModel) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def check_tensors(model: StageModel, folder: str | Path) -> dict[str, Path]:
+def check_tensors(model: StageModel, folder: str | Path) -> dict[Path, list[str]]:
     """Raise unless every tensor ``model`` needs is in ``folder`` with its shape (headers only are read).
 
-    Returns where each of them lives."""
+    Returns the needed tensors' names grouped by the file that holds them."""
     from safetensors import safe_open
 
     files = tensor_files(folder)
@@ -167,11 +167,13 @@ def check_tensors(model: StageModel, folder: str | Path) -> dict[str, Path]:
     for hf_name in needed:
         by_file[files[hf_name]].append(hf_name)
     for path, names in by_file.items():
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing; {INDEX_FILE} names it for {names[0]!r}")
         with safe_open(str(path), framework="pt") as f:
             present = set(f.keys())
             for hf_name in names:
                 if hf_name not in present:
-                    raise ValueError(f"{path} lacks {hf_name!r}, which its index names it for")
+                    raise ValueError(f"{path} lacks {hf_name!r}, which {INDEX_FILE} names it for")
                 got = tuple(f.get_slice(hf_name).get_shape())
                 if got != needed[hf_name][1]:
                     raise ValueError(
@@ -179,7 +181,7 @@ def check_tensors(model: StageModel, folder: str | Path) -> dict[str, Path]:
                         f"{needed[hf_name][0]!r} needs {list(needed[hf_name][1])}; the folder does "
                         "not match its config.json"
                     )
-    return {hf_name: files[hf_name] for hf_name in needed}
+    return by_file
 
 
 def check_folder(folder: str | Path, config: ModelConfig) -> None:
@@ -196,10 +198,7 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
     only the bytes of the tensors it holds. Returns the number of tensor bytes read."""
     from safetensors import safe_open
 
-    where = check_tensors(model, folder)
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for hf_name, path in where.items():
-        by_file[path].append(hf_name)
+    by_file = check_tensors(model, folder)
     targets = {}  # hf name -> the parameter (or expert row) it fills, and whether it is transposed
     for name, p in model.named_parameters():
         stacked = is_stacked_experts(name)

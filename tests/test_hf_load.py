@@ -7,6 +7,7 @@ random, so a swapped or transposed tensor changes the logits.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -276,6 +277,14 @@ def test_disagreeing_field_missing_and_misshaped_tensors_are_named(hf, tmp_path)
         **t, name: torch.zeros(32, 32)})  # fmt: skip
     with pytest.raises(ValueError, match=rf"'{name}' has shape \[32, 32\] .* needs \[16, 32\]"):
         TitanLM(TRAINING, init_from=str(misshaped))
+
+    # a shard that the index names but that is gone
+    gone = tmp_path / "gone"
+    shutil.copytree(hf[1], gone)
+    shard = json.loads((gone / hf_load.INDEX_FILE).read_text())["weight_map"]["lm_head.weight"]
+    (gone / shard).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"{shard} is missing; .* names it for 'model\."):
+        TitanLM(TRAINING, init_from=str(gone))
 
     with pytest.raises(FileNotFoundError, match="no config.json"):
         TitanLM(TRAINING, init_from=str(tmp_path))
