@@ -32,23 +32,34 @@ HF_MIXTRAL_NAMES = {
 }
 
 
+def hf_mixtral_names(name: str, expert_range: tuple[int, int] = (0, 1)) -> list[str]:
+    """The Hugging Face Mixtral tensors that hold our parameter ``name``: one name, or for stacked
+    experts one per row (row r is global expert ``expert_range[0] + r``; each the row's transpose)."""
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return [HF_MIXTRAL_NAMES[name]]
+    layer, rest = parts[1], ".".join(parts[2:])
+    if rest.startswith("moe.experts."):
+        template = HF_MIXTRAL_NAMES["layers.{i}.moe.experts.{w}"]
+        return [template.format(i=layer, e=e, w=parts[-1]) for e in range(*expert_range)]
+    return [HF_MIXTRAL_NAMES["layers.{i}." + rest].format(i=layer)]
+
+
+def is_stacked_experts(name: str) -> bool:
+    """Our expert tensors are [n_local, ...]: Hugging Face holds each row, transposed, apart."""
+    return ".moe.experts." in name
+
+
 def hf_mixtral_state_dict(model: StageModel) -> dict[str, Tensor]:
     """This stage's parameters under Hugging Face Mixtral names (experts split per global id)."""
     out = {}
     for name, p in model.named_parameters():
-        parts = name.split(".")
-        if parts[0] != "layers":
-            out[HF_MIXTRAL_NAMES[name]] = p.detach()
+        hf_names = hf_mixtral_names(name, model.expert_range)
+        if not is_stacked_experts(name):
+            out[hf_names[0]] = p.detach()
             continue
-        layer, rest = parts[1], ".".join(parts[2:])
-        if rest.startswith("moe.experts."):
-            w = parts[-1]
-            template = HF_MIXTRAL_NAMES["layers.{i}.moe.experts.{w}"]
-            for row in range(p.shape[0]):
-                e = model.expert_range[0] + row
-                out[template.format(i=layer, e=e, w=w)] = p[row].detach().t().contiguous()
-        else:
-            out[HF_MIXTRAL_NAMES["layers.{i}." + rest].format(i=layer)] = p.detach()
+        for row, hf_name in enumerate(hf_names):
+            out[hf_name] = p[row].detach().t().contiguous()
     return out
 
 

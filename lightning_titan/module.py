@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.optim.lr_scheduler import LRScheduler
 from torchmetrics.aggregation import MeanMetric
 
+from lightning_titan import hf_load
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.strategy import TitanStrategy
@@ -31,6 +32,9 @@ class TitanLM(L.LightningModule):
         weight_decay: AdamW weight decay for matrices (not for norms).
         betas: AdamW betas.
         seed: initial weights depend on this seed and the global parameter names only.
+        init_from: a Hugging Face Mixtral folder (config.json + safetensors) to start from instead: the
+            model's shape is read from it (a ``model`` field set away from its default must agree) and
+            each rank loads only its own layers and experts. A resumed checkpoint still wins.
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class TitanLM(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         seed: int = 1234,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         if not learning_rate > 0:
@@ -58,6 +63,9 @@ class TitanLM(L.LightningModule):
                 f"lr_decay_steps={lr_decay_steps!r} must be >= 1, or None for the whole run"
             )
         self.config = model if model is not None else ModelConfig()
+        if init_from is not None:  # its shape, and every tensor there, before any rank starts
+            self.config = hf_load.config_from_folder(init_from, self.config)
+            hf_load.check_folder(init_from, self.config)
         self.save_hyperparameters(ignore=["model"])
         self.hparams["model"] = vars(self.config)
         self.automatic_optimization = False
@@ -91,7 +99,11 @@ class TitanLM(L.LightningModule):
             self.config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
             ep_group=self.strategy.groups.ep, tp_group=self.strategy.groups.tp,
         )  # fmt: skip
-        self.model.init_weights(self.hparams["seed"])
+        # a resumed checkpoint is loaded after this (restore_checkpoint_after_setup) and replaces both
+        if self.hparams["init_from"] is not None:
+            hf_load.load_stage(self.model, self.hparams["init_from"])
+        else:
+            self.model.init_weights(self.hparams["seed"])
 
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.ndim >= 2]  # matrices; not norms

@@ -1,0 +1,215 @@
+"""Start from a pretrained Hugging Face Mixtral folder: its config becomes our ModelConfig, and each rank
+reads only its own stage's tensors and its own experts, memory-mapped from the safetensors files.
+
+titan fit --config configs/dp_pp_ep.yaml --model.init_from=path/to/Mixtral-8x7B-v0.1
+# or: TitanLM(init_from="path/to/Mixtral-8x7B-v0.1")
+
+A ModelConfig field counts as given when its value differs from the dataclass default; a given field
+must equal the folder's value (an error names both). Fields at their default take the folder's value.
+The training fields (seq_len, aux_loss_coef, z_loss_coef, init_std, activation_checkpointing) are ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_titan.export import hf_mixtral_names, is_stacked_experts
+from lightning_titan.model import ModelConfig, StageModel
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# our field -> the Hugging Face config key it is read from (rope_theta may sit in rope_parameters)
+HF_CONFIG_KEYS = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "n_experts": "num_local_experts",
+    "top_k": "num_experts_per_tok",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+}
+# transformers' MixtralConfig defaults, for keys a config.json may leave out
+HF_DEFAULTS = {"rope_theta": 1e6, "rms_norm_eps": 1e-5}
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"init_from={str(folder)!r} has no config.json: pass a Hugging Face model folder "
+            "(config.json + *.safetensors), e.g. one written by save_pretrained()"
+        )
+    return json.loads(path.read_text())
+
+
+def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> None:
+    """Refuse what our Mixtral does not model, naming the config.json field and its value."""
+
+    def refuse(field: str, why: str) -> None:
+        raise ValueError(f"{folder}/config.json: {field}={hf.get(field)!r} {why}")
+
+    if hf.get("model_type") != "mixtral":
+        refuse("model_type", "is not supported: init_from loads model_type 'mixtral' folders")
+    archs = hf.get("architectures") or ["MixtralForCausalLM"]
+    if archs != ["MixtralForCausalLM"]:
+        refuse("architectures", "is not supported: init_from loads ['MixtralForCausalLM']")
+    if hf.get("tie_word_embeddings", False):
+        refuse("tie_word_embeddings", "is not supported: our lm_head is untied from the embedding")
+    window = hf.get("sliding_window")
+    if window is not None and window < seq_len:
+        refuse("sliding_window", f"< seq_len={seq_len}: we attend to the whole sequence; "
+               f"train with seq_len <= {window}")  # fmt: skip
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "is not supported: our experts are SwiGLU with silu")
+    head_dim, heads = hf.get("head_dim"), hf.get("num_attention_heads", 0)
+    if head_dim is not None and head_dim * heads != hf.get("hidden_size"):
+        refuse("head_dim", "is not supported: ours is hidden_size / num_attention_heads")
+    for field in ("rope_scaling", "rope_parameters"):  # transformers 4 / 5 spell it differently
+        rope = hf.get(field) or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            refuse(field, "is not supported: we apply plain RoPE (rope_type 'default')")
+    for field in ("router_jitter_noise", "attention_dropout"):
+        if hf.get(field, 0.0):
+            refuse(field, "is not supported: we model it as 0.0")
+
+
+def folder_fields(hf: dict[str, Any], folder: str | Path) -> dict[str, Any]:
+    """Our ModelConfig fields, read from a Mixtral config.json."""
+    values = {}
+    for ours, key in HF_CONFIG_KEYS.items():
+        value = hf.get(key)
+        if key == "rope_theta" and value is None:
+            value = (hf.get("rope_parameters") or {}).get("rope_theta")
+        if key == "num_key_value_heads" and value is None:
+            value = hf.get("num_attention_heads")  # transformers' rule
+        if value is None:
+            value = HF_DEFAULTS.get(key)
+        if value is None:
+            raise ValueError(
+                f"{folder}/config.json has no {key!r}: it is not a complete Mixtral config"
+            )
+        values[ours] = float(value) if ours in ("rope_theta", "norm_eps") else value
+    return values
+
+
+def config_from_folder(folder: str | Path, given: ModelConfig | None = None) -> ModelConfig:
+    """``given`` (default: ModelConfig()) with the model's shape read from ``folder``'s config.json.
+
+    A field of ``given`` that is not at its default is explicit: it must equal the folder's value."""
+    given = given if given is not None else ModelConfig()
+    hf = read_hf_config(folder)
+    check_supported(hf, given.seq_len, folder)
+    values = folder_fields(hf, folder)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for name, value in values.items():
+        mine = getattr(given, name)
+        if mine != defaults[name] and mine != value:
+            raise ValueError(
+                f"ModelConfig {name}={mine!r} (--model.model.{name}) disagrees with "
+                f"{folder}/config.json {HF_CONFIG_KEYS[name]}={value!r}: leave {name} at its default "
+                "to take the folder's value, or choose another init_from"
+            )
+    return dataclasses.replace(given, **values)
+
+
+def tensor_files(folder: str | Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it (sharded index or one file)."""
+    folder = Path(folder)
+    if (folder / INDEX_FILE).is_file():
+        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    if (folder / SINGLE_FILE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(folder / SINGLE_FILE), framework="pt") as f:
+            return dict.fromkeys(f.keys(), folder / SINGLE_FILE)
+    raise FileNotFoundError(
+        f"init_from={str(folder)!r} has neither {INDEX_FILE} nor {SINGLE_FILE}: only safetensors "
+        "folders load (save with save_pretrained(..., safe_serialization=True))"
+    )
+
+
+def hf_shapes(model: StageModel) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every Hugging Face tensor ``model`` holds -> (our parameter name, the shape it must have)."""
+    out = {}
+    for name, p in model.named_parameters():
+        hf_names = hf_mixtral_names(name, model.expert_range)
+        shape = tuple(p.shape[1:])[::-1] if is_stacked_experts(name) else tuple(p.shape)
+        for hf_name in hf_names:
+            out[hf_name] = (name, shape)
+    return out
+
+
+def check_tensors(model: StageModel, folder: str | Path) -> dict[Path, list[str]]:
+    """Raise unless every tensor ``model`` needs is in ``folder`` with its shape (headers only are read).
+
+    Returns the needed tensors' names grouped by the file that holds them."""
+    from safetensors import safe_open
+
+    files = tensor_files(folder)
+    needed = hf_shapes(model)
+    missing = sorted(set(needed) - set(files))
+    if missing:
+        raise ValueError(
+            f"init_from={str(folder)!r} lacks {len(missing)} tensor(s) the model needs, e.g. "
+            f"{missing[0]!r} (for our {needed[missing[0]][0]!r}); is it a complete Mixtral folder?"
+        )
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for hf_name in needed:
+        by_file[files[hf_name]].append(hf_name)
+    for path, names in by_file.items():
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing; {INDEX_FILE} names it for {names[0]!r}")
+        with safe_open(str(path), framework="pt") as f:
+            present = set(f.keys())
+            for hf_name in names:
+                if hf_name not in present:
+                    raise ValueError(f"{path} lacks {hf_name!r}, which {INDEX_FILE} names it for")
+                got = tuple(f.get_slice(hf_name).get_shape())
+                if got != needed[hf_name][1]:
+                    raise ValueError(
+                        f"{path.name}: {hf_name!r} has shape {list(got)} but our "
+                        f"{needed[hf_name][0]!r} needs {list(needed[hf_name][1])}; the folder does "
+                        "not match its config.json"
+                    )
+    return by_file
+
+
+def check_folder(folder: str | Path, config: ModelConfig) -> None:
+    """Every tensor of the whole model present with its shape; no tensor data is read."""
+    with torch.device("meta"):
+        check_tensors(StageModel(config), folder)
+
+
+@torch.no_grad()
+def load_stage(model: StageModel, folder: str | Path) -> int:
+    """Copy this stage's tensors (its layers, its experts only) from ``folder`` into ``model``.
+
+    Every shape is checked before anything is copied; each file is memory-mapped, so a rank reads
+    only the bytes of the tensors it holds. Returns the number of tensor bytes read."""
+    from safetensors import safe_open
+
+    by_file = check_tensors(model, folder)
+    targets = {}  # hf name -> the parameter (or expert row) it fills, and whether it is transposed
+    for name, p in model.named_parameters():
+        stacked = is_stacked_experts(name)
+        for row, hf_name in enumerate(hf_mixtral_names(name, model.expert_range)):
+            targets[hf_name] = (p[row], True) if stacked else (p, False)
+    read = 0
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for hf_name in names:
+                target, transposed = targets[hf_name]
+                tensor = f.get_tensor(hf_name)
+                target.copy_(tensor.t() if transposed else tensor)
+                read += tensor.numel() * tensor.element_size()
+    return read
