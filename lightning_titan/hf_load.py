@@ -21,6 +21,7 @@ import torch
 
 from lightning_titan.export import hf_mixtral_names, is_stacked_experts
 from lightning_titan.model import ModelConfig, StageModel
+from lightning_titan.tensor_parallel import real_size, tp_shards
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -140,10 +141,14 @@ def tensor_files(folder: str | Path) -> dict[str, Path]:
 
 def hf_shapes(model: StageModel) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every Hugging Face tensor ``model`` holds -> (our parameter name, the shape it must have)."""
-    out = {}
+    out, cut = {}, tp_shards(model)
     for name, p in model.named_parameters():
         hf_names = hf_mixtral_names(name, model.expert_range)
         shape = tuple(p.shape[1:])[::-1] if is_stacked_experts(name) else tuple(p.shape)
+        if id(p) in cut:  # a TP rank's part of a weight: the file holds the whole of it
+            shape = tuple(
+                cut[id(p)].full_size if d == cut[id(p)].dim else n for d, n in enumerate(shape)
+            )
         for hf_name in hf_names:
             out[hf_name] = (name, shape)
     return out
@@ -204,12 +209,22 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
         stacked = is_stacked_experts(name)
         for row, hf_name in enumerate(hf_mixtral_names(name, model.expert_range)):
             targets[hf_name] = (p[row], True) if stacked else (p, False)
+    cut = tp_shards(model)
     read = 0
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for hf_name in names:
                 target, transposed = targets[hf_name]
-                tensor = f.get_tensor(hf_name)
-                target.copy_(tensor.t() if transposed else tensor)
+                shard = cut.get(id(target))
+                if shard is None:
+                    tensor = f.get_tensor(hf_name)
+                    target.copy_(tensor.t() if transposed else tensor)
+                else:  # only this TP rank's rows (or columns); padded vocabulary rows stay zero
+                    per_rank = target.shape[shard.dim]
+                    real = real_size(shard.full_size, shard.size, shard.rank)
+                    index = [slice(None)] * target.dim()
+                    index[shard.dim] = slice(shard.rank * per_rank, shard.rank * per_rank + real)
+                    tensor = f.get_slice(hf_name)[tuple(index)]
+                    target.zero_().narrow(shard.dim, 0, real).copy_(tensor)
                 read += tensor.numel() * tensor.element_size()
     return read

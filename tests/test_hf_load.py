@@ -24,6 +24,7 @@ from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.module import TitanLM
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
+from lightning_titan.tensor_parallel import local_slice, tp_shard
 
 SEQ_LEN = 12
 GLOBAL_BATCH = 8
@@ -117,15 +118,15 @@ def test_logits_loss_and_export_equal_transformers(hf, which):
         assert torch.equal(exported[name], tensor), name
 
 
-def _load_on_ranks(rank: int, world_size: int, folder: str) -> dict:
-    """dp2 x pp2 x ep2: this rank's loaded stage, then the strategy's broadcast and one forward."""
+def _load_on_ranks(rank: int, world_size: int, folder: str, layout: tuple) -> dict:
+    """(dp, pp, ep, tp): this rank's loaded stage, then the strategy's broadcast and one forward."""
     torch.manual_seed(rank)
-    dims = ParallelDims(2, 2, 2, rank)
+    dims = ParallelDims(*layout[:3], rank, tp=layout[3])
     groups = build_process_groups(dims)
     config = hf_load.config_from_folder(folder, TRAINING)
     model = StageModel(
         config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
-        ep_group=groups.ep,
+        ep_group=groups.ep, tp_group=groups.tp,
     )  # fmt: skip
     read = hf_load.load_stage(model, folder)
     engine = Engine(model, dims, groups, schedule="1f1b")
@@ -133,20 +134,27 @@ def _load_on_ranks(rank: int, world_size: int, folder: str) -> dict:
     tokens = global_tokens(config.vocab_size)
     b = GLOBAL_BATCH // dims.data_world
     rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
-    step = engine.forward_only(model, tokens[rows, :-1], tokens[rows, 1:], 2, token_loss_sum)
+    loss_fn = model.token_loss_sum if dims.tp > 1 else token_loss_sum
+    step = engine.forward_only(model, tokens[rows, :-1], tokens[rows, 1:], 2, loss_fn)
     engine.remove()
+    cut = {f"{n}.weight": tp_shard(m).dim for n, m in model.named_modules() if tp_shard(m)}
     return {
         "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
         "expert_range": model.expert_range,
+        "cut": cut,
+        "tp": (dims.tp, dims.tp_rank),
         "loss": step.loss.item(),
         "read": read,
     }
 
 
 @pytest.mark.timeout(300)
-def test_every_rank_of_dp2_pp2_ep2_loads_its_slice(hf):
+@pytest.mark.parametrize("layout", [(2, 2, 2, 1), (1, 2, 2, 2)], ids=["dp2_pp2_ep2", "tp2_pp2_ep2"])
+def test_every_rank_of_eight_loads_its_slice(hf, layout):
     one, sharded, theirs = hf
-    per_rank = run_on_ranks(_load_on_ranks, 8, str(sharded), timeout_s=240, start_method="fork")
+    per_rank = run_on_ranks(
+        _load_on_ranks, 8, str(sharded), layout, timeout_s=240, start_method="fork"
+    )
     full = {n: p.detach() for n, p in full_model(one).named_parameters()}
     tokens = global_tokens(61)
     with torch.no_grad():
@@ -157,6 +165,8 @@ def test_every_rank_of_dp2_pp2_ep2_loads_its_slice(hf):
         start, end = r["expert_range"]
         for name, local in r["weights"].items():
             expected = full[name][start:end] if ".moe.experts." in name else full[name]
+            if name in r["cut"]:  # a TP rank's heads or vocabulary rows, padded with zeros
+                expected = local_slice(expected, r["cut"][name], *r["tp"])
             assert torch.equal(local, expected), (rank, name)
         held |= set(r["weights"])
         assert r["loss"] == pytest.approx(their_loss, rel=1e-5), rank
