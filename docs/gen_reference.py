@@ -156,7 +156,7 @@ def _params_per_rank(model: ModelConfig, pp: int, ep: int, tp: int) -> tuple[int
 
 def _configs_table() -> list[str]:
     lines = [
-        "| config | ranks | dp, pp, ep, tp | schedule | M | sequences per microbatch | bubble (P-1)/(M+P-1) "
+        "| config | ranks | dp, pp, ep, tp, cp | schedule | M | sequences per microbatch | bubble (P-1)/(M+P-1) "
         "| params on the largest rank (expert + other) | params + grads + AdamW, fp32 |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -165,14 +165,14 @@ def _configs_table() -> list[str]:
             continue
         config = compose_config(path)
         strategy = config["trainer"]["strategy"]["init_args"]
-        dp, pp, ep, tp = (strategy[axis] for axis in ("dp", "pp", "ep", "tp"))
+        dp, pp, ep, tp, cp = (strategy[axis] for axis in ("dp", "pp", "ep", "tp", "cp"))
         m = strategy.get("num_microbatches") or pp
         batch = config["data"]["global_batch_size"]
         model = ModelConfig(**config["model"]["model"])
         expert, other = _params_per_rank(model, pp, ep, tp)
         bubble = (pp - 1) / (m + pp - 1)
         lines.append(
-            f"| `{path.name}` | {dp * pp * ep * tp} | {dp}, {pp}, {ep}, {tp} | {strategy.get('schedule', '1f1b')} | {m} "
+            f"| `{path.name}` | {dp * pp * ep * tp * cp} | {dp}, {pp}, {ep}, {tp}, {cp} | {strategy.get('schedule', '1f1b')} | {m} "
             f"| {batch // (dp * ep) // m} | {bubble:.2f} | {expert:,} + {other:,} "
             f"| {16 * (expert + other) / 2**20:.1f} MiB |"
         )

@@ -1,8 +1,8 @@
 """What a layout config means as one plain dict: configs/<layout>.yaml = configs/base.yaml + its keys.
 
 The ``titan`` parser (jsonargparse) reads a config's ``config: base.yaml`` key as "load that file here",
-relative to the config; each later key replaces one value of it (dotted: ``trainer.devices: 8``) or a
-whole block (nested). ``compose_config`` applies the same rules without a parser, for scripts that edit
+relative to the config; each later key replaces one value of it (dotted: ``trainer.devices: 8``; a
+model field: ``model.model.init_args.seq_len: 256``) or a whole block (nested). ``compose_config`` applies the same rules without a parser, for scripts that edit
 a config (tests, docs/gen_reference.py); tests/test_cli.py checks that it agrees with the parser.
 """
 
@@ -38,6 +38,10 @@ def compose_config(path: str | Path) -> dict[str, Any]:
 
 def _set(tree: dict[str, Any], keys: list[str], value: Any) -> None:
     for key in keys[:-1]:
+        if key == "init_args" and "class_path" not in tree:
+            # a dataclass block (model.model) takes its fields under init_args in dotted keys, as
+            # the parser wants them, but holds them directly
+            continue
         if not isinstance(tree.get(key), dict):
             tree[key] = {}
         tree = tree[key]

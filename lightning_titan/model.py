@@ -22,6 +22,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
+from lightning_titan import context_parallel
+from lightning_titan.context_parallel import gather_keys
 from lightning_titan.moe.dispatch import ep_size
 from lightning_titan.moe.experts import GroupedExperts
 from lightning_titan.moe.layer import MoELayer
@@ -109,9 +111,10 @@ class ModelConfig:
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
-    def validate_layout(self, pp: int, ep: int, tp: int = 1) -> None:
-        """Check that ``pp`` stages, ``ep`` expert ranks and ``tp`` tensor ranks split this model evenly."""
-        for name, value in (("pp", pp), ("ep", ep), ("tp", tp)):
+    def validate_layout(self, pp: int, ep: int, tp: int = 1, cp: int = 1) -> None:
+        """Check that ``pp`` stages, ``ep`` expert ranks, ``tp`` tensor ranks and ``cp`` context ranks
+        split this model evenly."""
+        for name, value in (("pp", pp), ("ep", ep), ("tp", tp), ("cp", cp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.n_layers % pp:
@@ -124,15 +127,22 @@ class ModelConfig:
                 f"n_experts={self.n_experts} is not divisible by ep={ep}; choose ep dividing "
                 f"{self.n_experts} or change n_experts to a multiple of {ep}"
             )
-        for name in ("n_heads", "kv_heads", "seq_len"):
+        for name in ("n_heads", "kv_heads"):
             value = getattr(self, name)
             if value % tp:
                 field = "n_kv_heads" if name == "kv_heads" else name
                 raise ValueError(
                     f"{field}={value} is not divisible by tp={tp}: tensor parallelism splits the "
-                    f"{'sequence' if name == 'seq_len' else 'heads'} evenly; choose tp dividing "
-                    f"{value} or change {field} to a multiple of {tp}"
+                    f"heads evenly; choose tp dividing {value} or change {field} to a multiple of {tp}"
                 )
+        # CP: 2*cp chunks (rank r holds r and 2cp-1-r); TP then splits a rank's positions again
+        chunks = (2 * cp if cp > 1 else 1) * tp
+        if self.seq_len % chunks:
+            raise ValueError(
+                f"seq_len={self.seq_len} is not divisible by {'2 * cp * tp' if cp > 1 else 'tp'} = "
+                f"{chunks} (cp={cp}, tp={tp}): every rank holds as many positions of each sequence; "
+                f"use a seq_len that is a multiple of {chunks}"
+            )
 
 
 class RMSNorm(nn.Module):
@@ -173,10 +183,15 @@ class Attention(nn.Module):
     With a ``tp_group`` of n ranks it holds heads ``[r * H/n, (r + 1) * H/n)`` (and the KV heads they
     read), takes and returns the rank's sequence slice, and gathers the sequence inside."""
 
-    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_group: ProcessGroup | None = None,
+        cp_group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         tp = tp_size(tp_group)
-        self.tp_group = tp_group
+        self.tp_group, self.cp_group = tp_group, cp_group
         self.n_heads, self.n_kv_heads, self.head_dim = (
             config.n_heads // tp,
             config.kv_heads // tp,
@@ -191,18 +206,24 @@ class Attention(nn.Module):
             mark_tp_shard(column_parallel, 0, column_parallel.out_features * tp, tp_group)
         mark_tp_shard(self.wo, 1, self.wo.in_features * tp, tp_group)  # row-parallel
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``mask`` [S_q, S_k] (True: attend) under context parallelism, else causal by order."""
         x = gather_sequence(x, self.tp_group)
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # every CP rank's keys and values, before the GQA repeat (fewer bytes on the wire)
+        k, v = gather_keys(k, self.cp_group), gather_keys(v, self.cp_group)
         # KV head j serves query heads j*rep .. (j+1)*rep-1, as HF's repeat_kv.
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # each rank's o-projection of its heads is a partial sum of the output
         return scatter_sequence(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.tp_group)
 
@@ -214,10 +235,12 @@ class Block(nn.Module):
         expert_range: tuple[int, int],
         ep_group: ProcessGroup | None,
         tp_group: ProcessGroup | None = None,
+        cp_group: ProcessGroup | None = None,
+        sequence_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config, tp_group)
+        self.attn = Attention(config, tp_group, cp_group)
         self.moe_norm = RMSNorm(config.d_model, config.norm_eps)
         self.moe = MoELayer(
             config.d_model,
@@ -228,24 +251,30 @@ class Block(nn.Module):
             ep_group=ep_group,
             aux_loss_coef=config.aux_loss_coef,
             z_loss_coef=config.z_loss_coef,
-            sequence_group=tp_group,
+            sequence_group=sequence_group,
         )
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         moe_out, aux = self.moe(self.moe_norm(x))
         return x + moe_out, aux
 
 
 class StageModel(nn.Module):
-    """The part of the model one (pp_rank, ep_rank, tp_rank) owns; a pure ``nn.Module`` with no
-    Lightning glue.
+    """The part of the model one (pp_rank, ep_rank, cp_rank, tp_rank) owns; a pure ``nn.Module`` with
+    no Lightning glue.
 
-    ``forward`` takes token ids [b, S] on the first stage, hidden states [b, S/tp, D] elsewhere, and
-    returns (hidden [b, S/tp, D], or on the last stage logits [b, S, V/tp] of this rank's vocabulary
-    shard, and aux [b] fp32): the per-sequence auxiliary loss summed over this stage's layers, already
-    weighted by the coefficients (under TP, this rank's tokens' share). ``token_loss_sum`` turns the
-    logits into the summed cross-entropy, without gathering them.
+    ``forward`` takes token ids [b, S/cp] (this CP rank's positions, ``context_parallel.take_local``)
+    on the first stage, hidden states [b, S/(cp*tp), D] elsewhere, and returns (hidden
+    [b, S/(cp*tp), D], or on the last stage logits [b, S/cp, V/tp] of this rank's vocabulary shard,
+    and aux [b] fp32): the per-sequence auxiliary loss summed over this stage's layers, already
+    weighted by the coefficients (under CP or TP, this rank's tokens' share). ``token_loss_sum`` turns
+    the logits into the summed cross-entropy, without gathering them.
+
+    ``sequence_group``: the cp x tp ranks that hold one sequence (for the aux losses' counts); it may
+    be left None when only one of cp and tp is used.
     """
 
     def __init__(
@@ -258,10 +287,19 @@ class StageModel(nn.Module):
         ep: int = 1,
         ep_group: ProcessGroup | None = None,
         tp_group: ProcessGroup | None = None,
+        cp_group: ProcessGroup | None = None,
+        sequence_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        tp = tp_size(tp_group)
-        config.validate_layout(pp, ep, tp)
+        tp, cp = tp_size(tp_group), tp_size(cp_group)
+        config.validate_layout(pp, ep, tp, cp)
+        if sequence_group is None and tp > 1 and cp > 1:
+            raise ValueError(
+                "with both tp and cp, pass sequence_group: the cp x tp ranks of one sequence "
+                "(ProcessGroups.sequence)"
+            )
+        if sequence_group is None:
+            sequence_group = tp_group if tp > 1 else cp_group
         if not 0 <= pp_rank < pp:
             raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1} (pp={pp})")
         if not 0 <= ep_rank < ep:
@@ -276,7 +314,7 @@ class StageModel(nn.Module):
         self.expert_range = (ep_rank * per_rank, (ep_rank + 1) * per_rank)
         self.is_first_stage = pp_rank == 0
         self.is_last_stage = pp_rank == pp - 1
-        self.tp_group = tp_group
+        self.tp_group, self.cp_group = tp_group, cp_group
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         vocab_rows = padded_vocab(config.vocab_size, tp) // tp
         self.vocab_start = self.tp_rank * vocab_rows
@@ -288,7 +326,9 @@ class StageModel(nn.Module):
             )
         self.layers = nn.ModuleDict(
             {
-                str(i): Block(config, self.expert_range, ep_group, tp_group)
+                str(i): Block(
+                    config, self.expert_range, ep_group, tp_group, cp_group, sequence_group
+                )
                 for i in range(*self.layer_range)
             }
         )
@@ -304,21 +344,26 @@ class StageModel(nn.Module):
                 raise ValueError(
                     f"the first stage takes token ids [b, S] long, got {x.dtype} {tuple(x.shape)}"
                 )
-            seq_len = x.shape[1]
+            seq_len = x.shape[1] * tp_size(self.cp_group)
             x = self._embed(x)
         elif x.dim() != 3 or x.shape[-1] != self.config.d_model:
             raise ValueError(
-                f"stage {self.layer_range} takes hidden states [b, S/tp, {self.config.d_model}], got {tuple(x.shape)}"
+                f"stage {self.layer_range} takes hidden states [b, S/(cp*tp), {self.config.d_model}], got {tuple(x.shape)}"
             )
         else:
-            seq_len = x.shape[1] * tp_size(self.tp_group)
+            seq_len = x.shape[1] * tp_size(self.tp_group) * tp_size(self.cp_group)
         cos, sin = self._rope(seq_len, x.device)
+        mask = None
+        if tp_size(self.cp_group) > 1:  # RoPE and the causal mask by the tokens' global positions
+            mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)
+            keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
+            cos, sin, mask = cos[mine], sin[mine], keys.unsqueeze(0) <= mine.unsqueeze(1)
         aux = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         for block in self.layers.values():
             if self.config.activation_checkpointing and torch.is_grad_enabled():
-                x, block_aux = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x, block_aux = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
-                x, block_aux = block(x, cos, sin)
+                x, block_aux = block(x, cos, sin, mask)
             aux = aux + block_aux
         if self.is_last_stage:
             x = self.lm_head(gather_sequence(self.norm(x), self.tp_group))

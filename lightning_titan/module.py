@@ -87,7 +87,7 @@ class TitanLM(L.LightningModule):
         """Raise ValueError unless this model splits over ``dims`` and ``datamodule``'s batches fit it.
 
         TitanStrategy runs this before any rank starts (and on every rank before the process group)."""
-        self.config.validate_layout(dims.pp, dims.ep, dims.tp)
+        self.config.validate_layout(dims.pp, dims.ep, dims.tp, dims.cp)
         if datamodule is not None and hasattr(datamodule, "check_model"):
             datamodule.check_model(vocab_size=self.config.vocab_size, seq_len=self.config.seq_len)
 
@@ -95,9 +95,10 @@ class TitanLM(L.LightningModule):
         if self.model is not None:  # Lightning calls this on every fit/validate
             return
         dims = self.strategy.parallel_dims  # checked against the model by check_layout already
+        groups = self.strategy.groups
         self.model = StageModel(
             self.config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
-            ep_group=self.strategy.groups.ep, tp_group=self.strategy.groups.tp,
+            ep_group=groups.ep, tp_group=groups.tp, cp_group=groups.cp, sequence_group=groups.sequence,
         )  # fmt: skip
         # a resumed checkpoint is loaded after this (restore_checkpoint_after_setup) and replaces both
         if self.hparams["init_from"] is not None:

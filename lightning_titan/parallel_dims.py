@@ -1,24 +1,30 @@
 """Degrees of parallelism, this rank's coordinates, and the group kinds, all named by mesh axis.
 
 The mesh convention is fixed (DESIGN.md): axes from slowest to fastest are ``AXES``; a rank's
-coordinates are its mixed-radix digits in that order. With the four axes the code has today::
+coordinates are its mixed-radix digits in that order. With the five axes the code has today::
 
-    rank = ((dp_rank * pp + pp_rank) * ep + ep_rank) * tp + tp_rank
+    rank = (((dp_rank * pp + pp_rank) * ep + ep_rank) * cp + cp_rank) * tp + tp_rank
 
-``tp`` varies fastest: on GPUs a TP group (a collective in every block) sits inside one node.
+``tp`` varies fastest, then ``cp``: on GPUs a TP group (two collectives in every block) and then a
+CP group (a K/V all-gather in every block) sit inside one node.
 
 A group kind is the set of axes that vary inside one group (the others are fixed):
 
 | group         | varies     | used for                                                      |
 |---------------|------------|---------------------------------------------------------------|
-| ep            | ep         | token all-to-all inside one stage                             |
-| pp            | pp         | activation send/recv                                          |
-| tp            | tp         | sequence all-gather / reduce-scatter; vocab-parallel loss     |
-| expert_dp     | dp, tp     | all-reduce of expert grads (TP ranks route their own tokens)  |
-| non_expert_dp | dp, ep     | all-reduce of TP-sharded grads (attention, embedding, head)   |
-| sequence_dp   | dp, ep, tp | all-reduce of the sequence-parallel region's grads (norms,    |
-|               |            | router): every rank holds them whole and sees its own tokens  |
-| model         | pp, ep, tp | the grad-norm sum over everything one DP replica holds        |
+| ep            | ep             | token all-to-all inside one stage                         |
+| pp            | pp             | activation send/recv                                      |
+| tp            | tp             | sequence all-gather / reduce-scatter; vocab-parallel loss |
+| cp            | cp             | K/V all-gather of context parallelism                     |
+| sequence      | cp, tp         | the ranks holding one sequence's tokens: router counts    |
+| expert_dp     | dp, cp, tp     | all-reduce of expert grads (CP/TP ranks: their own tokens)|
+| non_expert_dp | dp, ep, cp     | all-reduce of TP-sharded grads (attention, embedding, head)|
+| sequence_dp   | dp, ep, cp, tp | all-reduce of the norms' and routers' grads: every rank   |
+|               |                | holds them whole and sees its own tokens                  |
+| model         | pp, ep, tp     | the grad-norm sum over everything one DP replica holds    |
+
+CP ranks, like DP ranks, hold the same weights and see different tokens (the same sequences' other
+positions): every reduction group includes cp, and the norm needs none of it.
 
 A new axis is one more name in ``AXES`` (and a field below) plus the groups it joins in ``GROUPS``.
 """
@@ -35,15 +41,17 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-AXES = ("dp", "pp", "ep", "tp")  # slowest to fastest
+AXES = ("dp", "pp", "ep", "cp", "tp")  # slowest to fastest
 GROUPS: dict[str, tuple[str, ...]] = {
     "ep": ("ep",),
     "pp": ("pp",),
-    "expert_dp": ("dp", "tp"),
-    "non_expert_dp": ("dp", "ep"),
+    "expert_dp": ("dp", "cp", "tp"),
+    "non_expert_dp": ("dp", "ep", "cp"),
     "tp": ("tp",),
-    "sequence_dp": ("dp", "ep", "tp"),
+    "sequence_dp": ("dp", "ep", "cp", "tp"),
     "model": ("pp", "ep", "tp"),
+    "cp": ("cp",),
+    "sequence": ("cp", "tp"),
 }
 GROUP_KINDS = tuple(GROUPS)
 
@@ -117,6 +125,7 @@ class ParallelDims:
     ep: int
     rank: int = 0
     tp: int = 1  # after rank: ParallelDims(dp, pp, ep, rank) reads as before
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for name in AXES:
@@ -138,13 +147,17 @@ class ParallelDims:
         return math.prod(self.degrees.values())
 
     def label(self, rank: int | None = None) -> str:
-        """``"dp=2 pp=2 ep=2"`` (the degrees), or a rank's coordinates with ``rank``; tp only when
-        it is used, so a layout without TP reads as it always did."""
+        """``"dp=2 pp=2 ep=2"`` (the degrees), or a rank's coordinates with ``rank``; cp and tp only
+        when they are used, so a layout without them reads as it always did."""
         values = self.degrees if rank is None else self.coords(rank)
-        return " ".join(f"{a}={v}" for a, v in values.items() if a != "tp" or self.tp > 1)
+        shown = [a for a in AXES if a in ("dp", "pp", "ep") or self.degrees[a] > 1]
+        return " ".join(f"{a}={values[a]}" for a in shown)
 
-    def rank_of(self, dp_rank: int, pp_rank: int, ep_rank: int, tp_rank: int = 0) -> int:
-        return self.rank_at({"dp": dp_rank, "pp": pp_rank, "ep": ep_rank, "tp": tp_rank})
+    def rank_of(
+        self, dp_rank: int, pp_rank: int, ep_rank: int, tp_rank: int = 0, cp_rank: int = 0
+    ) -> int:
+        coords = {"dp": dp_rank, "pp": pp_rank, "ep": ep_rank, "cp": cp_rank, "tp": tp_rank}
+        return self.rank_at(coords)
 
     def rank_at(self, coords: dict[str, int]) -> int:
         """The global rank at the given coordinates (one per axis)."""
@@ -182,9 +195,13 @@ class ParallelDims:
         return self.coords(self.rank)["tp"]
 
     @property
+    def cp_rank(self) -> int:
+        return self.coords(self.rank)["cp"]
+
+    @property
     def data_rank(self) -> int:
-        """Which shard of the global batch this rank reads; all stages of one pipeline, and all TP ranks
-        of one stage, read the same."""
+        """Which shard of the global batch this rank reads; all stages of one pipeline, and all CP and
+        TP ranks of one stage, read the same."""
         return self.dp_rank * self.ep + self.ep_rank
 
     @property
@@ -246,6 +263,8 @@ class ProcessGroups:
     tp: dist.ProcessGroup | None = None
     sequence_dp: dist.ProcessGroup | None = None
     model: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
+    sequence: dist.ProcessGroup | None = None
 
 
 def build_process_groups(dims: ParallelDims, timeout: timedelta | None = None) -> ProcessGroups:

@@ -1,8 +1,5 @@
-"""TitanStrategy: DP x PP x EP x TP as a Lightning strategy (Lightning glue; the machinery is elsewhere).
-
-trainer = L.Trainer(accelerator="cpu", devices=8,
-                    strategy=TitanStrategy(dp=2, pp=2, ep=2, schedule="1f1b"))
-"""
+"""TitanStrategy: DP x PP x EP x CP x TP as a Lightning strategy (Lightning glue; the machinery is
+elsewhere): ``L.Trainer(accelerator="cpu", devices=8, strategy=TitanStrategy(dp=2, pp=2, ep=2))``"""
 
 from __future__ import annotations
 
@@ -45,27 +42,26 @@ from lightning_titan.parallel_dims import (
 
 
 class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks, ParallelStrategy):
-    """DP, PP, EP and TP (with sequence parallelism) composed, for a stage-local model built in ``configure_model``.
+    """DP, PP, EP, CP and TP composed, for a stage-local model built in ``configure_model``.
 
     Args:
-        dp: data-parallel replicas (-1: fill what pp, ep and tp leave of the world).
+        dp: data-parallel replicas (-1: fill what the other degrees leave of the world).
         pp: pipeline stages; the model's layers split evenly across them.
         ep: expert-parallel ranks per stage; the experts split evenly across them.
         tp: tensor-parallel ranks (with sequence parallelism): heads, vocabulary and sequence split.
+        cp: context-parallel ranks: each sequence's positions split (load-balanced causal chunks).
         schedule: pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
         num_microbatches: microbatches per step on every rank (default: ``pp``).
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
         bucket_cap_mb: size of a gradient all-reduce bucket.
         reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
         zero: 1 splits the optimizer state of each parameter over its data-parallel group (ZeRO-1).
-        gradient_clip_norm: clip the global gradient norm (composed over stages and expert shards) to this
-            value; None disables clipping (the norm is still computed and logged).
-        timeout_minutes: collective timeout: how long a rank that hangs can hold the others (one that
-            dies or raises brings them down within seconds).
+        gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
+        timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds).
         on_nonfinite: a NaN/inf loss or gradient norm ``"raise"`` s FloatingPointError on every rank
             (naming the step and the stages), or ``"skip"`` s that step's update (a warning says so).
         start_method: ``"popen"`` re-runs the script per rank; ``"fork"`` for notebooks.
-        process_group_backend: default ``nccl`` on CUDA, ``gloo`` on CPU.
+        process_group_backend: ``nccl`` on CUDA, ``gloo`` on CPU by default.
         allow_config_change: model-config fields a resume may change (others must match the saved).
     """
 
@@ -77,6 +73,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         pp: int = 1,
         ep: int = 1,
         tp: int = 1,
+        cp: int = 1,
         schedule: Literal["1f1b", "gpipe"] = "1f1b",
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
@@ -98,7 +95,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
             timeout_minutes=timeout_minutes, on_nonfinite=on_nonfinite, start_method=start_method,
             zero=zero,
         )  # fmt: skip
-        self._degrees = check_degrees(dp=dp, pp=pp, ep=ep, tp=tp)  # the world size is known later
+        self._degrees = check_degrees(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp)  # world size: known later
         self._process_group_backend = process_group_backend
         self.allow_config_change = tuple(allow_config_change or ())
         self._num_nodes = 1
@@ -298,5 +295,5 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
 
 if TitanStrategy.strategy_name not in StrategyRegistry:  # a re-import must not raise
     StrategyRegistry.register(
-        "titan", TitanStrategy, description="DP x PP x EP x TP (lightning_titan)"
+        "titan", TitanStrategy, description="DP x PP x EP x CP x TP (lightning_titan)"
     )

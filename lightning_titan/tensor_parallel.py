@@ -116,57 +116,63 @@ def local_slice(full: Tensor, dim: int, tp: int, rank: int) -> Tensor:
     return part
 
 
-def _gather(x: Tensor, group: ProcessGroup) -> Tensor:
-    """All-gather along dim 1 (the sequence), rank-major."""
+def _gather(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+    """All-gather along ``dim``, rank-major."""
     n = dist.get_world_size(group)
-    local = x.movedim(1, 0).contiguous()
+    local = x.movedim(dim, 0).contiguous()
     out = local.new_empty((local.shape[0] * n, *local.shape[1:]))
     dist.all_gather_single(out, local, group=group)
-    return out.movedim(0, 1)
+    return out.movedim(0, dim)
 
 
-def _reduce_scatter(x: Tensor, group: ProcessGroup) -> Tensor:
-    """Sum over the group, each rank keeping its ``1/n`` of dim 1 (the sequence)."""
+def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+    """Sum over the group, each rank keeping its ``1/n`` of ``dim``."""
     n = dist.get_world_size(group)
-    full = x.movedim(1, 0).contiguous()
+    full = x.movedim(dim, 0).contiguous()
     out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
     dist.reduce_scatter_single(out, full, group=group)
-    return out.movedim(0, 1)
+    return out.movedim(0, dim)
 
 
-class _GatherSequence(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # every rank's downstream (its heads, its vocabulary shard) used the whole sequence: the
-        # slice's grad is the sum of theirs
-        return _reduce_scatter(grad, ctx.group), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.group), None
+        # every rank's downstream (its heads, its vocabulary shard, its queries) used the whole
+        # gathered tensor: the slice's grad is the sum of theirs
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.dim), None, None
+
+
+def gather_along(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order, differentiable (the backward
+    reduce-scatters); identity for a group of one."""
+    return x if tp_size(group) == 1 else _Gather.apply(x, group, dim)
 
 
 def gather_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """``[b, S/tp, D]`` on each rank -> ``[b, S, D]`` on every rank (identity without TP)."""
-    return x if tp_size(group) == 1 else _GatherSequence.apply(x, group)
+    return gather_along(x, group, 1)
 
 
 def scatter_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Partial sums ``[b, S, D]`` on each rank -> their sum's slice ``[b, S/tp, D]`` (identity
     without TP)."""
-    return x if tp_size(group) == 1 else _ScatterSequence.apply(x, group)
+    return x if tp_size(group) == 1 else _ReduceScatter.apply(x, group, 1)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

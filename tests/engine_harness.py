@@ -17,7 +17,7 @@ from lightning_titan.tensor_parallel import local_slice, tp_shard
 
 CONFIG = ModelConfig(
     vocab_size=61, d_model=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=24, n_experts=4, top_k=2,
-    seq_len=12, aux_loss_coef=0.05, z_loss_coef=0.01,
+    seq_len=16, aux_loss_coef=0.05, z_loss_coef=0.01,
 )  # fmt: skip
 GLOBAL_BATCH = 8
 STEPS = 5
@@ -35,6 +35,8 @@ def stage_model(dims: ParallelDims, groups: ProcessGroups, config: ModelConfig) 
         ep=dims.ep,
         ep_group=groups.ep,
         tp_group=groups.tp,
+        cp_group=groups.cp,
+        sequence_group=groups.sequence,
     )
     model.init_weights(SEED)
     return model
@@ -156,7 +158,7 @@ def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
 def run_layouts(
     rank: int, world_size: int, cases: list[tuple[tuple[int, ...], str, int]]
 ) -> list[dict]:
-    """Spawned: every case (layout (dp, pp, ep) or (dp, pp, ep, tp), schedule, M) in turn, on the same
+    """Spawned: every case (layout (dp, pp, ep), (dp, pp, ep, tp) or (dp, pp, ep, tp, cp), schedule, M) in turn, on the same
     ranks; a schedule named ``"<name>:paired"`` runs with ``paired_p2p``, ``"<name>:zero1"`` with
     ``zero=1``."""
     out = []

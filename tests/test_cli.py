@@ -41,10 +41,10 @@ def config(name: str) -> Path:
     return ROOT / "configs" / f"{name}.yaml"
 
 
-def layout(dp: int, pp: int, ep: int, *extra: str, tp: int = 1) -> list[str]:
-    return [f"--trainer.devices={dp * pp * ep * tp}", f"--trainer.strategy.init_args.dp={dp}",
-            f"--trainer.strategy.init_args.pp={pp}", f"--trainer.strategy.init_args.ep={ep}",
-            f"--trainer.strategy.init_args.tp={tp}", *extra]  # fmt: skip
+def layout(dp: int, pp: int, ep: int, *extra: str, tp: int = 1, cp: int = 1) -> list[str]:
+    degrees = {"dp": dp, "pp": pp, "ep": ep, "tp": tp, "cp": cp}
+    return [f"--trainer.devices={dp * pp * ep * tp * cp}",
+            *(f"--trainer.strategy.init_args.{a}={n}" for a, n in degrees.items()), *extra]  # fmt: skip
 
 
 def titan_fit(cwd: Path, cfg: Path, name: str, *extra: str, steps: int = STEPS) -> str:
@@ -106,6 +106,10 @@ def step3_ckpt(cwd: Path, name: str) -> Path:
 # other composition runs at the engine level (tests/test_equivalence.py, many layouts per spawn); here
 # every config parses into its layout (test_every_config_parses) and the resumes below change layouts.
 TRAINED = ("single", "dp_pp_ep", "tp_pp_ep")
+# cp_pp_ep.yaml trains on 256-token sequences: its reference is the same config on one process
+CP_SINGLE = ["--trainer.devices=1"] + [
+    f"--trainer.strategy.init_args.{a}=1" for a in ("pp", "ep", "cp")
+]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +125,9 @@ def runs(tmp_path_factory):
                                 *mid_epoch_checkpoint(cwd, "dp_pp_ep"))  # fmt: skip
     out["tp_pp_ep"] = titan_fit(cwd, config("tp_pp_ep"), "tp_pp_ep", FORK,
                                 *mid_epoch_checkpoint(cwd, "tp_pp_ep"))  # fmt: skip
+    out["cp_pp_ep"] = titan_fit(cwd, config("cp_pp_ep"), "cp_pp_ep", FORK,
+                                *mid_epoch_checkpoint(cwd, "cp_pp_ep"))  # fmt: skip
+    titan_fit(cwd, config("cp_pp_ep"), "cp_single", FORK, *CP_SINGLE, steps=RESUMED_STEPS)
     titan_fit(cwd, config("pp_ep"), "pp_ep_bf16", FORK, "--trainer.precision=bf16-mixed")
     return cwd, out
 
@@ -137,6 +144,7 @@ def test_configs_exist_for_every_composition():
         "dp_pp_ep",
         "tp",
         "tp_pp_ep",
+        "cp_pp_ep",
     }
 
 
@@ -230,6 +238,9 @@ def test_the_main_job_trains_the_single_process_curve(runs):
         and "dp=2 pp=2 ep=2 (8 ranks)" in stdout["dp_pp_ep"]
     )
     assert "dp=1 pp=2 ep=2 tp=2 (8 ranks)" in stdout["tp_pp_ep"]
+    # context parallelism, on 256-token sequences: the curve of the same config on one process
+    assert_same_curves("cp_pp_ep", "cp_pp_ep", "cp_single", cwd, FP32_REL, steps=STEPS)
+    assert "dp=1 pp=2 ep=2 cp=2 (8 ranks)" in stdout["cp_pp_ep"]
     # and each summary names the metrics file the run wrote (under fork the launcher, which logged
     # nothing itself, prints it: it must name the ranks' version folder, not a next, empty one)
     for name in TRAINED:
@@ -307,10 +318,13 @@ RESUMES = [  # (written by, config to resume with, layout overrides); dp_pp_ep s
     ("dp_pp_ep", "dp_pp_ep", layout(1, 2, 4, "--trainer.strategy.init_args.schedule=gpipe")),
     ("dp_pp_ep", "single", []),
     ("single", "dp_pp_ep", layout(4, 1, 2, ZERO1)),
-    # across tp: a tp=2 checkpoint under tp=1, and a tp=1 one under tp=4 (the vocabulary padded)
-    ("tp_pp_ep", "pp_ep", []),
+    # across tp and cp: a tp=2 checkpoint under tp=1 x cp=2, a tp=1 one under tp=4 (the vocabulary
+    # padded), and a cp=2 one (256-token sequences) on one process
+    ("tp_pp_ep", "pp_ep", layout(1, 2, 2, cp=2)),
     ("dp_pp_ep", "tp_pp_ep", layout(1, 1, 2, tp=4)),
+    ("cp_pp_ep", "cp_pp_ep", CP_SINGLE),
 ]
+UNINTERRUPTED = {"cp_pp_ep": "cp_single"}  # the curve each source continues (default: single's)
 
 
 @pytest.mark.slow
@@ -319,8 +333,8 @@ def test_resume_under_another_layout_continues_the_curve(runs):
     """Model, optimizer, LR schedule, data position and loops resume under a different (dp, pp, ep,
     tp) and zero level: steps 3..5 equal those of an uninterrupted run."""
     cwd, _ = runs
-    uninterrupted = curve(cwd, "single")
     for i, (source, cfg, overrides) in enumerate(RESUMES):
+        uninterrupted = curve(cwd, UNINTERRUPTED.get(source, "single"))
         name = f"resume{i}_{source}_to_{cfg}"
         titan_fit(cwd, config(cfg), name, FORK, *overrides, f"--ckpt_path={step3_ckpt(cwd, source)}",
                   steps=RESUMED_STEPS)  # fmt: skip

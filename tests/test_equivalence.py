@@ -5,7 +5,8 @@ loss, aux loss and pre-clip grad norm (rtol 1e-5) and its slice of the final wei
 single-process run of the same model on the same global batches. Clipping bites on every step and the aux
 losses are on. ZeRO-1 cases also check that each rank holds only its share of the optimizer state.
 Tensor-parallel layouts are (dp, pp, ep, tp): each rank holds its slice of the heads and of the padded
-vocabulary (the padding stays zero), and the loss is the vocab-parallel cross-entropy.
+vocabulary (the padding stays zero), and the loss is the vocab-parallel cross-entropy. Context-parallel
+layouts are (dp, pp, ep, tp, cp): each rank computes its positions of every sequence.
 """
 
 import pytest
@@ -41,6 +42,18 @@ TP = {
     ],
     8: [((2, 1, 2, 2), "1f1b", 1), ((1, 2, 2, 2), "1f1b", 2), ((1, 2, 2, 2), "gpipe", 2)],
 }
+# Context parallelism (load-balanced causal chunks, K/V all-gathered), composed: (dp, pp, ep, tp, cp)
+CP = {
+    2: [((1, 1, 1, 1, 2), "1f1b", 1)],
+    4: [
+        ((1, 1, 1, 1, 4), "1f1b", 2),
+        ((1, 2, 1, 1, 2), "gpipe", 2),
+        ((1, 2, 1, 1, 2), "1f1b", 2),
+        ((1, 1, 2, 1, 2), "1f1b", 2),
+        ((1, 1, 1, 2, 2), "1f1b", 1),
+    ],
+    8: [((2, 1, 2, 1, 2), "1f1b", 1), ((1, 2, 1, 2, 2), "1f1b", 2)],
+}
 # ZeRO-1: the optimizer state split over the data-parallel groups
 ZERO = {
     2: [((2, 1, 1), "1f1b", 1)],
@@ -64,7 +77,7 @@ def test_every_layout_equals_one_process(ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero1", m) for layout, s, m in ZERO[world]]
-    cases += TP[world]
+    cases += TP[world] + CP[world]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
     for i, (layout, schedule, m) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]

@@ -124,7 +124,7 @@ def test_stages_in_sequence_reproduce_full_model(pp):
 
 def test_stage_input_checks():
     middle = StageModel(small_config(), pp_rank=1, pp=2)
-    with pytest.raises(ValueError, match=r"hidden states \[b, S/tp, 32\]"):
+    with pytest.raises(ValueError, match=r"hidden states \[b, S/\(cp\*tp\), 32\]"):
         middle(tokens())
     with pytest.raises(ValueError, match="token ids"):
         full_model()(torch.randn(2, 16, 32))

@@ -1,7 +1,7 @@
 """Our training step against an independent reference (tests/mixtral_reference.py: plain PyTorch, no
 project code): the same weights and global batch must give the same loss, aux loss, gradient norm and
-gradient of every parameter, for one process, dp2 x pp2 x ep2 and tp2 x pp2 x ep2 (each rank its slice of
-every gradient), with the aux and z losses on; and
+gradient of every parameter, for one process, dp2 x pp2 x ep2, tp2 x pp2 x ep2 and cp2 x tp2 x pp2 (each
+rank its slice of every gradient), with the aux and z losses on; and
 the composed clipping must scale every gradient by max_norm / norm.
 """
 
@@ -67,14 +67,18 @@ def test_one_process_equals_the_independent_reference(ref):
         assert_matches(ref, [result], f"one process M={m}")
 
 
-def _one_step(rank: int, world_size: int, layout: tuple[int, int, int, int]) -> dict:
-    dims = ParallelDims(*layout[:3], rank, tp=layout[3])
+def _one_step(rank: int, world_size: int, layout: tuple[int, ...]) -> dict:
+    dims = ParallelDims(*layout[:3], rank, *layout[3:])
     inputs, targets = global_batch(0)
     return grads_of_one_step(dims, build_process_groups(dims), inputs, targets, 2, (None, MAX_NORM))
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", [(2, 2, 2, 1), (1, 2, 2, 2)], ids=["dp2_pp2_ep2", "tp2_pp2_ep2"])
+@pytest.mark.parametrize(
+    "layout",
+    [(2, 2, 2, 1, 1), (1, 2, 2, 2, 1), (1, 2, 1, 2, 2)],
+    ids=["dp2_pp2_ep2", "tp2_pp2_ep2", "cp2_tp2_pp2"],
+)
 def test_eight_ranks_equal_the_independent_reference(ref, layout):
     results = run_on_ranks(_one_step, 8, layout, timeout_s=200, start_method="fork")
-    assert_matches(ref, results, f"(dp, pp, ep, tp) = {layout}")
+    assert_matches(ref, results, f"(dp, pp, ep, tp, cp) = {layout}")

@@ -333,9 +333,18 @@ def test_failure_report_names_the_dead_peer():
 # before any rank starts (tests/scripts/bad_input.py: one process, many command lines).
 BEFORE_LAUNCH = [
     # layout
-    ("world", ["--trainer.devices=3"], r"dp\*pp\*ep\*tp = 1\*2\*2\*1 = 4 but the world size is 3"),
+    ("world", ["--trainer.devices=3"], r"dp\*pp\*ep\*cp\*tp = 1\*2\*2\*1\*1 = 4 but the world size is 3"),
     ("n_layers % pp", ["--model.model.n_layers=3"], r"n_layers=3 is not divisible by pp=2"),
     ("n_experts % ep", ["--model.model.n_experts=5"], r"n_experts=5 is not divisible by ep=2"),
+    ("n_heads % tp", ["--trainer.devices=12", "--trainer.strategy.init_args.tp=3"],
+     r"n_heads=4 is not divisible by tp=3"),
+    ("n_kv_heads % tp", ["--trainer.devices=8", "--trainer.strategy.init_args.tp=2",
+                         "--model.model.n_kv_heads=1"], r"n_kv_heads=1 is not divisible by tp=2"),
+    ("seq_len % (2 cp tp)", ["--trainer.devices=12", "--trainer.strategy.init_args.cp=3",
+                             "--model.model.seq_len=40"],
+     r"seq_len=40 is not divisible by 2 \* cp \* tp = 6 \(cp=3, tp=1\)"),
+    ("zero with tp", ["--trainer.devices=8", "--trainer.strategy.init_args.tp=2",
+                      "--trainer.strategy.init_args.zero=1"], r"zero=1 with tp=2 is not supported yet"),
     # model
     ("top_k", ["--model.model.top_k=9"], r"top_k=9 > n_experts=8; use top_k <= n_experts"),
     ("learning rate", ["--model.learning_rate=-0.001"], r"learning_rate=-0.001 must be > 0"),

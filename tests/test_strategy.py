@@ -26,7 +26,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
         (
             {"dp": 3, "pp": 1, "ep": 1},
             2,
-            r"dp\*pp\*ep\*tp = 3\*1\*1\*1 = 3 but the world size is 2",
+            r"dp\*pp\*ep\*cp\*tp = 3\*1\*1\*1\*1 = 3 but the world size is 2",
         ),
         ({"dp": 2, "pp": 2, "ep": 2}, 4, "= 8 but the world size is 4"),
         ({"dp": -1, "pp": 3, "ep": 1}, 4, "not divisible"),

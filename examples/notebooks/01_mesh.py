@@ -59,7 +59,8 @@ assert all(d.rank_of(d.dp_rank, d.pp_rank, d.ep_rank) == d.rank for d in dims)
 # ## The group kinds
 #
 # Every collective runs inside one group. A group kind fixes some coordinates and lets the others vary
-# (here tp = 1; the tensor-parallel axis, the fastest, adds the `tp` group and widens some of these):
+# (here tp = cp = 1; the tensor- and context-parallel axes, the fastest, add their own groups and
+# widen some of these: see docs/concepts.md):
 #
 # | group | fixed | varies | used for |
 # |---|---|---|---|
@@ -68,7 +69,8 @@ assert all(d.rank_of(d.dp_rank, d.pp_rank, d.ep_rank) == d.rank for d in dims)
 # | `expert_dp` | pp, ep | dp (and tp) | all-reduce of expert grads (same experts, other replica) |
 # | `non_expert_dp` | pp | dp, ep | all-reduce of everything else (attention, norms, router) |
 # | `sequence_dp` | pp | dp, ep (and tp) | under TP: the norms and routers, whole on every TP rank |
-# | `model` | dp | pp, ep (and tp) | the gradient-norm sum over one replica |
+# | `model` | dp (and cp) | pp, ep (and tp) | the gradient-norm sum over one replica |
+# | `tp`, `cp`, `sequence` | | tp; cp; cp and tp | under TP / CP only (one rank each here) |
 #
 # The `non_expert_dp` line is the subtle one: attention weights are *replicated* across the EP ranks of
 # a stage (only experts are split), so they are averaged over DP *and* EP. With tp = 1, `sequence_dp`

@@ -58,6 +58,7 @@ class ShardedCheckpointHooks:
             "pp": dims.pp,
             "ep": dims.ep,
             "tp": dims.tp,
+            "cp": dims.cp,
             "schedule": o.schedule,
             "zero": o.zero,
         }

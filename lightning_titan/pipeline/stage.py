@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_titan import probes
 from lightning_titan.batching import split_microbatches
+from lightning_titan.context_parallel import take_local
 from lightning_titan.model import StageModel
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.pipeline.p2p import StageLinks
@@ -57,14 +58,20 @@ class PipelineStage:
         self.is_first, self.is_last = dims.is_first_stage, dims.is_last_stage
         # every TP rank computes the same loss (vocab-parallel): one of them reports it
         self.reports_loss = self.is_last and dims.tp_rank == 0
-        self.inputs = split_microbatches(inputs, num_microbatches)
-        self.targets = split_microbatches(targets, num_microbatches)
+        self.cp = dims.cp
+        # under CP each rank computes its positions of every sequence (context_parallel)
+        self.inputs = split_microbatches(take_local(inputs, model.cp_group), num_microbatches)
+        self.targets = split_microbatches(take_local(targets, model.cp_group), num_microbatches)
         self.num_microbatches = num_microbatches
         self.local_sequences = local_batch
         self.local_tokens = inputs.numel()
         d_model = model.config.d_model
-        # between stages each TP rank sends its slice of the sequence
-        self.shape = (local_batch // num_microbatches, inputs.shape[1] // dims.tp, d_model)
+        # between stages each CP x TP rank sends its slice of the sequence
+        self.shape = (
+            local_batch // num_microbatches,
+            inputs.shape[1] // (dims.cp * dims.tp),
+            d_model,
+        )
         self._backward = backward or (lambda loss: loss.backward())
         self._on_last_backward = on_last_backward
         self._tracer = tracer
@@ -154,4 +161,5 @@ class PipelineStage:
             raise RuntimeError(
                 f"schedule {schedule!r} left microbatches {sorted(self._saved)} without backward"
             )
-        return StepSums(self.loss_sum, self.aux_sum, self.local_tokens if self.reports_loss else 0)
+        tokens = self.local_tokens // self.cp if self.reports_loss else 0  # each CP rank its own
+        return StepSums(self.loss_sum, self.aux_sum, tokens)

@@ -73,6 +73,16 @@ MUTATIONS = {
                             "elif isinstance(value, Tensor) and id(p) in shards and value.shape == p.shape:",
                             "elif False:",
                             ["tests/test_checkpoint.py", "-k", "save_under_one"]),
+    # issue 15: RoPE at the local order's positions instead of the tokens' global ones
+    "cp_local_rope": ("lightning_titan/model.py",
+                      "cos, sin, mask = cos[mine], sin[mine],",
+                      "cos, sin, mask = cos[: mine.numel()], sin[: mine.numel()],",
+                      ["tests/test_reference.py", "-k", "cp2"]),
+    # issue 15: the aux losses' expert counts not summed over the CP ranks of a sequence
+    "cp_local_counts": ("lightning_titan/model.py",
+                        "            sequence_group=sequence_group,\n",
+                        "            sequence_group=tp_group,\n",
+                        ["tests/test_equivalence.py", "-k", "2"]),
     # issue 14: the norm counts the TP copies of the norms and routers on every TP rank
     "tp_norm_counts_copies": ("lightning_titan/model.py",
                               'SEQUENCE: ("ep", "tp")}',
