@@ -5,7 +5,7 @@ engine.broadcast_replicated()
 step = engine.forward_backward(stage_model, inputs, targets, 4, loss_fn)  # global loss and aux
 norm = engine.finish_gradients(max_norm=1.0)  # reduced, clipped; the pre-clip norm
 optimizer.step(); optimizer.zero_grad()
-# zero=1: engine.shard_optimizer(optimizer) once, and the step between
+# zero=1 or 2: engine.shard_optimizer(optimizer) once, and the step between
 # engine.bind_shard_grads() and engine.gather_params()
 """
 
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lightning_titan import probes
 from lightning_titan import zero as zero_levels
+from lightning_titan import zero_grads
 from lightning_titan.clipping import clip_grad_norm_
 from lightning_titan.model import StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
@@ -63,12 +64,28 @@ class Engine:
                 f"zero={zero!r} is not a ZeRO level; choose one of {zero_levels.LEVELS}"
             )
         self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
+        self.zero = zero
         expert, non_expert = split_expert_parameters(module)
         self.expert_params = [p for _, p in expert]
         self.non_expert_params = [p for _, p in non_expert]
         scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
 
+        # ZeRO: the optimizer state (zero=2: and the grads) of each reducer's parameters is split
+        # over that reducer's group
+        expert_ids = {id(p) for p in self.expert_params}
+        self.zero_groups: list[zero_levels.ZeroGroup] = []
+
         def reducer_over(params: list[nn.Parameter], group: dist.ProcessGroup) -> GradReducer:
+            if zero and group is not None and dist.get_world_size(group) > 1:
+                params = [p for p in params if p.requires_grad]
+                shards = zero_levels.ZeroGroup(
+                    params, expert_ids, group, bucket_cap_mb=bucket_cap_mb
+                )
+                self.zero_groups.append(shards)
+                if zero == 2:
+                    return zero_grads.ShardedGradReducer(
+                        params, shards, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
+                    )
             return GradReducer(
                 params, group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
             )
@@ -83,13 +100,6 @@ class Engine:
                 # 1/data_world = 1/dp (the expert-DP average) / ep: an owner sums every EP rank's tokens
                 reducer_over(self.expert_params, groups.expert_dp),
             ]
-        # ZeRO: the optimizer state of each reducer's parameters is split over that reducer's group
-        expert_ids = {id(p) for p in self.expert_params}
-        self.zero_groups = [
-            zero_levels.ZeroGroup(r.params, expert_ids, r.group, bucket_cap_mb=bucket_cap_mb)
-            for r in self.reducers
-            if zero and r.group is not None and dist.get_world_size(r.group) > 1
-        ]
         if zero and not self.zero_groups:
             warnings.warn(
                 f"zero={zero} changes nothing here: this layout (dp={dims.dp}, ep={dims.ep}) has no "
@@ -167,6 +177,10 @@ class Engine:
         for r in self.reducers:
             r.finish()
         with probes.span("all_reduce", "grad norm"):
+            if self.zero == 2 and self.zero_groups:  # the grads are shards now
+                return zero_grads.clip_shard_grads_(
+                    self.reducers, self.zero_groups, max_norm, self.groups
+                )
             return clip_grad_norm_(
                 self.expert_params,
                 self.non_expert_params,
@@ -180,10 +194,11 @@ class Engine:
         for optimizer in optimizers:
             zero_levels.shard_optimizer(optimizer, self.zero_groups)
 
-    def bind_shard_grads(self) -> None:
-        """Under zero>0, just before the optimizer step: the shards' grads, views of the reduced ones."""
+    def bind_shard_grads(self, drop: bool = False) -> None:
+        """Under zero>0, just before the optimizer step: the shards' reduced grads (None: ``drop``, a
+        skipped step)."""
         for g in self.zero_groups:
-            g.bind_grads()
+            g.bind_grads(drop)
 
     def gather_params(self) -> None:
         """Under zero>0, just after the optimizer step: every rank's parameters whole again."""

@@ -95,6 +95,7 @@ def train(
         engine.bind_shard_grads()
         optimizer.step()
         engine.gather_params()
+        grad_bytes = held_grad_bytes(model, optimizer)  # after the step, before zero_grad
         optimizer.zero_grad(set_to_none=True)
         loss, aux = step_loss.loss.item(), step_loss.aux.item()
         losses.append(loss)
@@ -113,7 +114,21 @@ def train(
         "expert_range": model.expert_range,
         "coords": (dims.dp_rank, dims.pp_rank, dims.ep_rank),
         "state_numel": sum(v.numel() for v in state),
+        "grad_bytes": grad_bytes,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
     }
+
+
+def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every distinct storage that a grad this rank holds lives in: the model's grads, the
+    optimizer's (ZeRO shards) and, as the shard grads are views into it, a storage counted once."""
+    tensors = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]]
+    storages = {}
+    for t in tensors:
+        if t.grad is not None:
+            storage = t.grad.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
@@ -126,12 +141,12 @@ def run_layouts(
     rank: int, world_size: int, cases: list[tuple[tuple[int, int, int], str, int]]
 ) -> list[dict]:
     """Spawned: every case (layout, schedule, M) in turn, on the same ranks; a schedule named
-    ``"<name>:paired"`` runs with ``paired_p2p``, ``"<name>:zero1"`` with ``zero=1``."""
+    ``"<name>:paired"`` runs with ``paired_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...)."""
     out = []
     for (dp, pp, ep), schedule, m in cases:
         dims = ParallelDims(dp, pp, ep, rank)
         name, *options = schedule.split(":")
-        zero = 1 if "zero1" in options else 0
+        zero = next((int(o[-1]) for o in options if o.startswith("zero")), 0)
         result = train(
             dims, build_process_groups(dims), name, m, paired_p2p="paired" in options, zero=zero
         )

@@ -36,6 +36,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
         ({"start_method": "thread"}, 2, "start_method='thread' is unknown"),
         ({"reducer": "ring"}, 2, "reducer='ring' is unknown"),
         ({"zero": 3}, 2, "zero=3 is not a ZeRO level; choose 0"),
+        ({"zero": 2, "reducer": "per_param"}, 2, "zero=2 reduce-scatters flat gradient buckets"),
     ],
 )
 def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
