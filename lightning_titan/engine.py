@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_titan import probes
+from lightning_titan import probes, zero_grads
 from lightning_titan import zero as zero_levels
-from lightning_titan import zero_grads
 from lightning_titan.clipping import clip_grad_norm_
 from lightning_titan.model import StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups

@@ -262,9 +262,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         step = module.trainer.global_step
         finite = check_finite(module, self.parallel_dims, step, values[:2], action)
         self.skipped_steps += not finite
-        self.engine.bind_shard_grads(
-            drop=not finite
-        )  # zero>0: after the clip, the skip dropped them
+        self.engine.bind_shard_grads(drop=not finite)  # zero>0: after the clip and the skip
         return values
 
     @override

@@ -136,7 +136,9 @@ class ShardedGradReducer(GradReducer):
         if self.scale != 1.0:  # after the sum: 1/n of the multiplications, the flags left as counts
             out[: bucket.grads_numel].mul_(self.scale)
         flags = out[bucket.grads_numel :].tolist()  # one device-to-host read per bucket
-        for slot, (p, (shard, offset, _)) in enumerate(zip(bucket.params, bucket.layout)):
+        for slot, (p, (shard, offset, _)) in enumerate(
+            zip(bucket.params, bucket.layout, strict=True)
+        ):
             has_grad = flags[slot] > 0  # on some rank of the group; else None, as in one process
             if shard is None:
                 p.grad = (
