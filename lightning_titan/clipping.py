@@ -89,7 +89,15 @@ def clip_counted_grad_norm_(
         raise ValueError(
             f"max_norm={max_norm!r} must be a positive number, or None to only measure the norm"
         )
-    total_sq = _local_sq_norm([g for g, c in zip(grads, counted, strict=True) if c], device)
+    norms = [
+        # fp32 accumulation for the 16-bit dtypes, as _local_sq_norm; fp64 in its own precision
+        torch.linalg.vector_norm(g, dtype=None if g.dtype == torch.float64 else torch.float32)
+        .float()
+        .to(device)
+        for g, c in zip(grads, counted, strict=True)
+        if c
+    ]
+    total_sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
     for g in (group, pp_group):
         if not _is_trivial(g):
             dist.all_reduce(total_sq, group=g)
