@@ -95,8 +95,9 @@ def test_registry_name_and_minus_one_fill():
 @pytest.mark.timeout(300)
 def test_drop_in_for_ddp_gives_the_same_weights(tmp_path):
     """An ordinary module (automatic optimization, gradient accumulation, an unused layer) under
-    TitanStrategy(dp=2, zero=1) launched by torchrun ends with exactly the weights of DDPStrategy
-    (script launch): AdamW, the user's own optimizer, updates each rank's half of every weight."""
+    TitanStrategy(dp=2, zero=2) launched by torchrun ends with exactly the weights of DDPStrategy
+    (script launch): the grads are reduce-scattered, AdamW, the user's own optimizer, updates each
+    rank's half of every weight."""
     ours, theirs = tmp_path / "titan.pt", tmp_path / "ddp.pt"
     torchrun = [
         sys.executable,
