@@ -38,6 +38,21 @@ MUTATIONS = {
                        "start, stop = owned_rows(p.shape[dim], self.n, self.q)",
                        "start, stop = owned_rows(p.shape[dim], self.n, self.n - 1 - self.q)",
                        ["tests/test_checkpoint.py", "-k", "save_under_one"]),
+    # ZeRO-2: the rank-major bucket interleaves the ranks' rows instead of keeping each block whole
+    "zero2_rows_interleaved": ("lightning_titan/zero_grads.py",
+                               "grad.unflatten(shard.dim, (n, shard.size // n)).movedim(shard.dim, 0)",
+                               "grad.unflatten(shard.dim, (shard.size // n, n)).movedim(shard.dim + 1, 0)",
+                               ["tests/test_reducer.py", "-k", "four_gloo"]),
+    # ZeRO-2: a grad left whole counts in the norm on every rank of its group, not once
+    "zero2_norm_replicas": ("lightning_titan/zero_grads.py",
+                            "counted.append(first)",
+                            "counted.append(True)",
+                            ["tests/test_reducer.py", "-k", "four_gloo"]),
+    # ZeRO-2: the shards' squares summed over the expert-DP group only (non-expert rows under dp x ep)
+    "zero2_norm_group": ("lightning_titan/zero_grads.py",
+                         "group=groups.non_expert_dp, pp_group",
+                         "group=groups.expert_dp, pp_group",
+                         ["tests/test_equivalence.py", "-k", "4"]),
     # issue 21.1: the router losses become non-trainable in the stage objective
     "aux_detach": ("lightning_titan/pipeline/stage.py",
                    "objective = aux.sum() / self.local_sequences",
