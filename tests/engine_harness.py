@@ -93,9 +93,11 @@ def train(
         )
         norms.append(engine.finish_gradients(MAX_NORM).item())
         engine.bind_shard_grads()
+        grad_bytes = held_grad_bytes(model, optimizer)  # the grads the step reads
         optimizer.step()
         engine.gather_params()
-        grad_bytes = held_grad_bytes(model, optimizer)  # after the step, before zero_grad
+        # after the step, before zero_grad: the larger of the two
+        grad_bytes = max(grad_bytes, held_grad_bytes(model, optimizer))
         optimizer.zero_grad(set_to_none=True)
         loss, aux = step_loss.loss.item(), step_loss.aux.item()
         losses.append(loss)

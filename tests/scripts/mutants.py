@@ -43,6 +43,11 @@ MUTATIONS = {
                                "grad.unflatten(shard.dim, (n, shard.size // n)).movedim(shard.dim, 0)",
                                "grad.unflatten(shard.dim, (shard.size // n, n)).movedim(shard.dim + 1, 0)",
                                ["tests/test_reducer.py", "-k", "four_gloo"]),
+    # ZeRO-2: the full grads stay after their rows went into the bucket (no memory saved)
+    "zero2_full_grads_kept": ("lightning_titan/zero_grads.py",
+                              "        param.grad = None  # ZeRO-2",
+                              "        pass  # ZeRO-2",
+                              ["tests/test_equivalence.py", "-k", "2"]),
     # ZeRO-2: a grad left whole counts in the norm on every rank of its group, not once
     "zero2_norm_replicas": ("lightning_titan/zero_grads.py",
                             "counted.append(first)",
