@@ -99,7 +99,6 @@ class ZeroGroup:
         bucket_cap_mb: float,
     ) -> None:
         self.group = group
-        self.params = list(params)
         self.n, self.q = dist.get_world_size(group), dist.get_rank(group)
         self.shards: dict[int, ZeroShard] = {}
         for p in params:
