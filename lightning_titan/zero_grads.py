@@ -35,6 +35,17 @@ from lightning_titan.parallel_dims import ProcessGroups
 from lightning_titan.reducer import GradReducer, _Bucket
 from lightning_titan.zero import ZeroGroup, ZeroShard
 
+ATTR = "_titan_zero_grad_rows"  # on a parameter whose grad a ShardedGradReducer cuts: its ZeroShard
+
+
+def grad_of(param: Tensor) -> Tensor | None:
+    """The grad this rank holds of ``param``: ``param.grad``, or under ZeRO-2 its reduced rows (what a
+    non-finite diagnosis reads)."""
+    shard: ZeroShard | None = getattr(param, ATTR, None)
+    if param.grad is not None or shard is None:
+        return param.grad
+    return shard.grad if shard.grad is not None else shard.leaf.grad
+
 
 @dataclass
 class _ShardBucket(_Bucket):
@@ -78,6 +89,14 @@ class ShardedGradReducer(GradReducer):
         super().__init__(
             params, zero_group.group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=mode
         )
+        for shard in zero_group.shards.values():
+            setattr(shard.param, ATTR, shard)
+
+    def remove(self) -> None:
+        super().remove()
+        for shard in self.zero_group.shards.values():
+            if getattr(shard.param, ATTR, None) is shard:
+                delattr(shard.param, ATTR)
 
     def _make_bucket(self, params: list[nn.Parameter]) -> _Bucket:
         layout, total = [], 0

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_titan.clipping import clip_grad_norm_
+from lightning_titan.failures import nonfinite_message
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.reducer import GradReducer, assign_buckets
@@ -292,7 +293,25 @@ def _case_zero2(rank: int, group) -> None:
             if step < 2:
                 want_site = "finish" if step == 0 else "hook"
                 assert all(where == want_site for _, where in reducer.last_launch_log), step
+        if cap == MIXED_CAP_MB:
+            _check_zero2_nonfinite_diagnosis(rank, params, reducer)
         reducer.remove()
+
+
+def _check_zero2_nonfinite_diagnosis(rank: int, params: list[nn.Parameter], reducer) -> None:
+    """An inf in rank 1's grad of params[0] lands in row 0, which rank 0 owns: the non-finite report
+    finds it in rank 0's rows (under ZeRO-2 no rank holds the full grad)."""
+    for i, p in enumerate(params):
+        p.grad = _grad(i, p, rank)
+    if rank == 1:
+        params[0].grad[0, 0] = math.inf
+    reducer.finish()
+    scalar = ZERO2_SHAPES.index(())
+    assert all(p.grad is None for i, p in enumerate(params) if i != scalar), "cut: rows only"
+    module = nn.ParameterList(params)
+    message = nonfinite_message(module, ParallelDims(WORLD, 1, 1, rank), 3, math.inf, None)
+    assert "non-finite gradients on stage(s) pp_rank=[0]" in message, message
+    assert "e.g. '0' on rank 0" in message, message
 
 
 def _check_zero2_clipping(params, shards: ZeroGroup, reducer, group) -> None:
