@@ -66,3 +66,40 @@ def clip_grad_norm_(
         for g in grads:
             g.mul_(coef)
     return total
+
+
+def clip_counted_grad_norm_(
+    grads: list[Tensor],
+    counted: list[bool],
+    max_norm: float | None,
+    *,
+    group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> Tensor:
+    """``clip_grad_norm_`` for grads cut into shards (ZeRO-2, ``zero_grads``): norm^2 is the sum over
+    ``group`` and then over ``pp_group`` of the squares of the ``counted`` grads, so the caller counts
+    each element of the stage's gradient on exactly one rank of ``group``. Every grad is scaled."""
+    if max_norm is not None and not max_norm > 0:
+        raise ValueError(
+            f"max_norm={max_norm!r} must be a positive number, or None to only measure the norm"
+        )
+    norms = [
+        # fp32 accumulation for the 16-bit dtypes, as _local_sq_norm; fp64 in its own precision
+        torch.linalg.vector_norm(g, dtype=None if g.dtype == torch.float64 else torch.float32)
+        .float()
+        .to(device)
+        for g, c in zip(grads, counted, strict=True)
+        if c
+    ]
+    total_sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
+    for g in (group, pp_group):
+        if not _is_trivial(g):
+            dist.all_reduce(total_sq, group=g)
+    total = total_sq.sqrt()
+    if max_norm is not None and grads:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = torch.where(total.isfinite(), coef, torch.ones_like(coef))  # no host sync
+        for grad in grads:
+            grad.mul_(coef)
+    return total

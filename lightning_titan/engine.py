@@ -5,7 +5,7 @@ engine.broadcast_replicated()
 step = engine.forward_backward(stage_model, inputs, targets, 4, loss_fn)  # global loss and aux
 norm = engine.finish_gradients(max_norm=1.0)  # reduced, clipped; the pre-clip norm
 optimizer.step(); optimizer.zero_grad()
-# zero=1: engine.shard_optimizer(optimizer) once, and the step between
+# zero=1 or 2: engine.shard_optimizer(optimizer) once, and the step between
 # engine.bind_shard_grads() and engine.gather_params()
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_titan import probes
+from lightning_titan import probes, zero_grads
 from lightning_titan import zero as zero_levels
 from lightning_titan.clipping import clip_grad_norm_
 from lightning_titan.model import COPIED_OVER, EXPERT, StageModel, grad_group_kinds
@@ -68,28 +68,42 @@ class Engine:
                 "of TP-sharded weights are not saved under global names; use zero=0 with tp > 1"
             )
         self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
+        self.zero = zero
         kinds = grad_group_kinds(module)
         self.expert_params = [p for _, p, kind in kinds if kind == EXPERT]
         scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
         # 1/data_world = 1/dp (the expert-DP average) / ep: an expert owner sums every EP rank's
-        # tokens; the TP ranks' grads are parts of one sum (their own tokens, heads or vocabulary)
+        # tokens; the CP and TP ranks' grads are parts of one sum (their own tokens, heads or vocabulary)
+
+        # ZeRO: the optimizer state (zero=2: and the grads) of each reducer's parameters is split
+        # over that reducer's group
+        expert_ids = {id(p) for p in self.expert_params}
+        self.zero_groups: list[zero_levels.ZeroGroup] = []
+
+        def reducer_over(params: list[nn.Parameter], group: dist.ProcessGroup) -> GradReducer:
+            if zero and group is not None and dist.get_world_size(group) > 1:
+                params = [p for p in params if p.requires_grad]
+                shards = zero_levels.ZeroGroup(
+                    params, expert_ids, group, bucket_cap_mb=bucket_cap_mb
+                )
+                self.zero_groups.append(shards)
+                if zero == 2:
+                    return zero_grads.ShardedGradReducer(
+                        params, shards, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
+                    )
+            return GradReducer(
+                params, group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
+            )
 
         # parameters whose grads sum over the same ranks share a reducer: fewer, fuller buckets
-        # (with tp = ep = 1 every kind is the DP group: one reducer)
+        # (with cp = tp = ep = 1 every kind is the DP group: one reducer)
         by_ranks: dict[tuple[int, ...], tuple[str, list[nn.Parameter]]] = {}
         for _, p, kind in kinds:
             if p.requires_grad:
                 ranks = tuple(dims.group_ranks(kind))
                 by_ranks.setdefault(ranks, (kind, []))[1].append(p)
         self.reducers = [
-            GradReducer(
-                params,
-                getattr(groups, kind),
-                scale=scale,
-                bucket_cap_mb=bucket_cap_mb,
-                mode=reducer,
-            )
-            for kind, params in by_ranks.values()
+            reducer_over(params, getattr(groups, kind)) for kind, params in by_ranks.values()
         ]
         self._reducer_kinds = [kind for kind, _ in by_ranks.values()]
         # the norm counts a copy on the first rank of the axes it is copied over (clipping.py)
@@ -98,13 +112,6 @@ class Engine:
             p for _, p, kind in kinds if all(coords[axis] == 0 for axis in COPIED_OVER[kind])
         ]
         self.params = [p for _, p, _ in kinds]
-        # ZeRO: the optimizer state of each reducer's parameters is split over that reducer's group
-        expert_ids = {id(p) for p in self.expert_params}
-        self.zero_groups = [
-            zero_levels.ZeroGroup(r.params, expert_ids, r.group, bucket_cap_mb=bucket_cap_mb)
-            for r in self.reducers
-            if zero and r.group is not None and dist.get_world_size(r.group) > 1
-        ]
         if zero and not self.zero_groups:
             warnings.warn(
                 f"zero={zero} changes nothing here: this layout (dp={dims.dp}, ep={dims.ep}) has no "
@@ -184,6 +191,10 @@ class Engine:
         for r in self.reducers:
             r.finish()
         with probes.span("all_reduce", "grad norm"):
+            if self.zero == 2 and self.zero_groups:  # the grads are shards now
+                return zero_grads.clip_shard_grads_(
+                    self.reducers, self.zero_groups, max_norm, self.groups
+                )
             return clip_grad_norm_(
                 self.params, max_norm, counted=self.norm_params, group=self.groups.model
             )
@@ -193,10 +204,11 @@ class Engine:
         for optimizer in optimizers:
             zero_levels.shard_optimizer(optimizer, self.zero_groups)
 
-    def bind_shard_grads(self) -> None:
-        """Under zero>0, just before the optimizer step: the shards' grads, views of the reduced ones."""
+    def bind_shard_grads(self, drop: bool = False) -> None:
+        """Under zero>0, just before the optimizer step: the shards' reduced grads (None: ``drop``, a
+        skipped step)."""
         for g in self.zero_groups:
-            g.bind_grads()
+            g.bind_grads(drop)
 
     def gather_params(self) -> None:
         """Under zero>0, just after the optimizer step: every rank's parameters whole again."""

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from lightning_titan import supervisor
 from lightning_titan.agreement import SetupPhase, distributed
 from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.zero_grads import grad_of
 
 
 class FailTogether:
@@ -100,10 +101,9 @@ def nonfinite_message(
     module: nn.Module, dims: ParallelDims, step: int, norm: float, loss: float | None
 ) -> str:
     """Where the non-finite values are: one gather of every rank's verdict on its own grads."""
+    grads = ((n, grad_of(p)) for n, p in module.named_parameters())  # zero=2: this rank's rows
     first_bad = next(
-        (n for n, p in module.named_parameters()
-         if p.grad is not None and not torch.isfinite(p.grad).all()),
-        None,
+        (n for n, g in grads if g is not None and not torch.isfinite(g).all()), None
     )  # fmt: skip
     verdicts: list[Any] = [(dims.pp_rank, first_bad)]
     if distributed():

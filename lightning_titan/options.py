@@ -77,7 +77,12 @@ class TrainOptions:
         if self.zero not in ZERO_LEVELS or isinstance(self.zero, bool):
             raise ValueError(
                 f"zero={self.zero!r} is not a ZeRO level; choose 0 (every replica holds the whole "
-                "optimizer state) or 1 (each data-parallel group splits it)"
+                "optimizer state), 1 (each data-parallel group splits it) or 2 (and the gradients)"
+            )
+        if self.zero == 2 and self.reducer != "bucketed":
+            raise ValueError(
+                f"zero=2 reduce-scatters flat gradient buckets; reducer={self.reducer!r} has none: "
+                "use reducer='bucketed' with zero=2"
             )
         if self.start_method not in START_METHODS:
             raise ValueError(

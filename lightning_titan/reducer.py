@@ -237,6 +237,13 @@ class GradReducer:
 
     def _launch(self, b: int, where: str) -> None:
         bucket = self._buckets[b]
+        bucket.work = self._start(b, bucket, where)
+        self._launch_log.append((b, where))
+        self._launched[b] = True
+        bucket.hooked_launch = where == "hook"
+
+    def _start(self, b: int, bucket: _Bucket, where: str) -> dist.Work:
+        """Scale the bucket's grads and start its async all-reduce."""
         if bucket.buffer is None:
             flat = bucket.params[0].grad
         else:
@@ -247,12 +254,9 @@ class GradReducer:
         if self.scale != 1.0:
             flat.mul_(self.scale)
         with probes.span("all_reduce", "grad bucket launch", bucket=b):
-            bucket.work = dist.all_reduce(
+            return dist.all_reduce(
                 flat if bucket.buffer is None else bucket.buffer, group=self.group, async_op=True
             )
-        self._launch_log.append((b, where))
-        self._launched[b] = True
-        bucket.hooked_launch = where == "hook"
 
     def finish(self) -> None:
         """Launch every bucket not launched yet (in ``launch_order``), wait for all, write the reduced
@@ -279,22 +283,30 @@ class GradReducer:
         for b, bucket in enumerate(self._buckets):
             with probes.span("wait", "grad all-reduce"):
                 bucket.work.wait()
-            if bucket.buffer is not None:
-                # one device-to-host read per bucket (each is a stream sync on CUDA)
-                flags = bucket.buffer[bucket.numel :].tolist()
-                counts[b] = flags[-2:]
-                for slot, p in enumerate(bucket.params):
-                    reduced = self._slice(bucket, slot)
-                    if flags[slot] == 0:
-                        p.grad = None
-                    elif p.grad is None:
-                        p.grad = reduced.clone()
-                    else:
-                        p.grad.copy_(reduced)
+            flags = self._write_back(bucket)
+            if flags is not None:
+                counts[b] = flags
             bucket.reset()
         self._agree_on_hooks(counts)
         self.last_launch_log, self._launch_log = self._launch_log, []
         self.last_launch_order = order
+
+    def _write_back(self, bucket: _Bucket) -> list[float] | None:
+        """The reduced grads into ``p.grad`` (None where no rank had one); the bucket's two hook
+        counts, or None in "per_param" mode (reduced in place, no flags)."""
+        if bucket.buffer is None:
+            return None
+        # one device-to-host read per bucket (each is a stream sync on CUDA)
+        flags = bucket.buffer[bucket.numel :].tolist()
+        for slot, p in enumerate(bucket.params):
+            reduced = self._slice(bucket, slot)
+            if flags[slot] == 0:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = reduced.clone()
+            else:
+                p.grad.copy_(reduced)
+        return flags[-2:]
 
     def _hook_counts(self) -> list[list[float]]:
         """Per bucket, on how many ranks (all its hooks fired, it launched from a hook). "bucketed"

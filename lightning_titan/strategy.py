@@ -55,7 +55,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
         bucket_cap_mb: size of a gradient all-reduce bucket.
         reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
-        zero: 1 splits the optimizer state of each parameter over its data-parallel group (ZeRO-1).
+        zero: 1 splits each parameter's optimizer state over its data-parallel group (ZeRO-1), 2 also its grads.
         gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
         timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds).
         on_nonfinite: a NaN/inf loss or gradient norm ``"raise"`` s FloatingPointError on every rank
@@ -79,7 +79,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         microbatch_size: int | None = None,
         bucket_cap_mb: float = 25.0,
         reducer: Literal["bucketed", "per_param"] = "bucketed",
-        zero: Literal[0, 1] = 0,
+        zero: Literal[0, 1, 2] = 0,
         gradient_clip_norm: float | None = None,
         timeout_minutes: float = 30.0,
         on_nonfinite: Literal["raise", "skip"] = "raise",
@@ -259,9 +259,9 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         *values, stopping = torch.stack([t.double() for t in tensors]).tolist()  # one host read
         self.decide(stopping)
         step = module.trainer.global_step
-        if not check_finite(module, self.parallel_dims, step, values[:2], action):
-            self.skipped_steps += 1
-        self.engine.bind_shard_grads()  # zero=1: after the clip and the skip acted on the full grads
+        finite = check_finite(module, self.parallel_dims, step, values[:2], action)
+        self.skipped_steps += not finite
+        self.engine.bind_shard_grads(drop=not finite)  # zero>0: after the clip and the skip
         return values
 
     @override
@@ -277,7 +277,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         elif self._grads_pending:
             raise unreduced_step_error()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.engine.gather_params()  # zero=1: every rank's updated shards, to every rank
+        self.engine.gather_params()  # zero=1 or 2: every rank's updated shards, to every rank
         return output
 
     @override

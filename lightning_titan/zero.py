@@ -1,4 +1,4 @@
-"""ZeRO-1: the ranks of a data-parallel group split the optimizer state of its parameters.
+"""ZeRO-1 (and ZeRO-2's rows): the ranks of a data-parallel group split the optimizer state.
 
 Each parameter is cut into row ranges along one dimension (dim 0; dim 1 for stacked experts, whose
 dim 0 is the experts), ``torch.chunk``-style: rank ``q`` of an ``n``-rank group owns rows
@@ -11,7 +11,8 @@ dropped.
 
 Grads are all-reduced in full as before (ZeRO-1), so the clipping norm is computed as without ZeRO;
 the shard grads are views of the reduced grads, bound just before the optimizer step, after any
-clipping or non-finite skip has acted on the full grads.
+clipping or non-finite skip has acted on the full grads. Under ZeRO-2 (``zero_grads.py``) the
+reducer reduce-scatters straight into these rows instead and the full grads never come back.
 
 Checkpoints stay layout-free: a shard's state is saved as a ``DTensor`` over the group's mesh (its
 rows of the full tensor), so DCP writes one logical tensor per parameter that loads under any zero
@@ -34,7 +35,7 @@ from lightning_titan import probes
 from lightning_titan.parallel_dims import group_mesh
 from lightning_titan.reducer import assign_buckets
 
-LEVELS = (0, 1)
+LEVELS = (0, 1, 2)
 # torch's optimizers whose update of an element reads the rest of the tensor: row shards would change
 # the result (the element-wise ones, Adam/AdamW/SGD/..., give the same numbers on any rows)
 WHOLE_TENSOR_OPTIMIZERS = (torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.Muon)
@@ -60,6 +61,7 @@ class ZeroShard:
     leaf: nn.Parameter
     group: dist.ProcessGroup
     n: int
+    grad: Tensor | None = None  # ZeRO-2: the reduced rows, until bind_grads hands them to the leaf
 
     def rows(self, tensor: Tensor, q: int | None = None) -> Tensor:
         """Rank ``q``'s rows of ``tensor`` (this rank's by default), a view."""
@@ -113,10 +115,16 @@ class ZeroGroup:
             for indices in assign_buckets(sharded, bucket_cap_mb * 1024 * 1024)
         ]
 
-    def bind_grads(self) -> None:
-        """Each shard's grad: a view of its rows of the (reduced, clipped) full grad, or None."""
+    def bind_grads(self, drop: bool = False) -> None:
+        """Each shard's grad: its reduced, clipped rows, or None (``drop``: a skipped step). ZeRO-1:
+        a view of the full grad's rows; ZeRO-2: the rows the reduce-scatter left (``ZeroShard.grad``)."""
         for s in self.shards.values():
-            s.leaf.grad = None if s.param.grad is None else s.rows(s.param.grad)
+            if s.grad is not None:
+                s.leaf.grad, s.grad = s.grad, None
+            else:
+                s.leaf.grad = None if s.param.grad is None else s.rows(s.param.grad)
+            if drop:
+                s.leaf.grad = None
 
     @torch.no_grad()
     def gather(self) -> None:

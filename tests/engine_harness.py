@@ -130,8 +130,11 @@ def train(
         )
         norms.append(engine.finish_gradients(MAX_NORM).item())
         engine.bind_shard_grads()
+        grad_bytes = held_grad_bytes(model, optimizer)  # the grads the step reads
         optimizer.step()
         engine.gather_params()
+        # after the step, before zero_grad: the larger of the two
+        grad_bytes = max(grad_bytes, held_grad_bytes(model, optimizer))
         optimizer.zero_grad(set_to_none=True)
         loss, aux = step_loss.loss.item(), step_loss.aux.item()
         losses.append(loss)
@@ -145,8 +148,22 @@ def train(
         "norm": norms,
         "weights": weights,
         "state_numel": sum(v.numel() for v in state),
+        "grad_bytes": grad_bytes,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         **record(model, dims),
     }
+
+
+def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every distinct storage that a grad this rank holds lives in: the model's grads, the
+    optimizer's (ZeRO shards) and, as the shard grads are views into it, a storage counted once."""
+    tensors = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]]
+    storages = {}
+    for t in tensors:
+        if t.grad is not None:
+            storage = t.grad.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
@@ -158,14 +175,14 @@ def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
 def run_layouts(
     rank: int, world_size: int, cases: list[tuple[tuple[int, ...], str, int]]
 ) -> list[dict]:
-    """Spawned: every case (layout (dp, pp, ep), (dp, pp, ep, tp) or (dp, pp, ep, tp, cp), schedule, M) in turn, on the same
-    ranks; a schedule named ``"<name>:paired"`` runs with ``paired_p2p``, ``"<name>:zero1"`` with
-    ``zero=1``."""
+    """Spawned: every case (layout (dp, pp, ep), (dp, pp, ep, tp) or (dp, pp, ep, tp, cp), schedule,
+    M) in turn, on the same ranks; a schedule named ``"<name>:paired"`` runs with ``paired_p2p``,
+    ``"<name>:zero1"`` with ``zero=1`` (``zero2``...)."""
     out = []
     for layout, schedule, m in cases:
         dims = ParallelDims(*layout[:3], rank, *layout[3:])
         name, *options = schedule.split(":")
-        zero = 1 if "zero1" in options else 0
+        zero = next((int(o[-1]) for o in options if o.startswith("zero")), 0)
         result = train(
             dims, build_process_groups(dims), name, m, paired_p2p="paired" in options, zero=zero
         )

@@ -229,6 +229,31 @@ def test_zero_table_ideal_splits_expert_state_over_dp_and_the_rest_over_dp_times
     assert report.peer_ratios([row]) == []  # zero=1 is ours, not a peer
 
 
+def test_zero2_table_splits_grads_like_the_state_and_times_against_zero_0():
+    from lightning_titan.bench import report
+
+    def impl(step_ms, states):
+        return {"step_ms": step_ms, "cpu_ms": 2 * step_ms, "tokens_per_s": 1e3 / step_ms,
+                "state_bytes_per_rank": states}  # fmt: skip
+
+    def grads(state, expert, non_expert):
+        return {**state, "expert_grads": expert, "non_expert_grads": non_expert}
+
+    # dp2 x ep2, 100 B of expert grads and 100 B of the rest per rank at zero=0: ideal 50 + 25
+    zero0 = [_state(800, 1200)] * 4
+    zero2 = [grads(_state(400, 300), 50, 25)] * 3 + [grads(_state(400, 300), 50, 30)]
+    row = {"world": 4, "case": "dp2xep2", "dp": 2, "ep": 2,
+           "impls": {"titan": impl(10.0, zero0), "titan_zero1": impl(10.4, zero0),
+                     "titan_zero2": impl(10.2, zero2)}}  # fmt: skip
+    (z,) = report.zero_rows([row])
+    z2 = z["zero2"]
+    assert z2["grads_ideal"] == pytest.approx(0.375) and z2["grads_ratio"] == pytest.approx(0.4)
+    assert not z2["grads_met"] and z2["step_ratio"] == pytest.approx(1.02) and z2["time_met"]
+    assert z["mb"]["titan_zero2"]["grads"] == pytest.approx(80e-6)
+    assert "**ZeRO-2**" in "\n".join(report.zero_markdown([z]))
+    assert report.peer_ratios([row]) == []  # zero=2 is ours, not a peer
+
+
 def test_the_zero_peer_is_timed_against_ours_at_zero_1():
     from lightning_titan.bench import report
 
@@ -299,6 +324,13 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     assert sorted({e["pid"] for e in forwards}) == [0, 1] and len(forwards) == 2 * m
     assert "| 2 | pp2 1f1b |" in (tmp_path / "bench.md").read_text()
     assert "**ZeRO-1**" in (tmp_path / "bench.md").read_text()
+    # ZeRO-2: each rank keeps half the grads after the step, and half the optimizer state
+    z2 = zero["zero2"]
+    assert z2["grads_ratio_per_rank"] == pytest.approx([0.5, 0.5], rel=0.05) and z2["grads_met"]
+    assert zero["mb"]["titan_zero2"]["optimizer"] == pytest.approx(
+        zero["mb"]["titan_zero1"]["optimizer"]
+    )
+    assert "**ZeRO-2**" in (tmp_path / "bench.md").read_text()
 
 
 @pytest.mark.slow

@@ -41,7 +41,9 @@ from lightning_titan.tensor_parallel import tp_shard
 CONFIG = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, ffn_dim=48, n_experts=4, seq_len=16)
 LAYOUT_A = (1, 2, 2)  # (dp, pp, ep) the checkpoint is written under
 LAYOUTS_B = [(2, 1, 2), (1, 4, 1), (1, 1, 4)]
-ZERO_LAYOUTS = [(2, 1, 2), (4, 1, 1)]  # expert state over dp=2 and non-expert over 4; all over 4
+# (layout, zero level): expert state over dp=2 and non-expert over 4; all over 4; zero=2 keeps
+# ZeRO-1's rows of optimizer state (its grads are never saved)
+ZERO_CASES = [((2, 1, 2), 1), ((4, 1, 1), 1), ((2, 1, 2), 2)]
 # (dp, pp, ep, tp), each loading what the one before saved: the first from layout A (tp=1), the
 # second from tp=4 (the vocabulary of 64 + padding splits 16 / 32 rows), then read whole (tp=1)
 TP_LAYOUTS = [(1, 1, 1, 4), (1, 2, 1, 2)]
@@ -155,21 +157,21 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
         meta = load_sharded(ckpt, model, [opt], expect_layout={"global_batch_size": 8})
         result["loads"][layout] = (snapshot(model, opt), hyper(opt), meta)
 
-    # ZeRO-1: the same checkpoint into sharded optimizer state, saved again (as DTensor rows), read
-    # back whole in every process.
+    # ZeRO-1/2: the zero=0 checkpoint into sharded optimizer state, saved again (as DTensor rows),
+    # read back whole (zero=0) in every process.
     result["zero"] = {}
-    for layout in ZERO_LAYOUTS:
+    for layout, level in ZERO_CASES:
         dims = ParallelDims(*layout, rank=rank)
         model, opt = build(dims, seed=2, lr=0.5)
-        engine = Engine(model, dims, build_process_groups(dims), zero=1)
+        engine = Engine(model, dims, build_process_groups(dims), zero=level)
         engine.shard_optimizers([opt])
         load_sharded(ckpt, model, [opt])
         rows = shard_rows(model, opt)
-        save_sharded(root_path / "zero.ckpt", model, [opt], META, layout={"zero": 1})
+        save_sharded(root_path / "zero.ckpt", model, [opt], META, layout={"zero": level})
         engine.remove()
         whole, whole_opt = build(None, seed=5)
         load_sharded(root_path / "zero.ckpt", whole, [whole_opt])
-        result["zero"][layout] = (rows, snapshot(whole, whole_opt))
+        result["zero"][layout, level] = (rows, snapshot(whole, whole_opt))
 
     # TP: each rank loads its slice of every cut weight and of its state; saved again under the
     # global names, the next layout (and one process) reads the full tensors back.
@@ -238,12 +240,12 @@ def _assert_zero_shards(reference: dict, per_rank: list[list[tuple]], layout: tu
         for name, expert, k, first, value in rows:
             full = reference[("state", name, expert, k)]
             got = full.narrow(0, first, value.shape[0])
-            assert torch.equal(value, got), f"zero=1 {layout}: rows {first}.. of {name} {k} differ"
+            assert torch.equal(value, got), f"zero {layout}: rows {first}.. of {name} {k} differ"
             covered[(name, expert, k)] = covered.get((name, expert, k), 0) + value.numel()
-    assert covered, f"zero=1 {layout}: no optimizer state was sharded"
+    assert covered, f"zero {layout}: no optimizer state was sharded"
     for (name, expert, k), numel in covered.items():
         want = reference[("state", name, expert, k)].numel()
-        assert numel == want, f"zero=1 {layout}: {name} {expert} {k}: {numel} of {want} elements"
+        assert numel == want, f"zero {layout}: {name} {expert} {k}: {numel} of {want} elements"
 
 
 def _tp_slice(full: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
@@ -297,12 +299,10 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
             assert hyper_b == r["A_hyper"] == [(1e-2, 0.1), (1e-2 / 3, 0.0)]
             assert meta["loops"] == META["loops"] and torch.equal(meta["rng"], META["rng"])
 
-    for layout in ZERO_LAYOUTS:
-        _assert_zero_shards(reference, [r["zero"][layout][0] for r in results], layout)
+    for case in ZERO_CASES:
+        _assert_zero_shards(reference, [r["zero"][case][0] for r in results], case)
         for r in results:
-            _assert_equal_states(
-                r["zero"][layout][1], reference, f"zero=1 {layout} saved, read whole"
-            )
+            _assert_equal_states(r["zero"][case][1], reference, f"zero {case} saved, read whole")
 
     for layout in TP_LAYOUTS:
         _assert_tp_slices(reference, [r["tp"][layout] for r in results], layout)

@@ -4,8 +4,8 @@ NCCL needs every rank to enqueue the collectives of different communicators in t
 order (a blocked kernel of one can stop the other's progress). gloo does not care, so here every
 collective is logged with its group, and the logs are compared: per group, every member enters the
 same sequence; per pair of groups, every rank in both interleaves them the same way. The layouts
-include EP > 1 (all-to-alls in backward) and a parameter that only some ranks use (its bucket cannot
-become ready from a hook there).
+include EP > 1 (all-to-alls in backward), a parameter that only some ranks use (its bucket cannot
+become ready from a hook there), and dp2 x ep2 at zero=2 (reduce-scatters instead of all-reduces).
 
 Also, per step: the host reads (each a stream sync on CUDA) are a fixed number per MoE layer per
 microbatch and per bucket, and under CPU autocast the all-to-all and p2p payloads travel in bf16.
@@ -30,12 +30,19 @@ from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.parallel_dims import ParallelDims, build_process_groups
 
 WORLD = 4
-LAYOUTS = [(1, 2, 2), (2, 1, 2), (1, 1, 4), (2, 2, 1)]
+# (dp, pp, ep, zero): zero=2 reduce-scatters its buckets in the same launch order
+LAYOUTS = [(1, 2, 2, 0), (2, 1, 2, 0), (1, 1, 4, 0), (2, 2, 1, 0), (2, 1, 2, 2)]
 CONFIG = ModelConfig(
     vocab_size=31, d_model=16, n_layers=4, n_heads=2, ffn_dim=16, n_experts=4, top_k=2, seq_len=6
 )
 BATCH, M, STEPS = 8, 2, 3
-COLLECTIVES = ("all_reduce", "all_to_all_single", "broadcast", "all_gather")
+COLLECTIVES = (
+    "all_reduce",
+    "all_to_all_single",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter_single",
+)
 
 
 class CollectiveLog:
@@ -88,12 +95,15 @@ def _model_with_a_parameter_some_ranks_use(dims: ParallelDims, groups) -> StageM
     return model
 
 
-def _run_layout(rank: int, layout: tuple[int, int, int]) -> dict:
-    dims = ParallelDims(*layout, rank)
+def _run_layout(rank: int, layout: tuple[int, int, int, int]) -> dict:
+    *degrees, zero = layout
+    dims = ParallelDims(*degrees, rank)
     groups = build_process_groups(dims)
     model = _model_with_a_parameter_some_ranks_use(dims, groups)
-    engine = Engine(model, dims, groups, schedule="1f1b", bucket_cap_mb=1e-9)  # a bucket each
+    # a bucket each
+    engine = Engine(model, dims, groups, schedule="1f1b", bucket_cap_mb=1e-9, zero=zero)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.shard_optimizers([optimizer])
     b = BATCH // dims.data_world
     tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))[dims.data_rank * b:][:b]  # fmt: skip
@@ -104,7 +114,9 @@ def _run_layout(rank: int, layout: tuple[int, int, int]) -> dict:
                 engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], M, token_loss_sum)
                 forward_backward_reads = len(step_reads.calls)
                 engine.finish_gradients(1.0)
+        engine.bind_shard_grads()
         optimizer.step()
+        engine.gather_params()
         optimizer.zero_grad(set_to_none=True)
         logs.append(log.entries)
         reads.append((forward_backward_reads, len(step_reads.calls) - forward_backward_reads))
@@ -145,7 +157,9 @@ def test_collective_order_host_reads_and_payload_dtypes():
         results = [per_rank[r][i] for r in range(WORLD)]
         for step in range(STEPS):
             _check_order([r["logs"][step] for r in results], f"{layout} step {step}")
-        dp, pp, ep = layout
+        dp, pp, ep, zero = layout
+        names = {name for r in results for log in r["logs"] for name, _ in log}
+        assert ("reduce_scatter_single" in names) == (zero == 2), (layout, names)
         for r in results:
             # one read per MoE layer per microbatch (the dispatch split sizes), none in backward;
             # one per bucket to finish the gradients (its used-flags), none for clipping

@@ -3,10 +3,11 @@
 One spawn per world size runs all of its layouts x schedules; the parent compares each rank's per-step
 loss, aux loss and pre-clip grad norm (rtol 1e-5) and its slice of the final weights (atol 1e-5) with a
 single-process run of the same model on the same global batches. Clipping bites on every step and the aux
-losses are on. ZeRO-1 cases also check that each rank holds only its share of the optimizer state.
-Tensor-parallel layouts are (dp, pp, ep, tp): each rank holds its slice of the heads and of the padded
-vocabulary (the padding stays zero), and the loss is the vocab-parallel cross-entropy. Context-parallel
-layouts are (dp, pp, ep, tp, cp): each rank computes its positions of every sequence.
+losses are on. ZeRO cases also check that each rank holds only its share of the optimizer state (and
+at zero=2 of the grads, after the step). Tensor-parallel layouts are (dp, pp, ep, tp): each rank holds
+its slice of the heads and of the padded vocabulary (the padding stays zero), and the loss is the
+vocab-parallel cross-entropy. Context-parallel layouts are (dp, pp, ep, tp, cp): each rank computes its
+positions of every sequence.
 """
 
 import pytest
@@ -54,9 +55,9 @@ CP = {
     ],
     8: [((2, 1, 2, 1, 2), "1f1b", 1), ((1, 2, 1, 2, 2), "1f1b", 2)],
 }
-# ZeRO-1: the optimizer state split over the data-parallel groups
+# ZeRO-1: the optimizer state split over the data-parallel groups; ZeRO-2: and the grads. Both levels.
 ZERO = {
-    2: [((2, 1, 1), "1f1b", 1)],
+    2: [((2, 1, 1), "1f1b", 1), ((1, 1, 2), "1f1b", 2)],  # ep2: experts whole, the rest over ep
     4: [((2, 1, 2), "1f1b", 2), ((4, 1, 1), "gpipe", 1)],
     8: [((2, 2, 2), "1f1b", 2), ((2, 2, 2), "gpipe", 2)],
 }
@@ -76,14 +77,21 @@ def ref():
 def test_every_layout_equals_one_process(ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
-    cases += [(layout, f"{s}:zero1", m) for layout, s, m in ZERO[world]]
+    cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
     cases += TP[world] + CP[world]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
     for i, (layout, schedule, m) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
         assert_matches_reference(ref, results, f"{layout} {schedule} M={m}")
-        # AdamW keeps two moments per weight; zero=1 leaves each rank about 1/(its DP group) of them
+        # AdamW keeps two moments per weight; zero>0 leaves each rank about 1/(its DP group) of them,
+        # zero=2 likewise of the grads it holds at the step and after it (whole at zero<2)
         for r in results:
             whole = 2 * sum(w.numel() for w in r["weights"].values())
-            share = 1.0 if "zero1" not in schedule else 0.55
+            # dp=1: only the non-expert part (about half of a rank's) is split, over ep
+            share = 1.0 if ":zero" not in schedule else 0.55 if layout[0] > 1 else 0.8
             assert r["state_numel"] <= share * whole, (layout, schedule, r["state_numel"], whole)
+            if "zero2" in schedule:
+                ok = r["grad_bytes"] <= share * r["param_bytes"]
+            else:
+                ok = r["grad_bytes"] == r["param_bytes"]
+            assert ok, (layout, schedule, r["grad_bytes"], r["param_bytes"])

@@ -11,9 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_titan.clipping import clip_grad_norm_
+from lightning_titan.failures import nonfinite_message
 from lightning_titan.launch import run_on_ranks
-from lightning_titan.parallel_dims import ParallelDims, build_process_groups
+from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.reducer import GradReducer, assign_buckets
+from lightning_titan.zero import ZeroGroup
+from lightning_titan.zero_grads import ShardedGradReducer, clip_shard_grads_
 
 WORLD = 4
 # Small fp32 params plus one fp64 one, so buckets also split by dtype. Bytes: 12 32 20 64 4 24 | 24.
@@ -247,6 +250,86 @@ def _case_subgroups(rank: int) -> None:
             reducer.remove()
 
 
+# ZeRO-2 over 4 ranks: rows split evenly (8 rows: the one-copy path) and not (5, 7, 6 rows: padding,
+# rank 3 owns none of 5 or 6), two expert-like tensors cut on dim 1, a scalar kept whole, and an fp64
+# tensor (a bucket of its own dtype)
+ZERO2_SHAPES = [(8, 3), (5,), (6, 2), (2, 8, 3), (3, 6, 2), (), (7, 2)]
+ZERO2_EXPERTS = (3, 4)
+ZERO2_FP64 = 2
+
+
+def _case_zero2(rank: int, group) -> None:
+    """ShardedGradReducer: each rank ends with exactly its rows of the reduced grads (integer values:
+    exact), ``p.grad`` None where rows are cut, the whole grad where nothing is; a parameter no rank
+    used has no grad; buckets launch from hooks once agreed, in the agreed order."""
+    for cap in (1e-9, 1e3, MIXED_CAP_MB):
+        params = [nn.Parameter(torch.zeros(s)) for s in ZERO2_SHAPES]
+        params[ZERO2_FP64] = nn.Parameter(
+            torch.zeros(ZERO2_SHAPES[ZERO2_FP64], dtype=torch.float64)
+        )
+        shards = ZeroGroup(params, {id(params[i]) for i in ZERO2_EXPERTS}, group, bucket_cap_mb=cap)
+        assert len(shards.shards) == len(params) - 1  # all but the scalar
+        reducer = ShardedGradReducer(params, shards, scale=1 / WORLD, bucket_cap_mb=cap)
+        for step in range(3):
+            for p in params:
+                p.grad = None
+            used = range(len(params)) if step < 2 else range(1, len(params))  # 2: params[0] unused
+            _backward(params, rank, used, one_graph=True)
+            reducer.finish()
+            for i, p in enumerate(params):
+                shard = shards.shards.get(id(p))
+                want = _expected(params, i, range(WORLD)) if i in used else None
+                got = p.grad if shard is None else shard.grad
+                if shard is not None:
+                    assert p.grad is None, (cap, step, i)
+                    want = None if want is None else shard.rows(want)
+                if want is None:
+                    assert got is None, (cap, step, i)
+                else:
+                    torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{cap} {step} {i}")
+            _check_launch_log(reducer)
+            if step == 1:
+                _check_zero2_clipping(params, shards, reducer, group)
+            if step < 2:
+                want_site = "finish" if step == 0 else "hook"
+                assert all(where == want_site for _, where in reducer.last_launch_log), step
+        if cap == MIXED_CAP_MB:
+            _check_zero2_nonfinite_diagnosis(rank, params, reducer)
+        reducer.remove()
+
+
+def _check_zero2_nonfinite_diagnosis(rank: int, params: list[nn.Parameter], reducer) -> None:
+    """An inf in rank 1's grad of params[0] lands in row 0, which rank 0 owns: the non-finite report
+    finds it in rank 0's rows (under ZeRO-2 no rank holds the full grad)."""
+    for i, p in enumerate(params):
+        p.grad = _grad(i, p, rank)
+    if rank == 1:
+        params[0].grad[0, 0] = math.inf
+    reducer.finish()
+    scalar = ZERO2_SHAPES.index(())
+    assert all(p.grad is None for i, p in enumerate(params) if i != scalar), "cut: rows only"
+    module = nn.ParameterList(params)
+    message = nonfinite_message(module, ParallelDims(WORLD, 1, 1, rank), 3, math.inf, None)
+    assert "non-finite gradients on stage(s) pp_rank=[0]" in message, message
+    assert "e.g. '0' on rank 0" in message, message
+
+
+def _check_zero2_clipping(params, shards: ZeroGroup, reducer, group) -> None:
+    """The norm from the shards counts every element once (the whole scalar on one rank only) and
+    clipping scales the shards and the whole grad alike."""
+    full = [_expected(params, i, range(WORLD)).double() for i in range(len(params))]
+    ref = torch.stack([g.norm() for g in full]).norm()
+    groups = ProcessGroups(ep=None, pp=None, expert_dp=group, non_expert_dp=group)
+    norm = clip_shard_grads_([reducer], [shards], ref.item() / 2, groups)
+    torch.testing.assert_close(norm.double(), ref, rtol=1e-6, atol=0)
+    coef = ref.item() / 2 / (norm.item() + 1e-6)
+    scalar = ZERO2_SHAPES.index(())
+    torch.testing.assert_close(params[scalar].grad.double(), full[scalar] * coef)
+    for i in ZERO2_EXPERTS:
+        shard = shards.shards[id(params[i])]
+        torch.testing.assert_close(shard.grad.double(), shard.rows(full[i]) * coef)
+
+
 # ---- clipping on (dp=1, pp=2, ep=2): rank = stage * 2 + ep_rank -------------------------------
 
 NON_EXPERT_SHAPES = [(4,), (3, 3), (2,)]  # the (2,) one has no grad anywhere
@@ -341,6 +424,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
     _case_random_vs_manual_all_reduce(rank, group)
     _case_vs_ddp(rank)
     _case_subgroups(rank)
+    _case_zero2(rank, group)
     return {
         "launch_sites": launch_sites,
         "used_on_some": used_on_some,

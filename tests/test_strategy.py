@@ -40,6 +40,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
         ({"start_method": "thread"}, 2, "start_method='thread' is unknown"),
         ({"reducer": "ring"}, 2, "reducer='ring' is unknown"),
         ({"zero": 3}, 2, "zero=3 is not a ZeRO level; choose 0"),
+        ({"zero": 2, "reducer": "per_param"}, 2, "zero=2 reduce-scatters flat gradient buckets"),
     ],
 )
 def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
@@ -98,8 +99,9 @@ def test_registry_name_and_minus_one_fill():
 @pytest.mark.timeout(300)
 def test_drop_in_for_ddp_gives_the_same_weights(tmp_path):
     """An ordinary module (automatic optimization, gradient accumulation, an unused layer) under
-    TitanStrategy(dp=2, zero=1) launched by torchrun ends with exactly the weights of DDPStrategy
-    (script launch): AdamW, the user's own optimizer, updates each rank's half of every weight."""
+    TitanStrategy(dp=2, zero=2) launched by torchrun ends with exactly the weights of DDPStrategy
+    (script launch): the grads are reduce-scattered, AdamW, the user's own optimizer, updates each
+    rank's half of every weight."""
     ours, theirs = tmp_path / "titan.pt", tmp_path / "ddp.pt"
     torchrun = [
         sys.executable,

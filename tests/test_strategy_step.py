@@ -1,4 +1,4 @@
-"""One step through Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm, zero=1) on a plain
+"""One step through Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm, zero=2) on a plain
 DataLoader, checked on every rank (tests/scripts/one_step.py records what each rank saw):
 
 - the sampler gives each rank its data rank: all stages of one pipeline read the same rows, DP and EP
@@ -7,8 +7,10 @@ DataLoader, checked on every rank (tests/scripts/one_step.py records what each r
   equals its group's first rank's;
 - the configured clip norm bites: the weights after the step equal those of an independent reference
   (tests/mixtral_reference.py) with the gradient clipped to ``MAX_NORM``, not the unclipped ones;
-- zero=1: each rank's optimizer holds about half of its parameters' elements (non-expert ones split
-  over 4 ranks, expert ones over 2), and the all-gather makes every rank's weights whole.
+- zero=2: each rank's optimizer holds about half of its parameters' elements (non-expert ones split
+  over 4 ranks, expert ones over 2), its grads are only its rows (reduce-scattered; the pre-clip norm
+  composed from them equals the reference's), and the all-gather makes every rank's weights whole.
+  (ZeRO-1 through the strategy: the CLI's main job in tests/test_cli.py.)
 """
 
 import subprocess

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 from lightning_titan.model import ModelConfig
 
 OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
-ZERO1, DDP_ZERO = "titan_zero1", "ddp_zero"
+ZERO1, ZERO2, DDP_ZERO = "titan_zero1", "titan_zero2", "ddp_zero"
+ZERO_LEVELS = {ZERO1: 1, ZERO2: 2}  # ours with a zero flag
 IMPL_LABELS = {
     OURS: "ours",
     ZERO1: "ours, zero=1",
+    ZERO2: "ours, zero=2",
     PER_PARAM: "ours, per-param all-reduce",
     DDP: "torch DDP",
     DDP_ZERO: "torch DDP + ZeroRedundancyOptimizer",
@@ -76,8 +78,8 @@ class Settings:
 
 def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
     """The write-up's compositions on each world size (pp <= 4: the default model has 4 layers)."""
-    # zero=1 is ours with a flag: it stays under --no-peers, its ZeRO peer goes
-    dp_peers = (OURS, ZERO1, PER_PARAM, DDP, DDP_ZERO) if peers else (OURS, ZERO1)
+    # zero=1 and 2 are ours with a flag: they stay under --no-peers, the ZeRO peer goes
+    dp_peers = (OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO) if peers else (OURS, ZERO1, ZERO2)
     pp_peers = (OURS, TORCH_PP) if peers else (OURS,)
     table = {
         1: [Case()],
@@ -85,7 +87,7 @@ def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
             Case(pp=2, impls=pp_peers), Case(ep=2)],
         4: [Case(dp=4, impls=dp_peers), Case(pp=4, schedule="gpipe", impls=pp_peers),
             Case(pp=4, impls=pp_peers), Case(ep=4), Case(dp=2, pp=2), Case(pp=2, ep=2),
-            Case(dp=2, ep=2, impls=(OURS, ZERO1))],
+            Case(dp=2, ep=2, impls=(OURS, ZERO1, ZERO2))],
         8: [Case(dp=8, impls=dp_peers), Case(ep=8), Case(dp=4, pp=2), Case(pp=4, ep=2),
             Case(dp=2, ep=4), Case(dp=2, pp=2, ep=2)],
     }  # fmt: skip
@@ -100,7 +102,10 @@ def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
 def quick_cases(peers: bool = True) -> list[Case]:
     """Two ranks, one case per axis, with their peers: the smoke test's run."""
     return [
-        Case(dp=2, impls=(OURS, ZERO1, PER_PARAM, DDP, DDP_ZERO) if peers else (OURS, ZERO1)),
+        Case(
+            dp=2,
+            impls=(OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO) if peers else (OURS, ZERO1, ZERO2),
+        ),
         Case(pp=2, impls=(OURS, TORCH_PP) if peers else (OURS,)),
         Case(pp=2, schedule="gpipe"),
         Case(ep=2),

@@ -83,10 +83,13 @@ def _nbytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of parameters, grads (as allocated at the step: one per parameter) and optimizer state,
-    split into expert and non-expert parts. Under ZeRO the optimizer holds shards of the parameters:
-    their state counts for the parameter they are cut from."""
+def state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, grad_bytes: dict[int, int] | None = None
+) -> dict[str, int]:
+    """Bytes of parameters, grads (as allocated at the step: one per parameter, or ``grad_bytes`` by
+    parameter id where a rank keeps less: ZeRO-2's rows) and optimizer state, split into expert and
+    non-expert parts. Under ZeRO the optimizer holds shards of the parameters: their state counts for
+    the parameter they are cut from."""
     optimizer = local_optimizer(optimizer)
     expert, _ = split_expert_parameters(model)
     expert_ids = {id(p) for _, p in expert}
@@ -94,7 +97,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     for p in model.parameters():
         part = "expert" if id(p) in expert_ids else "non_expert"
         out[f"{part}_params"] += _nbytes([p])
-        out[f"{part}_grads"] += _nbytes([p])
+        out[f"{part}_grads"] += (grad_bytes or {}).get(id(p), _nbytes([p]))
     for group in optimizer.param_groups:
         for leaf in group["params"]:
             part = "expert" if id(zero.full_param(leaf)) in expert_ids else "non_expert"

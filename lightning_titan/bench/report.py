@@ -12,11 +12,11 @@ from lightning_titan.bench.cases import (
     IMPL_LABELS,
     OURS,
     TORCH_PP,
-    ZERO1,
+    ZERO_LEVELS,
     Case,
     Settings,
 )
-from lightning_titan.bench.memory import PARTS
+from lightning_titan.bench.zero_report import zero_markdown, zero_rows  # noqa: F401 (suite)
 from lightning_titan.model import StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims
 
@@ -85,7 +85,7 @@ def peer_ratios(rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
         for impl, peer in row["impls"].items():
-            if impl in (OURS, ZERO1):
+            if impl == OURS or impl in ZERO_LEVELS:  # ours at zero>0: zero_rows's
                 continue
             base = BASELINES.get(impl, OURS)
             base = base if base in row["impls"] else OURS
@@ -100,62 +100,6 @@ def peer_ratios(rows: list[dict]) -> list[dict]:
                 "cpu_ratio": peer["cpu_ms"] / ours["cpu_ms"],
                 "met": None if target is None else ratio >= target,
             })  # fmt: skip
-    return out
-
-
-def _mb(states: list[dict[str, int]], kind: str) -> float:
-    """The largest rank's bytes of one kind (params, grads, optimizer), expert and non-expert, in MB."""
-    return max(s[f"expert_{kind}"] + s[f"non_expert_{kind}"] for s in states) / _MB
-
-
-def optimizer_shares(zero0: list[dict[str, int]], zero1: list[dict[str, int]], dp: int, ep: int
-                     ) -> tuple[list[float], list[float]]:  # fmt: skip
-    """Per rank: optimizer bytes at zero=1 / zero=0, and the ideal ratio, per part: expert state
-    split over the expert-DP group (dp ranks), the rest over the non-expert-DP group (dp * ep)."""
-    ratios, ideals = [], []
-    for s0, s1 in zip(zero0, zero1, strict=True):
-        whole = s0["expert_optimizer"] + s0["non_expert_optimizer"]
-        ratios.append((s1["expert_optimizer"] + s1["non_expert_optimizer"]) / whole)
-        ideals.append(
-            (s0["expert_optimizer"] / dp + s0["non_expert_optimizer"] / (dp * ep)) / whole
-        )
-    return ratios, ideals
-
-
-def zero_rows(rows: list[dict]) -> list[dict]:
-    """Per case with ours at zero=1: per-rank state (largest rank) at zero=0, zero=1 and under torch's
-    ZeroRedundancyOptimizer; the optimizer-state ratio against its ideal (target: the worst rank
-    within 5%); step and CPU time against zero=0 in the same rounds (target: zero=1 within 1.05x in
-    both, and a step no slower than the ZeroRedundancyOptimizer's)."""
-    out = []
-    for row in rows:
-        impls = row["impls"]
-        if ZERO1 not in impls:
-            continue
-        states = {impl: v["state_bytes_per_rank"] for impl, v in impls.items()}
-        ratios, ideals = optimizer_shares(states[OURS], states[ZERO1], row["dp"], row["ep"])
-        worst = max(range(len(ratios)), key=lambda r: ratios[r] / ideals[r])
-        zero0, zero1, peer = impls[OURS], impls[ZERO1], impls.get(DDP_ZERO)
-        step_ratio, cpu_ratio = (zero1[k] / zero0[k] for k in ("step_ms", "cpu_ms"))
-        entry = {
-            "world": row["world"], "case": row["case"], "dp": row["dp"], "ep": row["ep"],
-            "mb": {impl: {kind: _mb(st, kind) for kind in PARTS} for impl, st in states.items()},
-            "optimizer_ratio_per_rank": ratios, "ideal_per_rank": ideals,
-            "optimizer_ratio": ratios[worst], "ideal": ideals[worst],
-            "memory_met": abs(ratios[worst] / ideals[worst] - 1) <= 0.05,
-            "step_ratio": step_ratio, "cpu_ratio": cpu_ratio,
-            "time_target": 1.05, "time_met": max(step_ratio, cpu_ratio) <= 1.05,
-        }  # fmt: skip
-        if "time_ms" in zero1:  # recorded steps, per rank: what zero=1 saves and what it adds
-            entry["split_ms"] = {
-                level: {kind: t[kind] for kind in ("optimizer", "all_gather")}
-                for level, t in (("zero0", row["time_ms"]), ("zero1", zero1["time_ms"]))
-            }
-        if peer is not None:
-            entry["peer_step_ratio"] = peer["step_ms"] / zero0["step_ms"]
-            entry["peer_cpu_ratio"] = peer["cpu_ms"] / zero0["cpu_ms"]
-            entry["peer_met"] = peer["step_ms"] >= zero1["step_ms"]
-        out.append(entry)
     return out
 
 
@@ -315,41 +259,3 @@ def markdown(results: dict) -> str:
                 f"<= {b['theory'] + 0.05:.3f} | {_mark(b['met'])} |"
             )
     return "\n".join(lines) + "\n"
-
-
-def zero_markdown(zero: list[dict]) -> list[str]:
-    """The ZeRO-1 table: state per rank at zero=0 / zero=1 and the time both cost, beside torch's
-    ZeroRedundancyOptimizer (over DDP) where the case has it."""
-    if not zero:
-        return []
-    lines = ["", "**ZeRO-1**: model state per rank in MB (largest rank; params and grads stay whole "
-             "at zero=1), optimizer state zero=1 / zero=0 on the worst rank against the ideal "
-             "(expert state over dp ranks, the rest over dp x ep); step and CPU time per step "
-             "against zero=0 in the same rounds; optimizer and parameter all-gather ms per rank from the "
-             "recorded steps. ZRO: torch DDP + ZeroRedundancyOptimizer(AdamW)",
-             "",
-             "| ranks | composition | params MB | grads MB | optimizer MB zero=0 | zero=1 "
-             "| zero=1 / zero=0 (ideal) | within 5% | ZRO optimizer MB "
-             "| optimizer + all-gather ms zero=0 -> zero=1 | step zero=1 / zero=0 "
-             "| CPU zero=1 / zero=0 | both <= 1.05x | step ZRO / zero=0 | CPU ZRO / zero=0 "
-             "| zero=1 as fast as ZRO |",
-             "|---:|---|---:|---:|---:|---:|---|---|---:|---|---:|---:|---|---:|---:|---|"]  # fmt: skip
-    for z in zero:
-        mb = z["mb"]
-        peer = "- | - | - | - |"
-        if DDP_ZERO in mb:
-            peer = (f"{mb[DDP_ZERO]['optimizer']:.3f} | {z['peer_step_ratio']:.2f}x | "
-                    f"{z['peer_cpu_ratio']:.2f}x | {_mark(z['peer_met'])} |")  # fmt: skip
-        peer_mb, peer_time = peer.split(" | ", 1)
-        split = "-"
-        if "split_ms" in z:
-            split = " -> ".join(f"{t['optimizer']:.1f} + {t['all_gather']:.1f}"
-                                for t in (z["split_ms"]["zero0"], z["split_ms"]["zero1"]))  # fmt: skip
-        lines.append(
-            f"| {z['world']} | {z['case']} | {mb[OURS]['params']:.3f} | {mb[OURS]['grads']:.3f} | "
-            f"{mb[OURS]['optimizer']:.3f} | {mb[ZERO1]['optimizer']:.3f} | "
-            f"{z['optimizer_ratio']:.3f} ({z['ideal']:.3f}) | {_mark(z['memory_met'])} | "
-            f"{peer_mb} | {split} | {z['step_ratio']:.2f}x | {z['cpu_ratio']:.2f}x | "
-            f"{_mark(z['time_met'])} | {peer_time}"
-        )
-    return lines

@@ -1,4 +1,4 @@
-"""One training step of the same model, four ways: ours (Engine, zero=0 or 1), torch DDP (with AdamW
+"""One training step of the same model, four ways: ours (Engine, zero=0, 1 or 2), torch DDP (with AdamW
 or with ``ZeroRedundancyOptimizer`` over AdamW), torch.distributed.pipelining.
 
 Every runner does forward, backward, gradient synchronisation, clipping to norm 1 and an AdamW step on

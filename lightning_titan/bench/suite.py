@@ -3,7 +3,7 @@
     titan bench                                  # = python -m lightning_titan.bench
     titan bench --worlds 2 4 --rounds 5 --out bench_out
     titan bench --quick                          # 2 ranks, tiny model: a smoke run (~30 s)
-    titan bench --worlds 2 4 --only dp2 dp4 dp2xep2  # ZeRO-1 vs zero=0 and ZeroRedundancyOptimizer
+    titan bench --worlds 2 4 --only dp2 dp4 dp2xep2  # ZeRO-1/2 vs zero=0 and ZeroRedundancyOptimizer
     titan bench --global-batch 128 --d-model 256 --device cuda   # scale up (CUDA: one rank per GPU)
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--no-peers", action="store_true",
-        help="ours only (zero=0, and zero=1 where it is timed): no DDP, ZeroRedundancyOptimizer, "
+        help="ours only (zero=0, and zero=1 and 2 where timed): no DDP, ZeroRedundancyOptimizer, "
         "pipelining or per-param",
     )  # fmt: skip
     p.add_argument(

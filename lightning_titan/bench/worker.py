@@ -26,6 +26,8 @@ from lightning_titan.bench.cases import (
     PER_PARAM,
     TORCH_PP,
     ZERO1,
+    ZERO2,
+    ZERO_LEVELS,
     Case,
     Settings,
 )
@@ -69,10 +71,10 @@ def _batches(
 def _make(impl: str, case: Case, settings: Settings, dims: ParallelDims, groups: ProcessGroups,
           device: torch.device) -> Any:  # fmt: skip
     m = settings.num_microbatches(case)
-    if impl in (OURS, ZERO1, PER_PARAM):
+    if impl in (OURS, ZERO1, ZERO2, PER_PARAM):
         reducer = "per_param" if impl == PER_PARAM else "bucketed"
         return TitanRunner(settings.config, dims, groups, device, schedule=case.schedule,
-                           num_microbatches=m, reducer=reducer, zero=int(impl == ZERO1),
+                           num_microbatches=m, reducer=reducer, zero=ZERO_LEVELS.get(impl, 0),
                            bucket_cap_mb=settings.bucket_cap_mb)  # fmt: skip
     if impl == DDP:
         return DDPRunner(settings.config, dims, groups, device)
@@ -137,17 +139,29 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
         result["median_step_s"] = statistics.median(result["step_s"])
         result["median_cpu_s"] = statistics.median(result["cpu_s"])
 
-    for impl in (OURS, ZERO1):  # zero=1's time split: where its gather and smaller step go
+    for impl in (OURS, ZERO1, ZERO2):  # zero>0's time split: where its gather and smaller step go
         if impl in runners:
             out[impl]["spans"] = _traced(runners[impl], batches, settings, dims, device)
     ours = runners[OURS]
     for impl, runner in runners.items():  # after steps: the optimizers hold their state
-        out[impl]["state_bytes"] = state_bytes(runner.model, runner.optimizer)
+        out[impl]["state_bytes"] = state_bytes(runner.model, runner.optimizer, _grad_rows(runner))
     if case.pp > 1:
         out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
     for runner in runners.values():
         runner.close()
     return out
+
+
+def _grad_rows(runner: Any) -> dict[int, int] | None:
+    """Under zero=2, the grad bytes a rank keeps per parameter: its rows (else None: whole grads)."""
+    engine = getattr(runner, "engine", None)
+    if engine is None or engine.zero != 2:
+        return None
+    return {
+        pid: s.leaf.numel() * s.leaf.element_size()
+        for g in engine.zero_groups
+        for pid, s in g.shards.items()
+    }
 
 
 def _traced(runner: TitanRunner, batches: list, settings: Settings, dims: ParallelDims,

@@ -45,7 +45,7 @@ def main(kind: str, out: str) -> None:
     x = torch.randn(256, 8, generator=g)
     y = (x[:, :1] * x[:, 1:2]).sin() + 0.1 * torch.randn(256, 1, generator=g)
     strategy = (
-        TitanStrategy(dp=2, bucket_cap_mb=0.001, zero=1)
+        TitanStrategy(dp=2, bucket_cap_mb=0.001, zero=2)
         if kind == "titan"
         else DDPStrategy(find_unused_parameters=True)
     )

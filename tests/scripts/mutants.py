@@ -38,6 +38,26 @@ MUTATIONS = {
                        "start, stop = owned_rows(p.shape[dim], self.n, self.q)",
                        "start, stop = owned_rows(p.shape[dim], self.n, self.n - 1 - self.q)",
                        ["tests/test_checkpoint.py", "-k", "save_under_one"]),
+    # ZeRO-2: the rank-major bucket interleaves the ranks' rows instead of keeping each block whole
+    "zero2_rows_interleaved": ("lightning_titan/zero_grads.py",
+                               "grad.unflatten(shard.dim, (n, shard.size // n)).movedim(shard.dim, 0)",
+                               "grad.unflatten(shard.dim, (shard.size // n, n)).movedim(shard.dim + 1, 0)",
+                               ["tests/test_reducer.py", "-k", "four_gloo"]),
+    # ZeRO-2: the full grads stay after their rows went into the bucket (no memory saved)
+    "zero2_full_grads_kept": ("lightning_titan/zero_grads.py",
+                              "        param.grad = None  # ZeRO-2",
+                              "        pass  # ZeRO-2",
+                              ["tests/test_equivalence.py", "-k", "2"]),
+    # ZeRO-2: a grad left whole counts in the norm on every rank of its group, not once
+    "zero2_norm_replicas": ("lightning_titan/zero_grads.py",
+                            "counted.append(first)",
+                            "counted.append(True)",
+                            ["tests/test_reducer.py", "-k", "four_gloo"]),
+    # ZeRO-2: the shards' squares summed over the expert-DP group only (non-expert rows under dp x ep)
+    "zero2_norm_group": ("lightning_titan/zero_grads.py",
+                         "group=groups.non_expert_dp, pp_group",
+                         "group=groups.expert_dp, pp_group",
+                         ["tests/test_equivalence.py", "-k", "4"]),
     # issue 21.1: the router losses become non-trainable in the stage objective
     "aux_detach": ("lightning_titan/pipeline/stage.py",
                    "objective = aux.sum() / self.local_sequences",
@@ -45,13 +65,13 @@ MUTATIONS = {
                    ["tests/test_reference.py"]),
     # an expert gradient twice too large (the expert reducer's scale)
     "expert_grad_x2": ("lightning_titan/engine.py",
-                       "                scale=scale,\n",
-                       "                scale=2 * scale if kind == EXPERT else scale,\n",
+                       "params, group, scale=scale, bucket_cap_mb",
+                       "params, group, scale=2 * scale if params[0] is self.expert_params[0] else scale, bucket_cap_mb",
                        ["tests/test_reference.py"]),
     # issue 21.7: the same bug through the CLI (grad_norm of the ep configs against the single run)
     "expert_grad_x2_cli": ("lightning_titan/engine.py",
-                           "                scale=scale,\n",
-                           "                scale=2 * scale if kind == EXPERT else scale,\n",
+                           "params, group, scale=scale, bucket_cap_mb",
+                           "params, group, scale=2 * scale if params[0] is self.expert_params[0] else scale, bucket_cap_mb",
                            ["tests/test_cli.py", "-k", "single_process_curve"]),
     # issue 14: the sequence-parallel region's grads (norms, routers) not summed over the TP ranks
     "tp_norms_unreduced": ("lightning_titan/model.py",

@@ -1,7 +1,7 @@
 """One training step of TitanLM under Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm,
-zero=1) on a plain DataLoader, with an init that differs per rank (the case the broadcast of replicated
-parameters exists for). Under zero=1 each rank's SGD updates only its rows; the rest arrive by the
-all-gather. Every rank saves what it saw to OUT/rank<r>.pt; tests/test_strategy_step.py checks it.
+zero=2) on a plain DataLoader, with an init that differs per rank (the case the broadcast of replicated
+parameters exists for). Under zero=2 each rank gets only its rows of the reduced grads (the clip norm
+is composed from them) and its SGD updates only those rows; the rest arrive by the all-gather. Every rank saves what it saw to OUT/rank<r>.pt; tests/test_strategy_step.py checks it.
 
 python tests/scripts/one_step.py OUT   # fork: one import, eight ranks
 """
@@ -86,7 +86,7 @@ class PerRankInitLM(TitanLM):
 
 
 def main(out: str) -> None:
-    strategy = TitanStrategy(**LAYOUT, gradient_clip_norm=MAX_NORM, zero=1, start_method="fork")
+    strategy = TitanStrategy(**LAYOUT, gradient_clip_norm=MAX_NORM, zero=2, start_method="fork")
     trainer = L.Trainer(
         accelerator="cpu", devices=8, strategy=strategy, max_steps=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
