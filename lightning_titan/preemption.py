@@ -92,17 +92,13 @@ class Preemptible:
         super().on_train_start()  # type: ignore[misc]
         install(self.world_size)  # after Lightning registered its handlers (Trainer._run)
 
-    def on_validation_start(self: Any) -> None:
-        super().on_validation_start()  # type: ignore[misc]
-        _outside_fit(self)
-
-    def on_test_start(self: Any) -> None:
-        super().on_test_start()  # type: ignore[misc]
-        _outside_fit(self)
-
-    def on_predict_start(self: Any) -> None:
-        super().on_predict_start()  # type: ignore[misc]
-        _outside_fit(self)
+    def barrier(self: Any, name: str | None = None) -> None:
+        # "run-stage" is the Trainer's first call after it registered its own signal handlers and
+        # before the evaluation loop's first collective (its dataloader-length all-reduce): a SIGTERM
+        # there would run Lightning's handler, whose broadcast waits out the timeout mid-collective
+        if name == "run-stage":
+            _outside_fit(self)
+        super().barrier(name)  # type: ignore[misc]
 
     def decide(self: Any, agreed: float) -> None:
         """``agreed``: the all-reduced flag (a signal's number, or 0), read with the step's numbers."""
