@@ -1,5 +1,6 @@
 """Measurement: the span analysis on simulated schedules and synthetic spans, the saved-tensor meter,
-the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 ranks."""
+the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 ranks (tp2 and its
+torch ``parallelize_module`` peer included)."""
 
 import json
 
@@ -260,13 +261,14 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     for name in ("bench.md", "bench.json", "throughput.png", "breakdown.png", "peers.png", "memory.png",
                  "timeline/pp2_1f1b.json", "timeline/pp2_1f1b.png", "timeline/dp2.json"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0, name
-    assert {r["case"] for r in results["rows"]} == {"dp2", "pp2 1f1b", "pp2 gpipe", "ep2"}
+    assert {r["case"] for r in results["rows"]} == {"dp2", "pp2 1f1b", "pp2 gpipe", "ep2", "tp2"}
     for row in results["rows"]:
         for impl in row["impls"].values():
             assert impl["tokens_per_s"] > 0 and impl["step_ms"] > 0
     assert {(p["case"], p["peer"], p["baseline"]) for p in results["peers"]} == {
         ("dp2", "titan_per_param", "titan"), ("dp2", "ddp", "titan"),
-        ("dp2", "ddp_zero", "titan_zero1"), ("pp2 1f1b", "torch_pp", "titan")}  # fmt: skip
+        ("dp2", "ddp_zero", "titan_zero1"), ("pp2 1f1b", "torch_pp", "titan"),
+        ("tp2", "torch_tp", "titan")}  # fmt: skip
     # ZeRO-1: each rank keeps about half the AdamW state at dp2, params and grads whole; torch's
     # ZeroRedundancyOptimizer gives each parameter's state to one rank: its ranks add up to zero=0
     dp = next(r for r in results["rows"] if r["case"] == "dp2")
@@ -299,6 +301,29 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     assert sorted({e["pid"] for e in forwards}) == [0, 1] and len(forwards) == 2 * m
     assert "| 2 | pp2 1f1b |" in (tmp_path / "bench.md").read_text()
     assert "**ZeRO-1**" in (tmp_path / "bench.md").read_text()
+    _check_tp_state(results, (tmp_path / "bench.md").read_text())
+
+
+def _check_tp_state(results, table):
+    """tp2 of the quick model (d=32, 4 layers, 4 heads, 8 experts, vocabulary 257), by hand: a rank
+    holds half of each attention (4 x 4 x 32 x 32 / 2) and 258 / 2 = 129 padded rows of the
+    embedding and of the head; norms (2 per layer + the final one), routers and experts whole."""
+    tp = next(r for r in results["rows"] if r["case"] == "tp2")
+    attention, vocab_rows, whole = 4 * 4 * 32 * 32, 2 * 32, 4 * (2 * 32 + 32 * 8) + 32
+    cut_full = attention + 257 * vocab_rows
+    cut_ours = attention // 2 + 129 * vocab_rows  # both ranks: 129 rows, the last one padding
+    state = tp["state"]
+    assert state["tp_cut_share"] == [cut_ours / cut_full] * 2 == state["expected_tp_cut_share"]
+    assert state["tp_whole_share"] == [1.0, 1.0] and state["expert_share"] == [1.0, 1.0]
+    for s in tp["impls"]["titan"]["state_bytes_per_rank"]:
+        assert s["non_expert_params"] == 4 * (cut_ours + whole)  # fp32
+        assert s["non_expert_optimizer"] == 2 * s["non_expert_params"]  # AdamW's two moments
+    # torch's DTensor cuts 257 rows 129 / 128 and counts its local shards
+    peer = tp["impls"]["torch_tp"]["tp_cut_share"]
+    assert peer == [cut_ours / cut_full, (attention // 2 + 128 * vocab_rows) / cut_full]
+    (entry,) = results["tp"]
+    assert entry["case"] == "tp2" and entry["peer"]["ours_over_peer"]["step_ms"] > 0
+    assert "**Tensor parallelism**" in table and "| 2 | tp2 |" in table
 
 
 @pytest.mark.slow
@@ -351,6 +376,7 @@ def test_callbacks_under_titan_fit_write_the_timeline_and_log_expert_load(tmp_pa
     [
         (["--worlds", "3"], "no default compositions for world sizes [3]"),
         (["--worlds", "2", "--global-batch", "7"], "use a --global-batch divisible by 2"),
+        (["--worlds", "2", "--cases", "tp2", "tp4"], "--cases tp4: no such case"),
         (["--device", "cuda", "--worlds", "1"], "sees no CUDA device; use --device cpu"),
     ],
 )
