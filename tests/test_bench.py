@@ -392,3 +392,46 @@ def test_bench_rejects_bad_arguments_before_running_anything(tmp_path, capsys, a
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+_TP_CONFIG = dict(d_model=32, ffn_dim=32, seq_len=16, z_loss_coef=0.01)
+
+
+def _torch_tp_grads(rank, world):
+    """One step of the torch TP peer with the optimizer left out: its clipped grads, whole."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_titan.bench.torch_tp import TorchTPRunner
+    from lightning_titan.parallel_dims import build_process_groups
+
+    dims = ParallelDims(1, 1, 1, rank, tp=world)
+    runner = TorchTPRunner(ModelConfig(**_TP_CONFIG), dims, build_process_groups(dims),
+                           torch.device("cpu"), seed=3, lr=1e-3, max_norm=0.5)  # fmt: skip
+    runner.optimizer.step = runner.optimizer.zero_grad = lambda *a, **k: None
+    tokens = torch.randint(0, 257, (4, 17), generator=torch.Generator().manual_seed(0))
+    runner.step(tokens[:, :-1], tokens[:, 1:])
+    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+            for name, p in runner.model.named_parameters()}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_the_torch_tp_peer_trains_the_one_process_model():
+    """The peer is a fair one only if it computes the same step: its clipped grads (the norm bites)
+    equal one process's for every parameter, routers and experts (summed over TP by hand), norms
+    (left Partial by SequenceParallel) and the vocab-parallel embedding and head included."""
+    import torch.nn.functional as F
+
+    from lightning_titan.launch import run_on_ranks
+
+    per_rank = run_on_ranks(_torch_tp_grads, 2, timeout_s=100, start_method="fork")
+    model = StageModel(ModelConfig(**_TP_CONFIG))
+    model.init_weights(3)
+    tokens = torch.randint(0, 257, (4, 17), generator=torch.Generator().manual_seed(0))
+    logits, aux = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + aux.mean()
+    loss.backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) > 0.5  # clipping bites
+    for grads in per_rank:
+        assert grads.keys() == dict(model.named_parameters()).keys()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)

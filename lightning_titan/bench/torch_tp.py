@@ -14,10 +14,12 @@ Pure TP layouts only (dp = pp = ep = 1).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -51,7 +53,8 @@ def parallelize(model: StageModel, groups: ProcessGroups, device: torch.device) 
     """Cut ``model`` (a whole single-stage model) over the TP group in place."""
     tp = dist.get_world_size(groups.tp)
     mesh = group_mesh(groups.tp, device.type)
-    for block in model.layers.values():
+    blocks: list[Any] = list(model.layers.values())
+    for block in blocks:
         parallelize_module(block, mesh, _block_plan())
         # Attention views q/k/v with its head counts: a rank now computes 1/tp of them (as
         # torchtitan adjusts its attention's n_heads after parallelize_module)
@@ -80,18 +83,20 @@ class TorchTPRunner:
         self.model.to(device)
         parallelize(self.model, groups, device)
         params = list(self.model.parameters())
-        self.cut = [p for p in params if isinstance(p, DTensor)]
-        self.plain = [p for p in params if not isinstance(p, DTensor)]  # routers, experts
+        # DTensor parameters (Any: their .grad is a DTensor too, which the stubs do not say)
+        self.cut: list[Any] = [p for p in params if isinstance(p, DTensor)]
+        self.plain: list[nn.Parameter] = [p for p in params if not isinstance(p, DTensor)]
         self.group, self.max_norm = groups.tp, max_norm
         # one group each: foreach kernels do not take DTensors and plain tensors in one list
-        self.optimizer = torch.optim.AdamW([{"params": self.cut}, {"params": self.plain}], lr=lr)
+        param_groups: list[dict[str, Any]] = [{"params": self.cut}, {"params": self.plain}]
+        self.optimizer = torch.optim.AdamW(param_groups, lr=lr)
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
         with loss_parallel():
             logits, aux = self.model(inputs)
             ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             # aux: this rank's tokens' share of each sequence's aux loss; the TP sum makes it whole
-            loss = ce.to_local() + aux.mean()
+            loss = ce.to_local() + aux.mean()  # type: ignore[attr-defined]  # a DTensor
             loss.backward()
         self._sum_token_grads()
         self._clip()
@@ -105,15 +110,15 @@ class TorchTPRunner:
         ``Partial(sum)``, which the optimizer would otherwise all-reduce tensor by tensor)."""
         partial = [p for p in self.cut if p.grad is not None and p.grad.placements[0].is_partial()]
         plain = [p for p in self.plain if p.grad is not None]
-        grads = [p.grad.to_local() for p in partial] + [p.grad for p in plain]
+        grads = [p.grad.to_local() for p in partial] + [p.grad for p in plain if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)
         summed = flat.split([g.numel() for g in grads])
         for p, g in zip(partial, summed, strict=False):
             p.grad = DTensor.from_local(g.view_as(p.grad.to_local()), p.grad.device_mesh,
                                         [Replicate()], run_check=False)  # fmt: skip
-        for p, g in zip(plain, summed[len(partial) :], strict=True):
-            p.grad.copy_(g.view_as(p))
+        for q, g in zip(plain, summed[len(partial) :], strict=True):
+            q.grad.copy_(g.view_as(q))
 
     @torch.no_grad()
     def _clip(self) -> float:
@@ -127,16 +132,16 @@ class TorchTPRunner:
                     sharded += local
                 else:
                     whole += local
-        for p in self.plain:
-            if p.grad is not None:
-                whole += p.grad.float().pow(2).sum()
+        for q in self.plain:
+            if q.grad is not None:
+                whole += q.grad.float().pow(2).sum()
         dist.all_reduce(sharded, group=self.group)
         norm = (sharded + whole).sqrt().item()
         scale = min(1.0, self.max_norm / (norm + 1e-6))
         if scale < 1.0:
-            for p in self.cut + self.plain:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            for t in self.cut + self.plain:
+                if t.grad is not None:
+                    t.grad.mul_(scale)
         return norm
 
     def close(self) -> None:
