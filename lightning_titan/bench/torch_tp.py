@@ -124,7 +124,8 @@ class TorchTPRunner:
     def _clip(self) -> float:
         """Global norm (returned, pre-clip): sharded grads summed over the group, replicated and plain
         ones counted once."""
-        sharded, whole = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)
+        device = self.plain[0].device  # an NCCL group takes CUDA tensors only
+        sharded, whole = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
         for p in self.cut:
             if p.grad is not None:
                 local = p.grad.to_local().float().pow(2).sum()
