@@ -1,5 +1,6 @@
 """Measurement: the span analysis on simulated schedules and synthetic spans, the saved-tensor meter,
-the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 ranks."""
+the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 ranks (tp2 and its
+torch ``parallelize_module`` peer included)."""
 
 import json
 
@@ -285,13 +286,14 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     for name in ("bench.md", "bench.json", "throughput.png", "breakdown.png", "peers.png", "memory.png",
                  "timeline/pp2_1f1b.json", "timeline/pp2_1f1b.png", "timeline/dp2.json"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0, name
-    assert {r["case"] for r in results["rows"]} == {"dp2", "pp2 1f1b", "pp2 gpipe", "ep2"}
+    assert {r["case"] for r in results["rows"]} == {"dp2", "pp2 1f1b", "pp2 gpipe", "ep2", "tp2"}
     for row in results["rows"]:
         for impl in row["impls"].values():
             assert impl["tokens_per_s"] > 0 and impl["step_ms"] > 0
     assert {(p["case"], p["peer"], p["baseline"]) for p in results["peers"]} == {
         ("dp2", "titan_per_param", "titan"), ("dp2", "ddp", "titan"),
-        ("dp2", "ddp_zero", "titan_zero1"), ("pp2 1f1b", "torch_pp", "titan")}  # fmt: skip
+        ("dp2", "ddp_zero", "titan_zero1"), ("pp2 1f1b", "torch_pp", "titan"),
+        ("tp2", "torch_tp", "titan")}  # fmt: skip
     # ZeRO-1: each rank keeps about half the AdamW state at dp2, params and grads whole; torch's
     # ZeroRedundancyOptimizer gives each parameter's state to one rank: its ranks add up to zero=0
     dp = next(r for r in results["rows"] if r["case"] == "dp2")
@@ -331,6 +333,29 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
         zero["mb"]["titan_zero1"]["optimizer"]
     )
     assert "**ZeRO-2**" in (tmp_path / "bench.md").read_text()
+    _check_tp_state(results, (tmp_path / "bench.md").read_text())
+
+
+def _check_tp_state(results, table):
+    """tp2 of the quick model (d=32, 4 layers, 4 heads, 8 experts, vocabulary 257), by hand: a rank
+    holds half of each attention (4 x 4 x 32 x 32 / 2) and 258 / 2 = 129 padded rows of the
+    embedding and of the head; norms (2 per layer + the final one), routers and experts whole."""
+    tp = next(r for r in results["rows"] if r["case"] == "tp2")
+    attention, vocab_rows, whole = 4 * 4 * 32 * 32, 2 * 32, 4 * (2 * 32 + 32 * 8) + 32
+    cut_full = attention + 257 * vocab_rows
+    cut_ours = attention // 2 + 129 * vocab_rows  # both ranks: 129 rows, the last one padding
+    state = tp["state"]
+    assert state["tp_cut_share"] == [cut_ours / cut_full] * 2 == state["expected_tp_cut_share"]
+    assert state["tp_whole_share"] == [1.0, 1.0] and state["expert_share"] == [1.0, 1.0]
+    for s in tp["impls"]["titan"]["state_bytes_per_rank"]:
+        assert s["non_expert_params"] == 4 * (cut_ours + whole)  # fp32
+        assert s["non_expert_optimizer"] == 2 * s["non_expert_params"]  # AdamW's two moments
+    # torch's DTensor cuts 257 rows 129 / 128 and counts its local shards
+    peer = tp["impls"]["torch_tp"]["tp_cut_share"]
+    assert peer == [cut_ours / cut_full, (attention // 2 + 128 * vocab_rows) / cut_full]
+    (entry,) = results["tp"]
+    assert entry["case"] == "tp2" and entry["peer"]["ours_over_peer"]["step_ms"] > 0
+    assert "**Tensor parallelism**" in table and "| 2 | tp2 |" in table
 
 
 @pytest.mark.slow
@@ -383,6 +408,7 @@ def test_callbacks_under_titan_fit_write_the_timeline_and_log_expert_load(tmp_pa
     [
         (["--worlds", "3"], "no default compositions for world sizes [3]"),
         (["--worlds", "2", "--global-batch", "7"], "use a --global-batch divisible by 2"),
+        (["--worlds", "2", "--cases", "tp2", "tp4"], "--cases tp4: no such case"),
         (["--device", "cuda", "--worlds", "1"], "sees no CUDA device; use --device cpu"),
     ],
 )
@@ -398,3 +424,46 @@ def test_bench_rejects_bad_arguments_before_running_anything(tmp_path, capsys, a
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+_TP_CONFIG = dict(d_model=32, ffn_dim=32, seq_len=16, z_loss_coef=0.01)
+
+
+def _torch_tp_grads(rank, world):
+    """One step of the torch TP peer with the optimizer left out: its clipped grads, whole."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_titan.bench.torch_tp import TorchTPRunner
+    from lightning_titan.parallel_dims import build_process_groups
+
+    dims = ParallelDims(1, 1, 1, rank, tp=world)
+    runner = TorchTPRunner(ModelConfig(**_TP_CONFIG), dims, build_process_groups(dims),
+                           torch.device("cpu"), seed=3, lr=1e-3, max_norm=0.5)  # fmt: skip
+    runner.optimizer.step = runner.optimizer.zero_grad = lambda *a, **k: None
+    tokens = torch.randint(0, 257, (4, 17), generator=torch.Generator().manual_seed(0))
+    runner.step(tokens[:, :-1], tokens[:, 1:])
+    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+            for name, p in runner.model.named_parameters()}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_the_torch_tp_peer_trains_the_one_process_model():
+    """The peer is a fair one only if it computes the same step: its clipped grads (the norm bites)
+    equal one process's for every parameter, routers and experts (summed over TP by hand), norms
+    (left Partial by SequenceParallel) and the vocab-parallel embedding and head included."""
+    import torch.nn.functional as F
+
+    from lightning_titan.launch import run_on_ranks
+
+    per_rank = run_on_ranks(_torch_tp_grads, 2, timeout_s=100, start_method="fork")
+    model = StageModel(ModelConfig(**_TP_CONFIG))
+    model.init_weights(3)
+    tokens = torch.randint(0, 257, (4, 17), generator=torch.Generator().manual_seed(0))
+    logits, aux = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + aux.mean()
+    loss.backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) > 0.5  # clipping bites
+    for grads in per_rank:
+        assert grads.keys() == dict(model.named_parameters()).keys()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from lightning_titan.model import ModelConfig
 
 OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
-ZERO1, ZERO2, DDP_ZERO = "titan_zero1", "titan_zero2", "ddp_zero"
+ZERO1, ZERO2, DDP_ZERO, TORCH_TP = "titan_zero1", "titan_zero2", "ddp_zero", "torch_tp"
 ZERO_LEVELS = {ZERO1: 1, ZERO2: 2}  # ours with a zero flag
 IMPL_LABELS = {
     OURS: "ours",
@@ -17,6 +17,7 @@ IMPL_LABELS = {
     DDP: "torch DDP",
     DDP_ZERO: "torch DDP + ZeroRedundancyOptimizer",
     TORCH_PP: "torch.distributed.pipelining",
+    TORCH_TP: "torch parallelize_module (TP + SP)",
 }
 # what a peer is timed against (default: OURS): the sharded-state peer against our sharded state
 BASELINES = {DDP_ZERO: ZERO1}
@@ -30,17 +31,17 @@ class Case:
     pp: int = 1
     ep: int = 1
     schedule: str = "1f1b"
+    tp: int = 1
     impls: tuple[str, ...] = (OURS,)
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.ep
+        return self.dp * self.pp * self.ep * self.tp
 
     @property
     def layout(self) -> str:
-        parts = [
-            f"{name}{n}" for name, n in (("dp", self.dp), ("pp", self.pp), ("ep", self.ep)) if n > 1
-        ]
+        degrees = (("dp", self.dp), ("pp", self.pp), ("ep", self.ep), ("tp", self.tp))
+        parts = [f"{name}{n}" for name, n in degrees if n > 1]  # mesh order, tp fastest
         return "x".join(parts) or "single"
 
     @property
@@ -69,7 +70,7 @@ class Settings:
     def num_microbatches(self, case: Case) -> int:
         if case.pp == 1:
             return 1
-        local = self.global_batch // (case.dp * case.ep)
+        local = self.global_batch // (case.dp * case.ep)  # TP ranks read the same sequences
         m = min(local, self.microbatches_per_stage * case.pp)
         while local % m:
             m -= 1
@@ -81,13 +82,14 @@ def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
     # zero=1 and 2 are ours with a flag: they stay under --no-peers, the ZeRO peer goes
     dp_peers = (OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO) if peers else (OURS, ZERO1, ZERO2)
     pp_peers = (OURS, TORCH_PP) if peers else (OURS,)
+    tp_peers = (OURS, TORCH_TP) if peers else (OURS,)  # zero=1 does not take tp > 1 yet
     table = {
         1: [Case()],
         2: [Case(dp=2, impls=dp_peers), Case(pp=2, schedule="gpipe", impls=pp_peers),
-            Case(pp=2, impls=pp_peers), Case(ep=2)],
+            Case(pp=2, impls=pp_peers), Case(ep=2), Case(tp=2, impls=tp_peers)],
         4: [Case(dp=4, impls=dp_peers), Case(pp=4, schedule="gpipe", impls=pp_peers),
             Case(pp=4, impls=pp_peers), Case(ep=4), Case(dp=2, pp=2), Case(pp=2, ep=2),
-            Case(dp=2, ep=2, impls=(OURS, ZERO1, ZERO2))],
+            Case(dp=2, ep=2, impls=(OURS, ZERO1, ZERO2)), Case(dp=2, tp=2), Case(ep=2, tp=2)],
         8: [Case(dp=8, impls=dp_peers), Case(ep=8), Case(dp=4, pp=2), Case(pp=4, ep=2),
             Case(dp=2, ep=4), Case(dp=2, pp=2, ep=2)],
     }  # fmt: skip
@@ -109,4 +111,5 @@ def quick_cases(peers: bool = True) -> list[Case]:
         Case(pp=2, impls=(OURS, TORCH_PP) if peers else (OURS,)),
         Case(pp=2, schedule="gpipe"),
         Case(ep=2),
+        Case(tp=2, impls=(OURS, TORCH_TP) if peers else (OURS,)),
     ]

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_titan import zero
 from lightning_titan.model import split_expert_parameters
+from lightning_titan.tensor_parallel import tp_shards
 
 PARTS = ("params", "grads", "optimizer")
 
@@ -80,7 +82,17 @@ class SavedTensorMeter:
 
 
 def _nbytes(tensors: Iterable[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds: a DTensor (torch's TP peer) counts its local shard, not its global shape."""
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def tp_cut_bytes(model: nn.Module) -> int:
+    """Parameter bytes of the weights tensor parallelism cuts (attention q/k/v/o, embedding, LM
+    head: ``tensor_parallel.TP_SHARD``), as this rank holds them; the rest of the non-expert
+    parameters (norms, routers) is whole on every TP rank."""
+    cut = tp_shards(model)
+    return _nbytes(p for p in model.parameters() if id(p) in cut)
 
 
 def state_bytes(

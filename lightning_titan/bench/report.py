@@ -16,26 +16,35 @@ from lightning_titan.bench.cases import (
     Case,
     Settings,
 )
+from lightning_titan.bench.tp_report import expected_tp_shares, span, tp_markdown, tp_rows
 from lightning_titan.bench.zero_report import zero_markdown, zero_rows  # noqa: F401 (suite)
 from lightning_titan.model import StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.tensor_parallel import tp_shards
 
 _MB = 1e6
 
 
 def full_model_params(settings: Settings) -> dict[str, int]:
-    """Parameter bytes of the whole model, expert and non-expert: what the per-rank shares divide."""
-    expert, non_expert = split_expert_parameters(StageModel(settings.config))
-    return {
+    """Parameter bytes of the whole model: expert and non-expert, and the non-expert part split into
+    the weights TP cuts (attention, embedding, LM head) and the rest (norms, routers): what the
+    per-rank shares divide."""
+    model = StageModel(settings.config)
+    expert, non_expert = split_expert_parameters(model)
+    cut = tp_shards(model)  # marked without a group too: the weights a TP layout would cut
+    out = {
         part: sum(p.numel() * p.element_size() for _, p in named)
         for part, named in (("expert", expert), ("non_expert", non_expert))
     }
+    out["tp_cut"] = sum(p.numel() * p.element_size() for _, p in non_expert if id(p) in cut)
+    out["tp_whole"] = out["non_expert"] - out["tp_cut"]
+    return out
 
 
 def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[str, int]
               ) -> tuple[dict, list[tracing.Span]]:  # fmt: skip
     """One row for ``case`` from every rank's result, and the spans recorded for it."""
-    dims = ParallelDims(case.dp, case.pp, case.ep)
+    dims = ParallelDims(case.dp, case.pp, case.ep, tp=case.tp)
     impls = {}
     for impl in case.impls:
         step_s = per_rank[0][impl]["median_step_s"]
@@ -46,6 +55,7 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
             "cpu_ms": per_rank[0][impl]["median_cpu_s"] * 1e3,  # all ranks together, per step
             "peak_mb_per_rank": [r[impl]["peak_bytes"] / _MB for r in per_rank],
             "state_bytes_per_rank": [r[impl]["state_bytes"] for r in per_rank],
+            "tp_cut_share": [r[impl]["tp_cut_param_bytes"] / full["tp_cut"] for r in per_rank],
         }
         if impl != OURS and "spans" in per_rank[0][impl]:
             impls[impl]["time_ms"] = tracing.time_by_kind(
@@ -54,7 +64,7 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
     spans = [s for r in per_rank for s in r[OURS]["spans"]]
     row = {
         "world": case.world, "case": case.name, "layout": case.layout, "dp": case.dp, "pp": case.pp,
-        "ep": case.ep, "schedule": case.schedule, "microbatches": settings.num_microbatches(case),
+        "ep": case.ep, "tp": case.tp, "schedule": case.schedule, "microbatches": settings.num_microbatches(case),
         "impls": impls, "time_ms": tracing.time_by_kind(spans),
     }  # fmt: skip
     if case.pp > 1:
@@ -65,15 +75,37 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
             stage = r[OURS]["coords"][1]
             saved[stage] = max(saved[stage], r[OURS]["saved_peak_bytes"])
         row["saved_peak_mb_per_stage"] = [saved[p] / _MB for p in range(case.pp)]
+    row["state"] = _state_shares(case, settings, per_rank, full)
+    return row, spans
+
+
+def _state_shares(
+    case: Case, settings: Settings, per_rank: list[dict], full: dict[str, int]
+) -> dict:
+    """Our state per rank and the share of each part of the whole model it holds, beside the
+    arithmetic: experts 1/(PP*EP) (whole on the TP ranks); per rank, the TP-cut weights of its stage
+    / TP (the padded vocabulary rows), its stage's norms and routers whole, and the two together."""
     states = [r[OURS]["state_bytes"] for r in per_rank]
-    row["state"] = {
+    cut = [r[OURS]["tp_cut_param_bytes"] for r in per_rank]
+    expected = [expected_tp_shares(settings.config, case.pp, case.tp, r[OURS]["coords"][1])
+                for r in per_rank]  # fmt: skip
+    return {
         "mb_per_rank": [sum(s.values()) / _MB for s in states],
         "expert_share": [s["expert_params"] / full["expert"] for s in states],
         "non_expert_share": [s["non_expert_params"] / full["non_expert"] for s in states],
         "expected_expert_share": 1 / (case.pp * case.ep),
-        "expected_non_expert_share": 1 / case.pp,
+        "expected_non_expert_share": [
+            (cut_e * full["tp_cut"] + whole_e * full["tp_whole"]) / full["non_expert"]
+            for cut_e, whole_e in expected
+        ],
+        "tp_cut_share": [c / full["tp_cut"] for c in cut],
+        "tp_whole_share": [
+            (s["non_expert_params"] - c) / full["tp_whole"]
+            for s, c in zip(states, cut, strict=True)
+        ],
+        "expected_tp_cut_share": [e[0] for e in expected],
+        "expected_tp_whole_share": [e[1] for e in expected],
     }
-    return row, spans
 
 
 PEER_TARGETS = {TORCH_PP: 1.05, DDP: 1.00, DDP_ZERO: 1.00}  # peer time / ours at least this
@@ -233,17 +265,25 @@ def markdown(results: dict) -> str:
             )
     lines += ["", "**Model state per rank** (params + grads + AdamW moments): share of the whole "
               "model's parameters held, min..max over ranks, vs the expected 1/(PP*EP) of the experts "
-              "and 1/PP of the rest (the embedding and head sit on the first and last stage)", "",
+              "and, per rank, its stage's share of the rest (the embedding and head sit on the first "
+              "and last stage); the "
+              "non-expert part split into the weights TP cuts (attention q/k/v/o, embedding, LM head: "
+              "1/TP of them, the vocabulary padded to a multiple of TP) and the rest (norms, routers: "
+              "whole on every TP rank), each against its arithmetic per rank", "",
               "| ranks | composition | state MB/rank | expert share | expected | non-expert share "
-              "| expected |", "|---:|---|---:|---|---:|---|---:|"]  # fmt: skip
+              "| expected | TP-cut share | expected | norms + routers share | expected |",
+              "|---:|---|---:|---|---:|---|---:|---|---|---|---|"]  # fmt: skip
     for r in results["rows"]:
         st = r["state"]
         e, n = st["expert_share"], st["non_expert_share"]
         lines.append(
-            f"| {r['world']} | {r['case']} | {max(st['mb_per_rank']):.2f} | {min(e):.3f}..{max(e):.3f} | "
-            f"{st['expected_expert_share']:.3f} | {min(n):.3f}..{max(n):.3f} | "
-            f"{st['expected_non_expert_share']:.3f} |"
+            f"| {r['world']} | {r['case']} | {max(st['mb_per_rank']):.2f} | {span(e)} | "
+            f"{st['expected_expert_share']:.3f} | {span(n)} | "
+            f"{span(st['expected_non_expert_share'])} | {span(st['tp_cut_share'], 4)} | "
+            f"{span(st['expected_tp_cut_share'], 4)} | {span(st['tp_whole_share'])} | "
+            f"{span(st['expected_tp_whole_share'])} |"
         )
+    lines += tp_markdown(tp_rows(results["rows"]))
     lines += zero_markdown(results.get("zero", []))
     if results["bubble_checks"]:
         lines += ["", "**Pipeline bubble**, 1F1B at M >= 4P: worst stage measured vs theory (P-1)/(M+P-1), "

@@ -1,5 +1,6 @@
-"""One training step of the same model, four ways: ours (Engine, zero=0, 1 or 2), torch DDP (with AdamW
-or with ``ZeroRedundancyOptimizer`` over AdamW), torch.distributed.pipelining.
+"""One training step of the same model, five ways: ours (Engine, zero=0, 1 or 2), torch DDP (with
+AdamW or with ``ZeroRedundancyOptimizer`` over AdamW), torch.distributed.pipelining, and torch's
+``parallelize_module`` tensor parallelism (``torch_tp.py``).
 
 Every runner does forward, backward, gradient synchronisation, clipping to norm 1 and an AdamW step on
 the same ``StageModel`` and the same local batch; they differ only in the parallel machinery. The
@@ -29,7 +30,7 @@ def build_stage(config: ModelConfig, dims: ParallelDims, groups: ProcessGroups, 
                 ) -> StageModel:  # fmt: skip
     model = StageModel(
         config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
-        ep_group=groups.ep if dims.ep > 1 else None,
+        ep_group=groups.ep if dims.ep > 1 else None, tp_group=groups.tp if dims.tp > 1 else None,
     )  # fmt: skip
     model.init_weights(SEED)
     return model.to(device)
@@ -60,8 +61,9 @@ class TitanRunner:
         self.num_microbatches = num_microbatches
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
+        # the model's loss, as TitanLM.loss_fn: under tp > 1 the logits are this rank's vocabulary shard
         self.engine.forward_backward(
-            self.model, inputs, targets, self.num_microbatches, token_loss_sum
+            self.model, inputs, targets, self.num_microbatches, self.model.token_loss_sum
         )
         self.engine.finish_gradients(MAX_NORM)
         self.engine.bind_shard_grads()

@@ -4,6 +4,7 @@
     titan bench --worlds 2 4 --rounds 5 --out bench_out
     titan bench --quick                          # 2 ranks, tiny model: a smoke run (~30 s)
     titan bench --worlds 2 4 --only dp2 dp4 dp2xep2  # ZeRO-1/2 vs zero=0 and ZeroRedundancyOptimizer
+    titan bench --worlds 1 2 4 --cases single dp2 tp2 dp2xtp2 ep2xtp2  # TP vs DP, one rank, torch TP
     titan bench --global-batch 128 --d-model 256 --device cuda   # scale up (CUDA: one rank per GPU)
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
@@ -42,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--only", nargs="+", default=None, help="run cases whose name contains one of these"
     )
+    p.add_argument(
+        "--cases", nargs="+", default=None,
+        help="run only the cases with exactly these names (e.g. single dp2 tp2 dp2xtp2)",
+    )  # fmt: skip
     p.add_argument(
         "--no-peers", action="store_true",
         help="ours only (zero=0, and zero=1 and 2 where timed): no DDP, ZeroRedundancyOptimizer, "
@@ -95,6 +100,16 @@ def _settings(args: argparse.Namespace) -> Settings:
     return settings
 
 
+def _exact(cases: list[Case], names: list[str]) -> list[Case]:
+    unknown = sorted(set(names) - {c.name for c in cases})
+    if unknown:
+        raise ValueError(
+            f"--cases {' '.join(unknown)}: no such case among the selected world sizes; choose from "
+            f"{', '.join(c.name for c in cases)} (or add their world size to --worlds)"
+        )
+    return [c for c in cases if c.name in names]
+
+
 def _check_case(case: Case, settings: Settings) -> None:
     local = settings.global_batch % (case.dp * case.ep)
     if local:
@@ -102,7 +117,7 @@ def _check_case(case: Case, settings: Settings) -> None:
             f"global batch {settings.global_batch} does not split over dp*ep = {case.dp * case.ep} data "
             f"ranks ({case.name}); use a --global-batch divisible by {case.dp * case.ep}"
         )
-    settings.config.validate_layout(case.pp, case.ep)
+    settings.config.validate_layout(case.pp, case.ep, case.tp)
 
 
 def _machine(settings: Settings, note: str) -> str:
@@ -134,9 +149,8 @@ def _launch(cases: list[Case], settings: Settings, world: int) -> list[list[dict
 def _write_timeline(
     out: Path, case: Case, spans: list[tracing.Span], num_microbatches: int
 ) -> None:
-    dims = ParallelDims(case.dp, case.pp, case.ep)
-    labels = {r: f"rank {r} (dp{c[0]} pp{c[1]} ep{c[2]})" for r in range(case.world)
-              for c in [dims.coords_of(r)]}  # fmt: skip
+    dims = ParallelDims(case.dp, case.pp, case.ep, tp=case.tp)
+    labels = {r: f"rank {r} ({dims.label(r)})" for r in range(case.world)}
     slug = case.name.replace(" ", "_")
     (out / "timeline").mkdir(parents=True, exist_ok=True)
     (out / "timeline" / f"{slug}.json").write_text(json.dumps(tracing.chrome_trace(spans, labels)))
@@ -175,6 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
         if args.only:
             cases = [c for c in cases if any(word in c.name for word in args.only)]
+        if args.cases:
+            cases = _exact(cases, args.cases)
         for case in cases:
             _check_case(case, settings)
         _check_device(settings, cases)
@@ -220,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peers": report.peer_ratios(rows),
         "memory": report.memory_pairs(rows),
         "zero": report.zero_rows(rows),
+        "tp": report.tp_rows(rows),
         "bubble_checks": report.bubble_checks(rows),
         "dispatch": dispatch_rows,
         "dispatch_settings": dispatch_settings,

@@ -25,20 +25,30 @@ from lightning_titan.bench.cases import (
     OURS,
     PER_PARAM,
     TORCH_PP,
+    TORCH_TP,
     ZERO1,
     ZERO2,
     ZERO_LEVELS,
     Case,
     Settings,
 )
-from lightning_titan.bench.memory import SavedTensorMeter, peak_bytes, reset_peak, state_bytes
+from lightning_titan.bench.memory import (
+    SavedTensorMeter,
+    peak_bytes,
+    reset_peak,
+    state_bytes,
+    tp_cut_bytes,
+)
 from lightning_titan.bench.runners import (
+    LR,
+    MAX_NORM,
+    SEED,
     DDPRunner,
     DDPZeroRunner,
     TitanRunner,
     TorchPipeRunner,
-    token_loss_sum,
 )
+from lightning_titan.bench.torch_tp import TorchTPRunner
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
 
 NUM_BATCHES = 4  # distinct global batches, cycled
@@ -83,6 +93,9 @@ def _make(impl: str, case: Case, settings: Settings, dims: ParallelDims, groups:
     if impl == TORCH_PP:
         return TorchPipeRunner(settings.config, dims, groups, device, schedule=case.schedule,
                                num_microbatches=m)  # fmt: skip
+    if impl == TORCH_TP:
+        return TorchTPRunner(settings.config, dims, groups, device, seed=SEED, lr=LR,
+                             max_norm=MAX_NORM)  # fmt: skip
     raise ValueError(f"impl={impl!r} is unknown; choose one of {list(IMPL_LABELS)}")
 
 
@@ -145,6 +158,7 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
     ours = runners[OURS]
     for impl, runner in runners.items():  # after steps: the optimizers hold their state
         out[impl]["state_bytes"] = state_bytes(runner.model, runner.optimizer, _grad_rows(runner))
+        out[impl]["tp_cut_param_bytes"] = tp_cut_bytes(runner.model)
     if case.pp > 1:
         out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
     for runner in runners.values():
@@ -182,7 +196,7 @@ def _saved_peak(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> int:
     meter = SavedTensorMeter(exclude=list(runner.model.parameters()))
     with meter:
         runner.engine.forward_backward(
-            runner.model, *batch, runner.num_microbatches, token_loss_sum
+            runner.model, *batch, runner.num_microbatches, runner.model.token_loss_sum
         )
     runner.engine.finish_gradients(None)
     runner.optimizer.zero_grad(set_to_none=True)
@@ -194,11 +208,11 @@ def run_world(rank: int, world_size: int, cases: list[Case], settings: Settings)
     device = _device(settings, rank)
     if settings.threads_per_rank is not None:
         torch.set_num_threads(settings.threads_per_rank)
-    groups_by_layout: dict[tuple[int, int, int], ProcessGroups] = {}
+    groups_by_layout: dict[tuple[int, int, int, int], ProcessGroups] = {}
     results = []
     for case in cases:
-        dims = ParallelDims(case.dp, case.pp, case.ep, rank)
-        layout = (case.dp, case.pp, case.ep)
+        dims = ParallelDims(case.dp, case.pp, case.ep, rank, tp=case.tp)
+        layout = (case.dp, case.pp, case.ep, case.tp)
         if layout not in groups_by_layout:  # new_group is collective: every rank, same order
             groups_by_layout[layout] = build_process_groups(dims)
         results.append(run_case(case, settings, dims, groups_by_layout[layout], device))
