@@ -286,7 +286,9 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     for name in ("bench.md", "bench.json", "throughput.png", "breakdown.png", "peers.png", "memory.png",
                  "timeline/pp2_1f1b.json", "timeline/pp2_1f1b.png", "timeline/dp2.json"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0, name
-    assert {r["case"] for r in results["rows"]} == {"dp2", "pp2 1f1b", "pp2 gpipe", "ep2", "tp2"}
+    assert {r["case"] for r in results["rows"]} == {
+        "dp2", "pp2 1f1b", "pp2 gpipe", "ep2", "tp2", "cp2"
+    }  # fmt: skip
     for row in results["rows"]:
         for impl in row["impls"].values():
             assert impl["tokens_per_s"] > 0 and impl["step_ms"] > 0
@@ -334,6 +336,14 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     )
     assert "**ZeRO-2**" in (tmp_path / "bench.md").read_text()
     _check_tp_state(results, (tmp_path / "bench.md").read_text())
+    # CP: each rank saves its positions' activations (about half of DP's, whose ranks hold the
+    # same weights and half the batch: the same tokens per rank), plus the gathered keys and values
+    (cp,) = results["cp"]
+    dp2 = next(r for r in results["rows"] if r["case"] == "dp2")
+    assert cp["case"] == "cp2" and cp["saved_mb"] > 0
+    assert 0.9 < cp["vs_dp"]["saved_mb"] < 1.3, cp
+    assert cp["saved_mb"] < 1.3 * dp2["saved_peak_mb"]
+    assert "**Context parallelism**" in (tmp_path / "bench.md").read_text()
 
 
 def _check_tp_state(results, table):

@@ -33,14 +33,21 @@ class Case:
     schedule: str = "1f1b"
     tp: int = 1
     impls: tuple[str, ...] = (OURS,)
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.ep * self.tp
+        return self.dp * self.pp * self.ep * self.cp * self.tp
 
     @property
     def layout(self) -> str:
-        degrees = (("dp", self.dp), ("pp", self.pp), ("ep", self.ep), ("tp", self.tp))
+        degrees = (
+            ("dp", self.dp),
+            ("pp", self.pp),
+            ("ep", self.ep),
+            ("cp", self.cp),
+            ("tp", self.tp),
+        )
         parts = [f"{name}{n}" for name, n in degrees if n > 1]  # mesh order, tp fastest
         return "x".join(parts) or "single"
 
@@ -86,10 +93,11 @@ def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
     table = {
         1: [Case()],
         2: [Case(dp=2, impls=dp_peers), Case(pp=2, schedule="gpipe", impls=pp_peers),
-            Case(pp=2, impls=pp_peers), Case(ep=2), Case(tp=2, impls=tp_peers)],
+            Case(pp=2, impls=pp_peers), Case(ep=2), Case(tp=2, impls=tp_peers), Case(cp=2)],
         4: [Case(dp=4, impls=dp_peers), Case(pp=4, schedule="gpipe", impls=pp_peers),
             Case(pp=4, impls=pp_peers), Case(ep=4), Case(dp=2, pp=2), Case(pp=2, ep=2),
-            Case(dp=2, ep=2, impls=(OURS, ZERO1, ZERO2)), Case(dp=2, tp=2), Case(ep=2, tp=2)],
+            Case(dp=2, ep=2, impls=(OURS, ZERO1, ZERO2)), Case(dp=2, tp=2), Case(ep=2, tp=2),
+            Case(cp=4), Case(cp=2, tp=2)],
         8: [Case(dp=8, impls=dp_peers), Case(ep=8), Case(dp=4, pp=2), Case(pp=4, ep=2),
             Case(dp=2, ep=4), Case(dp=2, pp=2, ep=2)],
     }  # fmt: skip
@@ -112,4 +120,5 @@ def quick_cases(peers: bool = True) -> list[Case]:
         Case(pp=2, schedule="gpipe"),
         Case(ep=2),
         Case(tp=2, impls=(OURS, TORCH_TP) if peers else (OURS,)),
+        Case(cp=2),
     ]

@@ -16,6 +16,7 @@ from lightning_titan.bench.cases import (
     Case,
     Settings,
 )
+from lightning_titan.bench.cp_report import cp_markdown, cp_rows  # noqa: F401 (suite)
 from lightning_titan.bench.tp_report import expected_tp_shares, span, tp_markdown, tp_rows
 from lightning_titan.bench.zero_report import zero_markdown, zero_rows  # noqa: F401 (suite)
 from lightning_titan.model import StageModel, split_expert_parameters
@@ -64,8 +65,9 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
     spans = [s for r in per_rank for s in r[OURS]["spans"]]
     row = {
         "world": case.world, "case": case.name, "layout": case.layout, "dp": case.dp, "pp": case.pp,
-        "ep": case.ep, "tp": case.tp, "schedule": case.schedule, "microbatches": settings.num_microbatches(case),
+        "ep": case.ep, "tp": case.tp, "cp": case.cp, "schedule": case.schedule, "microbatches": settings.num_microbatches(case),
         "impls": impls, "time_ms": tracing.time_by_kind(spans),
+        "saved_peak_mb": max(r[OURS]["saved_peak_bytes"] for r in per_rank) / _MB,
     }  # fmt: skip
     if case.pp > 1:
         pipelines = dims.all_groups("pp")
@@ -284,6 +286,7 @@ def markdown(results: dict) -> str:
             f"{span(st['expected_tp_whole_share'])} |"
         )
     lines += tp_markdown(tp_rows(results["rows"]))
+    lines += cp_markdown(results.get("cp", []))
     lines += zero_markdown(results.get("zero", []))
     if results["bubble_checks"]:
         lines += ["", "**Pipeline bubble**, 1F1B at M >= 4P: worst stage measured vs theory (P-1)/(M+P-1), "

@@ -31,6 +31,8 @@ def build_stage(config: ModelConfig, dims: ParallelDims, groups: ProcessGroups, 
     model = StageModel(
         config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
         ep_group=groups.ep if dims.ep > 1 else None, tp_group=groups.tp if dims.tp > 1 else None,
+        cp_group=groups.cp if dims.cp > 1 else None,
+        sequence_group=groups.sequence if dims.cp > 1 and dims.tp > 1 else None,
     )  # fmt: skip
     model.init_weights(SEED)
     return model.to(device)

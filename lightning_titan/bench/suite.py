@@ -5,6 +5,7 @@
     titan bench --quick                          # 2 ranks, tiny model: a smoke run (~30 s)
     titan bench --worlds 2 4 --only dp2 dp4 dp2xep2  # ZeRO-1/2 vs zero=0 and ZeroRedundancyOptimizer
     titan bench --worlds 1 2 4 --cases single dp2 tp2 dp2xtp2 ep2xtp2  # TP vs DP, one rank, torch TP
+    titan bench --worlds 1 2 4 --cases single dp2 cp2 dp4 cp4 --seq-len 1024  # CP: activations
     titan bench --global-batch 128 --d-model 256 --device cuda   # scale up (CUDA: one rank per GPU)
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
@@ -117,7 +118,7 @@ def _check_case(case: Case, settings: Settings) -> None:
             f"global batch {settings.global_batch} does not split over dp*ep = {case.dp * case.ep} data "
             f"ranks ({case.name}); use a --global-batch divisible by {case.dp * case.ep}"
         )
-    settings.config.validate_layout(case.pp, case.ep, case.tp)
+    settings.config.validate_layout(case.pp, case.ep, case.tp, case.cp)
 
 
 def _machine(settings: Settings, note: str) -> str:
@@ -149,7 +150,7 @@ def _launch(cases: list[Case], settings: Settings, world: int) -> list[list[dict
 def _write_timeline(
     out: Path, case: Case, spans: list[tracing.Span], num_microbatches: int
 ) -> None:
-    dims = ParallelDims(case.dp, case.pp, case.ep, tp=case.tp)
+    dims = ParallelDims(case.dp, case.pp, case.ep, tp=case.tp, cp=case.cp)
     labels = {r: f"rank {r} ({dims.label(r)})" for r in range(case.world)}
     slug = case.name.replace(" ", "_")
     (out / "timeline").mkdir(parents=True, exist_ok=True)
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         "memory": report.memory_pairs(rows),
         "zero": report.zero_rows(rows),
         "tp": report.tp_rows(rows),
+        "cp": report.cp_rows(rows),
         "bubble_checks": report.bubble_checks(rows),
         "dispatch": dispatch_rows,
         "dispatch_settings": dispatch_settings,

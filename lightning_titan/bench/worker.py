@@ -159,8 +159,8 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
     for impl, runner in runners.items():  # after steps: the optimizers hold their state
         out[impl]["state_bytes"] = state_bytes(runner.model, runner.optimizer, _grad_rows(runner))
         out[impl]["tp_cut_param_bytes"] = tp_cut_bytes(runner.model)
-    if case.pp > 1:
-        out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
+    # activations saved for backward, every case: the pipeline's per stage, CP's against one rank
+    out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
     for runner in runners.values():
         runner.close()
     return out
@@ -208,11 +208,11 @@ def run_world(rank: int, world_size: int, cases: list[Case], settings: Settings)
     device = _device(settings, rank)
     if settings.threads_per_rank is not None:
         torch.set_num_threads(settings.threads_per_rank)
-    groups_by_layout: dict[tuple[int, int, int, int], ProcessGroups] = {}
+    groups_by_layout: dict[tuple[int, ...], ProcessGroups] = {}
     results = []
     for case in cases:
-        dims = ParallelDims(case.dp, case.pp, case.ep, rank, tp=case.tp)
-        layout = (case.dp, case.pp, case.ep, case.tp)
+        dims = ParallelDims(case.dp, case.pp, case.ep, rank, tp=case.tp, cp=case.cp)
+        layout = (case.dp, case.pp, case.ep, case.tp, case.cp)
         if layout not in groups_by_layout:  # new_group is collective: every rank, same order
             groups_by_layout[layout] = build_process_groups(dims)
         results.append(run_case(case, settings, dims, groups_by_layout[layout], device))
