@@ -128,7 +128,8 @@ def runs(tmp_path_factory):
     out["cp_pp_ep"] = titan_fit(cwd, config("cp_pp_ep"), "cp_pp_ep", FORK,
                                 *mid_epoch_checkpoint(cwd, "cp_pp_ep"))  # fmt: skip
     titan_fit(cwd, config("cp_pp_ep"), "cp_single", FORK, *CP_SINGLE, steps=RESUMED_STEPS)
-    titan_fit(cwd, config("pp_ep"), "pp_ep_bf16", FORK, "--trainer.precision=bf16-mixed")
+    # bf16 under pp x ep x tp: the wire dtype between stages, the sequence collectives, the vocab loss
+    titan_fit(cwd, config("tp_pp_ep"), "tp_pp_ep_bf16", FORK, "--trainer.precision=bf16-mixed")
     return cwd, out
 
 
@@ -276,12 +277,12 @@ def test_the_main_job_prints_progress_and_no_noise(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_bf16_mixed_trains_under_pp_and_ep(runs):
+def test_bf16_mixed_trains_under_pp_ep_and_tp(runs):
     cwd, _ = runs
     fp32 = {k: v for k, v in curve(cwd, "single").items() if k < STEPS}
-    bf16 = curve(cwd, "pp_ep_bf16")
+    bf16 = curve(cwd, "tp_pp_ep_bf16")
     # the backward too: gradient norms (and the aux losses) follow fp32 within bf16's precision
-    assert_same_curves("bf16", "pp_ep_bf16", "single", cwd, BF16_REL, steps=STEPS)
+    assert_same_curves("bf16", "tp_pp_ep_bf16", "single", cwd, BF16_REL, steps=STEPS)
     assert bf16 != fp32, "bf16 autocast was not in effect"
 
 
