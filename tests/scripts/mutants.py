@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MUTATIONS = {
     # issue 16: ZeRO-1 without its all-gather (other ranks' rows never arrive), through the strategy
     "zero_no_gather": ("lightning_titan/strategy.py",
-                       "        self.engine.gather_params()  # zero=1",
-                       "        pass  # zero=1",
+                       "        self.engine.after_optimizer_step()  # zero>0",
+                       "        pass  # zero>0",
                        ["tests/test_strategy_step.py"]),
     # ZeRO-1: the gather puts each rank's updated rows in another rank's place (engine layouts)
     "zero_gather_misplaced": ("lightning_titan/zero.py",
