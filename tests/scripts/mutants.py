@@ -148,6 +148,21 @@ MUTATIONS = {
                         'value = float("nan") if fault.action == "nan" else float("inf")',
                         'value = float("nan") if fault.action == "nan" else 1.0',
                         ["tests/test_reliability.py", "-k", "skip_takes"]),
+    # issue 19: the expert bias enters the combine weights, not only the selection
+    "bias_in_combine": ("lightning_titan/moe/router.py",
+                        "weights = probs.gather(-1, expert_ids)",
+                        "weights = (probs + selection_bias).gather(-1, expert_ids)",
+                        ["tests/test_balance.py"]),
+    # issue 19: the expert loads summed over the sequence's CP/TP ranks only, not the data ranks
+    "bias_counts_not_over_data": ("lightning_titan/engine.py",
+                                  "self.balanced_layers, self.groups.sequence_dp,",
+                                  "self.balanced_layers, self.groups.sequence,",
+                                  ["tests/test_equivalence.py", "-k", "2"]),
+    # issue 19: activation checkpointing's recompute counts the tokens a second time
+    "bias_counts_recompute": ("lightning_titan/moe/layer.py",
+                              "            if not recomputing():",
+                              "            if True:",
+                              ["tests/test_balance.py"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
