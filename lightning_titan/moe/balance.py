@@ -56,6 +56,7 @@ def update_expert_bias(
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts_LE, group=group)
         for layer, counts_E in zip(layers, counts_LE, strict=True):
+            assert layer.expert_bias is not None  # balanced_layers keeps only those with one
             layer.expert_bias.add_(bias_step(counts_E, layer.bias_update_rate))
     for layer in layers:
         layer.step_tokens_per_expert.zero_()

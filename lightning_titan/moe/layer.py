@@ -26,6 +26,9 @@ class MoELayer(nn.Module):
     checkpointing) until ``balance.update_expert_bias`` spends them.
     """
 
+    expert_bias: Tensor | None
+    step_tokens_per_expert: Tensor
+
     def __init__(
         self,
         d_model: int,
@@ -70,9 +73,7 @@ class MoELayer(nn.Module):
             "expert_bias", torch.zeros(n_experts, dtype=torch.float32) if balancing else None
         )
         self.register_buffer(
-            "step_tokens_per_expert",
-            torch.zeros(n_experts, dtype=torch.long) if balancing else None,
-            persistent=False,
+            "step_tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
         )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
