@@ -28,8 +28,10 @@ def run(grouped: bool, counts: list[int]) -> tuple[torch.Tensor, dict[str, torch
     experts = GroupedExperts(D, F, (4, 8), grouped_mm=grouped)
     x = torch.randn(sum(counts), D, requires_grad=True)
     out = experts(x, counts)
-    # a sum's grad is expanded (stride 0), which grouped_mm's own backward would reject
-    (out.sum() + (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()).backward()
+    # an expanded grad (stride 0 over the rows, as a sum's), which grouped_mm's own backward would
+    # reject, then a dense one that tells every row apart
+    out.backward(torch.linspace(-1, 1, D).expand_as(out), retain_graph=True)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
     grads = {n: p.grad for n, p in experts.named_parameters()}
     grads["x"] = x.grad
     return out, grads
