@@ -37,7 +37,8 @@ def grouped_mm_supported(
 
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming grad contiguous: ``_grouped_mm``'s backward rejects
-    an expanded (stride-0) grad, e.g. that of ``out.sum()``."""
+    an expanded (stride-0) grad, e.g. that of ``out.sum()``, even with zero rows (which
+    ``contiguous()`` leaves as they are)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -45,7 +46,11 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        return (
+            grad.contiguous()
+            if grad.numel()
+            else torch.zeros_like(grad, memory_format=torch.contiguous_format)
+        )
 
 
 class GroupedExperts(nn.Module):
