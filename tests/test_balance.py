@@ -6,6 +6,7 @@ checks it: tests/test_equivalence.py, BIAS cases."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -137,3 +138,18 @@ def test_bias_with_the_aux_loss_off():
 def test_negative_rate_is_refused(rate):
     with pytest.raises(ValueError, match=f"router_bias_update_rate={rate}"):
         replace(CONFIG, router_bias_update_rate=rate)
+
+
+def test_export_warns_that_the_bias_is_left_out(tmp_path, monkeypatch):
+    from lightning_titan import export
+
+    model = StageModel(CONFIG)
+    model.init_weights(0)
+    monkeypatch.setattr(export, "load_full_model", lambda ckpt: model)
+    monkeypatch.setattr(export, "read_checkpoint_info", lambda ckpt: {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a zero bias changes nothing: no warning
+        export.export_hf(tmp_path / "ckpt", tmp_path / "zero")
+    model.layers["1"].moe.expert_bias[0] = 1e-3
+    with pytest.warns(UserWarning, match="1 MoE layers carry an expert bias .*layers.1.moe"):
+        export.export_hf(tmp_path / "ckpt", tmp_path / "moved")

@@ -163,6 +163,16 @@ MUTATIONS = {
                               "            if not recomputing():",
                               "            if True:",
                               ["tests/test_balance.py"]),
+    # issue 19: the grouped experts' row offsets in the wrong order (rows go to other experts)
+    "grouped_offsets": ("lightning_titan/moe/experts.py",
+                        "ends = list(itertools.accumulate(tokens_per_expert))",
+                        "ends = list(itertools.accumulate(tokens_per_expert[::-1]))",
+                        ["tests/test_experts.py"]),
+    # issue 19: an expanded output grad reaches _grouped_mm's backward, which rejects it
+    "grouped_strided_grad": ("lightning_titan/moe/experts.py",
+                             "return _ContiguousGrad.apply(torch._grouped_mm(",
+                             "return (torch._grouped_mm(",
+                             ["tests/test_experts.py"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
