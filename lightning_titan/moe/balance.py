@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_titan import probes
+
 if TYPE_CHECKING:  # layer.py imports this module
     from lightning_titan.moe.layer import MoELayer
 
@@ -33,8 +35,8 @@ def balanced_layers(module: nn.Module) -> list[MoELayer]:
 
 
 def bias_step(tokens_per_expert_LE: Tensor, rate: float) -> Tensor:
-    """``rate * sign(mean_load - load_e)`` [L, E] fp32 from integer counts [L, E] (exact: the sign
-    of ``total - E * load_e``, no division)."""
+    """``rate * sign(mean_load - load_e)`` [..., E] fp32 from integer counts [..., E] (exact: the
+    sign of ``total - E * load_e``, no division)."""
     n_experts = tokens_per_expert_LE.shape[-1]
     total = tokens_per_expert_LE.sum(dim=-1, keepdim=True)
     return torch.sign(total - n_experts * tokens_per_expert_LE).float() * rate
@@ -54,7 +56,8 @@ def update_expert_bias(
     if not skip:
         counts_LE = torch.stack([m.step_tokens_per_expert for m in layers])
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(counts_LE, group=group)
+            with probes.span("all_reduce", "expert loads"):
+                dist.all_reduce(counts_LE, group=group)
         for layer, counts_E in zip(layers, counts_LE, strict=True):
             assert layer.expert_bias is not None  # balanced_layers keeps only those with one
             layer.expert_bias.add_(bias_step(counts_E, layer.bias_update_rate))
