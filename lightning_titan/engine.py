@@ -5,8 +5,9 @@ engine.broadcast_replicated()
 step = engine.forward_backward(stage_model, inputs, targets, 4, loss_fn)  # global loss and aux
 norm = engine.finish_gradients(max_norm=1.0)  # reduced, clipped; the pre-clip norm
 optimizer.step(); optimizer.zero_grad()
+engine.after_optimizer_step()  # zero>0: gather the updated shards; the routers' expert bias
 # zero=1 or 2: engine.shard_optimizer(optimizer) once, and the step between
-# engine.bind_shard_grads() and engine.gather_params()
+# engine.bind_shard_grads() and engine.after_optimizer_step()
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lightning_titan import probes, zero_grads
 from lightning_titan import zero as zero_levels
 from lightning_titan.clipping import clip_grad_norm_
 from lightning_titan.model import COPIED_OVER, EXPERT, StageModel, grad_group_kinds
+from lightning_titan.moe import balance
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
 from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import get_schedule
@@ -112,6 +114,8 @@ class Engine:
             p for _, p, kind in kinds if all(coords[axis] == 0 for axis in COPIED_OVER[kind])
         ]
         self.params = [p for _, p, _ in kinds]
+        self.balanced_layers = balance.balanced_layers(module)  # MoE layers with an expert bias
+        self._step_dropped = False  # the step's update is dropped (non-finite): so is the bias's
         if zero and not self.zero_groups:
             warnings.warn(
                 f"zero={zero} changes nothing here: this layout (dp={dims.dp}, ep={dims.ep}) has no "
@@ -207,6 +211,7 @@ class Engine:
     def bind_shard_grads(self, drop: bool = False) -> None:
         """Under zero>0, just before the optimizer step: the shards' reduced grads (None: ``drop``, a
         skipped step)."""
+        self._step_dropped = drop
         for g in self.zero_groups:
             g.bind_grads(drop)
 
@@ -214,6 +219,19 @@ class Engine:
         """Under zero>0, just after the optimizer step: every rank's parameters whole again."""
         for g in self.zero_groups:
             g.gather()
+
+    def update_router_bias(self) -> None:
+        """Just after the optimizer step: move the MoE layers' expert biases by the step's global
+        expert loads (one all-reduce over the stage's ``sequence_dp`` ranks; ``moe/balance.py``)."""
+        balance.update_expert_bias(
+            self.balanced_layers, self.groups.sequence_dp, skip=self._step_dropped
+        )
+        self._step_dropped = False
+
+    def after_optimizer_step(self) -> None:
+        """What follows every optimizer step: ``gather_params`` then ``update_router_bias``."""
+        self.gather_params()
+        self.update_router_bias()
 
     def _global_means(self, sums: StepSums, local_sequences: int) -> StepLoss:
         """One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0."""

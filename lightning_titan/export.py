@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from pathlib import Path
 
 from torch import Tensor
@@ -210,6 +211,14 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     out = Path(out)
     check_out(out)
     model = load_full_model(ckpt)
+    biased = [n for n, b in model.named_buffers() if n.endswith("expert_bias") and b.any()]
+    if biased:
+        warnings.warn(
+            f"{len(biased)} MoE layers carry an expert bias (router_bias_update_rate, e.g. "
+            f"{biased[0]}): Mixtral has no place for it, so the export leaves it out and its router "
+            "picks experts by the unbiased scores (the combine weights are unchanged)",
+            stacklevel=2,
+        )
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in hf_mixtral_state_dict(model).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

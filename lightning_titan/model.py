@@ -54,6 +54,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     aux_loss_coef: float = 0.01  # load-balancing loss coefficient, 0 = off
     z_loss_coef: float = 0.0  # router z-loss coefficient, 0 = off
+    # aux-loss-free balancing (DeepSeek-V3, moe/balance.py): a per-expert bias on the scores that
+    # pick the top-K (not on the combine weights); works with the aux loss on or off
+    router_bias_update_rate: float = 0.0  # expert-bias step per optimizer step, e.g. 1e-3; 0 = off
     init_std: float = 0.02
     activation_checkpointing: bool = False  # recompute each block in backward
 
@@ -80,7 +83,7 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
-        for name in ("aux_loss_coef", "z_loss_coef"):
+        for name in ("aux_loss_coef", "z_loss_coef", "router_bias_update_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 (0 turns it off)")
         if self.d_model % self.n_heads:
@@ -252,6 +255,7 @@ class Block(nn.Module):
             aux_loss_coef=config.aux_loss_coef,
             z_loss_coef=config.z_loss_coef,
             sequence_group=sequence_group,
+            bias_update_rate=config.router_bias_update_rate,
         )
 
     def forward(

@@ -160,7 +160,8 @@ class TitanLM(L.LightningModule):
         # 2. wait for the reducers, stop (or skip) on a non-finite loss or norm, clip by the norm
         #    composed across stages and expert shards; the numbers come back in one host read
         grad_norm, loss, aux = strategy.finish_gradients(step.loss, step.aux)
-        # 3. the update
+        # 3. the update (the strategy's optimizer_step then runs engine.after_optimizer_step: ZeRO
+        #    shards gathered, the routers' expert bias moved by the step's global expert loads)
         optimizer = cast(LightningOptimizer, self.optimizers())  # TitanLM has one
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -277,7 +277,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         elif self._grads_pending:
             raise unreduced_step_error()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.engine.gather_params()  # zero=1 or 2: every rank's updated shards, to every rank
+        self.engine.after_optimizer_step()  # zero>0: the updated shards to every rank; expert bias
         return output
 
     @override

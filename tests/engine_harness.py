@@ -5,7 +5,7 @@ Used by the equivalence tests: every layout must reproduce the single-process ru
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,8 @@ CONFIG = ModelConfig(
     vocab_size=61, d_model=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=24, n_experts=4, top_k=2,
     seq_len=16, aux_loss_coef=0.05, z_loss_coef=0.01,
 )  # fmt: skip
+# aux-loss-free balancing on top (the aux loss stays on): the bias moves selections within STEPS
+BIAS_CONFIG = replace(CONFIG, router_bias_update_rate=1e-3)
 GLOBAL_BATCH = 8
 STEPS = 5
 SEED = 7
@@ -132,7 +134,7 @@ def train(
         engine.bind_shard_grads()
         grad_bytes = held_grad_bytes(model, optimizer)  # the grads the step reads
         optimizer.step()
-        engine.gather_params()
+        engine.after_optimizer_step()
         # after the step, before zero_grad: the larger of the two
         grad_bytes = max(grad_bytes, held_grad_bytes(model, optimizer))
         optimizer.zero_grad(set_to_none=True)
@@ -140,6 +142,7 @@ def train(
         losses.append(loss)
         auxes.append(aux)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     engine.remove()
     state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     return {
@@ -147,6 +150,7 @@ def train(
         "aux": auxes,
         "norm": norms,
         "weights": weights,
+        "biases": biases,
         "state_numel": sum(v.numel() for v in state),
         "grad_bytes": grad_bytes,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -172,20 +176,20 @@ def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
     return train(dims, ProcessGroups(None, None, None, None), "gpipe", 1, config, steps)
 
 
-def run_layouts(
-    rank: int, world_size: int, cases: list[tuple[tuple[int, ...], str, int]]
-) -> list[dict]:
+def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     """Spawned: every case (layout (dp, pp, ep), (dp, pp, ep, tp) or (dp, pp, ep, tp, cp), schedule,
-    M) in turn, on the same ranks; a schedule named ``"<name>:paired"`` runs with ``paired_p2p``,
-    ``"<name>:zero1"`` with ``zero=1`` (``zero2``...)."""
+    M[, config]) in turn, on the same ranks; a schedule named ``"<name>:paired"`` runs with
+    ``paired_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...); ``config`` replaces CONFIG."""
     out = []
-    for layout, schedule, m in cases:
+    for layout, schedule, m, *rest in cases:
+        config = rest[0] if rest else CONFIG
         dims = ParallelDims(*layout[:3], rank, *layout[3:])
         name, *options = schedule.split(":")
         zero = next((int(o[-1]) for o in options if o.startswith("zero")), 0)
         result = train(
-            dims, build_process_groups(dims), name, m, paired_p2p="paired" in options, zero=zero
-        )
+            dims, build_process_groups(dims), name, m, config,
+            paired_p2p="paired" in options, zero=zero,
+        )  # fmt: skip
         out.append(result)
     return out
 
@@ -207,7 +211,12 @@ def assert_matches_reference(ref: dict, results: list[dict], label: str) -> None
             torch.testing.assert_close(
                 local, expected, rtol=0, atol=1e-5, msg=lambda m, w=f"{where} {name}": f"{w}: {m}"
             )
-    # every parameter of the full model is held by some rank of the layout
+        # the expert bias moves by integer loads: equal on every rank, bit for bit
+        for name, bias in r["biases"].items():
+            assert torch.equal(bias, ref["biases"][name]), (where, name, bias, ref["biases"][name])
+    # every parameter (and expert bias) of the full model is held by some rank of the layout
+    biases = set().union(*(r["biases"] for r in results))
+    assert biases == set(ref["biases"]), f"{label}: biases nobody holds: {ref['biases'].keys()}"
     held = set().union(*(r["weights"] for r in results))
     assert held == set(ref["weights"]), (
         f"{label}: parameters nobody holds: {set(ref['weights']) - held}"

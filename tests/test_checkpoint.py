@@ -38,7 +38,11 @@ from lightning_titan.model import ModelConfig, StageModel, split_expert_paramete
 from lightning_titan.parallel_dims import ParallelDims, build_process_groups
 from lightning_titan.tensor_parallel import tp_shard
 
-CONFIG = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, ffn_dim=48, n_experts=4, seq_len=16)
+# the expert bias on: a buffer that must follow its layer across layouts like a parameter
+CONFIG = dict(
+    vocab_size=64, d_model=32, n_layers=4, n_heads=4, ffn_dim=48, n_experts=4, seq_len=16,
+    router_bias_update_rate=1e-3,
+)  # fmt: skip
 LAYOUT_A = (1, 2, 2)  # (dp, pp, ep) the checkpoint is written under
 LAYOUTS_B = [(2, 1, 2), (1, 4, 1), (1, 1, 4)]
 # (layout, zero level): expert state over dp=2 and non-expert over 4; all over 4; zero=2 keeps
@@ -82,6 +86,10 @@ def train(model: StageModel, optimizer: torch.optim.Optimizer, steps: int) -> No
             else:
                 p.grad = _seeded(p.shape, name, step)
         optimizer.step()
+        with torch.no_grad():  # as if the step's loads had moved them
+            for name, bias in model.named_buffers():
+                if name.endswith("expert_bias"):
+                    bias.copy_(_seeded(bias.shape, name, step))
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -91,7 +99,7 @@ def snapshot(
     """Every parameter and optimizer-state tensor keyed by (kind, global name, global expert, state)."""
     experts = {id(p) for _, p in split_expert_parameters(model)[0]}
     start = model.expert_range[0]
-    out = {}
+    out = {("param", n, None, None): b.clone() for n, b in model.named_buffers() if "bias" in n}
     for name, p in model.named_parameters():
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         if id(p) not in experts:
@@ -290,6 +298,7 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
     results = run_on_ranks(_layouts_worker, 4, str(tmp_path), timeout_s=240, start_method="fork")
     reference = _merge([r["A"] for r in results])
     assert any(k[0] == "state" and k[3] == "exp_avg" and k[2] == 3 for k in reference)
+    assert reference[("param", "layers.3.moe.expert_bias", None, None)].abs().sum() > 0
 
     for layout in LAYOUTS_B:
         loaded = _merge([r["loads"][layout][0] for r in results])

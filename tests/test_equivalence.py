@@ -7,11 +7,18 @@ losses are on. ZeRO cases also check that each rank holds only its share of the 
 at zero=2 of the grads, after the step). Tensor-parallel layouts are (dp, pp, ep, tp): each rank holds
 its slice of the heads and of the padded vocabulary (the padding stays zero), and the loss is the
 vocab-parallel cross-entropy. Context-parallel layouts are (dp, pp, ep, tp, cp): each rank computes its
-positions of every sequence.
+positions of every sequence. BIAS cases turn on aux-loss-free balancing (the expert bias, with the
+aux loss still on) and compare with a single-process run of that config, final biases bit for bit.
 """
 
 import pytest
-from engine_harness import MAX_NORM, assert_matches_reference, reference, run_layouts
+from engine_harness import (
+    BIAS_CONFIG,
+    MAX_NORM,
+    assert_matches_reference,
+    reference,
+    run_layouts,
+)
 
 from lightning_titan.launch import run_on_ranks
 
@@ -62,6 +69,19 @@ ZERO = {
     8: [((2, 2, 2), "1f1b", 2), ((2, 2, 2), "gpipe", 2)],
 }
 
+# The expert bias (BIAS_CONFIG): its counts summed over dp, ep, tp and cp ranks, kept per stage
+BIAS = {
+    2: [
+        ((2, 1, 1), "1f1b", 1),
+        ((1, 2, 1), "1f1b", 2),
+        ((1, 1, 2), "gpipe", 2),
+        ((1, 1, 1, 2), "1f1b", 1),
+        ((1, 1, 1, 1, 2), "1f1b", 1),
+    ],
+    4: [],
+    8: [((2, 2, 2), "1f1b", 2)],
+}
+
 
 @pytest.fixture(scope="module")
 def ref():
@@ -71,18 +91,28 @@ def ref():
     return result
 
 
+@pytest.fixture(scope="module")
+def bias_ref(ref):
+    result = reference(BIAS_CONFIG)
+    assert result["loss"] != ref["loss"], "the bias must change some selections to be tested"
+    assert all(b.abs().sum() > 0 for b in result["biases"].values())
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_every_layout_equals_one_process(ref, world):
+def test_every_layout_equals_one_process(ref, bias_ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
     cases += TP[world] + CP[world]
+    cases += [(layout, schedule, m, BIAS_CONFIG) for layout, schedule, m in BIAS[world]]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
-    for i, (layout, schedule, m) in enumerate(cases):
+    for i, (layout, schedule, m, *config) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
-        assert_matches_reference(ref, results, f"{layout} {schedule} M={m}")
+        label = f"{layout} {schedule} M={m}" + (" expert bias" if config else "")
+        assert_matches_reference(bias_ref if config else ref, results, label)
         # AdamW keeps two moments per weight; zero>0 leaves each rank about 1/(its DP group) of them,
         # zero=2 likewise of the grads it holds at the step and after it (whole at zero<2)
         for r in results:

@@ -10,6 +10,8 @@ DataLoader, checked on every rank (tests/scripts/one_step.py records what each r
 - zero=2: each rank's optimizer holds about half of its parameters' elements (non-expert ones split
   over 4 ranks, expert ones over 2), its grads are only its rows (reduce-scattered; the pre-clip norm
   composed from them equals the reference's), and the all-gather makes every rank's weights whole.
+- the expert bias moves after the optimizer step by the step's global loads (every data rank's
+  tokens): each rank's bias equals one process's update from the whole batch.
   (ZeRO-1 through the strategy: the CLI's main job in tests/test_cli.py.)
 """
 
@@ -22,6 +24,7 @@ import torch
 from mixtral_reference import loss_and_grads
 
 from lightning_titan import ParallelDims, StageModel
+from lightning_titan.moe.balance import bias_step
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -112,3 +115,21 @@ def test_per_rank_init_is_broadcast_and_the_clip_norm_bites(records):
             g = _local(grads[name], name, r["expert_range"]) * one_step.LR
             atol = 1e-5 * g.abs().max().item() * scale + 1e-7
             torch.testing.assert_close(step, g * scale, rtol=1e-3, atol=atol, msg=f"{where} {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_expert_bias_moves_by_the_global_loads(records):
+    """Through TitanLM and the strategy's optimizer_step: the step's counts from every data rank."""
+    model = StageModel(one_step.CONFIG)
+    model.load_state_dict({**model.state_dict(), **expected_initial()})
+    inputs, _ = one_step.dataset().tensors
+    with torch.no_grad():
+        model(inputs)  # the bias is zero in the step's forward: the same choices
+    rate = one_step.CONFIG.router_bias_update_rate
+    for rank, r in enumerate(records):
+        assert r["biases"], f"rank {rank} holds no expert bias"
+        for name, bias in r["biases"].items():
+            layer = model.get_submodule(name.removesuffix(".expert_bias"))
+            want = bias_step(layer.tokens_per_expert, rate)
+            assert want.abs().sum() > 0 and torch.equal(bias, want), (rank, name, bias, want)

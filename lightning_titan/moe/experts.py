@@ -1,10 +1,56 @@
-"""The SwiGLU experts one rank owns, stacked so that a rank's experts are contiguous rows."""
+"""The SwiGLU experts one rank owns, stacked so that a rank's experts are contiguous rows.
+
+Two ways to run them, equal within float rounding: one grouped GEMM per weight over all local experts
+(``torch._grouped_mm`` with the row offsets, as torchtitan and Megatron do), or a Python loop of
+per-expert matmuls. ``grouped_mm=None`` picks the grouped one where this build runs it (probed once
+per device, dtype and shape: torch 2.13 does fp32 and bf16 on CPU) and not under autocast (whose
+casts it does not take part in); the loop otherwise.
+"""
 
 from __future__ import annotations
+
+import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+@functools.cache
+def grouped_mm_supported(
+    device: torch.device, dtype: torch.dtype, d_model: int, ffn_dim: int
+) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward here (a tiny probe, once per key)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(2, d_model, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, d_model, ffn_dim, device=device, dtype=dtype, requires_grad=True)
+        offsets = torch.tensor([1, 2], device=device, dtype=torch.int32)
+        out = torch._grouped_mm(x, w, offs=offsets)
+        out.backward(torch.ones_like(out))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming grad contiguous: ``_grouped_mm``'s backward rejects
+    an expanded (stride-0) grad, e.g. that of ``out.sum()``, even with zero rows (which
+    ``contiguous()`` leaves as they are)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (
+            grad.contiguous()
+            if grad.numel()
+            else torch.zeros_like(grad, memory_format=torch.contiguous_format)
+        )
 
 
 class GroupedExperts(nn.Module):
@@ -18,8 +64,15 @@ class GroupedExperts(nn.Module):
     - ``w2`` (down) [E_local, F, D]  -> ``... .w2.weight = w2[e].T``
     """
 
-    def __init__(self, d_model: int, ffn_dim: int, expert_range: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        expert_range: tuple[int, int],
+        grouped_mm: bool | None = None,
+    ) -> None:
         super().__init__()
+        self.grouped_mm = grouped_mm  # None: where supported (see the module doc); False: the loop
         start, end = expert_range
         if not 0 <= start < end:
             raise ValueError(f"expert_range={expert_range} must satisfy 0 <= start < end")
@@ -45,9 +98,35 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"got {len(tokens_per_expert)} row counts for {self.n_local} local experts"
             )
+        if sum(tokens_per_expert) != x.shape[0]:
+            raise ValueError(
+                f"the row counts {tokens_per_expert} sum to {sum(tokens_per_expert)}, not to the "
+                f"{x.shape[0]} rows of x"
+            )
+        if self.uses_grouped_mm(x):
+            return self._grouped(x, tokens_per_expert)
         # Empty slices still run, so every expert weight gets a (zero) gradient on every rank.
         outputs = [
             (F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])) @ self.w2[e]
             for e, rows in enumerate(torch.split(x, tokens_per_expert))
         ]
         return torch.cat(outputs)
+
+    def uses_grouped_mm(self, x: Tensor) -> bool:
+        """Whether ``forward(x, ...)`` takes the grouped GEMMs."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm
+        if torch.is_autocast_enabled(x.device.type) or x.dtype != self.w1.dtype:
+            return False
+        d_model, ffn_dim = self.w1.shape[1:]
+        return grouped_mm_supported(x.device, x.dtype, d_model, ffn_dim)
+
+    def _grouped(self, x: Tensor, tokens_per_expert: list[int]) -> Tensor:
+        # the end row of each local expert's block (an empty expert: the same end as the one before;
+        # its weights get a zero gradient, as in the loop)
+        ends = list(itertools.accumulate(tokens_per_expert))
+        offsets = torch.tensor(ends, dtype=torch.int32, device=x.device)
+        x = x.contiguous()
+        gate = torch._grouped_mm(x, self.w1, offs=offsets)
+        up = torch._grouped_mm(x, self.w3, offs=offsets)
+        return _ContiguousGrad.apply(torch._grouped_mm(F.silu(gate) * up, self.w2, offs=offsets))

@@ -5,6 +5,10 @@ split across data ranks or microbatches: the global loss is a mean over sequence
 Under sequence parallelism each TP rank routes its slice of every sequence: the expert counts are
 summed over the TP group (they carry no gradient), and each rank's losses are its tokens' share of
 the sequence's, so the TP ranks' values sum to one process's.
+
+Aux-loss-free balancing (DeepSeek-V3): a per-expert ``selection_bias`` shifts the scores that pick
+the top-K experts only; the combine weights stay the unbiased probabilities of the chosen experts,
+so the bias steers the load without entering the output or the gradient (``moe/balance.py``).
 """
 
 from __future__ import annotations
@@ -27,17 +31,27 @@ class Routing:
     z_loss: Tensor  # [b] fp32, mean over the sequence's tokens of logsumexp(logits)^2
 
 
-def route(logits: Tensor, top_k: int, sequence_group: ProcessGroup | None = None) -> Routing:
+def route(
+    logits: Tensor,
+    top_k: int,
+    sequence_group: ProcessGroup | None = None,
+    selection_bias: Tensor | None = None,
+) -> Routing:
     """Route tokens given router ``logits`` [b, S, E] (any dtype; the softmax runs in fp32 as in Mixtral).
 
     ``sequence_group``: the ranks that hold the other slices of these sequences (sequence
-    parallelism); the losses are then this slice's share (see the module doc)."""
+    parallelism); the losses are then this slice's share (see the module doc).
+    ``selection_bias`` [E] fp32: added to the probabilities for choosing the experts only."""
     b, s, n_experts = logits.shape
     parts = 1 if sequence_group is None else dist.get_world_size(sequence_group)
     seq_len = s * parts
     logits = logits.float()
     probs = torch.softmax(logits, dim=-1)
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if selection_bias is None:
+        weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        expert_ids = torch.topk(probs + selection_bias, top_k, dim=-1).indices
+        weights = probs.gather(-1, expert_ids)  # unbiased: the bias picks, it does not weigh
     weights = weights / weights.sum(dim=-1, keepdim=True)
 
     # f_e is a count, so it carries no gradient; P_e carries the gradient towards balance.

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MUTATIONS = {
     # issue 16: ZeRO-1 without its all-gather (other ranks' rows never arrive), through the strategy
     "zero_no_gather": ("lightning_titan/strategy.py",
-                       "        self.engine.gather_params()  # zero=1",
-                       "        pass  # zero=1",
+                       "        self.engine.after_optimizer_step()  # zero>0",
+                       "        pass  # zero>0",
                        ["tests/test_strategy_step.py"]),
     # ZeRO-1: the gather puts each rank's updated rows in another rank's place (engine layouts)
     "zero_gather_misplaced": ("lightning_titan/zero.py",
@@ -148,6 +148,31 @@ MUTATIONS = {
                         'value = float("nan") if fault.action == "nan" else float("inf")',
                         'value = float("nan") if fault.action == "nan" else 1.0',
                         ["tests/test_reliability.py", "-k", "skip_takes"]),
+    # issue 19: the expert bias enters the combine weights, not only the selection
+    "bias_in_combine": ("lightning_titan/moe/router.py",
+                        "weights = probs.gather(-1, expert_ids)",
+                        "weights = (probs + selection_bias).gather(-1, expert_ids)",
+                        ["tests/test_balance.py"]),
+    # issue 19: the expert loads summed over the sequence's CP/TP ranks only, not the data ranks
+    "bias_counts_not_over_data": ("lightning_titan/engine.py",
+                                  "self.balanced_layers, self.groups.sequence_dp,",
+                                  "self.balanced_layers, self.groups.sequence,",
+                                  ["tests/test_equivalence.py", "-k", "2"]),
+    # issue 19: activation checkpointing's recompute counts the tokens a second time
+    "bias_counts_recompute": ("lightning_titan/moe/layer.py",
+                              "            if not recomputing():",
+                              "            if True:",
+                              ["tests/test_balance.py"]),
+    # issue 19: the grouped experts' row offsets in the wrong order (rows go to other experts)
+    "grouped_offsets": ("lightning_titan/moe/experts.py",
+                        "ends = list(itertools.accumulate(tokens_per_expert))",
+                        "ends = list(itertools.accumulate(tokens_per_expert[::-1]))",
+                        ["tests/test_experts.py"]),
+    # issue 19: an expanded output grad reaches _grouped_mm's backward, which rejects it
+    "grouped_strided_grad": ("lightning_titan/moe/experts.py",
+                             "return _ContiguousGrad.apply(torch._grouped_mm(",
+                             "return (torch._grouped_mm(",
+                             ["tests/test_experts.py"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

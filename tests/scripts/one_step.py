@@ -1,7 +1,9 @@
 """One training step of TitanLM under Trainer + TitanStrategy(dp2 x pp2 x ep2, gradient_clip_norm,
 zero=2) on a plain DataLoader, with an init that differs per rank (the case the broadcast of replicated
 parameters exists for). Under zero=2 each rank gets only its rows of the reduced grads (the clip norm
-is composed from them) and its SGD updates only those rows; the rest arrive by the all-gather. Every rank saves what it saw to OUT/rank<r>.pt; tests/test_strategy_step.py checks it.
+is composed from them) and its SGD updates only those rows; the rest arrive by the all-gather. The
+expert bias is on (zero during the step's forward, moved after it). Every rank saves what it saw to
+OUT/rank<r>.pt; tests/test_strategy_step.py checks it.
 
 python tests/scripts/one_step.py OUT   # fork: one import, eight ranks
 """
@@ -18,7 +20,7 @@ from lightning_titan import ModelConfig, TitanLM, TitanStrategy
 
 CONFIG = ModelConfig(
     vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=24, n_experts=4, top_k=2,
-    seq_len=12, aux_loss_coef=0.05, z_loss_coef=0.01,
+    seq_len=12, aux_loss_coef=0.05, z_loss_coef=0.01, router_bias_update_rate=1e-3,
 )  # fmt: skip
 LAYOUT = {"dp": 2, "pp": 2, "ep": 2}
 SEED = 7
@@ -78,6 +80,7 @@ class PerRankInitLM(TitanLM):
         optimizer = self.trainer.optimizers[0]
         self.record.update(
             final={n: p.detach().clone() for n, p in self.model.named_parameters()},
+            biases={n: b.clone() for n, b in self.model.named_buffers() if "expert_bias" in n},
             coords=(dims.dp_rank, dims.pp_rank, dims.ep_rank),
             expert_range=self.model.expert_range,
             optimizer_numel=sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
