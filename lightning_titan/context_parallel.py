@@ -51,4 +51,4 @@ def take_local(tokens: Tensor, group: ProcessGroup | None) -> Tensor:
 
 def gather_keys(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Keys or values [b, heads, S/cp, hd] -> [b, heads, S, hd] of every CP rank (differentiable)."""
-    return gather_along(x, group, 2)
+    return gather_along(x, group, 2, kind="cp")

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_titan import probes
 from lightning_titan.parallel_dims import group_mesh
 
 TP_SHARD = "_titan_tp_shard"
@@ -116,52 +117,55 @@ def local_slice(full: Tensor, dim: int, tp: int, rank: int) -> Tensor:
     return part
 
 
-def _gather(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
-    """All-gather along ``dim``, rank-major."""
+def _gather(x: Tensor, group: ProcessGroup, dim: int, kind: str) -> Tensor:
+    """All-gather along ``dim``, rank-major (a ``kind`` span: "tp" or "cp")."""
     n = dist.get_world_size(group)
     local = x.movedim(dim, 0).contiguous()
     out = local.new_empty((local.shape[0] * n, *local.shape[1:]))
-    dist.all_gather_single(out, local, group=group)
+    with probes.span(kind, "all_gather"):
+        dist.all_gather_single(out, local, group=group)
     return out.movedim(0, dim)
 
 
-def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int, kind: str) -> Tensor:
     """Sum over the group, each rank keeping its ``1/n`` of ``dim``."""
     n = dist.get_world_size(group)
     full = x.movedim(dim, 0).contiguous()
     out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
-    dist.reduce_scatter_single(out, full, group=group)
+    with probes.span(kind, "reduce_scatter"):
+        dist.reduce_scatter_single(out, full, group=group)
     return out.movedim(0, dim)
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim)
+    def forward(ctx, x, group, dim, kind):
+        ctx.group, ctx.dim, ctx.kind = group, dim, kind
+        return _gather(x, group, dim, kind)
 
     @staticmethod
     def backward(ctx, grad):
         # every rank's downstream (its heads, its vocabulary shard, its queries) used the whole
         # gathered tensor: the slice's grad is the sum of theirs
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+        return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.kind), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
+        return _reduce_scatter(x, group, dim, "tp")
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.group, ctx.dim), None, None
+        return _gather(grad, ctx.group, ctx.dim, "tp"), None, None
 
 
-def gather_along(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+def gather_along(x: Tensor, group: ProcessGroup | None, dim: int, kind: str = "tp") -> Tensor:
     """Every rank's ``x`` concatenated along ``dim`` in rank order, differentiable (the backward
-    reduce-scatters); identity for a group of one."""
-    return x if tp_size(group) == 1 else _Gather.apply(x, group, dim)
+    reduce-scatters); identity for a group of one. ``kind`` names the axis in traces ("tp" for the
+    sequence-parallel collectives, "cp" for the keys and values)."""
+    return x if tp_size(group) == 1 else _Gather.apply(x, group, dim, kind)
 
 
 def gather_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
@@ -182,7 +186,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
         row_max = logits.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        with probes.span("tp", "loss max"):
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         exp = torch.exp(logits - row_max.unsqueeze(-1))
         sum_exp = exp.sum(dim=-1)
         local = (targets >= vocab_start) & (targets < vocab_start + logits.shape[-1])
@@ -190,7 +195,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = torch.where(local, target_logit - row_max, 0.0)
         stats = torch.stack([sum_exp, target_logit])
-        dist.all_reduce(stats, group=group)  # one collective for both sums
+        with probes.span("tp", "loss sums"):
+            dist.all_reduce(stats, group=group)  # one collective for both sums
         sum_exp, target_logit = stats
         ctx.save_for_backward(exp, sum_exp, local, local_target)
         return torch.log(sum_exp) - target_logit

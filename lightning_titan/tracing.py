@@ -26,7 +26,9 @@ import torch
 from lightning_titan import probes
 
 COMPUTE_KINDS = ("forward", "backward")
-COMM_KINDS = ("p2p", "all_to_all", "all_reduce", "wait", "all_gather")  # all_gather: ZeRO's params
+COMM_KINDS = ("p2p", "all_to_all", "all_reduce", "wait", "all_gather", "tp", "cp")
+# all_gather: ZeRO's params; tp: the sequence-parallel collectives and the vocab-parallel loss's
+# all-reduces; cp: the key / value all-gather (and its grads' reduce-scatter)
 KINDS = (*COMPUTE_KINDS, *COMM_KINDS, "optimizer")
 OTHER = "other"  # time inside a step covered by no span (Python, scheduler, logging)
 

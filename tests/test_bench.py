@@ -343,6 +343,11 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     assert cp["case"] == "cp2" and cp["saved_mb"] > 0
     assert 0.9 < cp["vs_dp"]["saved_mb"] < 1.3, cp
     assert cp["saved_mb"] < 1.3 * dp2["saved_peak_mb"]
+    # the K/V exchange is timed (its own span kind), and only where there is one; TP's sequence
+    # collectives likewise
+    assert 0 < cp["kv_ms"] < cp["step_split_ms"]
+    times = {r["case"]: r["time_ms"] for r in results["rows"]}
+    assert times["tp2"]["tp"] > 0 == times["tp2"]["cp"] == times["dp2"]["tp"] == times["cp2"]["tp"]
     assert "**Context parallelism**" in (tmp_path / "bench.md").read_text()
 
 

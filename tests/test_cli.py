@@ -319,10 +319,10 @@ RESUMES = [  # (written by, config to resume with, layout overrides); dp_pp_ep s
     ("dp_pp_ep", "dp_pp_ep", layout(1, 2, 4, "--trainer.strategy.init_args.schedule=gpipe")),
     ("dp_pp_ep", "single", []),
     ("single", "dp_pp_ep", layout(4, 1, 2, ZERO1)),
-    # across tp and cp: a tp=2 checkpoint under tp=1 x cp=2, a tp=1 one under tp=4 (the vocabulary
-    # padded), and a cp=2 one (256-token sequences) on one process
+    # across tp and cp: a tp=2 checkpoint under tp=1 x cp=2 and under tp=4 x ep=2 (the vocabulary
+    # padded 258 -> 260 rows), and a cp=2 one (256-token sequences) on one process
     ("tp_pp_ep", "pp_ep", layout(1, 2, 2, cp=2)),
-    ("dp_pp_ep", "tp_pp_ep", layout(1, 1, 2, tp=4)),
+    ("tp_pp_ep", "tp_pp_ep", layout(1, 1, 2, tp=4)),
     ("cp_pp_ep", "cp_pp_ep", CP_SINGLE),
 ]
 UNINTERRUPTED = {"cp_pp_ep": "cp_single"}  # the curve each source continues (default: single's)

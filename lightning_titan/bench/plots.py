@@ -13,7 +13,7 @@ from lightning_titan.tracing import KINDS, Span
 COLORS = {
     "forward": "#4C72B0", "backward": "#55A868", "p2p": "#B0B0B0", "all_to_all": "#DD8452",
     "all_reduce": "#C44E52", "wait": "#8172B3", "optimizer": "#937860", "other": "#E0E0E0",
-    "all_gather": "#DA8BC3",
+    "all_gather": "#DA8BC3", "tp": "#8C8C3C", "cp": "#64B5CD",
 }  # fmt: skip
 _HEIGHT = {"forward": 0.8, "backward": 0.8, "optimizer": 0.8}  # others: drawn thinner, on top
 

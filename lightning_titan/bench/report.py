@@ -211,9 +211,9 @@ def markdown(results: dict) -> str:
         "separately recorded steps, exclusive time per rank, mean over ranks.",
         "",
         "| ranks | composition | M | tokens/s | step ms | CPU ms | compute ms | p2p ms | all-to-all ms "
-        "| all-reduce ms | wait ms | optimizer ms | other ms | bubble per stage (theory) "
+        "| all-reduce ms | TP / CP ms | wait ms | optimizer ms | other ms | bubble per stage (theory) "
         "| peak RSS MB/rank | state MB/rank |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in results["rows"]:
         ours, t = r["impls"][OURS], r["time_ms"]
@@ -227,7 +227,8 @@ def markdown(results: dict) -> str:
             f"| {r['world']} | {r['case']} | {r['microbatches']} | {ours['tokens_per_s']:,.0f} | "
             f"{ours['step_ms']:.1f} | {ours['cpu_ms']:.0f} | {t['forward'] + t['backward']:.1f} | "
             f"{t['p2p']:.1f} | "
-            f"{t['all_to_all']:.1f} | {t['all_reduce']:.1f} | {t['wait']:.1f} | {t['optimizer']:.1f} | "
+            f"{t['all_to_all']:.1f} | {t['all_reduce']:.1f} | {t['tp']:.1f} / {t['cp']:.1f} | "
+            f"{t['wait']:.1f} | {t['optimizer']:.1f} | "
             f"{t['other']:.1f} | {bubble} | {max(ours['peak_mb_per_rank']):.0f} | "
             f"{max(r['state']['mb_per_rank']):.2f} |"
         )
