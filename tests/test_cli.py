@@ -9,6 +9,7 @@ All launches but the main job's use start_method=fork (no re-import per rank); t
 """
 
 import csv
+import json
 import os
 import re
 import subprocess
@@ -128,8 +129,13 @@ def runs(tmp_path_factory):
     out["cp_pp_ep"] = titan_fit(cwd, config("cp_pp_ep"), "cp_pp_ep", FORK,
                                 *mid_epoch_checkpoint(cwd, "cp_pp_ep"))  # fmt: skip
     titan_fit(cwd, config("cp_pp_ep"), "cp_single", FORK, *CP_SINGLE, steps=RESUMED_STEPS)
-    # bf16 under pp x ep x tp: the wire dtype between stages, the sequence collectives, the vocab loss
-    titan_fit(cwd, config("tp_pp_ep"), "tp_pp_ep_bf16", FORK, "--trainer.precision=bf16-mixed")
+    # bf16 under pp x ep x tp: the wire dtype between stages, the sequence collectives, the vocab
+    # loss; with the timeline and expert-load callbacks, which must work under tp too
+    titan_fit(cwd, config("tp_pp_ep"), "tp_pp_ep_bf16", FORK, "--trainer.precision=bf16-mixed",
+              "--trainer.callbacks+=lightning_titan.timeline.PipelineTimeline",
+              "--trainer.callbacks.steps=[1, 2]", f"--trainer.callbacks.out_dir={cwd / 'timeline'}",
+              "--trainer.callbacks+=lightning_titan.timeline.ExpertLoad",
+              f"--trainer.callbacks.plot_path={cwd / 'expert_load.png'}")  # fmt: skip
     return cwd, out
 
 
@@ -284,6 +290,21 @@ def test_bf16_mixed_trains_under_pp_ep_and_tp(runs):
     # the backward too: gradient norms (and the aux losses) follow fp32 within bf16's precision
     assert_same_curves("bf16", "tp_pp_ep_bf16", "single", cwd, BF16_REL, steps=STEPS)
     assert bf16 != fp32, "bf16 autocast was not in effect"
+    # the callbacks under tp x pp x ep: every rank's spans (TP's collectives among them), a bubble per
+    # stage, and the expert load of every layer over the global batch
+    trace = json.loads((cwd / "timeline" / "trace.json").read_text())
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert {e["pid"] for e in events} == set(range(8))
+    assert {"forward", "backward", "p2p", "all_to_all", "tp"} <= {e["cat"] for e in events}
+    summary = json.loads((cwd / "timeline" / "bubbles.json").read_text())
+    assert [b["stage"] for b in summary["bubbles"]] == [0, 1]
+    assert summary["ms_per_step_and_rank"]["tp"] > 0 == summary["ms_per_step_and_rank"]["cp"]
+    assert (cwd / "expert_load.png").stat().st_size > 0
+    rows = list(csv.DictReader(open(cwd / "runs" / "tp_pp_ep_bf16" / "version_0" / "metrics.csv")))
+    for layer in range(4):
+        ratios = [float(r[f"expert_load/layer{layer}/max_over_mean"]) for r in rows
+                  if r.get(f"expert_load/layer{layer}/max_over_mean")]  # fmt: skip
+        assert len(ratios) == STEPS and all(1 <= x <= 8 for x in ratios), (layer, ratios)
 
 
 @pytest.mark.slow
