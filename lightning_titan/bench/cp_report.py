@@ -24,7 +24,7 @@ def cp_rows(rows: list[dict]) -> list[dict]:
             continue
         mine = row["impls"][OURS]
         entry = {
-            "world": row["world"], "case": row["case"], "cp": row["cp"],
+            "world": row["world"], "case": row["case"], "cp": row["cp"], "tp": row.get("tp", 1),
             "tokens_per_s": mine["tokens_per_s"], "step_ms": mine["step_ms"],
             "cpu_ms": mine["cpu_ms"], "saved_mb": row["saved_peak_mb"],
             "kv_ms": row["time_ms"]["cp"], "step_split_ms": sum(row["time_ms"].values()),
@@ -52,7 +52,7 @@ def cp_markdown(cp: list[dict]) -> list[str]:
              "largest rank during one step, and ratios ours / the other (< 1: less) against pure DP on "
              "as many ranks and against one rank, at the same tokens per step", "",
              "| ranks | composition | tokens/s | step ms | CPU ms | K/V exchange ms (of step) "
-             "| saved MB/rank | saved / one rank (1/cp) | saved / DP | step / DP | CPU / DP "
+             "| saved MB/rank | saved / one rank (1/(cp*tp)) | saved / DP | step / DP | CPU / DP "
              "| step / one rank | CPU / one rank |",
              "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for c in cp:
@@ -61,7 +61,7 @@ def cp_markdown(cp: list[dict]) -> list[str]:
             f"| {c['world']} | {c['case']} | {c['tokens_per_s']:,.0f} | {c['step_ms']:.1f} | "
             f"{c['cpu_ms']:.0f} | {c['kv_ms']:.1f} ({c['kv_ms'] / c['step_split_ms']:.0%}) | "
             f"{c['saved_mb']:.2f} | {_ratio(one, 'saved_mb')} "
-            f"({1 / c['cp']:.2f}) | {_ratio(dp, 'saved_mb')} | {_ratio(dp, 'step_ms')} | "
+            f"({1 / (c['cp'] * c['tp']):.2f}) | {_ratio(dp, 'saved_mb')} | {_ratio(dp, 'step_ms')} | "
             f"{_ratio(dp, 'cpu_ms')} | {_ratio(one, 'step_ms')} | {_ratio(one, 'cpu_ms')} |"
         )
     return lines
