@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 
+from lightning_titan.bench.memory import state_bytes, zero2_grad_bytes
 from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
@@ -137,6 +138,8 @@ def train(
         engine.after_optimizer_step()
         # after the step, before zero_grad: the larger of the two
         grad_bytes = max(grad_bytes, held_grad_bytes(model, optimizer))
+        # what `titan bench` measures (and `titan plan` predicts): state bytes by part after the step
+        state = state_bytes(model, optimizer, zero2_grad_bytes(engine))
         optimizer.zero_grad(set_to_none=True)
         loss, aux = step_loss.loss.item(), step_loss.aux.item()
         losses.append(loss)
@@ -144,14 +147,15 @@ def train(
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     engine.remove()
-    state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+    moments = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     return {
         "loss": losses,
         "aux": auxes,
         "norm": norms,
         "weights": weights,
         "biases": biases,
-        "state_numel": sum(v.numel() for v in state),
+        "state_numel": sum(v.numel() for v in moments),
+        "state": state,
         "grad_bytes": grad_bytes,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         **record(model, dims),

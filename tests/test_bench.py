@@ -14,6 +14,7 @@ from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
 from lightning_titan.pipeline.schedules import get_schedule
+from lightning_titan.plan.memory import layout_state
 
 
 class _OrderOnly:
@@ -336,6 +337,14 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     )
     assert "**ZeRO-2**" in (tmp_path / "bench.md").read_text()
     _check_tp_state(results, (tmp_path / "bench.md").read_text())
+    # titan plan's state model predicts every rank's measured state of every case and zero level
+    config = ModelConfig(**results["settings"]["config"])
+    for row in results["rows"]:
+        degrees = {axis: row[axis] for axis in ("dp", "pp", "ep", "cp", "tp")}
+        for impl, level in (("titan", 0), ("titan_zero1", 1), ("titan_zero2", 2)):
+            if impl in row["impls"]:
+                measured = row["impls"][impl]["state_bytes_per_rank"]
+                assert layout_state(config, degrees, level) == measured, (row["case"], impl)
     # CP: each rank saves its positions' activations (about half of DP's, whose ranks hold the
     # same weights and half the batch: the same tokens per rank), plus the gathered keys and values
     (cp,) = results["cp"]

@@ -14,6 +14,7 @@ aux loss still on) and compare with a single-process run of that config, final b
 import pytest
 from engine_harness import (
     BIAS_CONFIG,
+    CONFIG,
     MAX_NORM,
     assert_matches_reference,
     reference,
@@ -21,6 +22,8 @@ from engine_harness import (
 )
 
 from lightning_titan.launch import run_on_ranks
+from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.plan.memory import rank_state
 
 SCHEDULES = ("gpipe", "1f1b")
 CASES = {
@@ -113,6 +116,12 @@ def test_every_layout_equals_one_process(ref, bias_ref, world):
         results = [per_rank[r][i] for r in range(world)]
         label = f"{layout} {schedule} M={m}" + (" expert bias" if config else "")
         assert_matches_reference(bias_ref if config else ref, results, label)
+        # titan plan's state model: every rank's params, grads and optimizer bytes, exactly
+        zero = int(schedule[-1]) if ":zero" in schedule else 0
+        for rank, r in enumerate(results):
+            dims = ParallelDims(*layout[:3], rank, *layout[3:])
+            predicted = rank_state(config[0] if config else CONFIG, dims, zero)
+            assert predicted == r["state"], (label, rank, predicted, r["state"])
         # AdamW keeps two moments per weight; zero>0 leaves each rank about 1/(its DP group) of them,
         # zero=2 likewise of the grads it holds at the step and after it (whole at zero<2)
         for r in results:

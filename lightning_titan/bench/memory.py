@@ -120,6 +120,17 @@ def state_bytes(
     return out
 
 
+def zero2_grad_bytes(engine: Any) -> dict[int, int] | None:
+    """Under zero=2, the grad bytes a rank keeps per parameter id: its rows (else None: whole)."""
+    if engine is None or engine.zero != 2:
+        return None
+    return {
+        pid: s.leaf.numel() * s.leaf.element_size()
+        for g in engine.zero_groups
+        for pid, s in g.shards.items()
+    }
+
+
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state: torch's ``ZeroRedundancyOptimizer`` keeps it in
     the local optimizer it wraps (``.optim``, over the parameters this rank owns); its own ``state``

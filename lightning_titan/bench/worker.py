@@ -38,6 +38,7 @@ from lightning_titan.bench.memory import (
     reset_peak,
     state_bytes,
     tp_cut_bytes,
+    zero2_grad_bytes,
 )
 from lightning_titan.bench.runners import (
     LR,
@@ -157,25 +158,15 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
             out[impl]["spans"] = _traced(runners[impl], batches, settings, dims, device)
     ours = runners[OURS]
     for impl, runner in runners.items():  # after steps: the optimizers hold their state
-        out[impl]["state_bytes"] = state_bytes(runner.model, runner.optimizer, _grad_rows(runner))
+        out[impl]["state_bytes"] = state_bytes(
+            runner.model, runner.optimizer, zero2_grad_bytes(getattr(runner, "engine", None))
+        )
         out[impl]["tp_cut_param_bytes"] = tp_cut_bytes(runner.model)
     # activations saved for backward, every case: the pipeline's per stage, CP's against one rank
     out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
     for runner in runners.values():
         runner.close()
     return out
-
-
-def _grad_rows(runner: Any) -> dict[int, int] | None:
-    """Under zero=2, the grad bytes a rank keeps per parameter: its rows (else None: whole grads)."""
-    engine = getattr(runner, "engine", None)
-    if engine is None or engine.zero != 2:
-        return None
-    return {
-        pid: s.leaf.numel() * s.leaf.element_size()
-        for g in engine.zero_groups
-        for pid, s in g.shards.items()
-    }
 
 
 def _traced(runner: TitanRunner, batches: list, settings: Settings, dims: ParallelDims,

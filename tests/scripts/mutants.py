@@ -23,6 +23,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # name: (file, old, new, pytest arguments)
 MUTATIONS = {
+    # issue 20: the planner's state model cuts the vocabulary without Megatron's padding
+    "plan_vocab_unpadded": ("lightning_titan/plan/memory.py",
+                            "shape[t.tp_dim] = padded_vocab(shape[t.tp_dim], dims.tp) // dims.tp",
+                            "shape[t.tp_dim] = shape[t.tp_dim] // dims.tp",
+                            ["tests/test_equivalence.py", "-k", "2]"]),
+    # issue 20: the planner splits every ZeRO shard over the expert-DP group
+    "plan_zero_group": ("lightning_titan/plan/memory.py",
+                        "group = dims.group_ranks(t.kind)",
+                        'group = dims.group_ranks("expert_dp")',
+                        ["tests/test_equivalence.py", "-k", "2]"]),
     # issue 16: ZeRO-1 without its all-gather (other ranks' rows never arrive), through the strategy
     "zero_no_gather": ("lightning_titan/strategy.py",
                        "        self.engine.after_optimizer_step()  # zero>0",

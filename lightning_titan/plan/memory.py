@@ -1,0 +1,110 @@
+"""Model state per rank, predicted without running the layout: parameters, grads and optimizer state.
+
+The shapes come from the model itself, built on the meta device one stage at a time (no memory, no
+process group): each parameter's global name, full shape and grad group kind
+(``model.grad_group_kinds``), and the dimension tensor parallelism cuts (``tensor_parallel``). A
+layout then gives every rank its part of each tensor the way the strategy cuts it:
+
+- experts: ``1/ep`` of the stacked experts (dim 0);
+- TP-cut weights: ``padded / tp`` rows or columns (the vocabulary padded to a multiple of tp);
+- under ZeRO, the rows ``zero.owned_rows`` gives this rank of the parameter's own data-parallel group
+  (the group of its grad kind), of its optimizer state (zero >= 1) and of its grad (zero = 2).
+
+Bytes are those ``bench.memory.state_bytes`` measures on a rank after a step (fp32 weights, grads and
+AdamW's two moments; bf16-mixed keeps fp32 weights too), keyed the same way, so the two compare
+exactly (``tests/test_bench.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lightning_titan.bench.memory import PARTS
+from lightning_titan.model import EXPERT, ModelConfig, StageModel, grad_group_kinds
+from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.tensor_parallel import padded_vocab, tp_shard
+from lightning_titan.zero import cut_dim, owned_rows
+
+BYTES = 4  # fp32 weights, grads and moments
+MOMENTS = 2  # AdamW: exp_avg and exp_avg_sq (its step count is a scalar: not counted)
+
+
+@dataclass(frozen=True)
+class StageTensor:
+    """One parameter of a stage as the full model has it."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # model.EXPERT, TP_SHARDED or SEQUENCE: the group its grad is summed over
+    tp_dim: int | None  # the dim TP cuts, None when whole on every TP rank
+
+
+def stage_tensors(config: ModelConfig, pp: int, pp_rank: int) -> tuple[StageTensor, ...]:
+    """The parameters of stage ``pp_rank`` of ``pp`` at full size (ep = tp = 1), built on meta."""
+    key = (repr(config), pp, pp_rank)  # the config's fields (a ModelConfig is not hashable)
+    if key not in _STAGES:
+        _STAGES[key] = _build_stage_tensors(config, pp, pp_rank)
+    return _STAGES[key]
+
+
+_STAGES: dict[tuple[str, int, int], tuple[StageTensor, ...]] = {}
+
+
+def _build_stage_tensors(config: ModelConfig, pp: int, pp_rank: int) -> tuple[StageTensor, ...]:
+    with torch.device("meta"):
+        model = StageModel(config, pp_rank=pp_rank, pp=pp)
+    cut = {
+        id(m.weight): shard.dim
+        for m in model.modules()
+        if (shard := tp_shard(m)) is not None and hasattr(m, "weight")
+    }
+    return tuple(
+        StageTensor(name, tuple(p.shape), kind, cut.get(id(p)))
+        for name, p, kind in grad_group_kinds(model)
+    )
+
+
+def local_shape(t: StageTensor, dims: ParallelDims) -> tuple[int, ...]:
+    """The part of ``t`` rank ``dims.rank`` holds: its experts, its TP rows or columns (padded)."""
+    shape = list(t.shape)
+    if t.kind == EXPERT:
+        shape[0] //= dims.ep
+    if t.tp_dim is not None:
+        shape[t.tp_dim] = padded_vocab(shape[t.tp_dim], dims.tp) // dims.tp
+    return tuple(shape)
+
+
+def _owned_numel(shape: tuple[int, ...], expert: bool, n: int, q: int) -> int:
+    """Elements of a ``shape`` tensor that rank ``q`` of an ``n``-rank ZeRO group owns."""
+    numel = math.prod(shape)
+    dim = cut_dim(torch.empty(shape, device="meta"), expert)
+    if n == 1 or dim is None:
+        return numel  # kept whole: no group to split over, or a tensor with no rows to cut
+    start, stop = owned_rows(shape[dim], n, q)
+    return numel // shape[dim] * (stop - start)
+
+
+def rank_state(config: ModelConfig, dims: ParallelDims, zero: int = 0) -> dict[str, int]:
+    """Bytes of ``{expert,non_expert}_{params,grads,optimizer}`` on rank ``dims.rank``."""
+    out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
+    for t in stage_tensors(config, dims.pp, dims.pp_rank):
+        part = "expert" if t.kind == EXPERT else "non_expert"
+        shape = local_shape(t, dims)
+        numel = math.prod(shape)
+        owned = numel
+        if zero:
+            group = dims.group_ranks(t.kind)
+            owned = _owned_numel(shape, t.kind == EXPERT, len(group), group.index(dims.rank))
+        out[f"{part}_params"] += BYTES * numel
+        out[f"{part}_grads"] += BYTES * (owned if zero == 2 else numel)
+        out[f"{part}_optimizer"] += BYTES * MOMENTS * owned
+    return out
+
+
+def layout_state(config: ModelConfig, degrees: dict[str, int], zero: int = 0) -> list[dict]:
+    """``rank_state`` of every rank of the layout ``degrees`` (dp, pp, ep, cp, tp), in rank order."""
+    world = math.prod(degrees.values())
+    return [rank_state(config, ParallelDims(**degrees, rank=r), zero) for r in range(world)]
