@@ -237,6 +237,11 @@ def main(args: list[str] | None = None) -> None:
         from lightning_titan.export import main as export_main
 
         return export_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from lightning_titan.plan.cli import main as plan_main
+
+        plan_main(argv[1:])
+        return None
     if argv and argv[0] == "bench":
         from lightning_titan.bench import main as bench_main
 

@@ -28,6 +28,11 @@ MUTATIONS = {
                             "shape[t.tp_dim] = padded_vocab(shape[t.tp_dim], dims.tp) // dims.tp",
                             "shape[t.tp_dim] = shape[t.tp_dim] // dims.tp",
                             ["tests/test_equivalence.py", "-k", "2]"]),
+    # issue 20: the planner offers layouts whose data ranks do not divide the global batch
+    "plan_batch_unchecked": ("lightning_titan/plan/layouts.py",
+                             '        local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")\n',
+                             "",
+                             ["tests/test_plan.py"]),
     # issue 20: the planner splits every ZeRO shard over the expert-DP group
     "plan_zero_group": ("lightning_titan/plan/memory.py",
                         "group = dims.group_ranks(t.kind)",
