@@ -3,12 +3,13 @@
 One spawn per world size runs all of its layouts x schedules; the parent compares each rank's per-step
 loss, aux loss and pre-clip grad norm (rtol 1e-5) and its slice of the final weights (atol 1e-5) with a
 single-process run of the same model on the same global batches. Clipping bites on every step and the aux
-losses are on. ZeRO cases also check that each rank holds only its share of the optimizer state (and
-at zero=2 of the grads, after the step). Tensor-parallel layouts are (dp, pp, ep, tp): each rank holds
-its slice of the heads and of the padded vocabulary (the padding stays zero), and the loss is the
-vocab-parallel cross-entropy. Context-parallel layouts are (dp, pp, ep, tp, cp): each rank computes its
-positions of every sequence. BIAS cases turn on aux-loss-free balancing (the expert bias, with the
-aux loss still on) and compare with a single-process run of that config, final biases bit for bit.
+losses are on. ZeRO cases (also under TP and CP) check that each rank holds only its share of the
+optimizer state (and at zero=2 of the grads, after the step). Tensor-parallel layouts are
+(dp, pp, ep, tp): each rank holds its slice of the heads and of the padded vocabulary (the padding
+stays zero), and the loss is the vocab-parallel cross-entropy. Context-parallel layouts are
+(dp, pp, ep, tp, cp): each rank computes its positions of every sequence. BIAS cases turn on
+aux-loss-free balancing (the expert bias, with the aux loss still on) and compare with a
+single-process run of that config, final biases bit for bit.
 """
 
 import pytest
@@ -63,10 +64,22 @@ CP = {
     8: [((2, 1, 2, 1, 2), "1f1b", 1), ((1, 2, 1, 2, 2), "1f1b", 2)],
 }
 # ZeRO-1: the optimizer state split over the data-parallel groups; ZeRO-2: and the grads. Both levels.
+# Under TP a cut weight's state is split over dp x ep x cp along the dim TP does not cut, the norms',
+# routers' and experts' over their groups with the TP ranks in them.
 ZERO = {
     2: [((2, 1, 1), "1f1b", 1), ((1, 1, 2), "1f1b", 2)],  # ep2: experts whole, the rest over ep
-    4: [((2, 1, 2), "1f1b", 2), ((4, 1, 1), "gpipe", 1)],
-    8: [((2, 2, 2), "1f1b", 2), ((2, 2, 2), "gpipe", 2)],
+    4: [
+        ((2, 1, 2), "1f1b", 2),
+        ((4, 1, 1), "gpipe", 1),
+        ((2, 1, 1, 2), "1f1b", 1),  # dp2 x tp2
+        ((1, 1, 1, 2, 2), "1f1b", 1),  # cp2 x tp2: the TP-cut weights over cp only
+    ],
+    8: [
+        ((2, 2, 2), "1f1b", 2),
+        ((2, 2, 2), "gpipe", 2),
+        ((2, 1, 2, 2), "1f1b", 1),  # dp2 x ep2 x tp2
+        ((2, 2, 1, 2), "gpipe", 2),  # dp2 x pp2 x tp2
+    ],
 }
 
 # The expert bias (BIAS_CONFIG): its counts summed over dp, ep, tp and cp ranks, kept per stage

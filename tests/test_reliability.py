@@ -343,8 +343,6 @@ BEFORE_LAUNCH = [
     ("seq_len % (2 cp tp)", ["--trainer.devices=12", "--trainer.strategy.init_args.cp=3",
                              "--model.model.seq_len=40"],
      r"seq_len=40 is not divisible by 2 \* cp \* tp = 6 \(cp=3, tp=1\)"),
-    ("zero with tp", ["--trainer.devices=8", "--trainer.strategy.init_args.tp=2",
-                      "--trainer.strategy.init_args.zero=1"], r"zero=1 with tp=2 is not supported yet"),
     # model
     ("top_k", ["--model.model.top_k=9"], r"top_k=9 > n_experts=8; use top_k <= n_experts"),
     ("learning rate", ["--model.learning_rate=-0.001"], r"learning_rate=-0.001 must be > 0"),

@@ -55,9 +55,25 @@ MUTATIONS = {
                             ["tests/test_reducer.py", "-k", "four_gloo"]),
     # ZeRO-2: the shards' squares summed over the expert-DP group only (non-expert rows under dp x ep)
     "zero2_norm_group": ("lightning_titan/zero_grads.py",
-                         "group=groups.non_expert_dp, pp_group",
+                         "group=groups.sequence_dp, pp_group",
                          "group=groups.expert_dp, pp_group",
                          ["tests/test_equivalence.py", "-k", "4"]),
+    # ZeRO-2 under TP: the shards' squares summed without the TP ranks (the norms' rows over tp)
+    "zero2_norm_no_tp": ("lightning_titan/zero_grads.py",
+                         "group=groups.sequence_dp, pp_group",
+                         "group=groups.non_expert_dp, pp_group",
+                         ["tests/test_equivalence.py", "-k", "4"]),
+    # ZeRO under TP: a cut weight's state saved as rows of its TP slice under the global name (the
+    # TP ranks' blocks collide: what the refusal of zero with tp stood for)
+    "zero_tp_local_keys": ("lightning_titan/engine.py",
+                           "tp_shards=cut_by_tp",
+                           "tp_shards=None",
+                           ["tests/test_checkpoint.py", "-k", "save_under_one"]),
+    # ZeRO under TP: the 2-D block's placements swapped (the TP cut read as ZeRO's and back)
+    "zero_tp_placements": ("lightning_titan/zero.py",
+                           "placements = [Shard(tp.dim), Shard(shard.dim)]",
+                           "placements = [Shard(shard.dim), Shard(tp.dim)]",
+                           ["tests/test_checkpoint.py", "-k", "save_under_one"]),
     # issue 21.1: the router losses become non-trainable in the stage objective
     "aux_detach": ("lightning_titan/pipeline/stage.py",
                    "objective = aux.sum() / self.local_sequences",
