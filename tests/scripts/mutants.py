@@ -69,6 +69,18 @@ MUTATIONS = {
                            "tp_shards=cut_by_tp",
                            "tp_shards=None",
                            ["tests/test_checkpoint.py", "-k", "save_under_one"]),
+    # ZeRO: the all-gather deferred to the next step's start (as an overlapped parameter gather
+    # would be): every step trains right, but the checkpoint between steps holds other ranks' stale
+    # rows, so a zero=2 run killed and resumed from `last` leaves the uninterrupted curve
+    "zero_gather_deferred": ("lightning_titan/strategy.py",
+                             "        self.engine.after_optimizer_step()  # zero>0: the updated shards to every rank; expert bias\n"
+                             "        return output\n\n    @override\n"
+                             "    def training_step(self, *args: Any, **kwargs: Any) -> Any:\n",
+                             "        self.engine.update_router_bias()\n"
+                             "        return output\n\n    @override\n"
+                             "    def training_step(self, *args: Any, **kwargs: Any) -> Any:\n"
+                             "        self.engine.gather_params()\n",
+                             ["tests/test_reliability.py", "-k", "kill_9_loses_nothing and training"]),
     # ZeRO under TP: the 2-D block's placements swapped (the TP cut read as ZeRO's and back)
     "zero_tp_placements": ("lightning_titan/zero.py",
                            "placements = [Shard(tp.dim), Shard(shard.dim)]",
