@@ -35,6 +35,7 @@ COMMON = [
 ]
 FORK = "--trainer.strategy.init_args.start_method=fork"
 ZERO1 = "--trainer.strategy.init_args.zero=1"
+ZERO2 = "--trainer.strategy.init_args.zero=2"
 
 
 def config(name: str) -> Path:
@@ -319,10 +320,11 @@ RESUMES = [  # (written by, config to resume with, layout overrides); dp_pp_ep s
     ("dp_pp_ep", "dp_pp_ep", layout(1, 2, 4, "--trainer.strategy.init_args.schedule=gpipe")),
     ("dp_pp_ep", "single", []),
     ("single", "dp_pp_ep", layout(4, 1, 2, ZERO1)),
-    # across tp and cp: a tp=2 checkpoint under tp=1 x cp=2, a tp=1 one under tp=4 (the vocabulary
-    # padded), and a cp=2 one (256-token sequences) on one process
+    # across tp and cp: a tp=2 checkpoint under tp=1 x cp=2, a tp=1 zero=1 one under tp=4 (the
+    # vocabulary padded) at zero=2 (the TP-cut weights' state and grads over ep, the norms' over
+    # ep x tp), and a cp=2 one (256-token sequences) on one process
     ("tp_pp_ep", "pp_ep", layout(1, 2, 2, cp=2)),
-    ("dp_pp_ep", "tp_pp_ep", layout(1, 1, 2, tp=4)),
+    ("dp_pp_ep", "tp_pp_ep", layout(1, 1, 2, ZERO2, tp=4)),
     ("cp_pp_ep", "cp_pp_ep", CP_SINGLE),
 ]
 UNINTERRUPTED = {"cp_pp_ep": "cp_single"}  # the curve each source continues (default: single's)

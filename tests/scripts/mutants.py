@@ -81,6 +81,11 @@ MUTATIONS = {
                              "    def training_step(self, *args: Any, **kwargs: Any) -> Any:\n"
                              "        self.engine.gather_params()\n",
                              ["tests/test_reliability.py", "-k", "kill_9_loses_nothing and training"]),
+    # the same bug through the CLI: a zero=1 checkpoint resumed under tp=4 x ep=2 at zero=2
+    "zero_tp_local_keys_cli": ("lightning_titan/engine.py",
+                               "tp_shards=cut_by_tp",
+                               "tp_shards=None",
+                               ["tests/test_cli.py", "-k", "resume_under_another_layout"]),
     # ZeRO under TP: the 2-D block's placements swapped (the TP cut read as ZeRO's and back)
     "zero_tp_placements": ("lightning_titan/zero.py",
                            "placements = [Shard(tp.dim), Shard(shard.dim)]",
