@@ -1,13 +1,13 @@
 """ZeRO-1 (and ZeRO-2's rows): the ranks of a data-parallel group split the optimizer state.
 
 Each parameter is cut into row ranges along one dimension (dim 0; dim 1 for stacked experts, whose
-dim 0 is the experts, and for a weight TP cuts along dim 0; see ``cut_dim``), ``torch.chunk``-style: rank ``q`` of an ``n``-rank group owns rows
-``[q * c, (q + 1) * c)`` with ``c = ceil(rows / n)`` (the last ranks may own fewer, or none). The
-user's optimizer is kept, and only its ``param_groups`` lists change: each parameter is replaced by
-a leaf ``nn.Parameter`` that is a view of the rank's rows, so the optimizer's in-place update writes
-straight into the model, and its state (AdamW's two moments) exists for those rows only. After the
-step the group all-gathers the updated rows (bucketed: one collective per bucket) and the grads are
-dropped.
+dim 0 is the experts, and for a weight TP cuts along dim 0: ``cut_dim``), ``torch.chunk``-style:
+rank ``q`` of an ``n``-rank group owns rows ``[q * c, (q + 1) * c)`` with ``c = ceil(rows / n)``
+(the last ranks may own fewer, or none). The user's optimizer is kept, and only its
+``param_groups`` lists change: each parameter is replaced by a leaf ``nn.Parameter`` that is a view
+of the rank's rows, so the optimizer's in-place update writes straight into the model, and its
+state (AdamW's two moments) exists for those rows only. After the step the group all-gathers the
+updated rows (bucketed: one collective per bucket) and the grads are dropped.
 
 Grads are all-reduced in full as before (ZeRO-1), so the clipping norm is computed as without ZeRO;
 the shard grads are views of the reduced grads, bound just before the optimizer step, after any

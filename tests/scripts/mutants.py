@@ -63,6 +63,12 @@ MUTATIONS = {
                          "group=groups.sequence_dp, pp_group",
                          "group=groups.non_expert_dp, pp_group",
                          ["tests/test_equivalence.py", "-k", "4"]),
+    # ZeRO under TP: the TP-cut weights left whole (trains and saves right: only the state per rank
+    # is larger than its share)
+    "zero_tp_left_whole": ("lightning_titan/zero.py",
+                           "dim = cut_dim(p, id(p) in expert_ids, None if tp is None else tp.dim)",
+                           "dim = None if tp is not None else cut_dim(p, id(p) in expert_ids)",
+                           ["tests/test_equivalence.py", "-k", "4"]),
     # ZeRO under TP: a cut weight's state saved as rows of its TP slice under the global name (the
     # TP ranks' blocks collide: what the refusal of zero with tp stood for)
     "zero_tp_local_keys": ("lightning_titan/engine.py",
