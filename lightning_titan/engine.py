@@ -30,6 +30,7 @@ from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import get_schedule
 from lightning_titan.pipeline.stage import LossFn, PipelineStage, StepSums
 from lightning_titan.reducer import GradReducer
+from lightning_titan.tensor_parallel import tp_shards
 
 
 @dataclass
@@ -64,11 +65,6 @@ class Engine:
             raise ValueError(
                 f"zero={zero!r} is not a ZeRO level; choose one of {zero_levels.LEVELS}"
             )
-        if zero and dims.tp > 1:
-            raise ValueError(
-                f"zero={zero} with tp={dims.tp} is not supported yet: the optimizer-state shards "
-                "of TP-sharded weights are not saved under global names; use zero=0 with tp > 1"
-            )
         self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
         self.zero = zero
         kinds = grad_group_kinds(module)
@@ -78,15 +74,16 @@ class Engine:
         # tokens; the CP and TP ranks' grads are parts of one sum (their own tokens, heads or vocabulary)
 
         # ZeRO: the optimizer state (zero=2: and the grads) of each reducer's parameters is split
-        # over that reducer's group
+        # over that reducer's group (a TP-cut weight's along a dim TP does not cut)
         expert_ids = {id(p) for p in self.expert_params}
+        cut_by_tp = tp_shards(module)
         self.zero_groups: list[zero_levels.ZeroGroup] = []
 
         def reducer_over(params: list[nn.Parameter], group: dist.ProcessGroup) -> GradReducer:
             if zero and group is not None and dist.get_world_size(group) > 1:
                 params = [p for p in params if p.requires_grad]
                 shards = zero_levels.ZeroGroup(
-                    params, expert_ids, group, bucket_cap_mb=bucket_cap_mb
+                    params, expert_ids, group, bucket_cap_mb=bucket_cap_mb, tp_shards=cut_by_tp
                 )
                 self.zero_groups.append(shards)
                 if zero == 2:

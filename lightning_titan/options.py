@@ -122,11 +122,6 @@ def check_trainer_clipping(dims: ParallelDims, options: TrainOptions, trainer: A
     """Lightning's own clipping (``Trainer(gradient_clip_val=...)``) sees only this rank's grads: right
     for pure DP, wrong once a stage, expert shard or ZeRO shard holds part of the model."""
     clip = getattr(trainer, "gradient_clip_val", None)
-    if options.zero and dims.tp > 1:
-        raise ValueError(
-            f"zero={options.zero} with tp={dims.tp} is not supported yet: the optimizer-state shards "
-            "of TP-sharded weights are not saved under global names; use zero=0 with tp > 1"
-        )
     if clip and (dims.pp > 1 or dims.ep > 1 or dims.tp > 1 or options.zero):
         raise ValueError(
             f"Trainer(gradient_clip_val={clip}) would clip each rank's part of the gradient by its own "

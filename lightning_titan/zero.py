@@ -1,13 +1,13 @@
 """ZeRO-1 (and ZeRO-2's rows): the ranks of a data-parallel group split the optimizer state.
 
 Each parameter is cut into row ranges along one dimension (dim 0; dim 1 for stacked experts, whose
-dim 0 is the experts), ``torch.chunk``-style: rank ``q`` of an ``n``-rank group owns rows
-``[q * c, (q + 1) * c)`` with ``c = ceil(rows / n)`` (the last ranks may own fewer, or none). The
-user's optimizer is kept, and only its ``param_groups`` lists change: each parameter is replaced by
-a leaf ``nn.Parameter`` that is a view of the rank's rows, so the optimizer's in-place update writes
-straight into the model, and its state (AdamW's two moments) exists for those rows only. After the
-step the group all-gathers the updated rows (bucketed: one collective per bucket) and the grads are
-dropped.
+dim 0 is the experts, and for a weight TP cuts along dim 0: ``cut_dim``), ``torch.chunk``-style:
+rank ``q`` of an ``n``-rank group owns rows ``[q * c, (q + 1) * c)`` with ``c = ceil(rows / n)``
+(the last ranks may own fewer, or none). The user's optimizer is kept, and only its
+``param_groups`` lists change: each parameter is replaced by a leaf ``nn.Parameter`` that is a view
+of the rank's rows, so the optimizer's in-place update writes straight into the model, and its
+state (AdamW's two moments) exists for those rows only. After the step the group all-gathers the
+updated rows (bucketed: one collective per bucket) and the grads are dropped.
 
 Grads are all-reduced in full as before (ZeRO-1), so the clipping norm is computed as without ZeRO;
 the shard grads are views of the reduced grads, bound just before the optimizer step, after any
@@ -16,11 +16,14 @@ reducer reduce-scatters straight into these rows instead and the full grads neve
 
 Checkpoints stay layout-free: a shard's state is saved as a ``DTensor`` over the group's mesh (its
 rows of the full tensor), so DCP writes one logical tensor per parameter that loads under any zero
-level and layout.
+level and layout. A TP-cut weight's shard is a ``DTensor`` over the 2-D mesh (tp, zero group): TP
+cuts one dim of the full model's tensor and ZeRO another, each ``torch.chunk``-style, which is how
+DCP places uneven shards, so the 2-D offsets need no bookkeeping of ours.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,12 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from lightning_titan import probes
 from lightning_titan.parallel_dims import group_mesh
 from lightning_titan.reducer import assign_buckets
+from lightning_titan.tensor_parallel import TpShard, real_size
 
 LEVELS = (0, 1, 2)
 # torch's optimizers whose update of an element reads the rest of the tensor: row shards would change
@@ -62,6 +67,7 @@ class ZeroShard:
     group: dist.ProcessGroup
     n: int
     grad: Tensor | None = None  # ZeRO-2: the reduced rows, until bind_grads hands them to the leaf
+    tp: TpShard | None = None  # the weight is this TP rank's part of the full model's (tp > 1)
 
     def rows(self, tensor: Tensor, q: int | None = None) -> Tensor:
         """Rank ``q``'s rows of ``tensor`` (this rank's by default), a view."""
@@ -78,10 +84,15 @@ class ZeroShard:
         return math.ceil(self.size / self.n) * (self.param.numel() // max(1, self.size))
 
 
-def cut_dim(param: Tensor, expert: bool) -> int | None:
+def cut_dim(param: Tensor, expert: bool, tp_dim: int | None = None) -> int | None:
     """The dimension to cut, or None when the parameter stays whole on every rank (a scalar, a
-    one-dimensional expert tensor: every rank then applies the same update to all of it)."""
-    dim = 1 if expert else 0
+    one-dimensional expert tensor: every rank then applies the same update to all of it).
+
+    Never the dim TP cuts (``tp_dim``): the saved shard is then a block of the full tensor, one
+    ``torch.chunk`` split per dim, as a DTensor on the (tp, zero) mesh says. Rows of a TP slice
+    would nest two splits in one dim, the inner one over the padded vocabulary rows that the
+    checkpoint does not hold."""
+    dim = 1 if expert or tp_dim == 0 else 0
     return dim if param.dim() > dim else None
 
 
@@ -96,17 +107,21 @@ class ZeroGroup:
         group: dist.ProcessGroup,
         *,
         bucket_cap_mb: float,
+        tp_shards: dict[int, TpShard] | None = None,
     ) -> None:
+        """``tp_shards``: ``id(weight) -> TpShard`` of the weights TP cuts (``tp_shards(model)``)."""
         self.group = group
         self.n, self.q = dist.get_world_size(group), dist.get_rank(group)
         self.shards: dict[int, ZeroShard] = {}
         for p in params:
-            dim = cut_dim(p, id(p) in expert_ids)
+            tp = (tp_shards or {}).get(id(p))
+            tp = tp if tp is not None and tp.size > 1 else None
+            dim = cut_dim(p, id(p) in expert_ids, None if tp is None else tp.dim)
             if dim is None:
                 continue
             start, stop = owned_rows(p.shape[dim], self.n, self.q)
             leaf = nn.Parameter(p.detach().narrow(dim, start, stop - start))
-            shard = ZeroShard(p, dim, start, stop, leaf, group, self.n)
+            shard = ZeroShard(p, dim, start, stop, leaf, group, self.n, tp=tp)
             setattr(leaf, ATTR, shard)
             self.shards[id(p)] = shard
         sharded = [s.param for s in self.shards.values()]
@@ -180,12 +195,33 @@ def shard_optimizer(optimizer: Optimizer, groups: Sequence[ZeroGroup]) -> None:
 
 def as_dtensor(local: Tensor, shard: ZeroShard, shape: torch.Size) -> DTensor:
     """``local``, this rank's rows (dim 0) of a tensor of ``shape``, as a DTensor over the group: how
-    DCP learns where the rows go (no copy: DCP reads into and writes from ``local`` itself)."""
+    DCP learns where the rows go (no copy: DCP reads into and writes from ``local`` itself). For a
+    TP-cut weight (``shard.tp``; ``local`` is its state, ``shape`` this TP rank's), the real entries
+    of ``local`` as a block of the full model's tensor over the (tp, zero) mesh."""
+    mesh, placements = group_mesh(shard.group, local.device.type), [Shard(0)]
+    if shard.tp is not None:
+        tp = shard.tp
+        local = local.narrow(tp.dim, 0, real_size(tp.full_size, tp.size, tp.rank))
+        shape = torch.Size([tp.full_size if d == tp.dim else n for d, n in enumerate(shape)])
+        mesh = tp_zero_mesh(tp.group, shard.group, local.device.type)
+        placements = [Shard(tp.dim), Shard(shard.dim)]
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(
-        local, group_mesh(shard.group, local.device.type), [Shard(0)], run_check=False, shape=shape,
-        stride=stride,
-    )  # fmt: skip
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+@functools.cache
+def tp_zero_mesh(
+    tp_group: dist.ProcessGroup, zero_group: dist.ProcessGroup, device_type: str
+) -> DeviceMesh:
+    """The 2-D mesh (tp, zero) of the ranks holding a TP-cut weight's shards: entry ``[i, j]`` is
+    member ``j`` of TP rank ``i``'s zero group. A rank's coordinates are mixed-radix digits, so
+    moving along tp adds the same offset to every member (``parallel_dims``)."""
+    me = dist.get_rank()
+    members = dist.get_process_group_ranks(zero_group)
+    rows = [[z + t - me for z in members] for t in dist.get_process_group_ranks(tp_group)]
+    return DeviceMesh.from_group(
+        [tp_group, zero_group], device_type, torch.tensor(rows), mesh_dim_names=("tp", "zero")
+    )
 
 
 def shard_of(tensor: Tensor) -> ZeroShard | None:

@@ -14,10 +14,12 @@ reduce-scatter in ``finish()``; what a rank keeps is each bucket's output slot, 
 grads, and the shard grads the optimizer steps are views of it.
 
 Clipping. After ``finish()`` each element of the stage's gradient sits on exactly one rank of the
-non-expert-DP group (dp x ep ranks): a non-expert row on one of its dp x ep owners, an expert row on
-one dp rank of the EP rank that owns the expert. So the squares of the shard grads summed over that
-group, then over the stages, are the whole model's norm^2; a grad left whole on every rank of its
-group (a parameter with nothing to cut) is counted on the group's first rank only.
+stage's sequence-DP group (its dp x ep x cp x tp ranks): a row of a TP-cut weight on one rank of
+the dp x ep x cp group of the TP rank holding that part, a norm's or router's row on one rank of
+them all, an expert row on one dp x cp x tp rank of the EP rank that owns the expert. So the
+squares of the shard grads summed over that group, then over the stages, are the whole model's
+norm^2; a grad left whole on every rank of its reducer's group (a parameter with nothing to cut)
+is counted on that group's first rank only.
 """
 
 from __future__ import annotations
@@ -191,5 +193,5 @@ def clip_shard_grads_(
                 counted.append(first)
     device = next((p.device for r in reducers for p in r.params), torch.device("cpu"))
     return clip_counted_grad_norm_(
-        grads, counted, max_norm, group=groups.non_expert_dp, pp_group=groups.pp, device=device
+        grads, counted, max_norm, group=groups.sequence_dp, pp_group=groups.pp, device=device
     )

@@ -48,9 +48,10 @@ LAYOUTS_B = [(2, 1, 2), (1, 4, 1), (1, 1, 4)]
 # (layout, zero level): expert state over dp=2 and non-expert over 4; all over 4; zero=2 keeps
 # ZeRO-1's rows of optimizer state (its grads are never saved)
 ZERO_CASES = [((2, 1, 2), 1), ((4, 1, 1), 1), ((2, 1, 2), 2)]
-# (dp, pp, ep, tp), each loading what the one before saved: the first from layout A (tp=1), the
-# second from tp=4 (the vocabulary of 64 + padding splits 16 / 32 rows), then read whole (tp=1)
-TP_LAYOUTS = [(1, 1, 1, 4), (1, 2, 1, 2)]
+# ((dp, pp, ep, tp), zero level), each loading what the one before saved: the first from layout A
+# (tp=1), the next from tp=4 (the vocabulary of 64 + padding splits 16 / 32 rows), then across zero
+# levels under tp=2 (ZeRO cuts a TP-cut weight's other dim: blocks of a 2-D mesh), then read whole
+TP_LAYOUTS = [((1, 1, 1, 4), 0), ((2, 1, 1, 2), 2), ((1, 2, 1, 2), 1)]
 META = {"loops": {"fit_loop": {"step": 2}}, "rng": torch.arange(3), "epoch": 0}
 
 
@@ -116,9 +117,10 @@ def snapshot(
 
 
 def shard_rows(model: StageModel, optimizer: torch.optim.Optimizer) -> list[tuple]:
-    """This rank's ZeRO shards of optimizer state: (name, global expert or None, state, first row,
-    rows); an expert tensor's rows are of one expert's slice. Whole tensors are left out."""
+    """This rank's ZeRO shards of optimizer state: (name, global expert or None, state, dim cut,
+    first row, rows); an expert tensor's rows are of one expert's slice. Whole tensors are left out."""
     names = {id(p): n for n, p in model.named_parameters()}
+    experts = {id(p) for _, p in split_expert_parameters(model)[0]}
     start = model.expert_range[0]
     out = []
     for leaf in (p for g in optimizer.param_groups for p in g["params"]):
@@ -129,10 +131,11 @@ def shard_rows(model: StageModel, optimizer: torch.optim.Optimizer) -> list[tupl
             if v.shape != leaf.shape:
                 continue  # AdamW's step count: a scalar, whole on every rank
             name = names[id(shard.param)]
-            experts = range(v.shape[0]) if shard.dim == 1 else [None]
-            for e in experts:
-                value = v if e is None else v[e]
-                out.append((name, None if e is None else start + e, k, shard.start, value.clone()))
+            rows = range(v.shape[0]) if id(shard.param) in experts else [None]
+            for e in rows:
+                value, dim = (v, shard.dim) if e is None else (v[e], shard.dim - 1)
+                expert = None if e is None else start + e
+                out.append((name, expert, k, dim, shard.start, value.clone()))
     return out
 
 
@@ -184,14 +187,19 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
     # TP: each rank loads its slice of every cut weight and of its state; saved again under the
     # global names, the next layout (and one process) reads the full tensors back.
     result["tp"], source = {}, ckpt
-    for layout in TP_LAYOUTS:
+    for layout, level in TP_LAYOUTS:
         dims = ParallelDims(*layout[:3], rank=rank, tp=layout[3])
-        model, opt = build(dims, seed=2, lr=0.5, tp_group=build_process_groups(dims).tp)
+        groups = build_process_groups(dims)
+        model, opt = build(dims, seed=2, lr=0.5, tp_group=groups.tp)
+        engine = Engine(model, dims, groups, zero=level)
+        engine.shard_optimizers([opt])
         load_sharded(source, model, [opt])
         cut = {n: tp_shard(m).dim for n, m in model.named_modules() if tp_shard(m) is not None}
-        source = root_path / f"tp{layout[3]}.ckpt"
-        save_sharded(source, model, [opt], META, layout={"tp": layout[3]})
-        result["tp"][layout] = (snapshot(model, opt), cut, dims.tp_rank)
+        source = root_path / f"tp{layout[3]}_zero{level}.ckpt"
+        save_sharded(source, model, [opt], META, layout={"tp": layout[3], "zero": level})
+        engine.remove()
+        tp_rows = (shard_rows(model, opt), cut, dims.tp_rank)
+        result["tp"][layout] = (snapshot(model, opt), cut, dims.tp_rank, tp_rows)
     whole, whole_opt = build(None, seed=5)
     load_sharded(source, whole, [whole_opt])
     result["tp_whole"] = snapshot(whole, whole_opt)
@@ -241,13 +249,20 @@ def _assert_equal_states(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[key], value), f"{what}: {key} differs"
 
 
-def _assert_zero_shards(reference: dict, per_rank: list[list[tuple]], layout: tuple) -> None:
-    """Each rank's shard rows equal the reference's rows there, and the ranks cover every row once."""
+def _assert_zero_shards(
+    reference: dict, per_rank: list[tuple[list[tuple], dict, int]], layout: tuple
+) -> None:
+    """Each rank's shard rows equal the reference's rows there (of its TP slice where TP cuts the
+    weight), and the ranks cover every element once. ``per_rank``: (shard_rows, cut, tp rank)."""
     covered: dict[tuple, int] = {}
-    for rows in per_rank:
-        for name, expert, k, first, value in rows:
+    tp = layout[3] if len(layout) > 3 else 1
+    for rows, cut, tp_rank in per_rank:
+        for name, expert, k, dim, first, value in rows:
             full = reference[("state", name, expert, k)]
-            got = full.narrow(0, first, value.shape[0])
+            module = name.rpartition(".")[0]
+            if module in cut:
+                full = _tp_slice(full, cut[module], tp, tp_rank)
+            got = full.narrow(dim, first, value.shape[dim])
             assert torch.equal(value, got), f"zero {layout}: rows {first}.. of {name} {k} differ"
             covered[(name, expert, k)] = covered.get((name, expert, k), 0) + value.numel()
     assert covered, f"zero {layout}: no optimizer state was sharded"
@@ -309,14 +324,16 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
             assert meta["loops"] == META["loops"] and torch.equal(meta["rng"], META["rng"])
 
     for case in ZERO_CASES:
-        _assert_zero_shards(reference, [r["zero"][case][0] for r in results], case)
+        _assert_zero_shards(reference, [(r["zero"][case][0], {}, 0) for r in results], case[0])
         for r in results:
             _assert_equal_states(r["zero"][case][1], reference, f"zero {case} saved, read whole")
 
-    for layout in TP_LAYOUTS:
-        _assert_tp_slices(reference, [r["tp"][layout] for r in results], layout)
+    for layout, level in TP_LAYOUTS:
+        _assert_tp_slices(reference, [r["tp"][layout][:3] for r in results], layout)
+        if level:
+            _assert_zero_shards(reference, [r["tp"][layout][3] for r in results], layout)
     for r in results:
-        _assert_equal_states(r["tp_whole"], reference, "saved under tp=2, read whole")
+        _assert_equal_states(r["tp_whole"], reference, "saved under tp=2 zero=1, read whole")
 
     errors = results[0]["errors"]
     assert all(r["errors"] == errors for r in results), "ranks raised different errors"
@@ -330,7 +347,8 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
     # The checkpoint now holds what layout B saved; it must still be the layout-A state.
     ckpt = tmp_path / "last.ckpt"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "last.ckpt", "partial.ckpt", "tp2.ckpt", "tp4.ckpt", "zero.ckpt"
+        "last.ckpt", "partial.ckpt", "tp2_zero1.ckpt", "tp2_zero2.ckpt", "tp4_zero0.ckpt",
+        "zero.ckpt",
     ]  # fmt: skip
     assert read_checkpoint_info(ckpt)["layout"] == {"dp": 2, "pp": 1, "ep": 2, "world_size": 4}
     _assert_equal_states(_from_consolidated(ckpt), reference, "consolidate")

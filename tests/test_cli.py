@@ -36,6 +36,7 @@ COMMON = [
 ]
 FORK = "--trainer.strategy.init_args.start_method=fork"
 ZERO1 = "--trainer.strategy.init_args.zero=1"
+ZERO2 = "--trainer.strategy.init_args.zero=2"
 
 
 def config(name: str) -> Path:
@@ -124,7 +125,7 @@ def runs(tmp_path_factory):
                               *mid_epoch_checkpoint(cwd, "single"), steps=RESUMED_STEPS)  # fmt: skip
     out["dp_pp_ep"] = titan_fit(cwd, config("dp_pp_ep"), "dp_pp_ep", ZERO1,
                                 *mid_epoch_checkpoint(cwd, "dp_pp_ep"))  # fmt: skip
-    out["tp_pp_ep"] = titan_fit(cwd, config("tp_pp_ep"), "tp_pp_ep", FORK,
+    out["tp_pp_ep"] = titan_fit(cwd, config("tp_pp_ep"), "tp_pp_ep", FORK, ZERO1,
                                 *mid_epoch_checkpoint(cwd, "tp_pp_ep"))  # fmt: skip
     out["cp_pp_ep"] = titan_fit(cwd, config("cp_pp_ep"), "cp_pp_ep", FORK,
                                 *mid_epoch_checkpoint(cwd, "cp_pp_ep"))  # fmt: skip
@@ -340,10 +341,11 @@ RESUMES = [  # (written by, config to resume with, layout overrides); dp_pp_ep s
     ("dp_pp_ep", "dp_pp_ep", layout(1, 2, 4, "--trainer.strategy.init_args.schedule=gpipe")),
     ("dp_pp_ep", "single", []),
     ("single", "dp_pp_ep", layout(4, 1, 2, ZERO1)),
-    # across tp and cp: a tp=2 checkpoint under tp=1 x cp=2 and under tp=4 x ep=2 (the vocabulary
-    # padded 258 -> 260 rows), and a cp=2 one (256-token sequences) on one process
+    # across tp, cp and zero: the tp=2 zero=1 checkpoint under tp=1 x cp=2 (zero=0) and under
+    # tp=4 x ep=2 at zero=2 (the vocabulary padded 258 -> 260 rows; the TP-cut weights' state and
+    # grads over ep, the norms' over ep x tp), and a cp=2 one (256-token sequences) on one process
     ("tp_pp_ep", "pp_ep", layout(1, 2, 2, cp=2)),
-    ("tp_pp_ep", "tp_pp_ep", layout(1, 1, 2, tp=4)),
+    ("tp_pp_ep", "tp_pp_ep", layout(1, 1, 2, ZERO2, tp=4)),
     ("cp_pp_ep", "cp_pp_ep", CP_SINGLE),
 ]
 UNINTERRUPTED = {"cp_pp_ep": "cp_single"}  # the curve each source continues (default: single's)

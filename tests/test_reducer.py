@@ -319,7 +319,9 @@ def _check_zero2_clipping(params, shards: ZeroGroup, reducer, group) -> None:
     clipping scales the shards and the whole grad alike."""
     full = [_expected(params, i, range(WORLD)).double() for i in range(len(params))]
     ref = torch.stack([g.norm() for g in full]).norm()
-    groups = ProcessGroups(ep=None, pp=None, expert_dp=group, non_expert_dp=group)
+    groups = ProcessGroups(
+        ep=None, pp=None, expert_dp=group, non_expert_dp=group, sequence_dp=group
+    )
     norm = clip_shard_grads_([reducer], [shards], ref.item() / 2, groups)
     torch.testing.assert_close(norm.double(), ref, rtol=1e-6, atol=0)
     coef = ref.item() / 2 / (norm.item() + 1e-6)

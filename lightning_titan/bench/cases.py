@@ -89,7 +89,7 @@ def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
     # zero=1 and 2 are ours with a flag: they stay under --no-peers, the ZeRO peer goes
     dp_peers = (OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO) if peers else (OURS, ZERO1, ZERO2)
     pp_peers = (OURS, TORCH_PP) if peers else (OURS,)
-    tp_peers = (OURS, TORCH_TP) if peers else (OURS,)  # zero=1 does not take tp > 1 yet
+    tp_peers = (OURS, TORCH_TP) if peers else (OURS,)
     table = {
         1: [Case()],
         2: [Case(dp=2, impls=dp_peers), Case(pp=2, schedule="gpipe", impls=pp_peers),

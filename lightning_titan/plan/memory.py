@@ -8,7 +8,8 @@ layout then gives every rank its part of each tensor the way the strategy cuts i
 - experts: ``1/ep`` of the stacked experts (dim 0);
 - TP-cut weights: ``padded / tp`` rows or columns (the vocabulary padded to a multiple of tp);
 - under ZeRO, the rows ``zero.owned_rows`` gives this rank of the parameter's own data-parallel group
-  (the group of its grad kind), of its optimizer state (zero >= 1) and of its grad (zero = 2).
+  (the group of its grad kind), of its optimizer state (zero >= 1) and of its grad (zero = 2), cut
+  along the dim ``zero.cut_dim`` picks (never the one TP cuts).
 
 Bytes are those ``bench.memory.state_bytes`` measures on a rank after a step (fp32 weights, grads and
 AdamW's two moments; bf16-mixed keeps fp32 weights too), keyed the same way, so the two compare
@@ -77,10 +78,11 @@ def local_shape(t: StageTensor, dims: ParallelDims) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _owned_numel(shape: tuple[int, ...], expert: bool, n: int, q: int) -> int:
-    """Elements of a ``shape`` tensor that rank ``q`` of an ``n``-rank ZeRO group owns."""
+def _owned_numel(shape: tuple[int, ...], expert: bool, tp_dim: int | None, n: int, q: int) -> int:
+    """Elements of a ``shape`` tensor that rank ``q`` of an ``n``-rank ZeRO group owns (never cut
+    along the dim TP cuts, ``tp_dim``)."""
     numel = math.prod(shape)
-    dim = cut_dim(torch.empty(shape, device="meta"), expert)
+    dim = cut_dim(torch.empty(shape, device="meta"), expert, tp_dim)
     if n == 1 or dim is None:
         return numel  # kept whole: no group to split over, or a tensor with no rows to cut
     start, stop = owned_rows(shape[dim], n, q)
@@ -97,7 +99,10 @@ def rank_state(config: ModelConfig, dims: ParallelDims, zero: int = 0) -> dict[s
         owned = numel
         if zero:
             group = dims.group_ranks(t.kind)
-            owned = _owned_numel(shape, t.kind == EXPERT, len(group), group.index(dims.rank))
+            tp_dim = t.tp_dim if dims.tp > 1 else None
+            owned = _owned_numel(
+                shape, t.kind == EXPERT, tp_dim, len(group), group.index(dims.rank)
+            )
         out[f"{part}_params"] += BYTES * numel
         out[f"{part}_grads"] += BYTES * (owned if zero == 2 else numel)
         out[f"{part}_optimizer"] += BYTES * MOMENTS * owned

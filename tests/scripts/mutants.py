@@ -70,9 +70,48 @@ MUTATIONS = {
                             ["tests/test_reducer.py", "-k", "four_gloo"]),
     # ZeRO-2: the shards' squares summed over the expert-DP group only (non-expert rows under dp x ep)
     "zero2_norm_group": ("lightning_titan/zero_grads.py",
-                         "group=groups.non_expert_dp, pp_group",
+                         "group=groups.sequence_dp, pp_group",
                          "group=groups.expert_dp, pp_group",
                          ["tests/test_equivalence.py", "-k", "4"]),
+    # ZeRO-2 under TP: the shards' squares summed without the TP ranks (the norms' rows over tp)
+    "zero2_norm_no_tp": ("lightning_titan/zero_grads.py",
+                         "group=groups.sequence_dp, pp_group",
+                         "group=groups.non_expert_dp, pp_group",
+                         ["tests/test_equivalence.py", "-k", "4"]),
+    # ZeRO under TP: the TP-cut weights left whole (trains and saves right: only the state per rank
+    # is larger than its share)
+    "zero_tp_left_whole": ("lightning_titan/zero.py",
+                           "dim = cut_dim(p, id(p) in expert_ids, None if tp is None else tp.dim)",
+                           "dim = None if tp is not None else cut_dim(p, id(p) in expert_ids)",
+                           ["tests/test_equivalence.py", "-k", "4"]),
+    # ZeRO under TP: a cut weight's state saved as rows of its TP slice under the global name (the
+    # TP ranks' blocks collide: what the refusal of zero with tp stood for)
+    "zero_tp_local_keys": ("lightning_titan/engine.py",
+                           "tp_shards=cut_by_tp",
+                           "tp_shards=None",
+                           ["tests/test_checkpoint.py", "-k", "save_under_one"]),
+    # ZeRO: the all-gather deferred to the next step's start (as an overlapped parameter gather
+    # would be): every step trains right, but the checkpoint between steps holds other ranks' stale
+    # rows, so a zero=2 run killed and resumed from `last` leaves the uninterrupted curve
+    "zero_gather_deferred": ("lightning_titan/strategy.py",
+                             "        self.engine.after_optimizer_step()  # zero>0: the updated shards to every rank; expert bias\n"
+                             "        return output\n\n    @override\n"
+                             "    def training_step(self, *args: Any, **kwargs: Any) -> Any:\n",
+                             "        self.engine.update_router_bias()\n"
+                             "        return output\n\n    @override\n"
+                             "    def training_step(self, *args: Any, **kwargs: Any) -> Any:\n"
+                             "        self.engine.gather_params()\n",
+                             ["tests/test_reliability.py", "-k", "kill_9_loses_nothing and training"]),
+    # the same bug through the CLI: a zero=1 checkpoint resumed under tp=4 x ep=2 at zero=2
+    "zero_tp_local_keys_cli": ("lightning_titan/engine.py",
+                               "tp_shards=cut_by_tp",
+                               "tp_shards=None",
+                               ["tests/test_cli.py", "-k", "resume_under_another_layout"]),
+    # ZeRO under TP: the 2-D block's placements swapped (the TP cut read as ZeRO's and back)
+    "zero_tp_placements": ("lightning_titan/zero.py",
+                           "placements = [Shard(tp.dim), Shard(shard.dim)]",
+                           "placements = [Shard(shard.dim), Shard(tp.dim)]",
+                           ["tests/test_checkpoint.py", "-k", "save_under_one"]),
     # issue 21.1: the router losses become non-trainable in the stage objective
     "aux_detach": ("lightning_titan/pipeline/stage.py",
                    "objective = aux.sum() / self.local_sequences",
