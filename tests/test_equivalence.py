@@ -9,11 +9,15 @@ its slice of the heads and of the padded vocabulary (the padding stays zero), an
 vocab-parallel cross-entropy. Context-parallel layouts are (dp, pp, ep, tp, cp): each rank computes its
 positions of every sequence. BIAS cases turn on aux-loss-free balancing (the expert bias, with the
 aux loss still on) and compare with a single-process run of that config, final biases bit for bit.
+SPLIT cases cut the layers unevenly (``layers=3-1``: stage_layers) and over virtual stages
+(``interleaved_1f1b:v2``: two chunks per rank); DEEP_CONFIG has 8 layers for 2 chunks on 4 stages.
+Every case also checks a forward-only pass (validation) of the trained model against the reference.
 """
 
 import pytest
 from engine_harness import (
     BIAS_CONFIG,
+    DEEP_CONFIG,
     MAX_NORM,
     assert_matches_reference,
     reference,
@@ -82,6 +86,26 @@ BIAS = {
     8: [((2, 2, 2), "1f1b", 2)],
 }
 
+# Uneven and interleaved splits (``<schedule>:v2``, ``:layers=a-b-..``), composed with ep and dp;
+# a zero-layer first (embedding) or last (head) stage included
+SPLIT = {
+    2: [
+        ((1, 2, 1), "interleaved_1f1b:v2", 2),
+        ((1, 2, 1), "interleaved_1f1b:v2:paired", 4),
+        ((1, 2, 1), "interleaved_1f1b:v2:layers=2-1-1-0", 2),
+        ((1, 2, 1), "1f1b:layers=3-1", 2),
+        ((1, 2, 1), "gpipe:layers=0-4", 2),
+    ],
+    4: [
+        ((1, 4, 1), "interleaved_1f1b:v2", 4, DEEP_CONFIG),
+        ((1, 4, 1), "interleaved_1f1b:v2:layers=0-1-2-1-1-1-2-0", 8, DEEP_CONFIG),
+        ((1, 2, 2), "interleaved_1f1b:v2", 2),
+        ((1, 2, 2), "interleaved_1f1b:v2:paired", 4),
+        ((1, 4, 1), "1f1b:layers=2-1-1-0", 4),
+    ],
+    8: [((2, 2, 2), "interleaved_1f1b:v2", 2), ((2, 2, 2), "1f1b:layers=1-3", 2)],
+}
+
 
 @pytest.fixture(scope="module")
 def ref():
@@ -99,20 +123,27 @@ def bias_ref(ref):
     return result
 
 
+@pytest.fixture(scope="module")
+def deep_ref():
+    return reference(DEEP_CONFIG)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_every_layout_equals_one_process(ref, bias_ref, world):
+def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
     cases += TP[world] + CP[world]
     cases += [(layout, schedule, m, BIAS_CONFIG) for layout, schedule, m in BIAS[world]]
+    cases += SPLIT[world]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
+    refs = {id(BIAS_CONFIG): (bias_ref, " expert bias"), id(DEEP_CONFIG): (deep_ref, " 8 layers")}
     for i, (layout, schedule, m, *config) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
-        label = f"{layout} {schedule} M={m}" + (" expert bias" if config else "")
-        assert_matches_reference(bias_ref if config else ref, results, label)
+        case_ref, what = refs[id(config[0])] if config else (ref, "")
+        assert_matches_reference(case_ref, results, f"{layout} {schedule} M={m}{what}")
         # AdamW keeps two moments per weight; zero>0 leaves each rank about 1/(its DP group) of them,
         # zero=2 likewise of the grads it holds at the step and after it (whole at zero<2)
         for r in results:

@@ -16,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lightning_titan.pipeline.interleaved import check_microbatches as check_interleaved
+from lightning_titan.pipeline.interleaved import interleaved_1f1b
+
 
 def gpipe(stage: Any, num_microbatches: int) -> None:
     """All forwards, then all backwards (in reverse). Peak: M microbatches of activations live."""
@@ -59,7 +62,24 @@ def forward_only(stage: Any, num_microbatches: int) -> None:
         stage.send_forward(i, stage.forward(i, stage.recv_forward(i)))
 
 
-SCHEDULES: dict[str, Callable[[Any, int], None]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+# schedules over several chunks per rank (virtual stages); their stage interface is interleaved.py's
+CHUNKED: dict[str, Callable[[Any, int], None]] = {"interleaved_1f1b": interleaved_1f1b}
+SCHEDULES: dict[str, Callable[[Any, int], None]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    **CHUNKED,
+}
+
+
+def check_microbatches(schedule: str, m: int, pp: int, virtual_stages: int) -> None:
+    """Raise, saying which M work, if ``schedule`` cannot run ``m`` microbatches on this layout."""
+    if schedule in CHUNKED:
+        check_interleaved(pp, virtual_stages, m)
+    elif virtual_stages > 1:
+        raise ValueError(
+            f"virtual_stages={virtual_stages} needs an interleaved schedule, not "
+            f"schedule={schedule!r}: use one of {sorted(CHUNKED)} (or virtual_stages=1)"
+        )
 
 
 def get_schedule(name: str) -> Callable[[Any, int], None]:
