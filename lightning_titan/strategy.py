@@ -50,7 +50,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         ep: expert-parallel ranks per stage; the experts split evenly across them.
         tp: tensor-parallel ranks (with sequence parallelism): heads, vocabulary and sequence split.
         cp: context-parallel ranks: each sequence's positions split (load-balanced causal chunks).
-        schedule: pipeline schedule, ``"1f1b"``, ``"gpipe"`` or ``"interleaved_1f1b"``.
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"`` (zero-bubble 1F1B).
         virtual_stages: model chunks per rank (>= 2 for interleaved 1F1B; layers go round-robin).
         stage_layers: layers per stage (per virtual stage, in model order), e.g. ``[3, 1]``; None: even.
         num_microbatches: microbatches per step on every rank (default: ``pp``).
@@ -76,7 +76,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         ep: int = 1,
         tp: int = 1,
         cp: int = 1,
-        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b",
         virtual_stages: int = 1,
         stage_layers: list[int] | None = None,
         num_microbatches: int | None = None,

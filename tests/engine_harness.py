@@ -24,6 +24,8 @@ CONFIG = ModelConfig(
 BIAS_CONFIG = replace(CONFIG, router_bias_update_rate=1e-3)
 # deep enough for 2 chunks on each of 4 stages (interleaved pp4 x v2)
 DEEP_CONFIG = replace(CONFIG, n_layers=8)
+# recompute each block in backward: the same numbers as CONFIG
+ACKPT_CONFIG = replace(CONFIG, activation_checkpointing=True)
 GLOBAL_BATCH = 8
 STEPS = 5
 SEED = 7

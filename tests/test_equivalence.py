@@ -11,11 +11,13 @@ positions of every sequence. BIAS cases turn on aux-loss-free balancing (the exp
 aux loss still on) and compare with a single-process run of that config, final biases bit for bit.
 SPLIT cases cut the layers unevenly (``layers=3-1``: stage_layers) and over virtual stages
 (``interleaved_1f1b:v2``: two chunks per rank); DEEP_CONFIG has 8 layers for 2 chunks on 4 stages.
+ZERO_BUBBLE cases run ZB-H1 (B/W split backward), also under activation checkpointing.
 Every case also checks a forward-only pass (validation) of the trained model against the reference.
 """
 
 import pytest
 from engine_harness import (
+    ACKPT_CONFIG,
     BIAS_CONFIG,
     DEEP_CONFIG,
     MAX_NORM,
@@ -100,10 +102,28 @@ SPLIT = {
         ((1, 4, 1), "interleaved_1f1b:v2", 4, DEEP_CONFIG),
         ((1, 4, 1), "interleaved_1f1b:v2:layers=0-1-2-1-1-1-2-0", 8, DEEP_CONFIG),
         ((1, 2, 2), "interleaved_1f1b:v2", 2),
+        ((2, 2, 1), "interleaved_1f1b:v2", 2),  # a reducer with ranks: synced for the last backward
         ((1, 2, 2), "interleaved_1f1b:v2:paired", 4),
         ((1, 4, 1), "1f1b:layers=2-1-1-0", 4),
     ],
     8: [((2, 2, 2), "interleaved_1f1b:v2", 2), ((2, 2, 2), "1f1b:layers=1-3", 2)],
+}
+# ZB-H1 (each backward split into the input grad and the deferred weight grads); ACKPT_CONFIG
+# recomputes each block in backward (the same numbers as CONFIG: compared with its reference)
+ZERO_BUBBLE = {
+    2: [
+        ((1, 2, 1), "zb_h1", 4),
+        ((1, 2, 1), "zb_h1:paired", 2),
+        ((1, 2, 1), "zb_h1:layers=3-1", 2),
+    ],
+    4: [
+        ((1, 4, 1), "zb_h1", 8),
+        ((1, 2, 2), "zb_h1", 4),
+        ((2, 2, 1), "zb_h1", 2),
+        ((1, 2, 2), "zb_h1", 2, ACKPT_CONFIG),
+        ((1, 2, 2), "interleaved_1f1b:v2", 2, ACKPT_CONFIG),
+    ],
+    8: [((2, 2, 2), "zb_h1", 2)],
 }
 
 
@@ -137,9 +157,10 @@ def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, world):
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
     cases += TP[world] + CP[world]
     cases += [(layout, schedule, m, BIAS_CONFIG) for layout, schedule, m in BIAS[world]]
-    cases += SPLIT[world]
+    cases += SPLIT[world] + ZERO_BUBBLE[world]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
     refs = {id(BIAS_CONFIG): (bias_ref, " expert bias"), id(DEEP_CONFIG): (deep_ref, " 8 layers")}
+    refs[id(ACKPT_CONFIG)] = (ref, " activation checkpointing")
     for i, (layout, schedule, m, *config) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
         case_ref, what = refs[id(config[0])] if config else (ref, "")

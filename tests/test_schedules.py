@@ -13,7 +13,7 @@ import pytest
 
 from lightning_titan.pipeline import interleaved
 from lightning_titan.pipeline.interleaved import interleaved_1f1b, interleaved_forward_only
-from lightning_titan.pipeline.schedules import forward_only, get_schedule, gpipe, one_f_one_b
+from lightning_titan.pipeline.schedules import forward_only, get_schedule, gpipe, one_f_one_b, zb_h1
 
 TIMEOUT = 10.0
 
@@ -74,6 +74,15 @@ class FakeStage:
     def backward(self, i, g):
         self.order.append(("B", i))
         return ("grad", i)
+
+    def backward_input(self, i, g):
+        self.order.append(("B", i))
+        return ("grad", i)
+
+    def backward_weight(self, i):
+        assert ("B", i) in self.order, f"stage {self.pp_rank}: W{i} before B{i}"
+        assert ("W", i) not in self.order, f"stage {self.pp_rank}: W{i} twice"
+        self.order.append(("W", i))
 
     def recv_forward(self, i):
         return self._recv(self.pp_rank - 1, ("act", i))
@@ -147,6 +156,29 @@ def test_1f1b_bounds_live_microbatches(pp, m):
             live += 1 if kind == "F" else -1
             peak = max(peak, live)
         assert peak == min(m, pp - p)
+
+
+def expected_zb_h1(pp, p, m):
+    """1F1B's F and B order; stage p runs W of microbatch j after B of microbatch j + p (the rest at
+    the end): the deferred W's fill the cooldown."""
+    order = []
+    for kind, i in expected_1f1b(pp, p, m):
+        order.append((kind, i))
+        if kind == "B" and i >= p:
+            order.append(("W", i - p))
+    return order + [("W", j) for j in range(max(0, m - p), m)]
+
+
+@pytest.mark.parametrize("pp,m", [(p, m) for p in (1, 2, 3, 4) for m in range(1, 17)])
+def test_zb_h1_order_and_live_microbatches(pp, m):
+    for p, order in enumerate(run_pipeline(zb_h1, pp, m)):
+        assert order == expected_zb_h1(pp, p, m)
+        live = peak = 0  # a microbatch's activations live from its F until its W
+        for kind, _ in order:
+            live += {"F": 1, "B": 0, "W": -1}[kind]
+            peak = max(peak, live)
+        assert peak == min(m, pp), (p, peak)  # 1F1B's peak (stage 0's), on every stage
+        assert [i for kind, i in order if kind == "W"] == list(range(m))
 
 
 @pytest.mark.parametrize("pp,m", [(1, 3), (4, 2), (4, 6)])

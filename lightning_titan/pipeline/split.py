@@ -25,7 +25,7 @@ class StageSplit:
     """How the layers are cut over the pipeline (``TitanStrategy(virtual_stages=, stage_layers=)``)."""
 
     virtual_stages: int = 1
-    stage_layers: tuple[int, ...] | None = None
+    stage_layers: Sequence[int] | None = None  # a tuple once validated
 
     def __post_init__(self) -> None:
         if not _positive_int(self.virtual_stages):

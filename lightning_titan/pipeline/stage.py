@@ -22,7 +22,7 @@ from lightning_titan.batching import split_microbatches
 from lightning_titan.context_parallel import take_local
 from lightning_titan.model import StageModel
 from lightning_titan.parallel_dims import ParallelDims
-from lightning_titan.pipeline import interleaved
+from lightning_titan.pipeline import backward_split, interleaved
 from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import CHUNKED, forward_only, get_schedule
 
@@ -85,6 +85,8 @@ class PipelineStage:
         self._outbox: dict[tuple[str, int, int], Tensor | None] = {}
         self._streams: tuple[list, list] = ([], [])
         self._backwards_done = 0
+        # zero-bubble: microbatch -> its W still to run (the first stage: its whole objective)
+        self._deferred: dict[int, backward_split.WeightGrads | Tensor] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
 
@@ -141,6 +143,33 @@ class PipelineStage:
             self._backward(probes.fault("backward", objective))
             return None if x is None else x.grad
 
+    def backward_input(self, i: int, grad: Tensor | None) -> Tensor | None:
+        """B: the input grad only; the weight grads wait for ``backward_weight(i)``."""
+        with self._span("backward", i):
+            x, out, objective = self._saved.pop((0, i))
+            if out is not None:
+                objective = objective + (out * grad.to(out.dtype)).sum()
+            objective = probes.fault("backward", objective)
+            if x is None:  # the first stage sends nothing upstream: all of it is W
+                self._deferred[i] = objective
+                return None
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            dx, self._deferred[i] = backward_split.split(objective, x, params)
+            return dx
+
+    def backward_weight(self, i: int) -> None:
+        """W: accumulate microbatch ``i``'s weight grads (the reducers' hooks fire here)."""
+        with self._span("backward", i):
+            deferred = self._deferred.pop(i)
+            self._backwards_done += 1
+            last = self._backwards_done == self.num_microbatches
+            if last and self._on_last_backward is not None:
+                self._on_last_backward()
+            if isinstance(deferred, Tensor):
+                self._backward(deferred)
+            else:
+                deferred.run()
+
     # communication ---------------------------------------------------------------------------------
     def recv_forward(self, i: int) -> Tensor | None:
         with self._span("recv_forward", i):
@@ -190,9 +219,11 @@ class PipelineStage:
             x, g = self.links.exchange(y, dx, recv_forward, recv_backward)
         acts, grads = self._streams
         if recv_forward:
-            self._inbox[("x", *acts.pop(0))] = x
+            chunk, i = acts.pop(0)
+            self._inbox["x", chunk, i] = x
         if recv_backward:
-            self._inbox[("g", *grads.pop(0))] = g
+            chunk, i = grads.pop(0)
+            self._inbox["g", chunk, i] = g
 
     # driving ---------------------------------------------------------------------------------------
     def run(self, schedule: str | None) -> StepSums:
@@ -219,9 +250,8 @@ class PipelineStage:
         run(self, m)
         with self._span("wait_sends", m - 1):
             self.links.finish()
-        if self._saved and schedule is not None:
-            raise RuntimeError(
-                f"schedule {schedule!r} left microbatches {sorted(self._saved)} without backward"
-            )
+        if (self._saved or self._deferred) and schedule is not None:
+            left = sorted(self._saved) + sorted(self._deferred)
+            raise RuntimeError(f"schedule {schedule!r} left microbatches {left} without backward")
         tokens = self.local_tokens // self.cp if self.reports_loss else 0  # each CP rank its own
         return StepSums(self.loss_sum, self.aux_sum, tokens)
