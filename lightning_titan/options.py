@@ -14,7 +14,7 @@ from typing import Any
 from lightning_titan.batching import check_microbatch_args, local_batch_size, num_microbatches
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.pipeline.schedules import CHUNKED, SCHEDULES, check_microbatches
-from lightning_titan.pipeline.split import StageSplit
+from lightning_titan.pipeline.split import AUTO, StageSplit
 from lightning_titan.zero import LEVELS as ZERO_LEVELS
 
 REDUCERS = ("bucketed", "per_param")
@@ -54,7 +54,7 @@ class TrainOptions:
     start_method: str = "popen"
     zero: int = 0
     virtual_stages: int = 1
-    stage_layers: Sequence[int] | None = None  # a tuple once validated
+    stage_layers: Sequence[int] | str | None = None  # a tuple once validated, or "auto"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -114,6 +114,15 @@ class TrainOptions:
         )  # fmt: skip
         check_microbatches(self.schedule, m, pp, self.virtual_stages)
         return m
+
+    def resolved(self, module: Any, trainer: Any, dims: ParallelDims, device: Any) -> TrainOptions:
+        """With ``stage_layers="auto"``: the counts probed on global rank 0 and broadcast (the same on
+        every rank, before any rank builds its stage; rank 0 says what it chose). Else ``self``."""
+        if self.stage_layers != AUTO:
+            return self
+        from lightning_titan.pipeline import auto_split  # it imports the model, which imports us
+
+        return auto_split.resolve(self, module, trainer, dims, device)
 
     @property
     def split(self) -> StageSplit:

@@ -52,7 +52,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         cp: context-parallel ranks: each sequence's positions split (load-balanced causal chunks).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"`` (zero-bubble 1F1B).
         virtual_stages: model chunks per rank (>= 2 for interleaved 1F1B; layers go round-robin).
-        stage_layers: layers per stage (per virtual stage, in model order), e.g. ``[3, 1]``; None: even.
+        stage_layers: layers per (virtual) stage, e.g. ``[3, 1]``, or ``"auto"`` (probed); None: even.
         num_microbatches: microbatches per step on every rank (default: ``pp``).
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
         bucket_cap_mb: size of a gradient all-reduce bucket.
@@ -78,7 +78,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         cp: int = 1,
         schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b",
         virtual_stages: int = 1,
-        stage_layers: list[int] | None = None,
+        stage_layers: list[int] | Literal["auto"] | None = None,
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
         bucket_cap_mb: float = 25.0,
@@ -200,6 +200,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         self._setup_phase.start()
         self._groups = build_process_groups(self.parallel_dims, timeout)
         self._peers = supervisor.gather_peers()
+        self.options = self.options.resolved(self.lightning_module, trainer, self._dims, device)
 
     @override
     def setup(self, trainer: Any) -> None:

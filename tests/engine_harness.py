@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
+from lightning_titan.pipeline import auto_split
 from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import local_slice, tp_shard
 
@@ -197,25 +198,35 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     """Spawned: every case (layout (dp, pp, ep), (dp, pp, ep, tp) or (dp, pp, ep, tp, cp), schedule,
     M[, config]) in turn, on the same ranks; a schedule named ``"<name>:paired"`` runs with
     ``paired_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...), ``"<name>:v2"`` with two
-    chunks per rank, ``"<name>:layers=3-1"`` with ``stage_layers=[3, 1]``; ``config`` replaces CONFIG."""
-    out = []
+    chunks per rank, ``"<name>:layers=3-1"`` with ``stage_layers=[3, 1]``, ``"<name>:auto"`` with the
+    split probed on rank 0; ``config`` replaces CONFIG."""
+    out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
         dims = ParallelDims(*layout[:3], rank, *layout[3:])
         name, *options = schedule.split(":")
         zero = next((int(o[-1]) for o in options if o.startswith("zero")), 0)
+        split = split_of(options)
+        if split.stage_layers == "auto":  # probed on rank 0, the same counts everywhere
+            microbatch = GLOBAL_BATCH // dims.data_world // m
+            counts, _ = auto_split.agree(config, dims.pp, split.virtual_stages, microbatch, cpu)
+            split = StageSplit(split.virtual_stages, counts)
         result = train(
             dims, build_process_groups(dims), name, m, config,
-            paired_p2p="paired" in options, zero=zero, split=split_of(options),
+            paired_p2p="paired" in options, zero=zero, split=split,
         )  # fmt: skip
+        result["split"] = split
         out.append(result)
     return out
 
 
 def split_of(options: list[str]) -> StageSplit:
-    """``["v2", "layers=2-1-1-0"]`` -> StageSplit(2, (2, 1, 1, 0)); neither given: the even split."""
+    """``["v2", "layers=2-1-1-0"]`` -> StageSplit(2, (2, 1, 1, 0)); ``"auto"``: stage_layers="auto";
+    neither given: the even split."""
     v = next((int(o[1:]) for o in options if o[:1] == "v" and o[1:].isdigit()), 1)
     layers = next((o.split("=")[1] for o in options if o.startswith("layers=")), None)
+    if "auto" in options:
+        return StageSplit(v, "auto")
     return StageSplit(v, None if layers is None else tuple(int(n) for n in layers.split("-")))
 
 

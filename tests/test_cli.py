@@ -288,7 +288,8 @@ def test_bf16_mixed_trains_under_pp_ep_and_tp(runs):
 
 GPIPE = "--trainer.strategy.init_args.schedule=gpipe"
 INTERLEAVED = ["--trainer.strategy.init_args.schedule=interleaved_1f1b",
-               "--trainer.strategy.init_args.virtual_stages=2"]  # fmt: skip
+               "--trainer.strategy.init_args.virtual_stages=2",
+               "--trainer.strategy.init_args.stage_layers=auto"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -298,7 +299,8 @@ def test_validate_from_a_checkpoint_under_another_layout(runs):
     env = {**os.environ, "LIGHTNING_TITAN_CACHE": str(cwd / "cache")}
     val_loss = {}
     # the same step-3 weights, written by 8 ranks and by one; read under pp x ep with 2 chunks per
-    # rank (interleaved: layers 0, 2 | 1, 3, the chunked forward-only order) and by one process
+    # rank (interleaved: the chunked forward-only order; the layers split by the probe, "auto") and
+    # by one process
     for name, cfg, ckpt, extra in (
         ("validate", "pp_ep", step3_ckpt(cwd, "dp_pp_ep"), INTERLEAVED),
         ("validate_ref", "single", step3_ckpt(cwd, "single"), []),
@@ -309,6 +311,7 @@ def test_validate_from_a_checkpoint_under_another_layout(runs):
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "val_loss" in proc.stdout and "val_perplexity" in proc.stdout
+        assert ("stage_layers='auto' chose [" in proc.stdout) == bool(extra), proc.stdout[-2000:]
         rows = csv.DictReader(open(cwd / "runs" / name / "version_0" / "metrics.csv"))
         (val_loss[name],) = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
     assert val_loss["validate"] == pytest.approx(val_loss["validate_ref"], rel=1e-5), val_loss

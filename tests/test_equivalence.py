@@ -10,7 +10,7 @@ vocab-parallel cross-entropy. Context-parallel layouts are (dp, pp, ep, tp, cp):
 positions of every sequence. BIAS cases turn on aux-loss-free balancing (the expert bias, with the
 aux loss still on) and compare with a single-process run of that config, final biases bit for bit.
 SPLIT cases cut the layers unevenly (``layers=3-1``: stage_layers) and over virtual stages
-(``interleaved_1f1b:v2``: two chunks per rank); DEEP_CONFIG has 8 layers for 2 chunks on 4 stages.
+(``interleaved_1f1b:v2``: two chunks per rank), or as a probe on rank 0 balances them (``auto``); DEEP_CONFIG has 8 layers for 2 chunks on 4 stages.
 ZERO_BUBBLE cases run ZB-H1 (B/W split backward), also under activation checkpointing.
 Every case also checks a forward-only pass (validation) of the trained model against the reference.
 """
@@ -97,6 +97,7 @@ SPLIT = {
         ((1, 2, 1), "interleaved_1f1b:v2:layers=2-1-1-0", 2),
         ((1, 2, 1), "1f1b:layers=3-1", 2),
         ((1, 2, 1), "gpipe:layers=0-4", 2),
+        ((1, 2, 1), "1f1b:auto", 2),
     ],
     4: [
         ((1, 4, 1), "interleaved_1f1b:v2", 4, DEEP_CONFIG),
@@ -105,6 +106,7 @@ SPLIT = {
         ((2, 2, 1), "interleaved_1f1b:v2", 2),  # a reducer with ranks: synced for the last backward
         ((1, 2, 2), "interleaved_1f1b:v2:paired", 4),
         ((1, 4, 1), "1f1b:layers=2-1-1-0", 4),
+        ((1, 2, 2), "interleaved_1f1b:v2:auto", 2),
     ],
     8: [((2, 2, 2), "interleaved_1f1b:v2", 2), ((2, 2, 2), "1f1b:layers=1-3", 2)],
 }
@@ -165,6 +167,7 @@ def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, world):
         results = [per_rank[r][i] for r in range(world)]
         case_ref, what = refs[id(config[0])] if config else (ref, "")
         assert_matches_reference(case_ref, results, f"{layout} {schedule} M={m}{what}")
+        assert len({r["split"] for r in results}) == 1, "the ranks built different splits"
         # AdamW keeps two moments per weight; zero>0 leaves each rank about 1/(its DP group) of them,
         # zero=2 likewise of the grads it holds at the step and after it (whole at zero<2)
         for r in results:

@@ -4,6 +4,7 @@ order computes the single model's logits; a split that does not fit is refused w
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,8 @@ from engine_harness import CONFIG, SEED
 
 from lightning_titan.model import StageModel
 from lightning_titan.options import TrainOptions
-from lightning_titan.pipeline.split import StageSplit
+from lightning_titan.pipeline.auto_split import agree, probe_costs
+from lightning_titan.pipeline.split import StageCosts, StageSplit, balance
 
 
 def test_round_robin_chunks_megatron_order():
@@ -100,7 +102,8 @@ def test_a_split_that_does_not_fit_is_named_with_the_fix(pp, v, layers, match):
     [
         ({"virtual_stages": 0}, r"virtual_stages=0 must be a positive int"),
         ({"stage_layers": [2, -1]}, r"stage_layers=\[2, -1\] must hold ints >= 0"),
-        ({"stage_layers": "auto"}, r"stage_layers='auto' must be a list of layer counts"),
+        ({"stage_layers": "even"}, r"stage_layers='even' must be a list of layer counts, one per "
+                                   r"\(virtual\) stage, 'auto'"),
         ({"schedule": "interleaved_1f1b"}, r"needs virtual_stages >= 2 .*got 1"),
         ({"virtual_stages": 2}, r"virtual_stages=2 needs an interleaved schedule, not "
                                 r"schedule='1f1b'; choose one of 'interleaved_1f1b'|"
@@ -121,3 +124,41 @@ def test_microbatches_the_interleaved_schedule_cannot_run_say_which_work():
     ):
         options.microbatches(12, pp=2)
     assert TrainOptions(schedule="interleaved_1f1b", virtual_stages=2).microbatches(8, pp=4) == 4
+
+
+def _slowest(costs: StageCosts, counts) -> float:
+    extra = [costs.embed] + [0.0] * (len(counts) - 2) + [costs.head] if len(counts) > 1 else [0.0]
+    if len(counts) > 1:
+        return max(n * costs.block + e for n, e in zip(counts, extra, strict=True))
+    return counts[0] * costs.block + costs.embed + costs.head
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("n_layers", [4, 5, 8])
+@pytest.mark.parametrize("head", [0.0, 0.7, 2.0, 3.5])
+def test_auto_balance_makes_the_slowest_stage_as_fast_as_any_split(stages, n_layers, head):
+    """Against every split by brute force: no split has a faster slowest stage (middle stages >= 1)."""
+    costs = StageCosts(embed=0.3, block=1.0, head=head)
+    counts = balance(costs, n_layers, stages)
+    assert sum(counts) == n_layers and all(n >= 1 for n in counts[1:-1])
+    best = min(
+        _slowest(costs, c)
+        for c in itertools.product(range(n_layers + 1), repeat=stages)
+        if sum(c) == n_layers and all(n >= 1 for n in c[1:-1])
+    )
+    assert _slowest(costs, counts) == pytest.approx(best)
+
+
+def test_auto_gives_the_head_stage_fewer_layers_and_says_why():
+    assert balance(StageCosts(0.0, 1.0, 2.0), 4, 2) == [3, 1]
+    assert balance(StageCosts(0.0, 1.0, 0.0), 4, 2) == [2, 2]
+    with pytest.raises(ValueError, match=r"cannot split n_layers=2 over 5 stages.*at most 4"):
+        balance(StageCosts(0.0, 1.0, 0.0), 2, 5)
+    with pytest.raises(ValueError, match=r"cannot split n_layers=4 over 8 stages"):
+        CONFIG.validate_layout(4, 1, split=StageSplit(2, "auto"))  # what preflight runs
+    with pytest.raises(RuntimeError, match=r"stage_layers='auto' is chosen by a probe"):
+        StageModel(CONFIG, pp_rank=0, pp=2, split=StageSplit(stage_layers="auto"))
+    costs = probe_costs(CONFIG, 2, torch.device("cpu"), repeats=1)
+    assert costs.block > 0 and costs.head > 0 and "head + loss" in costs.describe()
+    counts, probed = agree(CONFIG, 2, 1, 2, torch.device("cpu"))  # one process: no broadcast
+    assert sum(counts) == CONFIG.n_layers and probed.block > 0

@@ -229,6 +229,11 @@ MUTATIONS = {
                           "        if len(deferred) > delay:",
                           "        if len(deferred) > 0:",
                           ["tests/test_schedules.py", "-k", "zb"]),
+    # issue 17: stage_layers="auto" charges the head to the first stage
+    "auto_head_on_first": ("lightning_titan/pipeline/split.py",
+                           "extra[-1] += costs.head / block",
+                           "extra[0] += costs.head / block",
+                           ["tests/test_split.py", "-k", "auto"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
