@@ -107,6 +107,7 @@ SPLIT = {
         ((1, 2, 2), "interleaved_1f1b:v2:paired", 4),
         ((1, 4, 1), "1f1b:layers=2-1-1-0", 4),
         ((1, 2, 2), "interleaved_1f1b:v2:auto", 2),
+        ((1, 2, 1, 1, 2), "interleaved_1f1b:v2", 2),  # cp2 x pp2
     ],
     8: [((2, 2, 2), "interleaved_1f1b:v2", 2), ((2, 2, 2), "1f1b:layers=1-3", 2)],
 }
@@ -122,6 +123,7 @@ ZERO_BUBBLE = {
         ((1, 4, 1), "zb_h1", 8),
         ((1, 2, 2), "zb_h1", 4),
         ((2, 2, 1), "zb_h1", 2),
+        ((1, 2, 1, 2), "zb_h1", 2),  # tp2 x pp2: W through the sequence-parallel region
         ((1, 2, 2), "zb_h1", 2, ACKPT_CONFIG),
         ((1, 2, 2), "interleaved_1f1b:v2", 2, ACKPT_CONFIG),
     ],

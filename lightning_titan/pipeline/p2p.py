@@ -2,7 +2,11 @@
 
 Every method is a no-op at the end of the pipeline where it has no neighbour, so a schedule reads the same
 on every stage. Each direction of a link carries one ordered stream per step: activations y_0 .. y_{M-1}
-from the previous stage, grads g_0 .. g_{M-1} (in the schedule's backward order) from the next.
+from the previous stage, grads g_0 .. g_{M-1} (in the schedule's backward order) from the next. With
+virtual stages (``ring``) the ends are neighbours too (the last rank feeds the first rank's next chunk)
+and the chunked schedule says when a message is due; the two streams carry their own tags (on pp=2
+both come from the same rank), and their order also agrees per pair of ranks, as NCCL (which matches
+by order) needs: the threaded test checks that over one channel per pair.
 
 On gloo a send completes only after the receiver has posted the matching receive, and the payload moves
 when the sender's side notices that; a stage busy computing notices late (3-5 ms per message on 2 shared
