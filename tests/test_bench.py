@@ -74,6 +74,64 @@ def simulate(schedule, pp, m, fwd_ns=1000, bwd_ns=2000, slowdown=None, latency_n
     return spans
 
 
+class _ChunkOrder:
+    """A rank of ``v`` chunks that records the order interleaved 1F1B runs them in."""
+
+    def __init__(self, pp, pp_rank, v):
+        self.pp, self.pp_rank, self.num_chunks, self.order = pp, pp_rank, v, []
+
+    def forward_chunk(self, chunk, i):
+        self.order.append(("forward", chunk, i))
+
+    def backward_chunk(self, chunk, i):
+        self.order.append(("backward", chunk, i))
+
+    def exchange(self, **messages):
+        pass
+
+
+def simulate_interleaved(pp, v, m, fwd_ns=1000, bwd_ns=2000):
+    """Like ``simulate`` over virtual stages s = chunk * pp + rank, each 1/v of a stage's work:
+    forward (s, i) after forward (s - 1, i); backward (s, i) after it and backward (s + 1, i)."""
+    orders = []
+    for p in range(pp):
+        stage = _ChunkOrder(pp, p, v)
+        get_schedule("interleaved_1f1b")(stage, m)
+        orders.append(stage.order)
+    done, free, nxt, spans = {}, [0] * pp, [0] * pp, []
+    while any(nxt[p] < len(orders[p]) for p in range(pp)):
+        progressed = False
+        for p in range(pp):
+            if nxt[p] == len(orders[p]):
+                continue
+            kind, chunk, i = orders[p][nxt[p]]
+            s = chunk * pp + p
+            deps = [("forward", s - 1, i)] if kind == "forward" and s > 0 else []
+            if kind == "backward":
+                deps = [("forward", s, i)] + ([("backward", s + 1, i)] if s < pp * v - 1 else [])
+            if all(d in done for d in deps):
+                start = max([free[p]] + [done[d] for d in deps])
+                end = start + (fwd_ns if kind == "forward" else bwd_ns) / v
+                done[(kind, s, i)], free[p] = end, end
+                spans.append(
+                    tracing.Span(kind, kind, p, start, end, args={"mb": i, "chunk": chunk})
+                )
+                nxt[p] += 1
+                progressed = True
+        assert progressed, f"interleaved P={pp} v={v} M={m} deadlocks in the simulation"
+    return spans
+
+
+@pytest.mark.parametrize(
+    "pp,v,m", [(2, 2, 4), (2, 2, 8), (4, 2, 4), (4, 2, 16), (3, 2, 6), (4, 3, 8)]
+)
+def test_interleaved_bubble_of_ideal_pipelines_is_the_virtual_stage_one(pp, v, m):
+    """Megatron's order reaches (P-1)/(v*M+P-1) on every stage when the stages cost the same."""
+    for b in tracing.measure_bubbles(simulate_interleaved(pp, v, m), [list(range(pp))]):
+        assert b.measured == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-9)
+        assert b.measured < (pp - 1) / (m + pp - 1)  # 1F1B's
+
+
 @pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (3, 7)])
 def test_zb_h1_bubble_is_below_1f1b_at_the_same_m(pp, m):
     """Ideal stages, backward = B + W of half its time each: deferring W into the cooldown leaves

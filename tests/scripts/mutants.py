@@ -234,6 +234,12 @@ MUTATIONS = {
                            "extra[-1] += costs.head / block",
                            "extra[0] += costs.head / block",
                            ["tests/test_split.py", "-k", "auto"]),
+    # issue 17: one warmup forward too few per stage: a steady step waits for a grad that needs its
+    # own next forward first (the ideal replay deadlocks)
+    "interleaved_short_warmup": ("lightning_titan/pipeline/interleaved.py",
+                                 "return min(v * m, (pp - pp_rank - 1) * 2 + (v - 1) * pp)",
+                                 "return min(v * m, (pp - pp_rank - 1) * 2 + (v - 1) * pp - 1)",
+                                 ["tests/test_bench.py", "-k", "interleaved_bubble"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
