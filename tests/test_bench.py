@@ -3,6 +3,7 @@ the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 r
 torch ``parallelize_module`` peer included)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -130,6 +131,45 @@ def test_interleaved_bubble_of_ideal_pipelines_is_the_virtual_stage_one(pp, v, m
     for b in tracing.measure_bubbles(simulate_interleaved(pp, v, m), [list(range(pp))]):
         assert b.measured == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-9)
         assert b.measured < (pp - 1) / (m + pp - 1)  # 1F1B's
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [simulate_interleaved(4, 2, 8, bwd_ns=2600), simulate("zb_h1", 4, 8, slowdown={3: 1.4})],
+    ids=["interleaved", "zb_h1"],
+)
+def test_the_compute_only_replay_knows_chunks_and_deferred_weight_grads(spans):
+    """Spans already as early as their dependencies allow replay to themselves: the replay reads
+    chunk ids as virtual stages and waits a W only for its own B."""
+    replayed = tracing.replay_without_communication(
+        [
+            replace(s, name="backward_weight" if s.name == "backward_weight" else s.kind)
+            for s in spans
+        ],
+        [[0, 1, 2, 3]],
+    )
+    assert sorted((s.rank, s.start_ns, s.end_ns) for s in replayed) == sorted(
+        (s.rank, s.start_ns, s.end_ns) for s in spans
+    )
+
+
+def test_the_replay_sends_the_input_grad_upstream_before_the_deferred_weight_grad():
+    """Stage 1 runs F0 B0 W0 with a long W0; stage 0, still busy with forwards, starts its B0 when
+    stage 1's B0 ends, not its W0."""
+
+    def span(name, rank, start, end, mb):
+        kind = "forward" if name == "forward" else "backward"
+        return tracing.Span(kind, name, rank, start, end, args={"mb": mb})
+
+    spans = [span("forward", 0, 0, 10, 0), span("forward", 0, 10, 20, 1), span("forward", 0, 20, 30, 2),
+             span("backward", 0, 60, 80, 0),
+             span("forward", 1, 10, 20, 0), span("backward", 1, 20, 40, 0),
+             span("backward_weight", 1, 40, 140, 0)]  # fmt: skip
+    replayed = {
+        (s.rank, s.name, s.args["mb"]): s
+        for s in tracing.replay_without_communication(spans, [[0, 1]])
+    }
+    assert replayed[(0, "backward", 0)].start_ns == 40
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (3, 7)])

@@ -94,6 +94,7 @@ class PipelineStage:
         if self._tracer is not None:
             return self._tracer(name, i)
         kind = name if name in ("forward", "backward") else "p2p"
+        kind = "backward" if name == "backward_weight" else kind  # zero-bubble W: compute too
         if self.num_chunks > 1:
             return probes.span(kind, name, mb=i, chunk=chunk)
         return probes.span(kind, name, mb=i)
@@ -159,7 +160,7 @@ class PipelineStage:
 
     def backward_weight(self, i: int) -> None:
         """W: accumulate microbatch ``i``'s weight grads (the reducers' hooks fire here)."""
-        with self._span("backward", i):
+        with self._span("backward_weight", i):
             deferred = self._deferred.pop(i)
             self._backwards_done += 1
             last = self._backwards_done == self.num_microbatches

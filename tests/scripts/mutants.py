@@ -240,6 +240,16 @@ MUTATIONS = {
                                  "return min(v * m, (pp - pp_rank - 1) * 2 + (v - 1) * pp)",
                                  "return min(v * m, (pp - pp_rank - 1) * 2 + (v - 1) * pp - 1)",
                                  ["tests/test_bench.py", "-k", "interleaved_bubble"]),
+    # issue 17: the compute-only replay ignores the chunks (interleaved spans replayed as one stage)
+    "replay_ignores_chunks": ("lightning_titan/tracing.py",
+                              'v_stage = s.args.get("chunk", 0) * len(ranks) + p',
+                              "v_stage = p",
+                              ["tests/test_bench.py", "-k", "replay_knows"]),
+    # issue 17: the replay runs a deferred W as a backward (it then waits for the next stage's B)
+    "replay_w_as_b": ("lightning_titan/tracing.py",
+                      'kind = "weight" if s.name == "backward_weight" else s.kind',
+                      "kind = s.kind",
+                      ["tests/test_bench.py", "-k", "replay_sends"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
