@@ -104,6 +104,7 @@ SPLIT = {
         ((1, 4, 1), "interleaved_1f1b:v2:layers=0-1-2-1-1-1-2-0", 8, DEEP_CONFIG),
         ((1, 2, 2), "interleaved_1f1b:v2", 2),
         ((2, 2, 1), "interleaved_1f1b:v2", 2),  # a reducer with ranks: synced for the last backward
+        ((2, 2, 1), "interleaved_1f1b:v2:zero2", 2),
         ((1, 2, 2), "interleaved_1f1b:v2:paired", 4),
         ((1, 4, 1), "1f1b:layers=2-1-1-0", 4),
         ((1, 2, 2), "interleaved_1f1b:v2:auto", 2),
@@ -123,6 +124,7 @@ ZERO_BUBBLE = {
         ((1, 4, 1), "zb_h1", 8),
         ((1, 2, 2), "zb_h1", 4),
         ((2, 2, 1), "zb_h1", 2),
+        ((2, 2, 1), "zb_h1:zero2", 2),  # the sharded reducer's hooks fire in W
         ((1, 2, 1, 2), "zb_h1", 2),  # tp2 x pp2: W through the sequence-parallel region
         ((1, 2, 2), "zb_h1", 2, ACKPT_CONFIG),
         ((1, 2, 2), "interleaved_1f1b:v2", 2, ACKPT_CONFIG),
