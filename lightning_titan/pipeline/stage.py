@@ -145,7 +145,9 @@ class PipelineStage:
             return None if x is None else x.grad
 
     def backward_input(self, i: int, grad: Tensor | None) -> Tensor | None:
-        """B: the input grad only; the weight grads wait for ``backward_weight(i)``."""
+        """B: the input grad only; the weight grads wait for ``backward_weight(i)``. B and W call
+        autograd themselves, not the ``backward`` callable (Lightning's ``manual_backward``, which
+        under 32-true and bf16-mixed only calls ``.backward()``); the first stage's W does use it."""
         with self._span("backward", i):
             x, out, objective = self._saved.pop((0, i))
             if out is not None:
