@@ -183,7 +183,9 @@ class Engine:
 
     def _links(self, stage_model: StageModel, device: torch.device) -> StageLinks:
         dtype = next(stage_model.parameters()).dtype
-        return StageLinks(self.dims, self.groups.pp, dtype, device)
+        # virtual stages: the last rank's chunk c feeds the first rank's chunk c + 1
+        ring = getattr(stage_model, "num_chunks", 1) > 1
+        return StageLinks(self.dims, self.groups.pp, dtype, device, ring=ring)
 
     def finish_gradients(self, max_norm: float | None = None) -> Tensor:
         """Wait for every bucket (launching, in order, any that never filled), then clip by the global norm

@@ -27,6 +27,7 @@ from lightning_titan.context_parallel import gather_keys
 from lightning_titan.moe.dispatch import ep_size
 from lightning_titan.moe.experts import GroupedExperts
 from lightning_titan.moe.layer import MoELayer
+from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import (
     gather_sequence,
     local_slice,
@@ -114,17 +115,15 @@ class ModelConfig:
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
-    def validate_layout(self, pp: int, ep: int, tp: int = 1, cp: int = 1) -> None:
-        """Check that ``pp`` stages, ``ep`` expert ranks, ``tp`` tensor ranks and ``cp`` context ranks
-        split this model evenly."""
+    def validate_layout(
+        self, pp: int, ep: int, tp: int = 1, cp: int = 1, split: StageSplit | None = None
+    ) -> None:
+        """Check that ``pp`` stages (cut as ``split`` says; None: evenly), ``ep`` expert ranks,
+        ``tp`` tensor ranks and ``cp`` context ranks split this model."""
         for name, value in (("pp", pp), ("ep", ep), ("tp", tp), ("cp", cp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        if self.n_layers % pp:
-            raise ValueError(
-                f"n_layers={self.n_layers} is not divisible by pp={pp}; choose pp dividing "
-                f"{self.n_layers} or change n_layers to a multiple of {pp}"
-            )
+        (split or StageSplit()).counts(self.n_layers, pp)
         if self.n_experts % ep:
             raise ValueError(
                 f"n_experts={self.n_experts} is not divisible by ep={ep}; choose ep dividing "
@@ -277,6 +276,11 @@ class StageModel(nn.Module):
     weighted by the coefficients (under CP or TP, this rank's tokens' share). ``token_loss_sum`` turns
     the logits into the summed cross-entropy, without gathering them.
 
+    ``split`` (``pipeline.split``): a rank may hold several chunks of layers (virtual stages) and
+    the stages may hold different numbers of layers; ``forward(x, chunk=c)`` runs chunk ``c``
+    (``chunk_ranges[c]``), the embedding before chunk 0 of the first rank, the head after the last
+    chunk of the last rank.
+
     ``sequence_group``: the cp x tp ranks that hold one sequence (for the aux losses' counts); it may
     be left None when only one of cp and tp is used.
     """
@@ -293,10 +297,12 @@ class StageModel(nn.Module):
         tp_group: ProcessGroup | None = None,
         cp_group: ProcessGroup | None = None,
         sequence_group: ProcessGroup | None = None,
+        split: StageSplit | None = None,
     ) -> None:
         super().__init__()
         tp, cp = tp_size(tp_group), tp_size(cp_group)
-        config.validate_layout(pp, ep, tp, cp)
+        split = split or StageSplit()
+        config.validate_layout(pp, ep, tp, cp, split)
         if sequence_group is None and tp > 1 and cp > 1:
             raise ValueError(
                 "with both tp and cp, pass sequence_group: the cp x tp ranks of one sequence "
@@ -313,8 +319,11 @@ class StageModel(nn.Module):
                 f"ep_group has {ep_size(ep_group)} ranks but ep={ep}; pass this stage's EP group"
             )
         self.config = config
-        per_stage, per_rank = config.n_layers // pp, config.n_experts // ep
-        self.layer_range = (pp_rank * per_stage, (pp_rank + 1) * per_stage)
+        per_rank = config.n_experts // ep
+        self.chunk_ranges = split.chunk_ranges(config.n_layers, pp, pp_rank)
+        self.num_chunks = len(self.chunk_ranges)
+        # with one chunk: its layers; with more, the span from the first to the last one held
+        self.layer_range = (self.chunk_ranges[0][0], self.chunk_ranges[-1][1])
         self.expert_range = (ep_rank * per_rank, (ep_rank + 1) * per_rank)
         self.is_first_stage = pp_rank == 0
         self.is_last_stage = pp_rank == pp - 1
@@ -333,7 +342,8 @@ class StageModel(nn.Module):
                 str(i): Block(
                     config, self.expert_range, ep_group, tp_group, cp_group, sequence_group
                 )
-                for i in range(*self.layer_range)
+                for start, end in self.chunk_ranges
+                for i in range(start, end)
             }
         )
         if self.is_last_stage:
@@ -342,8 +352,9 @@ class StageModel(nn.Module):
                 nn.Linear(config.d_model, vocab_rows, bias=False), 0, config.vocab_size, tp_group
             )
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        if self.is_first_stage:
+    def forward(self, x: Tensor, chunk: int = 0) -> tuple[Tensor, Tensor]:
+        embeds = self.is_first_stage and chunk == 0
+        if embeds:
             if x.dim() != 2 or x.dtype != torch.long:
                 raise ValueError(
                     f"the first stage takes token ids [b, S] long, got {x.dtype} {tuple(x.shape)}"
@@ -352,7 +363,7 @@ class StageModel(nn.Module):
             x = self._embed(x)
         elif x.dim() != 3 or x.shape[-1] != self.config.d_model:
             raise ValueError(
-                f"stage {self.layer_range} takes hidden states [b, S/(cp*tp), {self.config.d_model}], got {tuple(x.shape)}"
+                f"stage {self.chunk_ranges[chunk]} takes hidden states [b, S/(cp*tp), {self.config.d_model}], got {tuple(x.shape)}"
             )
         else:
             seq_len = x.shape[1] * tp_size(self.tp_group) * tp_size(self.cp_group)
@@ -363,13 +374,13 @@ class StageModel(nn.Module):
             keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
             cos, sin, mask = cos[mine], sin[mine], keys.unsqueeze(0) <= mine.unsqueeze(1)
         aux = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
-        for block in self.layers.values():
+        for block in (self.layers[str(i)] for i in range(*self.chunk_ranges[chunk])):
             if self.config.activation_checkpointing and torch.is_grad_enabled():
                 x, block_aux = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x, block_aux = block(x, cos, sin, mask)
             aux = aux + block_aux
-        if self.is_last_stage:
+        if self.is_last_stage and chunk == self.num_chunks - 1:
             x = self.lm_head(gather_sequence(self.norm(x), self.tp_group))
         return x, aux
 

@@ -16,6 +16,7 @@ from torchmetrics.aggregation import MeanMetric
 from lightning_titan import hf_load
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.strategy import TitanStrategy
 
 
@@ -83,11 +84,14 @@ class TitanLM(L.LightningModule):
             )
         return strategy
 
-    def check_layout(self, dims: ParallelDims, datamodule: Any = None) -> None:
-        """Raise ValueError unless this model splits over ``dims`` and ``datamodule``'s batches fit it.
+    def check_layout(
+        self, dims: ParallelDims, datamodule: Any = None, split: StageSplit | None = None
+    ) -> None:
+        """Raise ValueError unless this model splits over ``dims`` (its layers as ``split`` says) and
+        ``datamodule``'s batches fit it.
 
         TitanStrategy runs this before any rank starts (and on every rank before the process group)."""
-        self.config.validate_layout(dims.pp, dims.ep, dims.tp, dims.cp)
+        self.config.validate_layout(dims.pp, dims.ep, dims.tp, dims.cp, split)
         if datamodule is not None and hasattr(datamodule, "check_model"):
             datamodule.check_model(vocab_size=self.config.vocab_size, seq_len=self.config.seq_len)
 
@@ -99,6 +103,7 @@ class TitanLM(L.LightningModule):
         self.model = StageModel(
             self.config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
             ep_group=groups.ep, tp_group=groups.tp, cp_group=groups.cp, sequence_group=groups.sequence,
+            split=self.strategy.options.split,
         )  # fmt: skip
         # a resumed checkpoint is loaded after this (restore_checkpoint_after_setup) and replaces both
         if self.hparams["init_from"] is not None:
@@ -148,13 +153,19 @@ class TitanLM(L.LightningModule):
         assert self.model is not None
         return self.model.token_loss_sum(logits_MSV, targets_MS)
 
+    def _microbatches(self, inputs: Tensor) -> int:
+        """M for this rank's batch ``inputs`` [b, S] (checked against the schedule)."""
+        return self.strategy.options.microbatches(
+            inputs.shape[0], pp=self.strategy.parallel_dims.pp
+        )
+
     def training_step(self, batch: Any, batch_idx: int) -> None:
         inputs, targets = batch
         strategy, start = self.strategy, time.perf_counter()
         # 1. every microbatch forward and backward, in the schedule's order; the reducers all-reduce
         #    the grads while the last backward runs. The global loss and aux come back on every rank.
         step = strategy.engine.forward_backward(
-            self.model, inputs, targets, strategy.microbatches_for(inputs.shape[0]), self.loss_fn,
+            self.model, inputs, targets, self._microbatches(inputs), self.loss_fn,
             backward=self.manual_backward,
         )  # fmt: skip
         # 2. wait for the reducers, stop (or skip) on a non-finite loss or norm, clip by the norm
@@ -180,7 +191,7 @@ class TitanLM(L.LightningModule):
         inputs, targets = batch
         strategy = self.strategy
         step = strategy.engine.forward_only(
-            self.model, inputs, targets, strategy.microbatches_for(inputs.shape[0]), self.loss_fn
+            self.model, inputs, targets, self._microbatches(inputs), self.loss_fn
         )
         self.val_loss.update(step.loss)
 

@@ -7,12 +7,14 @@ The reducer, the clipping and the schedules trust these values; a wrong one fail
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_titan.batching import check_microbatch_args, local_batch_size, num_microbatches
 from lightning_titan.parallel_dims import ParallelDims
-from lightning_titan.pipeline.schedules import SCHEDULES
+from lightning_titan.pipeline.schedules import CHUNKED, SCHEDULES, check_microbatches
+from lightning_titan.pipeline.split import AUTO, StageSplit
 from lightning_titan.zero import LEVELS as ZERO_LEVELS
 
 REDUCERS = ("bucketed", "per_param")
@@ -51,10 +53,25 @@ class TrainOptions:
     on_nonfinite: str = "raise"
     start_method: str = "popen"
     zero: int = 0
+    virtual_stages: int = 1
+    stage_layers: Sequence[int] | str | None = None  # a tuple once validated, or "auto"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is unknown; {_choose(sorted(SCHEDULES))}")
+        split = StageSplit(self.virtual_stages, self.stage_layers)  # types and signs
+        object.__setattr__(self, "stage_layers", split.stage_layers)
+        if self.schedule in CHUNKED and self.virtual_stages < 2:
+            raise ValueError(
+                f"schedule={self.schedule!r} needs virtual_stages >= 2 (model chunks per rank), "
+                f"got {self.virtual_stages}; e.g. TitanStrategy(schedule={self.schedule!r}, "
+                "virtual_stages=2)"
+            )
+        if self.virtual_stages > 1 and self.schedule not in CHUNKED:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs an interleaved schedule, not "
+                f"schedule={self.schedule!r}; {_choose(sorted(CHUNKED))} (or virtual_stages=1)"
+            )
         check_microbatch_args(self.num_microbatches, self.microbatch_size)
         if not _positive(self.bucket_cap_mb):
             raise ValueError(
@@ -91,10 +108,26 @@ class TrainOptions:
 
     def microbatches(self, local_batch: int, *, pp: int) -> int:
         """How many microbatches a per-rank batch of ``local_batch`` sequences is split into."""
-        return num_microbatches(
+        m = num_microbatches(
             local_batch, num_microbatches=self.num_microbatches,
             microbatch_size=self.microbatch_size, pp=pp,
         )  # fmt: skip
+        check_microbatches(self.schedule, m, pp, self.virtual_stages)
+        return m
+
+    def resolved(self, module: Any, trainer: Any, dims: ParallelDims, device: Any) -> TrainOptions:
+        """With ``stage_layers="auto"``: the counts probed on global rank 0 and broadcast (the same on
+        every rank, before any rank builds its stage; rank 0 says what it chose). Else ``self``."""
+        if self.stage_layers != AUTO:
+            return self
+        from lightning_titan.pipeline import auto_split  # it imports the model, which imports us
+
+        return auto_split.resolve(self, module, trainer, dims, device)
+
+    @property
+    def split(self) -> StageSplit:
+        """How the layers are cut over the pipeline's ranks and their chunks."""
+        return StageSplit(self.virtual_stages, self.stage_layers)
 
     @property
     def grace_s(self) -> float:
@@ -111,7 +144,8 @@ def preflight(
     check_trainer_clipping(dims, options, trainer)
     check_layout = getattr(module, "check_layout", None)
     if callable(check_layout):
-        check_layout(dims, datamodule)  # TitanLM: layers/experts split, data fits the model
+        # TitanLM: layers/experts split, data fits the model
+        check_layout(dims, datamodule, split=options.split)
     batch = getattr(datamodule, "global_batch_size", None)
     if isinstance(batch, int) and batch > 0:
         local = local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")

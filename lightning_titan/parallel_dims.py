@@ -216,10 +216,13 @@ class ParallelDims:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
+    def stage_rank(self, pp_rank: int) -> int:
+        """The global rank of stage ``pp_rank`` of this rank's pipeline (same dp, ep, cp, tp)."""
+        return self.rank_at({**self.coords(self.rank), "pp": pp_rank})
+
     def _stage_neighbour(self, offset: int) -> int | None:
-        coords = self.coords(self.rank)
-        coords["pp"] += offset
-        return self.rank_at(coords) if 0 <= coords["pp"] < self.pp else None
+        pp_rank = self.pp_rank + offset
+        return self.stage_rank(pp_rank) if 0 <= pp_rank < self.pp else None
 
     @property
     def prev_stage_rank(self) -> int | None:

@@ -46,11 +46,13 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
 
     Args:
         dp: data-parallel replicas (-1: fill what the other degrees leave of the world).
-        pp: pipeline stages; the model's layers split evenly across them.
+        pp: pipeline stages; the model's layers split evenly across them (or as ``stage_layers`` says).
         ep: expert-parallel ranks per stage; the experts split evenly across them.
         tp: tensor-parallel ranks (with sequence parallelism): heads, vocabulary and sequence split.
         cp: context-parallel ranks: each sequence's positions split (load-balanced causal chunks).
-        schedule: pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"`` (zero-bubble 1F1B).
+        virtual_stages: model chunks per rank (>= 2 for interleaved 1F1B; layers go round-robin).
+        stage_layers: layers per (virtual) stage, e.g. ``[3, 1]``, or ``"auto"`` (probed); None: even.
         num_microbatches: microbatches per step on every rank (default: ``pp``).
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
         bucket_cap_mb: size of a gradient all-reduce bucket.
@@ -74,7 +76,9 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         ep: int = 1,
         tp: int = 1,
         cp: int = 1,
-        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b",
+        virtual_stages: int = 1,
+        stage_layers: list[int] | Literal["auto"] | None = None,
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
         bucket_cap_mb: float = 25.0,
@@ -93,7 +97,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
             schedule=schedule, num_microbatches=num_microbatches, microbatch_size=microbatch_size,
             bucket_cap_mb=bucket_cap_mb, reducer=reducer, gradient_clip_norm=gradient_clip_norm,
             timeout_minutes=timeout_minutes, on_nonfinite=on_nonfinite, start_method=start_method,
-            zero=zero,
+            zero=zero, virtual_stages=virtual_stages, stage_layers=stage_layers,
         )  # fmt: skip
         self._degrees = check_degrees(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp)  # world size: known later
         self._process_group_backend = process_group_backend
@@ -124,9 +128,6 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         if self._engine is None:
             raise RuntimeError("the engine exists only after the strategy's setup()")
         return self._engine
-
-    def microbatches_for(self, local_batch: int) -> int:
-        return self.options.microbatches(local_batch, pp=self.parallel_dims.pp)
 
     def preflight(self, module: Any, datamodule: Any, trainer: Any = None) -> None:
         """The checks that need no process group, in the launcher and on every rank before it."""
@@ -199,6 +200,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         self._setup_phase.start()
         self._groups = build_process_groups(self.parallel_dims, timeout)
         self._peers = supervisor.gather_peers()
+        self.options = self.options.resolved(self.lightning_module, trainer, self._dims, device)
 
     @override
     def setup(self, trainer: Any) -> None:

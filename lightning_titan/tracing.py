@@ -237,7 +237,10 @@ def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequ
     """The recorded forwards and backwards, each stage in its recorded order and with its recorded
     durations, re-timed as if send/recv cost nothing: forward i on stage p starts once forward i on
     p - 1 ended, backward i once backward i on p + 1 ended. ``measure_bubbles`` of the result is the
-    bubble that compute alone (its imbalance and jitter) explains; the rest is communication."""
+    bubble that compute alone (its imbalance and jitter) explains; the rest is communication.
+
+    Virtual stages (spans with ``args["chunk"]``) count as stage ``chunk * P + p``; a zero-bubble
+    weight-grad span (name ``backward_weight``) waits for its own input-grad span only."""
     by_rank_step: dict[tuple[int, int], list[Span]] = defaultdict(list)
     for s in spans:
         if s.kind in COMPUTE_KINDS:
@@ -246,6 +249,7 @@ def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequ
     for ranks in pipelines:
         for step in sorted({st for r, st in by_rank_step if r in ranks}):
             orders = [sorted(by_rank_step[(r, step)], key=lambda s: s.start_ns) for r in ranks]
+            last = len(ranks) * (1 + max(s.args.get("chunk", 0) for o in orders for s in o)) - 1
             done: dict[tuple[str, int, object], int] = {}
             free, nxt = [0] * len(ranks), [0] * len(ranks)
             while any(n < len(o) for n, o in zip(nxt, orders, strict=True)):
@@ -254,16 +258,20 @@ def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequ
                     if nxt[p] == len(order):
                         continue
                     s, mb = order[nxt[p]], order[nxt[p]].args.get("mb")
-                    if s.kind == "forward":
-                        deps = [("forward", p - 1, mb)] if p > 0 else []
+                    v_stage = s.args.get("chunk", 0) * len(ranks) + p
+                    kind = "weight" if s.name == "backward_weight" else s.kind
+                    if kind == "forward":
+                        deps = [("forward", v_stage - 1, mb)] if v_stage > 0 else []
+                    elif kind == "weight":
+                        deps = [("backward", v_stage, mb)]
                     else:
-                        deps = [("forward", p, mb)] + (
-                            [("backward", p + 1, mb)] if p + 1 < len(ranks) else []
+                        deps = [("forward", v_stage, mb)] + (
+                            [("backward", v_stage + 1, mb)] if v_stage < last else []
                         )
                     if any(d not in done for d in deps):
                         continue
                     start = max([free[p]] + [done[d] for d in deps])
-                    free[p] = done[(s.kind, p, mb)] = start + s.duration_ns
+                    free[p] = done[(kind, v_stage, mb)] = start + s.duration_ns
                     out.append(Span(s.kind, s.name, s.rank, start, free[p], step, s.thread, s.args))
                     nxt[p] += 1
                     progressed = True
@@ -277,12 +285,12 @@ def with_steady_compute(spans: Sequence[Span]) -> list[Span]:
     """The forward and backward spans, each one's duration replaced by the median of that rank's spans
     of the same kind: jitter removed, uneven stages kept. Only meaningful replayed (the start times no
     longer fit together)."""
-    durations: dict[tuple[int, str], list[int]] = defaultdict(list)
+    durations: dict[tuple[int, str, str], list[int]] = defaultdict(list)
     compute = [s for s in spans if s.kind in COMPUTE_KINDS]
-    for s in compute:
-        durations[(s.rank, s.kind)].append(s.duration_ns)
+    for s in compute:  # by name too: a zero-bubble backward's two halves differ
+        durations[(s.rank, s.kind, s.name)].append(s.duration_ns)
     median = {key: round(statistics.median(d)) for key, d in durations.items()}
-    return [replace(s, end_ns=s.start_ns + median[(s.rank, s.kind)]) for s in compute]
+    return [replace(s, end_ns=s.start_ns + median[(s.rank, s.kind, s.name)]) for s in compute]
 
 
 def bubble_breakdown(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -> list[dict]:

@@ -14,6 +14,8 @@ from lightning_titan.bench.memory import state_bytes, zero2_grad_bytes
 from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
+from lightning_titan.pipeline import auto_split
+from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import local_slice, tp_shard
 
 CONFIG = ModelConfig(
@@ -22,16 +24,24 @@ CONFIG = ModelConfig(
 )  # fmt: skip
 # aux-loss-free balancing on top (the aux loss stays on): the bias moves selections within STEPS
 BIAS_CONFIG = replace(CONFIG, router_bias_update_rate=1e-3)
+# deep enough for 2 chunks on each of 4 stages (interleaved pp4 x v2)
+DEEP_CONFIG = replace(CONFIG, n_layers=8)
+# recompute each block in backward: the same numbers as CONFIG
+ACKPT_CONFIG = replace(CONFIG, activation_checkpointing=True)
 GLOBAL_BATCH = 8
 STEPS = 5
 SEED = 7
 MAX_NORM = 0.3  # small enough that clipping bites on every step (checked against the reference)
 
 
-def stage_model(dims: ParallelDims, groups: ProcessGroups, config: ModelConfig) -> StageModel:
-    """This rank's stage of the model, with the layout-free init every layout starts from."""
+def stage_model(
+    dims: ParallelDims, groups: ProcessGroups, config: ModelConfig, split: StageSplit | None = None
+) -> StageModel:
+    """This rank's stage of the model (its layers as ``split`` says), with the layout-free init
+    every layout starts from."""
     model = StageModel(
         config,
+        split=split,
         pp_rank=dims.pp_rank,
         pp=dims.pp,
         ep_rank=dims.ep_rank,
@@ -99,14 +109,15 @@ def train(
     bucket_cap_mb: float = 0.01,
     paired_p2p: bool = False,
     zero: int = 0,
+    split: StageSplit | None = None,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
     ``paired_p2p`` runs the pipeline transport CUDA gets (each exchange posts its receive with its
     send and waits for both) on gloo, so that CPU tests cover it too. ``zero`` shards the optimizer
-    state over the data-parallel groups."""
+    state over the data-parallel groups; ``split`` cuts the layers over stages and chunks."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
-    model = stage_model(dims, groups, config)
+    model = stage_model(dims, groups, config, split)
     engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb, zero=zero)
     if paired_p2p:
         make_links = engine._links
@@ -144,6 +155,12 @@ def train(
         loss, aux = step_loss.loss.item(), step_loss.aux.item()
         losses.append(loss)
         auxes.append(aux)
+    # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
+    inputs, targets = global_batch(0, config)
+    rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
+    val = engine.forward_only(
+        model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
+    )
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     engine.remove()
@@ -151,6 +168,7 @@ def train(
     return {
         "loss": losses,
         "aux": auxes,
+        "val_loss": val.loss.item(),
         "norm": norms,
         "weights": weights,
         "biases": biases,
@@ -183,19 +201,37 @@ def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
 def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     """Spawned: every case (layout (dp, pp, ep), (dp, pp, ep, tp) or (dp, pp, ep, tp, cp), schedule,
     M[, config]) in turn, on the same ranks; a schedule named ``"<name>:paired"`` runs with
-    ``paired_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...); ``config`` replaces CONFIG."""
-    out = []
+    ``paired_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...), ``"<name>:v2"`` with two
+    chunks per rank, ``"<name>:layers=3-1"`` with ``stage_layers=[3, 1]``, ``"<name>:auto"`` with the
+    split probed on rank 0; ``config`` replaces CONFIG."""
+    out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
         dims = ParallelDims(*layout[:3], rank, *layout[3:])
         name, *options = schedule.split(":")
         zero = next((int(o[-1]) for o in options if o.startswith("zero")), 0)
+        split = split_of(options)
+        if split.stage_layers == "auto":  # probed on rank 0, the same counts everywhere
+            microbatch = GLOBAL_BATCH // dims.data_world // m
+            counts, _ = auto_split.agree(config, dims.pp, split.virtual_stages, microbatch, cpu)
+            split = StageSplit(split.virtual_stages, counts)
         result = train(
             dims, build_process_groups(dims), name, m, config,
-            paired_p2p="paired" in options, zero=zero,
+            paired_p2p="paired" in options, zero=zero, split=split,
         )  # fmt: skip
+        result["split"] = split
         out.append(result)
     return out
+
+
+def split_of(options: list[str]) -> StageSplit:
+    """``["v2", "layers=2-1-1-0"]`` -> StageSplit(2, (2, 1, 1, 0)); ``"auto"``: stage_layers="auto";
+    neither given: the even split."""
+    v = next((int(o[1:]) for o in options if o[:1] == "v" and o[1:].isdigit()), 1)
+    layers = next((o.split("=")[1] for o in options if o.startswith("layers=")), None)
+    if "auto" in options:
+        return StageSplit(v, "auto")
+    return StageSplit(v, None if layers is None else tuple(int(n) for n in layers.split("-")))
 
 
 def assert_matches_reference(ref: dict, results: list[dict], label: str) -> None:
@@ -210,6 +246,10 @@ def assert_matches_reference(ref: dict, results: list[dict], label: str) -> None
         torch.testing.assert_close(
             r["norm"], ref["norm"], rtol=1e-5, atol=0, msg=lambda m, w=where: f"{w} norm: {m}"
         )
+        torch.testing.assert_close(
+            r["val_loss"], ref["val_loss"], rtol=1e-5, atol=0,
+            msg=lambda m, w=where: f"{w} forward-only loss: {m}",
+        )  # fmt: skip
         for name, local in r["weights"].items():
             expected = expected_slice(r, name, ref["weights"][name])
             torch.testing.assert_close(

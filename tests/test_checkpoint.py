@@ -36,6 +36,7 @@ from lightning_titan.engine import Engine
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, build_process_groups
+from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import tp_shard
 
 # the expert bias on: a buffer that must follow its layer across layouts like a parameter
@@ -52,16 +53,26 @@ ZERO_CASES = [((2, 1, 2), 1), ((4, 1, 1), 1), ((2, 1, 2), 2)]
 # (tp=1), the next from tp=4 (the vocabulary of 64 + padding splits 16 / 32 rows), then across zero
 # levels under tp=2 (ZeRO cuts a TP-cut weight's other dim: blocks of a 2-D mesh), then read whole
 TP_LAYOUTS = [((1, 1, 1, 4), 0), ((2, 1, 1, 2), 2), ((1, 2, 1, 2), 1)]
+# layer ownership moves with the split: (layout, split), each loading what the one before saved (the
+# first from layout A): 2 chunks per rank (layers 0, 2 | 1, 3), an uneven split with a zero-layer
+# head stage, and another uneven split
+SPLIT_LAYOUTS = [
+    ((1, 2, 2), StageSplit(virtual_stages=2)),
+    ((1, 4, 1), StageSplit(stage_layers=(2, 1, 1, 0))),
+    ((1, 2, 2), StageSplit(stage_layers=(1, 3))),
+]
 META = {"loops": {"fit_loop": {"step": 2}}, "rng": torch.arange(3), "epoch": 0}
 
 
-def build(dims: ParallelDims | None, seed: int, lr: float = 1e-2, tp_group=None, **overrides):
+def build(
+    dims: ParallelDims | None, seed: int, lr: float = 1e-2, tp_group=None, split=None, **overrides
+):
     """A stage model with layout-free init and AdamW with two param groups (norms: no decay)."""
     dims = dims or ParallelDims(1, 1, 1)
     config = ModelConfig(**{**CONFIG, **overrides})
     model = StageModel(
         config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
-        tp_group=tp_group,
+        tp_group=tp_group, split=split,
     )  # fmt: skip
     model.init_weights(seed)
     norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
@@ -167,6 +178,14 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
         model, opt = build(ParallelDims(*layout, rank=rank), seed=2, lr=0.5)
         meta = load_sharded(ckpt, model, [opt], expect_layout={"global_batch_size": 8})
         result["loads"][layout] = (snapshot(model, opt), hyper(opt), meta)
+
+    result["splits"], source = {}, ckpt
+    for i, (layout, split) in enumerate(SPLIT_LAYOUTS):
+        model, opt = build(ParallelDims(*layout, rank=rank), seed=2, lr=0.5, split=split)
+        load_sharded(source, model, [opt])
+        result["splits"][layout, split] = (snapshot(model, opt), model.chunk_ranges)
+        source = root_path / f"split{i}.ckpt"
+        save_sharded(source, model, [opt], META, layout={"split": str(split)})
 
     # ZeRO-1/2: the zero=0 checkpoint into sharded optimizer state, saved again (as DTensor rows),
     # read back whole (zero=0) in every process.
@@ -323,6 +342,13 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
             assert hyper_b == r["A_hyper"] == [(1e-2, 0.1), (1e-2 / 3, 0.0)]
             assert meta["loops"] == META["loops"] and torch.equal(meta["rng"], META["rng"])
 
+    for layout, split in SPLIT_LAYOUTS:
+        per_rank = [r["splits"][layout, split] for r in results]
+        _assert_equal_states(_merge([s for s, _ in per_rank]), reference, f"{layout} {split}")
+    assert [per_rank[r][1] for r in (0, 2)] == [[(0, 1)], [(1, 4)]]  # (1, 3): ranks 0-1 | 2-3
+    two_chunks = [r["splits"][SPLIT_LAYOUTS[0]][1] for r in results]
+    assert two_chunks[0] == [(0, 1), (2, 3)] and two_chunks[2] == [(1, 2), (3, 4)]
+
     for case in ZERO_CASES:
         _assert_zero_shards(reference, [(r["zero"][case][0], {}, 0) for r in results], case[0])
         for r in results:
@@ -347,8 +373,8 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
     # The checkpoint now holds what layout B saved; it must still be the layout-A state.
     ckpt = tmp_path / "last.ckpt"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "last.ckpt", "partial.ckpt", "tp2_zero1.ckpt", "tp2_zero2.ckpt", "tp4_zero0.ckpt",
-        "zero.ckpt",
+        "last.ckpt", "partial.ckpt", "split0.ckpt", "split1.ckpt", "split2.ckpt",
+        "tp2_zero1.ckpt", "tp2_zero2.ckpt", "tp4_zero0.ckpt", "zero.ckpt",
     ]  # fmt: skip
     assert read_checkpoint_info(ckpt)["layout"] == {"dp": 2, "pp": 1, "ep": 2, "world_size": 4}
     _assert_equal_states(_from_consolidated(ckpt), reference, "consolidate")

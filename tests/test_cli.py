@@ -308,21 +308,32 @@ def test_bf16_mixed_trains_under_pp_ep_and_tp(runs):
         assert len(ratios) == STEPS and all(1 <= x <= 8 for x in ratios), (layer, ratios)
 
 
+GPIPE = "--trainer.strategy.init_args.schedule=gpipe"
+INTERLEAVED = ["--trainer.strategy.init_args.schedule=interleaved_1f1b",
+               "--trainer.strategy.init_args.virtual_stages=2",
+               "--trainer.strategy.init_args.stage_layers=auto"]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_validate_from_a_checkpoint_under_another_layout(runs):
     cwd, _ = runs
     env = {**os.environ, "LIGHTNING_TITAN_CACHE": str(cwd / "cache")}
     val_loss = {}
-    # the same step-3 weights, written by 8 ranks and by one; read under pp x ep and by one process
-    for name, cfg, ckpt in (("validate", "pp_ep", step3_ckpt(cwd, "dp_pp_ep")),
-                            ("validate_ref", "single", step3_ckpt(cwd, "single"))):  # fmt: skip
+    # the same step-3 weights, written by 8 ranks and by one; read under pp x ep with 2 chunks per
+    # rank (interleaved: the chunked forward-only order; the layers split by the probe, "auto") and
+    # by one process
+    for name, cfg, ckpt, extra in (
+        ("validate", "pp_ep", step3_ckpt(cwd, "dp_pp_ep"), INTERLEAVED),
+        ("validate_ref", "single", step3_ckpt(cwd, "single"), []),
+    ):  # fmt: skip
         cmd = [sys.executable, "-m", "lightning_titan", "validate", "--config", str(config(cfg)),
                *MODEL, FORK, "--trainer.limit_val_batches=2", f"--ckpt_path={ckpt}",
-               f"--trainer.logger.init_args.name={name}"]  # fmt: skip
+               f"--trainer.logger.init_args.name={name}", *extra]  # fmt: skip
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "val_loss" in proc.stdout and "val_perplexity" in proc.stdout
+        assert ("stage_layers='auto' chose [" in proc.stdout) == bool(extra), proc.stdout[-2000:]
         rows = csv.DictReader(open(cwd / "runs" / name / "version_0" / "metrics.csv"))
         (val_loss[name],) = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
     assert val_loss["validate"] == pytest.approx(val_loss["validate_ref"], rel=1e-5), val_loss
@@ -338,7 +349,12 @@ def test_validate_from_a_checkpoint_under_another_layout(runs):
 
 
 RESUMES = [  # (written by, config to resume with, layout overrides); dp_pp_ep saved under zero=1
-    ("dp_pp_ep", "dp_pp_ep", layout(1, 2, 4, "--trainer.strategy.init_args.schedule=gpipe")),
+    # an uneven split: 3 layers on the first stage, 1 beside the LM head
+    (
+        "dp_pp_ep",
+        "dp_pp_ep",
+        layout(1, 2, 4, GPIPE, "--trainer.strategy.init_args.stage_layers=[3,1]"),
+    ),
     ("dp_pp_ep", "single", []),
     ("single", "dp_pp_ep", layout(4, 1, 2, ZERO1)),
     # across tp, cp and zero: the tp=2 zero=1 checkpoint under tp=1 x cp=2 (zero=0) and under

@@ -10,12 +10,18 @@ stays zero), and the loss is the vocab-parallel cross-entropy. Context-parallel 
 (dp, pp, ep, tp, cp): each rank computes its positions of every sequence. BIAS cases turn on
 aux-loss-free balancing (the expert bias, with the aux loss still on) and compare with a
 single-process run of that config, final biases bit for bit.
+SPLIT cases cut the layers unevenly (``layers=3-1``: stage_layers) and over virtual stages
+(``interleaved_1f1b:v2``: two chunks per rank), or as a probe on rank 0 balances them (``auto``); DEEP_CONFIG has 8 layers for 2 chunks on 4 stages.
+ZERO_BUBBLE cases run ZB-H1 (B/W split backward), also under activation checkpointing.
+Every case also checks a forward-only pass (validation) of the trained model against the reference.
 """
 
 import pytest
 from engine_harness import (
+    ACKPT_CONFIG,
     BIAS_CONFIG,
     CONFIG,
+    DEEP_CONFIG,
     MAX_NORM,
     assert_matches_reference,
     reference,
@@ -98,6 +104,50 @@ BIAS = {
     8: [((2, 2, 2), "1f1b", 2)],
 }
 
+# Uneven and interleaved splits (``<schedule>:v2``, ``:layers=a-b-..``), composed with ep and dp;
+# a zero-layer first (embedding) or last (head) stage included
+SPLIT = {
+    2: [
+        ((1, 2, 1), "interleaved_1f1b:v2", 2),
+        ((1, 2, 1), "interleaved_1f1b:v2:paired", 4),
+        ((1, 2, 1), "interleaved_1f1b:v2:layers=2-1-1-0", 2),
+        ((1, 2, 1), "1f1b:layers=3-1", 2),
+        ((1, 2, 1), "gpipe:layers=0-4", 2),
+        ((1, 2, 1), "1f1b:auto", 2),
+    ],
+    4: [
+        ((1, 4, 1), "interleaved_1f1b:v2", 4, DEEP_CONFIG),
+        ((1, 4, 1), "interleaved_1f1b:v2:layers=0-1-2-1-1-1-2-0", 8, DEEP_CONFIG),
+        ((1, 2, 2), "interleaved_1f1b:v2", 2),
+        ((2, 2, 1), "interleaved_1f1b:v2", 2),  # a reducer with ranks: synced for the last backward
+        ((2, 2, 1), "interleaved_1f1b:v2:zero2", 2),
+        ((1, 2, 2), "interleaved_1f1b:v2:paired", 4),
+        ((1, 4, 1), "1f1b:layers=2-1-1-0", 4),
+        ((1, 2, 2), "interleaved_1f1b:v2:auto", 2),
+        ((1, 2, 1, 1, 2), "interleaved_1f1b:v2", 2),  # cp2 x pp2
+    ],
+    8: [((2, 2, 2), "interleaved_1f1b:v2", 2), ((2, 2, 2), "1f1b:layers=1-3", 2)],
+}
+# ZB-H1 (each backward split into the input grad and the deferred weight grads); ACKPT_CONFIG
+# recomputes each block in backward (the same numbers as CONFIG: compared with its reference)
+ZERO_BUBBLE = {
+    2: [
+        ((1, 2, 1), "zb_h1", 4),
+        ((1, 2, 1), "zb_h1:paired", 2),
+        ((1, 2, 1), "zb_h1:layers=3-1", 2),
+    ],
+    4: [
+        ((1, 4, 1), "zb_h1", 8),
+        ((1, 2, 2), "zb_h1", 4),
+        ((2, 2, 1), "zb_h1", 2),
+        ((2, 2, 1), "zb_h1:zero2", 2),  # the sharded reducer's hooks fire in W
+        ((1, 2, 1, 2), "zb_h1", 2),  # tp2 x pp2: W through the sequence-parallel region
+        ((1, 2, 2), "zb_h1", 2, ACKPT_CONFIG),
+        ((1, 2, 2), "interleaved_1f1b:v2", 2, ACKPT_CONFIG),
+    ],
+    8: [((2, 2, 2), "zb_h1", 2)],
+}
+
 
 @pytest.fixture(scope="module")
 def ref():
@@ -115,26 +165,35 @@ def bias_ref(ref):
     return result
 
 
+@pytest.fixture(scope="module")
+def deep_ref():
+    return reference(DEEP_CONFIG)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_every_layout_equals_one_process(ref, bias_ref, world):
+def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
     cases += TP[world] + CP[world]
     cases += [(layout, schedule, m, BIAS_CONFIG) for layout, schedule, m in BIAS[world]]
+    cases += SPLIT[world] + ZERO_BUBBLE[world]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
+    refs = {id(BIAS_CONFIG): (bias_ref, " expert bias"), id(DEEP_CONFIG): (deep_ref, " 8 layers")}
+    refs[id(ACKPT_CONFIG)] = (ref, " activation checkpointing")
     for i, (layout, schedule, m, *config) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
-        label = f"{layout} {schedule} M={m}" + (" expert bias" if config else "")
-        assert_matches_reference(bias_ref if config else ref, results, label)
+        case_ref, what = refs[id(config[0])] if config else (ref, "")
+        assert_matches_reference(case_ref, results, f"{layout} {schedule} M={m}{what}")
+        assert len({r["split"] for r in results}) == 1, "the ranks built different splits"
         # titan plan's state model: every rank's params, grads and optimizer bytes, exactly
         zero = int(schedule[-1]) if ":zero" in schedule else 0
         for rank, r in enumerate(results):
             dims = ParallelDims(*layout[:3], rank, *layout[3:])
-            predicted = rank_state(config[0] if config else CONFIG, dims, zero)
-            assert predicted == r["state"], (label, rank, predicted, r["state"])
+            predicted = rank_state(config[0] if config else CONFIG, dims, zero, r["split"])
+            assert predicted == r["state"], (layout, schedule, rank, predicted, r["state"])
         # AdamW keeps two moments per weight; zero>0 leaves each rank its share of them (within 5%:
         # rows cut unevenly), zero=2 likewise of the grads it holds at the step and after it (whole
         # at zero<2; the buckets' padding and flags are the rest)

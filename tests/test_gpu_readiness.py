@@ -132,11 +132,11 @@ def _fake_p2p(monkeypatch) -> list:
 
     log: list = []
 
-    def isend(tensor, dst, group=None):
+    def isend(tensor, dst, group=None, tag=0):
         log.append(("isend", tensor.dtype))
         return _Work(log, "isend")
 
-    def irecv(tensor, src, group=None):
+    def irecv(tensor, src, group=None, tag=0):
         log.append(("irecv", tensor.dtype))
         return _Work(log, "irecv")
 
@@ -145,7 +145,7 @@ def _fake_p2p(monkeypatch) -> list:
 
     monkeypatch.setattr(dist, "isend", isend)
     monkeypatch.setattr(dist, "irecv", irecv)
-    monkeypatch.setattr(dist, "P2POp", lambda op, t, peer, group=None: (op, t, peer))
+    monkeypatch.setattr(dist, "P2POp", lambda op, t, peer, group=None, tag=0: (op, t, peer))
     monkeypatch.setattr(dist, "batch_isend_irecv", batch)
     return log
 

@@ -41,6 +41,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
         ({"reducer": "ring"}, 2, "reducer='ring' is unknown"),
         ({"zero": 3}, 2, "zero=3 is not a ZeRO level; choose 0"),
         ({"zero": 2, "reducer": "per_param"}, 2, "zero=2 reduce-scatters flat gradient buckets"),
+        ({"virtual_stages": 2}, 2, "virtual_stages=2 needs an interleaved schedule"),
+        ({"stage_layers": [2, -1]}, 2, r"stage_layers=\[2, -1\] must hold ints >= 0"),
     ],
 )
 def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):

@@ -35,13 +35,15 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_titan import ModelConfig, TitanDataModule, TitanLM, TitanStrategy
 from lightning_titan.bench.memory import SavedTensorMeter
-from lightning_titan.pipeline.schedules import SCHEDULES
+from lightning_titan.pipeline.schedules import gpipe, one_f_one_b
 from lightning_titan.timeline import PipelineTimeline
 from lightning_titan.tracing import theory_bubble
 
 QUICK = os.environ.get("TITAN_NOTEBOOK_QUICK") == "1"  # the test suite sets it: fewer runs
 P = 4  # pipeline stages (ranks)
 MS = (2, 8) if QUICK else (1, 2, 4, 8, 16)  # microbatch counts to measure
+# the two schedules over one chunk per rank compared here (interleaved 1F1B and ZB-H1: concepts.md)
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 M_SHOW = 8  # the one drawn side by side
 MICROBATCH = 2  # sequences per microbatch: the global batch grows with M
 RECORD = [1] if QUICK else [2, 3]  # steps the timeline records (after warm-up)

@@ -54,7 +54,10 @@ def plot_gantt(spans: Sequence[Span], path: str | Path, rank_labels: dict[int, s
         start, dur = (s.start_ns - t0) / 1e6, s.duration_ns / 1e6
         ax.barh(y, dur, left=start, height=h, color=COLORS.get(s.kind, "black"), linewidth=0)
         if s.kind in ("forward", "backward") and "mb" in s.args and dur > width_ms / 60:
-            label = ("F" if s.kind == "forward" else "B") + str(s.args["mb"])
+            letter = "W" if s.name == "backward_weight" else s.kind[0].upper()  # zero-bubble W
+            label = (
+                letter + str(s.args["mb"]) + (f".{s.args['chunk']}" if "chunk" in s.args else "")
+            )
             ax.text(start + dur / 2, y, label, ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(ranks)), [(rank_labels or {}).get(r, f"rank {r}") for r in ranks])
     ax.invert_yaxis()

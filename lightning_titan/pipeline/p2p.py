@@ -2,7 +2,11 @@
 
 Every method is a no-op at the end of the pipeline where it has no neighbour, so a schedule reads the same
 on every stage. Each direction of a link carries one ordered stream per step: activations y_0 .. y_{M-1}
-from the previous stage, grads g_0 .. g_{M-1} (in the schedule's backward order) from the next.
+from the previous stage, grads g_0 .. g_{M-1} (in the schedule's backward order) from the next. With
+virtual stages (``ring``) the ends are neighbours too (the last rank feeds the first rank's next chunk)
+and the chunked schedule says when a message is due; the two streams carry their own tags (on pp=2
+both come from the same rank), and their order also agrees per pair of ranks, as NCCL (which matches
+by order) needs: the threaded test checks that over one channel per pair.
 
 On gloo a send completes only after the receiver has posted the matching receive, and the payload moves
 when the sender's side notices that; a stage busy computing notices late (3-5 ms per message on 2 shared
@@ -32,12 +36,15 @@ from lightning_titan import probes
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.wire import wire_dtype
 
+# Each stream has its own tag: with virtual stages on pp=2 both neighbours are the same rank.
+FORWARD_TAG, BACKWARD_TAG = 0, 1
+
 
 class _Inbox:
     """Receives from one neighbour, posted ahead of use when ``early``."""
 
-    def __init__(self, links: StageLinks, peer: int | None, expected: int) -> None:
-        self.links, self.peer = links, peer
+    def __init__(self, links: StageLinks, peer: int | None, expected: int, tag: int) -> None:
+        self.links, self.peer, self.tag = links, peer, tag
         self.unposted = expected if peer is not None else 0
         self.posted: deque[tuple[dist.Work, Tensor]] = deque()
 
@@ -45,7 +52,8 @@ class _Inbox:
         if self.unposted:
             self.unposted -= 1
             buffer = self.links.new_buffer()
-            self.posted.append((dist.irecv(buffer, self.peer, group=self.links.group), buffer))
+            work = dist.irecv(buffer, self.peer, group=self.links.group, tag=self.tag)
+            self.posted.append((work, buffer))
 
     def take(self) -> Tensor:
         if not self.posted:
@@ -64,7 +72,9 @@ class StageLinks:
     """This rank's links to the previous and next stage of its pipeline (its PP group), for one step.
 
     ``dtype`` is the stage's activation dtype (what a receive returns); messages travel in
-    ``wire_dtype``, the autocast dtype when links are built under autocast."""
+    ``wire_dtype``, the autocast dtype when links are built under autocast. ``ring``: the stages
+    form a ring (virtual stages: the last rank's chunk feeds the first rank's next chunk), so the
+    first stage has a previous one and the last a next one; the schedule says when one is used."""
 
     def __init__(
         self,
@@ -72,22 +82,29 @@ class StageLinks:
         group: dist.ProcessGroup | None,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        ring: bool = False,
     ) -> None:
         self.prev, self.next = dims.prev_stage_rank, dims.next_stage_rank
+        if ring and dims.pp > 1:
+            self.prev, self.next = (
+                dims.stage_rank((dims.pp_rank - 1) % dims.pp),
+                dims.stage_rank((dims.pp_rank + 1) % dims.pp),
+            )
         self.group, self.dtype, self.device = group, dtype, device
         self.wire_dtype = wire_dtype(dtype, device)
         self.early = device.type == "cpu"
         self.shape: tuple[int, ...] = ()
-        self._from_prev = _Inbox(self, self.prev, 0)
-        self._from_next = _Inbox(self, self.next, 0)
+        self._from_prev = _Inbox(self, self.prev, 0, FORWARD_TAG)
+        self._from_next = _Inbox(self, self.next, 0, BACKWARD_TAG)
         self._sends: list[dist.Work] = []  # in flight; each work holds its tensor until waited
 
     def start(self, shape: tuple[int, ...], forward: int, backward: int) -> None:
         """Announce the step: ``forward`` activations from the previous stage, ``backward`` grads from
         the next, each of ``shape``. On CPU the first receive of each stream is posted now."""
         self.shape = shape
-        self._from_prev = _Inbox(self, self.prev, forward)
-        self._from_next = _Inbox(self, self.next, backward)
+        self._from_prev = _Inbox(self, self.prev, forward, FORWARD_TAG)
+        self._from_next = _Inbox(self, self.next, backward, BACKWARD_TAG)
         if self.early:
             self._from_prev.post()
             self._from_next.post()
@@ -101,50 +118,66 @@ class StageLinks:
     def new_buffer(self) -> Tensor:
         return torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
 
-    def _exchange(
-        self, send: Tensor | None, send_to: int | None, inbox: _Inbox | None
-    ) -> Tensor | None:
-        """Send ``send`` to ``send_to`` (if both are given) and take the next message of ``inbox``."""
-        send_to = send_to if send is not None else None
-        inbox = inbox if inbox is not None and inbox.peer is not None else None
-        if send_to is None and inbox is None:
-            return None
+    def exchange(
+        self,
+        activation: Tensor | None = None,
+        grad: Tensor | None = None,
+        recv_forward: bool = False,
+        recv_backward: bool = False,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Send ``activation`` to the next stage and ``grad`` to the previous one (those given), and
+        take the next activation from the previous stage and grad from the next (those asked for),
+        all in one batch: (activation, grad) received, None where not asked or no neighbour."""
+        sends = [
+            (t.detach().to(self.wire_dtype).contiguous(), peer, tag)
+            for t, peer, tag in (
+                (activation, self.next, FORWARD_TAG),
+                (grad, self.prev, BACKWARD_TAG),
+            )
+            if t is not None and peer is not None
+        ]
+        inboxes = [
+            box if asked and box.peer is not None else None
+            for box, asked in ((self._from_prev, recv_forward), (self._from_next, recv_backward))
+        ]
+        if not sends and not any(inboxes):
+            return None, None
         probes.fault("p2p")
-        if send_to is not None:
-            send = send.detach().to(self.wire_dtype).contiguous()
         if self.early:
-            if send_to is not None:
+            if sends:
                 self.finish()  # one batch of sends in flight: bounds what they hold
-                self._sends.append(dist.isend(send, send_to, group=self.group))
-            return None if inbox is None else inbox.take()
-        ops, received = [], None
-        if send_to is not None:
-            ops.append(dist.P2POp(dist.isend, send, send_to, self.group))
-        if inbox is not None:
-            received = self.new_buffer()
-            ops.append(dist.P2POp(dist.irecv, received, inbox.peer, self.group))
+                self._sends += [dist.isend(t, p, group=self.group, tag=tag) for t, p, tag in sends]
+            x, g = (None if box is None else box.take() for box in inboxes)
+            return x, g
+        ops = [dist.P2POp(dist.isend, t, p, self.group, tag) for t, p, tag in sends]
+        received: list[Tensor | None] = []
+        for box in inboxes:
+            received.append(None if box is None else self.new_buffer())
+            if box is not None:
+                ops.append(dist.P2POp(dist.irecv, received[-1], box.peer, self.group, box.tag))
         works = dist.batch_isend_irecv(ops)
-        if received is None:
+        if not any(inboxes):
             self._sends.extend(works)  # the sent tensors live until finish(): the step's last call
-            return None
+            return None, None
         for work in works:
             work.wait()
-        return received.to(self.dtype)
+        x, g = (None if t is None else t.to(self.dtype) for t in received)
+        return x, g
 
     def recv_forward(self) -> Tensor | None:
-        return self._exchange(None, None, self._from_prev)
+        return self.exchange(recv_forward=True)[0]
 
     def send_forward(self, activation: Tensor | None) -> None:
-        self._exchange(activation, self.next, None)
+        self.exchange(activation=activation)
 
     def recv_backward(self) -> Tensor | None:
-        return self._exchange(None, None, self._from_next)
+        return self.exchange(recv_backward=True)[1]
 
     def send_backward(self, grad: Tensor | None) -> None:
-        self._exchange(grad, self.prev, None)
+        self.exchange(grad=grad)
 
     def send_forward_recv_backward(self, activation: Tensor | None) -> Tensor | None:
-        return self._exchange(activation, self.next, self._from_next)
+        return self.exchange(activation=activation, recv_backward=True)[1]
 
     def send_backward_recv_forward(self, grad: Tensor | None) -> Tensor | None:
-        return self._exchange(grad, self.prev, self._from_prev)
+        return self.exchange(grad=grad, recv_forward=True)[0]

@@ -22,8 +22,9 @@ from lightning_titan.batching import split_microbatches
 from lightning_titan.context_parallel import take_local
 from lightning_titan.model import StageModel
 from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.pipeline import backward_split, interleaved
 from lightning_titan.pipeline.p2p import StageLinks
-from lightning_titan.pipeline.schedules import forward_only, get_schedule
+from lightning_titan.pipeline.schedules import CHUNKED, forward_only, get_schedule
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -56,6 +57,7 @@ class PipelineStage:
         self.model, self.links, self.loss_fn = model, links, loss_fn
         self.pp, self.pp_rank = dims.pp, dims.pp_rank
         self.is_first, self.is_last = dims.is_first_stage, dims.is_last_stage
+        self.num_chunks = model.num_chunks  # virtual stages on this rank
         # every TP rank computes the same loss (vocab-parallel): one of them reports it
         self.reports_loss = self.is_last and dims.tp_rank == 0
         self.cp = dims.cp
@@ -75,54 +77,101 @@ class PipelineStage:
         self._backward = backward or (lambda loss: loss.backward())
         self._on_last_backward = on_last_backward
         self._tracer = tracer
-        # microbatch -> (its input to get the grad of, its output to back-propagate into, its objective)
-        self._saved: dict[int, tuple[Tensor | None, Tensor | None, Tensor]] = {}
+        # (chunk, microbatch) -> (its input to get the grad of, its output to back-propagate into,
+        # its objective)
+        self._saved: dict[tuple[int, int], tuple[Tensor | None, Tensor | None, Tensor]] = {}
+        # chunked schedules: what exchange received and what it is to send, by (kind, chunk, mb)
+        self._inbox: dict[tuple[str, int, int], Tensor | None] = {}
+        self._outbox: dict[tuple[str, int, int], Tensor | None] = {}
+        self._streams: tuple[list, list] = ([], [])
         self._backwards_done = 0
+        # zero-bubble: microbatch -> its W still to run (the first stage: its whole objective)
+        self._deferred: dict[int, backward_split.WeightGrads | Tensor] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
 
-    def _span(self, name: str, i: int):
+    def _span(self, name: str, i: int, chunk: int = 0):
         if self._tracer is not None:
             return self._tracer(name, i)
-        return probes.span(name if name in ("forward", "backward") else "p2p", name, mb=i)
+        kind = name if name in ("forward", "backward") else "p2p"
+        kind = "backward" if name == "backward_weight" else kind  # zero-bubble W: compute too
+        if self.num_chunks > 1:
+            return probes.span(kind, name, mb=i, chunk=chunk)
+        return probes.span(kind, name, mb=i)
 
     # compute ---------------------------------------------------------------------------------------
-    def forward(self, i: int, x: Tensor | None) -> Tensor | None:
-        with self._span("forward", i):
+    def embeds(self, chunk: int) -> bool:
+        return self.is_first and chunk == 0
+
+    def heads(self, chunk: int) -> bool:
+        return self.is_last and chunk == self.num_chunks - 1
+
+    def forward(self, i: int, x: Tensor | None, chunk: int = 0) -> Tensor | None:
+        with self._span("forward", i, chunk):
             grad_enabled = torch.is_grad_enabled()
-            if self.is_first:
+            if self.embeds(chunk):
                 x = self.inputs[i]
             elif grad_enabled:
                 x = x.requires_grad_()
-            out, aux = self.model(x)
+            out, aux = self.model(x, chunk=chunk)
             if grad_enabled:
                 out = probes.fault("forward", out)
             self.aux_sum += aux.detach().sum()
             objective = aux.sum() / self.local_sequences
-            if self.is_last:
+            if self.heads(chunk):
                 loss = self.loss_fn(out, self.targets[i])
                 if self.reports_loss:
                     self.loss_sum += loss.detach()
                 objective = objective + loss / self.local_tokens
             if grad_enabled:
                 # the surrogate (out * grad).sum() below gives `out` exactly the received grad
-                self._saved[i] = (
-                    None if self.is_first else x,
-                    out if not self.is_last else None,
+                self._saved[chunk, i] = (
+                    None if self.embeds(chunk) else x,
+                    None if self.heads(chunk) else out,
                     objective,
                 )
-            return None if self.is_last else out
+            return None if self.heads(chunk) else out
 
-    def backward(self, i: int, grad: Tensor | None) -> Tensor | None:
-        with self._span("backward", i):
-            x, out, objective = self._saved.pop(i)
+    def backward(self, i: int, grad: Tensor | None, chunk: int = 0) -> Tensor | None:
+        with self._span("backward", i, chunk):
+            x, out, objective = self._saved.pop((chunk, i))
             if out is not None:
                 objective = objective + (out * grad.to(out.dtype)).sum()
             self._backwards_done += 1
-            if self._backwards_done == self.num_microbatches and self._on_last_backward is not None:
+            last = self._backwards_done == self.num_microbatches * self.num_chunks
+            if last and self._on_last_backward is not None:
                 self._on_last_backward()
             self._backward(probes.fault("backward", objective))
             return None if x is None else x.grad
+
+    def backward_input(self, i: int, grad: Tensor | None) -> Tensor | None:
+        """B: the input grad only; the weight grads wait for ``backward_weight(i)``. B and W call
+        autograd themselves, not the ``backward`` callable (Lightning's ``manual_backward``, which
+        under 32-true and bf16-mixed only calls ``.backward()``); the first stage's W does use it."""
+        with self._span("backward", i):
+            x, out, objective = self._saved.pop((0, i))
+            if out is not None:
+                objective = objective + (out * grad.to(out.dtype)).sum()
+            objective = probes.fault("backward", objective)
+            if x is None:  # the first stage sends nothing upstream: all of it is W
+                self._deferred[i] = objective
+                return None
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            dx, self._deferred[i] = backward_split.split(objective, x, params)
+            return dx
+
+    def backward_weight(self, i: int) -> None:
+        """W: accumulate microbatch ``i``'s weight grads (the reducers' hooks fire here)."""
+        with self._span("backward_weight", i):
+            deferred = self._deferred.pop(i)
+            self._backwards_done += 1
+            last = self._backwards_done == self.num_microbatches
+            if last and self._on_last_backward is not None:
+                self._on_last_backward()
+            if isinstance(deferred, Tensor):
+                self._backward(deferred)
+            else:
+                deferred.run()
 
     # communication ---------------------------------------------------------------------------------
     def recv_forward(self, i: int) -> Tensor | None:
@@ -149,17 +198,63 @@ class PipelineStage:
         with self._span("send_backward_recv_forward", j):
             return self.links.send_backward_recv_forward(dx)
 
+    # chunked schedules (interleaved.py): inputs and outputs by (chunk, microbatch) -----------------
+    def forward_chunk(self, chunk: int, i: int) -> None:
+        x = None if self.embeds(chunk) else self._inbox.pop(("x", chunk, i))
+        self._outbox["y", chunk, i] = self.forward(i, x, chunk)
+
+    def backward_chunk(self, chunk: int, i: int) -> None:
+        grad = None if self.heads(chunk) else self._inbox.pop(("g", chunk, i))
+        self._outbox["dx", chunk, i] = self.backward(i, grad, chunk)
+
+    def exchange(
+        self,
+        send_forward: tuple[int, int] | None = None,
+        send_backward: tuple[int, int] | None = None,
+        recv_forward: bool = False,
+        recv_backward: bool = False,
+    ) -> None:
+        """One batch of sends and receives; a received tensor is filed under the (chunk, microbatch)
+        its stream says comes next (``interleaved.stream_ids``)."""
+        y = None if send_forward is None else self._outbox.pop(("y", *send_forward))
+        dx = None if send_backward is None else self._outbox.pop(("dx", *send_backward))
+        with self._span("exchange", (send_forward or send_backward or (0, 0))[1]):
+            x, g = self.links.exchange(y, dx, recv_forward, recv_backward)
+        acts, grads = self._streams
+        if recv_forward:
+            chunk, i = acts.pop(0)
+            self._inbox["x", chunk, i] = x
+        if recv_backward:
+            chunk, i = grads.pop(0)
+            self._inbox["g", chunk, i] = g
+
     # driving ---------------------------------------------------------------------------------------
     def run(self, schedule: str | None) -> StepSums:
         """Run a training schedule by name, or forward only when ``schedule`` is None."""
         m = self.num_microbatches
-        self.links.start(self.shape, forward=m, backward=0 if schedule is None else m)
-        (forward_only if schedule is None else get_schedule(schedule))(self, m)
+        if self.num_chunks > 1:
+            if schedule is not None and schedule not in CHUNKED:
+                raise ValueError(
+                    f"schedule={schedule!r} runs one chunk per rank but this stage holds "
+                    f"{self.num_chunks} (virtual_stages): use one of {sorted(CHUNKED)}"
+                )
+            acts, grads = interleaved.stream_ids(self.pp, self.pp_rank, self.num_chunks, m)
+            self._streams = (acts, [] if schedule is None else grads)
+            self.links.start(self.shape, forward=len(acts), backward=len(self._streams[1]))
+            run = interleaved.interleaved_forward_only if schedule is None else CHUNKED[schedule]
+        else:
+            if schedule in CHUNKED:
+                raise ValueError(
+                    f"schedule={schedule!r} needs virtual_stages >= 2 (this stage holds one chunk); "
+                    "build the model with StageSplit(virtual_stages=...) or use schedule='1f1b'"
+                )
+            self.links.start(self.shape, forward=m, backward=0 if schedule is None else m)
+            run = forward_only if schedule is None else get_schedule(schedule)
+        run(self, m)
         with self._span("wait_sends", m - 1):
             self.links.finish()
-        if self._saved and schedule is not None:
-            raise RuntimeError(
-                f"schedule {schedule!r} left microbatches {sorted(self._saved)} without backward"
-            )
+        if (self._saved or self._deferred) and schedule is not None:
+            left = sorted(self._saved) + sorted(self._deferred)
+            raise RuntimeError(f"schedule {schedule!r} left microbatches {left} without backward")
         tokens = self.local_tokens // self.cp if self.reports_loss else 0  # each CP rank its own
         return StepSums(self.loss_sum, self.aux_sum, tokens)

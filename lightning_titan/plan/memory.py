@@ -26,6 +26,7 @@ import torch
 from lightning_titan.bench.memory import PARTS
 from lightning_titan.model import EXPERT, ModelConfig, StageModel, grad_group_kinds
 from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import padded_vocab, tp_shard
 from lightning_titan.zero import cut_dim, owned_rows
 
@@ -43,20 +44,26 @@ class StageTensor:
     tp_dim: int | None  # the dim TP cuts, None when whole on every TP rank
 
 
-def stage_tensors(config: ModelConfig, pp: int, pp_rank: int) -> tuple[StageTensor, ...]:
-    """The parameters of stage ``pp_rank`` of ``pp`` at full size (ep = tp = 1), built on meta."""
-    key = (repr(config), pp, pp_rank)  # the config's fields (a ModelConfig is not hashable)
+def stage_tensors(
+    config: ModelConfig, pp: int, pp_rank: int, split: StageSplit | None = None
+) -> tuple[StageTensor, ...]:
+    """The parameters pipeline rank ``pp_rank`` of ``pp`` holds (its chunks as ``split`` cuts the
+    layers; None: evenly) at full size (ep = tp = 1), built on meta."""
+    split = split or StageSplit()
+    key = (repr(config), pp, pp_rank, repr(split))  # a ModelConfig is not hashable: its fields
     if key not in _STAGES:
-        _STAGES[key] = _build_stage_tensors(config, pp, pp_rank)
+        _STAGES[key] = _build_stage_tensors(config, pp, pp_rank, split)
     return _STAGES[key]
 
 
-_STAGES: dict[tuple[str, int, int], tuple[StageTensor, ...]] = {}
+_STAGES: dict[tuple[str, int, int, str], tuple[StageTensor, ...]] = {}
 
 
-def _build_stage_tensors(config: ModelConfig, pp: int, pp_rank: int) -> tuple[StageTensor, ...]:
+def _build_stage_tensors(
+    config: ModelConfig, pp: int, pp_rank: int, split: StageSplit
+) -> tuple[StageTensor, ...]:
     with torch.device("meta"):
-        model = StageModel(config, pp_rank=pp_rank, pp=pp)
+        model = StageModel(config, pp_rank=pp_rank, pp=pp, split=split)
     cut = {
         id(m.weight): shard.dim
         for m in model.modules()
@@ -89,10 +96,12 @@ def _owned_numel(shape: tuple[int, ...], expert: bool, tp_dim: int | None, n: in
     return numel // shape[dim] * (stop - start)
 
 
-def rank_state(config: ModelConfig, dims: ParallelDims, zero: int = 0) -> dict[str, int]:
+def rank_state(
+    config: ModelConfig, dims: ParallelDims, zero: int = 0, split: StageSplit | None = None
+) -> dict[str, int]:
     """Bytes of ``{expert,non_expert}_{params,grads,optimizer}`` on rank ``dims.rank``."""
     out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
-    for t in stage_tensors(config, dims.pp, dims.pp_rank):
+    for t in stage_tensors(config, dims.pp, dims.pp_rank, split):
         part = "expert" if t.kind == EXPERT else "non_expert"
         shape = local_shape(t, dims)
         numel = math.prod(shape)

@@ -227,6 +227,83 @@ MUTATIONS = {
                              "return _ContiguousGrad.apply(torch._grouped_mm(",
                              "return (torch._grouped_mm(",
                              ["tests/test_experts.py"]),
+    # issue 17: the backwards of the interleaved schedule run the chunks forward, not reversed
+    "interleaved_bwd_order": ("lightning_titan/pipeline/interleaved.py",
+                              "chunk = r // pp if forward else v - 1 - r // pp",
+                              "chunk = r // pp",
+                              ["tests/test_schedules.py", "-k", "interleaved"]),
+    # issue 17: rank p holds virtual stages p*v .. p*v+v-1 (contiguous), not round-robin
+    "split_not_round_robin": ("lightning_titan/pipeline/split.py",
+                              "for s in range(pp_rank, len(counts), pp)",
+                              "for s in range(pp_rank * (len(counts) // pp), (pp_rank + 1) * (len(counts) // pp))",
+                              ["tests/test_equivalence.py", "-k", "2"]),
+    # issue 17: an explicit split silently drops the last layer (the peers' bug)
+    "split_drops_a_layer": ("lightning_titan/pipeline/split.py",
+                            "        return counts\n",
+                            "        return counts[:-1] + [max(0, counts[-1] - 1)]\n",
+                            ["tests/test_equivalence.py", "-k", "2"]),
+    # issue 17: a split that does not sum to n_layers gets through
+    "split_sum_unchecked": ("lightning_titan/pipeline/split.py",
+                            "        if sum(counts) != n_layers:",
+                            "        if False:",
+                            ["tests/test_split.py"]),
+    # issue 17: a received activation is filed under the stream's last id, not its next
+    "stream_misfiled": ("lightning_titan/pipeline/stage.py",
+                        "chunk, i = acts.pop(0)",
+                        "chunk, i = acts.pop()",
+                        ["tests/test_equivalence.py", "-k", "2"]),
+    # issue 17: both streams share a tag (pp=2 with virtual stages: one peer for both)
+    "ring_one_tag": ("lightning_titan/pipeline/p2p.py",
+                     "FORWARD_TAG, BACKWARD_TAG = 0, 1",
+                     "FORWARD_TAG, BACKWARD_TAG = 0, 0",
+                     ["tests/test_equivalence.py", "-k", "2"]),
+    # issue 17: the grads are reduced from the last microbatch's backward of chunk v-1 on, before
+    # the other chunks' backwards have accumulated theirs
+    "sync_before_last_chunk": ("lightning_titan/pipeline/stage.py",
+                               "self._backwards_done == self.num_microbatches * self.num_chunks",
+                               "self._backwards_done == self.num_microbatches",
+                               ["tests/test_equivalence.py", "-k", "4"]),
+    # issue 17: ZB-H1's W of a shared weight adds what reaches its second matmul through the first
+    "zb_no_clamp": ("lightning_titan/pipeline/backward_split.py",
+                    "if len(group.intermediates) > 1",
+                    "if False",
+                    ["tests/test_backward_split.py"]),
+    # issue 17: B also accumulates the weight grads (they would come twice with W)
+    "zb_b_accumulates": ("lightning_titan/pipeline/backward_split.py",
+                         "(dx,) = torch.autograd.grad(objective, [x], retain_graph=True)",
+                         "objective.backward(retain_graph=True); dx = x.grad",
+                         ["tests/test_equivalence.py", "-k", "2"]),
+    # issue 17: the reducers sync from the first W on, not the last (grads reduced too early)
+    "zb_sync_first_w": ("lightning_titan/pipeline/stage.py",
+                        "            last = self._backwards_done == self.num_microbatches\n",
+                        "            last = self._backwards_done == 1\n",
+                        ["tests/test_equivalence.py", "-k", "4"]),
+    # issue 17: ZB-H1 runs W before sending the input grad upstream (B's point lost) -- order test
+    "zb_w_not_deferred": ("lightning_titan/pipeline/schedules.py",
+                          "        if len(deferred) > delay:",
+                          "        if len(deferred) > 0:",
+                          ["tests/test_schedules.py", "-k", "zb"]),
+    # issue 17: stage_layers="auto" charges the head to the first stage
+    "auto_head_on_first": ("lightning_titan/pipeline/split.py",
+                           "extra[-1] += costs.head / block",
+                           "extra[0] += costs.head / block",
+                           ["tests/test_split.py", "-k", "auto"]),
+    # issue 17: one warmup forward too few per stage: a steady step waits for a grad that needs its
+    # own next forward first (the ideal replay deadlocks)
+    "interleaved_short_warmup": ("lightning_titan/pipeline/interleaved.py",
+                                 "return min(v * m, (pp - pp_rank - 1) * 2 + (v - 1) * pp)",
+                                 "return min(v * m, (pp - pp_rank - 1) * 2 + (v - 1) * pp - 1)",
+                                 ["tests/test_bench.py", "-k", "interleaved_bubble"]),
+    # issue 17: the compute-only replay ignores the chunks (interleaved spans replayed as one stage)
+    "replay_ignores_chunks": ("lightning_titan/tracing.py",
+                              'v_stage = s.args.get("chunk", 0) * len(ranks) + p',
+                              "v_stage = p",
+                              ["tests/test_bench.py", "-k", "replay_knows"]),
+    # issue 17: the replay runs a deferred W as a backward (it then waits for the next stage's B)
+    "replay_w_as_b": ("lightning_titan/tracing.py",
+                      'kind = "weight" if s.name == "backward_weight" else s.kind',
+                      "kind = s.kind",
+                      ["tests/test_bench.py", "-k", "replay_sends"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -1,0 +1,78 @@
+"""The backward split zero-bubble schedules use (``pipeline.backward_split``), in one process: B gives
+the input grad of a full backward and leaves every weight grad untouched; W then gives every weight
+grad of a full backward, each weight's post-accumulate hook (the reducers') firing exactly once."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_harness import CONFIG, SEED
+
+from lightning_titan.model import StageModel
+from lightning_titan.pipeline import backward_split
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("pp_rank,pp", [(1, 2), (1, 3)])  # the head stage, a middle stage
+def test_b_then_w_equals_one_backward(pp_rank, pp, recompute):
+    config = replace(CONFIG, n_layers=6, activation_checkpointing=recompute)
+    model = StageModel(config, pp_rank=pp_rank, pp=pp)
+    model.init_weights(SEED)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, config.seq_len, config.d_model, generator=g)
+    targets = torch.randint(0, config.vocab_size, (2, config.seq_len), generator=g)
+    grad_out = torch.randn(2, config.seq_len, config.d_model, generator=g)
+
+    def objective(x):
+        out, aux = model(x)
+        if model.is_last_stage:
+            return (
+                F.cross_entropy(out.flatten(0, 1), targets.flatten(), reduction="sum") + aux.sum()
+            )
+        return (out * grad_out).sum() + aux.sum()
+
+    x = x0.clone().requires_grad_()
+    objective(x).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    want_dx = x.grad.clone()
+    model.zero_grad(set_to_none=True)
+
+    fired: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda _, n=name: fired.update({n: fired.get(n, 0) + 1})
+        )
+    x = x0.clone().requires_grad_()
+    dx, weights = backward_split.split(objective(x), x, list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters()), "B accumulated a weight grad"
+    torch.testing.assert_close(dx, want_dx, rtol=1e-6, atol=1e-7)
+    weights.run()
+    assert fired == dict.fromkeys(want, 1), "each weight's hook must fire once"
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_weight_used_twice_on_the_input_path_is_counted_once():
+    """One weight in two matmuls of the x path: two intermediates in one group, W runs from both and
+    must not add what reaches the second through the first on top of what B kept for it."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.nn.Parameter(torch.randn(4, 4, generator=g))
+    scale = torch.nn.Parameter(torch.randn(4, generator=g))
+    x0 = torch.randn(3, 4, generator=g)
+
+    def objective(x):
+        return ((torch.tanh(x @ weight) @ weight) * scale).pow(2).sum()
+
+    x = x0.clone().requires_grad_()
+    objective(x).backward()
+    want, want_dx = (weight.grad.clone(), scale.grad.clone()), x.grad.clone()
+    weight.grad = scale.grad = None
+    x = x0.clone().requires_grad_()
+    dx, weights = backward_split.split(objective(x), x, [weight, scale])
+    assert any(len(group.intermediates) == 2 for group in weights.groups)
+    torch.testing.assert_close(dx, want_dx)
+    weights.run()
+    torch.testing.assert_close((weight.grad, scale.grad), want)
