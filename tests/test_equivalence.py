@@ -9,11 +9,14 @@ its slice of the heads and of the padded vocabulary (the padding stays zero), an
 vocab-parallel cross-entropy. Context-parallel layouts are (dp, pp, ep, tp, cp): each rank computes its
 positions of every sequence. BIAS cases turn on aux-loss-free balancing (the expert bias, with the
 aux loss still on) and compare with a single-process run of that config, final biases bit for bit.
+CAPACITY cases cap each expert's share of a sequence: the same assignments are dropped on every step
+(counts equal to one process's) and no local expert receives more rows than the capacity allows.
 """
 
 import pytest
 from engine_harness import (
     BIAS_CONFIG,
+    CAPACITY_CONFIG,
     MAX_NORM,
     assert_matches_reference,
     reference,
@@ -81,6 +84,18 @@ BIAS = {
     4: [],
     8: [((2, 2, 2), "1f1b", 2)],
 }
+# Expert capacity (CAPACITY_CONFIG): the drops per sequence, its queue counted over its cp x tp ranks
+CAPACITY = {
+    2: [
+        ((2, 1, 1), "1f1b", 1),
+        ((1, 2, 1), "1f1b", 2),
+        ((1, 1, 2), "gpipe", 2),
+        ((1, 1, 1, 2), "1f1b", 1),
+        ((1, 1, 1, 1, 2), "1f1b", 1),
+    ],
+    4: [((1, 1, 1, 2, 2), "1f1b", 2)],
+    8: [((1, 2, 2, 2), "1f1b", 2)],
+}
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +114,30 @@ def bias_ref(ref):
     return result
 
 
+@pytest.fixture(scope="module")
+def capacity_ref(ref):
+    result = reference(CAPACITY_CONFIG)
+    assert min(result["dropped"]) > 0, "assignments must be dropped on every step to be tested"
+    assert result["loss"] != ref["loss"]
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_every_layout_equals_one_process(ref, bias_ref, world):
+def test_every_layout_equals_one_process(ref, bias_ref, capacity_ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
     cases += TP[world] + CP[world]
     cases += [(layout, schedule, m, BIAS_CONFIG) for layout, schedule, m in BIAS[world]]
+    cases += [(layout, schedule, m, CAPACITY_CONFIG) for layout, schedule, m in CAPACITY[world]]
+    refs = [(BIAS_CONFIG, bias_ref, " expert bias"), (CAPACITY_CONFIG, capacity_ref, " capacity")]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
     for i, (layout, schedule, m, *config) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
-        label = f"{layout} {schedule} M={m}" + (" expert bias" if config else "")
-        assert_matches_reference(bias_ref if config else ref, results, label)
+        expected, name = next(((r, n) for c, r, n in refs if config and c is config[0]), (ref, ""))
+        assert_matches_reference(expected, results, f"{layout} {schedule} M={m}{name}")
         # AdamW keeps two moments per weight; zero>0 leaves each rank about 1/(its DP group) of them,
         # zero=2 likewise of the grads it holds at the step and after it (whole at zero<2)
         for r in results:
