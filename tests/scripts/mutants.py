@@ -203,6 +203,21 @@ MUTATIONS = {
                             '        check_model_config(config.get("model"))\n',
                             "",
                             ["tests/test_errors.py", "-k", "bad_model_argument"]),
+    # issue 19: the model FLOPs leave the attention scores out
+    "flops_no_attention": ("lightning_titan/flops.py",
+                           "attention = 2 * 2 * s * q_width",
+                           "attention = 0",
+                           ["tests/test_flops.py"]),
+    # issue 19: the training FLOPs counted as forward + one backward matmul per matmul
+    "flops_forward_only": ("lightning_titan/flops.py",
+                           "return 3 * forward_flops_per_token(config)",
+                           "return 2 * forward_flops_per_token(config)",
+                           ["tests/test_flops.py"]),
+    # issue 19: the layers' dropped counts never reach the step's totals
+    "dropped_not_summed": ("lightning_titan/engine.py",
+                           "dropped += layer.step_dropped.to(dropped.device)",
+                           "dropped += 0",
+                           ["tests/test_flops.py", "-k", "titanlm"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
