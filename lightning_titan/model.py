@@ -60,9 +60,8 @@ class ModelConfig:
     router_bias_update_rate: float = 0.0  # expert-bias step per optimizer step, e.g. 1e-3; 0 = off
     init_std: float = 0.02
     activation_checkpointing: bool = False  # recompute each block in backward
-    # expert capacity (moe/capacity.py): each expert takes at most floor(factor * S * K / E) of a
-    # sequence's assignments, the rest are dropped (their residual passes through); None = dropless
-    capacity_factor: float | None = None
+    # expert capacity (moe/capacity.py): the assignments over it are dropped (the residual passes)
+    capacity_factor: float | None = None  # <= floor(factor*S*K/E) per sequence; None: dropless
 
     def __post_init__(self) -> None:
         for name in (

@@ -91,6 +91,32 @@ def plot_expert_load(
     fig.savefig(path)
 
 
+def plot_balance(
+    balance: Sequence[tuple[int, Sequence[float], Sequence[float] | None]], path: str | Path
+) -> None:
+    """``balance``: (step, [layer] max/mean load, [layer] max/mean of the unbiased choice or None);
+    one line per layer, dashed the unbiased one."""
+    if not balance:
+        raise ValueError("no expert-balance history to plot")
+    steps = [step for step, _, _ in balance]
+    fig = _figure(6, 3.6)
+    ax = fig.add_subplot()
+    for layer in range(len(balance[0][1])):
+        ax.plot(steps, [row[1][layer] for row in balance], color=f"C{layer}", linewidth=0.9,
+                label=f"layer {layer}")  # fmt: skip
+        if balance[0][2] is not None:
+            ax.plot(steps, [row[2][layer] for row in balance], color=f"C{layer}",  # type: ignore[index]
+                    linewidth=0.7, linestyle="--")  # fmt: skip
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean expert load")
+    dashed = ", dashed: without the bias" if balance[0][2] is not None else ""
+    ax.set_title(f"expert load balance per layer (1 = even{dashed})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def plot_throughput(rows: Sequence[dict], path: str | Path) -> None:
     """tokens/s of ours per composition, grouped by world size."""
     fig = _figure(max(6, 0.45 * len(rows) + 2), 4)

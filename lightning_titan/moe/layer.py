@@ -31,6 +31,8 @@ class MoELayer(nn.Module):
     says how ``sequence_group`` cuts each sequence. The counts above are the router's selections,
     before the drops; ``step_dropped`` sums the dropped assignments of a step's training forwards
     (the engine spends it) and ``rows_per_local_expert`` holds the last forward's received rows.
+    With the bias on, ``unbiased_tokens_per_expert`` [E] holds the last forward's counts of the
+    top-K the unbiased scores would have chosen (what the bias changed: ``timeline.ExpertLoad``).
     """
 
     expert_bias: Tensor | None
@@ -89,6 +91,7 @@ class MoELayer(nn.Module):
         self.sequence_split = sequence_split
         self.register_buffer("step_dropped", torch.zeros((), dtype=torch.long), persistent=False)
         self.rows_per_local_expert: list[int] = []
+        self.unbiased_tokens_per_expert: Tensor | None = None
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x`` [b, S, D] -> (output [b, S, D], aux [b] fp32 already weighted by the coefficients)."""
@@ -98,7 +101,10 @@ class MoELayer(nn.Module):
                 f"this MoE layer holds {self.experts.n_local} of {self.n_experts} experts but has no "
                 "ep_group to reach the others; pass the EP process group"
             )
-        routing = route(self.router(x), self.top_k, self.sequence_group, self.expert_bias)
+        logits = self.router(x)
+        routing = route(logits, self.top_k, self.sequence_group, self.expert_bias)
+        if self.expert_bias is not None:
+            self.unbiased_tokens_per_expert = self._unbiased_counts(logits)
         tokens = x.reshape(b * s, d)
         keep = self._keep(routing.expert_ids, b, s)
         expert_in, plan = dispatch(tokens, routing.expert_ids, self.n_experts, self.ep_group, keep)
@@ -117,6 +123,15 @@ class MoELayer(nn.Module):
                 self.step_dropped += keep.numel() - keep.sum()
         aux = self.aux_loss_coef * routing.load_balance + self.z_loss_coef * routing.z_loss
         return out.view(b, s, d), aux
+
+    @torch.no_grad()
+    def _unbiased_counts(self, logits: Tensor) -> Tensor:
+        """[E] long: the assignments the router's scores alone would make (no bias), for ExpertLoad.
+        The top-K of the logits is that of any score that grows with them (softmax, sigmoid)."""
+        ids = torch.topk(logits.detach(), self.top_k, dim=-1).indices.reshape(-1)
+        return torch.zeros(self.n_experts, dtype=torch.long, device=ids.device).scatter_add_(
+            0, ids, torch.ones_like(ids)
+        )
 
     def _keep(self, expert_ids: Tensor, b: int, s: int) -> Tensor | None:
         """[T, K] bool: the assignments within capacity (None: dropless)."""

@@ -218,6 +218,11 @@ MUTATIONS = {
                            "dropped += layer.step_dropped.to(dropped.device)",
                            "dropped += 0",
                            ["tests/test_flops.py", "-k", "titanlm"]),
+    # issue 19: ExpertLoad's "without the bias" load counted from the biased scores
+    "unbiased_load_biased": ("lightning_titan/moe/layer.py",
+                             "self.unbiased_tokens_per_expert = self._unbiased_counts(logits)",
+                             "self.unbiased_tokens_per_expert = self._unbiased_counts(logits.softmax(-1) + self.expert_bias)",
+                             ["tests/test_expert_load.py"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
