@@ -261,12 +261,18 @@ class ExpertLoad(Callback):
         if not trainer.is_global_zero or not self.history:
             return
         rank_zero_info(balance_summary(self.balance))
-        for path, plot, data in ((self.plot_path, plots.plot_expert_load, self.history),
-                                 (self.balance_plot_path, plots.plot_balance, self.balance)):  # fmt: skip
-            if path and plots.available():
+        if not plots.available():
+            return
+        for path in (self.plot_path, self.balance_plot_path):
+            if path:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-                plot(data, path)
-                rank_zero_info(f"ExpertLoad: wrote {Path(path).resolve()}")
+        if self.plot_path:
+            plots.plot_expert_load(self.history, self.plot_path)
+        if self.balance_plot_path:
+            plots.plot_balance(self.balance, self.balance_plot_path)
+        written = [str(Path(p).resolve()) for p in (self.plot_path, self.balance_plot_path) if p]
+        if written:
+            rank_zero_info(f"ExpertLoad: wrote {', '.join(written)}")
 
 
 def balance_summary(balance: Sequence[tuple[int, list[float], list[float] | None]]) -> str:

@@ -104,9 +104,9 @@ def plot_balance(
     for layer in range(len(balance[0][1])):
         ax.plot(steps, [row[1][layer] for row in balance], color=f"C{layer}", linewidth=0.9,
                 label=f"layer {layer}")  # fmt: skip
-        if balance[0][2] is not None:
-            ax.plot(steps, [row[2][layer] for row in balance], color=f"C{layer}",  # type: ignore[index]
-                    linewidth=0.7, linestyle="--")  # fmt: skip
+        unbiased = [row[2][layer] for row in balance if row[2] is not None]
+        if unbiased:
+            ax.plot(steps, unbiased, color=f"C{layer}", linewidth=0.7, linestyle="--")
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_xlabel("step")
     ax.set_ylabel("max / mean expert load")
