@@ -162,17 +162,16 @@ class ExpertLoad(Callback):
     ``expert_load/layer{l}/max_over_mean`` (1.0 = perfectly balanced). With the expert bias on
     (``router_bias_update_rate``) also ``expert_load/layer{l}/max_over_mean_unbiased``: the load of
     the top-K the router's scores alone would have chosen for the same tokens, so one run shows what
-    the bias does. ``balance_plot_path`` (rank 0) plots max/mean per layer over training, both.
+    the bias does. The plot's last panel is max/mean per layer over training, both; the end of
+    training prints them (rank 0).
     """
 
     def __init__(self, every_n_steps: int = 1, plot_path: str | None = "expert_load.png",
-                 log_per_expert: bool = True,
-                 balance_plot_path: str | None = "expert_balance.png") -> None:  # fmt: skip
+                 log_per_expert: bool = True) -> None:  # fmt: skip
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps!r} must be a positive int")
         self.every_n_steps = every_n_steps
         self.plot_path = plot_path
-        self.balance_plot_path = balance_plot_path
         self.log_per_expert = log_per_expert
         self.history: list[tuple[int, list[list[float]]]] = []  # (step, [layer][expert] shares)
         # (step, [layer] max/mean with the bias if any, [layer] max/mean without it or None)
@@ -261,18 +260,10 @@ class ExpertLoad(Callback):
         if not trainer.is_global_zero or not self.history:
             return
         rank_zero_info(balance_summary(self.balance))
-        if not plots.available():
-            return
-        for path in (self.plot_path, self.balance_plot_path):
-            if path:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-        if self.plot_path:
-            plots.plot_expert_load(self.history, self.plot_path)
-        if self.balance_plot_path:
-            plots.plot_balance(self.balance, self.balance_plot_path)
-        written = [str(Path(p).resolve()) for p in (self.plot_path, self.balance_plot_path) if p]
-        if written:
-            rank_zero_info(f"ExpertLoad: wrote {', '.join(written)}")
+        if self.plot_path and plots.available():
+            Path(self.plot_path).parent.mkdir(parents=True, exist_ok=True)
+            plots.plot_expert_load(self.history, self.plot_path, self.balance)
+            rank_zero_info(f"ExpertLoad: wrote {Path(self.plot_path).resolve()}")
 
 
 def balance_summary(balance: Sequence[tuple[int, list[float], list[float] | None]]) -> str:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from lightning_titan.bench import plots
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.timeline import ExpertLoad, balance_summary
 
@@ -34,7 +35,7 @@ def run_steps(config: ModelConfig, steps: int, bias: list[float] | None = None):
     if bias is not None:
         for block in model.layers.values():
             block.moe.expert_bias.copy_(torch.tensor(bias))
-    module, callback = Module(model), ExpertLoad(plot_path=None, balance_plot_path=None)
+    module, callback = Module(model), ExpertLoad(plot_path=None)
     trainer = SimpleNamespace(global_step=0, strategy=SimpleNamespace(root_device="cpu"),
                               is_global_zero=True)  # fmt: skip
     callback.on_train_start(trainer, module)
@@ -51,7 +52,7 @@ def max_over_mean(counts: torch.Tensor) -> float:
     return (counts.max() / counts.mean()).item()
 
 
-def test_with_the_bias_both_loads_are_logged_and_plotted_over_training():
+def test_with_the_bias_both_loads_are_logged_and_plotted_over_training(tmp_path):
     config = replace(CONFIG, router_bias_update_rate=1e-3)
     # expert 0 wins every token's first choice: with the bias the load is as uneven as top-2 allows
     model, logged, callback = run_steps(config, 3, bias=[9.0, 0.0, 0.0, 0.0])
@@ -66,6 +67,9 @@ def test_with_the_bias_both_loads_are_logged_and_plotted_over_training():
     assert all(len(row[1]) == len(row[2]) == 2 for row in callback.balance)
     summary = balance_summary(callback.balance)
     assert "layer 1 unbiased" in summary and "2.00 -> 2.00, mean 2.00" in summary
+    if plots.available():  # the shares per layer, and a last panel: max/mean with and without
+        plots.plot_expert_load(callback.history, tmp_path / "load.png", callback.balance)
+        assert (tmp_path / "load.png").stat().st_size > 0
 
 
 def test_without_the_bias_only_the_actual_load():
