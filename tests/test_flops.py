@@ -3,8 +3,11 @@ training step of the whole model, and the peak it is a share of."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -89,7 +92,14 @@ def test_titanlm_logs_flops_mfu_and_the_dropped_assignments(tmp_path):
         limit_val_batches=0, default_root_dir=tmp_path,
     )  # fmt: skip
     module = TitanLM(config, warmup_steps=0)
-    trainer.fit(module, loader)
+    environ = dict(os.environ)
+    try:
+        trainer.fit(module, loader)
+    finally:  # the fit leaves a process group and its address behind; later spawns need neither
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     per_token = metrics["flops_per_sec"] / metrics["tokens_per_sec"]
     assert per_token == pytest.approx(flops.training_flops_per_token(config), rel=1e-6)
