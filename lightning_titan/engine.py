@@ -118,7 +118,9 @@ class Engine:
         ]
         self.params = [p for _, p, _ in kinds]
         self.balanced_layers = balance.balanced_layers(module)  # MoE layers with an expert bias
-        self.moe_layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+        self.capacity_layers = [  # MoE layers that can drop assignments: their counts to sum
+            m for m in module.modules() if isinstance(m, MoELayer) and m.capacity_factor is not None
+        ]
         self._step_dropped = False  # the step's update is dropped (non-finite): so is the bias's
         if zero and not self.zero_groups:
             warnings.warn(
@@ -172,7 +174,7 @@ class Engine:
         finally:
             self.set_grad_sync(True)
         dropped = sums.loss_sum.new_zeros((), dtype=torch.float64)
-        for layer in self.moe_layers:  # this rank's tokens in its stage's layers
+        for layer in self.capacity_layers:  # this rank's tokens in its stage's layers
             dropped += layer.step_dropped.to(dropped.device)
             layer.step_dropped.zero_()
         return self._global_means(sums, inputs.shape[0], dropped)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
+from torch import Tensor
 
 from lightning_titan import flops
 from lightning_titan.bench.dispatch import _best_ms
@@ -59,18 +61,15 @@ def mfu_config(d_model: int) -> ModelConfig:
     return ModelConfig(d_model=d_model, n_heads=max(1, d_model // 16), ffn_dim=2 * d_model)
 
 
-def _train_steps(config: ModelConfig, batch: int, data_seed: int = 0):
-    """A generator: one training step per ``next`` on one rank, yielding the step's seconds."""
-    dims = ParallelDims(1, 1, 1, 0)
+def _train_steps(config: ModelConfig, batches: Iterator[tuple[Tensor, Tensor]], seed: int = 0):
+    """A generator: one training step of one rank per batch, yielding (seconds, the model)."""
     model = StageModel(config)
-    model.init_weights(0)
-    engine = Engine(model, dims, ProcessGroups(None, None, None, None))
+    model.init_weights(seed)
+    engine = Engine(model, ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    g = torch.Generator().manual_seed(data_seed)
-    while True:
-        tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=g)
+    for inputs, targets in batches:
         start = time.perf_counter()
-        engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 1, model.token_loss_sum)
+        engine.forward_backward(model, inputs, targets, 1, model.token_loss_sum)
         engine.finish_gradients(1.0)
         optimizer.step()
         engine.after_optimizer_step()
@@ -78,10 +77,17 @@ def _train_steps(config: ModelConfig, batch: int, data_seed: int = 0):
         yield time.perf_counter() - start, model
 
 
+def random_batches(config: ModelConfig, batch: int) -> Iterator[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    while True:
+        tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=g)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
 def mfu_case(d_model: int, batch: int = 32, steps: int = 6, warmup: int = 2) -> dict:
     """Model FLOP/s of the single-rank training step (best step) over this process's matmul peak."""
     config = mfu_config(d_model)
-    run = _train_steps(config, batch)
+    run = _train_steps(config, random_batches(config, batch))
     times = [seconds for seconds, _ in itertools.islice(run, warmup + steps)][warmup:]
     step_flops = flops.step_flops(config, batch * config.seq_len)
     achieved = step_flops / min(times)
@@ -109,18 +115,9 @@ def balance_case(name: str, steps: int = 200, batch: int = 16) -> dict:
     data = TitanDataModule(seq_len=config.seq_len, global_batch_size=batch, val_fraction=0.0)
     data.bind(0, 1).setup("fit")
     batches = itertools.chain.from_iterable(itertools.repeat(data.train_dataloader()))
-    model = StageModel(config)
-    model.init_weights(1234)
-    engine = Engine(model, ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     ratios = []  # [step][layer]
-    for inputs, targets in itertools.islice(batches, steps):
-        engine.forward_backward(model, inputs, targets, 1, model.token_loss_sum)
-        engine.finish_gradients(1.0)
-        optimizer.step()
-        engine.after_optimizer_step()
-        optimizer.zero_grad(set_to_none=True)
+    for _, model in _train_steps(config, itertools.islice(batches, steps), seed=1234):
+        layers = [m for m in model.modules() if isinstance(m, MoELayer)]
         loads = torch.stack([m.tokens_per_expert.double() for m in layers])
         ratios.append((loads.max(-1).values / loads.mean(-1)).tolist())
     per_layer = torch.tensor(ratios)  # [steps, layers]
