@@ -184,6 +184,29 @@ def _check_device(settings: Settings, cases: list[Case]) -> None:
         )
 
 
+def _micro_benchmarks(
+    args: argparse.Namespace, settings: Settings
+) -> tuple[list[dict], str, list[dict]]:
+    """One process: vectorised vs loop dispatch, grouped vs loop experts, at E = 8 and 64."""
+    tokens = 1024 if args.quick else args.dispatch_tokens
+    repeats = 5 if args.quick else 20
+    device = torch.device(settings.device)
+    # one thread: on a shared box a second thread mostly waits for a preempted core
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.dispatch_threads)
+    dispatch_settings = f"tokens={tokens}, d_model=64, top_k=2, best of {repeats}, {args.dispatch_threads} thread(s)"
+    dispatch_rows = []
+    for experts in (8, 64):
+        row = dispatch_bench.bench_case(experts, tokens, 64, 2, repeats, device)
+        row["experts"] = experts
+        row["ratio_fwd"] = row["loop_fwd_ms"] / row["vectorised_fwd_ms"]
+        row["ratio_fwd_bwd"] = row["loop_fwd_bwd_ms"] / row["vectorised_fwd_bwd_ms"]
+        dispatch_rows.append(row)
+    experts_rows = [routing.experts_case(e, tokens, 64, 128, 2, repeats, device) for e in (8, 64)]
+    torch.set_num_threads(threads)
+    return dispatch_rows, dispatch_settings, experts_rows
+
+
 def _routing_only(args: argparse.Namespace, argv: list[str], out: Path, load_before: str) -> dict:
     started = time.perf_counter()
     table, results = routing.run_all(args)
@@ -223,27 +246,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.routing:
         return _routing_only(args, argv, out, load_before)
 
-    dispatch_rows, dispatch_settings, experts_rows = [], "", []
+    dispatch_rows: list[dict] = []
+    experts_rows: list[dict] = []
+    dispatch_settings = ""
     if not args.no_dispatch:
-        tokens = 1024 if args.quick else args.dispatch_tokens
-        # one thread: on a shared box a second thread mostly waits for a preempted core
-        threads = torch.get_num_threads()
-        torch.set_num_threads(args.dispatch_threads)
-        dispatch_settings = f"tokens={tokens}, d_model=64, top_k=2, best of {5 if args.quick else 20}, {args.dispatch_threads} thread(s)"
-        for experts in (8, 64):
-            row = dispatch_bench.bench_case(
-                experts, tokens, 64, 2, 5 if args.quick else 20, torch.device(settings.device)
-            )
-            row["experts"] = experts
-            row["ratio_fwd"] = row["loop_fwd_ms"] / row["vectorised_fwd_ms"]
-            row["ratio_fwd_bwd"] = row["loop_fwd_bwd_ms"] / row["vectorised_fwd_bwd_ms"]
-            dispatch_rows.append(row)
-        experts_rows = [
-            routing.experts_case(e, tokens, 64, 128, 2, 5 if args.quick else 20,
-                                 torch.device(settings.device))
-            for e in (8, 64)
-        ]  # fmt: skip
-        torch.set_num_threads(threads)
+        dispatch_rows, dispatch_settings, experts_rows = _micro_benchmarks(args, settings)
 
     full = report.full_model_params(settings)
     rows = []
