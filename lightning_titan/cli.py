@@ -111,6 +111,7 @@ class TitanCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_strategy(config.trainer)
+        check_model_config(config.get("model"))
         fix_checkpoint_dirs(config.trainer)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -146,6 +147,20 @@ def check_strategy(trainer: Namespace) -> None:
     kwargs = init.as_dict() if isinstance(init, Namespace) else dict(init or {})
     try:
         cls(**kwargs)
+    except ValueError as err:
+        raise ValueError(str(err)) from None
+    except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before
+        return
+
+
+def check_model_config(model: Namespace | None) -> None:
+    """Build the ModelConfig once before LightningCLI does, for the same reason as ``check_strategy``:
+    its ValueError (e.g. ``capacity_factor=-1 must be ...``) is then the whole message."""
+    fields = model.get("model") if isinstance(model, Namespace) else None
+    if not isinstance(fields, Namespace):
+        return
+    try:
+        ModelConfig(**fields.as_dict())
     except ValueError as err:
         raise ValueError(str(err)) from None
     except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before

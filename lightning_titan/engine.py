@@ -25,6 +25,7 @@ from lightning_titan import zero as zero_levels
 from lightning_titan.clipping import clip_grad_norm_
 from lightning_titan.model import COPIED_OVER, EXPERT, StageModel, grad_group_kinds
 from lightning_titan.moe import balance
+from lightning_titan.moe.layer import MoELayer
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
 from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import get_schedule
@@ -40,6 +41,8 @@ class StepLoss:
 
     loss: Tensor  # mean token loss (loss_fn) of the global batch
     aux: Tensor  # mean per-sequence aux loss (router balance + z), summed over stages
+    # assignments over an expert's capacity in the step, all layers and data ranks (0 when dropless)
+    dropped: Tensor
 
 
 class Engine:
@@ -112,6 +115,9 @@ class Engine:
         ]
         self.params = [p for _, p, _ in kinds]
         self.balanced_layers = balance.balanced_layers(module)  # MoE layers with an expert bias
+        self.capacity_layers = [  # MoE layers that can drop assignments: their counts to sum
+            m for m in module.modules() if isinstance(m, MoELayer) and m.capacity_factor is not None
+        ]
         self._step_dropped = False  # the step's update is dropped (non-finite): so is the bias's
         if zero and not self.zero_groups:
             warnings.warn(
@@ -164,7 +170,11 @@ class Engine:
             sums = stage.run(self.schedule)
         finally:
             self.set_grad_sync(True)
-        return self._global_means(sums, inputs.shape[0])
+        dropped = sums.loss_sum.new_zeros((), dtype=torch.float64)
+        for layer in self.capacity_layers:  # this rank's tokens in its stage's layers
+            dropped += layer.step_dropped.to(dropped.device)
+            layer.step_dropped.zero_()
+        return self._global_means(sums, inputs.shape[0], dropped)
 
     @torch.no_grad()
     def forward_only(
@@ -232,15 +242,22 @@ class Engine:
         self.gather_params()
         self.update_router_bias()
 
-    def _global_means(self, sums: StepSums, local_sequences: int) -> StepLoss:
-        """One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0."""
+    def _global_means(
+        self, sums: StepSums, local_sequences: int, dropped: Tensor | None = None
+    ) -> StepLoss:
+        """One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0;
+        the dropped assignments of each layer on its stage's ranks (each counts its own tokens)."""
         tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)
-        totals = torch.stack([sums.loss_sum.double(), sums.aux_sum.double(), tokens])
+        if dropped is None:
+            dropped = torch.zeros_like(tokens)
+        totals = torch.stack([sums.loss_sum.double(), sums.aux_sum.double(), tokens, dropped])
         if dist.is_initialized() and dist.get_world_size() > 1:
             with probes.span("all_reduce", "loss"):
                 dist.all_reduce(totals)
         global_sequences = local_sequences * self.dims.data_world
-        return StepLoss(loss=totals[0] / totals[2], aux=totals[1] / global_sequences)
+        return StepLoss(
+            loss=totals[0] / totals[2], aux=totals[1] / global_sequences, dropped=totals[3]
+        )
 
     def remove(self) -> None:
         for r in self.reducers:

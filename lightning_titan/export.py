@@ -219,6 +219,12 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
             "picks experts by the unbiased scores (the combine weights are unchanged)",
             stacklevel=2,
         )
+    if model.config.capacity_factor is not None:
+        warnings.warn(
+            f"the model was trained with capacity_factor={model.config.capacity_factor}: Mixtral "
+            "has no expert capacity, so the exported model keeps every assignment (dropless)",
+            stacklevel=2,
+        )
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in hf_mixtral_state_dict(model).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

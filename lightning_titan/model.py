@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_titan import context_parallel
 from lightning_titan.context_parallel import gather_keys
+from lightning_titan.moe.capacity import check_capacity
 from lightning_titan.moe.dispatch import ep_size
 from lightning_titan.moe.experts import GroupedExperts
 from lightning_titan.moe.layer import MoELayer
@@ -60,6 +61,8 @@ class ModelConfig:
     router_bias_update_rate: float = 0.0  # expert-bias step per optimizer step, e.g. 1e-3; 0 = off
     init_std: float = 0.02
     activation_checkpointing: bool = False  # recompute each block in backward
+    # expert capacity (moe/capacity.py): the assignments over it are dropped (the residual passes)
+    capacity_factor: float | None = None  # <= floor(factor*S*K/E) per sequence; None: dropless
 
     def __post_init__(self) -> None:
         for name in (
@@ -106,6 +109,7 @@ class ModelConfig:
                 f"head_dim = d_model / n_heads = {self.d_model} / {self.n_heads} = {self.head_dim} is odd; "
                 "RoPE rotates pairs of channels, so choose an even head_dim"
             )
+        check_capacity(self)
 
     @property
     def head_dim(self) -> int:
@@ -255,6 +259,8 @@ class Block(nn.Module):
             z_loss_coef=config.z_loss_coef,
             sequence_group=sequence_group,
             bias_update_rate=config.router_bias_update_rate,
+            capacity_factor=config.capacity_factor,
+            sequence_split=(tp_size(cp_group), tp_size(tp_group)),
         )
 
     def forward(

@@ -9,11 +9,12 @@ from typing import Any, cast
 import lightning as L
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim.lr_scheduler import LRScheduler
 from torchmetrics.aggregation import MeanMetric
 
-from lightning_titan import hf_load
+from lightning_titan import flops, hf_load
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.pipeline.split import StageSplit
@@ -36,6 +37,8 @@ class TitanLM(L.LightningModule):
         init_from: a Hugging Face Mixtral folder (config.json + safetensors) to start from instead: the
             model's shape is read from it (a ``model`` field set away from its default must agree) and
             each rank loads only its own layers and experts. A resumed checkpoint still wins.
+        peak_flops: one device's peak FLOP/s for the logged ``mfu`` (None: a GPU's dense bf16 peak
+            from ``flops.GPU_BF16_PEAK``, else a short matmul probe on each rank at train start).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class TitanLM(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         seed: int = 1234,
         init_from: str | None = None,
+        peak_flops: float | None = None,
     ) -> None:
         super().__init__()
         if not learning_rate > 0:
@@ -59,6 +63,11 @@ class TitanLM(L.LightningModule):
             raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must be in [0, 1]")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps!r} must be >= 0")
+        if peak_flops is not None and not peak_flops > 0:
+            raise ValueError(
+                f"peak_flops={peak_flops!r} must be > 0 (one device's FLOP/s, e.g. 989e12), or None "
+                "to take it from the device catalogue or a matmul probe"
+            )
         if lr_decay_steps is not None and lr_decay_steps < 1:
             raise ValueError(
                 f"lr_decay_steps={lr_decay_steps!r} must be >= 1, or None for the whole run"
@@ -72,6 +81,7 @@ class TitanLM(L.LightningModule):
         self.automatic_optimization = False
         self.model: StageModel | None = None
         self.val_loss = MeanMetric(sync_on_compute=False)  # values are global already
+        self.peak_flops_total = 0.0  # every rank's device peak summed, set at train start
 
     # -- building --------------------------------------------------------------------------------------
     @property
@@ -139,6 +149,19 @@ class TitanLM(L.LightningModule):
 
         return factor
 
+    def on_train_start(self) -> None:
+        """The MFU's denominator: each rank's device peak (probed side by side after a barrier on a
+        CPU box, so that the probes share the cores as the ranks will), summed over the world."""
+        peak, source = self.hparams["peak_flops"], "TitanLM(peak_flops=...)"
+        if peak is None:
+            self.strategy.barrier("peak flops")
+            dtype = torch.bfloat16 if "bf16" in str(self.trainer.precision) else torch.float32
+            peak, source = flops.device_peak(self.strategy.root_device, dtype)
+        total = torch.tensor(float(peak), dtype=torch.float64, device=self.strategy.root_device)
+        self.peak_flops_total = float(self.strategy.reduce(total, reduce_op="sum"))
+        rank_zero_info(f"mfu: model FLOP/s over {self.peak_flops_total / 1e12:.3g} TFLOP/s, every "
+                       f"rank's peak summed (rank 0's: {source})")  # fmt: skip
+
     # -- steps -----------------------------------------------------------------------------------------
     def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """The stage's own forward (logits only on a single-stage layout)."""
@@ -170,7 +193,7 @@ class TitanLM(L.LightningModule):
         )  # fmt: skip
         # 2. wait for the reducers, stop (or skip) on a non-finite loss or norm, clip by the norm
         #    composed across stages and expert shards; the numbers come back in one host read
-        grad_norm, loss, aux = strategy.finish_gradients(step.loss, step.aux)
+        grad_norm, loss, aux, dropped = strategy.finish_gradients(step.loss, step.aux, step.dropped)
         # 3. the update (the strategy's optimizer_step then runs engine.after_optimizer_step: ZeRO
         #    shards gathered, the routers' expert bias moved by the step's global expert loads)
         optimizer = cast(LightningOptimizer, self.optimizers())  # TitanLM has one
@@ -185,7 +208,15 @@ class TitanLM(L.LightningModule):
         self.log("aux_loss", aux)
         self.log("grad_norm", grad_norm)
         self.log("lr", optimizer.param_groups[0]["lr"])
-        self.log("tokens_per_sec", tokens / (time.perf_counter() - start), prog_bar=True)
+        seconds = time.perf_counter() - start
+        self.log("tokens_per_sec", tokens / seconds, prog_bar=True)
+        achieved = flops.step_flops(self.config, tokens) / seconds  # model FLOPs, all ranks
+        self.log("flops_per_sec", achieved)
+        self.log("mfu", achieved / self.peak_flops_total if self.peak_flops_total else 0.0)
+        if self.config.capacity_factor is not None:  # the config is the same on every rank
+            assignments = tokens * self.config.top_k * self.config.n_layers
+            self.log("dropped_assignments", dropped)  # over capacity, summed over the layers
+            self.log("dropped_fraction", dropped / assignments)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         inputs, targets = batch

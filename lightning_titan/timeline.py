@@ -159,7 +159,11 @@ class ExpertLoad(Callback):
     Every rank counts its own tokens in its own stage's layers (a forward hook on each MoE layer, train
     forwards only); one all-reduce over the world sums them into a [layers, experts] table that every
     rank then logs under the same keys: ``expert_load/layer{l}/expert{e}`` (if ``log_per_expert``) and
-    ``expert_load/layer{l}/max_over_mean`` (1.0 = perfectly balanced).
+    ``expert_load/layer{l}/max_over_mean`` (1.0 = perfectly balanced). With the expert bias on
+    (``router_bias_update_rate``) also ``expert_load/layer{l}/max_over_mean_unbiased``: the load of
+    the top-K the router's scores alone would have chosen for the same tokens, so one run shows what
+    the bias does. The plot's last panel is max/mean per layer over training, both; the end of
+    training prints them (rank 0).
     """
 
     def __init__(self, every_n_steps: int = 1, plot_path: str | None = "expert_load.png",
@@ -170,7 +174,11 @@ class ExpertLoad(Callback):
         self.plot_path = plot_path
         self.log_per_expert = log_per_expert
         self.history: list[tuple[int, list[list[float]]]] = []  # (step, [layer][expert] shares)
+        # (step, [layer] max/mean with the bias if any, [layer] max/mean without it or None)
+        self.balance: list[tuple[int, list[float], list[float] | None]] = []
         self._counts: dict[int, torch.Tensor] = {}
+        self._unbiased: dict[int, torch.Tensor] = {}
+        self._with_bias = False
         self._hooks: list[Any] = []
         self._shape = (0, 0)
 
@@ -183,12 +191,14 @@ class ExpertLoad(Callback):
                 layers[int(match.group(1)) if match else len(layers)] = module
         # the global table's shape: this rank holds only its stage's layers
         shape = torch.tensor([max(layers, default=-1) + 1,
-                              max((m.n_experts for m in layers.values()), default=0)])  # fmt: skip
+                              max((m.n_experts for m in layers.values()), default=0),
+                              any(m.expert_bias is not None for m in layers.values())])  # fmt: skip
         if _distributed():
             shape = shape.to(trainer.strategy.root_device)
             dist.all_reduce(shape, op=dist.ReduceOp.MAX)
-        n_layers, n_experts = shape.tolist()
+        n_layers, n_experts, with_bias = shape.tolist()
         self._shape = (int(n_layers), int(n_experts))
+        self._with_bias = bool(with_bias)  # the same on every rank: the same keys and table
         for layer, module in layers.items():
             self._hooks.append(module.register_forward_hook(self._counter(layer)))
 
@@ -197,6 +207,9 @@ class ExpertLoad(Callback):
             if module.training and torch.is_grad_enabled():
                 counts = module.tokens_per_expert.detach().double()
                 self._counts[layer] = self._counts.get(layer, 0) + counts
+                if module.unbiased_tokens_per_expert is not None:
+                    unbiased = module.unbiased_tokens_per_expert.double()
+                    self._unbiased[layer] = self._unbiased.get(layer, 0) + unbiased
 
         return count
 
@@ -206,29 +219,36 @@ class ExpertLoad(Callback):
         n_layers, n_experts = self._shape
         if n_layers == 0 or trainer.global_step % self.every_n_steps:
             return
-        table = torch.zeros(
-            n_layers, n_experts, dtype=torch.float64, device=trainer.strategy.root_device
-        )
-        for layer, counts in self._counts.items():
-            table[layer] += counts.to(table.device)
+        # [actual (+ unbiased), layers, experts]: one all-reduce and one host read for both
+        tables = torch.zeros(1 + self._with_bias, n_layers, n_experts, dtype=torch.float64,
+                             device=trainer.strategy.root_device)  # fmt: skip
+        for i, counts_by_layer in enumerate((self._counts, self._unbiased)[: len(tables)]):
+            for layer, counts in counts_by_layer.items():
+                tables[i, layer] += counts.to(tables.device)
         self._counts.clear()
+        self._unbiased.clear()
         if _distributed():
             # each layer's counts live on its stage's ranks only, one per token shard: a plain sum
-            dist.all_reduce(table)
+            dist.all_reduce(tables)
+        table = tables[0]
         shares = table / table.sum(-1, keepdim=True).clamp_min(1)
-        max_over_mean = table.max(-1).values / table.mean(-1).clamp_min(1e-12)
+        max_over_mean = tables.max(-1).values / tables.mean(-1).clamp_min(1e-12)  # [1 or 2, L]
         # one device-to-host read for the whole table (an .item() per expert is a sync each on CUDA)
-        host = torch.cat([max_over_mean, shares.flatten()]).tolist()
-        ratios, flat = host[:n_layers], host[n_layers:]
+        host = torch.cat([max_over_mean.flatten(), shares.flatten()]).tolist()
+        ratios, flat = host[: max_over_mean.numel()], host[max_over_mean.numel() :]
         shares_list = [flat[i * n_experts : (i + 1) * n_experts] for i in range(n_layers)]
+        unbiased = ratios[n_layers:] if self._with_bias else None
         metrics = {}
         for layer in range(n_layers):
             metrics[f"expert_load/layer{layer}/max_over_mean"] = ratios[layer]
+            if unbiased is not None:
+                metrics[f"expert_load/layer{layer}/max_over_mean_unbiased"] = unbiased[layer]
             if self.log_per_expert:
                 for e in range(n_experts):
                     metrics[f"expert_load/layer{layer}/expert{e}"] = shares_list[layer][e]
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         self.history.append((trainer.global_step, shares_list))
+        self.balance.append((trainer.global_step, ratios[:n_layers], unbiased))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -237,7 +257,24 @@ class ExpertLoad(Callback):
         self._hooks.clear()
         from lightning_titan.bench import plots
 
-        if trainer.is_global_zero and self.plot_path and self.history and plots.available():
+        if not trainer.is_global_zero or not self.history:
+            return
+        rank_zero_info(balance_summary(self.balance))
+        if self.plot_path and plots.available():
             Path(self.plot_path).parent.mkdir(parents=True, exist_ok=True)
-            plots.plot_expert_load(self.history, self.plot_path)
+            plots.plot_expert_load(self.history, self.plot_path, self.balance)
             rank_zero_info(f"ExpertLoad: wrote {Path(self.plot_path).resolve()}")
+
+
+def balance_summary(balance: Sequence[tuple[int, list[float], list[float] | None]]) -> str:
+    """Max/mean load per layer, first and last logged step and the mean over training; with the
+    bias on, the unbiased choice's beside it."""
+    lines = [f"ExpertLoad: max/mean load per layer over {len(balance)} logged steps "
+             "(first -> last, mean; 1.0 = balanced)"]  # fmt: skip
+    for layer in range(len(balance[0][1])):
+        for label, index in (("", 1), (" unbiased", 2)):
+            values = [row[index][layer] for row in balance if row[index] is not None]  # type: ignore[index]
+            if values:
+                lines.append(f"  layer {layer}{label}: {values[0]:.2f} -> {values[-1]:.2f}, "
+                             f"mean {sum(values) / len(values):.2f}")  # fmt: skip
+    return "\n".join(lines)

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from lightning_titan.bench.memory import state_bytes, zero2_grad_bytes
 from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.moe.capacity import expert_capacity
+from lightning_titan.moe.layer import MoELayer
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.pipeline import auto_split
 from lightning_titan.pipeline.split import StageSplit
@@ -28,6 +30,9 @@ BIAS_CONFIG = replace(CONFIG, router_bias_update_rate=1e-3)
 DEEP_CONFIG = replace(CONFIG, n_layers=8)
 # recompute each block in backward: the same numbers as CONFIG
 ACKPT_CONFIG = replace(CONFIG, activation_checkpointing=True)
+# expert capacity: 16 tokens x top-2 / 4 experts x 0.5 = 4 of a sequence's 32 assignments per expert
+# (about half dropped: 0.75 and 1.25 drift to ~1e-5 of the norm by step 5, rounding amplified)
+CAPACITY_CONFIG = replace(CONFIG, capacity_factor=0.5)
 GLOBAL_BATCH = 8
 STEPS = 5
 SEED = 7
@@ -129,13 +134,14 @@ def train(
 
         engine._links = paired_links
     engine.broadcast_replicated()
+    rows_over_capacity = watch_rows(model, config, dims)
     # Adam divides by sqrt(v) + eps: with the default eps=1e-8 a grad element of ~1e-10 whose last bits
     # differ (summation order differs between layouts) moves its weight by a visible fraction of lr.
     # eps=1e-6 bounds that amplification so atol 1e-5 on weights tests the gradients, not rounding.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
     engine.shard_optimizers([optimizer])
     b = GLOBAL_BATCH // dims.data_world
-    losses, auxes, norms = [], [], []
+    losses, auxes, norms, dropped = [], [], [], []
     for step in range(steps):
         inputs, targets = global_batch(step, config)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
@@ -155,6 +161,7 @@ def train(
         loss, aux = step_loss.loss.item(), step_loss.aux.item()
         losses.append(loss)
         auxes.append(aux)
+        dropped.append(step_loss.dropped.item())
     # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
     inputs, targets = global_batch(0, config)
     rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
@@ -170,6 +177,8 @@ def train(
         "aux": auxes,
         "val_loss": val.loss.item(),
         "norm": norms,
+        "dropped": dropped,
+        "rows_over_capacity": max(rows_over_capacity, default=0.0),
         "weights": weights,
         "biases": biases,
         "state_numel": sum(v.numel() for v in moments),
@@ -178,6 +187,24 @@ def train(
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         **record(model, dims),
     }
+
+
+def watch_rows(model: StageModel, config: ModelConfig, dims: ParallelDims) -> list[float]:
+    """A list that each MoE forward appends to: the most rows one local expert received over the
+    most the capacity allows it (capacity x the microbatch's sequences x ep); empty when dropless."""
+    ratios: list[float] = []
+    if config.capacity_factor is None:
+        return ratios
+    limit = expert_capacity(config.capacity_factor, config.seq_len, config.top_k, config.n_experts)
+
+    def hook(layer: MoELayer, inputs: tuple, output: object) -> None:
+        sequences = inputs[0].shape[0]
+        ratios.append(max(layer.rows_per_local_expert) / (limit * sequences * dims.ep))
+
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.register_forward_hook(hook)
+    return ratios
 
 
 def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -250,6 +277,9 @@ def assert_matches_reference(ref: dict, results: list[dict], label: str) -> None
             r["val_loss"], ref["val_loss"], rtol=1e-5, atol=0,
             msg=lambda m, w=where: f"{w} forward-only loss: {m}",
         )  # fmt: skip
+        # the same assignments dropped (integer counts), and no expert got more rows than it may
+        assert r["dropped"] == ref["dropped"], (where, r["dropped"], ref["dropped"])
+        assert r["rows_over_capacity"] <= 1.0, (where, r["rows_over_capacity"])
         for name, local in r["weights"].items():
             expected = expected_slice(r, name, ref["weights"][name])
             torch.testing.assert_close(

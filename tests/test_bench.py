@@ -447,6 +447,10 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     assert sorted({e["pid"] for e in forwards}) == [0, 1] and len(forwards) == 2 * m
     assert "| 2 | pp2 1f1b |" in (tmp_path / "bench.md").read_text()
     assert "**ZeRO-1**" in (tmp_path / "bench.md").read_text()
+    # grouped vs loop experts beside the dispatch micro-benchmark (issue 19)
+    assert [r["experts"] for r in results["experts"]] == [8, 64]
+    assert all(r["loop_fwd_bwd_ms"] > 0 for r in results["experts"])
+    assert "**Grouped vs loop experts**" in (tmp_path / "bench.md").read_text()
     # ZeRO-2: each rank keeps half the grads after the step, and half the optimizer state
     z2 = zero["zero2"]
     assert z2["grads_ratio_per_rank"] == pytest.approx([0.5, 0.5], rel=0.05) and z2["grads_met"]
@@ -543,6 +547,31 @@ def test_callbacks_under_titan_fit_write_the_timeline_and_log_expert_load(tmp_pa
                 max(shares) * 8
             )
     assert any(r.get("timeline/bubble_stage1") for r in rows)
+
+
+def test_bench_routing_writes_the_three_tables(tmp_path):
+    """``titan bench --routing`` at a tiny size, in process: grouped vs loop experts (equal outputs,
+    checked inside), FLOP/s against the probe, and max/mean load of the three balancing choices."""
+    from lightning_titan.bench import routing
+    from lightning_titan.bench.suite import main
+
+    argv = ["--routing", "--mfu-d-models", "32", "--balance-steps", "3", "--dispatch-tokens",
+            "256", "--out", str(tmp_path)]  # fmt: skip
+    results = main(argv)
+    assert [r["experts"] for r in results["experts"]] == [8, 64]
+    (mfu,) = results["mfu"]
+    assert mfu["d_model"] == 32 and 0 < mfu["mfu"] and mfu["peak_gflops_per_s"] > 0
+    assert [r["balancing"] for r in results["balance"]] == list(routing.BALANCING)
+    for r in results["balance"]:
+        assert len(r["mean_all"]) == 4 and all(v >= 1.0 for v in r["mean_all"])
+    table = (tmp_path / "routing.md").read_text()
+    for title in (
+        "**Grouped vs loop experts**",
+        "**Single-rank training FLOP/s",
+        "**Load balance**",
+    ):
+        assert title in table
+    assert "| bias alone |" in table and json.loads((tmp_path / "routing.json").read_text())
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_titan import flops
 from lightning_titan.cli import TitanCLI, cli_components, compose_config, main
+from lightning_titan.model import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(c for c in (ROOT / "configs").glob("*.yaml") if c.stem != "base")  # the layouts
@@ -238,6 +240,14 @@ def test_the_main_job_trains_the_single_process_curve(runs):
         assert sorted(curve(cwd, name)) == list(range(STEPS))
     # the aux (load-balance + z) losses are on, so their gradients are in the compared norms
     assert all(v > 0 for v in curve(cwd, "single", "aux_loss").values())
+    # model FLOP/s and MFU on every step of every layout (logged on every rank: no deadlock)
+    per_token = flops.training_flops_per_token(ModelConfig())  # base.yaml's model
+    for name in TRAINED:
+        rate, achieved = curve(cwd, name, "tokens_per_sec"), curve(cwd, name, "flops_per_sec")
+        assert set(range(STEPS)) <= set(achieved), name
+        assert all(achieved[s] == pytest.approx(rate[s] * per_token, rel=1e-5) for s in rate)
+        # against each rank's probed share of this busy box: positive, its size is load's
+        assert all(v > 0 for v in curve(cwd, name, "mfu").values()), (name, curve(cwd, name, "mfu"))
     for name in TRAINED:
         last_ckpt(cwd, name)
     # the main job ends with a summary

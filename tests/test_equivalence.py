@@ -14,12 +14,15 @@ SPLIT cases cut the layers unevenly (``layers=3-1``: stage_layers) and over virt
 (``interleaved_1f1b:v2``: two chunks per rank), or as a probe on rank 0 balances them (``auto``); DEEP_CONFIG has 8 layers for 2 chunks on 4 stages.
 ZERO_BUBBLE cases run ZB-H1 (B/W split backward), also under activation checkpointing.
 Every case also checks a forward-only pass (validation) of the trained model against the reference.
+CAPACITY cases cap each expert's share of a sequence: the same assignments are dropped on every step
+(counts equal to one process's) and no local expert receives more rows than the capacity allows.
 """
 
 import pytest
 from engine_harness import (
     ACKPT_CONFIG,
     BIAS_CONFIG,
+    CAPACITY_CONFIG,
     CONFIG,
     DEEP_CONFIG,
     MAX_NORM,
@@ -103,6 +106,18 @@ BIAS = {
     4: [],
     8: [((2, 2, 2), "1f1b", 2)],
 }
+# Expert capacity (CAPACITY_CONFIG): the drops per sequence, its queue counted over its cp x tp ranks
+CAPACITY = {
+    2: [
+        ((2, 1, 1), "1f1b", 1),
+        ((1, 2, 1), "1f1b", 2),
+        ((1, 1, 2), "gpipe", 2),
+        ((1, 1, 1, 2), "1f1b", 1),
+        ((1, 1, 1, 1, 2), "1f1b", 1),
+    ],
+    4: [((1, 1, 1, 2, 2), "1f1b", 2)],
+    8: [((1, 2, 2, 2), "1f1b", 2)],
+}
 
 # Uneven and interleaved splits (``<schedule>:v2``, ``:layers=a-b-..``), composed with ep and dp;
 # a zero-layer first (embedding) or last (head) stage included
@@ -170,19 +185,29 @@ def deep_ref():
     return reference(DEEP_CONFIG)
 
 
+@pytest.fixture(scope="module")
+def capacity_ref(ref):
+    result = reference(CAPACITY_CONFIG)
+    assert min(result["dropped"]) > 0, "assignments must be dropped on every step to be tested"
+    assert result["loss"] != ref["loss"]
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, world):
+def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, capacity_ref, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
     cases += TP[world] + CP[world]
     cases += [(layout, schedule, m, BIAS_CONFIG) for layout, schedule, m in BIAS[world]]
     cases += SPLIT[world] + ZERO_BUBBLE[world]
+    cases += [(layout, schedule, m, CAPACITY_CONFIG) for layout, schedule, m in CAPACITY[world]]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
     refs = {id(BIAS_CONFIG): (bias_ref, " expert bias"), id(DEEP_CONFIG): (deep_ref, " 8 layers")}
     refs[id(ACKPT_CONFIG)] = (ref, " activation checkpointing")
+    refs[id(CAPACITY_CONFIG)] = (capacity_ref, " capacity")
     for i, (layout, schedule, m, *config) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
         case_ref, what = refs[id(config[0])] if config else (ref, "")

@@ -197,6 +197,30 @@ def test_a_bad_strategy_argument_is_the_last_line_not_a_cli_dump(
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("router_bias_update_rate=-0.1", "router_bias_update_rate=-0.1 must be >= 0 (0 turns it off)"),
+        ("capacity_factor=-1", "capacity_factor=-1.0 must be a number > 0 (e.g. 1.25), or None for "
+                               "dropless routing (every assignment kept)"),
+        ("capacity_factor=4", "capacity_factor=4.0 >= n_experts / top_k = 4: an expert could take a "
+                              "whole sequence, so nothing is ever dropped; use capacity_factor=None "
+                              "(dropless) or a smaller factor"),
+    ],
+)  # fmt: skip
+def test_a_bad_model_argument_is_the_last_line_not_a_cli_dump(tmp_path, monkeypatch, arg, message):
+    """The routing options (issue 19) fail in the launcher, before any rank starts, with the
+    ModelConfig's own message rather than jsonargparse's dump of the ``ModelConfig | None`` union."""
+    from lightning_titan.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[1] / "configs" / "dp.yaml"
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", str(config), f"--model.model.{arg}"])
+    assert str(info.value) == message
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("rank", [0, 2])
 def test_torchrun_with_more_processes_than_devices_names_world_size(monkeypatch, rank):
     """torchrun --nproc_per_node=3 with Trainer devices=2: every rank (not only the one outside the

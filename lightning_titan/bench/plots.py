@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning_titan.tracing import KINDS, Span
 
@@ -70,16 +71,24 @@ def plot_gantt(spans: Sequence[Span], path: str | Path, rank_labels: dict[int, s
     fig.savefig(path)
 
 
+Balance = Sequence[tuple[int, Sequence[float], Sequence[float] | None]]
+
+
 def plot_expert_load(
-    history: Sequence[tuple[int, Sequence[Sequence[float]]]], path: str | Path
+    history: Sequence[tuple[int, Sequence[Sequence[float]]]],
+    path: str | Path,
+    balance: Balance | None = None,
 ) -> None:
-    """``history``: (step, [layer][expert] share of assignments); one panel per layer, one line per expert."""
+    """``history``: (step, [layer][expert] share of assignments); one panel per layer, one line per
+    expert. ``balance``: (step, [layer] max/mean load, [layer] max/mean of the unbiased choice or
+    None), drawn in a last panel, one line per layer (dashed: without the bias)."""
     if not history:
         raise ValueError("no expert-load history to plot")
     steps = [step for step, _ in history]
     n_layers, n_experts = len(history[0][1]), len(history[0][1][0])
-    cols = min(4, n_layers)
-    rows = -(-n_layers // cols)
+    panels = n_layers + bool(balance)
+    cols = min(4, panels)
+    rows = -(-panels // cols)
     fig = _figure(3.2 * cols, 2.4 * rows + 0.4)
     for layer in range(n_layers):
         ax = fig.add_subplot(rows, cols, layer + 1)
@@ -89,9 +98,27 @@ def plot_expert_load(
         ax.set_title(f"layer {layer}", fontsize=8)
         ax.set_xlabel("step", fontsize=7)
         ax.tick_params(labelsize=7)
+    if balance:
+        _draw_balance(fig.add_subplot(rows, cols, panels), balance)
     fig.suptitle("share of token assignments per expert (dashed: uniform)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def _draw_balance(ax: Any, balance: Balance) -> None:
+    steps = [step for step, _, _ in balance]
+    for layer in range(len(balance[0][1])):
+        ax.plot(steps, [row[1][layer] for row in balance], color=f"C{layer}", linewidth=0.9,
+                label=f"layer {layer}")  # fmt: skip
+        unbiased = [row[2][layer] for row in balance if row[2] is not None]
+        if unbiased:
+            ax.plot(steps, unbiased, color=f"C{layer}", linewidth=0.7, linestyle="--")
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    dashed = "; dashed: no bias" if balance[0][2] is not None else ""
+    ax.set_title(f"max / mean load per layer{dashed}", fontsize=8)
+    ax.set_xlabel("step", fontsize=7)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=6)
 
 
 def plot_throughput(rows: Sequence[dict], path: str | Path) -> None:

@@ -7,6 +7,7 @@
     titan bench --worlds 1 2 4 --cases single dp2 tp2 dp2xtp2 ep2xtp2  # TP vs DP, one rank, torch TP
     titan bench --worlds 1 2 4 --cases single dp2 cp2 dp4 cp4 --seq-len 1024  # CP: activations
     titan bench --global-batch 128 --d-model 256 --device cuda   # scale up (CUDA: one rank per GPU)
+    titan bench --routing   # only: grouped vs loop experts, FLOP/s vs the matmul peak, load balance
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
 (timeline/<case>.json: open in ui.perfetto.dev) plus a Gantt chart for pipeline cases.
@@ -29,7 +30,7 @@ import torch
 
 from lightning_titan import tracing
 from lightning_titan.bench import dispatch as dispatch_bench
-from lightning_titan.bench import plots, report
+from lightning_titan.bench import plots, report, routing
 from lightning_titan.bench.cases import Case, Settings, default_cases, quick_cases
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig
@@ -80,6 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch-tokens", type=int, default=8192)
     p.add_argument("--dispatch-threads", type=int, default=1)
     p.add_argument("--note", default="", help="free text for the machine line (e.g. 'shared box')")
+    p.add_argument(
+        "--routing", action="store_true",
+        help="run only the one-process routing benchmarks (bench/routing.py) into routing.md/json",
+    )  # fmt: skip
+    p.add_argument("--mfu-d-models", type=int, nargs="+", default=[64, 256, 512])
+    p.add_argument("--balance-steps", type=int, default=200)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
     return p
 
@@ -177,6 +184,42 @@ def _check_device(settings: Settings, cases: list[Case]) -> None:
         )
 
 
+def _micro_benchmarks(
+    args: argparse.Namespace, settings: Settings
+) -> tuple[list[dict], str, list[dict]]:
+    """One process: vectorised vs loop dispatch, grouped vs loop experts, at E = 8 and 64."""
+    tokens = 1024 if args.quick else args.dispatch_tokens
+    repeats = 5 if args.quick else 20
+    device = torch.device(settings.device)
+    # one thread: on a shared box a second thread mostly waits for a preempted core
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.dispatch_threads)
+    dispatch_settings = f"tokens={tokens}, d_model=64, top_k=2, best of {repeats}, {args.dispatch_threads} thread(s)"
+    dispatch_rows = []
+    for experts in (8, 64):
+        row = dispatch_bench.bench_case(experts, tokens, 64, 2, repeats, device)
+        row["experts"] = experts
+        row["ratio_fwd"] = row["loop_fwd_ms"] / row["vectorised_fwd_ms"]
+        row["ratio_fwd_bwd"] = row["loop_fwd_bwd_ms"] / row["vectorised_fwd_bwd_ms"]
+        dispatch_rows.append(row)
+    experts_rows = [routing.experts_case(e, tokens, 64, 128, 2, repeats, device) for e in (8, 64)]
+    torch.set_num_threads(threads)
+    return dispatch_rows, dispatch_settings, experts_rows
+
+
+def _routing_only(args: argparse.Namespace, argv: list[str], out: Path, load_before: str) -> dict:
+    started = time.perf_counter()
+    table, results = routing.run_all(args)
+    results["command"] = "titan bench " + shlex.join(argv)
+    results["machine"] = _machine(_settings(args), args.note) + f"; load {load_before} -> {_load()}"
+    results["wall_s"] = time.perf_counter() - started
+    (out / "routing.md").write_text(f"`{results['command']}`\n\n{results['machine']}\n\n{table}")
+    (out / "routing.json").write_text(json.dumps(results, indent=1))
+    print(table)
+    print(f"titan bench: {results['wall_s']:.0f} s; wrote {out.resolve()}/routing.md, routing.json")
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
@@ -200,23 +243,14 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started, load_before = time.perf_counter(), _load()
+    if args.routing:
+        return _routing_only(args, argv, out, load_before)
 
-    dispatch_rows, dispatch_settings = [], ""
+    dispatch_rows: list[dict] = []
+    experts_rows: list[dict] = []
+    dispatch_settings = ""
     if not args.no_dispatch:
-        tokens = 1024 if args.quick else args.dispatch_tokens
-        # one thread: on a shared box a second thread mostly waits for a preempted core
-        threads = torch.get_num_threads()
-        torch.set_num_threads(args.dispatch_threads)
-        dispatch_settings = f"tokens={tokens}, d_model=64, top_k=2, best of {5 if args.quick else 20}, {args.dispatch_threads} thread(s)"
-        for experts in (8, 64):
-            row = dispatch_bench.bench_case(
-                experts, tokens, 64, 2, 5 if args.quick else 20, torch.device(settings.device)
-            )
-            row["experts"] = experts
-            row["ratio_fwd"] = row["loop_fwd_ms"] / row["vectorised_fwd_ms"]
-            row["ratio_fwd_bwd"] = row["loop_fwd_bwd_ms"] / row["vectorised_fwd_bwd_ms"]
-            dispatch_rows.append(row)
-        torch.set_num_threads(threads)
+        dispatch_rows, dispatch_settings, experts_rows = _micro_benchmarks(args, settings)
 
     full = report.full_model_params(settings)
     rows = []
@@ -243,9 +277,12 @@ def main(argv: list[str] | None = None) -> dict:
         "dispatch": dispatch_rows,
         "dispatch_settings": dispatch_settings,
         "dispatch_checks": report.dispatch_check(dispatch_rows),
+        "experts": experts_rows,
         "wall_s": time.perf_counter() - started,
     }
     table = report.markdown(results)
+    if experts_rows:
+        table += "\n\n" + routing.markdown(experts_rows, [], [], dispatch_settings)
     (out / "bench.md").write_text(f"`{results['command']}`\n\n{table}")
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     if plots.available():

@@ -146,26 +146,41 @@ class DispatchPlan:
     local_order: Tensor | None = None  # received row ids in local-expert-major order
     local_order_inverse: Tensor | None = None
     group: ProcessGroup | None = None
+    dropped: bool = False  # some assignments were over capacity: combine pads their rows with zeros
 
 
 def dispatch(
-    x: Tensor, expert_ids: Tensor, n_experts: int, group: ProcessGroup | None = None
+    x: Tensor,
+    expert_ids: Tensor,
+    n_experts: int,
+    group: ProcessGroup | None = None,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor, DispatchPlan]:
     """Route each of the T*K assignments of ``x`` [T, D] to the rank owning its expert.
 
     Returns the local experts' input rows, local-expert-major, and the plan for ``combine``.
-    Expert ``e`` lives on EP rank ``e // (n_experts // ep)``.
+    Expert ``e`` lives on EP rank ``e // (n_experts // ep)``. ``keep`` [T, K] bool (capacity,
+    ``moe/capacity.py``): only those assignments are sent; ``tokens_per_expert`` counts them.
     """
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
-    order, counts = sort_and_count(flat_ids, n_experts)
+    if keep is None:
+        order, counts = sort_and_count(flat_ids, n_experts)
+    else:  # a dropped assignment sorts after every expert's rows, as if to expert n_experts
+        flat_ids = torch.where(keep.reshape(-1), flat_ids, n_experts)
+        order, counts = sort_and_count(flat_ids, n_experts + 1)
+        counts = counts[:n_experts]
     token_rows = _inverse_permutation(order).view(-1, top_k)
-    plan = DispatchPlan(order, order // top_k, token_rows, counts, [])
+    plan = DispatchPlan(order, order // top_k, token_rows, counts, [], dropped=keep is not None)
+    # all T*K rows, the dropped ones last: slicing them off below gives them a zero gradient, which
+    # the backward's per-token sum then ignores
     packed = _PackTokens.apply(x, plan.token_of_row, plan.token_rows)
 
     ep = ep_size(group)
     if ep == 1:
         plan.tokens_per_local_expert = counts.tolist()
+        if plan.dropped:
+            packed = packed[: sum(plan.tokens_per_local_expert)]
         return packed, plan
 
     # under autocast the experts compute in the autocast dtype: send that, half the bytes of fp32,
@@ -184,6 +199,8 @@ def dispatch(
     plan.send_splits, plan.recv_splits = sizes[:ep], sizes[ep : 2 * ep]
     plan.tokens_per_local_expert = sizes[2 * ep :]
     plan.group = group
+    if plan.dropped:
+        packed = packed[: sum(plan.send_splits)]
     received = all_to_all(packed, plan.recv_splits, plan.send_splits, group)
 
     # The received rows are (source rank, local expert) blocks, source-major; a stable sort by local
@@ -203,6 +220,8 @@ def combine(expert_out: Tensor, weights: Tensor, plan: DispatchPlan) -> Tensor:
     if plan.local_order is not None:
         source_major = _PermuteRows.apply(expert_out, plan.local_order_inverse, plan.local_order)
         expert_out = all_to_all(source_major, plan.send_splits, plan.recv_splits, plan.group)
+    if plan.dropped:  # zero rows for the dropped assignments: they add nothing, get no gradient
+        expert_out = F.pad(expert_out, (0, 0, 0, plan.order.numel() - expert_out.shape[0]))
     return _WeightedUnpack.apply(
         expert_out, weights, plan.order, plan.token_of_row, plan.token_rows
     )

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_titan.moe import capacity
 from lightning_titan.moe.balance import recomputing
 from lightning_titan.moe.dispatch import combine, dispatch, ep_size
 from lightning_titan.moe.experts import GroupedExperts
@@ -24,10 +25,19 @@ class MoELayer(nn.Module):
     ``expert_bias`` [E] fp32 steers the top-K choice, and ``step_tokens_per_expert`` [E] sums this
     rank's assignments over the training forwards of a step (not the recompute of activation
     checkpointing) until ``balance.update_expert_bias`` spends them.
+
+    ``capacity_factor`` (None: dropless) caps each expert at ``floor(factor * S * K / E)`` of a
+    sequence's assignments and drops the rest (``moe/capacity.py``); ``sequence_split`` = (cp, tp)
+    says how ``sequence_group`` cuts each sequence. The counts above are the router's selections,
+    before the drops; ``step_dropped`` sums the dropped assignments of a step's training forwards
+    (the engine spends it) and ``rows_per_local_expert`` holds the last forward's received rows.
+    With the bias on, ``unbiased_tokens_per_expert`` [E] holds the last forward's counts of the
+    top-K the unbiased scores would have chosen (what the bias changed: ``timeline.ExpertLoad``).
     """
 
     expert_bias: Tensor | None
     step_tokens_per_expert: Tensor
+    step_dropped: Tensor
 
     def __init__(
         self,
@@ -42,6 +52,8 @@ class MoELayer(nn.Module):
         z_loss_coef: float = 0.0,
         sequence_group: ProcessGroup | None = None,
         bias_update_rate: float = 0.0,
+        capacity_factor: float | None = None,
+        sequence_split: tuple[int, int] = (1, 1),
     ) -> None:
         super().__init__()
         expert_range = expert_range or (0, n_experts)
@@ -75,6 +87,11 @@ class MoELayer(nn.Module):
         self.register_buffer(
             "step_tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
         )
+        self.capacity_factor = capacity_factor
+        self.sequence_split = sequence_split
+        self.register_buffer("step_dropped", torch.zeros((), dtype=torch.long), persistent=False)
+        self.rows_per_local_expert: list[int] = []
+        self.unbiased_tokens_per_expert: Tensor | None = None
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x`` [b, S, D] -> (output [b, S, D], aux [b] fp32 already weighted by the coefficients)."""
@@ -84,14 +101,46 @@ class MoELayer(nn.Module):
                 f"this MoE layer holds {self.experts.n_local} of {self.n_experts} experts but has no "
                 "ep_group to reach the others; pass the EP process group"
             )
-        routing = route(self.router(x), self.top_k, self.sequence_group, self.expert_bias)
+        logits = self.router(x)
+        routing = route(logits, self.top_k, self.sequence_group, self.expert_bias)
+        if self.expert_bias is not None:
+            self.unbiased_tokens_per_expert = self._unbiased_counts(logits)
         tokens = x.reshape(b * s, d)
-        expert_in, plan = dispatch(tokens, routing.expert_ids, self.n_experts, self.ep_group)
+        keep = self._keep(routing.expert_ids, b, s)
+        expert_in, plan = dispatch(tokens, routing.expert_ids, self.n_experts, self.ep_group, keep)
         expert_out = self.experts(expert_in, plan.tokens_per_local_expert)
         out = combine(expert_out, routing.weights, plan)
-        self.tokens_per_expert = plan.tokens_per_expert.detach()
-        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
-            if not recomputing():
-                self.step_tokens_per_expert += plan.tokens_per_expert
+        self.rows_per_local_expert = plan.tokens_per_local_expert
+        selected = plan.tokens_per_expert
+        if keep is not None:  # the router's load is its selections, the dropped ones included
+            ids = routing.expert_ids.reshape(-1)
+            selected = torch.zeros_like(selected).scatter_add_(0, ids, torch.ones_like(ids))
+        self.tokens_per_expert = selected.detach()
+        if self.training and torch.is_grad_enabled() and not recomputing():
+            if self.expert_bias is not None:
+                self.step_tokens_per_expert += selected
+            if keep is not None:
+                self.step_dropped += keep.numel() - keep.sum()
         aux = self.aux_loss_coef * routing.load_balance + self.z_loss_coef * routing.z_loss
         return out.view(b, s, d), aux
+
+    @torch.no_grad()
+    def _unbiased_counts(self, logits: Tensor) -> Tensor:
+        """[E] long: the assignments the router's scores alone would make (no bias), for ExpertLoad.
+        The top-K of the logits is that of any score that grows with them (softmax, sigmoid)."""
+        ids = torch.topk(logits.detach(), self.top_k, dim=-1).indices.reshape(-1)
+        return torch.zeros(self.n_experts, dtype=torch.long, device=ids.device).scatter_add_(
+            0, ids, torch.ones_like(ids)
+        )
+
+    def _keep(self, expert_ids: Tensor, b: int, s: int) -> Tensor | None:
+        """[T, K] bool: the assignments within capacity (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        cp, tp = self.sequence_split
+        limit = capacity.expert_capacity(
+            self.capacity_factor, s * cp * tp, self.top_k, self.n_experts
+        )
+        return capacity.keep_mask(
+            expert_ids, b, self.n_experts, limit, self.sequence_group, self.sequence_split
+        )

@@ -214,8 +214,8 @@ MUTATIONS = {
                                   ["tests/test_equivalence.py", "-k", "2"]),
     # issue 19: activation checkpointing's recompute counts the tokens a second time
     "bias_counts_recompute": ("lightning_titan/moe/layer.py",
-                              "            if not recomputing():",
-                              "            if True:",
+                              "torch.is_grad_enabled() and not recomputing():",
+                              "torch.is_grad_enabled():",
                               ["tests/test_balance.py"]),
     # issue 19: the grouped experts' row offsets in the wrong order (rows go to other experts)
     "grouped_offsets": ("lightning_titan/moe/experts.py",
@@ -304,6 +304,56 @@ MUTATIONS = {
                       'kind = "weight" if s.name == "backward_weight" else s.kind',
                       "kind = s.kind",
                       ["tests/test_bench.py", "-k", "replay_sends"]),
+    # issue 19: capacity's queue counted over this rank's tokens, not the sequence's cp x tp ranks
+    "capacity_local_queue": ("lightning_titan/moe/capacity.py",
+                             "    if parts == 1:\n",
+                             "    if True:\n",
+                             ["tests/test_equivalence.py", "-k", "2"]),
+    # issue 19: the gathered sequence in rank order, not at its tokens' global positions (CP)
+    "capacity_rank_order": ("lightning_titan/moe/capacity.py",
+                            "whole_BSK[:, where_PS.reshape(-1)] = torch.cat(gathered, dim=1)",
+                            "whole_BSK[:, :] = torch.cat(gathered, dim=1)",
+                            ["tests/test_equivalence.py", "-k", "4"]),
+    # issue 19: the over-capacity assignments are dispatched anyway
+    "capacity_not_dropped": ("lightning_titan/moe/dispatch.py",
+                             "flat_ids = torch.where(keep.reshape(-1), flat_ids, n_experts)",
+                             "flat_ids = flat_ids",
+                             ["tests/test_capacity.py"]),
+    # issue 19: the queue position-major (a token's second choice before a later token's first)
+    "capacity_position_major": ("lightning_titan/moe/capacity.py",
+                                "flat_BN = expert_ids_BSK.transpose(1, 2).reshape(b, k * s)",
+                                "flat_BN = expert_ids_BSK.reshape(b, s * k)",
+                                ["tests/test_capacity.py"]),
+    # issue 19: a capacity factor that never drops is accepted silently
+    "capacity_no_check": ("lightning_titan/moe/capacity.py",
+                          "    if factor * config.top_k >= config.n_experts:",
+                          "    if False:",
+                          ["tests/test_capacity.py"]),
+    # issue 19: a bad ModelConfig value reaches the user inside jsonargparse's dump of the union
+    "cli_model_unchecked": ("lightning_titan/cli.py",
+                            '        check_model_config(config.get("model"))\n',
+                            "",
+                            ["tests/test_errors.py", "-k", "bad_model_argument"]),
+    # issue 19: the model FLOPs leave the attention scores out
+    "flops_no_attention": ("lightning_titan/flops.py",
+                           "attention = 2 * 2 * s * q_width",
+                           "attention = 0",
+                           ["tests/test_flops.py"]),
+    # issue 19: the training FLOPs counted as forward + one backward matmul per matmul
+    "flops_forward_only": ("lightning_titan/flops.py",
+                           "return 3 * forward_flops_per_token(config)",
+                           "return 2 * forward_flops_per_token(config)",
+                           ["tests/test_flops.py"]),
+    # issue 19: the layers' dropped counts never reach the step's totals
+    "dropped_not_summed": ("lightning_titan/engine.py",
+                           "dropped += layer.step_dropped.to(dropped.device)",
+                           "dropped += 0",
+                           ["tests/test_flops.py", "-k", "titanlm"]),
+    # issue 19: ExpertLoad's "without the bias" load counted from the biased scores
+    "unbiased_load_biased": ("lightning_titan/moe/layer.py",
+                             "self.unbiased_tokens_per_expert = self._unbiased_counts(logits)",
+                             "self.unbiased_tokens_per_expert = self._unbiased_counts(logits.softmax(-1) + self.expert_bias)",
+                             ["tests/test_expert_load.py"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
