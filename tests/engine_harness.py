@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
-from lightning_titan.tensor_parallel import local_slice, tp_shard
+from lightning_titan.tensor_parallel import local_slice, tp_shards
 
 CONFIG = ModelConfig(
     vocab_size=61, d_model=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=24, n_experts=4, top_k=2,
@@ -21,6 +21,20 @@ CONFIG = ModelConfig(
 )  # fmt: skip
 # aux-loss-free balancing on top (the aux loss stays on): the bias moves selections within STEPS
 BIAS_CONFIG = replace(CONFIG, router_bias_update_rate=1e-3)
+# the options of the pretrained families, from scratch: OLMoE's whole-projection QK-norm (summed over
+# TP ranks) with Qwen2-MoE's q/k/v biases (cut with the rows) and shared expert, under sigmoid routing
+# without renormalisation; and Qwen3-MoE's per-head QK-norm with an explicit head_dim (init_std 0.1:
+# the norm divides by the rms of a 6-wide q, which at std 0.02 is so small that wq's grads amplify the
+# layouts' rounding ~5x a step, past rtol 1e-5 on the grad norm by step 5; the losses agree to 1e-7)
+FAMILY_CONFIGS = {
+    "qk_full": replace(
+        CONFIG, qk_norm="full", qkv_bias=True, shared_expert_dim=16, router_score="sigmoid",
+        router_norm_topk=False,
+    ),
+    "qk_head": replace(
+        CONFIG, qk_norm="head", attn_head_dim=6, router_norm_topk=False, init_std=0.1
+    ),
+}  # fmt: skip
 GLOBAL_BATCH = 8
 STEPS = 5
 SEED = 7
@@ -53,11 +67,8 @@ def loss_fn_for(model: StageModel, dims: ParallelDims):
 def record(model: StageModel, dims: ParallelDims) -> dict:
     """What the comparison needs to know of this rank's slice of the model."""
     expert, _ = split_expert_parameters(model)
-    tp_dims = {}
-    for module_name, module in model.named_modules():
-        shard = tp_shard(module)
-        if shard is not None:
-            tp_dims[f"{module_name}.weight"] = shard.dim
+    names = {id(p): n for n, p in model.named_parameters()}
+    tp_dims = {names[i]: shard.dim for i, shard in tp_shards(model).items()}  # biases too
     return {
         "expert_names": {n for n, _ in expert},
         "expert_range": model.expert_range,

@@ -9,11 +9,14 @@ its slice of the heads and of the padded vocabulary (the padding stays zero), an
 vocab-parallel cross-entropy. Context-parallel layouts are (dp, pp, ep, tp, cp): each rank computes its
 positions of every sequence. BIAS cases turn on aux-loss-free balancing (the expert bias, with the
 aux loss still on) and compare with a single-process run of that config, final biases bit for bit.
+FAMILY cases turn on the options of the pretrained families (QK-norm per head or over the whole
+projection, q/k/v biases, a shared expert, sigmoid routing without renormalisation).
 """
 
 import pytest
 from engine_harness import (
     BIAS_CONFIG,
+    FAMILY_CONFIGS,
     MAX_NORM,
     assert_matches_reference,
     reference,
@@ -82,6 +85,24 @@ BIAS = {
     8: [((2, 2, 2), "1f1b", 2)],
 }
 
+# The families' options (engine_harness.FAMILY_CONFIGS) on every axis: (layout, schedule, M, name).
+# qk_head stays off TP here: its explicit head_dim leaves grads of ~1e-6 whose TP rounding (~5e-8)
+# AdamW's eps=1e-6 amplifies past rtol 1e-5 (tests/test_hf_archs.py runs it under tp2, eps=1e-3)
+FAMILY = {
+    2: [
+        ((1, 1, 1, 2), "1f1b", 1, "qk_full"),
+        ((1, 1, 2), "1f1b", 2, "qk_full"),
+        ((1, 1, 1, 1, 2), "1f1b", 1, "qk_head"),
+    ],
+    4: [((1, 2, 1, 2), "gpipe", 2, "qk_full"), ((2, 1, 2), "1f1b:zero1", 2, "qk_head")],
+    8: [((2, 2, 2), "1f1b", 2, "qk_head"), ((1, 2, 2, 2), "1f1b", 2, "qk_full")],
+}
+
+
+@pytest.fixture(scope="module")
+def family_refs():
+    return {name: reference(config) for name, config in FAMILY_CONFIGS.items()}
+
 
 @pytest.fixture(scope="module")
 def ref():
@@ -102,17 +123,21 @@ def bias_ref(ref):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_every_layout_equals_one_process(ref, bias_ref, world):
+def test_every_layout_equals_one_process(ref, bias_ref, family_refs, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
     cases += TP[world] + CP[world]
     cases += [(layout, schedule, m, BIAS_CONFIG) for layout, schedule, m in BIAS[world]]
+    cases += [(lay, s, m, FAMILY_CONFIGS[name]) for lay, s, m, name in FAMILY[world]]
+    refs = [(BIAS_CONFIG, bias_ref, " expert bias")]
+    refs += [(c, family_refs[name], f" {name}") for name, c in FAMILY_CONFIGS.items()]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
     for i, (layout, schedule, m, *config) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
-        label = f"{layout} {schedule} M={m}" + (" expert bias" if config else "")
-        assert_matches_reference(bias_ref if config else ref, results, label)
+        case_ref, what = next(((r, w) for c, r, w in refs if config == [c]), (ref, ""))
+        label = f"{layout} {schedule} M={m}{what}"
+        assert_matches_reference(case_ref, results, label)
         # AdamW keeps two moments per weight; zero>0 leaves each rank about 1/(its DP group) of them,
         # zero=2 likewise of the grads it holds at the step and after it (whole at zero<2)
         for r in results:

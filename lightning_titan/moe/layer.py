@@ -42,6 +42,8 @@ class MoELayer(nn.Module):
         z_loss_coef: float = 0.0,
         sequence_group: ProcessGroup | None = None,
         bias_update_rate: float = 0.0,
+        router_score: str = "softmax",
+        norm_topk: bool = True,
     ) -> None:
         super().__init__()
         expert_range = expert_range or (0, n_experts)
@@ -62,6 +64,7 @@ class MoELayer(nn.Module):
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.router_score, self.norm_topk = router_score, norm_topk  # moe/router.py
         self.experts = GroupedExperts(d_model, ffn_dim, expert_range)
         self.register_buffer(
             "tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
@@ -84,7 +87,10 @@ class MoELayer(nn.Module):
                 f"this MoE layer holds {self.experts.n_local} of {self.n_experts} experts but has no "
                 "ep_group to reach the others; pass the EP process group"
             )
-        routing = route(self.router(x), self.top_k, self.sequence_group, self.expert_bias)
+        routing = route(
+            self.router(x), self.top_k, self.sequence_group, self.expert_bias,
+            score=self.router_score, norm_topk=self.norm_topk,
+        )  # fmt: skip
         tokens = x.reshape(b * s, d)
         expert_in, plan = dispatch(tokens, routing.expert_ids, self.n_experts, self.ep_group)
         expert_out = self.experts(expert_in, plan.tokens_per_local_expert)
