@@ -238,8 +238,11 @@ def _set(**fields):
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (_set(model_type="qwen2_moe"), r"model_type='qwen2_moe' is not supported"),
-        (_set(architectures=["OlmoeForCausalLM"]), r"architectures=\['OlmoeForCausalLM'\]"),
+        (_set(model_type="deepseek_v3"), r"model_type='deepseek_v3' is not supported"),
+        (
+            _set(architectures=["OlmoeForCausalLM"]),
+            r"architectures=\['OlmoeForCausalLM'\].*'mixtral'",
+        ),
         (_set(tie_word_embeddings=True), r"tie_word_embeddings=True is not supported"),
         (_set(sliding_window=8), r"sliding_window=8 < seq_len=12"),
         (_set(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
