@@ -218,6 +218,16 @@ MUTATIONS = {
                                "shard = cut.get(id(target))",
                                "shard = None",
                                ["tests/test_hf_archs.py", "-k", "eight_ranks"]),
+    # issue 18: tokenizer="auto" never sees the model's folder (the byte tokenizer always)
+    "auto_tokenizer_ignored": ("lightning_titan/data/datamodule.py",
+                               "return resolve_tokenizer(self.tokenizer_spec, self.model_folder)",
+                               "return resolve_tokenizer(self.tokenizer_spec, None)",
+                               ["tests/test_hf_finetune.py", "-k", "data_module"]),
+    # issue 18: the export leaves the init_from folder's tokenizer behind
+    "export_tokenizer_not_copied": ("lightning_titan/export.py",
+                                    "        shutil.copy2(path, out / path.name)",
+                                    "        pass",
+                                    ["tests/test_hf_finetune.py", "-k", "resumes"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
