@@ -31,9 +31,10 @@ SEQ_LEN = 16
 GLOBAL_BATCH = 8
 STEPS = 3
 TRAINING = ModelConfig(seq_len=SEQ_LEN, aux_loss_coef=0.0, z_loss_coef=0.0)
-# (family, (dp, pp, ep, tp[, cp]), zero): every family under dp2 x pp2 x ep2 (ZeRO-1) and
-# tp2 x pp2 x ep2; OLMoE's whole-projection QK-norm also under ep2 x tp2 x cp2
-LAYOUTS = [(f, (2, 2, 2, 1), 1) for f in FAMILIES] + [(f, (1, 2, 2, 2), 0) for f in FAMILIES]
+# (family, (dp, pp, ep, tp[, cp]), zero): every family under dp2 x pp2 x ep2 (ZeRO-1, Qwen2-MoE
+# ZeRO-2) and tp2 x pp2 x ep2; OLMoE's whole-projection QK-norm also under ep2 x tp2 x cp2
+LAYOUTS = [(f, (2, 2, 2, 1), 2 if f == "qwen2_moe" else 1) for f in FAMILIES]
+LAYOUTS += [(f, (1, 2, 2, 2), 0) for f in FAMILIES]
 LAYOUTS += [("olmoe", (1, 1, 2, 2, 2), 0)]
 
 
