@@ -89,7 +89,8 @@ class TitanDataModule(L.LightningDataModule):
         self.shuffle_buffer, self.steps_per_epoch = shuffle_buffer, steps_per_epoch
         self.val_batches, self.num_proc = val_batches, num_proc
         self.cache_dir = cache_dir or default_cache_dir()
-        self.tokenizer_spec, self.model_folder = tokenizer, None
+        self.tokenizer_spec = tokenizer
+        self.model_folder: str | None = None  # TitanLM's init_from (use_model_folder)
         self.src = Source(source, text_column, source_config, source_split, max_bytes)
         self.corpus: PackedCorpus | None = None
         self._bound: tuple[int, int] | None = None
