@@ -98,6 +98,11 @@ def architecture_of(config: ModelConfig) -> Architecture:
                 "has head_dim = hidden_size / num_attention_heads"
             )
         return ARCHITECTURES[QWEN2_MOE]
+    if config.attn_head_dim not in (None, config.d_model // config.n_heads):
+        raise ValueError(
+            f"attn_head_dim={config.attn_head_dim} without QK-norm: of the families only Qwen3-MoE "
+            "(qk_norm='head') has a head_dim other than hidden_size / num_attention_heads"
+        )
     if not config.router_norm_topk:
         raise ValueError(
             "router_norm_topk=False without QK-norm or a shared expert: Mixtral always renormalises "

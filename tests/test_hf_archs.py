@@ -352,6 +352,7 @@ def test_a_model_no_family_holds_is_refused_before_anything_is_written(tmp_path)
         ({"router_score": "sigmoid"}, "router_score='sigmoid'"),
         ({"qk_norm": "head", "shared_expert_dim": 8}, "qk_norm='head' with shared_expert_dim=8"),
         ({"router_norm_topk": False}, "router_norm_topk=False without"),
+        ({"attn_head_dim": 8, "n_heads": 4}, "attn_head_dim=8 without QK-norm"),
     ]:
         model = StageModel(ModelConfig(n_layers=2, **options))
         with pytest.raises(ValueError, match=match):
