@@ -238,6 +238,11 @@ MUTATIONS = {
                           'if s.dim == 0 and isinstance(getattr(m, "bias", None), Tensor):',
                           "if False:",
                           ["tests/test_checkpoint.py", "-k", "save_under_one"]),
+    # found with issue 18: the grouped-GEMM probe runs under the caller's no_grad and caches "no"
+    "probe_under_no_grad": ("lightning_titan/moe/experts.py",
+                            "with torch.inference_mode(False), torch.enable_grad():",
+                            "if True:",
+                            ["tests/test_experts.py"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
