@@ -1,7 +1,8 @@
-"""From a sharded checkpoint to one process: the full model, and the Hugging Face Mixtral format.
+"""From a sharded checkpoint to one process: the full model, and the Hugging Face format of its family
+(Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE: the one it was loaded from, hf_arch.architecture_of).
 
 titan export --ckpt runs/dp_pp_ep/checkpoints/last.ckpt --out mixtral-tiny
-# then: transformers.MixtralForCausalLM.from_pretrained("mixtral-tiny")
+# then: transformers.AutoModelForCausalLM.from_pretrained("mixtral-tiny")
 """
 
 from __future__ import annotations
@@ -9,41 +10,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
 from torch import Tensor
 
 from lightning_titan.checkpoint import consolidate, files, read_checkpoint_info
+from lightning_titan.data.tokenizer import tokenizer_files_of
+from lightning_titan.hf_arch import ARCHITECTURES, MIXTRAL, architecture_of, hf_config, hf_names
 from lightning_titan.model import ModelConfig, StageModel
 
-# Our name -> Hugging Face Mixtral name ("{i}" is the global layer id). Experts map per row, transposed.
-HF_MIXTRAL_NAMES = {
-    "embed.weight": "model.embed_tokens.weight",
-    "layers.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.attn.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attn.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attn.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attn.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.moe_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
-    "layers.{i}.moe.experts.{w}": "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
+__all__ = ["export_hf", "hf_config", "hf_state_dict", "load_full_model", "write_hf_folder"]
 
 
 def hf_mixtral_names(name: str, expert_range: tuple[int, int] = (0, 1)) -> list[str]:
-    """The Hugging Face Mixtral tensors that hold our parameter ``name``: one name, or for stacked
-    experts one per row (row r is global expert ``expert_range[0] + r``; each the row's transpose)."""
-    parts = name.split(".")
-    if parts[0] != "layers":
-        return [HF_MIXTRAL_NAMES[name]]
-    layer, rest = parts[1], ".".join(parts[2:])
-    if rest.startswith("moe.experts."):
-        template = HF_MIXTRAL_NAMES["layers.{i}.moe.experts.{w}"]
-        return [template.format(i=layer, e=e, w=parts[-1]) for e in range(*expert_range)]
-    return [HF_MIXTRAL_NAMES["layers.{i}." + rest].format(i=layer)]
+    """The Hugging Face Mixtral tensors that hold our parameter ``name`` (``hf_arch.hf_names``)."""
+    return hf_names(name, expert_range, ARCHITECTURES[MIXTRAL])
 
 
 def is_stacked_experts(name: str) -> bool:
@@ -51,17 +34,22 @@ def is_stacked_experts(name: str) -> bool:
     return ".moe.experts." in name
 
 
-def hf_mixtral_state_dict(model: StageModel) -> dict[str, Tensor]:
-    """This stage's parameters under Hugging Face Mixtral names (experts split per global id)."""
+def hf_state_dict(model: StageModel) -> dict[str, Tensor]:
+    """This stage's parameters under the Hugging Face names of its family (``hf_arch.architecture_of``;
+    experts split per global id)."""
     out = {}
+    arch = architecture_of(model.config)
     for name, p in model.named_parameters():
-        hf_names = hf_mixtral_names(name, model.expert_range)
+        names = hf_names(name, model.expert_range, arch)
         if not is_stacked_experts(name):
-            out[hf_names[0]] = p.detach()
+            out[names[0]] = p.detach()
             continue
-        for row, hf_name in enumerate(hf_names):
+        for row, hf_name in enumerate(names):
             out[hf_name] = p[row].detach().t().contiguous()
     return out
+
+
+hf_mixtral_state_dict = hf_state_dict  # the name from when Mixtral was the only family
 
 
 def load_full_model(ckpt: str | Path) -> StageModel:
@@ -77,35 +65,6 @@ def load_full_model(ckpt: str | Path) -> StageModel:
     state = {k.removeprefix("model."): v for k, v in state.items()}
     model.load_state_dict(state, strict=True)
     return model.eval()
-
-
-def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
-    return {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.d_model,
-        "intermediate_size": config.ffn_dim,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim,
-        "num_local_experts": config.n_experts,
-        "num_experts_per_tok": config.top_k,
-        "max_position_embeddings": config.seq_len,
-        "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "router_aux_loss_coef": config.aux_loss_coef,
-        "output_router_logits": False,
-        "sliding_window": None,
-        "attention_dropout": 0.0,
-        "initializer_range": config.init_std,
-        "torch_dtype": "float32",
-        "bos_token_id": None,
-        "eos_token_id": eos_token_id,
-    }
 
 
 def byte_tokenizer_files() -> dict[str, dict]:
@@ -201,38 +160,63 @@ def check_out(out: Path) -> None:
 
 
 def export_hf(ckpt: str | Path, out: str | Path) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (+ the tokenizer when it is our byte tokenizer)."""
+    """Write ``config.json`` + ``model.safetensors`` in the model's family, and the tokenizer: the
+    files of the Hugging Face folder the model was loaded from (init_from) when it has them, else ours
+    when the data module used the byte tokenizer. Nothing is written when the model fits no family."""
+    out = Path(out)
+    check_out(out)
+    info = read_checkpoint_info(ckpt)
+    meta = info.get("meta", {})
+    config = ModelConfig(**info["model_config"]) if info.get("model_config") else None
+    if config is not None:
+        architecture_of(config)  # refused before the model is loaded or anything is written
+    model = load_full_model(ckpt)
+    init_from = (meta.get("hyper_parameters") or {}).get("init_from")
+    # no data module recorded (a plain DataLoader): the ids were the folder's if it has a tokenizer
+    tokenizer = (meta.get("datamodule_hyper_parameters") or {}).get("tokenizer", "auto")
+    copied = tokenizer_files_of(init_from) if init_from and tokenizer in ("auto", init_from) else []
+    write_hf_folder(model, out, byte_tokenizer=not copied and tokenizer in ("byte", "auto"))
+    for path in copied:
+        shutil.copy2(path, out / path.name)
+    if copied:  # the folder's special tokens, as its own config.json gives them
+        hf = json.loads((Path(init_from) / "config.json").read_text())
+        written = json.loads((out / "config.json").read_text())
+        written.update(
+            {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+        )
+        (out / "config.json").write_text(json.dumps(written, indent=2))
+    return out
+
+
+def write_hf_folder(model: StageModel, out: str | Path, byte_tokenizer: bool = False) -> Path:
+    """``model`` (the whole of it, one process) as a Hugging Face folder of its family; with
+    ``byte_tokenizer`` (and a vocabulary that holds it) our byte tokenizer's files too."""
     try:
         from safetensors.torch import save_file
     except ImportError as e:
         raise ImportError(
             "titan export needs safetensors: pip install 'lightning-titan[export]'"
         ) from e
-    out = Path(out)
-    check_out(out)
-    model = load_full_model(ckpt)
+    arch = architecture_of(model.config)
     biased = [n for n, b in model.named_buffers() if n.endswith("expert_bias") and b.any()]
     if biased:
         warnings.warn(
             f"{len(biased)} MoE layers carry an expert bias (router_bias_update_rate, e.g. "
-            f"{biased[0]}): Mixtral has no place for it, so the export leaves it out and its router "
-            "picks experts by the unbiased scores (the combine weights are unchanged)",
+            f"{biased[0]}): {arch.class_name} has no place for it, so the export leaves it out and "
+            "its router picks experts by the unbiased scores (the combine weights are unchanged)",
             stacklevel=2,
         )
     if model.config.capacity_factor is not None:
         warnings.warn(
-            f"the model was trained with capacity_factor={model.config.capacity_factor}: Mixtral "
-            "has no expert capacity, so the exported model keeps every assignment (dropless)",
+            f"the model was trained with capacity_factor={model.config.capacity_factor}: "
+            f"{arch.class_name} has no expert capacity, so the exported model keeps every assignment (dropless)",
             stacklevel=2,
         )
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in hf_mixtral_state_dict(model).items()}
+    tensors = {k: v.contiguous() for k, v in hf_state_dict(model).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    info = read_checkpoint_info(ckpt)
-    tokenizer = (info.get("meta", {}).get("datamodule_hyper_parameters") or {}).get(
-        "tokenizer", "byte"
-    )
-    byte_tokenizer = tokenizer == "byte" and model.config.vocab_size >= 257
+    byte_tokenizer = byte_tokenizer and model.config.vocab_size >= 257
     eos = 256 if byte_tokenizer else None
     (out / "config.json").write_text(json.dumps(hf_config(model.config, eos), indent=2))
     if byte_tokenizer:
@@ -249,4 +233,4 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="a new directory for the Hugging Face files")
     args = parser.parse_args(argv)
     out = export_hf(args.ckpt, args.out)
-    print(f"wrote {out.resolve()} (load with transformers.MixtralForCausalLM.from_pretrained)")
+    print(f"wrote {out.resolve()} (load with transformers.AutoModelForCausalLM.from_pretrained)")

@@ -5,8 +5,9 @@ Under tensor parallelism (``tensor_parallel``) a rank also holds only its heads 
 (q, k, v rows, o columns) and its rows of the embedding and the LM head (the vocabulary padded to a
 multiple of tp); ``tensor_parallel.TP_SHARD`` on a module says which dim of its ``weight`` is cut.
 
-Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))``. Names map to Hugging Face Mixtral
-(``lightning_titan.export.hf_mixtral_state_dict``); logits match ``MixtralForCausalLM``.
+Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))`` (+ a shared expert, Qwen2-MoE). The
+options of the pretrained families (attention.py, model_options.py) make it Mixtral, Qwen2-MoE,
+Qwen3-MoE or OLMoE; names map to theirs (``hf_arch.py``) and logits match transformers' models.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from lightning_titan import context_parallel
-from lightning_titan.context_parallel import gather_keys
+from lightning_titan.attention import Attention, RMSNorm, apply_rope, rope_cos_sin
+from lightning_titan.model_options import check_options
 from lightning_titan.moe.capacity import check_capacity
 from lightning_titan.moe.dispatch import ep_size
 from lightning_titan.moe.experts import GroupedExperts
 from lightning_titan.moe.layer import MoELayer
+from lightning_titan.moe.shared import SharedExpert
 from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import (
     gather_sequence,
@@ -36,9 +38,12 @@ from lightning_titan.tensor_parallel import (
     padded_vocab,
     scatter_sequence,
     tp_shard,
+    tp_shards,
     tp_size,
     vocab_parallel_cross_entropy,
 )
+
+__all__ = ["Attention", "ModelConfig", "RMSNorm", "StageModel", "apply_rope", "rope_cos_sin"]
 
 
 @dataclass
@@ -63,6 +68,13 @@ class ModelConfig:
     activation_checkpointing: bool = False  # recompute each block in backward
     # expert capacity (moe/capacity.py): the assignments over it are dropped (the residual passes)
     capacity_factor: float | None = None  # <= floor(factor*S*K/E) per sequence; None: dropless
+    # options of pretrained MoE families (model_options.py; hf_arch.py maps them to Hugging Face)
+    attn_head_dim: int | None = None  # None = d_model / n_heads; Qwen3-MoE sets it apart
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2-MoE)
+    qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3-MoE); "full": whole q/k (OLMoE)
+    router_score: str = "softmax"  # or "sigmoid": independent per-expert scores (DeepSeek-V3)
+    router_norm_topk: bool = True  # renormalise the top-K scores to sum to 1 (Mixtral)
+    shared_expert_dim: int = 0  # hidden size of a sigmoid-gated shared expert (Qwen2-MoE); 0 = none
 
     def __post_init__(self) -> None:
         for name in (
@@ -90,7 +102,8 @@ class ModelConfig:
         for name in ("aux_loss_coef", "z_loss_coef", "router_bias_update_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 (0 turns it off)")
-        if self.d_model % self.n_heads:
+        check_options(self)
+        if self.attn_head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 "pick n_heads dividing d_model"
@@ -105,15 +118,17 @@ class ModelConfig:
                 f"top_k={self.top_k} > n_experts={self.n_experts}; use top_k <= n_experts"
             )
         if self.head_dim % 2:
+            which = "attn_head_dim" if self.attn_head_dim else "head_dim = d_model / n_heads = "
+            which += "" if self.attn_head_dim else f"{self.d_model} / {self.n_heads}"
             raise ValueError(
-                f"head_dim = d_model / n_heads = {self.d_model} / {self.n_heads} = {self.head_dim} is odd; "
+                f"{which} = {self.head_dim} is odd; "
                 "RoPE rotates pairs of channels, so choose an even head_dim"
             )
         check_capacity(self)
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_head_dim or self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -151,89 +166,6 @@ class ModelConfig:
             )
 
 
-class RMSNorm(nn.Module):
-    """Mixtral's RMSNorm: normalise in fp32, cast back, then scale."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rope_cos_sin(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """[S, head_dim] fp32 tables for positions 0..S-1, halves duplicated (HF ``rotate_half`` convention)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    positions = torch.arange(seq_len, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1).to(device)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` [b, H, S, hd]: channel i pairs with i + hd/2 (not interleaved pairs)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-
-
-class Attention(nn.Module):
-    """Causal self-attention with RoPE and grouped-query heads; no biases (Mixtral).
-
-    With a ``tp_group`` of n ranks it holds heads ``[r * H/n, (r + 1) * H/n)`` (and the KV heads they
-    read), takes and returns the rank's sequence slice, and gathers the sequence inside."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        tp_group: ProcessGroup | None = None,
-        cp_group: ProcessGroup | None = None,
-    ) -> None:
-        super().__init__()
-        tp = tp_size(tp_group)
-        self.tp_group, self.cp_group = tp_group, cp_group
-        self.n_heads, self.n_kv_heads, self.head_dim = (
-            config.n_heads // tp,
-            config.kv_heads // tp,
-            config.head_dim,
-        )
-        d = config.d_model
-        self.wq = nn.Linear(d, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
-        for column_parallel in (self.wq, self.wk, self.wv):
-            mark_tp_shard(column_parallel, 0, column_parallel.out_features * tp, tp_group)
-        mark_tp_shard(self.wo, 1, self.wo.in_features * tp, tp_group)  # row-parallel
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
-        """``mask`` [S_q, S_k] (True: attend) under context parallelism, else causal by order."""
-        x = gather_sequence(x, self.tp_group)
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # every CP rank's keys and values, before the GQA repeat (fewer bytes on the wire)
-        k, v = gather_keys(k, self.cp_group), gather_keys(v, self.cp_group)
-        # KV head j serves query heads j*rep .. (j+1)*rep-1, as HF's repeat_kv.
-        rep = self.n_heads // self.n_kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        # each rank's o-projection of its heads is a partial sum of the output
-        return scatter_sequence(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.tp_group)
-
-
 class Block(nn.Module):
     def __init__(
         self,
@@ -261,13 +193,23 @@ class Block(nn.Module):
             bias_update_rate=config.router_bias_update_rate,
             capacity_factor=config.capacity_factor,
             sequence_split=(tp_size(cp_group), tp_size(tp_group)),
+            router_score=config.router_score,
+            norm_topk=config.router_norm_topk,
+        )
+        self.shared_expert = (
+            SharedExpert(config.d_model, config.shared_expert_dim)
+            if config.shared_expert_dim
+            else None
         )
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
-        moe_out, aux = self.moe(self.moe_norm(x))
+        h = self.moe_norm(x)
+        moe_out, aux = self.moe(h)
+        if self.shared_expert is not None:
+            moe_out = moe_out + self.shared_expert(h)
         return x + moe_out, aux
 
 
@@ -424,8 +366,9 @@ class StageModel(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Layout-free init: each value depends on (seed, global name, global expert) only.
 
-        Norm weights are 1; every other matrix is Normal(0, init_std), output projections (``wo``,
-        experts' ``w2``) scaled by 1/sqrt(2 * n_layers) so the residual stream does not grow with depth.
+        Norm weights are 1, biases 0; every other matrix is Normal(0, init_std), output projections
+        (``wo``, experts' and the shared expert's ``w2``) scaled by 1/sqrt(2 * n_layers) so the residual
+        stream does not grow with depth.
         """
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers)
@@ -442,7 +385,11 @@ class StageModel(nn.Module):
                             _seeded_normal(p.shape[1:], param_std, seed, prefix + pname, start + e)
                         )
             elif isinstance(module, (nn.Linear, nn.Embedding)):
-                param_std = out_std if module_name.endswith("attn.wo") else std
+                param_std = (
+                    out_std if module_name.endswith(("attn.wo", "shared_expert.w2")) else std
+                )
+                if isinstance(bias := getattr(module, "bias", None), Tensor):
+                    bias.zero_()
                 shard = tp_shard(module)
                 shape = list(module.weight.shape)
                 if shard is not None:
@@ -495,9 +442,7 @@ def grad_group_kinds(module: nn.Module) -> list[tuple[str, nn.Parameter, str]]:
     the sequence-parallel region, whole on every rank of a stage: dp x ep x tp.
     """
     expert_ids = {id(p) for _, p in split_expert_parameters(module)[0]}
-    sharded_ids = {
-        id(m.weight) for m in module.modules() if tp_shard(m) is not None and hasattr(m, "weight")
-    }
+    sharded_ids = set(tp_shards(module))  # weights and the biases cut with them
     out = []
     for name, p in module.named_parameters():
         if id(p) in expert_ids:

@@ -34,9 +34,11 @@ class TitanLM(L.LightningModule):
         weight_decay: AdamW weight decay for matrices (not for norms).
         betas: AdamW betas.
         seed: initial weights depend on this seed and the global parameter names only.
-        init_from: a Hugging Face Mixtral folder (config.json + safetensors) to start from instead: the
-            model's shape is read from it (a ``model`` field set away from its default must agree) and
-            each rank loads only its own layers and experts. A resumed checkpoint still wins.
+        init_from: a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE folder (config.json +
+            safetensors) to start from instead: the model's shape and options are read from it (a
+            ``model`` field set away from its default must agree) and each rank loads only its own
+            layers and experts. A resumed checkpoint still wins. A data module with tokenizer="auto"
+            uses the folder's tokenizer when it has one.
         peak_flops: one device's peak FLOP/s for the logged ``mfu`` (None: a GPU's dense bf16 peak
             from ``flops.GPU_BF16_PEAK``, else a short matmul probe on each rank at train start).
     """
@@ -102,6 +104,8 @@ class TitanLM(L.LightningModule):
 
         TitanStrategy runs this before any rank starts (and on every rank before the process group)."""
         self.config.validate_layout(dims.pp, dims.ep, dims.tp, dims.cp, split)
+        if hasattr(datamodule, "use_model_folder"):  # tokenizer="auto": the folder's, if it has one
+            datamodule.use_model_folder(self.hparams["init_from"])
         if datamodule is not None and hasattr(datamodule, "check_model"):
             datamodule.check_model(vocab_size=self.config.vocab_size, seq_len=self.config.seq_len)
 

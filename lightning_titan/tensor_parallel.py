@@ -79,8 +79,15 @@ def tp_shard(module: nn.Module) -> TpShard | None:
 
 
 def tp_shards(module: nn.Module) -> dict[int, TpShard]:
-    """``id(weight) -> TpShard`` for every TP-cut weight under ``module``."""
-    return {id(m.weight): s for m in module.modules() if (s := tp_shard(m)) is not None}
+    """``id(weight) -> TpShard`` for every TP-cut weight under ``module``, and for the bias of a
+    column-parallel (dim 0) one, which is cut with its rows (Qwen2-MoE's q/k/v biases)."""
+    out = {}
+    for m in module.modules():
+        if (s := tp_shard(m)) is not None:
+            out[id(m.weight)] = s
+            if s.dim == 0 and isinstance(getattr(m, "bias", None), Tensor):
+                out[id(m.bias)] = s
+    return out
 
 
 def tp_size(group: ProcessGroup | None) -> int:

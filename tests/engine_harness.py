@@ -18,7 +18,7 @@ from lightning_titan.moe.layer import MoELayer
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.pipeline import auto_split
 from lightning_titan.pipeline.split import StageSplit
-from lightning_titan.tensor_parallel import local_slice, tp_shard
+from lightning_titan.tensor_parallel import local_slice, tp_shards
 
 CONFIG = ModelConfig(
     vocab_size=61, d_model=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=24, n_experts=4, top_k=2,
@@ -33,6 +33,20 @@ ACKPT_CONFIG = replace(CONFIG, activation_checkpointing=True)
 # expert capacity: 16 tokens x top-2 / 4 experts x 0.5 = 4 of a sequence's 32 assignments per expert
 # (about half dropped: 0.75 and 1.25 drift to ~1e-5 of the norm by step 5, rounding amplified)
 CAPACITY_CONFIG = replace(CONFIG, capacity_factor=0.5)
+# the options of the pretrained families, from scratch: OLMoE's whole-projection QK-norm (summed over
+# TP ranks) with Qwen2-MoE's q/k/v biases (cut with the rows) and shared expert, under sigmoid routing
+# without renormalisation; and Qwen3-MoE's per-head QK-norm with an explicit head_dim (init_std 0.1:
+# the norm divides by the rms of a 6-wide q, which at std 0.02 is so small that wq's grads amplify the
+# layouts' rounding ~5x a step, past rtol 1e-5 on the grad norm by step 5; the losses agree to 1e-7)
+FAMILY_CONFIGS = {
+    "qk_full": replace(
+        CONFIG, qk_norm="full", qkv_bias=True, shared_expert_dim=16, router_score="sigmoid",
+        router_norm_topk=False,
+    ),
+    "qk_head": replace(
+        CONFIG, qk_norm="head", attn_head_dim=6, router_norm_topk=False, init_std=0.1
+    ),
+}  # fmt: skip
 GLOBAL_BATCH = 8
 STEPS = 5
 SEED = 7
@@ -69,11 +83,8 @@ def loss_fn_for(model: StageModel, dims: ParallelDims):
 def record(model: StageModel, dims: ParallelDims) -> dict:
     """What the comparison needs to know of this rank's slice of the model."""
     expert, _ = split_expert_parameters(model)
-    tp_dims = {}
-    for module_name, module in model.named_modules():
-        shard = tp_shard(module)
-        if shard is not None:
-            tp_dims[f"{module_name}.weight"] = shard.dim
+    names = {id(p): n for n, p in model.named_parameters()}
+    tp_dims = {names[i]: shard.dim for i, shard in tp_shards(model).items()}  # biases too
     return {
         "expert_names": {n for n, _ in expert},
         "expert_range": model.expert_range,

@@ -39,10 +39,12 @@ from lightning_titan.parallel_dims import ParallelDims, build_process_groups
 from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import tp_shard
 
-# the expert bias on: a buffer that must follow its layer across layouts like a parameter
+# the expert bias on: a buffer that must follow its layer across layouts like a parameter; and the
+# pretrained families' tensors: q/k/v biases and OLMoE's whole QK-norm weights (cut by TP with the
+# rows), a shared expert (whole on every rank)
 CONFIG = dict(
     vocab_size=64, d_model=32, n_layers=4, n_heads=4, ffn_dim=48, n_experts=4, seq_len=16,
-    router_bias_update_rate=1e-3,
+    router_bias_update_rate=1e-3, qkv_bias=True, qk_norm="full", shared_expert_dim=16,
 )  # fmt: skip
 LAYOUT_A = (1, 2, 2)  # (dp, pp, ep) the checkpoint is written under
 LAYOUTS_B = [(2, 1, 2), (1, 4, 1), (1, 1, 4)]

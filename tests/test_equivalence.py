@@ -16,6 +16,8 @@ ZERO_BUBBLE cases run ZB-H1 (B/W split backward), also under activation checkpoi
 Every case also checks a forward-only pass (validation) of the trained model against the reference.
 CAPACITY cases cap each expert's share of a sequence: the same assignments are dropped on every step
 (counts equal to one process's) and no local expert receives more rows than the capacity allows.
+FAMILY cases turn on the options of the pretrained families (QK-norm per head or over the whole
+projection, q/k/v biases, a shared expert, sigmoid routing without renormalisation).
 """
 
 import pytest
@@ -25,6 +27,7 @@ from engine_harness import (
     CAPACITY_CONFIG,
     CONFIG,
     DEEP_CONFIG,
+    FAMILY_CONFIGS,
     MAX_NORM,
     assert_matches_reference,
     reference,
@@ -163,6 +166,24 @@ ZERO_BUBBLE = {
     8: [((2, 2, 2), "zb_h1", 2)],
 }
 
+# The families' options (engine_harness.FAMILY_CONFIGS) on every axis: (layout, schedule, M, name).
+# qk_head stays off TP here: its explicit head_dim leaves grads of ~1e-6 whose TP rounding (~5e-8)
+# AdamW's eps=1e-6 amplifies past rtol 1e-5 (tests/test_hf_archs.py runs it under tp2, eps=1e-3)
+FAMILY = {
+    2: [
+        ((1, 1, 1, 2), "1f1b", 1, "qk_full"),
+        ((1, 1, 2), "1f1b", 2, "qk_full"),
+        ((1, 1, 1, 1, 2), "1f1b", 1, "qk_head"),
+    ],
+    4: [((1, 2, 1, 2), "gpipe", 2, "qk_full"), ((2, 1, 2), "1f1b:zero1", 2, "qk_head")],
+    8: [((2, 2, 2), "1f1b", 2, "qk_head"), ((1, 2, 2, 2), "1f1b", 2, "qk_full")],
+}
+
+
+@pytest.fixture(scope="module")
+def family_refs():
+    return {name: reference(config) for name, config in FAMILY_CONFIGS.items()}
+
 
 @pytest.fixture(scope="module")
 def ref():
@@ -196,7 +217,7 @@ def capacity_ref(ref):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, capacity_ref, world):
+def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, capacity_ref, family_refs, world):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
@@ -204,10 +225,12 @@ def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, capacity_ref, 
     cases += [(layout, schedule, m, BIAS_CONFIG) for layout, schedule, m in BIAS[world]]
     cases += SPLIT[world] + ZERO_BUBBLE[world]
     cases += [(layout, schedule, m, CAPACITY_CONFIG) for layout, schedule, m in CAPACITY[world]]
+    cases += [(lay, s, m, FAMILY_CONFIGS[name]) for lay, s, m, name in FAMILY[world]]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=400, start_method="fork")
     refs = {id(BIAS_CONFIG): (bias_ref, " expert bias"), id(DEEP_CONFIG): (deep_ref, " 8 layers")}
     refs[id(ACKPT_CONFIG)] = (ref, " activation checkpointing")
     refs[id(CAPACITY_CONFIG)] = (capacity_ref, " capacity")
+    refs.update({id(c): (family_refs[name], f" {name}") for name, c in FAMILY_CONFIGS.items()})
     for i, (layout, schedule, m, *config) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
         case_ref, what = refs[id(config[0])] if config else (ref, "")

@@ -65,3 +65,17 @@ def test_counts_must_cover_the_rows():
     experts = GroupedExperts(D, F, (0, 4))
     with pytest.raises(ValueError, match=r"sum to 4, not to the 5 rows"):
         experts(torch.randn(5, D), [1, 1, 1, 1])
+
+
+def test_the_probe_gives_the_same_answer_under_no_grad_and_inference_mode():
+    """The answer is cached for the process, and the first forward often runs under no_grad (a
+    logits check against transformers did, and then every later run in the process, the equivalence
+    tests' included, used the loop instead of the grouped GEMMs)."""
+    cpu, shape = torch.device("cpu"), (8, 12)
+    grouped_mm_supported.cache_clear()
+    plain = grouped_mm_supported(cpu, torch.float32, *shape)
+    for context in (torch.no_grad, torch.inference_mode):
+        grouped_mm_supported.cache_clear()
+        with context():
+            assert grouped_mm_supported(cpu, torch.float32, *shape) == plain, context
+    grouped_mm_supported.cache_clear()

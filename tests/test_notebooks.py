@@ -31,12 +31,13 @@ build = _build_module()
 SOURCES = build.sources()
 
 
-def test_there_are_four_notebooks():
+def test_there_are_five_notebooks():
     assert [s.stem for s in SOURCES] == [
         "01_mesh",
         "02_pipeline_schedules",
         "03_expert_parallelism",
         "04_train_in_3d",
+        "05_finetune_pretrained_moe",
     ]
 
 

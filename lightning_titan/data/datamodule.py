@@ -30,7 +30,7 @@ from lightning_titan.data.packing import collate_windows
 from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, prepare, prepare_and_load
 from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences
 from lightning_titan.data.streaming import StreamingWindows, check_rank_shard, rank_stream
-from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer
+from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 
 
 class TitanDataModule(L.LightningDataModule):
@@ -42,7 +42,9 @@ class TitanDataModule(L.LightningDataModule):
     text_column: the column holding the text.
     source_config: the Hugging Face dataset's config name, if it has several.
     source_split: the Hugging Face split to read.
-    tokenizer: "byte" (built in, vocab 257) or a Hugging Face tokenizer name or path.
+    tokenizer: "byte" (built in, vocab 257), a Hugging Face tokenizer name or path, or "auto": the
+        tokenizer files of the model's Hugging Face folder (TitanLM ``init_from``) when it has them,
+        else "byte".
     seed: seeds the epoch permutations (map-style) and the shuffles (streaming).
     val_fraction: share of documents held out for validation (chosen by a hash of their text); 0: none.
     streaming: read the source as a stream split by data rank (batches then depend on the layout).
@@ -64,7 +66,7 @@ class TitanDataModule(L.LightningDataModule):
         text_column: str = "text",
         source_config: str | None = None,
         source_split: str = "train",
-        tokenizer: str = "byte",
+        tokenizer: str = "auto",
         seed: int = 0,
         val_fraction: float = 0.01,
         streaming: bool = False,
@@ -87,7 +89,8 @@ class TitanDataModule(L.LightningDataModule):
         self.shuffle_buffer, self.steps_per_epoch = shuffle_buffer, steps_per_epoch
         self.val_batches, self.num_proc = val_batches, num_proc
         self.cache_dir = cache_dir or default_cache_dir()
-        self.tokenizer_name = tokenizer
+        self.tokenizer_spec = tokenizer
+        self.model_folder: str | None = None  # TitanLM's init_from (use_model_folder)
         self.src = Source(source, text_column, source_config, source_split, max_bytes)
         self.corpus: PackedCorpus | None = None
         self._bound: tuple[int, int] | None = None
@@ -135,6 +138,16 @@ class TitanDataModule(L.LightningDataModule):
         return self._layout
 
     # -- tokenizer and model --------------------------------------------------------------------
+    @property
+    def tokenizer_name(self) -> str:
+        return resolve_tokenizer(self.tokenizer_spec, self.model_folder)
+
+    def use_model_folder(self, folder: str | None) -> None:
+        """The Hugging Face folder the model starts from (TitanLM calls this with ``init_from`` before
+        the data is checked or prepared): tokenizer="auto" then takes its tokenizer."""
+        self.model_folder = folder
+        self.__dict__.pop("tokenizer", None)  # resolved again
+
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.tokenizer_name)

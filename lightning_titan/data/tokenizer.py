@@ -133,6 +133,32 @@ def _unloadable(name: str, err: BaseException, why: str = "") -> ValueError:
     )
 
 
+# what save_pretrained writes for a tokenizer (and generation defaults), copied on export
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json",
+)  # fmt: skip
+
+
+def tokenizer_files_of(folder: str | os.PathLike | None) -> list:
+    """The tokenizer files of a Hugging Face model folder, [] when it has no tokenizer (a folder
+    with only ``generation_config.json`` has none)."""
+    from pathlib import Path
+
+    if folder is None or not Path(folder).is_dir():
+        return []
+    found = [Path(folder) / name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
+    return found if any(p.name != "generation_config.json" for p in found) else []
+
+
+def resolve_tokenizer(spec: str, model_folder: str | None) -> str:
+    """``"auto"``: the tokenizer of the Hugging Face folder the model starts from (``init_from``) when
+    that folder has one, else ``"byte"``; any other spec as it is."""
+    if spec != "auto":
+        return spec
+    return str(model_folder) if tokenizer_files_of(model_folder) else "byte"
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """'byte' for the built-in tokenizer, else a Hugging Face tokenizer name or local path."""
     if spec == "byte":

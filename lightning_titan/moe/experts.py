@@ -25,11 +25,14 @@ def grouped_mm_supported(
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.ones(2, d_model, device=device, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, d_model, ffn_dim, device=device, dtype=dtype, requires_grad=True)
-        offsets = torch.tensor([1, 2], device=device, dtype=torch.int32)
-        out = torch._grouped_mm(x, w, offs=offsets)
-        out.backward(torch.ones_like(out))
+        # cached for the process: the first forward may run under no_grad (an eval, a logits
+        # check), where the probe's backward would fail and turn grouped GEMMs off for good
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.ones(2, d_model, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, d_model, ffn_dim, device=device, dtype=dtype, requires_grad=True)
+            offsets = torch.tensor([1, 2], device=device, dtype=torch.int32)
+            out = torch._grouped_mm(x, w, offs=offsets)
+            out.backward(torch.ones_like(out))
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     return True

@@ -54,6 +54,8 @@ class MoELayer(nn.Module):
         bias_update_rate: float = 0.0,
         capacity_factor: float | None = None,
         sequence_split: tuple[int, int] = (1, 1),
+        router_score: str = "softmax",
+        norm_topk: bool = True,
     ) -> None:
         super().__init__()
         expert_range = expert_range or (0, n_experts)
@@ -74,6 +76,7 @@ class MoELayer(nn.Module):
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.router_score, self.norm_topk = router_score, norm_topk  # moe/router.py
         self.experts = GroupedExperts(d_model, ffn_dim, expert_range)
         self.register_buffer(
             "tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
@@ -102,7 +105,10 @@ class MoELayer(nn.Module):
                 "ep_group to reach the others; pass the EP process group"
             )
         logits = self.router(x)
-        routing = route(logits, self.top_k, self.sequence_group, self.expert_bias)
+        routing = route(
+            logits, self.top_k, self.sequence_group, self.expert_bias,
+            score=self.router_score, norm_topk=self.norm_topk,
+        )  # fmt: skip
         if self.expert_bias is not None:
             self.unbiased_tokens_per_expert = self._unbiased_counts(logits)
         tokens = x.reshape(b * s, d)

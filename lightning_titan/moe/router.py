@@ -9,6 +9,12 @@ the sequence's, so the TP ranks' values sum to one process's.
 Aux-loss-free balancing (DeepSeek-V3): a per-expert ``selection_bias`` shifts the scores that pick
 the top-K experts only; the combine weights stay the unbiased probabilities of the chosen experts,
 so the bias steers the load without entering the output or the gradient (``moe/balance.py``).
+
+Score functions (``ModelConfig.router_score``): ``softmax`` over the E logits (Mixtral, Qwen-MoE,
+OLMoE) or an independent ``sigmoid`` per expert (DeepSeek-V3). ``norm_topk`` rescales the K chosen
+scores to sum to 1 (Mixtral; Qwen/OLMoE ``norm_topk_prob``); off, they are the raw probabilities. The
+load-balancing loss's P_e is always a distribution over experts: sigmoid scores are normalised per
+token for it.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ class Routing:
     """The router's decision for ``T = b * S`` tokens."""
 
     expert_ids: Tensor  # [T, K] long, global expert ids
-    weights: Tensor  # [T, K] fp32, renormalised to sum to 1 per token
+    weights: Tensor  # [T, K] fp32, the chosen scores (renormalised to sum to 1 with norm_topk)
     load_balance: Tensor  # [b] fp32, E * sum_e f_e * P_e per sequence
     z_loss: Tensor  # [b] fp32, mean over the sequence's tokens of logsumexp(logits)^2
 
@@ -36,23 +42,27 @@ def route(
     top_k: int,
     sequence_group: ProcessGroup | None = None,
     selection_bias: Tensor | None = None,
+    score: str = "softmax",
+    norm_topk: bool = True,
 ) -> Routing:
     """Route tokens given router ``logits`` [b, S, E] (any dtype; the softmax runs in fp32 as in Mixtral).
 
     ``sequence_group``: the ranks that hold the other slices of these sequences (sequence
     parallelism); the losses are then this slice's share (see the module doc).
-    ``selection_bias`` [E] fp32: added to the probabilities for choosing the experts only."""
+    ``selection_bias`` [E] fp32: added to the probabilities for choosing the experts only.
+    ``score``: "softmax" or "sigmoid"; ``norm_topk``: renormalise the chosen scores (module doc)."""
     b, s, n_experts = logits.shape
     parts = 1 if sequence_group is None else dist.get_world_size(sequence_group)
     seq_len = s * parts
     logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
+    probs = scores(logits, score)
     if selection_bias is None:
         weights, expert_ids = torch.topk(probs, top_k, dim=-1)
     else:
         expert_ids = torch.topk(probs + selection_bias, top_k, dim=-1).indices
         weights = probs.gather(-1, expert_ids)  # unbiased: the bias picks, it does not weigh
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
 
     # f_e is a count, so it carries no gradient; P_e carries the gradient towards balance.
     assignments = torch.zeros(b, n_experts, device=logits.device, dtype=torch.float32)
@@ -64,7 +74,8 @@ def route(
     if parts > 1:
         dist.all_reduce(assignments, group=sequence_group)
     fraction = assignments / (seq_len * top_k)
-    mean_prob = probs.sum(dim=1) / seq_len
+    shares = probs if score == "softmax" else probs / probs.sum(dim=-1, keepdim=True)
+    mean_prob = shares.sum(dim=1) / seq_len
     load_balance = n_experts * (fraction * mean_prob).sum(dim=-1)
     z_loss = torch.logsumexp(logits, dim=-1).square().sum(dim=-1) / seq_len
     return Routing(
@@ -73,3 +84,15 @@ def route(
         load_balance=load_balance,
         z_loss=z_loss,
     )
+
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+def scores(logits: Tensor, score: str) -> Tensor:
+    """Per-expert scores [..., E] fp32 of router ``logits`` [..., E]."""
+    if score == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if score == "sigmoid":
+        return torch.sigmoid(logits)
+    raise ValueError(f"router_score={score!r} is not one of {ROUTER_SCORES}")

@@ -27,7 +27,7 @@ from lightning_titan.bench.memory import PARTS
 from lightning_titan.model import EXPERT, ModelConfig, StageModel, grad_group_kinds
 from lightning_titan.parallel_dims import ParallelDims
 from lightning_titan.pipeline.split import StageSplit
-from lightning_titan.tensor_parallel import padded_vocab, tp_shard
+from lightning_titan.tensor_parallel import padded_vocab, tp_shards
 from lightning_titan.zero import cut_dim, owned_rows
 
 BYTES = 4  # fp32 weights, grads and moments
@@ -64,11 +64,7 @@ def _build_stage_tensors(
 ) -> tuple[StageTensor, ...]:
     with torch.device("meta"):
         model = StageModel(config, pp_rank=pp_rank, pp=pp, split=split)
-    cut = {
-        id(m.weight): shard.dim
-        for m in model.modules()
-        if (shard := tp_shard(m)) is not None and hasattr(m, "weight")
-    }
+    cut = {pid: shard.dim for pid, shard in tp_shards(model).items()}
     return tuple(
         StageTensor(name, tuple(p.shape), kind, cut.get(id(p)))
         for name, p, kind in grad_group_kinds(model)
