@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,9 +22,27 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port for a rendezvous, free now and below the kernel's ephemeral range: a port from
+    ``bind(0)`` comes from that range, and between our check and the store's listen the kernel may
+    hand it to any outgoing connection (gloo opens many), which failed launches with EADDRINUSE."""
+    low = _ephemeral_low()
+    for port in random.Random().sample(range(low // 2, low), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all 64 taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere the range is similar
 
 
 def cpu_threads_per_rank(local_world_size: int, *, forked: bool = False) -> int:

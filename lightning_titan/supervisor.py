@@ -46,6 +46,7 @@ from lightning.pytorch.trainer.call import _interrupt
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_titan.launch import free_port
 from lightning_titan.orphans import LAUNCHER_PID, die_with_launcher, process_state, watch_launcher
 from lightning_titan.peers import dead_peers, failure_report, gather_peers
 
@@ -299,6 +300,9 @@ def launcher_for(strategy: Any, start_method: str) -> Any:
     env = strategy.cluster_environment
     if env.creates_processes_externally:
         return None
+    # our rendezvous port, not Lightning's bind(0) pick from the ephemeral range, which any outgoing
+    # connection may take before the store listens (EADDRINUSE on a busy machine: launch.free_port)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if start_method == "popen":
         return TitanLauncher(strategy.preflight, env, strategy.num_processes, strategy.num_nodes)
     return TitanForkLauncher(strategy, start_method, strategy.options.grace_s)

@@ -145,5 +145,7 @@ def test_export_warns_that_the_capacity_is_left_out(tmp_path, monkeypatch):
     model.init_weights(0)
     monkeypatch.setattr(export, "load_full_model", lambda ckpt: model)
     monkeypatch.setattr(export, "read_checkpoint_info", lambda ckpt: {})
-    with pytest.warns(UserWarning, match="capacity_factor=1.0: MixtralForCausalLM has no expert capacity"):
+    with pytest.warns(
+        UserWarning, match="capacity_factor=1.0: MixtralForCausalLM has no expert capacity"
+    ):
         export.export_hf(tmp_path / "ckpt", tmp_path / "out")
