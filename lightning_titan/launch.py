@@ -11,7 +11,8 @@ import random
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
 
 def free_port() -> int:
     """A port for a rendezvous, free now and below the kernel's ephemeral range: a port from
-    ``bind(0)`` comes from that range, and between our check and the store's listen the kernel may
-    hand it to any outgoing connection (gloo opens many), which failed launches with EADDRINUSE."""
+    ``bind(0)`` comes from that range, and the kernel may hand it to any outgoing connection (gloo
+    opens many) before the port is bound again."""
     low = _ephemeral_low()
     for port in random.Random().sample(range(low // 2, low), 64):
         with socket.socket() as s:
@@ -36,6 +39,46 @@ def free_port() -> int:
     with socket.socket() as s:  # all 64 taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def hosted_rendezvous(port: int | None = None, *, serve: bool = True) -> Iterator[int]:
+    """Hold the rendezvous store in the launcher, from before any rank starts until they are done.
+
+    A port picked, then bound seconds later by rank 0's store, may be taken in between (CI saw
+    EADDRINUSE). Here it is bound at once (``port=None``: a free one, retried on a clash) and the ranks
+    connect to it as clients: torch's agent-store mode, as torchrun's agent does, with
+    ``MASTER_PORT`` and ``TORCHELASTIC_USE_AGENT_STORE`` set for the ranks while this holds (both are
+    restored after). ``serve=False``: another launcher serves it (a node past the first). One store
+    per launch: its keys outlive a launch, and a second launch on it could read the first one's gloo
+    addresses."""
+    store = None
+    for _ in range(1 if port is not None or not serve else 8):
+        chosen = free_port() if port is None else port
+        if not serve:
+            break
+        try:
+            store = dist.TCPStore("127.0.0.1", chosen, is_master=True, wait_for_workers=False)
+            break
+        except dist.DistNetworkError as err:
+            if port is not None:
+                raise RuntimeError(
+                    f"MASTER_PORT={port} is taken by another process (EADDRINUSE): unset MASTER_PORT"
+                    " to let titan pick a free port, or choose a free one"
+                ) from err
+    if serve and store is None:
+        raise RuntimeError("no free port for the rendezvous after 8 tries (EADDRINUSE)")
+    previous = {k: os.environ.get(k) for k in ("MASTER_PORT", AGENT_STORE)}
+    os.environ.update(MASTER_PORT=str(chosen), **{AGENT_STORE: "True"})
+    try:
+        yield chosen
+    finally:
+        del store
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _ephemeral_low() -> int:
@@ -54,8 +97,10 @@ def cpu_threads_per_rank(local_world_size: int, *, forked: bool = False) -> int:
     return 1 if forked else max(1, (os.cpu_count() or 1) // local_world_size)
 
 
-def _entry(rank, world_size, port, timeout_s, backend, fn, args, queue, forked):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank, world_size, timeout_s, backend, fn, args, queue, forked):
+    os.environ["MASTER_ADDR"] = (
+        "127.0.0.1"  # MASTER_PORT and the agent-store flag: hosted_rendezvous
+    )
     torch.set_num_threads(cpu_threads_per_rank(world_size, forked=forked))
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -92,15 +137,19 @@ def run_on_ranks(
     """
     ctx: Any = mp.get_context(start_method)  # a start method's context has Process
     queue = ctx.SimpleQueue()
-    port = free_port()
     procs = [
         ctx.Process(
             target=_entry,
-            args=(r, world_size, port, timeout_s, backend, fn, args, queue, start_method == "fork"),
+            args=(r, world_size, timeout_s, backend, fn, args, queue, start_method == "fork"),
             daemon=True,
         )
         for r in range(world_size)
     ]
+    with hosted_rendezvous():
+        return _collect(procs, queue, world_size, timeout_s)
+
+
+def _collect(procs: list[Any], queue: Any, world_size: int, timeout_s: float) -> list[Any]:
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

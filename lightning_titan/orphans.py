@@ -1,8 +1,8 @@
 """No orphaned ranks: a rank leaves within seconds of its launcher's death, before and after rendezvous.
 
 Two ways, because a rank must also go while it still imports Lightning (6 CPU-seconds), before any
-code of ours runs, and at the rendezvous, where a rank whose launcher failed (a busy ``MASTER_PORT``)
-or was killed would otherwise wait for ``timeout_minutes``:
+code of ours runs, and at the rendezvous, where a rank whose launcher was killed would otherwise wait
+for ``timeout_minutes`` (the launcher holds the rendezvous store: ``launch.hosted_rendezvous``):
 
 - ``die_with_launcher``: ``TitanLauncher`` starts its ranks with ``PR_SET_PDEATHSIG`` (Linux): the
   kernel sends them ``PARENT_GONE`` when the launcher dies. Its default action ends a rank at once;

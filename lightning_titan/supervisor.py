@@ -28,7 +28,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from subprocess import Popen
 from typing import Any
 
@@ -46,7 +47,7 @@ from lightning.pytorch.trainer.call import _interrupt
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_titan.launch import free_port
+from lightning_titan.launch import free_port, hosted_rendezvous
 from lightning_titan.orphans import LAUNCHER_PID, die_with_launcher, process_state, watch_launcher
 from lightning_titan.peers import dead_peers, failure_report, gather_peers
 
@@ -77,7 +78,7 @@ class TitanLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(
             num_devices=self.num_processes, num_nodes=self.num_nodes
         )
-        if not self.cluster_environment.creates_processes_externally:
+        with lightning_rendezvous(self.cluster_environment):
             os.environ[LAUNCHER_PID] = str(os.getpid())
             self._call_children_scripts()
             first = self.cluster_environment.node_rank() * self.num_processes + 1
@@ -86,8 +87,8 @@ class TitanLauncher(_SubprocessScriptLauncher):
             grace_s = getattr(grace_s, "grace_s", 30.0)
             loggers = list(getattr(trainer, "loggers", None) or [])
             _RankWatcher(self.procs, first, grace_s=grace_s, loggers=loggers).start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
+            _set_num_threads_if_needed(num_processes=self.num_processes)
+            return function(*args, **kwargs)
 
     @override
     def _call_children_scripts(self) -> None:
@@ -294,15 +295,29 @@ def wait_for(procs: Sequence[Popen], grace_s: float) -> None:
             p.wait()
 
 
+@contextmanager
+def lightning_rendezvous(env: Any) -> Iterator[None]:
+    """``hosted_rendezvous`` on the port Lightning's cluster environment keeps: its launchers hand that
+    one to the ranks, and keep it for a second launch of the same Trainer. That is ``MASTER_PORT`` as
+    given, else one picked now below the ephemeral range (Lightning's own pick, ``bind(0)``, is in it),
+    which is unset again after."""
+    picked = "MASTER_PORT" not in os.environ
+    if picked:
+        os.environ["MASTER_PORT"] = str(free_port())
+    try:
+        with hosted_rendezvous(env.main_port, serve=env.node_rank() == 0):
+            yield
+    finally:
+        if picked:
+            os.environ.pop("MASTER_PORT", None)
+
+
 def launcher_for(strategy: Any, start_method: str) -> Any:
     """The launcher for a strategy: none when processes are created outside (torchrun, SLURM), ours
     for ``popen`` (checks first, watches after), Lightning's multiprocessing one for fork/spawn."""
     env = strategy.cluster_environment
     if env.creates_processes_externally:
         return None
-    # our rendezvous port, not Lightning's bind(0) pick from the ephemeral range, which any outgoing
-    # connection may take before the store listens (EADDRINUSE on a busy machine: launch.free_port)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if start_method == "popen":
         return TitanLauncher(strategy.preflight, env, strategy.num_processes, strategy.num_nodes)
     return TitanForkLauncher(strategy, start_method, strategy.options.grace_s)
@@ -323,7 +338,8 @@ class TitanForkLauncher(_MultiProcessingLauncher):
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, self._forward_sigterm) if main else None
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            with lightning_rendezvous(self._strategy.cluster_environment):
+                return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException as err:
             self._stop_ranks(err)
             preempted = self.procs and all(p.exitcode == 143 for p in self.procs)

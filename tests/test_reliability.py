@@ -900,16 +900,18 @@ def test_a_stopped_rank_is_named_and_killed(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ranks_leave_when_the_launcher_fails_before_the_rendezvous(tmp_path):
-    """MASTER_PORT is taken: the launcher fails to open the rendezvous; its ranks, still starting or
-    waiting for a rendezvous that never comes, are gone within seconds (not timeout_minutes)."""
+def test_a_taken_master_port_is_named_before_any_rank_starts(tmp_path):
+    """MASTER_PORT is taken: the launcher, which binds the rendezvous store before it starts a rank,
+    fails at once and names the port; no rank is left waiting for a rendezvous that never comes."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = str(busy.getsockname()[1])
         job = _dead_rank_job(tmp_path, "plain", env_extra={"MASTER_PORT": port})
     assert job.returncode != 0
-    assert "EADDRINUSE" in job.stderr, job.stderr[-3000:]
+    assert f"MASTER_PORT={port} is taken by another process (EADDRINUSE)" in job.stderr, job.stderr[
+        -3000:
+    ]
     assert job.seconds - job.launcher_s < 10, f"{job.seconds - job.launcher_s:.1f} s"
 
 

@@ -1,19 +1,23 @@
 """TitanStrategy as a Lightning strategy: argument checks at Trainer(...), the drop-in DDP replacement
 (torchrun vs Lightning's DDPStrategy launched by script), and fork launch (notebooks)."""
 
+import os
+import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_titan import TitanStrategy
+from lightning_titan import TitanStrategy, launch
 from lightning_titan.engine import Engine
-from lightning_titan.launch import free_port
+from lightning_titan.launch import AGENT_STORE, free_port, hosted_rendezvous
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
 from lightning_titan.zero import shard_optimizer
 
@@ -95,6 +99,36 @@ def test_registry_name_and_minus_one_fill():
     dims = trainer.strategy.parallel_dims
     assert (dims.dp, dims.pp, dims.ep) == (2, 2, 2)
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 4, "rank": 0}
+
+
+def test_the_rendezvous_is_bound_before_any_rank_starts_and_the_environment_is_left_as_found(
+    monkeypatch,
+):
+    """CI failed with EADDRINUSE: a Trainer built in the test process had set MASTER_PORT there, every
+    later job it started inherited that one port, and a rank 0 could not bind it. Now the launcher
+    binds the store itself, takes the next pick on a clash, names a taken MASTER_PORT, and leaves no
+    variable behind."""
+    for key in ("MASTER_PORT", AGENT_STORE):
+        monkeypatch.delenv(key, raising=False)
+    L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(dp=2), logger=False)
+    assert "MASTER_PORT" not in os.environ
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        picks = iter([taken, free_port()])
+        monkeypatch.setattr(launch, "free_port", lambda: next(picks))
+        with hosted_rendezvous() as port:
+            assert port != taken
+            assert (os.environ["MASTER_PORT"], os.environ[AGENT_STORE]) == (str(port), "True")
+            client = dist.TCPStore(
+                "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)
+            )
+            client.set("rank", "0")  # the store serves already
+        with pytest.raises(RuntimeError, match=f"MASTER_PORT={taken} is taken .*unset MASTER_PORT"):
+            with hosted_rendezvous(taken):
+                pass
+    assert "MASTER_PORT" not in os.environ and AGENT_STORE not in os.environ
 
 
 @pytest.mark.slow
