@@ -372,6 +372,13 @@ def test_zero2_table_splits_grads_like_the_state_and_times_against_zero_0():
     assert z["mb"]["titan_zero2"]["grads"] == pytest.approx(80e-6)
     assert "**ZeRO-2**" in "\n".join(report.zero_markdown([z]))
     assert report.peer_ratios([row]) == []  # zero=2 is ours, not a peer
+    # torch FSDP2 shards what zero=2 does: it is timed against ours at zero=2
+    row["impls"]["fsdp2"] = impl(10.1, zero2)
+    (z,) = report.zero_rows([row])
+    assert z["zero2"]["peer_step_ratio"] == pytest.approx(1.01) and not z["zero2"]["peer_met"]
+    assert "| 1.01x | **no** |" in "\n".join(report.zero_markdown([z]))
+    (peer,) = report.peer_ratios([row])
+    assert peer["baseline"] == "titan_zero2" and peer["ratio"] == pytest.approx(10.1 / 10.2)
 
 
 def test_the_zero_peer_is_timed_against_ours_at_zero_1():
@@ -638,3 +645,14 @@ def test_the_torch_tp_peer_trains_the_one_process_model():
         assert grads.keys() == dict(model.named_parameters()).keys()
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_collectives_table_times_what_zero_puts_beside_the_all_reduce():
+    from lightning_titan.bench import collectives
+
+    (row,) = collectives.measure([2], [0.1], repeats=2)
+    assert row["world"] == 2 and all(row[k] > 0 for k in collectives.KINDS)
+    lines = collectives.markdown([row])
+    zero2 = row["reduce_scatter + all_gather"] / row["all_reduce"]
+    assert lines[-1].startswith("| 2 | 0.1 |") and lines[-1].endswith(f"| {zero2:.2f}x |")

@@ -8,6 +8,7 @@ from lightning_titan.model import ModelConfig
 
 OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
 ZERO1, ZERO2, DDP_ZERO, TORCH_TP = "titan_zero1", "titan_zero2", "ddp_zero", "torch_tp"
+FSDP2 = "fsdp2"
 ZERO_LEVELS = {ZERO1: 1, ZERO2: 2}  # ours with a zero flag
 IMPL_LABELS = {
     OURS: "ours",
@@ -18,9 +19,10 @@ IMPL_LABELS = {
     DDP_ZERO: "torch DDP + ZeroRedundancyOptimizer",
     TORCH_PP: "torch.distributed.pipelining",
     TORCH_TP: "torch parallelize_module (TP + SP)",
+    FSDP2: "torch FSDP2 (fully_shard, ZeRO-2)",
 }
 # what a peer is timed against (default: OURS): the sharded-state peer against our sharded state
-BASELINES = {DDP_ZERO: ZERO1}
+BASELINES = {DDP_ZERO: ZERO1, FSDP2: ZERO2}
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ class Settings:
 def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
     """The write-up's compositions on each world size (pp <= 4: the default model has 4 layers)."""
     # zero=1 and 2 are ours with a flag: they stay under --no-peers, the ZeRO peer goes
-    dp_peers = (OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO) if peers else (OURS, ZERO1, ZERO2)
+    dp_peers = (
+        (OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO, FSDP2) if peers else (OURS, ZERO1, ZERO2)
+    )
     pp_peers = (OURS, TORCH_PP) if peers else (OURS,)
     tp_peers = (OURS, TORCH_TP) if peers else (OURS,)
     table = {
@@ -114,7 +118,9 @@ def quick_cases(peers: bool = True) -> list[Case]:
     return [
         Case(
             dp=2,
-            impls=(OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO) if peers else (OURS, ZERO1, ZERO2),
+            impls=(OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO, FSDP2)
+            if peers
+            else (OURS, ZERO1, ZERO2),
         ),
         Case(pp=2, impls=(OURS, TORCH_PP) if peers else (OURS,)),
         Case(pp=2, schedule="gpipe"),

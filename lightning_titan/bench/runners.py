@@ -1,6 +1,6 @@
-"""One training step of the same model, five ways: ours (Engine, zero=0, 1 or 2), torch DDP (with
-AdamW or with ``ZeroRedundancyOptimizer`` over AdamW), torch.distributed.pipelining, and torch's
-``parallelize_module`` tensor parallelism (``torch_tp.py``).
+"""One training step of the same model, six ways: ours (Engine, zero=0, 1 or 2), torch DDP (with
+AdamW or with ``ZeroRedundancyOptimizer`` over AdamW), torch FSDP2, torch.distributed.pipelining,
+and torch's ``parallelize_module`` tensor parallelism (``torch_tp.py``).
 
 Every runner does forward, backward, gradient synchronisation, clipping to norm 1 and an AdamW step on
 the same ``StageModel`` and the same local batch; they differ only in the parallel machinery. The
@@ -117,6 +117,29 @@ class DDPZeroRunner(DDPRunner):
         self.optimizer = ZeroRedundancyOptimizer(
             self.model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR
         )
+
+
+class FSDP2Runner(DDPRunner):
+    """torch FSDP2: ``fully_shard`` on each block and on the root, with
+    ``reshard_after_forward=False`` (the parameters stay gathered from forward to backward), so it
+    shards what ZeRO-2 shards (optimizer state and grads) and is timed against ours at zero=2. Its
+    grads and optimizer state are DTensor shards; torch's ``clip_grad_norm_`` composes their norm.
+    Pure DP layouts only."""
+
+    def __init__(self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups,
+                 device: torch.device) -> None:  # fmt: skip
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        if dims.pp != 1 or dims.ep != 1:
+            raise ValueError(f"the FSDP2 peer runs pure DP layouts, not pp={dims.pp} ep={dims.ep}")
+        self.model = build_stage(config, dims, groups, device)
+        mesh = DeviceMesh.from_group(groups.expert_dp, device.type)  # pure DP: the dp ranks
+        for block in self.model.layers.values():
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
+        self.ddp = self.model
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
 
 
 class _AuxCarrying(nn.Module):

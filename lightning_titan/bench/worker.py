@@ -21,6 +21,7 @@ from lightning_titan import tracing
 from lightning_titan.bench.cases import (
     DDP,
     DDP_ZERO,
+    FSDP2,
     IMPL_LABELS,
     OURS,
     PER_PARAM,
@@ -46,6 +47,7 @@ from lightning_titan.bench.runners import (
     SEED,
     DDPRunner,
     DDPZeroRunner,
+    FSDP2Runner,
     TitanRunner,
     TorchPipeRunner,
 )
@@ -91,6 +93,8 @@ def _make(impl: str, case: Case, settings: Settings, dims: ParallelDims, groups:
         return DDPRunner(settings.config, dims, groups, device)
     if impl == DDP_ZERO:
         return DDPZeroRunner(settings.config, dims, groups, device)
+    if impl == FSDP2:
+        return FSDP2Runner(settings.config, dims, groups, device)
     if impl == TORCH_PP:
         return TorchPipeRunner(settings.config, dims, groups, device, schedule=case.schedule,
                                num_microbatches=m)  # fmt: skip

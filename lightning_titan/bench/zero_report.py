@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_titan.bench.cases import DDP_ZERO, OURS, ZERO1, ZERO2
+from lightning_titan.bench.cases import DDP_ZERO, FSDP2, OURS, ZERO1, ZERO2
 from lightning_titan.bench.memory import PARTS
 
 _MB = 1e6
@@ -85,6 +85,10 @@ def _zero2_entry(row: dict, states: dict[str, list[dict[str, int]]]) -> dict:
     }  # fmt: skip
     if "time_ms" in zero2:
         entry["split_ms"] = {k: zero2["time_ms"][k] for k in ("optimizer", "all_gather")}
+    peer = row["impls"].get(FSDP2)
+    if peer is not None:  # the peer that shards what zero=2 does (and its parameters too)
+        entry["peer_step_ratio"] = peer["step_ms"] / zero0["step_ms"]
+        entry["peer_met"] = peer["step_ms"] >= zero2["step_ms"]
     return entry
 
 
@@ -135,12 +139,14 @@ def zero2_markdown(zero: list[dict]) -> list[str]:
              "reduce-scattered grads), zero=2 / zero=0 on the worst rank against the ideal (expert "
              "grads over dp ranks, the rest over dp x ep); optimizer state as zero=1; step and CPU "
              "time per step against zero=0 in the same rounds; optimizer and parameter all-gather "
-             "ms per rank from the recorded steps",
+             "ms per rank from the recorded steps; FSDP2: torch's fully_shard on each block and the "
+             "root (reshard_after_forward=False: it shards the parameters too, between steps) over AdamW",
              "",
              "| ranks | composition | grads MB zero=0 | zero=2 | zero=2 / zero=0 (ideal) | within 5% "
              "| optimizer MB zero=2 | optimizer + all-gather ms "
-             "| step zero=2 / zero=0 | CPU zero=2 / zero=0 | both <= 1.05x |",
-             "|---:|---|---:|---:|---|---|---:|---|---:|---:|---|"]  # fmt: skip
+             "| step zero=2 / zero=0 | CPU zero=2 / zero=0 | both <= 1.05x "
+             "| FSDP2 params / grads / optimizer MB | step FSDP2 / zero=0 | zero=2 as fast as FSDP2 |",
+             "|---:|---|---:|---:|---|---|---:|---|---:|---:|---|---|---:|---|"]  # fmt: skip
     for z in rows:
         mb, z2 = z["mb"], z["zero2"]
         split = "-"
@@ -151,6 +157,14 @@ def zero2_markdown(zero: list[dict]) -> list[str]:
             f"| {z['world']} | {z['case']} | {mb[OURS]['grads']:.3f} | {mb[ZERO2]['grads']:.3f} | "
             f"{z2['grads_ratio']:.3f} ({z2['grads_ideal']:.3f}) | {_mark(z2['grads_met'])} | "
             f"{mb[ZERO2]['optimizer']:.3f} | {split} | {z2['step_ratio']:.2f}x | "
-            f"{z2['cpu_ratio']:.2f}x | {_mark(z2['time_met'])} |"
+            f"{z2['cpu_ratio']:.2f}x | {_mark(z2['time_met'])} | {_fsdp2_cells(z)} |"
         )
     return lines
+
+
+def _fsdp2_cells(z: dict) -> str:
+    if FSDP2 not in z["mb"]:
+        return "- | - | -"
+    mb, z2 = z["mb"][FSDP2], z["zero2"]
+    return (f"{mb['params']:.3f} / {mb['grads']:.3f} / {mb['optimizer']:.3f} | "
+            f"{z2['peer_step_ratio']:.2f}x | {_mark(z2['peer_met'])}")  # fmt: skip
