@@ -349,6 +349,23 @@ def test_zero_table_ideal_splits_expert_state_over_dp_and_the_rest_over_dp_times
     assert report.peer_ratios([row]) == []  # zero=1 is ours, not a peer
 
 
+def test_zero_table_ideal_under_tp_splits_each_part_over_its_own_group():
+    """dp2 x tp2: experts (whole on both TP ranks) over dp x tp = 4 ranks, the TP-cut weights (200 of
+    the 300 non-expert parameter bytes) over dp = 2, norms and routers over dp x tp = 4."""
+    from lightning_titan.bench import report
+
+    def impl(states, cut):
+        return {"step_ms": 10.0, "cpu_ms": 20.0, "tokens_per_s": 100.0,
+                "state_bytes_per_rank": states, "tp_cut_bytes_per_rank": cut}  # fmt: skip
+
+    zero0 = [_state(400, 600, params=300)] * 4
+    exact = [_state(100, 250, params=300)] * 4  # 400/4; 600 * (2/3 / 2 + 1/3 / 4)
+    row = {"world": 4, "case": "dp2xtp2", "dp": 2, "ep": 1, "tp": 2, "cp": 1,
+           "impls": {"titan": impl(zero0, [200] * 4), "titan_zero1": impl(exact, [200] * 4)}}  # fmt: skip
+    (z,) = report.zero_rows([row])
+    assert z["ideal"] == pytest.approx(0.35) and z["memory_met"]
+
+
 def test_zero2_table_splits_grads_like_the_state_and_times_against_zero_0():
     from lightning_titan.bench import report
 

@@ -58,6 +58,7 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
             "peak_mb_per_rank": [r[impl]["peak_bytes"] / _MB for r in per_rank],
             "state_bytes_per_rank": [r[impl]["state_bytes"] for r in per_rank],
             "tp_cut_share": [r[impl]["tp_cut_param_bytes"] / full["tp_cut"] for r in per_rank],
+            "tp_cut_bytes_per_rank": [r[impl]["tp_cut_param_bytes"] for r in per_rank],
         }
         if impl != OURS and "spans" in per_rank[0][impl]:
             impls[impl]["time_ms"] = tracing.time_by_kind(

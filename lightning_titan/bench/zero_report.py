@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from lightning_titan.bench.cases import DDP_ZERO, FSDP2, OURS, ZERO1, ZERO2
 from lightning_titan.bench.memory import PARTS
+from lightning_titan.model import EXPERT, SEQUENCE, TP_SHARDED
+from lightning_titan.parallel_dims import ParallelDims
 
 _MB = 1e6
 
@@ -17,17 +19,26 @@ def _mb(states: list[dict[str, int]], kind: str) -> float:
     return max(s[f"expert_{kind}"] + s[f"non_expert_{kind}"] for s in states) / _MB
 
 
-def optimizer_shares(zero0: list[dict[str, int]], zero1: list[dict[str, int]], dp: int, ep: int,
-                     kind: str = "optimizer") -> tuple[list[float], list[float]]:  # fmt: skip
+def optimizer_shares(zero0: dict, zero1: dict, row: dict, kind: str = "optimizer"
+                     ) -> tuple[list[float], list[float]]:  # fmt: skip
     """Per rank: optimizer (or ``kind``: ZeRO-2's grads) bytes at zero>0 / zero=0, and the ideal
-    ratio, per part: expert state split over the expert-DP group (dp ranks), the rest over the
-    non-expert-DP group (dp * ep)."""
+    ratio, each parameter's over its own data-parallel group: expert state over the expert-DP group
+    (dp x cp x tp ranks), TP-cut weights' over dp x ep x cp, the rest (norms, routers, whole on every
+    TP rank) over dp x ep x cp x tp. The cut weights hold their share of the non-expert parameter
+    bytes of the non-expert state too (the same bytes per element)."""
+    dims = ParallelDims(row["dp"], row.get("pp", 1), row["ep"], tp=row.get("tp", 1),
+                        cp=row.get("cp", 1))  # fmt: skip
+    n_expert, n_cut, n_rest = (len(dims.group_ranks(k)) for k in (EXPERT, TP_SHARDED, SEQUENCE))
     ratios, ideals = [], []
     e, n = f"expert_{kind}", f"non_expert_{kind}"
-    for s0, s1 in zip(zero0, zero1, strict=True):
+    states0, states1 = zero0["state_bytes_per_rank"], zero1["state_bytes_per_rank"]
+    cuts = zero0.get("tp_cut_bytes_per_rank", [0] * len(states0))
+    for s0, s1, cut in zip(states0, states1, cuts, strict=True):
         whole = s0[e] + s0[n]
+        cut_share = cut / s0["non_expert_params"] if s0["non_expert_params"] else 0.0
+        non_expert = s0[n] * (cut_share / n_cut + (1 - cut_share) / n_rest)
         ratios.append((s1[e] + s1[n]) / whole)
-        ideals.append((s0[e] / dp + s0[n] / (dp * ep)) / whole)
+        ideals.append((s0[e] / n_expert + non_expert) / whole)
     return ratios, ideals
 
 
@@ -42,7 +53,7 @@ def zero_rows(rows: list[dict]) -> list[dict]:
         if ZERO1 not in impls:
             continue
         states = {impl: v["state_bytes_per_rank"] for impl, v in impls.items()}
-        ratios, ideals = optimizer_shares(states[OURS], states[ZERO1], row["dp"], row["ep"])
+        ratios, ideals = optimizer_shares(impls[OURS], impls[ZERO1], row)
         worst = max(range(len(ratios)), key=lambda r: ratios[r] / ideals[r])
         zero0, zero1, peer = impls[OURS], impls[ZERO1], impls.get(DDP_ZERO)
         step_ratio, cpu_ratio = (zero1[k] / zero0[k] for k in ("step_ms", "cpu_ms"))
@@ -74,7 +85,7 @@ def _zero2_entry(row: dict, states: dict[str, list[dict[str, int]]]) -> dict:
     """ZeRO-2 against zero=0: grads per rank (target: the worst rank within 5% of the ideal) and step
     and CPU time (target: within 1.05x)."""
     zero0, zero2 = row["impls"][OURS], row["impls"][ZERO2]
-    ratios, ideals = optimizer_shares(states[OURS], states[ZERO2], row["dp"], row["ep"], "grads")
+    ratios, ideals = optimizer_shares(zero0, zero2, row, "grads")
     worst = max(range(len(ratios)), key=lambda r: ratios[r] / ideals[r])
     step_ratio, cpu_ratio = (zero2[k] / zero0[k] for k in ("step_ms", "cpu_ms"))
     entry = {
@@ -99,7 +110,8 @@ def zero_markdown(zero: list[dict]) -> list[str]:
         return []
     lines = ["", "**ZeRO-1**: model state per rank in MB (largest rank; params and grads stay whole "
              "at zero=1), optimizer state zero=1 / zero=0 on the worst rank against the ideal "
-             "(expert state over dp ranks, the rest over dp x ep); step and CPU time per step "
+             "(each parameter's over its own data-parallel group: experts over dp x cp x tp ranks, "
+             "TP-cut weights over dp x ep x cp, the rest over dp x ep x cp x tp); step and CPU time per step "
              "against zero=0 in the same rounds; optimizer and parameter all-gather ms per rank from the "
              "recorded steps. ZRO: torch DDP + ZeroRedundancyOptimizer(AdamW)",
              "",
@@ -136,8 +148,8 @@ def zero2_markdown(zero: list[dict]) -> list[str]:
     if not rows:
         return []
     lines = ["", "**ZeRO-2**: grads a rank keeps after the step in MB (largest rank; its rows of the "
-             "reduce-scattered grads), zero=2 / zero=0 on the worst rank against the ideal (expert "
-             "grads over dp ranks, the rest over dp x ep); optimizer state as zero=1; step and CPU "
+             "reduce-scattered grads), zero=2 / zero=0 on the worst rank against the ideal (split as "
+             "the optimizer state); optimizer state as zero=1; step and CPU "
              "time per step against zero=0 in the same rounds; optimizer and parameter all-gather "
              "ms per rank from the recorded steps; FSDP2: torch's fully_shard on each block and the "
              "root (reshard_after_forward=False: it shards the parameters too, between steps) over AdamW",
