@@ -46,7 +46,7 @@ def full_model_params(settings: Settings) -> dict[str, int]:
 def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[str, int]
               ) -> tuple[dict, list[tracing.Span]]:  # fmt: skip
     """One row for ``case`` from every rank's result, and the spans recorded for it."""
-    dims = ParallelDims(case.dp, case.pp, case.ep, tp=case.tp)
+    dims = ParallelDims(case.dp, case.pp, case.ep, tp=case.tp, cp=case.cp)
     impls = {}
     for impl in case.impls:
         step_s = per_rank[0][impl]["median_step_s"]
