@@ -3,7 +3,7 @@ the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 r
 torch ``parallelize_module`` peer included)."""
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -132,6 +132,19 @@ def test_interleaved_bubble_of_ideal_pipelines_is_the_virtual_stage_one(pp, v, m
     for b in tracing.measure_bubbles(simulate_interleaved(pp, v, m), [list(range(pp))]):
         assert b.measured == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-9)
         assert b.measured < (pp - 1) / (m + pp - 1)  # 1F1B's
+
+
+def test_the_timeline_says_m_and_v_under_interleaving_not_v_times_m():
+    """Issue 17's bug: the v*M forwards of an interleaved stage were reported as M."""
+    from lightning_titan.timeline import _theory_label
+
+    bubbles = tracing.measure_bubbles(simulate_interleaved(4, 2, 8), [list(range(4))])
+    assert {(b.num_microbatches, b.virtual_stages) for b in bubbles} == {(8, 2)}
+    assert bubbles[0].theory == pytest.approx(3 / (2 * 8 + 3))
+    label = _theory_label(asdict(bubbles[0]))
+    assert "(v*M+P-1)" in label and "M=8, v=2" in label
+    one_chunk = tracing.measure_bubbles(simulate("1f1b", 4, 8), [list(range(4))])[0]
+    assert _theory_label(asdict(one_chunk)).endswith("(M=8)")
 
 
 @pytest.mark.parametrize(
