@@ -303,6 +303,25 @@ def test_saved_tensor_meter_counts_each_storage_once_and_releases_it():
     assert meter.current == 0 and meter.peak == 3 * n * 4
 
 
+def test_saved_tensor_meter_releases_a_graph_split_into_input_and_weight_grads():
+    """ZB-H1's B retains the graph and W runs only the weight path: the input path's saved outputs
+    (exp's here) must still go when the graph does; the meter once held them in a cycle with their
+    grad_fn and reported every microbatch of a step as live."""
+    from lightning_titan.pipeline import backward_split
+
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    meter = SavedTensorMeter(exclude=[w])
+    with meter:
+        for _ in range(3):
+            x = torch.randn(4, 8, requires_grad=True)
+            objective = (x.exp() @ w).sum()
+            dx, weight_grads = backward_split.split(objective, x, [w])
+            weight_grads.run()
+            del objective, weight_grads
+        assert meter.current == 0 and meter.peak == 4 * 8 * 4  # one microbatch's exp output
+    torch.testing.assert_close(dx, (w.sum(1) * x.exp()).detach())
+
+
 def test_recording_is_off_by_default_and_the_stack_reports_its_spans():
     config = ModelConfig(vocab_size=31, d_model=16, n_layers=2, n_heads=2, ffn_dim=8, n_experts=2,
                          seq_len=6)  # fmt: skip
