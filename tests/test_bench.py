@@ -670,3 +670,74 @@ def test_the_torch_tp_peer_trains_the_one_process_model():
         assert grads.keys() == dict(model.named_parameters()).keys()
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+_PIPE_CONFIG = {"d_model": 32, "ffn_dim": 32, "seq_len": 16, "n_layers": 4}
+
+
+def _torch_pipe_grads(rank, world, schedule, v):
+    """One step of the pipelining peer on pp=world with the optimizer left out: this stage's grads."""
+    from lightning_titan.bench.runners import TorchPipeRunner
+    from lightning_titan.parallel_dims import build_process_groups
+    from lightning_titan.pipeline.split import StageSplit
+
+    dims = ParallelDims(1, world, 1, rank)
+    runner = TorchPipeRunner(ModelConfig(**_PIPE_CONFIG), dims, build_process_groups(dims),
+                             torch.device("cpu"), schedule=schedule, num_microbatches=4,
+                             split=StageSplit(v))  # fmt: skip
+    runner.optimizer.step = runner.optimizer.zero_grad = lambda *a, **k: None
+    tokens = torch.randint(0, 257, (8, 17), generator=torch.Generator().manual_seed(0))
+    runner.step(tokens[:, :-1], tokens[:, 1:])
+    return {name: p.grad for name, p in runner.model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
+def test_the_torch_pipelining_peers_train_the_one_process_model(schedule, v):
+    """ScheduleInterleaved1F1B over two chunks per rank and ScheduleInterleavedZeroBubble over one
+    are fair peers only if they compute the same step: each stage's clipped grads equal one process's."""
+    import torch.nn.functional as F
+
+    from lightning_titan.bench.runners import MAX_NORM, SEED
+    from lightning_titan.launch import run_on_ranks
+
+    per_rank = run_on_ranks(_torch_pipe_grads, 2, schedule, v, timeout_s=100, start_method="fork")
+    model = StageModel(ModelConfig(**_PIPE_CONFIG))
+    model.init_weights(SEED)
+    tokens = torch.randint(0, 257, (8, 17), generator=torch.Generator().manual_seed(0))
+    logits, aux = model(tokens[:, :-1])
+    (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + aux.mean()).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    grads = {name: g for rank_grads in per_rank for name, g in rank_grads.items()}
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bench_schedules_runs_end_to_end_and_reports_each_schedule(tmp_path):
+    """``titan bench --schedules --quick``: pp2 under 1F1B, interleaved 1F1B (v=2), ZB-H1 (each
+    beside torch's) and the auto split, 8 layers; the table's columns, the checks and the timelines.
+    Activations are deterministic: the measured peak per stage is the schedule's theory."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "lightning_titan", "bench", "--schedules", "--quick", "--out",
+           str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = json.loads((tmp_path / "bench.json").read_text())
+    rows = {s["case"]: s for s in results["schedules"]}
+    assert list(rows) == ["pp2 1f1b", "pp2 interleaved_1f1b v2", "pp2 zb_h1", "pp2 1f1b auto"]
+    assert rows["pp2 interleaved_1f1b v2"]["stage_layers"] == [2, 2, 2, 2]
+    assert sum(rows["pp2 1f1b auto"]["stage_layers"]) == 8
+    for name, s in rows.items():
+        assert len(s["measured"]) == len(s["replay"]) == len(s["uneven"]) == 2
+        assert (s["ratio"] is None) == (name == "pp2 1f1b auto") and s["step_ms"] > 0
+        assert s["saved_mb"] == pytest.approx(s["theory_saved_mb"], rel=0.05), name
+        assert (tmp_path / "timeline" / f"{name.replace(' ', '_')}.png").stat().st_size > 0
+    m = rows["pp2 1f1b"]["microbatches"]
+    assert rows["pp2 interleaved_1f1b v2"]["theory"] == pytest.approx(1 / (2 * m + 1))
+    assert rows["pp2 1f1b"]["live"] == [2, 1] and rows["pp2 zb_h1"]["live"] == [2, 2]
+    checks = {(c["case"], c["check"].split()[0]) for c in results["schedule_checks"]}
+    assert ("pp2 zb_h1", "replay") in checks and ("pp2 1f1b auto", "uneven-stage") in checks
+    assert "**Schedules**" in (tmp_path / "bench.md").read_text()
