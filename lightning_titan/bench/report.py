@@ -22,6 +22,7 @@ from lightning_titan.bench.tp_report import expected_tp_shares, span, tp_markdow
 from lightning_titan.bench.zero_report import zero_markdown, zero_rows  # noqa: F401 (suite)
 from lightning_titan.model import StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.pipeline.split import AUTO
 from lightning_titan.tensor_parallel import tp_shards
 
 _MB = 1e6
@@ -80,6 +81,7 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
         row["saved_peak_mb_per_stage"] = [saved[p] / _MB for p in range(case.pp)]
         row["virtual_stages"] = case.virtual_stages
         row["stage_layers"] = per_rank[0][OURS]["stage_layers"]
+        row["auto_split"] = case.stage_layers == AUTO
         by_stage = {r[OURS]["coords"][1]: r[OURS]["microbatch_saved_bytes"] for r in per_rank}
         row["microbatch_saved_mb_per_stage"] = [
             [b / _MB for b in by_stage[p]] for p in range(case.pp)
