@@ -41,7 +41,7 @@ class PipelineTimeline(Callback):
     """Record the chosen training steps on every rank; after the last one, write a Chrome trace of all
     ranks (``trace.json``, pid = rank: open in ui.perfetto.dev), a Gantt chart (``timeline.png``) and
     ``bubbles.json``, and log ``timeline/bubble_stage{p}`` (measured) beside
-    ``timeline/bubble_theory`` = (P-1)/(M+P-1).
+    ``timeline/bubble_theory`` = (P-1)/(M+P-1) (interleaved over v chunks: (P-1)/(v*M+P-1)).
 
     Args:
         steps: global steps to record (0-based optimizer steps); skip the first ones (warm-up).
@@ -139,14 +139,21 @@ class PipelineTimeline(Callback):
         summary = {"steps": self.steps, "ms_per_step_and_rank": times, "bubbles": self.bubbles}
         (self.out_dir / "bubbles.json").write_text(json.dumps(summary, indent=1))
         lines = [f"PipelineTimeline: steps {self.steps} -> {self.out_dir.resolve()}"]
-        lines += [f"  stage {b['stage']}: bubble measured {b['measured']:.3f}, theory (P-1)/(M+P-1) = "
-                  f"{b['theory']:.3f} (M={b['num_microbatches']}); with free send/recv "
-                  f"{b['compute_only']:.3f}, and steady compute {b['steady_compute']:.3f}"
-                  for b in self.bubbles]  # fmt: skip
+        lines += [f"  stage {b['stage']}: bubble measured {b['measured']:.3f}, {_theory_label(b)}; "
+                  f"with free send/recv {b['compute_only']:.3f}, and steady compute "
+                  f"{b['steady_compute']:.3f}" for b in self.bubbles]  # fmt: skip
         lines.append(
             "  ms per step and rank: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
         )
         rank_zero_info("\n".join(lines))
+
+
+def _theory_label(bubble: dict) -> str:
+    """The formula with its M and, interleaved, v: M counts microbatches, not the v*M forwards."""
+    m, v = bubble["num_microbatches"], bubble.get("virtual_stages", 1)
+    if v == 1:
+        return f"theory (P-1)/(M+P-1) = {bubble['theory']:.3f} (M={m})"
+    return f"theory (P-1)/(v*M+P-1) = {bubble['theory']:.3f} (M={m}, v={v})"
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -183,9 +183,10 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
-def theory_bubble(pp: int, num_microbatches: int) -> float:
-    """Idle fraction of each stage for GPipe and 1F1B with equal stages: (P - 1) / (M + P - 1)."""
-    return (pp - 1) / (num_microbatches + pp - 1)
+def theory_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of each stage for GPipe and 1F1B with equal stages: (P - 1) / (M + P - 1); for
+    interleaved 1F1B over ``v`` chunks per rank: (P - 1) / (v * M + P - 1)."""
+    return (pp - 1) / (virtual_stages * num_microbatches + pp - 1)
 
 
 @dataclass
@@ -193,9 +194,12 @@ class StageBubble:
     stage: int
     measured: float  # median over (pipeline, step) samples: one disturbed step does not decide it
     theory: float
-    num_microbatches: int
+    num_microbatches: (
+        int  # M: distinct microbatches, not forwards (v per microbatch when interleaved)
+    )
     samples: int  # (pipeline, step) pairs measured
     mean: float = 0.0
+    virtual_stages: int = 1  # chunks per rank (v)
 
 
 def measure_bubbles(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -> list[StageBubble]:
@@ -205,14 +209,17 @@ def measure_bubbles(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -
     lists each pipeline's global ranks by stage (``ParallelDims.all_groups("pp")``). Time in send/recv
     counts as idle: that is the bubble."""
     compute: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    forwards: dict[tuple[int, int], int] = defaultdict(int)
+    # forwards as (chunk, microbatch): interleaved, a rank runs v forwards per microbatch
+    forwards: dict[tuple[int, int], set] = defaultdict(set)
     for s in spans:
         if s.kind in COMPUTE_KINDS:
             compute[(s.rank, s.step)].append((s.start_ns, s.end_ns))
-            forwards[(s.rank, s.step)] += s.kind == "forward"
+            if s.kind == "forward":
+                mb = s.args.get("mb", len(forwards[(s.rank, s.step)]))  # unlabelled: one each
+                forwards[(s.rank, s.step)].add((s.args.get("chunk", 0), mb))
     steps = sorted({step for _, step in compute})
     fractions: dict[int, list[float]] = defaultdict(list)
-    microbatches: dict[int, int] = {}
+    microbatches: dict[int, tuple[int, int]] = {}  # stage -> (M, v)
     for ranks in pipelines:
         for step in steps:
             per_rank = [compute.get((r, step), []) for r in ranks]
@@ -222,12 +229,13 @@ def measure_bubbles(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -
             end = max(b for iv in per_rank for _, b in iv)
             for stage, intervals in enumerate(per_rank):
                 fractions[stage].append(1.0 - _union_ns(intervals) / max(1, end - start))
-                microbatches[stage] = forwards[(ranks[stage], step)]
+                ids = forwards[(ranks[stage], step)]
+                microbatches[stage] = (len({mb for _, mb in ids}), len({c for c, _ in ids}))
     pp = len(pipelines[0]) if pipelines else 1
-    m = microbatches.get(0, 1)
+    m, v = microbatches.get(0, (1, 1))
     return [
-        StageBubble(stage, statistics.median(f), theory_bubble(pp, m), microbatches[stage], len(f),
-                    sum(f) / len(f))
+        StageBubble(stage, statistics.median(f), theory_bubble(pp, m, v), microbatches[stage][0],
+                    len(f), sum(f) / len(f), microbatches[stage][1])
         for stage, f in sorted(fractions.items())
     ]  # fmt: skip
 

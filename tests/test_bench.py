@@ -3,7 +3,7 @@ the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 r
 torch ``parallelize_module`` peer included)."""
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -132,6 +132,19 @@ def test_interleaved_bubble_of_ideal_pipelines_is_the_virtual_stage_one(pp, v, m
     for b in tracing.measure_bubbles(simulate_interleaved(pp, v, m), [list(range(pp))]):
         assert b.measured == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-9)
         assert b.measured < (pp - 1) / (m + pp - 1)  # 1F1B's
+
+
+def test_the_timeline_says_m_and_v_under_interleaving_not_v_times_m():
+    """Issue 17's bug: the v*M forwards of an interleaved stage were reported as M."""
+    from lightning_titan.timeline import _theory_label
+
+    bubbles = tracing.measure_bubbles(simulate_interleaved(4, 2, 8), [list(range(4))])
+    assert {(b.num_microbatches, b.virtual_stages) for b in bubbles} == {(8, 2)}
+    assert bubbles[0].theory == pytest.approx(3 / (2 * 8 + 3))
+    label = _theory_label(asdict(bubbles[0]))
+    assert "(v*M+P-1)" in label and "M=8, v=2" in label
+    one_chunk = tracing.measure_bubbles(simulate("1f1b", 4, 8), [list(range(4))])[0]
+    assert _theory_label(asdict(one_chunk)).endswith("(M=8)")
 
 
 @pytest.mark.parametrize(
@@ -290,6 +303,25 @@ def test_saved_tensor_meter_counts_each_storage_once_and_releases_it():
     assert meter.current == 0 and meter.peak == 3 * n * 4
 
 
+def test_saved_tensor_meter_releases_a_graph_split_into_input_and_weight_grads():
+    """ZB-H1's B retains the graph and W runs only the weight path: the input path's saved outputs
+    (exp's here) must still go when the graph does; the meter once held them in a cycle with their
+    grad_fn and reported every microbatch of a step as live."""
+    from lightning_titan.pipeline import backward_split
+
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    meter = SavedTensorMeter(exclude=[w])
+    with meter:
+        for _ in range(3):
+            x = torch.randn(4, 8, requires_grad=True)
+            objective = (x.exp() @ w).sum()
+            dx, weight_grads = backward_split.split(objective, x, [w])
+            weight_grads.run()
+            del objective, weight_grads
+        assert meter.current == 0 and meter.peak == 4 * 8 * 4  # one microbatch's exp output
+    torch.testing.assert_close(dx, (w.sum(1) * x.exp()).detach())
+
+
 def test_recording_is_off_by_default_and_the_stack_reports_its_spans():
     config = ModelConfig(vocab_size=31, d_model=16, n_layers=2, n_heads=2, ffn_dim=8, n_experts=2,
                          seq_len=6)  # fmt: skip
@@ -437,8 +469,8 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
             assert impl["tokens_per_s"] > 0 and impl["step_ms"] > 0
     assert {(p["case"], p["peer"], p["baseline"]) for p in results["peers"]} == {
         ("dp2", "titan_per_param", "titan"), ("dp2", "ddp", "titan"),
-        ("dp2", "ddp_zero", "titan_zero1"), ("pp2 1f1b", "torch_pp", "titan"),
-        ("tp2", "torch_tp", "titan")}  # fmt: skip
+        ("dp2", "ddp_zero", "titan_zero1"), ("dp2", "fsdp2", "titan_zero2"),
+        ("pp2 1f1b", "torch_pp", "titan"), ("tp2", "torch_tp", "titan")}  # fmt: skip
     # ZeRO-1: each rank keeps about half the AdamW state at dp2, params and grads whole; torch's
     # ZeroRedundancyOptimizer gives each parameter's state to one rank: its ranks add up to zero=0
     dp = next(r for r in results["rows"] if r["case"] == "dp2")
@@ -673,3 +705,74 @@ def test_collectives_table_times_what_zero_puts_beside_the_all_reduce():
     lines = collectives.markdown([row])
     zero2 = row["reduce_scatter + all_gather"] / row["all_reduce"]
     assert lines[-1].startswith("| 2 | 0.1 |") and lines[-1].endswith(f"| {zero2:.2f}x |")
+
+
+_PIPE_CONFIG = {"d_model": 32, "ffn_dim": 32, "seq_len": 16, "n_layers": 4}
+
+
+def _torch_pipe_grads(rank, world, schedule, v):
+    """One step of the pipelining peer on pp=world with the optimizer left out: this stage's grads."""
+    from lightning_titan.bench.runners import TorchPipeRunner
+    from lightning_titan.parallel_dims import build_process_groups
+    from lightning_titan.pipeline.split import StageSplit
+
+    dims = ParallelDims(1, world, 1, rank)
+    runner = TorchPipeRunner(ModelConfig(**_PIPE_CONFIG), dims, build_process_groups(dims),
+                             torch.device("cpu"), schedule=schedule, num_microbatches=4,
+                             split=StageSplit(v))  # fmt: skip
+    runner.optimizer.step = runner.optimizer.zero_grad = lambda *a, **k: None
+    tokens = torch.randint(0, 257, (8, 17), generator=torch.Generator().manual_seed(0))
+    runner.step(tokens[:, :-1], tokens[:, 1:])
+    return {name: p.grad for name, p in runner.model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
+def test_the_torch_pipelining_peers_train_the_one_process_model(schedule, v):
+    """ScheduleInterleaved1F1B over two chunks per rank and ScheduleInterleavedZeroBubble over one
+    are fair peers only if they compute the same step: each stage's clipped grads equal one process's."""
+    import torch.nn.functional as F
+
+    from lightning_titan.bench.runners import MAX_NORM, SEED
+    from lightning_titan.launch import run_on_ranks
+
+    per_rank = run_on_ranks(_torch_pipe_grads, 2, schedule, v, timeout_s=100, start_method="fork")
+    model = StageModel(ModelConfig(**_PIPE_CONFIG))
+    model.init_weights(SEED)
+    tokens = torch.randint(0, 257, (8, 17), generator=torch.Generator().manual_seed(0))
+    logits, aux = model(tokens[:, :-1])
+    (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + aux.mean()).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    grads = {name: g for rank_grads in per_rank for name, g in rank_grads.items()}
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bench_schedules_runs_end_to_end_and_reports_each_schedule(tmp_path):
+    """``titan bench --schedules --quick``: pp2 under 1F1B, interleaved 1F1B (v=2), ZB-H1 (each
+    beside torch's) and the auto split, 8 layers; the table's columns, the checks and the timelines.
+    Activations are deterministic: the measured peak per stage is the schedule's theory."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "lightning_titan", "bench", "--schedules", "--quick", "--out",
+           str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = json.loads((tmp_path / "bench.json").read_text())
+    rows = {s["case"]: s for s in results["schedules"]}
+    assert list(rows) == ["pp2 1f1b", "pp2 interleaved_1f1b v2", "pp2 zb_h1", "pp2 1f1b auto"]
+    assert rows["pp2 interleaved_1f1b v2"]["stage_layers"] == [2, 2, 2, 2]
+    assert sum(rows["pp2 1f1b auto"]["stage_layers"]) == 8
+    for name, s in rows.items():
+        assert len(s["measured"]) == len(s["replay"]) == len(s["uneven"]) == 2
+        assert (s["ratio"] is None) == (name == "pp2 1f1b auto") and s["step_ms"] > 0
+        assert s["saved_mb"] == pytest.approx(s["theory_saved_mb"], rel=0.05), name
+        assert (tmp_path / "timeline" / f"{name.replace(' ', '_')}.png").stat().st_size > 0
+    m = rows["pp2 1f1b"]["microbatches"]
+    assert rows["pp2 interleaved_1f1b v2"]["theory"] == pytest.approx(1 / (2 * m + 1))
+    assert rows["pp2 1f1b"]["live"] == [2, 1] and rows["pp2 zb_h1"]["live"] == [2, 2]
+    checks = {(c["case"], c["check"].split()[0]) for c in results["schedule_checks"]}
+    assert ("pp2 zb_h1", "median-length") in checks and ("pp2 1f1b auto", "uneven-stage") in checks
+    assert "**Schedules**" in (tmp_path / "bench.md").read_text()

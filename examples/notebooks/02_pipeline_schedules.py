@@ -16,7 +16,8 @@
 #
 # This notebook derives both timelines from the schedule functions themselves, then measures them on 4
 # CPU ranks with the `PipelineTimeline` callback, and compares the bubble and the activation memory with
-# the formulas as `M` changes.
+# the formulas as `M` changes. At the end: interleaved 1F1B and ZB-H1, ideal and as the benchmark
+# measured them.
 
 # %%
 import json
@@ -33,8 +34,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 
+import lightning_titan
 from lightning_titan import ModelConfig, TitanDataModule, TitanLM, TitanStrategy
+from lightning_titan.bench import plots
 from lightning_titan.bench.memory import SavedTensorMeter
+from lightning_titan.bench.schedule_report import ideal_bubble, ideal_spans
 from lightning_titan.pipeline.schedules import gpipe, one_f_one_b
 from lightning_titan.timeline import PipelineTimeline
 from lightning_titan.tracing import theory_bubble
@@ -380,3 +384,62 @@ for m in MS:
         expected = gpipe[p] * min(m, P - p) / m
         assert abs(one_f_one_b[p] - expected) <= 0.05 * expected, (m, p, one_f_one_b[p], expected)
 print("1F1B peak == GPipe peak * min(M, P - p) / M on every stage, for M in", MS)
+
+# %% [markdown]
+# ## Interleaved 1F1B and ZB-H1
+#
+# Two more orders of the same work, for the bubble that 1F1B leaves:
+#
+# - **Interleaved 1F1B** (`TitanStrategy(schedule="interleaved_1f1b", virtual_stages=v)`): each rank
+#   holds `v` chunks of layers (rank `p` holds virtual stages `p`, `p + P`, ...), so a microbatch goes
+#   round the ring of ranks `v` times and the fill and drain take `1/v` as long:
+#   bubble `(P-1)/(v*M+P-1)`, for `v` times as many messages and more activations in flight.
+# - **ZB-H1** (`schedule="zb_h1"`): each backward is split into B (the input grad, sent upstream at
+#   once) and W (the weight grads, deferred); stage `p` defers its W's by `p` backwards, so they fill the
+#   cooldown where 1F1B waits. With F = B = W the bubble is `(P-1)/(3M+P-1)`.
+#
+# Their ideal timelines come from the schedule functions the same way as above
+# (`lightning_titan.bench.schedule_report`: a stand-in stage records the order; F 1, B 2, zero-bubble
+# B 1 + W 1; each chunk `1/v` of a stage), drawn by the Gantt chart the benchmark uses
+# (`F3.1`: forward of microbatch 3 in chunk 1; time in units of one forward of a stage):
+
+# %%
+RUNS.mkdir(parents=True, exist_ok=True)
+MORE = {"1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1}  # schedule -> chunks per rank
+fig, axes = plt.subplots(len(MORE), 1, figsize=(13, 3 * len(MORE)))
+for ax, (schedule, v) in zip(axes, MORE.items(), strict=True):
+    path = RUNS / f"ideal_{schedule}.png"
+    bubble = ideal_bubble(schedule, P, v, M_SHOW)
+    plots.plot_gantt(ideal_spans(schedule, P, v, M_SHOW), path,
+                     title=f"{schedule}, ideal (P={P}, M={M_SHOW}, v={v}): bubble {bubble:.3f}")  # fmt: skip
+    ax.imshow(plt.imread(path))
+    ax.axis("off")
+plt.tight_layout()
+plt.show()
+
+for m in (4, 8, 16):
+    assert np.isclose(ideal_bubble("interleaved_1f1b", P, 2, m), (P - 1) / (2 * m + P - 1))
+    assert ideal_bubble("zb_h1", P, 1, m) < ideal_bubble("1f1b", P, 1, m)
+print("ideal bubble: interleaved (P-1)/(v*M+P-1); zb_h1 below 1f1b at the same M")
+
+# %% [markdown]
+# ### Measured: `titan bench --schedules`
+#
+# The benchmark runs each schedule on pp2 and pp4 (8 layers, so pp4 x v2 has a layer per virtual
+# stage) beside torch.distributed.pipelining's schedule over the same stage modules, and reports the
+# bubble per stage (measured, and replayed with free send/recv), the activations per stage against the
+# schedule's theory, and the step time against torch's (docs/benchmarks.md, "Pipeline schedules").
+# These are its measured timelines on a shared 2-core box, committed under `docs/benchmarks/`:
+
+# %%
+DOCS = Path(lightning_titan.__file__).resolve().parents[1] / "docs" / "benchmarks"
+measured = [DOCS / f"pp4_{name}.png" for name in ("1f1b", "interleaved_1f1b_v2", "zb_h1")]
+if all(path.exists() for path in measured):
+    fig, axes = plt.subplots(len(measured), 1, figsize=(13, 3.2 * len(measured)))
+    for ax, path in zip(axes, measured, strict=True):
+        ax.imshow(plt.imread(path))
+        ax.axis("off")
+    plt.tight_layout()
+    plt.show()
+else:  # an installed package without the repository's docs
+    print(f"no measured timelines under {DOCS}: run titan bench --schedules --out bench_out")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_titan.model import ModelConfig
+from lightning_titan.pipeline.split import AUTO, StageSplit
 
 OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
 ZERO1, ZERO2, DDP_ZERO, TORCH_TP = "titan_zero1", "titan_zero2", "ddp_zero", "torch_tp"
@@ -36,6 +37,12 @@ class Case:
     tp: int = 1
     impls: tuple[str, ...] = (OURS,)
     cp: int = 1
+    virtual_stages: int = 1  # chunks per rank (interleaved_1f1b)
+    stage_layers: tuple[int, ...] | str | None = None  # layers per (virtual) stage, or "auto"
+
+    @property
+    def split(self) -> StageSplit:
+        return StageSplit(self.virtual_stages, self.stage_layers)
 
     @property
     def world(self) -> int:
@@ -55,7 +62,16 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"{self.layout} {self.schedule}" if self.pp > 1 else self.layout
+        if self.pp == 1:
+            return self.layout
+        name = f"{self.layout} {self.schedule}"
+        if self.virtual_stages > 1:
+            name += f" v{self.virtual_stages}"
+        if self.stage_layers == AUTO:
+            name += " auto"
+        elif self.stage_layers is not None:
+            name += " layers" + "-".join(map(str, self.stage_layers))
+        return name
 
 
 @dataclass(frozen=True)
@@ -129,3 +145,18 @@ def quick_cases(peers: bool = True) -> list[Case]:
         Case(tp=2, impls=(OURS, TORCH_TP) if peers else (OURS,)),
         Case(cp=2),
     ]
+
+
+SCHEDULES_N_LAYERS = 8  # pp4 x v2 = 8 virtual stages of one layer each
+
+
+def schedule_cases(peers: bool = True) -> list[Case]:
+    """``titan bench --schedules``: pp2 and pp4 under 1F1B, interleaved 1F1B (v=2) and ZB-H1 at the
+    same M, each beside its torch.distributed.pipelining schedule; and pp2 1F1B with the layers split
+    by ``stage_layers="auto"`` (ours only: the probe's split against the theory)."""
+    impls = (OURS, TORCH_PP) if peers else (OURS,)
+    cases = []
+    for pp in (2, 4):
+        cases += [Case(pp=pp, impls=impls), Case(pp=pp, schedule="interleaved_1f1b",
+                  virtual_stages=2, impls=impls), Case(pp=pp, schedule="zb_h1", impls=impls)]  # fmt: skip
+    return cases + [Case(pp=2, stage_layers=AUTO)]

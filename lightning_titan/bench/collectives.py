@@ -45,11 +45,15 @@ def _timings(n: int, world: int, repeats: int) -> dict[str, float]:
     def all_gather() -> None:
         dist.all_gather_single(full, shard)
 
+    def both() -> None:
+        reduce_scatter()
+        all_gather()
+
     ops = {
         "all_reduce": lambda: dist.all_reduce(grads),
         "reduce_scatter": reduce_scatter,
         "all_gather": all_gather,
-        "reduce_scatter + all_gather": lambda: (reduce_scatter(), all_gather()),
+        "reduce_scatter + all_gather": both,
     }
     return {k: _best_ms(op, repeats) for k, op in ops.items()}
 

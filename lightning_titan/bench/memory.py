@@ -60,7 +60,10 @@ class SavedTensorMeter:
             self.peak = max(self.peak, self.current)
         else:
             entry[1] += 1
-        return _Held(tensor, self, key)
+        # detached: a saved output held with its grad_fn is a cycle through autograd's C++ graph that
+        # Python's gc cannot see, so nodes that never run without retain_graph (ZB-H1's input-path
+        # nodes: B retains the graph, W runs the weight path only) kept the graph alive under the meter
+        return _Held(tensor.detach(), self, key)
 
     @staticmethod
     def _unpack(held: Any) -> Tensor:

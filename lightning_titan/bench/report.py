@@ -18,10 +18,12 @@ from lightning_titan.bench.cases import (
     Settings,
 )
 from lightning_titan.bench.cp_report import cp_markdown, cp_rows  # noqa: F401 (suite)
+from lightning_titan.bench.schedule_report import schedules_markdown
 from lightning_titan.bench.tp_report import expected_tp_shares, span, tp_markdown, tp_rows
 from lightning_titan.bench.zero_report import zero_markdown, zero_rows  # noqa: F401 (suite)
 from lightning_titan.model import StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.pipeline.split import AUTO
 from lightning_titan.tensor_parallel import tp_shards
 
 _MB = 1e6
@@ -79,6 +81,13 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
             stage = r[OURS]["coords"][1]
             saved[stage] = max(saved[stage], r[OURS]["saved_peak_bytes"])
         row["saved_peak_mb_per_stage"] = [saved[p] / _MB for p in range(case.pp)]
+        row["virtual_stages"] = case.virtual_stages
+        row["stage_layers"] = per_rank[0][OURS]["stage_layers"]
+        row["auto_split"] = case.stage_layers == AUTO
+        by_stage = {r[OURS]["coords"][1]: r[OURS]["microbatch_saved_bytes"] for r in per_rank}
+        row["microbatch_saved_mb_per_stage"] = [
+            [b / _MB for b in by_stage[p]] for p in range(case.pp)
+        ]
     row["state"] = _state_shares(case, settings, per_rank, full)
     return row, spans
 
@@ -296,6 +305,7 @@ def markdown(results: dict) -> str:
     lines += tp_markdown(tp_rows(results["rows"]))
     lines += cp_markdown(results.get("cp", []))
     lines += zero_markdown(results.get("zero", []))
+    lines += schedules_markdown(results.get("schedules", []), results.get("schedule_checks", []))
     if results["bubble_checks"]:
         lines += ["", "**Pipeline bubble**, 1F1B at M >= 4P: worst stage measured vs theory (P-1)/(M+P-1), "
                   "beside what explains it: the recorded forwards and backwards replayed with free "

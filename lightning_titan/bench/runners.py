@@ -19,6 +19,7 @@ from lightning_titan.clipping import clip_grad_norm_
 from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
+from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tracing import span
 
 SEED = 1234
@@ -26,13 +27,13 @@ MAX_NORM = 1.0
 LR = 1e-3
 
 
-def build_stage(config: ModelConfig, dims: ParallelDims, groups: ProcessGroups, device: torch.device
-                ) -> StageModel:  # fmt: skip
+def build_stage(config: ModelConfig, dims: ParallelDims, groups: ProcessGroups, device: torch.device,
+                split: StageSplit | None = None) -> StageModel:  # fmt: skip
     model = StageModel(
         config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
         ep_group=groups.ep if dims.ep > 1 else None, tp_group=groups.tp if dims.tp > 1 else None,
         cp_group=groups.cp if dims.cp > 1 else None,
-        sequence_group=groups.sequence if dims.cp > 1 and dims.tp > 1 else None,
+        sequence_group=groups.sequence if dims.cp > 1 and dims.tp > 1 else None, split=split,
     )  # fmt: skip
     model.init_weights(SEED)
     return model.to(device)
@@ -53,8 +54,9 @@ class TitanRunner:
         reducer: str = "bucketed",
         bucket_cap_mb: float = 25.0,
         zero: int = 0,
+        split: StageSplit | None = None,
     ) -> None:
-        self.model = build_stage(config, dims, groups, device)
+        self.model = build_stage(config, dims, groups, device, split)
         self.engine = Engine(self.model, dims, groups, schedule=schedule,
                              bucket_cap_mb=bucket_cap_mb, reducer=reducer, zero=zero)  # fmt: skip
         self.engine.broadcast_replicated()
@@ -87,7 +89,7 @@ class DDPRunner:
         if dims.pp != 1 or dims.ep != 1:
             raise ValueError(f"the DDP peer runs pure DP layouts, not pp={dims.pp} ep={dims.ep}")
         self.model = build_stage(config, dims, groups, device)
-        self.ddp = nn.parallel.DistributedDataParallel(
+        self.ddp: nn.Module = nn.parallel.DistributedDataParallel(
             self.model, device_ids=[device.index] if device.type == "cuda" else None
         )
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
@@ -142,16 +144,26 @@ class FSDP2Runner(DDPRunner):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
 
 
-class _AuxCarrying(nn.Module):
-    """A stage for torch.distributed.pipelining: passes the running aux loss on with the activations,
-    so every stage's aux loss reaches the last stage's loss (pipelining back-propagates only that)."""
+class _Chunk(nn.Module):
+    """Chunk ``chunk`` of a stage as its own module, for one torch.distributed.pipelining stage: it
+    registers only that chunk's layers (and the embedding or head where it has them), so each
+    ``PipelineStage`` of a rank scales and zeroes its own parameters. It passes the running aux loss
+    on with the activations, so every stage's aux loss reaches the last stage's loss (pipelining
+    back-propagates only that)."""
 
-    def __init__(self, stage: StageModel) -> None:
+    def __init__(self, stage: StageModel, chunk: int) -> None:
         super().__init__()
-        self.stage = stage
+        start, end = stage.chunk_ranges[chunk]
+        self.layers = nn.ModuleList(stage.layers[str(i)] for i in range(start, end))
+        if stage.is_first_stage and chunk == 0:
+            self.embed = stage.embed
+        if stage.is_last_stage and chunk == stage.num_chunks - 1:
+            self.norm, self.lm_head = stage.norm, stage.lm_head
+        self._stage = (stage,)  # in a tuple: not a submodule, its other chunks' weights stay out
+        self.chunk = chunk
 
     def forward(self, x: Tensor, aux_in: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        out, aux = self.stage(x)
+        out, aux = self._stage[0](x, self.chunk)
         return out, aux if aux_in is None else aux + aux_in
 
 
@@ -166,9 +178,17 @@ def _pipe_loss(output: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), target.flatten()) + aux.mean()
 
 
+# our schedule -> torch's. zb_h1: torch has no single-chunk ZB-H1 class; its ZB1P
+# (ScheduleInterleavedZeroBubble, the paper's ZB-H1 generalised to chunks) runs it over one chunk
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                   "zb_h1": "ScheduleInterleavedZeroBubble"}  # fmt: skip
+
+
 class TorchPipeRunner:
-    """``torch.distributed.pipelining`` ``ScheduleGPipe`` / ``Schedule1F1B`` over the same stage modules,
-    with the same composed clipping (a norm all-reduce over the pipeline); pure PP layouts only."""
+    """``torch.distributed.pipelining`` over the same stage modules (``TORCH_SCHEDULES``; one
+    ``PipelineStage`` per chunk, stage index chunk * P + rank as ours), with the same composed
+    clipping (a norm all-reduce over the pipeline); pure PP layouts only."""
 
     def __init__(
         self,
@@ -179,6 +199,7 @@ class TorchPipeRunner:
         *,
         schedule: str,
         num_microbatches: int,
+        split: StageSplit | None = None,
     ) -> None:
         from torch.distributed import pipelining
 
@@ -186,12 +207,19 @@ class TorchPipeRunner:
             raise ValueError(
                 f"the pipelining peer runs pure PP layouts, not dp={dims.dp} ep={dims.ep}"
             )
-        kinds = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}
-        self.model = build_stage(config, dims, groups, device)
-        stage = pipelining.PipelineStage(
-            _AuxCarrying(self.model), dims.pp_rank, dims.pp, device, group=groups.pp
+        self.model = build_stage(config, dims, groups, device, split)
+        v = self.model.num_chunks
+        stages = [
+            pipelining.PipelineStage(_Chunk(self.model, c), c * dims.pp + dims.pp_rank,
+                                     v * dims.pp, device, group=groups.pp)
+            for c in range(v)
+        ]  # fmt: skip
+        kind = getattr(pipelining, TORCH_SCHEDULES[schedule])
+        # the single-stage classes take one stage, the runtime ones (multi-chunk) a list
+        stage_arg = (
+            stages if issubclass(kind, pipelining.schedules.PipelineScheduleMulti) else stages[0]
         )
-        self.schedule = kinds[schedule](stage, n_microbatches=num_microbatches, loss_fn=_pipe_loss)
+        self.schedule = kind(stage_arg, n_microbatches=num_microbatches, loss_fn=_pipe_loss)
         self.dims, self.groups = dims, groups
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.expert, self.non_expert = (

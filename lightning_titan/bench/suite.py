@@ -8,6 +8,7 @@
     titan bench --worlds 1 2 4 --cases single dp2 cp2 dp4 cp4 --seq-len 1024  # CP: activations
     titan bench --global-batch 128 --d-model 256 --device cuda   # scale up (CUDA: one rank per GPU)
     titan bench --routing   # only: grouped vs loop experts, FLOP/s vs the matmul peak, load balance
+    titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1 vs torch's (8 layers)
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
 (timeline/<case>.json: open in ui.perfetto.dev) plus a Gantt chart for pipeline cases.
@@ -30,17 +31,31 @@ import torch
 
 from lightning_titan import tracing
 from lightning_titan.bench import dispatch as dispatch_bench
-from lightning_titan.bench import plots, report, routing
-from lightning_titan.bench.cases import Case, Settings, default_cases, quick_cases
+from lightning_titan.bench import plots, report, routing, schedule_report
+from lightning_titan.bench.cases import (
+    SCHEDULES_N_LAYERS,
+    Case,
+    Settings,
+    default_cases,
+    quick_cases,
+    schedule_cases,
+)
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig
 from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.pipeline.schedules import check_microbatches
+from lightning_titan.pipeline.split import AUTO
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="titan bench", description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8], help="numbers of ranks")
     p.add_argument("--quick", action="store_true", help="2 ranks, a tiny model, few steps")
+    p.add_argument(
+        "--schedules", action="store_true",
+        help="the pipeline schedules table: pp2 and pp4 under 1f1b, interleaved_1f1b (v=2) and zb_h1 "
+        "beside torch's, and pp2 with stage_layers='auto' (with --quick: pp2 only)",
+    )  # fmt: skip
     p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument(
         "--only", nargs="+", default=None, help="run cases whose name contains one of these"
@@ -63,7 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--ffn-dim", type=int, default=128)
-    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument(
+        "--n-layers",
+        type=int,
+        default=None,
+        help=f"default 4; {SCHEDULES_N_LAYERS} with --schedules (pp4 x v2)",
+    )
     p.add_argument("--n-experts", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="timed steps per round")
@@ -95,7 +115,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = ModelConfig(d_model=args.d_model, ffn_dim=args.ffn_dim, n_layers=args.n_layers,
+    n_layers = args.n_layers or (SCHEDULES_N_LAYERS if args.schedules else 4)
+    config = ModelConfig(d_model=args.d_model, ffn_dim=args.ffn_dim, n_layers=n_layers,
                          n_experts=args.n_experts, seq_len=args.seq_len)  # fmt: skip
     settings = Settings(config=config, global_batch=args.global_batch, warmup=args.warmup,
                         steps=args.steps, rounds=args.rounds, traced_steps=args.traced_steps,
@@ -125,7 +146,9 @@ def _check_case(case: Case, settings: Settings) -> None:
             f"global batch {settings.global_batch} does not split over dp*ep = {case.dp * case.ep} data "
             f"ranks ({case.name}); use a --global-batch divisible by {case.dp * case.ep}"
         )
-    settings.config.validate_layout(case.pp, case.ep, case.tp, case.cp)
+    split = None if case.stage_layers == AUTO else case.split  # auto: chosen on the ranks
+    settings.config.validate_layout(case.pp, case.ep, case.tp, case.cp, split)
+    check_microbatches(case.schedule, settings.num_microbatches(case), case.pp, case.virtual_stages)
 
 
 def _machine(settings: Settings, note: str) -> str:
@@ -165,7 +188,8 @@ def _write_timeline(
     if case.pp > 1 and spans and plots.available():
         last = max(s.step for s in spans)  # the steadiest recorded step
         plots.plot_gantt([s for s in spans if s.step == last], out / "timeline" / f"{slug}.png",
-                         labels, title=f"{case.name}, M={num_microbatches}: measured timeline")  # fmt: skip
+                         labels, title=f"{case.name}, M={num_microbatches}: measured timeline "
+                         "(F/B/W microbatch.chunk)")  # fmt: skip
 
 
 def _check_device(settings: Settings, cases: list[Case]) -> None:
@@ -226,11 +250,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     try:  # every bad argument is reported before anything runs, as a usage error
         settings = _settings(args)
-        cases = (
-            quick_cases(not args.no_peers)
-            if args.quick
-            else default_cases(args.worlds, not args.no_peers)
-        )
+        if args.schedules:
+            cases = schedule_cases(not args.no_peers)
+            cases = [c for c in cases if c.pp == 2] if args.quick else cases
+        elif args.quick:
+            cases = quick_cases(not args.no_peers)
+        else:
+            cases = default_cases(args.worlds, not args.no_peers)
         if args.only:
             cases = [c for c in cases if any(word in c.name for word in args.only)]
         if args.cases:
@@ -249,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     dispatch_rows: list[dict] = []
     experts_rows: list[dict] = []
     dispatch_settings = ""
-    if not args.no_dispatch:
+    if not (args.no_dispatch or args.schedules):  # the schedules table is about pipelines only
         dispatch_rows, dispatch_settings, experts_rows = _micro_benchmarks(args, settings)
 
     full = report.full_model_params(settings)
@@ -262,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
             row, spans = report.summarize(case, settings, [r[i] for r in per_rank], full)
             rows.append(row)
             _write_timeline(out, case, spans, settings.num_microbatches(case))
+    schedules = schedule_report.schedule_rows(rows)
 
     results: dict[str, Any] = {
         "command": "titan bench " + shlex.join(argv),
@@ -274,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
         "tp": report.tp_rows(rows),
         "cp": report.cp_rows(rows),
         "bubble_checks": report.bubble_checks(rows),
+        "schedules": schedules,
+        "schedule_checks": schedule_report.schedule_checks(schedules),
         "dispatch": dispatch_rows,
         "dispatch_settings": dispatch_settings,
         "dispatch_checks": report.dispatch_check(dispatch_rows),

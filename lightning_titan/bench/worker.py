@@ -53,6 +53,8 @@ from lightning_titan.bench.runners import (
 )
 from lightning_titan.bench.torch_tp import TorchTPRunner
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
+from lightning_titan.pipeline import auto_split
+from lightning_titan.pipeline.split import AUTO, StageSplit
 
 NUM_BATCHES = 4  # distinct global batches, cycled
 
@@ -82,13 +84,13 @@ def _batches(
 
 
 def _make(impl: str, case: Case, settings: Settings, dims: ParallelDims, groups: ProcessGroups,
-          device: torch.device) -> Any:  # fmt: skip
+          device: torch.device, split: StageSplit) -> Any:  # fmt: skip
     m = settings.num_microbatches(case)
     if impl in (OURS, ZERO1, ZERO2, PER_PARAM):
         reducer = "per_param" if impl == PER_PARAM else "bucketed"
         return TitanRunner(settings.config, dims, groups, device, schedule=case.schedule,
                            num_microbatches=m, reducer=reducer, zero=ZERO_LEVELS.get(impl, 0),
-                           bucket_cap_mb=settings.bucket_cap_mb)  # fmt: skip
+                           bucket_cap_mb=settings.bucket_cap_mb, split=split)  # fmt: skip
     if impl == DDP:
         return DDPRunner(settings.config, dims, groups, device)
     if impl == DDP_ZERO:
@@ -97,7 +99,7 @@ def _make(impl: str, case: Case, settings: Settings, dims: ParallelDims, groups:
         return FSDP2Runner(settings.config, dims, groups, device)
     if impl == TORCH_PP:
         return TorchPipeRunner(settings.config, dims, groups, device, schedule=case.schedule,
-                               num_microbatches=m)  # fmt: skip
+                               num_microbatches=m, split=split)  # fmt: skip
     if impl == TORCH_TP:
         return TorchTPRunner(settings.config, dims, groups, device, seed=SEED, lr=LR,
                              max_norm=MAX_NORM)  # fmt: skip
@@ -136,12 +138,13 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
              device: torch.device) -> dict[str, dict]:  # fmt: skip
     """This rank's measurements of every implementation of ``case``."""
     batches = _batches(settings, dims, device)
+    split = _resolve_split(case, settings, dims, device)
     runners: dict[str, Any] = {}
     out: dict[str, dict[str, Any]] = {}
     for impl in case.impls:
         torch.manual_seed(dims.rank)
         reset_peak(device)
-        runners[impl] = _make(impl, case, settings, dims, groups, device)
+        runners[impl] = _make(impl, case, settings, dims, groups, device, split)
         for k in range(settings.warmup):
             runners[impl].step(*batches[k % len(batches)])
         _sync(device)
@@ -168,6 +171,9 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
         out[impl]["tp_cut_param_bytes"] = tp_cut_bytes(runner.model)
     # activations saved for backward, every case: the pipeline's per stage, CP's against one rank
     out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
+    if dims.pp > 1:  # the theory's unit: what one microbatch of each chunk saves
+        out[OURS]["microbatch_saved_bytes"] = _microbatch_saved(ours, batches[0])
+        out[OURS]["stage_layers"] = split.counts(settings.config.n_layers, dims.pp)
     for runner in runners.values():
         runner.close()
     return out
@@ -196,6 +202,39 @@ def _saved_peak(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> int:
     runner.engine.finish_gradients(None)
     runner.optimizer.zero_grad(set_to_none=True)
     return meter.peak
+
+
+def _resolve_split(case: Case, settings: Settings, dims: ParallelDims, device: torch.device
+                   ) -> StageSplit:  # fmt: skip
+    """The case's split, ``stage_layers="auto"`` probed on rank 0 and agreed (as the strategy does),
+    so ours and the peers build the same stage modules."""
+    split = case.split
+    if split.stage_layers != AUTO:
+        return split
+    microbatch = settings.global_batch // dims.data_world // settings.num_microbatches(case)
+    counts, _ = auto_split.agree(settings.config, dims.pp, split.virtual_stages, microbatch, device)
+    return StageSplit(split.virtual_stages, counts)
+
+
+def _microbatch_saved(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> list[int]:
+    """Per chunk of this rank, the bytes one microbatch's forward (and, on the head, its loss) saves
+    for backward: the unit the schedules' activation-memory theory counts in."""
+    model, m = runner.model, runner.num_microbatches
+    inputs, targets = (t[: t.shape[0] // m] for t in batch)
+    d_model = model.config.d_model
+    out = []
+    for chunk in range(model.num_chunks):
+        meter = SavedTensorMeter(exclude=list(model.parameters()))
+        embeds = model.is_first_stage and chunk == 0
+        x = inputs if embeds else torch.randn(*inputs.shape, d_model, device=inputs.device,
+                                                requires_grad=True)  # fmt: skip
+        with meter:
+            y, aux = model(x, chunk)
+            if model.is_last_stage and chunk == model.num_chunks - 1:
+                y = runner.model.token_loss_sum(y, targets) + aux.sum()
+        del y, aux
+        out.append(meter.peak)
+    return out
 
 
 def run_world(rank: int, world_size: int, cases: list[Case], settings: Settings) -> list[dict]:
