@@ -151,6 +151,10 @@ class PipelineTimeline(Callback):
 def _theory_label(bubble: dict) -> str:
     """The formula with its M and, interleaved, v: M counts microbatches, not the v*M forwards."""
     m, v = bubble["num_microbatches"], bubble.get("virtual_stages", 1)
+    if bubble.get("split_backward") and v == 1:
+        return (
+            f"theory (P-1)/(3M+P-1) = {bubble['theory']:.3f} (M={m}, zero-bubble: W in the bubbles)"
+        )
     if v == 1:
         return f"theory (P-1)/(M+P-1) = {bubble['theory']:.3f} (M={m})"
     return f"theory (P-1)/(v*M+P-1) = {bubble['theory']:.3f} (M={m}, v={v})"

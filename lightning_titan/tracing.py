@@ -183,9 +183,15 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
-def theory_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+def theory_bubble(
+    pp: int, num_microbatches: int, virtual_stages: int = 1, split_backward: bool = False
+) -> float:
     """Idle fraction of each stage for GPipe and 1F1B with equal stages: (P - 1) / (M + P - 1); for
-    interleaved 1F1B over ``v`` chunks per rank: (P - 1) / (v * M + P - 1)."""
+    interleaved 1F1B over ``v`` chunks per rank: (P - 1) / (v * M + P - 1). ZB-H1
+    (``split_backward``, with F = B = W): the W's fill two of the three units a 1F1B warm-up and
+    cool-down leave idle per stage, (P - 1) / (3M + P - 1)."""
+    if split_backward and virtual_stages == 1:
+        return (pp - 1) / (3 * num_microbatches + pp - 1)
     return (pp - 1) / (virtual_stages * num_microbatches + pp - 1)
 
 
@@ -200,6 +206,7 @@ class StageBubble:
     samples: int  # (pipeline, step) pairs measured
     mean: float = 0.0
     virtual_stages: int = 1  # chunks per rank (v)
+    split_backward: bool = False  # zero-bubble: weight-grad spans (W) apart from the input grad (B)
 
 
 def measure_bubbles(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -> list[StageBubble]:
@@ -233,9 +240,10 @@ def measure_bubbles(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -
                 microbatches[stage] = (len({mb for _, mb in ids}), len({c for c, _ in ids}))
     pp = len(pipelines[0]) if pipelines else 1
     m, v = microbatches.get(0, (1, 1))
+    split = any(s.name == "backward_weight" for s in spans)
     return [
-        StageBubble(stage, statistics.median(f), theory_bubble(pp, m, v), microbatches[stage][0],
-                    len(f), sum(f) / len(f), microbatches[stage][1])
+        StageBubble(stage, statistics.median(f), theory_bubble(pp, m, v, split),
+                    microbatches[stage][0], len(f), sum(f) / len(f), microbatches[stage][1], split)
         for stage, f in sorted(fractions.items())
     ]  # fmt: skip
 

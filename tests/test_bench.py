@@ -776,3 +776,19 @@ def test_bench_schedules_runs_end_to_end_and_reports_each_schedule(tmp_path):
     checks = {(c["case"], c["check"].split()[0]) for c in results["schedule_checks"]}
     assert ("pp2 zb_h1", "median-length") in checks and ("pp2 1f1b auto", "uneven-stage") in checks
     assert "**Schedules**" in (tmp_path / "bench.md").read_text()
+
+
+def test_zero_bubble_theory_is_the_ideal_replay_of_the_zb_h1_order():
+    """The bubble's theory under ZB-H1 (W spans apart from B) is (P-1)/(3M+P-1): what its own order
+    gives with F = B = W and free transfers; the timeline says which formula it used."""
+    from lightning_titan.bench.schedule_report import ideal_spans
+    from lightning_titan.timeline import _theory_label
+
+    for pp, m in ((2, 4), (4, 8)):
+        bubbles = tracing.measure_bubbles(ideal_spans("zb_h1", pp, 1, m), [list(range(pp))])
+        assert all(b.split_backward for b in bubbles)
+        assert bubbles[0].theory == pytest.approx((pp - 1) / (3 * m + pp - 1))
+        assert max(b.measured for b in bubbles) == pytest.approx(bubbles[0].theory, abs=1e-6)
+        assert "(P-1)/(3M+P-1)" in _theory_label(asdict(bubbles[0]))
+    plain = tracing.measure_bubbles(ideal_spans("1f1b", 2, 1, 4), [[0, 1]])
+    assert not plain[0].split_backward and plain[0].theory == pytest.approx(1 / 5)
