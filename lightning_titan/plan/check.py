@@ -113,13 +113,14 @@ def _measured(ranks: list[dict]) -> dict:
 def _table(rows: list[tuple[int, Ranked, dict]]) -> list[str]:
     lines = [
         "| ranks | layout | step options | predicted ms | measured ms | predicted state MB | "
-        "measured state MB | measured activations MB | measured CPU s (all ranks) |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "measured state MB | predicted activations MB | measured activations MB | "
+        "measured CPU s (all ranks) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for world, r, m in rows:
         lines.append(
             f"| {world} | {r.label} | {r.options.label} | {r.cost.step * 1e3:,.1f} | "
             f"{m['step_s'] * 1e3:,.1f} | {r.candidate.state_bytes / 1e6:,.3f} | "
-            f"{m['state'] / 1e6:,.3f} | {m['saved_peak'] / 1e6:,.2f} | {m['cpu_s']:,.3f} |"
+            f"{m['state'] / 1e6:,.3f} | {r.activation_bytes / 1e6:,.2f} | {m['saved_peak'] / 1e6:,.2f} | {m['cpu_s']:,.3f} |"
         )
     return lines

@@ -8,8 +8,8 @@
 Each layout (dp, pp, ep, cp, tp, zero) with each step option (schedule, microbatches, virtual stages,
 activation checkpointing) gets the model state of its fullest rank, exactly as ``titan bench``
 measures it (``plan/memory.py``), and a predicted step time with its terms (``plan/cost.py``):
-compute, bubble, and each collective kind, in ms. Rows whose model state fits are ranked fastest
-first.
+compute, bubble, and each collective kind, in ms. Rows whose model state and activations fit
+are ranked fastest first.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import math
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from lightning_titan.bench.memory import PARTS
@@ -89,7 +89,7 @@ def cost_device(
         if nodes != 1:
             raise ValueError(f"--nodes={nodes}: --device cpu is this one machine; use --nodes 1")
         return cpu_device(devices, config.n_experts, config.top_k, memory)
-    return on_nodes(GPUS[device], devices, nodes)
+    return on_nodes(replace(GPUS[device], memory=memory), devices, nodes)
 
 
 def _ms(seconds: float) -> str:
@@ -100,8 +100,8 @@ def table(rows: list[Ranked], memory: float) -> list[str]:
     unit, scale = ("GB", GB) if max(r.candidate.state_bytes for r in rows) >= GB else ("MB", 1e6)
     lines = [
         f"| # | layout | zero | step options | state {unit}/rank | params / grads / optimizer "
-        f"{unit} | of memory | compute | bubble | {' | '.join(TERMS)} | optim | step ms |",
-        "|---:|---|---:|---|---:|---|---:|---:|---:|" + "---:|" * len(TERMS) + "---:|---:|",
+        f"{unit} | activations {unit} | of memory | compute | bubble | {' | '.join(TERMS)} | optim | step ms |",
+        "|---:|---|---:|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(TERMS) + "---:|---:|",
     ]
     for i, r in enumerate(rows, 1):
         c, cost = r.candidate, r.cost
@@ -109,7 +109,7 @@ def table(rows: list[Ranked], memory: float) -> list[str]:
         lines.append(
             f"| {i} | {c.label.split(' ')[0]} | {c.zero} | {r.options.label} | "
             f"{c.state_bytes / scale:,.3f} | {' / '.join(f'{v:,.3f}' for v in parts)} | "
-            f"{c.state_bytes / memory:.0%} | {_ms(cost.compute)} | {_ms(cost.bubble)} "
+            f"{r.activation_bytes / scale:,.3f} | {r.memory_bytes / memory:.0%} | {_ms(cost.compute)} | {_ms(cost.bubble)} "
             f"({cost.bubble_fraction:.0%}) | {' | '.join(_ms(cost.comm[t]) for t in TERMS)} | "
             f"{_ms(cost.optimizer)} | **{_ms(cost.step)}** |"
         )
@@ -171,10 +171,15 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     if not fits:
         sys.exit(f"titan plan: nothing fits: {shortfall(found[0], memory)}")
     rows = ranked(config, fits, batch, device)
+    if not rows:
+        sys.exit(
+            "titan plan: the model state fits but no step option's activations do: use more "
+            "microbatches, activation checkpointing, or more devices"
+        )
     print("\n".join(table(rows[: args.top], memory)))
     print(
-        "(ms per step; comm columns are the collectives' exposed time; model state only is "
-        "checked against memory, activations are not)"
+        "(ms per step; comm columns are the collectives' exposed time; of memory: model state and "
+        "peak activations, fp32, of the fullest rank)"
     )
     if args.out:
         Path(args.out).write_text(overlay(rows[0]))

@@ -13,6 +13,7 @@ from lightning_titan.model import ModelConfig
 from lightning_titan.options import TrainOptions
 from lightning_titan.pipeline.schedules import CHUNKED, SCHEDULES, check_microbatches
 from lightning_titan.pipeline.split import StageSplit
+from lightning_titan.plan.activations import peak_bytes
 from lightning_titan.plan.cost import StepCost, StepOptions, predict
 from lightning_titan.plan.devices import Device
 from lightning_titan.plan.layouts import Candidate, divisors
@@ -25,6 +26,11 @@ class Ranked:
     candidate: Candidate
     options: StepOptions
     cost: StepCost
+    activation_bytes: float  # the fullest stage's peak (plan/activations.py)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.candidate.state_bytes + self.activation_bytes
 
     @property
     def label(self) -> str:
@@ -68,13 +74,17 @@ def ranked(
     device: Device,
     recompute: tuple[bool, ...] = (False, True),
 ) -> list[Ranked]:
-    """Every candidate with every step option, fastest predicted first."""
+    """Every candidate with every step option whose state and activations fit the device's
+    memory, fastest predicted first."""
     rows = []
     for c in found:
         params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
         local = global_batch // (c.degrees["dp"] * c.degrees["ep"])
         for options in step_options(config, c.degrees["pp"], local, recompute):
+            activations = peak_bytes(config, c.degrees, options, global_batch)
+            if c.state_bytes + activations > device.memory:
+                continue
             cost = predict(config, c.degrees, c.zero, options, global_batch, device, params)
-            rows.append(Ranked(c, options, cost))
+            rows.append(Ranked(c, options, cost, activations))
     rows.sort(key=lambda r: (r.cost.step, r.candidate.state_bytes))
     return rows
