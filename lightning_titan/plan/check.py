@@ -119,7 +119,7 @@ def _table(rows: list[tuple[int, Ranked, dict]]) -> list[str]:
     ]
     for world, r, m in rows:
         lines.append(
-            f"| {world} | {r.label} | {r.options.label} | {r.cost.step * 1e3:,.1f} | "
+            f"| {world} | {r.label} | {r.options_label} | {r.cost.step * 1e3:,.1f} | "
             f"{m['step_s'] * 1e3:,.1f} | {r.candidate.state_bytes / 1e6:,.3f} | "
             f"{m['state'] / 1e6:,.3f} | {r.activation_bytes / 1e6:,.2f} | {m['saved_peak'] / 1e6:,.2f} | {m['cpu_s']:,.3f} |"
         )

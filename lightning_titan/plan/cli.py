@@ -107,7 +107,7 @@ def table(rows: list[Ranked], memory: float) -> list[str]:
         c, cost = r.candidate, r.cost
         parts = [sum(v for n, v in c.parts.items() if n.endswith(k)) / scale for k in PARTS]
         lines.append(
-            f"| {i} | {c.label.split(' ')[0]} | {c.zero} | {r.options.label} | "
+            f"| {i} | {c.label.split(' ')[0]} | {c.zero} | {r.options_label} | "
             f"{c.state_bytes / scale:,.3f} | {' / '.join(f'{v:,.3f}' for v in parts)} | "
             f"{r.activation_bytes / scale:,.3f} | {r.memory_bytes / memory:.0%} | {_ms(cost.compute)} | {_ms(cost.bubble)} "
             f"({cost.bubble_fraction:.0%}) | {' | '.join(_ms(cost.comm[t]) for t in TERMS)} | "
@@ -183,5 +183,5 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     )
     if args.out:
         Path(args.out).write_text(overlay(rows[0]))
-        print(f"titan plan: wrote {rows[0].label} {rows[0].options.label} to {args.out}")
+        print(f"titan plan: wrote {rows[0].label} {rows[0].options_label} to {args.out}")
     return rows

@@ -39,10 +39,10 @@ class StepOptions:
     virtual_stages: int = 1
     recompute: bool = False  # activation checkpointing
 
-    @property
-    def label(self) -> str:
+    def label(self, pp: int = 2) -> str:
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"{self.schedule}{v} M{self.microbatches}" + (" ckpt" if self.recompute else "")
+        schedule = f"{self.schedule}{v} " if pp > 1 else ""  # no pipeline: no schedule to name
+        return f"{schedule}M{self.microbatches}" + (" ckpt" if self.recompute else "")
 
 
 @dataclass(frozen=True)

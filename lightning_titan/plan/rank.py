@@ -36,6 +36,10 @@ class Ranked:
     def label(self) -> str:
         return self.candidate.label
 
+    @property
+    def options_label(self) -> str:
+        return self.options.label(self.candidate.degrees["pp"])
+
 
 def _accepted(config: ModelConfig, pp: int, options: StepOptions) -> bool:
     v = options.virtual_stages
@@ -51,12 +55,12 @@ def _accepted(config: ModelConfig, pp: int, options: StepOptions) -> bool:
 def step_options(
     config: ModelConfig, pp: int, local_batch: int, recompute: tuple[bool, ...] = (False, True)
 ) -> list[StepOptions]:
-    """Schedules x microbatch counts (divisors of the per-rank batch) x recompute; pp = 1: one
-    microbatch (a schedule without stages to overlap has nothing to choose)."""
+    """Schedules x microbatch counts (divisors of the per-rank batch) x recompute; pp = 1: no
+    schedule to choose, the microbatches are gradient accumulation (less activation memory)."""
     out = []
     for ckpt in recompute:
         if pp == 1:
-            out.append(StepOptions("1f1b", 1, 1, ckpt))
+            out += [StepOptions("1f1b", m, 1, ckpt) for m in divisors(local_batch)]
             continue
         for schedule in sorted(SCHEDULES):
             v = VIRTUAL_STAGES if schedule in CHUNKED else 1
