@@ -31,6 +31,7 @@ from lightning_titan.plan.cli import main as plan_main
 from lightning_titan.plan.cost import StepOptions, bubble_fraction, collective, predict
 from lightning_titan.plan.devices import GPUS, Link
 from lightning_titan.plan.layouts import candidates, factorizations, total_params
+from lightning_titan.plan.memory import layout_state
 from lightning_titan.zero import LEVELS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -224,3 +225,11 @@ def test_check_runs_predicted_against_measured(capsys):
     printed = capsys.readouterr().out
     assert "| 1 | single |" in printed and "| 2 | " in printed
     assert -1.0 <= rho <= 1.0 and "Spearman rank correlation" in printed
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_the_fullest_rank_is_found_without_counting_every_rank(devices):
+    """candidates() counts one rank per stage; every rank's count (layout_state) agrees."""
+    for c in candidates(DEFAULT, devices, 16)[0]:
+        every = layout_state(DEFAULT, c.degrees, c.zero)
+        assert c.state_bytes == max(sum(s.values()) for s in every), c.label
