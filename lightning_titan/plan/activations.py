@@ -31,9 +31,9 @@ def _scale(config: ModelConfig) -> int:
     """The largest ``s`` that divides the heads, kv heads and widths and leaves d_model >= 64."""
     best = 1
     for s in range(2, config.n_heads + 1):
-        widths = (config.n_heads, config.kv_heads, config.ffn_dim, config.d_model)
+        widths = [config.n_heads, config.kv_heads, config.ffn_dim, config.d_model]
         if config.shared_expert_dim:
-            widths += (config.shared_expert_dim,)
+            widths.append(config.shared_expert_dim)
         if all(w % s == 0 for w in widths) and config.d_model // s >= 64:
             best = s
         if config.d_model // best <= PROBE_WIDTH:

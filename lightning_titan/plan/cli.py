@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
     parser.add_argument("--top", type=int, default=20, help="rows to print")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        help="print only these layouts (e.g. dp8xep8 pp4xep2): their rows' terms",
+    )
     parser.add_argument("--out", help="write the first layout as a config overlay (YAML)")
     parser.add_argument(
         "--check", action="store_true",
@@ -176,7 +181,11 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
             "titan plan: the model state fits but no step option's activations do: use more "
             "microbatches, activation checkpointing, or more devices"
         )
-    print("\n".join(table(rows[: args.top], memory)))
+    shown = [r for r in rows if r.label.split(" ")[0] in args.only] if args.only else rows
+    if shown:
+        print("\n".join(table(shown[: args.top], memory)))
+    else:
+        print(f"titan plan: none of {args.only} fits (or is accepted) here")
     print(
         "(ms per step; comm columns are the collectives' exposed time; of memory: model state and "
         "peak activations, fp32, of the fullest rank)"
