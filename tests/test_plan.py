@@ -103,6 +103,7 @@ def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsy
         (["--devices", "7"], "no layout of these devices splits this model"),
         (["--devices", "8", "--device", "h100-80gb", "--nodes", "3"], "--nodes=3 must divide"),
         (["--devices", "8", "--nodes", "2"], "--device cpu is this one machine"),
+        (["--devices", "8", "--device", "h100-80gb", "--check"], "--check runs on this machine's"),
     ],
 )
 def test_bad_requests_are_named(args, message, capsys):

@@ -97,6 +97,21 @@ def cost_device(
     return on_nodes(replace(GPUS[device], memory=memory), devices, nodes)
 
 
+def describe(device: Device, nodes: int) -> str:
+    """What the step times are computed from, on one line."""
+    inter = device.inter if nodes > 1 else None
+    return (
+        f"device: {device.name}, {device.flops / 1e12:.3g} TFLOP/s per rank, "
+        f"{device.pass_s * 1e3:.3g} ms per block pass; links: intra-node "
+        f"{device.intra.bandwidth / GB:.3g} GB/s + {device.intra.latency_s * 1e6:.3g} us"
+        + (
+            f", inter-node {inter.bandwidth / GB:.3g} GB/s + {inter.latency_s * 1e6:.3g} us"
+            if inter is not None
+            else ""
+        )
+    )
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.3g}"
 
@@ -141,6 +156,10 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
         config, batch = model_and_batch(args.config)
         batch = args.global_batch if args.global_batch is not None else batch
         check_request(args.devices, batch, args.device)
+        if args.check and args.device != "cpu":
+            raise ValueError(
+                f"--check runs on this machine's CPU ranks, not --device={args.device}"
+            )
         memory = device_memory(args.device, args.memory_gb, args.devices)
         device = cost_device(args.device, memory, args.devices, args.nodes, config)
     except (ValueError, OSError) as error:
@@ -158,17 +177,7 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
         f"({memory / GB:.2f} GB each) on {args.nodes} node(s), global batch {batch}: {len(found)} "
         f"layouts the strategy accepts, {len(fits)} whose model state fits"
     )
-    print(
-        f"device: {device.name}, {device.flops / 1e12:.3g} TFLOP/s per rank, "
-        f"{device.pass_s * 1e3:.3g} ms per block pass; links: intra-node "
-        f"{device.intra.bandwidth / GB:.3g} GB/s + {device.intra.latency_s * 1e6:.3g} us"
-        + (
-            f", inter-node {device.inter.bandwidth / GB:.3g} GB/s + "
-            f"{device.inter.latency_s * 1e6:.3g} us"
-            if device.inter is not None and args.nodes > 1
-            else ""
-        )
-    )
+    print(describe(device, args.nodes))
     if rejected:
         print("rejected: " + ", ".join(f"{n} by {rule}" for rule, n in rejected.most_common()))
     if not found:
