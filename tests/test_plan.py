@@ -1,13 +1,16 @@
-"""titan plan (issue 20, first slice): the layouts the strategy accepts and each one's model state.
+"""titan plan (issue 20): the layouts the strategy accepts, each one's model state, activations and
+predicted step time.
 
 The state model itself is checked against measured runs: every equivalence case's ranks
 (tests/test_equivalence.py) and every quick-bench case (tests/test_bench.py). Here, in one process:
-the enumeration against the strategy's own rules, a published parameter count, the overlay a user
-feeds back to `titan fit`, and the errors.
+the enumeration against the strategy's own rules, a published parameter count, the cost terms and the
+ranking, the overlay a user feeds back to `titan fit`, and the errors; in spawned ranks (slow): the
+activation peaks against the bench's meter, and `--check` end to end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import subprocess
@@ -16,11 +19,20 @@ from pathlib import Path
 
 import pytest
 
+from lightning_titan.bench.cases import OURS, Case, Settings
+from lightning_titan.bench.worker import run_world
 from lightning_titan.cli import TitanCLI, cli_components
+from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig
 from lightning_titan.parallel_dims import AXES
+from lightning_titan.plan.activations import peak_bytes
+from lightning_titan.plan.check import check, spearman
 from lightning_titan.plan.cli import main as plan_main
+from lightning_titan.plan.cost import StepOptions, bubble_fraction, collective, predict
+from lightning_titan.plan.devices import GPUS, Link
 from lightning_titan.plan.layouts import candidates, factorizations, total_params
+from lightning_titan.plan.memory import layout_state
+from lightning_titan.zero import LEVELS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT = ModelConfig(vocab_size=257, d_model=64, n_layers=4, n_heads=4, ffn_dim=128, n_experts=8)
@@ -66,16 +78,19 @@ def test_mixtral_8x7b_has_its_published_parameter_count():
 def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsys):
     overlay = tmp_path / "layout.yaml"
     config = str(CONFIGS / "dp_pp_ep.yaml")
-    fits = plan_main(["--config", config, "--devices", "4", "--out", str(overlay)])
+    rows = plan_main(["--config", config, "--devices", "4", "--out", str(overlay)])
     printed = capsys.readouterr().out
-    assert "| 1 | " in printed and "model state only" in printed
-    assert fits and all(a.state_bytes <= b.state_bytes for a, b in itertools.pairwise(fits))
+    assert "| 1 | " in printed and "step ms" in printed
+    assert rows and all(a.cost.step <= b.cost.step for a, b in itertools.pairwise(rows))
     monkeypatch.chdir(tmp_path)
-    args = ["--config", config, "--config", str(overlay), "--model.model.seq_len=32"]
+    args = ["--config", config, "--config", str(overlay)]
     cli = TitanCLI(*cli_components(), run=False, args=args)
-    dims = cli.trainer.strategy.parallel_dims
-    assert dims.degrees == fits[0].degrees and cli.trainer.num_devices == 4
-    assert cli.trainer.strategy.options.zero == fits[0].zero
+    dims, options = cli.trainer.strategy.parallel_dims, cli.trainer.strategy.options
+    assert dims.degrees == rows[0].candidate.degrees and cli.trainer.num_devices == 4
+    assert options.zero == rows[0].candidate.zero
+    assert options.schedule == rows[0].options.schedule
+    assert options.num_microbatches == rows[0].options.microbatches
+    assert cli.model.config.activation_checkpointing == rows[0].options.recompute
 
 
 @pytest.mark.parametrize(
@@ -86,6 +101,9 @@ def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsy
         (["--devices", "8", "--global-batch", "0"], "--global-batch=0 must be a positive"),
         (["--devices", "8", "--memory-gb", "0.001"], "nothing fits: the smallest model state"),
         (["--devices", "7"], "no layout of these devices splits this model"),
+        (["--devices", "8", "--device", "h100-80gb", "--nodes", "3"], "--nodes=3 must divide"),
+        (["--devices", "8", "--nodes", "2"], "--device cpu is this one machine"),
+        (["--devices", "8", "--device", "h100-80gb", "--check"], "--check runs on this machine's"),
     ],
 )
 def test_bad_requests_are_named(args, message, capsys):
@@ -100,3 +118,119 @@ def test_titan_plan_is_a_titan_command():
            str(CONFIGS / "dp_pp_ep.yaml"), "--devices", "2", "--top", "1"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "| 1 | " in proc.stdout, proc.stderr[-2000:]
+
+
+MIXTRAL = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_dim=14336, n_experts=8, top_k=2, seq_len=4096)  # fmt: skip
+H100 = GPUS["h100-80gb"]
+
+
+def _layout(dp=1, pp=1, ep=1, cp=1, tp=1) -> dict[str, int]:
+    return {"dp": dp, "pp": pp, "ep": ep, "cp": cp, "tp": tp}
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_bubble_is_the_schedule_formula(pp, m):
+    assert (
+        bubble_fraction("gpipe", pp, m) == bubble_fraction("1f1b", pp, m) == (pp - 1) / (m + pp - 1)
+    )
+    assert bubble_fraction("interleaved_1f1b", pp, m, 2) == pytest.approx(
+        (pp - 1) / (2 * m + pp - 1)
+    )
+    # the predicted step carries it: bubble / (compute + bubble)
+    cost = predict(MIXTRAL, _layout(pp=pp, ep=8 // pp if pp < 8 else 1), 0,
+                   StepOptions("1f1b", m), 64, H100, (10**9, 10**10))  # fmt: skip
+    assert cost.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_zb_h1_bubble_is_the_replayed_one():
+    """docs/choosing_a_layout.md: a dependency-driven replay idles 0.077 (pp=2, M=4), 0.11 (4, 8)."""
+    assert bubble_fraction("zb_h1", 2, 4) == pytest.approx(0.077, abs=5e-4)
+    assert bubble_fraction("zb_h1", 4, 8) == pytest.approx(0.111, abs=5e-4)
+
+
+def test_collectives_move_the_ring_bytes():
+    bandwidth_only = Link(latency_s=0.0, bandwidth=1e9)
+    nbytes = 4e9
+    for n in (2, 4, 8):  # all-reduce: 2 (n-1)/n of the data; all-gather / reduce-scatter: half
+        assert collective(bandwidth_only, nbytes, n, 2) == pytest.approx(2 * (n - 1) / n * 4)
+        assert collective(bandwidth_only, nbytes, n, 1) == pytest.approx((n - 1) / n * 4)
+    assert collective(Link(1e-3, 1e9), 0, 4, 2, calls=10) == pytest.approx(10 * 6 * 1e-3)
+    assert collective(bandwidth_only, nbytes, 1, 2) == 0.0
+
+
+def test_cost_terms_grow_with_their_axis():
+    # a small model on H100s: too little compute to hide the all-reduce behind
+    params, options = (10**9, 10**10), StepOptions("1f1b", 8)
+
+    def cost(**degrees):
+        return predict(DEFAULT, _layout(**degrees), 0, options, 256, H100, params)
+
+    # more data-parallel ranks, more all-reduce traffic for the same grads
+    assert cost(dp=8, pp=2).comm["dp"] > cost(dp=2, pp=2).comm["dp"] > 0
+    assert cost(pp=2).comm["dp"] == 0 and cost(pp=2).comm["ep"] == 0
+    assert cost(ep=8).comm["ep"] > cost(ep=2, dp=4).comm["ep"] > 0
+    assert cost(tp=4, dp=2).comm["tp"] > 0 and cost(cp=2, dp=4).comm["cp"] > 0
+    assert cost(pp=4, dp=2).comm["pp"] > 0 and cost(dp=8).comm["pp"] == 0
+    # crossing nodes costs: the same EP group on a slower link
+    two_nodes = dataclasses.replace(H100, per_node=4)
+    ep8 = predict(DEFAULT, _layout(ep=8), 0, options, 256, two_nodes, params)
+    assert ep8.comm["ep"] > cost(ep=8).comm["ep"]
+    # ZeRO-1 adds the weight all-gather to zero=0's all-reduce; ZeRO-2 halves the reduction
+    z = [predict(DEFAULT, _layout(dp=8), zero, StepOptions(), 8, H100, params) for zero in LEVELS]
+    assert z[1].comm["dp"] > z[0].comm["dp"] and z[2].comm["dp"] < z[1].comm["dp"]
+    # recompute: a third more compute
+    again = predict(DEFAULT, _layout(dp=8), 0, StepOptions(recompute=True), 8, H100, params)
+    assert again.compute > z[0].compute
+
+
+def test_rows_are_ranked_by_predicted_step_time(capsys):
+    rows = plan_main(["--config", str(CONFIGS / "dp_pp_ep.yaml"), "--devices", "8",
+                      "--device", "h100-80gb", "--nodes", "2", "--top", "5"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert [r.cost.step for r in rows] == sorted(r.cost.step for r in rows)
+    assert len({(r.options.schedule, r.options.recompute) for r in rows}) >= 6
+    assert f"**{rows[0].cost.step * 1e3:,.3g}**" in printed.split("| 1 |")[1].split("\n")[0]
+    assert "inter-node 50 GB/s" in printed
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_activation_peaks_match_the_measured_ones(pp):
+    """Within 10% of what autograd saves (the bench's meter), on every stage's max, gpipe and 1F1B."""
+    cases = [Case(pp=pp, schedule=s, impls=(OURS,)) for s in ("gpipe", "1f1b")]
+    settings = Settings(config=DEFAULT, global_batch=16, warmup=1, steps=1, rounds=1,
+                        traced_steps=0, timeout_s=360)  # fmt: skip
+    per_rank = run_on_ranks(run_world, pp, cases, settings, timeout_s=360)
+    for i, case in enumerate(cases):
+        measured = max(results[i][OURS]["saved_peak_bytes"] for results in per_rank)
+        options = StepOptions(case.schedule, settings.num_microbatches(case))
+        predicted = peak_bytes(DEFAULT, _layout(pp=pp), options, 16)
+        assert predicted == pytest.approx(measured, rel=0.10), (case.name, predicted, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_runs_predicted_against_measured(capsys):
+    tiny = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, ffn_dim=32, n_experts=4,
+                       seq_len=16)  # fmt: skip
+    rho = check(tiny, 8, 2, 2e9, steps=1, rounds=1)
+    printed = capsys.readouterr().out
+    assert "| 1 | single |" in printed and "| 2 | " in printed
+    assert -1.0 <= rho <= 1.0 and "Spearman rank correlation" in printed
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_the_fullest_rank_is_found_without_counting_every_rank(devices):
+    """candidates() counts one rank per stage; every rank's count (layout_state) agrees."""
+    for c in candidates(DEFAULT, devices, 16)[0]:
+        every = layout_state(DEFAULT, c.degrees, c.zero)
+        assert c.state_bytes == max(sum(s.values()) for s in every), c.label

@@ -1,13 +1,15 @@
-"""``titan plan``: the layouts a model allows on N devices, with each one's model state per rank.
+"""``titan plan``: the layouts a model allows on N devices, ranked by predicted step time.
 
-    titan plan --config configs/dp_pp_ep.yaml --devices 8 --device h100-80gb
+    titan plan --config configs/dp_pp_ep.yaml --devices 8 --device h100-80gb [--nodes 2]
     titan plan --config configs/dp_pp_ep.yaml --devices 8 --out layout.yaml   # then:
     titan fit --config configs/dp_pp_ep.yaml --config layout.yaml
+    titan plan --config configs/base.yaml --devices 8 --check   # predicted against measured
 
-What it predicts so far is the model state (params, grads, optimizer) of each layout's fullest rank,
-exactly as ``titan bench`` measures it (``plan/memory.py``), against the device's memory; layouts are
-listed from the least state per rank. Activations, step time, the bubble and communication are not
-predicted yet (issue 20).
+Each layout (dp, pp, ep, cp, tp, zero) with each step option (schedule, microbatches, virtual stages,
+activation checkpointing) gets the model state of its fullest rank, exactly as ``titan bench``
+measures it (``plan/memory.py``), and a predicted step time with its terms (``plan/cost.py``):
+compute, bubble, and each collective kind, in ms. Rows whose model state and activations fit
+are ranked fastest first.
 """
 
 from __future__ import annotations
@@ -16,21 +18,24 @@ import argparse
 import math
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from lightning_titan.bench.memory import PARTS
 from lightning_titan.config_files import compose_config
 from lightning_titan.model import ModelConfig
+from lightning_titan.plan.devices import GPUS, Device, cpu_device, on_nodes
 from lightning_titan.plan.layouts import (
     DEVICES,
     GB,
-    Candidate,
     candidates,
     check_request,
     shortfall,
     total_params,
 )
+from lightning_titan.plan.rank import Ranked, ranked
+
+TERMS = ("dp", "ep", "pp", "tp", "cp")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,8 +47,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--global-batch", type=int, help="sequences per step (default: the config's)"
     )
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
     parser.add_argument("--top", type=int, default=20, help="rows to print")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        help="print only these layouts (e.g. dp8xep8 pp4xep2): their rows' terms",
+    )
     parser.add_argument("--out", help="write the first layout as a config overlay (YAML)")
+    parser.add_argument(
+        "--check", action="store_true",
+        help="run the fastest and slowest predicted layouts on this machine's CPU ranks (1 to "
+        "--devices) for a few steps: predicted against measured, and their rank correlation",
+    )  # fmt: skip
     return parser
 
 
@@ -70,56 +86,120 @@ def device_memory(device: str, memory_gb: float | None, devices: int) -> float:
     return DEVICES[device]
 
 
-def table(rows: list[Candidate], memory: float) -> list[str]:
-    unit, scale = ("GB", GB) if max(c.state_bytes for c in rows) >= GB else ("MB", 1e6)
+def cost_device(
+    device: str, memory: float, devices: int, nodes: int, config: ModelConfig
+) -> Device:
+    """The catalogue's GPU, or this machine probed for ``devices`` CPU ranks (about a second)."""
+    if device == "cpu":
+        if nodes != 1:
+            raise ValueError(f"--nodes={nodes}: --device cpu is this one machine; use --nodes 1")
+        return cpu_device(devices, config.n_experts, config.top_k, memory)
+    return on_nodes(replace(GPUS[device], memory=memory), devices, nodes)
+
+
+def describe(device: Device, nodes: int) -> str:
+    """What the step times are computed from, on one line."""
+    inter = device.inter if nodes > 1 else None
+    return (
+        f"device: {device.name}, {device.flops / 1e12:.3g} TFLOP/s per rank, "
+        f"{device.pass_s * 1e3:.3g} ms per block pass; links: intra-node "
+        f"{device.intra.bandwidth / GB:.3g} GB/s + {device.intra.latency_s * 1e6:.3g} us"
+        + (
+            f", inter-node {inter.bandwidth / GB:.3g} GB/s + {inter.latency_s * 1e6:.3g} us"
+            if inter is not None
+            else ""
+        )
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.3g}"
+
+
+def table(rows: list[Ranked], memory: float) -> list[str]:
+    unit, scale = ("GB", GB) if max(r.candidate.state_bytes for r in rows) >= GB else ("MB", 1e6)
     lines = [
-        f"| # | layout | zero | state {unit}/rank | params / grads / optimizer {unit} | of memory |",
-        "|---:|---|---:|---:|---|---:|",
+        f"| # | layout | zero | step options | state {unit}/rank | params / grads / optimizer "
+        f"{unit} | activations {unit} | of memory | compute | bubble | {' | '.join(TERMS)} | optim | step ms |",
+        "|---:|---|---:|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(TERMS) + "---:|---:|",
     ]
-    for i, c in enumerate(rows, 1):
+    for i, r in enumerate(rows, 1):
+        c, cost = r.candidate, r.cost
         parts = [sum(v for n, v in c.parts.items() if n.endswith(k)) / scale for k in PARTS]
         lines.append(
-            f"| {i} | {c.label.split(' ')[0]} | {c.zero} | {c.state_bytes / scale:,.3f} | "
-            f"{' / '.join(f'{v:,.3f}' for v in parts)} | {c.state_bytes / memory:.0%} |"
+            f"| {i} | {c.label.split(' ')[0]} | {c.zero} | {r.options_label} | "
+            f"{c.state_bytes / scale:,.3f} | {' / '.join(f'{v:,.3f}' for v in parts)} | "
+            f"{r.activation_bytes / scale:,.3f} | {r.memory_bytes / memory:.0%} | {_ms(cost.compute)} | {_ms(cost.bubble)} "
+            f"({cost.bubble_fraction:.0%}) | {' | '.join(_ms(cost.comm[t]) for t in TERMS)} | "
+            f"{_ms(cost.optimizer)} | **{_ms(cost.step)}** |"
         )
     return lines
 
 
-def overlay(c: Candidate) -> str:
+def overlay(r: Ranked) -> str:
     """The layout as dotted keys that replace the config's (``--config base --config overlay``)."""
-    keys = {"trainer.devices": math.prod(c.degrees.values())}
+    c, o = r.candidate, r.options
+    keys: dict[str, object] = {"trainer.devices": math.prod(c.degrees.values())}
     keys.update({f"trainer.strategy.init_args.{a}": n for a, n in c.degrees.items()})
     keys["trainer.strategy.init_args.zero"] = c.zero
+    keys["trainer.strategy.init_args.schedule"] = o.schedule
+    keys["trainer.strategy.init_args.num_microbatches"] = o.microbatches
+    keys["trainer.strategy.init_args.virtual_stages"] = o.virtual_stages
+    keys["model.model.activation_checkpointing"] = str(o.recompute).lower()
     return "".join(f"{k}: {v}\n" for k, v in keys.items())
 
 
-def main(argv: list[str] | None = None) -> list[Candidate]:
+def main(argv: list[str] | None = None) -> list[Ranked]:
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config, batch = model_and_batch(args.config)
         batch = args.global_batch if args.global_batch is not None else batch
         check_request(args.devices, batch, args.device)
+        if args.check and args.device != "cpu":
+            raise ValueError(
+                f"--check runs on this machine's CPU ranks, not --device={args.device}"
+            )
         memory = device_memory(args.device, args.memory_gb, args.devices)
+        device = cost_device(args.device, memory, args.devices, args.nodes, config)
     except (ValueError, OSError) as error:
         parser.error(str(error))
+    if args.check:
+        from lightning_titan.plan.check import check
+
+        check(config, batch, args.devices, memory)
+        return []
     found, rejected = candidates(config, args.devices, batch)
     found.sort(key=lambda c: (c.state_bytes, c.zero, -c.degrees["dp"]))
     fits = [c for c in found if c.state_bytes <= memory]
     print(
         f"titan plan: {total_params(config):,} parameters on {args.devices} x {args.device} "
-        f"({memory / GB:.2f} GB each), global batch {batch}: {len(found)} layouts the strategy "
-        f"accepts, {len(fits)} whose model state fits"
+        f"({memory / GB:.2f} GB each) on {args.nodes} node(s), global batch {batch}: {len(found)} "
+        f"layouts the strategy accepts, {len(fits)} whose model state fits"
     )
+    print(describe(device, args.nodes))
     if rejected:
         print("rejected: " + ", ".join(f"{n} by {rule}" for rule, n in rejected.most_common()))
     if not found:
         sys.exit("titan plan: no layout of these devices splits this model and batch evenly")
     if not fits:
         sys.exit(f"titan plan: nothing fits: {shortfall(found[0], memory)}")
-    print("\n".join(table(fits[: args.top], memory)))
-    print("(model state only: activations, step time and traffic are not predicted yet)")
+    rows = ranked(config, fits, batch, device)
+    if not rows:
+        sys.exit(
+            "titan plan: the model state fits but no step option's activations do: use more "
+            "microbatches, activation checkpointing, or more devices"
+        )
+    shown = [r for r in rows if r.label.split(" ")[0] in args.only] if args.only else rows
+    if shown:
+        print("\n".join(table(shown[: args.top], memory)))
+    else:
+        print(f"titan plan: none of {args.only} fits (or is accepted) here")
+    print(
+        "(ms per step; comm columns are the collectives' exposed time; of memory: model state and "
+        "peak activations, fp32, of the fullest rank)"
+    )
     if args.out:
-        Path(args.out).write_text(overlay(fits[0]))
-        print(f"titan plan: wrote {fits[0].label} to {args.out}")
-    return fits
+        Path(args.out).write_text(overlay(rows[0]))
+        print(f"titan plan: wrote {rows[0].label} {rows[0].options_label} to {args.out}")
+    return rows

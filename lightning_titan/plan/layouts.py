@@ -17,7 +17,7 @@ from lightning_titan.batching import local_batch_size
 from lightning_titan.model import ModelConfig
 from lightning_titan.options import TrainOptions, check_trainer_clipping
 from lightning_titan.parallel_dims import AXES, ParallelDims
-from lightning_titan.plan.memory import layout_state
+from lightning_titan.plan.memory import fullest_state, layout_state
 from lightning_titan.zero import LEVELS
 
 GB = 1e9
@@ -81,8 +81,7 @@ def candidates(
             if reason is not None:
                 rejected[reason.split(" ")[0].rstrip(":;,")] += 1
                 continue
-            states = layout_state(config, degrees, zero)
-            fullest = max(states, key=lambda s: sum(s.values()))
+            fullest = fullest_state(config, degrees, zero)
             accepted.append(Candidate(degrees, zero, sum(fullest.values()), fullest))
     return accepted, rejected
 

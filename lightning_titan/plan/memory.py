@@ -118,3 +118,14 @@ def layout_state(config: ModelConfig, degrees: dict[str, int], zero: int = 0) ->
     """``rank_state`` of every rank of the layout ``degrees`` (dp, pp, ep, cp, tp), in rank order."""
     world = math.prod(degrees.values())
     return [rank_state(config, ParallelDims(**degrees, rank=r), zero) for r in range(world)]
+
+
+def fullest_state(config: ModelConfig, degrees: dict[str, int], zero: int = 0) -> dict[str, int]:
+    """``rank_state`` of the rank that holds the most, without counting every rank: on each stage
+    the first rank of every group (a ``torch.chunk``-style ZeRO split gives the first rank the
+    largest rows; the other axes cut equal shapes), then the fullest stage (64 devices: seconds
+    instead of minutes)."""
+    dims = ParallelDims(**degrees)
+    firsts = [dims.rank_of(0, p, 0) for p in range(dims.pp)]
+    states = [rank_state(config, ParallelDims(**degrees, rank=r), zero) for r in firsts]
+    return max(states, key=lambda s: sum(s.values()))

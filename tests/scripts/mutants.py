@@ -38,6 +38,40 @@ MUTATIONS = {
                         "group = dims.group_ranks(t.kind)",
                         'group = dims.group_ranks("expert_dp")',
                         ["tests/test_equivalence.py", "-k", "2]"]),
+    # issue 20: the pipeline bubble as (pp-1)/M, not (pp-1)/(M+pp-1)
+    "plan_bubble": ("lightning_titan/plan/cost.py", "return fill / (microbatches + fill)",
+                    "return fill / microbatches", ["tests/test_plan.py", "-k", "bubble"]),
+    # issue 20: ZeRO-2 charged a full all-reduce beside its all-gather
+    "plan_zero2_bytes": ("lightning_titan/plan/cost.py", "2: (1.0, 1.0)}", "2: (2.0, 1.0)}",
+                         ["tests/test_plan.py", "-k", "cost_terms"]),
+    # issue 20: a ring collective charged n/(n-1) too much (the whole data per rank)
+    "plan_ring_bytes": ("lightning_titan/plan/cost.py",
+                        "units * (n - 1) / n * nbytes / link.bandwidth",
+                        "units * nbytes / link.bandwidth", ["tests/test_plan.py", "-k", "collectives"]),
+    # issue 20: the gradient reduction priced as if over 2 ranks whatever dp is
+    "plan_dp_group": ("lightning_titan/plan/cost.py",
+                      "total += collective(link, nbytes, n, grads, buckets)",
+                      "total += collective(link, nbytes, 2, grads, buckets)",
+                      ["tests/test_plan.py", "-k", "cost_terms"]),
+    # issue 20: every group on the intra-node link, whatever --nodes says
+    "plan_one_node": ("lightning_titan/plan/cost.py", "span > device.per_node else",
+                      "span > 10**9 else", ["tests/test_plan.py", "-k", "cost_terms"]),
+    # issue 20: rows ranked by state instead of predicted step time
+    "plan_rank_by_state": ("lightning_titan/plan/rank.py",
+                           "rows.sort(key=lambda r: (r.cost.step, r.candidate.state_bytes))",
+                           "rows.sort(key=lambda r: (r.candidate.state_bytes, r.cost.step))",
+                           ["tests/test_plan.py", "-k", "ranked or overlay"]),
+    # issue 20: --nodes that does not divide the devices accepted
+    "plan_nodes_unchecked": ("lightning_titan/plan/devices.py", "if nodes < 1 or devices % nodes:",
+                             "if nodes < 1:", ["tests/test_plan.py", "-k", "bad_requests"]),
+    # issue 20: the fullest rank taken from the last rank of every group (ZeRO's smallest rows)
+    "plan_fullest_last": ("lightning_titan/plan/memory.py",
+                          "firsts = [dims.rank_of(0, p, 0) for p in range(dims.pp)]",
+                          "firsts = [dims.rank_of(dims.dp - 1, p, dims.ep - 1) for p in range(dims.pp)]",
+                          ["tests/test_plan.py", "-k", "fullest"]),
+    # issue 20: 1F1B's activations counted like GPipe's (every microbatch held)
+    "plan_1f1b_holds_all": ("lightning_titan/plan/activations.py", "return min(m, pp - pp_rank)",
+                            "return m", ["tests/test_plan.py", "-k", "activation_peaks", "-m", "slow"]),
     # issue 16: ZeRO-1 without its all-gather (other ranks' rows never arrive), through the strategy
     "zero_no_gather": ("lightning_titan/strategy.py",
                        "        self.engine.after_optimizer_step()  # zero>0",

@@ -1,0 +1,167 @@
+"""Predicted step time of a layout, term by term: compute, the pipeline bubble, and each kind of
+communication, so a reader sees why one layout wins.
+
+- **compute**: the model's matmul FLOPs (``flops.py``) a rank does (its stage's layers, its share of
+  the tokens: ``b*S/(tp*cp)``; x4/3 under activation checkpointing) at the device's throughput,
+  plus a fixed cost per block pass (launches; it is what a small model pays on a CPU);
+- **bubble**: the schedule's idle time, ``(pp-1)/M`` of a stage's compute for GPipe and 1F1B, that
+  over ``v`` for interleaved 1F1B, over 3 for ZB-H1 (its cooldown runs the deferred weight grads);
+- **communication**: bytes per collective per step and rank at the link's bandwidth, plus its
+  latency per message step: the data-parallel all-reduce (or ZeRO's reduce-scatter and all-gather;
+  only what outlasts the last microbatch's backward is exposed), the EP all-to-alls, PP
+  send/recv, TP's sequence all-gather / reduce-scatter, CP's key/value all-gather;
+- **optimizer**: AdamW streaming the state the rank owns.
+
+On a CPU the ranks share the cores: a step takes at least the busy time of all ranks over the cores.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_titan.flops import forward_flops_per_token
+from lightning_titan.model import ModelConfig
+from lightning_titan.plan.devices import Device, Link
+
+BYTES = 4  # fp32 activations, grads and state
+BUCKET = 25 * 2**20  # the reducer's default bucket_cap_mb
+ZERO_FACTOR = {0: (2.0, 0.0), 1: (2.0, 1.0), 2: (1.0, 1.0)}  # (grad reduction, weight all-gather)
+# in units of (n-1)/n * bytes: a ring all-reduce is 2, a reduce-scatter or an all-gather 1
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What a step does beside its layout."""
+
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    recompute: bool = False  # activation checkpointing
+
+    def label(self, pp: int = 2) -> str:
+        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        schedule = f"{self.schedule}{v} " if pp > 1 else ""  # no pipeline: no schedule to name
+        return f"{schedule}M{self.microbatches}" + (" ckpt" if self.recompute else "")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds per step, by term (comm: one entry per collective kind)."""
+
+    compute: float
+    bubble: float
+    comm: dict[str, float]
+    optimizer: float
+    step: float  # the prediction (on a shared CPU: at least every rank's busy time over the cores)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble / (self.compute + self.bubble) if self.bubble else 0.0
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The idle share of a step with equal stages (docs/choosing_a_layout.md)."""
+    fill = (pp - 1) / virtual_stages
+    if schedule == "zb_h1":
+        fill /= 3  # F, B and W equal: 1F1B idles (pp-1)(F+B+W), ZB-H1 (pp-1)(F+B-W)
+    return fill / (microbatches + fill)
+
+
+def collective(link: Link, nbytes: float, n: int, units: float, calls: int = 1) -> float:
+    """Seconds for ``calls`` ring collectives over ``n`` ranks that each move ``units * (n-1)/n``
+    times ``nbytes`` per rank (all-reduce 2, all-gather / reduce-scatter / all-to-all 1)."""
+    if n == 1 or calls == 0:
+        return 0.0
+    steps = units * (n - 1)  # message steps of the ring, each paying the latency
+    return calls * steps * link.latency_s + units * (n - 1) / n * nbytes / link.bandwidth
+
+
+def _link(device: Device, degrees: dict[str, int], slowest: str) -> Link:
+    """The link a group uses: inter-node when its ranks (up to its slowest axis) span nodes."""
+    axes = list(degrees)
+    span = math.prod(degrees[a] for a in axes[axes.index(slowest) :])
+    return device.inter if device.inter is not None and span > device.per_node else device.intra
+
+
+def predict(
+    config: ModelConfig,
+    degrees: dict[str, int],
+    zero: int,
+    options: StepOptions,
+    global_batch: int,
+    device: Device,
+    params: tuple[int, int],
+) -> StepCost:
+    """The step time of ``degrees`` (dp, pp, ep, cp, tp) with ``options``; ``params`` is the
+    (non-expert, expert) parameter count of the fullest rank (``plan/memory.py``)."""
+    dp, pp, ep, cp, tp = (degrees[a] for a in ("dp", "pp", "ep", "cp", "tp"))
+    world = math.prod(degrees.values())
+    m_count, v = options.microbatches, options.virtual_stages
+    b = global_batch // (dp * ep)
+    tokens = b * config.seq_len / (tp * cp)  # positions this rank computes per step
+    mb_tokens = tokens / m_count
+    head = 2 * config.d_model * config.vocab_size
+    layer = (forward_flops_per_token(config) - head) / config.n_layers
+    layers = config.n_layers / pp
+    passes = 4 if options.recompute else 3  # forward, backward (2x), and a recomputed forward
+    flops = tokens * passes * (layers * layer + head)  # the last stage: it holds the head
+    compute = flops / device.flops + m_count * (layers + 1) * device.pass_s
+    bubble = (
+        compute
+        * bubble_fraction(options.schedule, pp, m_count, v)
+        / (1 - bubble_fraction(options.schedule, pp, m_count, v))
+    )
+
+    comm = {}
+    act = mb_tokens * config.d_model * BYTES  # one microbatch's activations between blocks
+    # pp: a stage receives and sends one activation forward, one grad backward, per microbatch and chunk
+    comm["pp"] = (
+        0.0 if pp == 1 else 2 * collective(_link(device, degrees, "pp"), act, 2, 2, m_count * v)
+    )
+    # ep: dispatch and combine forward, both again backward, plus the count exchange, per MoE layer
+    a2a = mb_tokens * config.top_k * config.d_model * BYTES
+    calls = int(layers * m_count)
+    ep_link = _link(device, degrees, "ep")
+    comm["ep"] = 4 * collective(ep_link, a2a, ep, 1, calls) + collective(ep_link, 0, ep, 1, calls)
+    # tp: sequence all-gather in, reduce-scatter out, around each block's attention; and backward
+    comm["tp"] = 4 * collective(_link(device, degrees, "tp"), act * tp, tp, 1, calls)
+    # cp: the keys and values of every position, gathered forward and their grads scattered back
+    kv = 2 * mb_tokens * cp * config.kv_heads * config.head_dim * BYTES
+    comm["cp"] = 2 * collective(_link(device, degrees, "cp"), kv, cp, 1, calls)
+    comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count)
+    optimizer = _optimizer(degrees, zero, params, device)
+
+    busy = compute + sum(comm.values()) + optimizer
+    step = busy + bubble
+    if device.cores is not None and world > device.cores:
+        step = max(step, world * busy / device.cores)  # the ranks take turns on the cores
+    return StepCost(compute, bubble, comm, optimizer, step)
+
+
+def _data_parallel(
+    config: ModelConfig, degrees: dict[str, int], zero: int, params: tuple[int, int],
+    device: Device, microbatch_s: float,
+) -> float:  # fmt: skip
+    """Exposed seconds of the gradient reduction (and ZeRO's weight all-gather): the reduction
+    overlaps the last microbatch's backward (2/3 of its compute); the all-gather follows the step."""
+    dp, ep, cp, tp = degrees["dp"], degrees["ep"], degrees["cp"], degrees["tp"]
+    grads, gather = ZERO_FACTOR[zero]
+    total = 0.0
+    exposed = 0.0
+    for n_params, n in ((params[0], dp * ep * cp), (params[1], dp * cp * tp)):
+        nbytes = n_params * BYTES
+        link = _link(device, degrees, "dp" if dp > 1 else "ep")
+        buckets = max(1, math.ceil(nbytes / BUCKET))
+        total += collective(link, nbytes, n, grads, buckets)
+        exposed += collective(link, nbytes, n, gather, buckets)
+    return max(0.0, total - 2 / 3 * microbatch_s) + exposed
+
+
+def _optimizer(
+    degrees: dict[str, int], zero: int, params: tuple[int, int], device: Device
+) -> float:
+    """AdamW reads and writes weight, grad and two moments of what the rank owns (ZeRO: its rows)."""
+    dp, ep, cp, tp = degrees["dp"], degrees["ep"], degrees["cp"], degrees["tp"]
+    owned = params[0] / (dp * ep * cp) + params[1] / (dp * cp * tp) if zero else sum(params)
+    return owned * 4 * BYTES * 2 / device.memory_bandwidth

@@ -1,0 +1,94 @@
+"""Every step option a layout allows (schedule, microbatches, virtual stages, recompute), each
+predicted (``plan/cost.py``), ranked by predicted step time.
+
+The options pass the strategy's own checks (``TrainOptions``, ``check_microbatches``, the layer
+split), like the layouts do (``plan/layouts.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_titan.model import ModelConfig
+from lightning_titan.options import TrainOptions
+from lightning_titan.pipeline.schedules import CHUNKED, SCHEDULES, check_microbatches
+from lightning_titan.pipeline.split import StageSplit
+from lightning_titan.plan.activations import peak_bytes
+from lightning_titan.plan.cost import StepCost, StepOptions, predict
+from lightning_titan.plan.devices import Device
+from lightning_titan.plan.layouts import Candidate, divisors
+
+VIRTUAL_STAGES = 2  # interleaved 1F1B is offered with two chunks per rank
+
+
+@dataclass(frozen=True)
+class Ranked:
+    candidate: Candidate
+    options: StepOptions
+    cost: StepCost
+    activation_bytes: float  # the fullest stage's peak (plan/activations.py)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.candidate.state_bytes + self.activation_bytes
+
+    @property
+    def label(self) -> str:
+        return self.candidate.label
+
+    @property
+    def options_label(self) -> str:
+        return self.options.label(self.candidate.degrees["pp"])
+
+
+def _accepted(config: ModelConfig, pp: int, options: StepOptions) -> bool:
+    v = options.virtual_stages
+    try:
+        TrainOptions(schedule=options.schedule, virtual_stages=v)
+        check_microbatches(options.schedule, options.microbatches, pp, v)
+        StageSplit(v).counts(config.n_layers, pp)
+    except ValueError:
+        return False
+    return True
+
+
+def step_options(
+    config: ModelConfig, pp: int, local_batch: int, recompute: tuple[bool, ...] = (False, True)
+) -> list[StepOptions]:
+    """Schedules x microbatch counts (divisors of the per-rank batch) x recompute; pp = 1: no
+    schedule to choose, the microbatches are gradient accumulation (less activation memory)."""
+    out = []
+    for ckpt in recompute:
+        if pp == 1:
+            out += [StepOptions("1f1b", m, 1, ckpt) for m in divisors(local_batch)]
+            continue
+        for schedule in sorted(SCHEDULES):
+            v = VIRTUAL_STAGES if schedule in CHUNKED else 1
+            for m in divisors(local_batch):
+                options = StepOptions(schedule, m, v, ckpt)
+                if _accepted(config, pp, options):
+                    out.append(options)
+    return out
+
+
+def ranked(
+    config: ModelConfig,
+    found: list[Candidate],
+    global_batch: int,
+    device: Device,
+    recompute: tuple[bool, ...] = (False, True),
+) -> list[Ranked]:
+    """Every candidate with every step option whose state and activations fit the device's
+    memory, fastest predicted first."""
+    rows = []
+    for c in found:
+        params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
+        local = global_batch // (c.degrees["dp"] * c.degrees["ep"])
+        for options in step_options(config, c.degrees["pp"], local, recompute):
+            activations = peak_bytes(config, c.degrees, options, global_batch)
+            if c.state_bytes + activations > device.memory:
+                continue
+            cost = predict(config, c.degrees, c.zero, options, global_batch, device, params)
+            rows.append(Ranked(c, options, cost, activations))
+    rows.sort(key=lambda r: (r.cost.step, r.candidate.state_bytes))
+    return rows
