@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -18,7 +19,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -39,6 +40,7 @@ from lightning_titan.parallel_dims import (
     check_launched_world,
     resolve_degrees,
 )
+from lightning_titan.plan import auto
 
 
 class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks, ParallelStrategy):
@@ -65,6 +67,9 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         start_method: ``"popen"`` re-runs the script per rank; ``"fork"`` for notebooks.
         process_group_backend: ``nccl`` on CUDA, ``gloo`` on CPU by default.
         allow_config_change: model-config fields a resume may change (others must match the saved).
+        layout: ``"auto"``: the layout and step options ``titan plan`` ranks first for this model,
+            world, global batch and device (``plan/auto.py``), said on rank 0; leave the degrees,
+            ``zero``, ``schedule``, ``virtual_stages`` and ``num_microbatches`` out.
     """
 
     strategy_name = "titan"
@@ -90,9 +95,19 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
         allow_config_change: list[str] | None = None,
+        layout: Literal["auto"] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if layout not in (None, "auto"):
+            raise ValueError(f"layout={layout!r} is unknown; use 'auto' or give the degrees")
+        if layout == "auto":
+            auto.check_auto_arguments(
+                dict(dp=dp, pp=pp, ep=ep, tp=tp, cp=cp, zero=zero, schedule=schedule,
+                     virtual_stages=virtual_stages, num_microbatches=num_microbatches)
+            )  # fmt: skip
+        self._auto = layout == "auto"
+        self._auto_choice: auto.Choice | None = None
         self.options = TrainOptions(
             schedule=schedule, num_microbatches=num_microbatches, microbatch_size=microbatch_size,
             bucket_cap_mb=bucket_cap_mb, reducer=reducer, gradient_clip_norm=gradient_clip_norm,
@@ -130,8 +145,23 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         return self._engine
 
     def preflight(self, module: Any, datamodule: Any, trainer: Any = None) -> None:
-        """The checks that need no process group, in the launcher and on every rank before it."""
+        """The checks that need no process group, in the launcher and on every rank before it (with
+        ``layout="auto"`` on a rank: once the layout is agreed)."""
+        if self._auto and self._auto_choice is None:  # the launcher: choose here, fail early
+            self._use_layout(auto.choose_for(self, module, datamodule))
         preflight(self.parallel_dims, self.options, module, datamodule, trainer)
+
+    def _use_layout(self, choice: auto.Choice) -> None:
+        """``layout="auto"``: take the chosen degrees and step options, as if they had been given."""
+        if self._auto_choice is None:  # said once: rank 0 may have chosen in the launcher already
+            rank_zero_info(f"[titan] layout='auto' chose {choice.summary}")
+        self._auto_choice = choice
+        self._degrees = check_degrees(**choice.degrees)
+        self.options = replace(
+            self.options, zero=choice.zero, schedule=choice.schedule,
+            virtual_stages=choice.virtual_stages, num_microbatches=choice.num_microbatches,
+        )  # fmt: skip
+        self.set_world_ranks()
 
     @property
     @override
@@ -171,9 +201,11 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
             check_launched_world(self.cluster_environment, self.num_processes, self.num_nodes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        check_precision(self.precision_plugin)
+        if self._auto and self._auto_choice is None:
+            return  # the degrees come with the choice (preflight, or setup_environment's agreement)
         degrees = resolve_degrees(self._degrees, self.num_nodes * self.num_processes)
         self._dims = ParallelDims(**degrees, rank=self.global_rank)
-        check_precision(self.precision_plugin)
 
     @override
     def _configure_launcher(self) -> None:
@@ -189,7 +221,9 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
             forked = self.options.start_method == "fork"
             torch.set_num_threads(cpu_threads_per_rank(local_world, forked=forked))
         trainer = getattr(self.lightning_module, "_trainer", None)
-        self.preflight(self.lightning_module, getattr(trainer, "datamodule", None), trainer)
+        datamodule = getattr(trainer, "datamodule", None)
+        if not self._auto:
+            self.preflight(self.lightning_module, datamodule, trainer)
         device = self.root_device
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)  # fmt: skip
         timeout = timedelta(minutes=self.options.timeout_minutes)  # the subgroups' too
@@ -197,6 +231,9 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
             self.cluster_environment, backend, timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )  # fmt: skip
+        if self._auto:  # rank 0's choice (its CPU probe may differ from the others'), or its error
+            self._use_layout(auto.agree(self._auto_choice, self, self.lightning_module, datamodule))
+            self.preflight(self.lightning_module, datamodule, trainer)
         self._setup_phase.start()
         self._groups = build_process_groups(self.parallel_dims, timeout)
         self._peers = supervisor.gather_peers()

@@ -234,3 +234,83 @@ def test_the_fullest_rank_is_found_without_counting_every_rank(devices):
     for c in candidates(DEFAULT, devices, 16)[0]:
         every = layout_state(DEFAULT, c.degrees, c.zero)
         assert c.state_bytes == max(sum(s.values()) for s in every), c.label
+
+
+# -- TitanStrategy(layout="auto") -----------------------------------------------------------------
+
+
+def test_layout_auto_refuses_what_it_would_choose_itself():
+    from lightning_titan import TitanStrategy
+
+    with pytest.raises(ValueError, match=r"layout='auto' chooses dp, .*but \{'dp': 2\} was given"):
+        TitanStrategy(layout="auto", dp=2)
+    with pytest.raises(
+        ValueError, match=r"layout='auto' chooses .*\{'zero': 1, 'schedule': 'gpipe'\}"
+    ):
+        TitanStrategy(layout="auto", zero=1, schedule="gpipe")
+    with pytest.raises(ValueError, match="layout='best' is unknown; use 'auto'"):
+        TitanStrategy(layout="best")
+
+
+def test_layout_auto_takes_the_plans_first_row_and_names_what_is_short():
+    from lightning_titan.plan.auto import choose
+    from lightning_titan.plan.rank import ranked
+
+    device = GPUS["h100-80gb"]  # the catalogue: no probe, the same choice every time
+    choice = choose(DEFAULT, 16, 8, device)
+    found, _ = candidates(DEFAULT, 8, 16)
+    first = ranked(DEFAULT, found, 16, device, recompute=(False,))[0]
+    assert choice.degrees == first.candidate.degrees and choice.zero == first.candidate.zero
+    assert (choice.schedule, choice.num_microbatches) == (
+        first.options.schedule,
+        first.options.microbatches,
+    )
+    assert choice.summary.startswith(first.label.split(" ")[0])
+    tiny = dataclasses.replace(device, memory=1e5)
+    with pytest.raises(ValueError, match=r"layout='auto': nothing fits: the smallest model state"):
+        choose(DEFAULT, 16, 8, tiny)
+    with pytest.raises(
+        ValueError, match="no layout of 7 devices splits this model and a global batch of 16"
+    ):
+        choose(DEFAULT, 16, 7, device)  # dp7 does not divide 16; no axis splits this model by 7
+
+
+def _agree_on(rank, world, configured):
+    """Rank 0 holds a choice (or, ``configured=False``, a module it cannot plan for); the others
+    none: every rank ends with rank 0's choice, or with its error."""
+    from types import SimpleNamespace
+
+    from lightning_titan.plan.auto import Choice, agree
+
+    mine = Choice({"dp": 2}, 0, "1f1b", 1, 1, "dp2") if rank == 0 and configured else None
+    try:
+        return agree(mine, None, SimpleNamespace(), None)
+    except ValueError as error:
+        return f"ValueError: {error}"
+
+
+@pytest.mark.timeout(120)
+def test_layout_auto_every_rank_takes_rank_0s_choice_or_its_error():
+    chosen = run_on_ranks(_agree_on, 2, True)
+    assert chosen[0] == chosen[1] and chosen[1].summary == "dp2"
+    errors = run_on_ranks(_agree_on, 2, False)
+    assert errors[0] == errors[1] and "plans from the model's ModelConfig" in errors[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_titan_fit_with_layout_auto_trains_under_the_choice(tmp_path):
+    """configs/auto.yaml on 2 CPU ranks (script launch): the launcher chooses and says so once,
+    every rank takes that layout (their groups match: the step runs), and the loss is logged."""
+    cmd = [sys.executable, "-m", "lightning_titan", "fit", "--config", str(CONFIGS / "auto.yaml"),
+           "--trainer.devices=2", "--trainer.max_steps=2", "--trainer.limit_val_batches=0"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [
+        line for line in (proc.stdout + proc.stderr).splitlines() if "layout='auto' chose" in line
+    ]
+    assert len(said) == 1, said
+    layout = said[0].split("chose ")[1].split(" ")[0]
+    assert layout in {c.label.split(" ")[0] for c in candidates(ModelConfig(), 2, 16)[0]}
+    (metrics,) = (tmp_path / "runs" / "auto").glob("version_*/metrics.csv")
+    assert "train/loss" in metrics.read_text().splitlines()[0] or "loss" in metrics.read_text()

@@ -84,10 +84,11 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
         row["virtual_stages"] = case.virtual_stages
         row["stage_layers"] = per_rank[0][OURS]["stage_layers"]
         row["auto_split"] = case.stage_layers == AUTO
-        by_stage = {r[OURS]["coords"][1]: r[OURS]["microbatch_saved_bytes"] for r in per_rank}
-        row["microbatch_saved_mb_per_stage"] = [
-            [b / _MB for b in by_stage[p]] for p in range(case.pp)
-        ]
+        if "microbatch_saved_bytes" in per_rank[0][OURS]:
+            by_stage = {r[OURS]["coords"][1]: r[OURS]["microbatch_saved_bytes"] for r in per_rank}
+            row["microbatch_saved_mb_per_stage"] = [
+                [b / _MB for b in by_stage[p]] for p in range(case.pp)
+            ]
     row["state"] = _state_shares(case, settings, per_rank, full)
     return row, spans
 

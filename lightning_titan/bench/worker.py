@@ -171,9 +171,11 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
         out[impl]["tp_cut_param_bytes"] = tp_cut_bytes(runner.model)
     # activations saved for backward, every case: the pipeline's per stage, CP's against one rank
     out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
-    if dims.pp > 1:  # the theory's unit: what one microbatch of each chunk saves
-        out[OURS]["microbatch_saved_bytes"] = _microbatch_saved(ours, batches[0])
+    if dims.pp > 1:
         out[OURS]["stage_layers"] = split.counts(settings.config.n_layers, dims.pp)
+    if dims.pp > 1 and dims.tp == dims.cp == 1:  # the schedules theory's unit: what one microbatch
+        # of each chunk saves (run outside the engine, which alone splits a TP/CP sequence)
+        out[OURS]["microbatch_saved_bytes"] = _microbatch_saved(ours, batches[0])
     for runner in runners.values():
         runner.close()
     return out

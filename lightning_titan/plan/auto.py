@@ -1,0 +1,141 @@
+"""``TitanStrategy(layout="auto")``: train under the layout ``titan plan`` ranks first.
+
+The choice is ``titan plan``'s: every layout the strategy accepts for this model, world and global
+batch, with every step option (schedule, microbatches, virtual stages; the model's own activation
+checkpointing setting is kept), whose model state and activations fit this device's memory, ranked
+by predicted step time. On the CPU the cost model times this machine (a probe of about a second),
+so ranks could disagree: the strategy takes global rank 0's choice and broadcasts it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from lightning_titan.model import ModelConfig
+from lightning_titan.plan.devices import GPUS, Device, cpu_device, on_nodes
+from lightning_titan.plan.layouts import candidates, shortfall
+from lightning_titan.plan.rank import Ranked, ranked
+
+# what the strategy's own arguments default to: layout="auto" sets these itself
+CHOSEN_DEFAULTS = {"dp": -1, "pp": 1, "ep": 1, "tp": 1, "cp": 1, "zero": 0, "schedule": "1f1b",
+                   "virtual_stages": 1, "num_microbatches": None}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``layout="auto"`` sets: the degrees and the step options."""
+
+    degrees: dict[str, int]
+    zero: int
+    schedule: str
+    virtual_stages: int
+    num_microbatches: int
+    summary: str  # one line: the layout, its options and its predicted step
+
+
+def check_auto_arguments(given: dict[str, Any]) -> None:
+    """layout="auto" chooses the axes and step options: any of them given is a contradiction."""
+    clash = {k: v for k, v in given.items() if k in CHOSEN_DEFAULTS and v != CHOSEN_DEFAULTS[k]}
+    if clash:
+        raise ValueError(
+            f"layout='auto' chooses {', '.join(CHOSEN_DEFAULTS)} itself, but {clash} was given; "
+            "leave them out, or drop layout='auto' and give the whole layout"
+        )
+
+
+def model_config(module: Any) -> ModelConfig:
+    config = getattr(module, "config", None)
+    if not isinstance(config, ModelConfig):
+        raise ValueError(
+            "layout='auto' plans from the model's ModelConfig: the LightningModule needs a "
+            "`config` attribute holding one (TitanLM has it); otherwise give the layout"
+        )
+    return config
+
+
+def global_batch(datamodule: Any) -> int:
+    batch = getattr(datamodule, "global_batch_size", None)
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(
+            "layout='auto' needs the global batch to plan for: train with a data module that has "
+            "`global_batch_size` (titan's data modules do), or give the layout yourself"
+        )
+    return batch
+
+
+def this_device(device: torch.device, world: int, nodes: int, config: ModelConfig) -> Device:
+    """The catalogue's entry for this GPU, or this machine's CPU probed for ``world`` ranks."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        memory = float(torch.cuda.get_device_properties(device).total_memory)
+        chip = next((k for k in ("h200", "h100", "a100") if k in name), None)
+        if chip is None:
+            raise ValueError(
+                f"layout='auto' has no cost model for {name!r}; the catalogue holds "
+                f"{sorted(GPUS)}: give the layout yourself (titan plan --device ... suggests one)"
+            )
+        key = min((k for k in GPUS if k.startswith(chip)),
+                  key=lambda k: abs(GPUS[k].memory - memory))  # fmt: skip
+        return on_nodes(replace(GPUS[key], memory=memory), world, nodes)
+    local = max(1, world // nodes)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
+    return cpu_device(world, config.n_experts, config.top_k, memory)
+
+
+def choose(config: ModelConfig, batch: int, world: int, device: Device) -> Choice:
+    """The first row ``titan plan`` would print, as the strategy's arguments; a clear error where
+    nothing is accepted or nothing fits."""
+    found, _ = candidates(config, world, batch)
+    if not found:
+        raise ValueError(
+            f"layout='auto': no layout of {world} devices splits this model and a global batch of "
+            f"{batch} evenly; change the devices or the batch"
+        )
+    fits = [c for c in found if c.state_bytes <= device.memory]
+    if not fits:
+        smallest = min(found, key=lambda c: c.state_bytes)
+        raise ValueError(f"layout='auto': nothing fits: {shortfall(smallest, device.memory)}")
+    rows = ranked(config, fits, batch, device, recompute=(config.activation_checkpointing,))
+    if not rows:
+        raise ValueError(
+            "layout='auto': the model state fits but no step option's activations do; use "
+            "activation checkpointing, a smaller batch or more devices"
+        )
+    return _as_choice(rows[0])
+
+
+def _as_choice(r: Ranked) -> Choice:
+    o = r.options
+    summary = (f"{r.label.split(' ')[0]} zero={r.candidate.zero} {r.options_label}, predicted "
+               f"{r.cost.step * 1e3:,.3g} ms per step")  # fmt: skip
+    return Choice(dict(r.candidate.degrees), r.candidate.zero, o.schedule, o.virtual_stages,
+                  o.microbatches, summary)  # fmt: skip
+
+
+def choose_for(strategy: Any, module: Any, datamodule: Any) -> Choice:
+    """``choose`` for the strategy's world, nodes and device, the module's model and the data's batch."""
+    config = model_config(module)
+    world = strategy.num_nodes * strategy.num_processes
+    device = this_device(strategy.root_device, world, strategy.num_nodes, config)
+    return choose(config, global_batch(datamodule), world, device)
+
+
+def agree(mine: Choice | None, strategy: Any, module: Any, datamodule: Any) -> Choice:
+    """Global rank 0's choice on every rank (one broadcast over the world group), or the error it
+    met, raised on every rank, so no rank waits on one that failed."""
+    import torch.distributed as dist
+
+    sent: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            sent = [mine or choose_for(strategy, module, datamodule)]
+        except ValueError as error:
+            sent = [str(error)]
+    dist.broadcast_object_list(sent, src=0)
+    if isinstance(sent[0], str):
+        raise ValueError(sent[0])
+    return sent[0]
