@@ -255,7 +255,7 @@ class PipelineStage:
                 )  # the link's forward stream: to the next rank
                 with self._span("exchange", i, chunk):
                     self.links.exchange(out if to_next else None, None if to_next else out)
-            elif out is not None:  # the turn; detached as a p2p would, so each chunk's W is its own
+            elif out is not None:  # the turn, detached as a p2p leaves it: chunk 1 splits its own graph
                 self._inbox[("x", 1, i) if kind == "F" else ("g", 0, i)] = out.detach()
         for peer, (what, chunk, i) in take:
             from_prev = peer == self.pp_rank - 1
