@@ -250,12 +250,12 @@ class PipelineStage:
             out = self._outbox.pop(("y" if kind == "F" else "dx", chunk, i))
             target = zbv.output(self.pp, self.pp_rank, done)
             if target is not None:
-                to_next = (
-                    target[0] == self.pp_rank + 1
-                )  # the link's forward stream: to the next rank
+                # a link's streams go by direction: its forward one to the next rank
+                to_next = target[0] == self.pp_rank + 1
                 with self._span("exchange", i, chunk):
                     self.links.exchange(out if to_next else None, None if to_next else out)
-            elif out is not None:  # the turn, detached as a p2p leaves it: chunk 1 splits its own graph
+            elif out is not None:
+                # the turn, detached as a p2p leaves it: chunk 1's split walks its own graph only
                 self._inbox[("x", 1, i) if kind == "F" else ("g", 0, i)] = out.detach()
         for peer, (what, chunk, i) in take:
             from_prev = peer == self.pp_rank - 1
