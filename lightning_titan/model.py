@@ -275,7 +275,7 @@ class StageModel(nn.Module):
         self.expert_range = (ep_rank * per_rank, (ep_rank + 1) * per_rank)
         # the embedding goes with virtual stage 0, the head with the last one, wherever the placement
         # puts them (the V puts both on rank 0)
-        stage_ids = split.stage_ids(pp, pp_rank)
+        self.stage_ids = stage_ids = split.stage_ids(pp, pp_rank)  # each chunk's virtual stage
         last = pp * split.virtual_stages - 1
         self.embed_chunk = stage_ids.index(0) if 0 in stage_ids else None
         self.head_chunk = stage_ids.index(last) if last in stage_ids else None

@@ -719,7 +719,7 @@ def _torch_pipe_grads(rank, world, schedule, v):
     dims = ParallelDims(1, world, 1, rank)
     runner = TorchPipeRunner(ModelConfig(**_PIPE_CONFIG), dims, build_process_groups(dims),
                              torch.device("cpu"), schedule=schedule, num_microbatches=4,
-                             split=StageSplit(v))  # fmt: skip
+                             split=StageSplit(v, v_shape=schedule == "zbv"))  # fmt: skip
     runner.optimizer.step = runner.optimizer.zero_grad = lambda *a, **k: None
     tokens = torch.randint(0, 257, (8, 17), generator=torch.Generator().manual_seed(0))
     runner.step(tokens[:, :-1], tokens[:, 1:])
@@ -727,10 +727,13 @@ def _torch_pipe_grads(rank, world, schedule, v):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
+@pytest.mark.parametrize(
+    "schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
+)
 def test_the_torch_pipelining_peers_train_the_one_process_model(schedule, v):
-    """ScheduleInterleaved1F1B over two chunks per rank and ScheduleInterleavedZeroBubble over one
-    are fair peers only if they compute the same step: each stage's clipped grads equal one process's."""
+    """ScheduleInterleaved1F1B over two chunks per rank, ScheduleInterleavedZeroBubble over one and
+    ScheduleZBVZeroBubble over the V are fair peers only if they compute the same step: each stage's
+    clipped grads equal one process's."""
     import torch.nn.functional as F
 
     from lightning_titan.bench.runners import MAX_NORM, SEED
