@@ -96,6 +96,8 @@ class PipelineStage:
             return self._tracer(name, i)
         kind = name if name in ("forward", "backward") else "p2p"
         kind = "backward" if name == "backward_weight" else kind  # zero-bubble W: compute too
+        if self.model.v_shape:  # the chunk's virtual stage: the V is not chunk * P + rank
+            return probes.span(kind, name, mb=i, chunk=chunk, stage=self.model.stage_ids[chunk])
         if self.num_chunks > 1:
             return probes.span(kind, name, mb=i, chunk=chunk)
         return probes.span(kind, name, mb=i)
