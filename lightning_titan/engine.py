@@ -193,8 +193,11 @@ class Engine:
 
     def _links(self, stage_model: StageModel, device: torch.device) -> StageLinks:
         dtype = next(stage_model.parameters()).dtype
-        # virtual stages: the last rank's chunk c feeds the first rank's chunk c + 1
-        ring = getattr(stage_model, "num_chunks", 1) > 1
+        # virtual stages: the last rank's chunk c feeds the first rank's chunk c + 1 (the V of zbv
+        # turns on the last rank instead: no ring)
+        ring = getattr(stage_model, "num_chunks", 1) > 1 and not getattr(
+            stage_model, "v_shape", False
+        )
         return StageLinks(self.dims, self.groups.pp, dtype, device, ring=ring)
 
     def finish_gradients(self, max_norm: float | None = None) -> Tensor:

@@ -226,8 +226,8 @@ class StageModel(nn.Module):
 
     ``split`` (``pipeline.split``): a rank may hold several chunks of layers (virtual stages) and
     the stages may hold different numbers of layers; ``forward(x, chunk=c)`` runs chunk ``c``
-    (``chunk_ranges[c]``), the embedding before chunk 0 of the first rank, the head after the last
-    chunk of the last rank.
+    (``chunk_ranges[c]``), the embedding before the chunk of virtual stage 0, the head after the chunk
+    of the last one (``embeds``, ``heads``: under the V both are on rank 0).
 
     ``sequence_group``: the cp x tp ranks that hold one sequence (for the aux losses' counts); it may
     be left None when only one of cp and tp is used.
@@ -273,8 +273,15 @@ class StageModel(nn.Module):
         # with one chunk: its layers; with more, the span from the first to the last one held
         self.layer_range = (self.chunk_ranges[0][0], self.chunk_ranges[-1][1])
         self.expert_range = (ep_rank * per_rank, (ep_rank + 1) * per_rank)
-        self.is_first_stage = pp_rank == 0
-        self.is_last_stage = pp_rank == pp - 1
+        # the embedding goes with virtual stage 0, the head with the last one, wherever the placement
+        # puts them (the V puts both on rank 0)
+        self.stage_ids = stage_ids = split.stage_ids(pp, pp_rank)  # each chunk's virtual stage
+        last = pp * split.virtual_stages - 1
+        self.embed_chunk = stage_ids.index(0) if 0 in stage_ids else None
+        self.head_chunk = stage_ids.index(last) if last in stage_ids else None
+        self.is_first_stage = self.embed_chunk is not None  # holds the embedding
+        self.is_last_stage = self.head_chunk is not None  # holds the head
+        self.v_shape = split.v_shape  # chunks linked down and back up the ranks, not round a ring
         self.tp_group, self.cp_group = tp_group, cp_group
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         vocab_rows = padded_vocab(config.vocab_size, tp) // tp
@@ -300,9 +307,16 @@ class StageModel(nn.Module):
                 nn.Linear(config.d_model, vocab_rows, bias=False), 0, config.vocab_size, tp_group
             )
 
+    def embeds(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` starts with the embedding (takes token ids)."""
+        return chunk == self.embed_chunk
+
+    def heads(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` ends with the final norm and the LM head (returns logits)."""
+        return chunk == self.head_chunk
+
     def forward(self, x: Tensor, chunk: int = 0) -> tuple[Tensor, Tensor]:
-        embeds = self.is_first_stage and chunk == 0
-        if embeds:
+        if self.embeds(chunk):
             if x.dim() != 2 or x.dtype != torch.long:
                 raise ValueError(
                     f"the first stage takes token ids [b, S] long, got {x.dtype} {tuple(x.shape)}"
@@ -328,7 +342,7 @@ class StageModel(nn.Module):
             else:
                 x, block_aux = block(x, cos, sin, mask)
             aux = aux + block_aux
-        if self.is_last_stage and chunk == self.num_chunks - 1:
+        if self.heads(chunk):
             x = self.lm_head(gather_sequence(self.norm(x), self.tp_group))
         return x, aux
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_titan.batching import check_microbatch_args, local_batch_size, num_microbatches
 from lightning_titan.parallel_dims import ParallelDims
-from lightning_titan.pipeline.schedules import CHUNKED, SCHEDULES, check_microbatches
+from lightning_titan.pipeline.schedules import CHUNKED, SCHEDULES, V_SHAPED, check_microbatches
 from lightning_titan.pipeline.split import AUTO, StageSplit
 from lightning_titan.zero import LEVELS as ZERO_LEVELS
 
@@ -61,16 +61,23 @@ class TrainOptions:
             raise ValueError(f"schedule={self.schedule!r} is unknown; {_choose(sorted(SCHEDULES))}")
         split = StageSplit(self.virtual_stages, self.stage_layers)  # types and signs
         object.__setattr__(self, "stage_layers", split.stage_layers)
+        if self.schedule in V_SHAPED and self.virtual_stages != 2:
+            raise ValueError(
+                f"schedule={self.schedule!r} places exactly two chunks on every rank (the V): "
+                f"virtual_stages={self.virtual_stages} does not work; use "
+                f"TitanStrategy(schedule={self.schedule!r}, virtual_stages=2)"
+            )
         if self.schedule in CHUNKED and self.virtual_stages < 2:
             raise ValueError(
                 f"schedule={self.schedule!r} needs virtual_stages >= 2 (model chunks per rank), "
                 f"got {self.virtual_stages}; e.g. TitanStrategy(schedule={self.schedule!r}, "
                 "virtual_stages=2)"
             )
-        if self.virtual_stages > 1 and self.schedule not in CHUNKED:
+        if self.virtual_stages > 1 and self.schedule not in {**CHUNKED, **V_SHAPED}:
             raise ValueError(
-                f"virtual_stages={self.virtual_stages} needs an interleaved schedule, not "
-                f"schedule={self.schedule!r}; {_choose(sorted(CHUNKED))} (or virtual_stages=1)"
+                f"virtual_stages={self.virtual_stages} needs a schedule over several chunks per "
+                f"rank, not schedule={self.schedule!r}; {_choose(sorted({**CHUNKED, **V_SHAPED}))} "
+                "(or virtual_stages=1)"
             )
         check_microbatch_args(self.num_microbatches, self.microbatch_size)
         if not _positive(self.bucket_cap_mb):
@@ -126,8 +133,8 @@ class TrainOptions:
 
     @property
     def split(self) -> StageSplit:
-        """How the layers are cut over the pipeline's ranks and their chunks."""
-        return StageSplit(self.virtual_stages, self.stage_layers)
+        """How the layers are cut over the pipeline's ranks and their chunks (zbv: in a V)."""
+        return StageSplit(self.virtual_stages, self.stage_layers, v_shape=self.schedule in V_SHAPED)
 
     @property
     def grace_s(self) -> float:

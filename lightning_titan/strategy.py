@@ -40,6 +40,7 @@ from lightning_titan.parallel_dims import (
     check_launched_world,
     resolve_degrees,
 )
+from lightning_titan.pipeline.schedules import V_SHAPED, check_microbatches
 from lightning_titan.plan import auto
 
 
@@ -52,8 +53,10 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         ep: expert-parallel ranks per stage; the experts split evenly across them.
         tp: tensor-parallel ranks (with sequence parallelism): heads, vocabulary and sequence split.
         cp: context-parallel ranks: each sequence's positions split (load-balanced causal chunks).
-        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"`` (zero-bubble 1F1B).
-        virtual_stages: model chunks per rank (>= 2 for interleaved 1F1B; layers go round-robin).
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zb_h1"`` (zero-bubble 1F1B) or
+            ``"zbv"`` (zero-bubble V: rank r holds virtual stages r and 2*pp-1-r; loss on rank 0).
+        virtual_stages: model chunks per rank (>= 2 for interleaved 1F1B, layers round-robin; 2 for
+            zbv).
         stage_layers: layers per (virtual) stage, e.g. ``[3, 1]``, or ``"auto"`` (probed); None: even.
         num_microbatches: microbatches per step on every rank (default: ``pp``).
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
@@ -81,7 +84,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         ep: int = 1,
         tp: int = 1,
         cp: int = 1,
-        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv"] = "1f1b",
         virtual_stages: int = 1,
         stage_layers: list[int] | Literal["auto"] | None = None,
         num_microbatches: int | None = None,
@@ -115,6 +118,8 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
             zero=zero, virtual_stages=virtual_stages, stage_layers=stage_layers,
         )  # fmt: skip
         self._degrees = check_degrees(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp)  # world size: known later
+        if schedule in V_SHAPED:  # pp is known here: say now, not on the ranks, what zbv needs
+            check_microbatches(schedule, num_microbatches or pp, pp, virtual_stages)
         self._process_group_backend = process_group_backend
         self.allow_config_change = tuple(allow_config_change or ())
         self._num_nodes = 1

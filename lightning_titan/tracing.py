@@ -255,8 +255,9 @@ def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequ
     p - 1 ended, backward i once backward i on p + 1 ended. ``measure_bubbles`` of the result is the
     bubble that compute alone (its imbalance and jitter) explains; the rest is communication.
 
-    Virtual stages (spans with ``args["chunk"]``) count as stage ``chunk * P + p``; a zero-bubble
-    weight-grad span (name ``backward_weight``) waits for its own input-grad span only."""
+    Virtual stages (spans with ``args["chunk"]``) count as stage ``chunk * P + p``, or
+    ``args["stage"]`` where the span says (the V of zbv); a zero-bubble weight-grad span (name
+    ``backward_weight``) waits for its own input-grad span only."""
     by_rank_step: dict[tuple[int, int], list[Span]] = defaultdict(list)
     for s in spans:
         if s.kind in COMPUTE_KINDS:
@@ -274,7 +275,7 @@ def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequ
                     if nxt[p] == len(order):
                         continue
                     s, mb = order[nxt[p]], order[nxt[p]].args.get("mb")
-                    v_stage = s.args.get("chunk", 0) * len(ranks) + p
+                    v_stage = s.args.get("stage", s.args.get("chunk", 0) * len(ranks) + p)
                     kind = "weight" if s.name == "backward_weight" else s.kind
                     if kind == "forward":
                         deps = [("forward", v_stage - 1, mb)] if v_stage > 0 else []

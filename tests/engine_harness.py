@@ -17,6 +17,7 @@ from lightning_titan.moe.capacity import expert_capacity
 from lightning_titan.moe.layer import MoELayer
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.pipeline import auto_split
+from lightning_titan.pipeline.schedules import V_SHAPED
 from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import local_slice, tp_shards
 
@@ -248,11 +249,11 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
         dims = ParallelDims(*layout[:3], rank, *layout[3:])
         name, *options = schedule.split(":")
         zero = next((int(o[-1]) for o in options if o.startswith("zero")), 0)
-        split = split_of(options)
+        split = split_of(options, name)
         if split.stage_layers == "auto":  # probed on rank 0, the same counts everywhere
             microbatch = GLOBAL_BATCH // dims.data_world // m
             counts, _ = auto_split.agree(config, dims.pp, split.virtual_stages, microbatch, cpu)
-            split = StageSplit(split.virtual_stages, counts)
+            split = StageSplit(split.virtual_stages, counts, split.v_shape)
         result = train(
             dims, build_process_groups(dims), name, m, config,
             paired_p2p="paired" in options, zero=zero, split=split,
@@ -262,14 +263,17 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     return out
 
 
-def split_of(options: list[str]) -> StageSplit:
+def split_of(options: list[str], schedule: str = "1f1b") -> StageSplit:
     """``["v2", "layers=2-1-1-0"]`` -> StageSplit(2, (2, 1, 1, 0)); ``"auto"``: stage_layers="auto";
-    neither given: the even split."""
-    v = next((int(o[1:]) for o in options if o[:1] == "v" and o[1:].isdigit()), 1)
+    neither given: the even split. ``schedule="zbv"``: two chunks per rank in the V (as
+    ``TrainOptions.split`` builds it)."""
+    v_shape = schedule in V_SHAPED
+    v = next((int(o[1:]) for o in options if o[:1] == "v" and o[1:].isdigit()), 2 if v_shape else 1)
     layers = next((o.split("=")[1] for o in options if o.startswith("layers=")), None)
     if "auto" in options:
-        return StageSplit(v, "auto")
-    return StageSplit(v, None if layers is None else tuple(int(n) for n in layers.split("-")))
+        return StageSplit(v, "auto", v_shape)
+    counts = None if layers is None else tuple(int(n) for n in layers.split("-"))
+    return StageSplit(v, counts, v_shape)
 
 
 def assert_matches_reference(ref: dict, results: list[dict], label: str) -> None:

@@ -196,6 +196,18 @@ def test_zb_h1_bubble_is_below_1f1b_at_the_same_m(pp, m):
         assert ours.measured < theirs.measured - 0.02, (ours, theirs)
 
 
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (3, 5), (4, 8), (4, 16)])
+def test_zbv_ideal_bubble_is_below_zb_h1_and_replays_along_the_v(pp, m):
+    """ZBV's order replayed with F = B = W per chunk (the replay follows each span's V stage: rank r
+    holds r and 2P-1-r): idle less than ZB-H1 at the same M, and 2P chunk-microbatches live at most."""
+    from lightning_titan.bench import schedule_report
+
+    zbv = schedule_report.ideal_bubble("zbv", pp, 2, m)
+    assert zbv < schedule_report.ideal_bubble("zb_h1", pp, 1, m), zbv
+    for p in range(pp):
+        assert schedule_report.live_peak("zbv", pp, p, 2, m, [1, 1])[1] <= 2 * pp
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("pp,m", [(2, 8), (4, 4), (4, 16), (3, 7)])
 def test_measured_bubble_of_ideal_pipelines_is_the_textbook_one(schedule, pp, m):
@@ -719,7 +731,7 @@ def _torch_pipe_grads(rank, world, schedule, v):
     dims = ParallelDims(1, world, 1, rank)
     runner = TorchPipeRunner(ModelConfig(**_PIPE_CONFIG), dims, build_process_groups(dims),
                              torch.device("cpu"), schedule=schedule, num_microbatches=4,
-                             split=StageSplit(v))  # fmt: skip
+                             split=StageSplit(v, v_shape=schedule == "zbv"))  # fmt: skip
     runner.optimizer.step = runner.optimizer.zero_grad = lambda *a, **k: None
     tokens = torch.randint(0, 257, (8, 17), generator=torch.Generator().manual_seed(0))
     runner.step(tokens[:, :-1], tokens[:, 1:])
@@ -727,10 +739,13 @@ def _torch_pipe_grads(rank, world, schedule, v):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
+@pytest.mark.parametrize(
+    "schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
+)
 def test_the_torch_pipelining_peers_train_the_one_process_model(schedule, v):
-    """ScheduleInterleaved1F1B over two chunks per rank and ScheduleInterleavedZeroBubble over one
-    are fair peers only if they compute the same step: each stage's clipped grads equal one process's."""
+    """ScheduleInterleaved1F1B over two chunks per rank, ScheduleInterleavedZeroBubble over one and
+    ScheduleZBVZeroBubble over the V are fair peers only if they compute the same step: each stage's
+    clipped grads equal one process's."""
     import torch.nn.functional as F
 
     from lightning_titan.bench.runners import MAX_NORM, SEED
@@ -750,7 +765,7 @@ def test_the_torch_pipelining_peers_train_the_one_process_model(schedule, v):
 
 
 def test_bench_schedules_runs_end_to_end_and_reports_each_schedule(tmp_path):
-    """``titan bench --schedules --quick``: pp2 under 1F1B, interleaved 1F1B (v=2), ZB-H1 (each
+    """``titan bench --schedules --quick``: pp2 under 1F1B, interleaved 1F1B (v=2), ZB-H1, ZBV (each
     beside torch's) and the auto split, 8 layers; the table's columns, the checks and the timelines.
     Activations are deterministic: the measured peak per stage is the schedule's theory."""
     import subprocess
@@ -762,7 +777,9 @@ def test_bench_schedules_runs_end_to_end_and_reports_each_schedule(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = json.loads((tmp_path / "bench.json").read_text())
     rows = {s["case"]: s for s in results["schedules"]}
-    assert list(rows) == ["pp2 1f1b", "pp2 interleaved_1f1b v2", "pp2 zb_h1", "pp2 1f1b auto"]
+    assert list(rows) == [
+        "pp2 1f1b", "pp2 interleaved_1f1b v2", "pp2 zb_h1", "pp2 zbv", "pp2 1f1b auto",
+    ]  # fmt: skip
     assert rows["pp2 interleaved_1f1b v2"]["stage_layers"] == [2, 2, 2, 2]
     assert sum(rows["pp2 1f1b auto"]["stage_layers"]) == 8
     for name, s in rows.items():
@@ -773,8 +790,12 @@ def test_bench_schedules_runs_end_to_end_and_reports_each_schedule(tmp_path):
     m = rows["pp2 1f1b"]["microbatches"]
     assert rows["pp2 interleaved_1f1b v2"]["theory"] == pytest.approx(1 / (2 * m + 1))
     assert rows["pp2 1f1b"]["live"] == [2, 1] and rows["pp2 zb_h1"]["live"] == [2, 2]
+    # ZBV: 2P chunk-microbatches (P whole stages, 1F1B's peak) on both ranks, its ideal bubble the least
+    assert m >= 3 and rows["pp2 zbv"]["live"] == [4, 4]
+    assert rows["pp2 zbv"]["theory"] < rows["pp2 zb_h1"]["theory"]
     checks = {(c["case"], c["check"].split()[0]) for c in results["schedule_checks"]}
     assert ("pp2 zb_h1", "median-length") in checks and ("pp2 1f1b auto", "uneven-stage") in checks
+    assert ("pp2 zbv", "median-length") in checks
     assert "**Schedules**" in (tmp_path / "bench.md").read_text()
 
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from lightning_titan.pipeline import interleaved
+from lightning_titan.pipeline import interleaved, zbv
 from lightning_titan.pipeline.interleaved import interleaved_1f1b, interleaved_forward_only
 from lightning_titan.pipeline.schedules import forward_only, get_schedule, gpipe, one_f_one_b, zb_h1
 
@@ -103,8 +103,8 @@ class FakeStage:
         return self._pair(self.pp_rank - 1, ("grad", j), ("act", i))
 
 
-def run_pipeline(schedule, pp, m, make_stage=FakeStage):
-    net = Network()
+def run_pipeline(schedule, pp, m, make_stage=FakeStage, network=Network):
+    net = network()
     stages = [make_stage(net, pp, p) for p in range(pp)]
     errors = []
 
@@ -306,3 +306,177 @@ def test_interleaved_needs_chunks_and_stages():
         r"\(M = 4, 8, 12, ...\)",
     ):
         interleaved.check_microbatches(4, 2, 6)
+
+
+class PostedNetwork(Network):
+    """Channels whose receiver has the receive of the next message posted as soon as it took the one
+    before (``StageLinks`` on CPU): a send completes once every earlier message of its channel was
+    taken, not only when the receiver needs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent, self.taken, self.done = {}, {}, {}
+
+    def post_send(self, src, dst, payload):
+        done = threading.Event()
+        with self.lock:
+            index = self.sent.get((src, dst), 0)
+            self.sent[src, dst] = index + 1
+            self.done[src, dst, index] = done
+            if self.taken.get((src, dst), 0) >= index:
+                done.set()
+        self.channel(src, dst).put((payload, threading.Event()))
+        return done
+
+    def recv(self, src, dst):
+        payload, _ = self.channel(src, dst).get(timeout=TIMEOUT)
+        with self.lock:
+            taken = self.taken[src, dst] = self.taken.get((src, dst), 0) + 1
+            if (src, dst, taken) in self.done:
+                self.done[src, dst, taken].set()
+        return payload
+
+
+class ZbvFakeStage:
+    """A rank of the V (chunk 0 = virtual stage r, chunk 1 = virtual stage 2P-1-r) over one channel per
+    ordered pair of ranks: every received message is checked against what the action list says comes
+    next from that peer, and every action against what it needs (its input received, or on the last
+    rank handed over by its other chunk; its B before its W)."""
+
+    def __init__(self, net, pp, pp_rank, m):
+        self.net, self.pp, self.pp_rank, self.m = net, pp, pp_rank, m
+        self.received, self.order = set(), []
+        self.in_flight = None
+
+    def _ready(self, action):
+        need = zbv.needs(self.pp, self.pp_rank, action)
+        assert need is None or need[1] in self.received, f"{self.pp_rank}: {action} before {need}"
+
+    def forward_chunk(self, chunk, i):
+        self._ready(("F", chunk, i))
+        if chunk == 1 and self.pp_rank == self.pp - 1:  # the turn of the V stays on the rank
+            assert ("F", 0, i) in self.order, f"last rank: F1,{i} before F0,{i}"
+        self.order.append(("F", chunk, i))
+
+    def backward_input_chunk(self, chunk, i):
+        assert ("F", chunk, i) in self.order, f"{self.pp_rank}: B{chunk},{i} before its forward"
+        self._ready(("B", chunk, i))
+        if chunk == 0 and self.pp_rank == self.pp - 1:
+            assert ("B", 1, i) in self.order, f"last rank: B0,{i} before B1,{i}"
+        self.order.append(("B", chunk, i))
+
+    def backward_weight_chunk(self, chunk, i):
+        assert ("B", chunk, i) in self.order, f"{self.pp_rank}: W{chunk},{i} before its B"
+        assert ("W", chunk, i) not in self.order, f"{self.pp_rank}: W{chunk},{i} twice"
+        self.order.append(("W", chunk, i))
+
+    def exchange_messages(self, done, take):
+        """As ``StageLinks`` on CPU: a send waits for the one before it, then goes out; the receives
+        are taken after it."""
+        p = self.pp_rank
+        out = None if done is None else zbv.output(self.pp, p, done)
+        if out is not None:
+            self.finish()
+            self.in_flight = (out, self.net.post_send(p, *out))
+        for peer, want in take:
+            got = self.net.recv(peer, p)
+            assert got == want, f"stage {p} expected {want} from {peer}, got {got}"
+            self.received.add(got)
+
+    def finish(self):
+        if self.in_flight is not None:
+            out, done = self.in_flight
+            assert done.wait(TIMEOUT), f"stage {self.pp_rank}: the send of {out} hung"
+        self.in_flight = None
+
+
+def live_peak(order):
+    """Chunk-microbatches whose activations are live (F run, W not yet), at the most."""
+    live = peak = 0
+    for kind, *_ in order:
+        live += {"F": 1, "B": 0, "W": -1}[kind]
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("pp,m", [(p, m) for p in (2, 3, 4) for m in range(1, 17)])
+def test_zbv_order_messages_and_live_activations(pp, m):
+    def make(net, pp_, p):
+        return ZbvFakeStage(net, pp_, p, m)
+
+    def zbv_step(stage, m_):  # the stage's run() waits for the last send after the schedule
+        zbv.zbv(stage, m_)
+        stage.finish()
+
+    for p, order in enumerate(run_pipeline(zbv_step, pp, m, make, PostedNetwork)):
+        assert order == zbv.order(pp, p, m)
+        for kind in "FBW":  # every chunk-microbatch once per kind, each chunk's in microbatch order
+            for chunk in (0, 1):
+                assert [i for k, c, i in order if (k, c) == (kind, chunk)] == list(range(m))
+        assert live_peak(order) <= 2 * pp, (p, live_peak(order))  # 1F1B's: P whole stages
+    if m >= 2 * pp - 1:  # the V full: rank 0 holds the bound, as 1F1B's stage 0 does
+        assert live_peak(zbv.order(pp, 0, m)) == 2 * pp
+
+
+@pytest.mark.parametrize("pp,m", [(p, m) for p in (2, 3, 4) for m in (1, 2, 5, 8, 13)])
+def test_zbv_order_is_torchs(pp, m):
+    """The same actions as torch's ScheduleZBVZeroBubble (its order without the idle slots; its
+    stage r is our chunk 0, its stage 2P-1-r our chunk 1; its I is our B)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import (
+        BACKWARD_INPUT,
+        BACKWARD_WEIGHT,
+        FORWARD,
+        ScheduleZBVZeroBubble,
+    )
+
+    plan = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp)
+    for rank in range(pp):
+        theirs = ScheduleZBVZeroBubble._calculate_single_rank_operations(plan, rank)
+        kinds = {FORWARD: "F", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}
+        ours = [
+            (kinds[a.computation_type], 0 if a.stage_index == rank else 1, a.microbatch_index)
+            for a in theirs
+            if a is not None
+        ]
+        assert zbv.order(pp, rank, m) == ours
+
+
+def test_zbv_options_name_the_fix():
+    from lightning_titan.strategy import TitanStrategy
+
+    with pytest.raises(ValueError, match=r"virtual_stages=1 does not work; use .*virtual_stages=2"):
+        TitanStrategy(pp=2, schedule="zbv")
+    with pytest.raises(ValueError, match=r"virtual_stages=3 does not work"):
+        TitanStrategy(pp=2, schedule="zbv", virtual_stages=3)
+    with pytest.raises(ValueError, match=r"needs pp >= 2 \(got pp=1\)"):
+        TitanStrategy(pp=1, schedule="zbv", virtual_stages=2)
+    with pytest.raises(ValueError, match=r"virtual_stages=2 needs a schedule over several chunks"):
+        TitanStrategy(pp=2, schedule="1f1b", virtual_stages=2)
+    TitanStrategy(pp=2, schedule="zbv", virtual_stages=2, num_microbatches=1)  # any M >= 1 runs
+
+
+def test_zbv_v_placement_of_layers():
+    from lightning_titan.model import ModelConfig, StageModel
+    from lightning_titan.pipeline.split import StageSplit
+
+    v = StageSplit(virtual_stages=2, v_shape=True)
+    # 8 layers over 2P = 8 chunks on P = 4 ranks: rank r holds layer r and layer 7 - r
+    assert [v.chunk_ranges(8, 4, r) for r in range(4)] == [
+        [(0, 1), (7, 8)], [(1, 2), (6, 7)], [(2, 3), (5, 6)], [(3, 4), (4, 5)],
+    ]  # fmt: skip
+    uneven = StageSplit(virtual_stages=2, stage_layers=[0, 2, 3, 1], v_shape=True)
+    assert [uneven.chunk_ranges(6, 2, r) for r in range(2)] == [[(0, 0), (5, 6)], [(0, 2), (2, 5)]]
+    with pytest.raises(ValueError, match=r"n_layers=6 is not divisible by .* = 8; change n_layers"):
+        v.counts(6, 4)
+    config = ModelConfig(vocab_size=32, d_model=16, n_layers=4, n_heads=2, n_experts=2, seq_len=8)
+    first, last = (StageModel(config, pp=2, pp_rank=r, split=v) for r in (0, 1))
+    # rank 0: the embedding (chunk 0) and the head (chunk 1); the last rank neither
+    assert first.embeds(0) and first.heads(1) and not (first.embeds(1) or first.heads(0))
+    assert hasattr(first, "embed") and hasattr(first, "lm_head")
+    assert not (
+        hasattr(last, "embed") or hasattr(last, "lm_head") or last.embeds(0) or last.heads(1)
+    )
+    # global layer names, so a checkpoint of one layout loads in any other
+    assert sorted(first.layers) == ["0", "3"] and sorted(last.layers) == ["1", "2"]

@@ -105,9 +105,11 @@ def test_a_split_that_does_not_fit_is_named_with_the_fix(pp, v, layers, match):
         ({"stage_layers": "even"}, r"stage_layers='even' must be a list of layer counts, one per "
                                    r"\(virtual\) stage, 'auto'"),
         ({"schedule": "interleaved_1f1b"}, r"needs virtual_stages >= 2 .*got 1"),
-        ({"virtual_stages": 2}, r"virtual_stages=2 needs an interleaved schedule, not "
-                                r"schedule='1f1b'; choose one of 'interleaved_1f1b'|"
-                                r"choose 'interleaved_1f1b'"),
+        ({"virtual_stages": 2}, r"virtual_stages=2 needs a schedule over several chunks per "
+                                r"rank, not schedule='1f1b'; choose 'interleaved_1f1b' or 'zbv'"),
+        ({"schedule": "zbv"}, r"schedule='zbv' places exactly two chunks .* virtual_stages=1 "
+                              r"does not work; use TitanStrategy\(schedule='zbv', "
+                              r"virtual_stages=2\)"),
     ],
 )  # fmt: skip
 def test_bad_split_options_fail_where_they_are_given(kwargs, match):

@@ -45,7 +45,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
         ({"reducer": "ring"}, 2, "reducer='ring' is unknown"),
         ({"zero": 3}, 2, "zero=3 is not a ZeRO level; choose 0"),
         ({"zero": 2, "reducer": "per_param"}, 2, "zero=2 reduce-scatters flat gradient buckets"),
-        ({"virtual_stages": 2}, 2, "virtual_stages=2 needs an interleaved schedule"),
+        ({"virtual_stages": 2}, 2, "virtual_stages=2 needs a schedule over several chunks"),
+        ({"pp": 2, "schedule": "zbv"}, 2, "virtual_stages=1 does not work; use"),
         ({"stage_layers": [2, -1]}, 2, r"stage_layers=\[2, -1\] must hold ints >= 0"),
     ],
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_titan.model import ModelConfig
+from lightning_titan.pipeline.schedules import V_SHAPED
 from lightning_titan.pipeline.split import AUTO, StageSplit
 
 OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
@@ -37,12 +38,13 @@ class Case:
     tp: int = 1
     impls: tuple[str, ...] = (OURS,)
     cp: int = 1
-    virtual_stages: int = 1  # chunks per rank (interleaved_1f1b)
+    virtual_stages: int = 1  # chunks per rank (interleaved_1f1b; zbv: 2, in a V)
     stage_layers: tuple[int, ...] | str | None = None  # layers per (virtual) stage, or "auto"
 
     @property
     def split(self) -> StageSplit:
-        return StageSplit(self.virtual_stages, self.stage_layers)
+        v_shape = self.schedule in V_SHAPED  # as TrainOptions.split: zbv's chunks go in a V
+        return StageSplit(self.virtual_stages, self.stage_layers, v_shape)
 
     @property
     def world(self) -> int:
@@ -65,7 +67,7 @@ class Case:
         if self.pp == 1:
             return self.layout
         name = f"{self.layout} {self.schedule}"
-        if self.virtual_stages > 1:
+        if self.virtual_stages > 1 and self.schedule not in V_SHAPED:  # zbv: always 2
             name += f" v{self.virtual_stages}"
         if self.stage_layers == AUTO:
             name += " auto"
@@ -152,11 +154,13 @@ SCHEDULES_N_LAYERS = 8  # pp4 x v2 = 8 virtual stages of one layer each
 
 def schedule_cases(peers: bool = True) -> list[Case]:
     """``titan bench --schedules``: pp2 and pp4 under 1F1B, interleaved 1F1B (v=2) and ZB-H1 at the
-    same M, each beside its torch.distributed.pipelining schedule; and pp2 1F1B with the layers split
-    by ``stage_layers="auto"`` (ours only: the probe's split against the theory)."""
+    same M, and pp2 under ZBV, each beside its torch.distributed.pipelining schedule; and pp2 1F1B
+    with the layers split by ``stage_layers="auto"`` (ours only: the probe's split against the
+    theory)."""
     impls = (OURS, TORCH_PP) if peers else (OURS,)
     cases = []
     for pp in (2, 4):
         cases += [Case(pp=pp, impls=impls), Case(pp=pp, schedule="interleaved_1f1b",
                   virtual_stages=2, impls=impls), Case(pp=pp, schedule="zb_h1", impls=impls)]  # fmt: skip
-    return cases + [Case(pp=2, stage_layers=AUTO)]
+    zbv = Case(pp=2, schedule="zbv", virtual_stages=2, impls=impls)
+    return cases[:3] + [zbv] + cases[3:] + [Case(pp=2, stage_layers=AUTO)]

@@ -155,9 +155,9 @@ class _Chunk(nn.Module):
         super().__init__()
         start, end = stage.chunk_ranges[chunk]
         self.layers = nn.ModuleList(stage.layers[str(i)] for i in range(start, end))
-        if stage.is_first_stage and chunk == 0:
+        if stage.embeds(chunk):
             self.embed = stage.embed
-        if stage.is_last_stage and chunk == stage.num_chunks - 1:
+        if stage.heads(chunk):
             self.norm, self.lm_head = stage.norm, stage.lm_head
         self._stage = (stage,)  # in a tuple: not a submodule, its other chunks' weights stay out
         self.chunk = chunk
@@ -182,12 +182,13 @@ def _pipe_loss(output: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
 # (ScheduleInterleavedZeroBubble, the paper's ZB-H1 generalised to chunks) runs it over one chunk
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-                   "zb_h1": "ScheduleInterleavedZeroBubble"}  # fmt: skip
+                   "zb_h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}  # fmt: skip
 
 
 class TorchPipeRunner:
     """``torch.distributed.pipelining`` over the same stage modules (``TORCH_SCHEDULES``; one
-    ``PipelineStage`` per chunk, stage index chunk * P + rank as ours), with the same composed
+    ``PipelineStage`` per chunk, stage index the chunk's virtual stage as ours: chunk * P + rank,
+    or under the V of zbv rank and 2P-1-rank), with the same composed
     clipping (a norm all-reduce over the pipeline); pure PP layouts only."""
 
     def __init__(
@@ -210,7 +211,7 @@ class TorchPipeRunner:
         self.model = build_stage(config, dims, groups, device, split)
         v = self.model.num_chunks
         stages = [
-            pipelining.PipelineStage(_Chunk(self.model, c), c * dims.pp + dims.pp_rank,
+            pipelining.PipelineStage(_Chunk(self.model, c), self.model.stage_ids[c],
                                      v * dims.pp, device, group=groups.pp)
             for c in range(v)
         ]  # fmt: skip
@@ -227,9 +228,9 @@ class TorchPipeRunner:
         )
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
-        dims = self.dims
-        args = (inputs,) if dims.is_first_stage else ()
-        kwargs: dict[str, Any] = {"target": targets} if dims.is_last_stage else {}
+        # the ranks holding the embedding and the head (under the V both are rank 0)
+        args = (inputs,) if self.model.is_first_stage else ()
+        kwargs: dict[str, Any] = {"target": targets} if self.model.is_last_stage else {}
         self.schedule.step(*args, return_outputs=False, **kwargs)
         # pure PP (checked above): every rank counts all of its parameters, summed over the stages
         clip_grad_norm_(self.expert + self.non_expert, MAX_NORM, group=self.groups.pp)

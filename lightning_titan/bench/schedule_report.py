@@ -13,7 +13,8 @@ from typing import Any
 
 from lightning_titan import tracing
 from lightning_titan.bench.cases import OURS, TORCH_PP
-from lightning_titan.pipeline.schedules import get_schedule
+from lightning_titan.pipeline.schedules import V_SHAPED, get_schedule
+from lightning_titan.pipeline.split import StageSplit
 
 TORCH_TARGET = 1.05  # torch's step time / ours, at least
 REPLAY_POINTS = (
@@ -47,6 +48,12 @@ class _Order:
     def backward_chunk(self, chunk: int, i: int) -> None:
         self.ops.append(("B", chunk, i))
 
+    def backward_input_chunk(self, chunk: int, i: int) -> None:
+        self.ops.append(("B_input", chunk, i))
+
+    def backward_weight_chunk(self, chunk: int, i: int) -> None:
+        self.ops.append(("W", chunk, i))
+
     def __getattr__(self, name: str) -> Any:  # every send, receive and exchange: nothing to move
         return lambda *args, **kwargs: None
 
@@ -73,6 +80,8 @@ def ideal_spans(schedule: str, pp: int, v: int, m: int, cost: dict[str, float] |
     for p, ops in enumerate(orders(schedule, pp, v, m)):
         for k, (kind, chunk, i) in enumerate(ops):
             args = {"mb": i, "chunk": chunk} if v > 1 else {"mb": i}
+            if schedule in V_SHAPED:  # the replay's data dependencies follow the V
+                args["stage"] = StageSplit(v, v_shape=True).stage_ids(pp, p)[chunk]
             name = "backward_weight" if kind == "W" else ("forward" if kind == "F" else "backward")
             span_kind = "forward" if kind == "F" else "backward"
             ns = round(1e6 * cost[kind] / v)  # drawn in ms: 1 ms = one forward of a stage
@@ -82,7 +91,7 @@ def ideal_spans(schedule: str, pp: int, v: int, m: int, cost: dict[str, float] |
 
 def ideal_bubble(schedule: str, pp: int, v: int, m: int) -> float:
     """The worst stage's bubble of ``ideal_spans``: (P-1)/(M+P-1) for 1F1B, (P-1)/(v*M+P-1)
-    interleaved, (P-1)/(3M+P-1) for ZB-H1 (its W's fill the cooldown)."""
+    interleaved, (P-1)/(3M+P-1) for ZB-H1 (its W's fill the cooldown); ZBV's, replayed likewise."""
     bubbles = tracing.measure_bubbles(ideal_spans(schedule, pp, v, m), [list(range(pp))])
     return max(b.measured for b in bubbles)
 
@@ -143,7 +152,7 @@ def schedule_checks(srows: list[dict]) -> list[dict]:
             checks.append({"case": s["case"], "check": "uneven-stage share (replay at median "
                            f"lengths) within 0.02 of {s['theory']:.3f}", "value": f"{worst:.3f} off",
                            "met": worst <= REPLAY_POINTS})  # fmt: skip
-        if s["schedule"] == "zb_h1":
+        if s["schedule"] in ("zb_h1", "zbv"):
             base = next((o for o in srows if o["pp"] == s["pp"] and o["schedule"] == "1f1b"
                          and o["microbatches"] == s["microbatches"] and not o["auto_split"]),
                         None)  # fmt: skip

@@ -227,12 +227,12 @@ def _microbatch_saved(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> list
     out = []
     for chunk in range(model.num_chunks):
         meter = SavedTensorMeter(exclude=list(model.parameters()))
-        embeds = model.is_first_stage and chunk == 0
+        embeds = model.embeds(chunk)
         x = inputs if embeds else torch.randn(*inputs.shape, d_model, device=inputs.device,
                                                 requires_grad=True)  # fmt: skip
         with meter:
             y, aux = model(x, chunk)
-            if model.is_last_stage and chunk == model.num_chunks - 1:
+            if model.heads(chunk):
                 y = runner.model.token_loss_sum(y, targets) + aux.sum()
         del y, aux
         out.append(meter.peak)

@@ -20,6 +20,8 @@ from typing import Any
 
 from lightning_titan.pipeline.interleaved import check_microbatches as check_interleaved
 from lightning_titan.pipeline.interleaved import interleaved_1f1b
+from lightning_titan.pipeline.zbv import check_microbatches as check_zbv
+from lightning_titan.pipeline.zbv import zbv
 
 
 def gpipe(stage: Any, num_microbatches: int) -> None:
@@ -103,11 +105,14 @@ def forward_only(stage: Any, num_microbatches: int) -> None:
 
 # schedules over several chunks per rank (virtual stages); their stage interface is interleaved.py's
 CHUNKED: dict[str, Callable[[Any, int], None]] = {"interleaved_1f1b": interleaved_1f1b}
+# two chunks per rank in a V (rank r: virtual stages r and 2P-1-r); their stage interface is zbv.py's
+V_SHAPED: dict[str, Callable[[Any, int], None]] = {"zbv": zbv}
 SCHEDULES: dict[str, Callable[[Any, int], None]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "zb_h1": zb_h1,
     **CHUNKED,
+    **V_SHAPED,
 }
 
 
@@ -115,10 +120,13 @@ def check_microbatches(schedule: str, m: int, pp: int, virtual_stages: int) -> N
     """Raise, saying which M work, if ``schedule`` cannot run ``m`` microbatches on this layout."""
     if schedule in CHUNKED:
         check_interleaved(pp, virtual_stages, m)
+    elif schedule in V_SHAPED:
+        check_zbv(pp, virtual_stages, m)
     elif virtual_stages > 1:
         raise ValueError(
-            f"virtual_stages={virtual_stages} needs an interleaved schedule, not "
-            f"schedule={schedule!r}: use one of {sorted(CHUNKED)} (or virtual_stages=1)"
+            f"virtual_stages={virtual_stages} needs a schedule over several chunks per rank, not "
+            f"schedule={schedule!r}: use one of {sorted({**CHUNKED, **V_SHAPED})} (or "
+            "virtual_stages=1)"
         )
 
 

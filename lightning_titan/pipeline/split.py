@@ -6,6 +6,10 @@ Virtual stage ``s`` (0 .. pp*v - 1, in model order) is chunk ``s // pp`` of rank
 ``stage_layers[s]`` (None: n_layers / (pp*v) each). Parameter names stay global (``layers.5...``),
 so a checkpoint written under one split loads under any other.
 
+With ``v_shape`` (schedule="zbv", two chunks per rank) the placement is the V instead: rank r holds
+virtual stage r (chunk 0) and 2*pp-1-r (chunk 1), so rank 0 holds the first and the last stage and
+the last rank two adjacent ones. The layer counts per virtual stage mean the same either way.
+
 The embedding lives on virtual stage 0 and the head (norm, LM head, loss) on the last one: those two
 may hold 0 layers (they have work anyway); any other stage must hold at least one.
 """
@@ -28,11 +32,17 @@ class StageSplit:
 
     virtual_stages: int = 1
     stage_layers: Sequence[int] | str | None = None  # a tuple once validated, or AUTO
+    v_shape: bool = False  # schedule="zbv": rank r holds virtual stages r and 2*pp-1-r
 
     def __post_init__(self) -> None:
         if not _positive_int(self.virtual_stages):
             raise ValueError(
                 f"virtual_stages={self.virtual_stages!r} must be a positive int (1: one chunk per rank)"
+            )
+        if self.v_shape and self.virtual_stages != 2:
+            raise ValueError(
+                f"the V placement (schedule='zbv') holds exactly two chunks per rank: "
+                f"virtual_stages={self.virtual_stages} does not work; use virtual_stages=2"
             )
         layers = self.stage_layers
         if layers is not None and layers != AUTO:
@@ -53,7 +63,8 @@ class StageSplit:
         if self.stage_layers is None:
             if n_layers % stages:
                 raise ValueError(
-                    f"n_layers={n_layers} is not divisible by {where} = {stages}"
+                    f"n_layers={n_layers} is not divisible by {where} = {stages}; change n_layers "
+                    f"to a multiple of {stages} or give stage_layers (one count per virtual stage)"
                     if v > 1
                     else f"n_layers={n_layers} is not divisible by pp={pp}; choose pp dividing "
                     f"{n_layers} or change n_layers to a multiple of {pp}"
@@ -66,7 +77,7 @@ class StageSplit:
             raise ValueError(
                 f"stage_layers={counts} has {len(counts)} entries but there are {where} = "
                 f"{stages} {'virtual ' if v > 1 else ''}stages; give one layer count per stage"
-                + (" (virtual stage s is chunk s // pp of rank s % pp)" if v > 1 else "")
+                + (f" ({self.placement(pp)})" if v > 1 else "")
             )
         if sum(counts) != n_layers:
             raise ValueError(
@@ -81,6 +92,17 @@ class StageSplit:
             )
         return counts
 
+    def placement(self, pp: int) -> str:
+        if self.v_shape:
+            return f"virtual stage s is chunk 0 of rank s for s < {pp}, else chunk 1 of rank {2 * pp - 1} - s"
+        return "virtual stage s is chunk s // pp of rank s % pp"
+
+    def stage_ids(self, pp: int, pp_rank: int) -> list[int]:
+        """The virtual stages rank ``pp_rank`` holds, chunk 0 first."""
+        if self.v_shape:
+            return [pp_rank, 2 * pp - 1 - pp_rank]  # down the V, then back up
+        return list(range(pp_rank, pp * self.virtual_stages, pp))  # round-robin
+
     def chunk_ranges(self, n_layers: int, pp: int, pp_rank: int) -> list[tuple[int, int]]:
         """The layer ranges ``[start, end)`` of rank ``pp_rank``'s chunks, chunk 0 first."""
         if self.stage_layers == AUTO:
@@ -90,9 +112,7 @@ class StageSplit:
             )
         counts = self.counts(n_layers, pp)
         starts = [sum(counts[:s]) for s in range(len(counts))]
-        return [
-            (starts[s], starts[s] + counts[s]) for s in range(pp_rank, len(counts), pp)
-        ]  # virtual stage s = chunk s // pp of rank s % pp
+        return [(starts[s], starts[s] + counts[s]) for s in self.stage_ids(pp, pp_rank)]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,7 +23,7 @@ from lightning_titan.batching import split_microbatches
 from lightning_titan.context_parallel import take_local
 from lightning_titan.model import StageModel
 from lightning_titan.parallel_dims import ParallelDims
-from lightning_titan.pipeline import backward_split, interleaved
+from lightning_titan.pipeline import backward_split, interleaved, zbv
 from lightning_titan.pipeline.p2p import StageLinks
 from lightning_titan.pipeline.schedules import CHUNKED, forward_only, get_schedule
 
@@ -56,10 +57,9 @@ class PipelineStage:
         local_batch = inputs.shape[0]
         self.model, self.links, self.loss_fn = model, links, loss_fn
         self.pp, self.pp_rank = dims.pp, dims.pp_rank
-        self.is_first, self.is_last = dims.is_first_stage, dims.is_last_stage
         self.num_chunks = model.num_chunks  # virtual stages on this rank
         # every TP rank computes the same loss (vocab-parallel): one of them reports it
-        self.reports_loss = self.is_last and dims.tp_rank == 0
+        self.reports_loss = model.is_last_stage and dims.tp_rank == 0
         self.cp = dims.cp
         # under CP each rank computes its positions of every sequence (context_parallel)
         self.inputs = split_microbatches(take_local(inputs, model.cp_group), num_microbatches)
@@ -85,8 +85,9 @@ class PipelineStage:
         self._outbox: dict[tuple[str, int, int], Tensor | None] = {}
         self._streams: tuple[list, list] = ([], [])
         self._backwards_done = 0
-        # zero-bubble: microbatch -> its W still to run (the first stage: its whole objective)
-        self._deferred: dict[int, backward_split.WeightGrads | Tensor] = {}
+        # zero-bubble: (chunk, microbatch) -> its W still to run (the embedding's chunk: its whole
+        # objective)
+        self._deferred: dict[tuple[int, int], backward_split.WeightGrads | Tensor] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
 
@@ -95,16 +96,25 @@ class PipelineStage:
             return self._tracer(name, i)
         kind = name if name in ("forward", "backward") else "p2p"
         kind = "backward" if name == "backward_weight" else kind  # zero-bubble W: compute too
+        if self.model.v_shape:  # the chunk's virtual stage: the V is not chunk * P + rank
+            return probes.span(kind, name, mb=i, chunk=chunk, stage=self.model.stage_ids[chunk])
         if self.num_chunks > 1:
             return probes.span(kind, name, mb=i, chunk=chunk)
         return probes.span(kind, name, mb=i)
 
     # compute ---------------------------------------------------------------------------------------
     def embeds(self, chunk: int) -> bool:
-        return self.is_first and chunk == 0
+        return self.model.embeds(chunk)
 
     def heads(self, chunk: int) -> bool:
-        return self.is_last and chunk == self.num_chunks - 1
+        return self.model.heads(chunk)
+
+    def _count_backward(self) -> None:
+        """The last backward of the step (W, under a zero-bubble schedule) lets the reducers sync."""
+        self._backwards_done += 1
+        last = self._backwards_done == self.num_microbatches * self.num_chunks
+        if last and self._on_last_backward is not None:
+            self._on_last_backward()
 
     def forward(self, i: int, x: Tensor | None, chunk: int = 0) -> Tensor | None:
         with self._span("forward", i, chunk):
@@ -137,37 +147,32 @@ class PipelineStage:
             x, out, objective = self._saved.pop((chunk, i))
             if out is not None:
                 objective = objective + (out * grad.to(out.dtype)).sum()
-            self._backwards_done += 1
-            last = self._backwards_done == self.num_microbatches * self.num_chunks
-            if last and self._on_last_backward is not None:
-                self._on_last_backward()
+            self._count_backward()
             self._backward(probes.fault("backward", objective))
             return None if x is None else x.grad
 
-    def backward_input(self, i: int, grad: Tensor | None) -> Tensor | None:
+    def backward_input(self, i: int, grad: Tensor | None, chunk: int = 0) -> Tensor | None:
         """B: the input grad only; the weight grads wait for ``backward_weight(i)``. B and W call
         autograd themselves, not the ``backward`` callable (Lightning's ``manual_backward``, which
-        under 32-true and bf16-mixed only calls ``.backward()``); the first stage's W does use it."""
-        with self._span("backward", i):
-            x, out, objective = self._saved.pop((0, i))
+        under 32-true and bf16-mixed only calls ``.backward()``); the embedding's W does use it."""
+        with self._span("backward", i, chunk):
+            x, out, objective = self._saved.pop((chunk, i))
             if out is not None:
                 objective = objective + (out * grad.to(out.dtype)).sum()
             objective = probes.fault("backward", objective)
-            if x is None:  # the first stage sends nothing upstream: all of it is W
-                self._deferred[i] = objective
+            if x is None:  # the embedding's chunk sends nothing upstream: all of it is W
+                self._deferred[chunk, i] = objective
                 return None
+            # the chunk's own weights (the other chunk's are not on this graph: split skips them)
             params = [p for p in self.model.parameters() if p.requires_grad]
-            dx, self._deferred[i] = backward_split.split(objective, x, params)
+            dx, self._deferred[chunk, i] = backward_split.split(objective, x, params)
             return dx
 
-    def backward_weight(self, i: int) -> None:
+    def backward_weight(self, i: int, chunk: int = 0) -> None:
         """W: accumulate microbatch ``i``'s weight grads (the reducers' hooks fire here)."""
-        with self._span("backward_weight", i):
-            deferred = self._deferred.pop(i)
-            self._backwards_done += 1
-            last = self._backwards_done == self.num_microbatches
-            if last and self._on_last_backward is not None:
-                self._on_last_backward()
+        with self._span("backward_weight", i, chunk):
+            deferred = self._deferred.pop((chunk, i))
+            self._count_backward()
             if isinstance(deferred, Tensor):
                 self._backward(deferred)
             else:
@@ -228,11 +233,62 @@ class PipelineStage:
             chunk, i = grads.pop(0)
             self._inbox["g", chunk, i] = g
 
+    # zbv (zbv.py): the V's two chunks, B and W apart; inputs and outputs by (chunk, microbatch) ------
+    def backward_input_chunk(self, chunk: int, i: int) -> None:
+        grad = None if self.heads(chunk) else self._inbox.pop(("g", chunk, i))
+        self._outbox["dx", chunk, i] = self.backward_input(i, grad, chunk)
+
+    def backward_weight_chunk(self, chunk: int, i: int) -> None:
+        self.backward_weight(i, chunk)
+
+    def exchange_messages(
+        self, done: tuple[str, int, int] | None, take: list[tuple[int, tuple[str, int, int]]]
+    ) -> None:
+        """Send the output of action ``done`` where ``zbv.output`` says, then receive ``take``
+        (each (peer pp rank, message) the next of its peer's stream). On the last rank the turn of the
+        V stays local: chunk 0's output is chunk 1's input, chunk 1's input grad chunk 0's grad."""
+        if done is not None and done[0] in ("F", "B"):
+            kind, chunk, i = done
+            out = self._outbox.pop(("y" if kind == "F" else "dx", chunk, i))
+            target = zbv.output(self.pp, self.pp_rank, done)
+            if target is not None:
+                # a link's streams go by direction: its forward one to the next rank
+                to_next = target[0] == self.pp_rank + 1
+                with self._span("exchange", i, chunk):
+                    self.links.exchange(out if to_next else None, None if to_next else out)
+            elif out is not None:
+                # the turn, detached as a p2p leaves it: chunk 1's split walks its own graph only
+                self._inbox[("x", 1, i) if kind == "F" else ("g", 0, i)] = out.detach()
+        for peer, (what, chunk, i) in take:
+            from_prev = peer == self.pp_rank - 1
+            with self._span("exchange", i, chunk):
+                x, g = self.links.exchange(recv_forward=from_prev, recv_backward=not from_prev)
+            self._inbox["x" if what == "act" else "g", chunk, i] = x if from_prev else g
+
+    def _start_zbv(self, schedule: str | None) -> Callable[[Any, int], None]:
+        if schedule not in (None, "zbv"):
+            raise ValueError(
+                f"schedule={schedule!r} cannot run the V placement this stage was built with "
+                "(StageSplit(v_shape=True)); use schedule='zbv'"
+            )
+        train, m, p = schedule is not None, self.num_microbatches, self.pp_rank
+        from_prev = zbv.stream(self.pp, p - 1, p, m, train)
+        from_next = zbv.stream(self.pp, p + 1, p, m, train)
+        self.links.start(self.shape, forward=len(from_prev), backward=len(from_next))
+        return zbv.zbv if train else zbv.zbv_forward_only
+
     # driving ---------------------------------------------------------------------------------------
     def run(self, schedule: str | None) -> StepSums:
         """Run a training schedule by name, or forward only when ``schedule`` is None."""
         m = self.num_microbatches
-        if self.num_chunks > 1:
+        if schedule == "zbv" and not self.model.v_shape:
+            raise ValueError(
+                "schedule='zbv' needs the V placement: build the model with "
+                "StageSplit(virtual_stages=2, v_shape=True)"
+            )
+        if self.model.v_shape:
+            run = self._start_zbv(schedule)
+        elif self.num_chunks > 1:
             if schedule is not None and schedule not in CHUNKED:
                 raise ValueError(
                     f"schedule={schedule!r} runs one chunk per rank but this stage holds "
