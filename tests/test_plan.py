@@ -275,26 +275,27 @@ def test_layout_auto_takes_the_plans_first_row_and_names_what_is_short():
         choose(DEFAULT, 16, 7, device)  # dp7 does not divide 16; no axis splits this model by 7
 
 
-def _agree_on(rank, world, configured):
-    """Rank 0 holds a choice (or, ``configured=False``, a module it cannot plan for); the others
-    none: every rank ends with rank 0's choice, or with its error."""
+def _agree_on(rank, world):
+    """Rank 0 holds a choice, then (second round) a module it cannot plan for; the others hold
+    none: every rank ends with rank 0's choice, then with its error."""
     from types import SimpleNamespace
 
     from lightning_titan.plan.auto import Choice, agree
 
-    mine = Choice({"dp": 2}, 0, "1f1b", 1, 1, "dp2") if rank == 0 and configured else None
+    mine = Choice({"dp": 2}, 0, "1f1b", 1, 1, "dp2") if rank == 0 else None
+    chosen = agree(mine, None, SimpleNamespace(), None)
     try:
-        return agree(mine, None, SimpleNamespace(), None)
+        agree(None, None, SimpleNamespace(), None)
     except ValueError as error:
-        return f"ValueError: {error}"
+        return chosen, f"ValueError: {error}"
+    return chosen, None
 
 
 @pytest.mark.timeout(120)
 def test_layout_auto_every_rank_takes_rank_0s_choice_or_its_error():
-    chosen = run_on_ranks(_agree_on, 2, True)
-    assert chosen[0] == chosen[1] and chosen[1].summary == "dp2"
-    errors = run_on_ranks(_agree_on, 2, False)
-    assert errors[0] == errors[1] and "plans from the model's ModelConfig" in errors[1]
+    (chosen0, error0), (chosen1, error1) = run_on_ranks(_agree_on, 2)
+    assert chosen0 == chosen1 and chosen1.summary == "dp2"
+    assert error0 == error1 and "plans from the model's ModelConfig" in error1
 
 
 @pytest.mark.slow
