@@ -49,17 +49,29 @@ def hosted_rendezvous(port: int | None = None, *, serve: bool = True) -> Iterato
     EADDRINUSE). Here it is bound at once (``port=None``: a free one, retried on a clash) and the ranks
     connect to it as clients: torch's agent-store mode, as torchrun's agent does, with
     ``MASTER_PORT`` and ``TORCHELASTIC_USE_AGENT_STORE`` set for the ranks while this holds (both are
-    restored after). ``serve=False``: another launcher serves ``port`` (a node past the first). One
-    store per launch: its keys outlive a launch, and a second launch on it could read the first one's
-    gloo addresses."""
+    restored after). ``serve=False``: another launcher serves it (a node past the first). One store
+    per launch: its keys outlive a launch, and a second launch on it could read the first one's gloo
+    addresses."""
     store = None
-    if serve:
-        store, port = _open_store(port)
-    assert port is not None, "a launcher that does not serve the store is given its port"
+    for _ in range(1 if port is not None or not serve else 8):
+        chosen = free_port() if port is None else port
+        if not serve:
+            break
+        try:
+            store = dist.TCPStore("127.0.0.1", chosen, is_master=True, wait_for_workers=False)
+            break
+        except dist.DistNetworkError as err:
+            if port is not None:
+                raise RuntimeError(
+                    f"MASTER_PORT={port} is taken by another process (EADDRINUSE): unset MASTER_PORT"
+                    " to let titan pick a free port, or choose a free one"
+                ) from err
+    if serve and store is None:
+        raise RuntimeError("no free port for the rendezvous after 8 tries (EADDRINUSE)")
     previous = {k: os.environ.get(k) for k in ("MASTER_PORT", AGENT_STORE)}
-    os.environ.update(MASTER_PORT=str(port), **{AGENT_STORE: "True"})
+    os.environ.update(MASTER_PORT=str(chosen), **{AGENT_STORE: "True"})
     try:
-        yield port
+        yield chosen
     finally:
         del store
         for key, value in previous.items():
@@ -67,25 +79,6 @@ def hosted_rendezvous(port: int | None = None, *, serve: bool = True) -> Iterato
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def _open_store(port: int | None) -> tuple[dist.TCPStore, int]:
-    """A listening rendezvous store on ``port`` (a taken one is named), or on a free pick."""
-    if port is not None:
-        try:
-            return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False), port
-        except dist.DistNetworkError as err:
-            raise RuntimeError(
-                f"MASTER_PORT={port} is taken by another process (EADDRINUSE): unset MASTER_PORT"
-                " to let titan pick a free port, or choose a free one"
-            ) from err
-    for _ in range(8):
-        pick = free_port()
-        try:
-            return dist.TCPStore("127.0.0.1", pick, is_master=True, wait_for_workers=False), pick
-        except dist.DistNetworkError:
-            continue  # taken between the pick and the bind: pick again
-    raise RuntimeError("no free port for the rendezvous after 8 tries (EADDRINUSE)")
 
 
 def _ephemeral_low() -> int:
