@@ -30,6 +30,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_titan import probes
+from lightning_titan.collectives import reduce_scatter
 from lightning_titan.parallel_dims import group_mesh
 
 TP_SHARD = "_titan_tp_shard"
@@ -140,7 +141,7 @@ def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int, kind: str) -> Tens
     full = x.movedim(dim, 0).contiguous()
     out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
     with probes.span(kind, "reduce_scatter"):
-        dist.reduce_scatter_single(out, full, group=group)
+        reduce_scatter(out, full, group)
     return out.movedim(0, dim)
 
 

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from lightning_titan import probes
 from lightning_titan.clipping import clip_counted_grad_norm_
+from lightning_titan.collectives import reduce_scatter
 from lightning_titan.parallel_dims import ProcessGroups
 from lightning_titan.reducer import GradReducer, _Bucket
 from lightning_titan.zero import ZeroGroup, ZeroShard
@@ -146,9 +147,7 @@ class ShardedGradReducer(GradReducer):
         slots_N[:, -2] = float(bucket.all_hooked)
         slots_N[:, -1] = float(where == "hook")
         with probes.span("all_reduce", "grad bucket reduce-scatter", bucket=b):
-            return dist.reduce_scatter_single(
-                bucket.output, bucket.buffer, group=self.group, async_op=True
-            )
+            return reduce_scatter(bucket.output, bucket.buffer, self.group, async_op=True)
 
     def _write_back(self, bucket: _Bucket) -> list[float] | None:
         assert isinstance(bucket, _ShardBucket) and bucket.output is not None

@@ -5,7 +5,8 @@ order (a blocked kernel of one can stop the other's progress). gloo does not car
 collective is logged with its group, and the logs are compared: per group, every member enters the
 same sequence; per pair of groups, every rank in both interleaves them the same way. The layouts
 include EP > 1 (all-to-alls in backward), a parameter that only some ranks use (its bucket cannot
-become ready from a hook there), and dp2 x ep2 at zero=2 (reduce-scatters instead of all-reduces).
+become ready from a hook there), and dp2 x ep2 at zero=2 (reduce-scatters instead of all-reduces;
+on gloo, all-to-alls).
 
 Also, per step: the host reads (each a stream sync on CUDA) are a fixed number per MoE layer per
 microbatch and per bucket, and under CPU autocast the all-to-all and p2p payloads travel in bf16.
@@ -36,6 +37,7 @@ CONFIG = ModelConfig(
     vocab_size=31, d_model=16, n_layers=4, n_heads=2, ffn_dim=16, n_experts=4, top_k=2, seq_len=6
 )
 BATCH, M, STEPS = 8, 2, 3
+SCATTERS = ("reduce_scatter_single", "all_to_all_single")
 COLLECTIVES = (
     "all_reduce",
     "all_to_all_single",
@@ -50,7 +52,10 @@ class CollectiveLog:
 
     def __init__(self) -> None:
         self.entries: list[tuple[str, tuple[int, ...]]] = []
-        self.dtypes: dict[str, set[torch.dtype]] = {"all_to_all_single": set(), "isend": set()}
+        self.dtypes: dict[str, set[tuple[torch.dtype, tuple[int, ...]]]] = {
+            "all_to_all_single": set(),
+            "isend": set(),
+        }
         self._saved: dict[str, Callable] = {}
 
     def _wrap(self, name: str, func: Callable) -> Callable:
@@ -60,12 +65,12 @@ class CollectiveLog:
             bound = signature.bind(*args, **kwargs)
             group = bound.arguments.get("group")
             tensor = next(iter(bound.arguments.values()))
+            ranks = range(dist.get_world_size()) if group is None else None
+            ranks = tuple(ranks or dist.get_process_group_ranks(group))
             if name in self.dtypes and tensor.is_floating_point():
-                self.dtypes[name].add(tensor.dtype)
+                self.dtypes[name].add((tensor.dtype, ranks))
             if name in COLLECTIVES:
-                ranks = range(dist.get_world_size()) if group is None else None
-                ranks = ranks or dist.get_process_group_ranks(group)
-                self.entries.append((name, tuple(ranks)))
+                self.entries.append((name, ranks))
             return func(*args, **kwargs)
 
         return logged
@@ -126,7 +131,7 @@ def _run_layout(rank: int, layout: tuple[int, int, int, int]) -> dict:
         "reads": reads,
         "buckets": sum(len(r.bucket_params) for r in engine.reducers),
         "layers": len(model.layers),
-        "dtypes": {k: sorted(str(d) for d in v) for k, v in log.dtypes.items()},
+        "dtypes": {k: sorted((str(d), g) for d, g in v) for k, v in log.dtypes.items()},
     }
 
 
@@ -158,15 +163,22 @@ def test_collective_order_host_reads_and_payload_dtypes():
         for step in range(STEPS):
             _check_order([r["logs"][step] for r in results], f"{layout} step {step}")
         dp, pp, ep, zero = layout
-        names = {name for r in results for log in r["logs"] for name, _ in log}
-        assert ("reduce_scatter_single" in names) == (zero == 2), (layout, names)
+        # zero=2 reduce-scatters over a data-parallel group; on gloo as one all-to-all
+        # (lightning_titan.collectives), which EP's token all-to-alls must not be taken for
+        dims = ParallelDims(dp, pp, ep, 0)
+        ep_groups = {tuple(g) for g in dims.all_groups("ep")}
+        dp_groups = {tuple(g) for g in dims.all_groups("non_expert_dp") if len(g) > 1} - ep_groups
+        entries = {entry for r in results for log in r["logs"] for entry in log}
+        scattered = {g for name, g in entries if name in SCATTERS and g in dp_groups}
+        assert bool(scattered) == (zero == 2), (layout, entries)
         for r in results:
             # one read per MoE layer per microbatch (the dispatch split sizes), none in backward;
             # one per bucket to finish the gradients (its used-flags), none for clipping
             for fb, finish in r["reads"]:
                 assert fb == r["layers"] * M and finish == r["buckets"], (layout, r["reads"])
-            want = ["torch.bfloat16"]  # the last step ran under autocast
+            # the last step ran under autocast: tokens travel in bf16 (zero=2's grads stay fp32)
+            tokens = {d for d, g in r["dtypes"]["all_to_all_single"] if g in ep_groups}
             if ep > 1:
-                assert r["dtypes"]["all_to_all_single"] == want, (layout, r["dtypes"])
+                assert tokens == {"torch.bfloat16"}, (layout, r["dtypes"])
             if pp > 1:
-                assert r["dtypes"]["isend"] == want, (layout, r["dtypes"])
+                assert {d for d, _ in r["dtypes"]["isend"]} == {"torch.bfloat16"}, r["dtypes"]
