@@ -43,6 +43,9 @@ class Span:
     step: int = 0
     thread: int = 0
     args: dict = field(default_factory=dict)
+    # the recording thread's CPU time inside the span (None: timed by CUDA events, or made up):
+    # what the span computed, without time its core went to another process
+    cpu_ns: int | None = None
 
     @property
     def duration_ns(self) -> int:
@@ -79,7 +82,7 @@ _recorder: _Recorder | None = None
 
 
 class _Open:
-    __slots__ = ("recorder", "kind", "name", "args", "start_ns", "start_event")
+    __slots__ = ("recorder", "kind", "name", "args", "start_ns", "start_cpu_ns", "start_event")
 
     def __init__(self, recorder: _Recorder, kind: str, name: str, args: dict) -> None:
         self.recorder, self.kind, self.name, self.args = recorder, kind, name, args
@@ -88,14 +91,16 @@ class _Open:
         if self.recorder.synchronize:  # on CUDA: time the kernels, not their launches
             self.start_event = _new_cuda_event()
             self.start_event.record()
+        self.start_cpu_ns = time.thread_time_ns()
         self.start_ns = time.perf_counter_ns()
         return self
 
     def __exit__(self, *exc: object) -> None:
         rec = self.recorder
         end = time.perf_counter_ns()
+        cpu = None if rec.synchronize else time.thread_time_ns() - self.start_cpu_ns
         span = Span(self.kind, self.name, rec.rank, self.start_ns, end, rec.step,
-                    threading.get_ident(), self.args)  # fmt: skip
+                    threading.get_ident(), self.args, cpu)  # fmt: skip
         end_event = None
         if rec.synchronize:
             end_event = _new_cuda_event()
@@ -289,7 +294,7 @@ def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequ
                         continue
                     start = max([free[p]] + [done[d] for d in deps])
                     free[p] = done[(kind, v_stage, mb)] = start + s.duration_ns
-                    out.append(Span(s.kind, s.name, s.rank, start, free[p], step, s.thread, s.args))
+                    out.append(replace(s, start_ns=start, end_ns=free[p]))
                     nxt[p] += 1
                     progressed = True
                 if not progressed:
@@ -300,14 +305,29 @@ def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequ
 
 def with_steady_compute(spans: Sequence[Span]) -> list[Span]:
     """The forward and backward spans, each one's duration replaced by the median of that rank's spans
-    of the same kind: jitter removed, uneven stages kept. Only meaningful replayed (the start times no
-    longer fit together)."""
-    durations: dict[tuple[int, str, str], list[int]] = defaultdict(list)
+    of the same kind and chunk: jitter removed, uneven stages kept. Only meaningful replayed (the
+    start times no longer fit together)."""
+
+    def key(s: Span) -> tuple:  # by name too: a zero-bubble backward's two halves differ
+        return s.rank, s.kind, s.name, s.args.get("stage", s.args.get("chunk", 0))
+
+    durations: dict[tuple, list[int]] = defaultdict(list)
     compute = [s for s in spans if s.kind in COMPUTE_KINDS]
-    for s in compute:  # by name too: a zero-bubble backward's two halves differ
-        durations[(s.rank, s.kind, s.name)].append(s.duration_ns)
-    median = {key: round(statistics.median(d)) for key, d in durations.items()}
-    return [replace(s, end_ns=s.start_ns + median[(s.rank, s.kind, s.name)]) for s in compute]
+    for s in compute:
+        durations[key(s)].append(s.duration_ns)
+    median = {k: round(statistics.median(d)) for k, d in durations.items()}
+    return [replace(s, end_ns=s.start_ns + median[key(s)]) for s in compute]
+
+
+def with_cpu_lengths(spans: Sequence[Span]) -> list[Span] | None:
+    """The forward and backward spans, each as long as the CPU time its thread spent in it (None if
+    a span has no CPU time: CUDA-timed or made up). Replayed, this is the bubble of the schedule on
+    a machine where every rank has its own core: on an oversubscribed CPU box a span's wall length
+    also holds the time another rank ran on its core, which the order did not cause."""
+    compute = [s for s in spans if s.kind in COMPUTE_KINDS]
+    if not compute or any(s.cpu_ns is None for s in compute):
+        return None
+    return [replace(s, end_ns=s.start_ns + s.cpu_ns) for s in compute]
 
 
 def bubble_breakdown(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -> list[dict]:
@@ -317,6 +337,8 @@ def bubble_breakdown(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) 
     - ``steady_compute``: the recorded order replayed with free send/recv and every forward/backward
       at its rank's median length, i.e. what uneven stages alone cost;
     - ``compute_only``: the same with the recorded lengths, i.e. uneven stages and jitter;
+    - ``cpu_compute``: the same with each span's CPU time as its length (None without CPU times):
+      uneven stages and jitter of the compute itself, without a shared core's waits;
     - ``measured``: the rest is time in (or waiting for) sends and receives.
     """
     measured = measure_bubbles(spans, pipelines)
@@ -324,9 +346,14 @@ def bubble_breakdown(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) 
     steady = measure_bubbles(
         replay_without_communication(with_steady_compute(spans), pipelines), pipelines
     )
+    cpu_spans = with_cpu_lengths(spans)
+    cpu = [None] * len(measured)
+    if cpu_spans is not None:
+        replayed = measure_bubbles(replay_without_communication(cpu_spans, pipelines), pipelines)
+        cpu = [b.measured for b in replayed]
     return [
-        {**asdict(b), "compute_only": r.measured, "steady_compute": q.measured}
-        for b, r, q in zip(measured, recorded, steady, strict=True)
+        {**asdict(b), "compute_only": r.measured, "steady_compute": q.measured, "cpu_compute": c}
+        for b, r, q, c in zip(measured, recorded, steady, cpu, strict=True)
     ]
 
 

@@ -3,6 +3,7 @@ the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 r
 torch ``parallelize_module`` peer included)."""
 
 import json
+import time
 from dataclasses import asdict, replace
 
 import pytest
@@ -259,6 +260,61 @@ def test_bubble_breakdown_tells_uneven_stages_jitter_and_transfers_apart():
     assert late["steady_compute"] == pytest.approx(theory)
     assert late["compute_only"] == pytest.approx(theory)
     assert late["measured"] > theory + 0.05
+
+
+def test_spans_carry_their_threads_cpu_time():
+    """A span that computes holds its CPU time, one that waits (a rank whose core went elsewhere,
+    or blocked in a transfer) next to none: the replay at CPU lengths rests on this."""
+    tracing.start(0)
+    with tracing.span("forward", "computes"):
+        start = time.thread_time_ns()
+        while time.thread_time_ns() - start < 20_000_000:  # 20 ms of this thread's CPU, any load
+            pass
+    with tracing.span("forward", "waits"):
+        time.sleep(0.02)
+    computes, waits = tracing.stop()
+    # (the two clocks tick apart by a few microseconds)
+    assert computes.cpu_ns >= 20_000_000 and computes.duration_ns > computes.cpu_ns - 1_000_000
+    assert waits.cpu_ns < 2_000_000 and waits.duration_ns >= 20_000_000
+
+
+def test_the_cpu_time_replay_drops_a_shared_cores_waits_and_keeps_uneven_stages():
+    pipelines, theory = [[0, 1]], tracing.theory_bubble(2, 8)
+
+    def with_cpu(spans, extra_wall=None):
+        # wall lengths stretched where a rank lost its core; the CPU time is what it computed
+        return [replace(s, cpu_ns=s.duration_ns,
+                        end_ns=s.end_ns + (extra_wall or {}).get((s.rank, s.args["mb"], s.kind), 0))
+                for s in spans]  # fmt: skip
+
+    waited = with_cpu(simulate("1f1b", 2, 8), {(1, 2, "backward"): 4000, (0, 5, "forward"): 3000})
+    worst = max(tracing.bubble_breakdown(waited, pipelines), key=lambda b: b["compute_only"])
+    assert worst["compute_only"] > theory + 0.05
+    assert worst["cpu_compute"] == pytest.approx(theory)
+    uneven = with_cpu(simulate("1f1b", 2, 8, slowdown={1: 1.5}))
+    worst = max(tracing.bubble_breakdown(uneven, pipelines), key=lambda b: b["measured"])
+    assert (
+        worst["cpu_compute"] == pytest.approx(worst["compute_only"])
+        and worst["cpu_compute"] > theory + 0.05
+    )
+    # made-up spans without CPU times: no CPU replay, not a wrong one
+    assert all(
+        b["cpu_compute"] is None
+        for b in tracing.bubble_breakdown(simulate("1f1b", 2, 8), pipelines)
+    )
+
+
+def test_median_lengths_are_taken_per_chunk():
+    """Interleaved, a rank's chunks differ (the last one also runs the head and the loss): one
+    median over both would even them out and hide the imbalance the replay is there to show."""
+    spans = simulate_interleaved(2, 2, 4)
+    slow = [replace(s, end_ns=s.start_ns + 3 * s.duration_ns) if s.args["chunk"] == 1 and s.rank == 1
+            else s for s in spans]  # fmt: skip
+    steady = tracing.with_steady_compute(slow)
+    for before, after in zip(slow, steady, strict=True):
+        assert (
+            after.duration_ns == before.duration_ns
+        )  # each (rank, kind, chunk) was steady already
 
 
 def test_exclusive_time_goes_to_the_innermost_span():
@@ -715,7 +771,7 @@ def test_collectives_table_times_what_zero_puts_beside_the_all_reduce():
     (row,) = collectives.measure([2], [0.1], repeats=2)
     assert row["world"] == 2 and all(row[k] > 0 for k in collectives.KINDS)
     lines = collectives.markdown([row])
-    zero2 = row["reduce_scatter + all_gather"] / row["all_reduce"]
+    zero2 = row["ours + all_gather"] / row["all_reduce"]
     assert lines[-1].startswith("| 2 | 0.1 |") and lines[-1].endswith(f"| {zero2:.2f}x |")
 
 

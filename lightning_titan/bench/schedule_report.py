@@ -130,6 +130,7 @@ def schedule_rows(rows: list[dict]) -> list[dict]:
             "ratio": torch_pp and torch_pp["step_ms"] / ours["step_ms"],
             "measured": [b["measured"] for b in r["bubbles"]],
             "replay": [b["compute_only"] for b in r["bubbles"]],
+            "replay_cpu": [b.get("cpu_compute") for b in r["bubbles"]],
             "uneven": [b["steady_compute"] for b in r["bubbles"]],
             "theory": ideal_bubble(schedule, pp, v, m),
             "saved_mb": r["saved_peak_mb_per_stage"], "theory_saved_mb": [b for b, _ in memory],
@@ -143,10 +144,12 @@ def schedule_checks(srows: list[dict]) -> list[dict]:
     checks = []
     for s in srows:
         if s["schedule"] == "interleaved_1f1b":
-            worst = max(abs(b - s["theory"]) for b in s["replay"])
-            checks.append({"case": s["case"], "check": "compute-only replay within 0.02 of "
-                           f"(P-1)/(v*M+P-1) = {s['theory']:.3f}", "value": f"{worst:.3f} off",
-                           "met": worst <= REPLAY_POINTS})  # fmt: skip
+            for what in ("replay", "replay_cpu") if _has(s, "replay_cpu") else ("replay",):
+                worst = max(abs(b - s["theory"]) for b in s[what])
+                lengths = {"replay": "recorded", "replay_cpu": "CPU-time"}[what]
+                checks.append({"case": s["case"], "check": f"compute-only replay ({lengths} "
+                               f"lengths) within 0.02 of (P-1)/(v*M+P-1) = {s['theory']:.3f}",
+                               "value": f"{worst:.3f} off", "met": worst <= REPLAY_POINTS})  # fmt: skip
         if s["auto_split"]:
             worst = max(abs(b - s["theory"]) for b in s["uneven"])
             checks.append({"case": s["case"], "check": "uneven-stage share (replay at median "
@@ -156,9 +159,17 @@ def schedule_checks(srows: list[dict]) -> list[dict]:
             base = next((o for o in srows if o["pp"] == s["pp"] and o["schedule"] == "1f1b"
                          and o["microbatches"] == s["microbatches"] and not o["auto_split"]),
                         None)  # fmt: skip
-            for what in ("measured", "replay", "uneven") if base else ():
+            kinds = ["measured", "replay", "uneven"]
+            kinds += (
+                ["replay_cpu"]
+                if base and _has(s, "replay_cpu") and _has(base, "replay_cpu")
+                else []
+            )
+            for what in kinds if base else ():
                 zb, one = max(s[what]), max(base[what])
-                label = {"uneven": "median-length replay"}.get(what, what)
+                label = {"uneven": "median-length replay", "replay_cpu": "CPU-time replay"}.get(
+                    what, what
+                )
                 checks.append({"case": s["case"], "check": f"{label} bubble (worst stage) below "
                                f"{base['case']}'s", "value": f"{zb:.3f} vs {one:.3f}",
                                "met": zb < one})  # fmt: skip
@@ -168,29 +179,35 @@ def schedule_checks(srows: list[dict]) -> list[dict]:
     return checks
 
 
-def _stages(values: list[float], fmt: str = "{:.2f}") -> str:
-    return " / ".join(fmt.format(x) for x in values)
+def _has(row: dict, key: str) -> bool:
+    return bool(row.get(key)) and None not in row[key]
+
+
+def _stages(values: list[float | None], fmt: str = "{:.2f}") -> str:
+    return " / ".join("-" if x is None else fmt.format(x) for x in values)
 
 
 def schedules_markdown(srows: list[dict], checks: list[dict]) -> list[str]:
     if not srows:
         return []
     lines = ["", "**Schedules** (issue 17): per stage, the bubble measured, in the compute-only replay "
-             "(recorded lengths, free send/recv) and at median lengths (*uneven stages*), beside the "
+             "(recorded lengths, free send/recv), the same at each span's CPU time (*replay CPU*: "
+             "without the waits of a shared core) and at median lengths (*uneven stages*), beside the "
              "schedule's ideal one (its order replayed with equal stages, F 1, B 2, zero-bubble B 1 + W "
              "1); activations saved for backward (peak MB) beside the theory: the schedule's live "
              "microbatch-chunks (count) times what one microbatch of each chunk saves; step time "
              "against torch.distributed.pipelining's schedule over the same stage modules", "",
              "| case | M | layers per stage | step ms | torch ms | torch / ours | bubble measured "
-             "| replay | uneven stages | theory | activations MB | theory MB | live |",
-             "|---|---:|---|---:|---:|---:|---|---|---|---:|---|---|---|"]  # fmt: skip
+             "| replay | replay CPU | uneven stages | theory | activations MB | theory MB | live |",
+             "|---|---:|---|---:|---:|---:|---|---|---|---|---:|---|---|---|"]  # fmt: skip
     for s in srows:
         torch_ms = "-" if s["torch_step_ms"] is None else f"{s['torch_step_ms']:.1f}"
         ratio = "-" if s["ratio"] is None else f"{s['ratio']:.2f}x"
         lines.append(
             f"| {s['case']} | {s['microbatches']} | {'-'.join(map(str, s['stage_layers']))} | "
             f"{s['step_ms']:.1f} | {torch_ms} | {ratio} | {_stages(s['measured'])} | "
-            f"{_stages(s['replay'])} | {_stages(s['uneven'])} | {s['theory']:.3f} | "
+            f"{_stages(s['replay'])} | {_stages(s.get('replay_cpu') or [None])} | "
+            f"{_stages(s['uneven'])} | {s['theory']:.3f} | "
             f"{_stages(s['saved_mb'])} | {_stages(s['theory_saved_mb'])} | "
             f"{_stages(s['live'], '{}')} |"
         )
