@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_titan.orphans import watch_launcher
+
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
@@ -98,6 +100,9 @@ def cpu_threads_per_rank(local_world_size: int, *, forked: bool = False) -> int:
 
 
 def _entry(rank, world_size, timeout_s, backend, fn, args, queue, forked):
+    # a launcher killed (kill -9, a test runner's timeout) must not leave its ranks waiting in a
+    # collective for timeout_s: each leaves within seconds (orphans.watch_launcher)
+    watch_launcher()
     os.environ["MASTER_ADDR"] = (
         "127.0.0.1"  # MASTER_PORT and the agent-store flag: hosted_rendezvous
     )

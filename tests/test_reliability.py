@@ -964,3 +964,58 @@ def test_ranks_die_with_a_launcher_killed_during_start_up(tmp_path):
         parent.kill()
         parent.wait()
     assert f"the launcher (pid {parent.pid}) is gone" in parent.stderr.read()
+
+
+_KILLED_RUN_ON_RANKS = """
+import os, sys, time
+from lightning_titan.launch import run_on_ranks
+
+def wait_for_ever(rank, world_size, folder):
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    import torch.distributed as dist
+    if rank == 1:
+        time.sleep(600)
+    dist.barrier()  # rank 0 waits here for a peer that never comes
+
+if __name__ == "__main__":
+    run_on_ranks(wait_for_ever, 2, sys.argv[1], timeout_s=600, start_method="fork")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ranks_of_run_on_ranks_leave_when_its_process_is_killed(tmp_path):
+    """The test and bench launcher (run_on_ranks, fork): kill -9 of the process that started the
+    ranks leaves no rank waiting for its 600 s collective timeout; both go within 10 s."""
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TITAN_LAUNCHER_PID", None)
+    parent = subprocess.Popen([sys.executable, "-c", _KILLED_RUN_ON_RANKS, str(folder)], env=env,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            pids = [int(p.name) for p in folder.iterdir()]
+            time.sleep(0.1)
+        assert len(pids) == 2, pids
+        time.sleep(1.0)  # rank 0 in its barrier, rank 1 asleep
+        parent.kill()
+        killed = time.monotonic()
+        while any(_running(p) for p in pids) and time.monotonic() - killed < 20:
+            time.sleep(0.05)
+        assert not any(_running(p) for p in pids), f"{pids} outlived their launcher by 20 s"
+        assert time.monotonic() - killed < 10
+    finally:
+        for p in pids:
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
+        parent.kill()
+        parent.wait()
+    assert f"the launcher (pid {parent.pid}) is gone" in parent.stderr.read()
+
+
+def _running(pid: int) -> bool:
+    from lightning_titan.orphans import running
+
+    return running(pid)
