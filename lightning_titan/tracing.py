@@ -347,7 +347,7 @@ def bubble_breakdown(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) 
         replay_without_communication(with_steady_compute(spans), pipelines), pipelines
     )
     cpu_spans = with_cpu_lengths(spans)
-    cpu = [None] * len(measured)
+    cpu: list[float | None] = [None] * len(measured)
     if cpu_spans is not None:
         replayed = measure_bubbles(replay_without_communication(cpu_spans, pipelines), pipelines)
         cpu = [b.measured for b in replayed]
