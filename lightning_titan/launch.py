@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from lightning_titan.orphans import watch_launcher
 
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+_SERVING: list[dist.TCPStore] = []  # hosted stores this process's world group still uses
 
 
 def free_port() -> int:
@@ -75,6 +76,11 @@ def hosted_rendezvous(port: int | None = None, *, serve: bool = True) -> Iterato
     try:
         yield chosen
     finally:
+        if store is not None and dist.is_initialized():
+            # this process joined the world group through the store (rank 0 of a script launch, or
+            # one process): the group keeps using it (new_group's rendezvous), also for the next
+            # trainer.fit/validate/test in this process, so it lives as long as the process does
+            _SERVING.append(store)
         del store
         for key, value in previous.items():
             if value is None:

@@ -274,7 +274,12 @@ def build_process_groups(dims: ParallelDims, timeout: timedelta | None = None) -
     """Create every group of every kind, on every rank in the same order (``new_group`` is collective).
 
     ``timeout``: the collective timeout of the groups (None: torch's default, 30 min, whatever the
-    world group's is), how long a stalled peer holds the others."""
+    world group's is), how long a stalled peer holds the others.
+
+    Built once per layout and world group in a process: a notebook's second ``trainer.fit`` (or a
+    test's next case) on the same layout gets the same groups. Each new gloo group would keep its
+    threads polling for the rest of the process: 200 idle groups cost a fifth of a core per rank
+    here. Every rank builds the same layouts in the same order, so all of them find or all build."""
     if not dist.is_initialized():
         raise RuntimeError("build_process_groups needs torch.distributed initialised first")
     if dist.get_world_size() != dims.world_size:
@@ -282,11 +287,20 @@ def build_process_groups(dims: ParallelDims, timeout: timedelta | None = None) -
             f"the process group has {dist.get_world_size()} ranks but the layout "
             f"{dims.degrees} has {dims.world_size}"
         )
+    key = (tuple(dims.degrees.values()), dims.rank, timeout)
+    world, built = _BUILT.get(key, (None, None))
+    if built is not None and world is dist.group.WORLD:
+        return built
     mine = {}
     for kind in GROUP_KINDS:
         group, _ = dist.new_subgroups_by_enumeration(dims.all_groups(kind), timeout=timeout)
         mine[kind] = group
-    return ProcessGroups(**mine)
+    _BUILT[key] = (dist.group.WORLD, ProcessGroups(**mine))
+    return _BUILT[key][1]
+
+
+# (degrees, rank, timeout) -> (the world group they were built in, the groups)
+_BUILT: dict[tuple, tuple[Any, ProcessGroups]] = {}
 
 
 @functools.cache

@@ -78,6 +78,10 @@ class TitanLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(
             num_devices=self.num_processes, num_nodes=self.num_nodes
         )
+        if self.procs or self.cluster_environment.creates_processes_externally:
+            # this Trainer's next fit/validate/test: its ranks run the same script and are still in
+            # the world group, which keeps the store of the first launch (launch.hosted_rendezvous)
+            return function(*args, **kwargs)
         with lightning_rendezvous(self.cluster_environment):
             os.environ[LAUNCHER_PID] = str(os.getpid())
             self._call_children_scripts()

@@ -21,19 +21,6 @@ from lightning_titan.pipeline.schedules import V_SHAPED
 from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import local_slice, tp_shards
 
-_GROUPS: dict[tuple[int, ...], ProcessGroups] = {}
-
-
-def groups_for(dims: ParallelDims) -> ProcessGroups:
-    """This process's groups of ``dims``' layout, built once per layout: a spawn runs many cases on
-    few layouts, and every gloo group keeps its own threads polling for the rest of the process
-    (200 idle groups cost a fifth of a core per rank here; one world-4 spawn held 523 per rank)."""
-    key = tuple(dims.degrees.values())
-    if key not in _GROUPS:
-        _GROUPS[key] = build_process_groups(dims)
-    return _GROUPS[key]
-
-
 CONFIG = ModelConfig(
     vocab_size=61, d_model=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=24, n_experts=4, top_k=2,
     seq_len=16, aux_loss_coef=0.05, z_loss_coef=0.01,
@@ -268,7 +255,7 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
             counts, _ = auto_split.agree(config, dims.pp, split.virtual_stages, microbatch, cpu)
             split = StageSplit(split.virtual_stages, counts, split.v_shape)
         result = train(
-            dims, groups_for(dims), name, m, config,
+            dims, build_process_groups(dims), name, m, config,
             paired_p2p="paired" in options, zero=zero, split=split,
         )  # fmt: skip
         result["split"] = split

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from engine_harness import groups_for
 from torch import nn
 
 from lightning_titan import zero
@@ -36,7 +35,7 @@ from lightning_titan.checkpoint import (
 from lightning_titan.engine import Engine
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig, StageModel, split_expert_parameters
-from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.parallel_dims import ParallelDims, build_process_groups
 from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import tp_shard
 
@@ -196,7 +195,7 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
     for layout, level in ZERO_CASES:
         dims = ParallelDims(*layout, rank=rank)
         model, opt = build(dims, seed=2, lr=0.5)
-        engine = Engine(model, dims, groups_for(dims), zero=level)
+        engine = Engine(model, dims, build_process_groups(dims), zero=level)
         engine.shard_optimizers([opt])
         load_sharded(ckpt, model, [opt])
         rows = shard_rows(model, opt)
@@ -211,7 +210,7 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
     result["tp"], source = {}, ckpt
     for layout, level in TP_LAYOUTS:
         dims = ParallelDims(*layout[:3], rank=rank, tp=layout[3])
-        groups = groups_for(dims)
+        groups = build_process_groups(dims)
         model, opt = build(dims, seed=2, lr=0.5, tp_group=groups.tp)
         engine = Engine(model, dims, groups, zero=level)
         engine.shard_optimizers([opt])

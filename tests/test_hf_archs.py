@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import groups_for
 from hf_tiny import FAMILIES, VOCAB, build, save_tokenizer
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -25,7 +24,7 @@ from lightning_titan.hf_arch import architecture_of
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.module import TitanLM
-from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
+from lightning_titan.parallel_dims import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.tensor_parallel import local_slice, tp_shards
 
 SEQ_LEN = 16
@@ -156,7 +155,7 @@ def _on_ranks(rank: int, world_size: int, folders: dict[str, str], cases: list) 
     results = []
     for family, layout, zero in cases:
         dims = ParallelDims(*layout[:3], rank, tp=layout[3], cp=layout[4] if len(layout) > 4 else 1)
-        groups = groups_for(dims)
+        groups = build_process_groups(dims)
         config = hf_load.config_from_folder(folders[family], TRAINING)
         model = StageModel(
             config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,

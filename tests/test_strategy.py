@@ -132,6 +132,57 @@ def test_the_rendezvous_is_bound_before_any_rank_starts_and_the_environment_is_l
     assert "MASTER_PORT" not in os.environ and AGENT_STORE not in os.environ
 
 
+_FIT_VALIDATE_FIT = """
+import os
+import lightning as L
+from lightning_titan import ModelConfig, TitanDataModule, TitanLM, TitanStrategy
+
+config = ModelConfig(d_model=32, n_layers=2, n_experts=4, seq_len=16)
+data = TitanDataModule(seq_len=16, global_batch_size=4)
+
+
+def trainer(**layout):
+    return L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(**layout), max_steps=2,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     limit_val_batches=1, num_sanity_val_steps=0, enable_model_summary=False)
+
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+first = trainer(dp=2)
+first.fit(TitanLM(config), datamodule=data)
+first.validate(first.lightning_module, datamodule=data, verbose=False)
+second = trainer(ep=2)  # another layout: new groups, through the first launch's store
+second.fit(TitanLM(config), datamodule=data)
+after_second = threads()
+third = trainer(ep=2)  # the same layout again: the same groups
+third.fit(TitanLM(config), datamodule=data)
+third.validate(third.lightning_module, datamodule=data, verbose=False)
+print(f"rank {third.global_rank} threads {after_second} {threads()}", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_script_fits_validates_and_fits_again_on_the_same_ranks(tmp_path):
+    """A script's later launches (this Trainer's validate, then other Trainers' fits) reuse the ranks
+    and the world group of the first; the rendezvous store lives on with the group, for the groups
+    of a new layout (this failed with EADDRINUSE and 'Broken pipe'); a layout seen before gets the
+    same groups (every new gloo group keeps threads polling: the thread count stays put)."""
+    script = tmp_path / "fit_validate_fit.py"
+    script.write_text(_FIT_VALIDATE_FIT)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=150,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split()[1] for line in lines] == ["0", "1"], done.stdout
+    for line in lines:
+        before, after = line.split()[3:]
+        assert before == after, line
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_drop_in_for_ddp_gives_the_same_weights(tmp_path):
