@@ -24,6 +24,8 @@ import torch.multiprocessing as mp
 from lightning_titan.orphans import watch_launcher
 
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+STORE_FD = "TITAN_STORE_FD"  # a forking launcher's listening socket, inherited by its ranks
+STORE_LAUNCHER = "TITAN_STORE_LAUNCHER"  # the pid of that launcher
 _SERVING: list[dist.TCPStore] = []  # hosted stores this process's world group still uses
 
 
@@ -45,48 +47,93 @@ def free_port() -> int:
 
 
 @contextmanager
-def hosted_rendezvous(port: int | None = None, *, serve: bool = True) -> Iterator[int]:
-    """Hold the rendezvous store in the launcher, from before any rank starts until they are done.
+def hosted_rendezvous(
+    port: int | None = None, *, serve: bool = True, forks: bool = False
+) -> Iterator[int]:
+    """Hold the rendezvous port in the launcher, from before any rank starts until they are done.
 
     A port picked, then bound seconds later by rank 0's store, may be taken in between (CI saw
-    EADDRINUSE). Here it is bound at once (``port=None``: a free one, retried on a clash) and the ranks
-    connect to it as clients: torch's agent-store mode, as torchrun's agent does, with
-    ``MASTER_PORT`` and ``TORCHELASTIC_USE_AGENT_STORE`` set for the ranks while this holds (both are
-    restored after). ``serve=False``: another launcher serves it (a node past the first). One store
+    EADDRINUSE). Here it is bound at once (``port=None``: a free one, retried on a clash). One store
     per launch: its keys outlive a launch, and a second launch on it could read the first one's gloo
-    addresses."""
-    store = None
+    addresses. ``serve=False``: another launcher serves it (a node past the first). ``MASTER_PORT``
+    and the variables below are set for the ranks while this holds, and restored after.
+
+    - Ranks started fresh (popen, spawn) connect to a store this process serves, as clients: torch's
+      agent-store mode (``TORCHELASTIC_USE_AGENT_STORE``), as torchrun's agent does.
+    - Ranks forked from this process (``forks``) must not inherit a store: it serves from a thread,
+      and a child forked while that thread holds a lock deadlocks in its own first TCPStore (a probe:
+      6 of 16 launches of 8 forked ranks hung there; CI's 8-rank fork jobs hung at times). Only the
+      listening socket is bound here, no thread runs, and rank 0 serves the store on it
+      (``rank_store``; 0 of 30 hung)."""
+    bound: dist.TCPStore | socket.socket | None = None
     for _ in range(1 if port is not None or not serve else 8):
         chosen = free_port() if port is None else port
         if not serve:
             break
         try:
-            store = dist.TCPStore("127.0.0.1", chosen, is_master=True, wait_for_workers=False)
+            bound = (
+                _listen(chosen)
+                if forks
+                else dist.TCPStore("127.0.0.1", chosen, is_master=True, wait_for_workers=False)
+            )
             break
-        except dist.DistNetworkError as err:
+        except (OSError, dist.DistNetworkError) as err:
             if port is not None:
                 raise RuntimeError(
                     f"MASTER_PORT={port} is taken by another process (EADDRINUSE): unset MASTER_PORT"
                     " to let titan pick a free port, or choose a free one"
                 ) from err
-    if serve and store is None:
+    if serve and bound is None:
         raise RuntimeError("no free port for the rendezvous after 8 tries (EADDRINUSE)")
-    previous = {k: os.environ.get(k) for k in ("MASTER_PORT", AGENT_STORE)}
-    os.environ.update(MASTER_PORT=str(chosen), **{AGENT_STORE: "True"})
+    names = ("MASTER_PORT", AGENT_STORE, STORE_FD, STORE_LAUNCHER)
+    previous = {k: os.environ.get(k) for k in names}
+    os.environ["MASTER_PORT"] = str(chosen)
+    if isinstance(bound, socket.socket):
+        os.environ.update({STORE_FD: str(bound.fileno()), STORE_LAUNCHER: str(os.getpid())})
+    else:
+        os.environ[AGENT_STORE] = "True"
     try:
         yield chosen
     finally:
-        if store is not None and dist.is_initialized():
+        if isinstance(bound, socket.socket):
+            bound.close()
+        elif bound is not None and dist.is_initialized():
             # this process joined the world group through the store (rank 0 of a script launch, or
             # one process): the group keeps using it (new_group's rendezvous), also for the next
             # trainer.fit/validate/test in this process, so it lives as long as the process does
-            _SERVING.append(store)
-        del store
+            _SERVING.append(bound)
+        del bound
         for key, value in previous.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _listen(port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own socket
+        sock.bind(("0.0.0.0", port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def rank_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
+    """In a rank its launcher forked (``hosted_rendezvous(forks=True)``): the rendezvous store for
+    ``init_process_group(store=...)``, served by rank 0 on the launcher's socket, the others its
+    clients. None in any other process (a grandchild inherits the variables, not the launcher)."""
+    fd, launcher = os.environ.get(STORE_FD), os.environ.get(STORE_LAUNCHER)
+    if fd is None or launcher is None or int(launcher) != os.getppid():
+        return None
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        return dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=int(fd),
+                             timeout=timeout, wait_for_workers=False)  # fmt: skip
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
 
 def _ephemeral_low() -> int:
@@ -116,8 +163,10 @@ def _entry(rank, world_size, timeout_s, backend, fn, args, queue, forked):
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
+        timeout = timedelta(seconds=timeout_s)
+        store = rank_store(rank, world_size, timeout)
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            backend, rank=rank, world_size=world_size, timeout=timeout, store=store
         )
         # plain pickle bytes: torch's queue pickler would share tensors through file descriptors that
         # vanish when this process exits, before the parent reads them
@@ -156,7 +205,7 @@ def run_on_ranks(
         )
         for r in range(world_size)
     ]
-    with hosted_rendezvous():
+    with hosted_rendezvous(forks=start_method == "fork"):
         return _collect(procs, queue, world_size, timeout_s)
 
 

@@ -30,7 +30,7 @@ from lightning_titan.agreement import SetupPhase
 from lightning_titan.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_titan.engine import Engine
 from lightning_titan.failures import FailTogether, check_finite, unreduced_step_error
-from lightning_titan.launch import cpu_threads_per_rank
+from lightning_titan.launch import cpu_threads_per_rank, rank_store
 from lightning_titan.options import TrainOptions, check_precision, preflight
 from lightning_titan.parallel_dims import (
     ParallelDims,
@@ -232,9 +232,13 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         device = self.root_device
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)  # fmt: skip
         timeout = timedelta(minutes=self.options.timeout_minutes)  # the subgroups' too
+        # a forked rank's store: rank 0 serves it on its launcher's socket (launch.hosted_rendezvous)
+        env = self.cluster_environment
+        store = rank_store(env.global_rank(), env.world_size(), timeout)
         _init_dist_connection(
             self.cluster_environment, backend, timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            **({} if store is None else {"store": store}),
         )  # fmt: skip
         if self._auto:  # rank 0's choice (its CPU probe may differ from the others'), or its error
             self._use_layout(auto.agree(self._auto_choice, self, self.lightning_module, datamodule))

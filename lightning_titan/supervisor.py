@@ -300,16 +300,16 @@ def wait_for(procs: Sequence[Popen], grace_s: float) -> None:
 
 
 @contextmanager
-def lightning_rendezvous(env: Any) -> Iterator[None]:
+def lightning_rendezvous(env: Any, forks: bool = False) -> Iterator[None]:
     """``hosted_rendezvous`` on the port Lightning's cluster environment keeps: its launchers hand that
     one to the ranks, and keep it for a second launch of the same Trainer. That is ``MASTER_PORT`` as
     given, else one picked now below the ephemeral range (Lightning's own pick, ``bind(0)``, is in it),
-    which is unset again after."""
+    which is unset again after. ``forks``: the ranks are forked from this process."""
     picked = "MASTER_PORT" not in os.environ
     if picked:
         os.environ["MASTER_PORT"] = str(free_port())
     try:
-        with hosted_rendezvous(env.main_port, serve=env.node_rank() == 0):
+        with hosted_rendezvous(env.main_port, serve=env.node_rank() == 0, forks=forks):
             yield
     finally:
         if picked:
@@ -342,7 +342,8 @@ class TitanForkLauncher(_MultiProcessingLauncher):
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, self._forward_sigterm) if main else None
         try:
-            with lightning_rendezvous(self._strategy.cluster_environment):
+            forks = self._start_method == "fork"
+            with lightning_rendezvous(self._strategy.cluster_environment, forks=forks):
                 return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException as err:
             self._stop_ranks(err)

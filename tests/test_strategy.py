@@ -133,6 +133,31 @@ def test_the_rendezvous_is_bound_before_any_rank_starts_and_the_environment_is_l
     assert "MASTER_PORT" not in os.environ and AGENT_STORE not in os.environ
 
 
+def test_a_forking_launcher_runs_no_store_thread_while_it_forks():
+    """A store serves from a thread, and a rank forked while that thread holds a lock deadlocked in
+    its own first TCPStore (a probe: 6 of 16 launches of 8 forked ranks; CI's 8-rank fork jobs hung
+    at times). Forking, the launcher only binds the port, starts no thread, and rank 0 serves the
+    store on the inherited socket."""
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    with hosted_rendezvous(forks=True) as port:
+        assert threads() == before
+        assert os.environ[launch.STORE_LAUNCHER] == str(os.getpid())
+        assert int(os.environ["MASTER_PORT"]) == port and AGENT_STORE not in os.environ
+    assert launch.STORE_FD not in os.environ and launch.STORE_LAUNCHER not in os.environ
+    assert launch.run_on_ranks(_rank_and_world, 4, start_method="fork") == [
+        (r, 4) for r in range(4)
+    ]
+
+
+def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
+    dist.barrier()
+    return dist.get_rank(), dist.get_world_size()
+
+
 _FIT_VALIDATE_FIT = """
 import os
 import lightning as L
