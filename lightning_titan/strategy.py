@@ -235,10 +235,10 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         # a forked rank's store: rank 0 serves it on its launcher's socket (launch.hosted_rendezvous)
         env = self.cluster_environment
         store = rank_store(env.global_rank(), env.world_size(), timeout)
+        extra: dict[str, Any] = {} if store is None else {"store": store}
         _init_dist_connection(
-            self.cluster_environment, backend, timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-            **({} if store is None else {"store": store}),
+            env, backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+            **extra,
         )  # fmt: skip
         if self._auto:  # rank 0's choice (its CPU probe may differ from the others'), or its error
             self._use_layout(auto.agree(self._auto_choice, self, self.lightning_module, datamodule))

@@ -138,7 +138,10 @@ def launch(
     except subprocess.TimeoutExpired:
         hung, seconds = True, time.monotonic() - start
     finally:
-        leftovers = _leftovers(proc.pid, marker)
+        # a process closes its pipes (EOF above) a moment before it is gone: 2 s to finish dying
+        settled = time.monotonic() + 2.0
+        while (leftovers := _leftovers(proc.pid, marker)) and time.monotonic() < settled:
+            time.sleep(0.05)
         _kill(leftovers)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
