@@ -16,6 +16,7 @@ from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel
 from lightning_titan.parallel_dims import ParallelDims, ProcessGroups
 from lightning_titan.pipeline.schedules import get_schedule
+from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.plan.memory import layout_state
 
 
@@ -869,3 +870,31 @@ def test_zero_bubble_theory_is_the_ideal_replay_of_the_zb_h1_order():
         assert "(P-1)/(3M+P-1)" in _theory_label(asdict(bubbles[0]))
     plain = tracing.measure_bubbles(ideal_spans("1f1b", 2, 1, 4), [[0, 1]])
     assert not plain[0].split_backward and plain[0].theory == pytest.approx(1 / 5)
+
+
+@pytest.mark.parametrize(
+    "pp,split",
+    [(2, StageSplit()), (2, StageSplit(1, (3, 1))), (4, StageSplit(1, (0, 2, 2, 0))),
+     (2, StageSplit(2)), (2, StageSplit(2, None, v_shape=True))],
+)  # fmt: skip
+def test_the_state_tables_expected_shares_follow_the_split(pp, split):
+    """Per rank, the arithmetic the state table prints beside the measured shares, against the
+    parameters a stage model of that split holds: uneven, interleaved and the V (rank 0 holds the
+    embedding and the head) included."""
+    from lightning_titan.bench.memory import tp_cut_bytes
+    from lightning_titan.bench.tp_report import expected_tp_shares
+    from lightning_titan.model import split_expert_parameters
+
+    config = ModelConfig(vocab_size=37, d_model=16, n_layers=4, n_heads=2, ffn_dim=16,
+                         n_experts=4, top_k=2, seq_len=8)  # fmt: skip
+
+    def cut_and_whole(model):
+        non_expert = sum(p.numel() * p.element_size() for _, p in split_expert_parameters(model)[1])
+        cut = tp_cut_bytes(model)
+        return cut, non_expert - cut
+
+    full_cut, full_whole = cut_and_whole(StageModel(config))
+    for rank in range(pp):
+        cut, whole = cut_and_whole(StageModel(config, pp_rank=rank, pp=pp, split=split))
+        expected = expected_tp_shares(config, pp, 1, rank, split)
+        assert expected == pytest.approx((cut / full_cut, whole / full_whole)), (rank, split)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from lightning_titan import tracing
 from lightning_titan.bench.cases import (
@@ -101,7 +102,9 @@ def _state_shares(
     / TP (the padded vocabulary rows), its stage's norms and routers whole, and the two together."""
     states = [r[OURS]["state_bytes"] for r in per_rank]
     cut = [r[OURS]["tp_cut_param_bytes"] for r in per_rank]
-    expected = [expected_tp_shares(settings.config, case.pp, case.tp, r[OURS]["coords"][1])
+    counts = per_rank[0][OURS].get("stage_layers")  # the split as run ("auto" resolved)
+    split = replace(case.split, stage_layers=counts and tuple(counts))
+    expected = [expected_tp_shares(settings.config, case.pp, case.tp, r[OURS]["coords"][1], split)
                 for r in per_rank]  # fmt: skip
     return {
         "mb_per_rank": [sum(s.values()) / _MB for s in states],

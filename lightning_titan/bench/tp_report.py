@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from lightning_titan.bench.cases import OURS, TORCH_TP
 from lightning_titan.model import ModelConfig
+from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.tensor_parallel import padded_vocab
 
 _MB = 1e6
@@ -16,20 +17,26 @@ def span(values: list[float], digits: int = 3) -> str:
     return low if low == high else f"{low}..{high}"
 
 
-def expected_tp_shares(config: ModelConfig, pp: int, tp: int, pp_rank: int) -> tuple[float, float]:
+def expected_tp_shares(
+    config: ModelConfig, pp: int, tp: int, pp_rank: int, split: StageSplit | None = None
+) -> tuple[float, float]:
     """(cut, whole) non-expert shares one rank of stage ``pp_rank`` should hold, by arithmetic: its
-    layers' attention / tp, its vocabulary rows of the embedding (first stage) and the LM head (last
-    stage), ``padded_vocab / tp`` each; its layers' norms and routers and the final norm whole."""
-    d, hd, layers = config.d_model, config.head_dim, config.n_layers
+    layers' attention / tp, its vocabulary rows of the embedding (virtual stage 0) and the LM head
+    (the last virtual stage), ``padded_vocab / tp`` each; its layers' norms and routers and the final
+    norm whole. ``split``: the resolved layer split (uneven, interleaved, the V); None: even."""
+    split = split or StageSplit()
+    d, hd = config.d_model, config.head_dim
     attn = 2 * d * config.n_heads * hd + 2 * d * config.kv_heads * hd  # q, o; k, v
     per_layer_whole = 2 * d + d * config.n_experts  # two norms, the router
-    first, last = pp_rank == 0, pp_rank == pp - 1
+    layers = sum(end - start for start, end in split.chunk_ranges(config.n_layers, pp, pp_rank))
+    stages = split.stage_ids(pp, pp_rank)
+    first, last = 0 in stages, pp * split.virtual_stages - 1 in stages
     rows = padded_vocab(config.vocab_size, tp) // tp
-    cut = layers // pp * attn // tp + (first + last) * rows * d
-    whole = layers // pp * per_layer_whole + last * d
+    cut = layers * attn // tp + (first + last) * rows * d
+    whole = layers * per_layer_whole + last * d
     return (
-        cut / (layers * attn + 2 * config.vocab_size * d),
-        whole / (layers * per_layer_whole + d),
+        cut / (config.n_layers * attn + 2 * config.vocab_size * d),
+        whole / (config.n_layers * per_layer_whole + d),
     )
 
 
