@@ -38,6 +38,7 @@ from lightning_titan.checkpoint.reader import read_checkpoint_info
 from lightning_titan.config_files import compose_config
 from lightning_titan.faults import Fault
 from lightning_titan.launch import free_port
+from lightning_titan.orphans import running
 from lightning_titan.supervisor import describe_exit, failure_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1005,20 +1006,14 @@ def test_ranks_of_run_on_ranks_leave_when_its_process_is_killed(tmp_path):
         time.sleep(1.0)  # rank 0 in its barrier, rank 1 asleep
         parent.kill()
         killed = time.monotonic()
-        while any(_running(p) for p in pids) and time.monotonic() - killed < 20:
+        while any(running(p) for p in pids) and time.monotonic() - killed < 20:
             time.sleep(0.05)
-        assert not any(_running(p) for p in pids), f"{pids} outlived their launcher by 20 s"
+        assert not any(running(p) for p in pids), f"{pids} outlived their launcher by 20 s"
         assert time.monotonic() - killed < 10
     finally:
         for p in pids:
-            if _running(p):
+            if running(p):
                 os.kill(p, signal.SIGKILL)
         parent.kill()
         parent.wait()
     assert f"the launcher (pid {parent.pid}) is gone" in parent.stderr.read()
-
-
-def _running(pid: int) -> bool:
-    from lightning_titan.orphans import running
-
-    return running(pid)

@@ -9,14 +9,13 @@ so ranks could disagree: the strategy takes global rank 0's choice and broadcast
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lightning_titan.model import ModelConfig
-from lightning_titan.plan.devices import GPUS, Device, cpu_device, on_nodes
+from lightning_titan.plan.devices import GPUS, Device
 from lightning_titan.plan.layouts import candidates, shortfall
 from lightning_titan.plan.rank import Ranked, ranked
 
@@ -68,22 +67,22 @@ def global_batch(datamodule: Any) -> int:
 
 
 def this_device(device: torch.device, world: int, nodes: int, config: ModelConfig) -> Device:
-    """The catalogue's entry for this GPU, or this machine's CPU probed for ``world`` ranks."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).lower()
-        memory = float(torch.cuda.get_device_properties(device).total_memory)
-        chip = next((k for k in ("h200", "h100", "a100") if k in name), None)
-        if chip is None:
-            raise ValueError(
-                f"layout='auto' has no cost model for {name!r}; the catalogue holds "
-                f"{sorted(GPUS)}: give the layout yourself (titan plan --device ... suggests one)"
-            )
-        key = min((k for k in GPUS if k.startswith(chip)),
-                  key=lambda k: abs(GPUS[k].memory - memory))  # fmt: skip
-        return on_nodes(replace(GPUS[key], memory=memory), world, nodes)
-    local = max(1, world // nodes)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
-    return cpu_device(world, config.n_experts, config.top_k, memory)
+    """The catalogue's entry for this GPU (matched by name and memory), or this machine's CPU probed
+    for ``world`` ranks: what ``titan plan --device`` would use."""
+    from lightning_titan.plan.cli import cost_device, device_memory
+
+    if device.type != "cuda":
+        return cost_device("cpu", device_memory("cpu", None, world), world, nodes, config)
+    name = torch.cuda.get_device_name(device).lower()
+    memory = float(torch.cuda.get_device_properties(device).total_memory)
+    chip = next((k for k in ("h200", "h100", "a100") if k in name), None)
+    if chip is None:
+        raise ValueError(
+            f"layout='auto' has no cost model for {name!r}; the catalogue holds "
+            f"{sorted(GPUS)}: give the layout yourself (titan plan --device ... suggests one)"
+        )
+    key = min((k for k in GPUS if k.startswith(chip)), key=lambda k: abs(GPUS[k].memory - memory))
+    return cost_device(key, memory, world, nodes, config)
 
 
 def choose(config: ModelConfig, batch: int, world: int, device: Device) -> Choice:
