@@ -56,23 +56,48 @@ def test_b_then_w_equals_one_backward(pp_rank, pp, recompute):
 
 
 def test_a_weight_used_twice_on_the_input_path_is_counted_once():
-    """One weight in two matmuls of the x path: two intermediates in one group, W runs from both and
-    must not add what reaches the second through the first on top of what B kept for it."""
+    """One weight in two matmuls of the x path: two intermediates, each called on the grad B kept for
+    it; the two grads meet at the weight's accumulate node and are summed there, once. The second
+    matmul also adds a bias (two weight-side grads from one node) and the scale is broadcast over
+    the rows (its grad summed down to its shape)."""
     g = torch.Generator().manual_seed(1)
     weight = torch.nn.Parameter(torch.randn(4, 4, generator=g))
+    bias = torch.nn.Parameter(torch.randn(4, generator=g))
     scale = torch.nn.Parameter(torch.randn(4, generator=g))
     x0 = torch.randn(3, 4, generator=g)
 
     def objective(x):
-        return ((torch.tanh(x @ weight) @ weight) * scale).pow(2).sum()
+        return (F.linear(torch.tanh(x @ weight), weight.T, bias) * scale).pow(2).sum()
 
     x = x0.clone().requires_grad_()
     objective(x).backward()
-    want, want_dx = (weight.grad.clone(), scale.grad.clone()), x.grad.clone()
-    weight.grad = scale.grad = None
+    want = tuple(p.grad.clone() for p in (weight, bias, scale))
+    want_dx = x.grad.clone()
+    weight.grad = bias.grad = scale.grad = None
     x = x0.clone().requires_grad_()
-    dx, weights = backward_split.split(objective(x), x, [weight, scale])
-    assert any(len(group.intermediates) == 2 for group in weights.groups)
+    dx, weights = backward_split.split(objective(x), x, [weight, bias, scale])
+    assert len(weights.intermediates) == 3  # both matmuls and the scale's multiply
     torch.testing.assert_close(dx, want_dx)
     weights.run()
-    torch.testing.assert_close((weight.grad, scale.grad), want)
+    torch.testing.assert_close((weight.grad, bias.grad, scale.grad), want)
+
+
+def test_a_custom_function_that_takes_a_weight_is_refused_with_the_way_out():
+    """W calls each intermediate by itself; a custom Function's backward would compute every grad
+    (and run any collective in it) again, so split says so instead of running it."""
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            return grad * w, (grad * x).sum(0)
+
+    w = torch.nn.Parameter(torch.ones(4))
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"ScaleBackward.*custom autograd Function.*1f1b"):
+        backward_split.split(Scale.apply(x, w).sum(), x, [w])
