@@ -202,12 +202,12 @@ def test_zb_h1_bubble_is_below_1f1b_at_the_same_m(pp, m):
 def test_zbv_ideal_bubble_is_below_zb_h1_and_replays_along_the_v(pp, m):
     """ZBV's order replayed with F = B = W per chunk (the replay follows each span's V stage: rank r
     holds r and 2P-1-r): idle less than ZB-H1 at the same M, and 2P chunk-microbatches live at most."""
-    from lightning_titan.bench import schedule_report
+    from lightning_titan.pipeline import theory
 
-    zbv = schedule_report.ideal_bubble("zbv", pp, 2, m)
-    assert zbv < schedule_report.ideal_bubble("zb_h1", pp, 1, m), zbv
+    zbv = theory.ideal_bubble("zbv", pp, 2, m)
+    assert zbv < theory.ideal_bubble("zb_h1", pp, 1, m), zbv
     for p in range(pp):
-        assert schedule_report.live_peak("zbv", pp, p, 2, m, [1, 1])[1] <= 2 * pp
+        assert theory.live_peak("zbv", pp, p, 2, m, [1, 1])[1] <= 2 * pp
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -859,7 +859,7 @@ def test_bench_schedules_runs_end_to_end_and_reports_each_schedule(tmp_path):
 def test_zero_bubble_theory_is_the_ideal_replay_of_the_zb_h1_order():
     """The bubble's theory under ZB-H1 (W spans apart from B) is (P-1)/(3M+P-1): what its own order
     gives with F = B = W and free transfers; the timeline says which formula it used."""
-    from lightning_titan.bench.schedule_report import ideal_spans
+    from lightning_titan.pipeline.theory import ideal_spans
     from lightning_titan.timeline import _theory_label
 
     for pp, m in ((2, 4), (4, 8)):

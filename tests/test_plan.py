@@ -25,13 +25,16 @@ from lightning_titan.cli import TitanCLI, cli_components
 from lightning_titan.launch import run_on_ranks
 from lightning_titan.model import ModelConfig
 from lightning_titan.parallel_dims import AXES
-from lightning_titan.plan.activations import peak_bytes
+from lightning_titan.pipeline.schedules import CHUNKED, SCHEDULES, V_SHAPED, check_microbatches
+from lightning_titan.pipeline.theory import ideal_bubble, live_peak
+from lightning_titan.plan.activations import held, peak_bytes
 from lightning_titan.plan.check import check, spearman
 from lightning_titan.plan.cli import main as plan_main
 from lightning_titan.plan.cost import StepOptions, bubble_fraction, collective, predict
 from lightning_titan.plan.devices import GPUS, Link
 from lightning_titan.plan.layouts import candidates, factorizations, total_params
 from lightning_titan.plan.memory import layout_state
+from lightning_titan.plan.rank import step_options
 from lightning_titan.zero import LEVELS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -144,10 +147,32 @@ def test_bubble_is_the_schedule_formula(pp, m):
     assert cost.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
 
 
-def test_zb_h1_bubble_is_the_replayed_one():
-    """docs/choosing_a_layout.md: a dependency-driven replay idles 0.077 (pp=2, M=4), 0.11 (4, 8)."""
-    assert bubble_fraction("zb_h1", 2, 4) == pytest.approx(0.077, abs=5e-4)
-    assert bubble_fraction("zb_h1", 4, 8) == pytest.approx(0.111, abs=5e-4)
+def test_bubble_and_held_activations_are_the_schedules_own_order():
+    """For every schedule the planner offers, over P in {2, 3, 4} and every M the schedule takes, the
+    predicted bubble and live microbatches per stage equal the replay of the schedule functions' own
+    order (pipeline/theory.py): the closed forms where the pipeline fills, the replay before."""
+    for schedule in SCHEDULES:
+        v = 2 if schedule in {**CHUNKED, **V_SHAPED} else 1
+        for pp in (2, 3, 4):
+            for m in range(1, 17):
+                try:
+                    check_microbatches(schedule, m, pp, v)
+                except ValueError:
+                    continue
+                case = f"{schedule} pp={pp} M={m}"
+                assert bubble_fraction(schedule, pp, m, v) == pytest.approx(
+                    ideal_bubble(schedule, pp, v, m), abs=1e-9
+                ), case
+                options = StepOptions(schedule, m, v)
+                for p in range(pp):
+                    live = live_peak(schedule, pp, p, v, m, [1] * v)[1] / v
+                    assert held(options, pp, p) == pytest.approx(live), f"{case} stage {p}"
+
+
+def test_every_schedule_is_offered_with_its_chunks():
+    offered = {(o.schedule, o.virtual_stages) for o in step_options(DEFAULT, 2, 16)}
+    assert {s for s, _ in offered} == set(SCHEDULES)
+    assert ("zbv", 2) in offered and ("interleaved_1f1b", 2) in offered and ("zb_h1", 1) in offered
 
 
 def test_collectives_move_the_ring_bytes():

@@ -38,8 +38,8 @@ import lightning_titan
 from lightning_titan import ModelConfig, TitanDataModule, TitanLM, TitanStrategy
 from lightning_titan.bench import plots
 from lightning_titan.bench.memory import SavedTensorMeter
-from lightning_titan.bench.schedule_report import ideal_bubble, ideal_spans
 from lightning_titan.pipeline.schedules import gpipe, one_f_one_b
+from lightning_titan.pipeline.theory import ideal_bubble, ideal_spans
 from lightning_titan.timeline import PipelineTimeline
 from lightning_titan.tracing import theory_bubble
 

@@ -8,7 +8,11 @@ bytes multiplied by ``s``: everything a block saves is linear in those widths (t
 scores, not scaled, are a rounding error). Then, in microbatches held at the peak on stage ``p``:
 
     gpipe: M          1f1b: min(M, pp - p)          interleaved (v chunks): the doc's bound / v
-    zb_h1: M (an upper bound: its deferred weight-grads keep inputs longer than 1F1B; not modelled)
+    zb_h1: min(M, pp) (a forward's activations live until its W, which every stage defers)
+    zbv: pp on every rank once the V is full (M >= 2 pp - 1), the replayed order before
+
+(each the count of live microbatches in the schedule's own order, ``pipeline/theory.py``: a test
+holds them equal). Under zbv the embedding, head and loss are on rank 0, the V's turn.
 
 Activation checkpointing keeps only each block's input (``m * S * D`` floats) and, during one block's
 backward, that block's full activations again.
@@ -22,6 +26,7 @@ import torch
 
 from lightning_titan.bench.memory import SavedTensorMeter
 from lightning_titan.model import ModelConfig, StageModel
+from lightning_titan.pipeline.theory import live_peak
 from lightning_titan.plan.cost import BYTES, StepOptions
 
 PROBE_WIDTH = 512  # the widest d_model measured as it is
@@ -79,7 +84,13 @@ def held(options: StepOptions, pp: int, pp_rank: int) -> float:
         return min(m, pp - pp_rank)
     if options.schedule == "interleaved_1f1b":
         return min(v * m, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1) / v
-    return m  # gpipe; zb_h1's upper bound
+    if options.schedule == "zb_h1":
+        return min(m, pp)
+    if options.schedule == "zbv":
+        if m >= 2 * pp - 1:
+            return pp
+        return live_peak("zbv", pp, pp_rank, 2, m, [1, 1])[1] / 2
+    return m  # gpipe
 
 
 def peak_bytes(
@@ -94,8 +105,9 @@ def peak_bytes(
     if options.recompute:  # inputs kept, one block's activations live again during its backward
         kept = config.seq_len * config.d_model * BYTES
         peaks = [held(options, pp, p) * layers * kept + block for p in range(pp)]
-        peaks[-1] += ends
+        peaks[0 if options.schedule == "zbv" else -1] += ends
         return max(peaks) * m / share
     peaks = [held(options, pp, p) * layers * block for p in range(pp)]
-    peaks[-1] += held(options, pp, pp - 1) * ends
+    head = 0 if options.schedule == "zbv" else pp - 1  # the rank with the embedding, head and loss
+    peaks[head] += held(options, pp, head) * ends
     return max(peaks) * m / share

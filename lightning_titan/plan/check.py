@@ -5,8 +5,8 @@ can run are predicted for this machine's CPU ranks; the fastest and the slowest 
 ``titan bench``'s worker (the same runner, a few steps each), and the predicted step time and state
 are printed beside the measured ones, with the Spearman rank correlation of the step times.
 
-Only what the bench's runner sets is checked: zero=0, GPipe / 1F1B / ZB-H1 with the bench's
-microbatch count, no recompute (interleaving and checkpointing are not bench cases).
+Only what the bench's runner sets is checked: zero=0, every schedule with the bench's microbatch
+count (interleaved 1F1B and ZBV with two chunks per rank), no recompute (not a bench case).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from lightning_titan.plan.devices import cpu_device
 from lightning_titan.plan.layouts import candidates
 from lightning_titan.plan.rank import Ranked, ranked
 
-SCHEDULES = ("gpipe", "1f1b", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv")
 PER_END = {2: 2, 4: 3, 8: 3}  # layouts taken from each end of a world's ranking
 
 
@@ -52,7 +52,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def _case(r: Ranked) -> Case:
     d = r.candidate.degrees
     return Case(dp=d["dp"], pp=d["pp"], ep=d["ep"], cp=d["cp"], tp=d["tp"],
-                schedule=r.options.schedule, impls=(OURS,))  # fmt: skip
+                schedule=r.options.schedule, virtual_stages=r.options.virtual_stages,
+                impls=(OURS,))  # fmt: skip
 
 
 def chosen(config: ModelConfig, batch: int, world: int, settings: Settings, memory: float,

@@ -102,7 +102,8 @@ def describe(device: Device, nodes: int) -> str:
     inter = device.inter if nodes > 1 else None
     return (
         f"device: {device.name}, {device.flops / 1e12:.3g} TFLOP/s per rank, "
-        f"{device.pass_s * 1e3:.3g} ms per block pass; links: intra-node "
+        f"{device.pass_s * 1e3:.3g} ms per block pass (+{device.split_s * 1e3:.3g} ms split into B "
+        "and W); links: intra-node "
         f"{device.intra.bandwidth / GB:.3g} GB/s + {device.intra.latency_s * 1e6:.3g} us"
         + (
             f", inter-node {inter.bandwidth / GB:.3g} GB/s + {inter.latency_s * 1e6:.3g} us"

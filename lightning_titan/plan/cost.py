@@ -3,9 +3,11 @@ communication, so a reader sees why one layout wins.
 
 - **compute**: the model's matmul FLOPs (``flops.py``) a rank does (its stage's layers, its share of
   the tokens: ``b*S/(tp*cp)``; x4/3 under activation checkpointing) at the device's throughput,
-  plus a fixed cost per block pass (launches; it is what a small model pays on a CPU);
+  plus a fixed cost per block pass (launches; it is what a small model pays on a CPU), more when the
+  schedule splits the backward into B and W (``Device.split_s``);
 - **bubble**: the schedule's idle time, ``(pp-1)/M`` of a stage's compute for GPipe and 1F1B, that
-  over ``v`` for interleaved 1F1B, over 3 for ZB-H1 (its cooldown runs the deferred weight grads);
+  over ``v`` for interleaved 1F1B, over 3 for ZB-H1 (its cooldown runs the deferred weight grads),
+  over 6 for ZBV (two chunks per rank in a V); the replayed order while the pipeline never fills;
 - **communication**: bytes per collective per step and rank at the link's bandwidth, plus its
   latency per message step: the data-parallel all-reduce (or ZeRO's reduce-scatter and all-gather;
   only what outlasts the last microbatch's backward is exposed), the EP all-to-alls, PP
@@ -22,9 +24,11 @@ from dataclasses import dataclass
 
 from lightning_titan.flops import forward_flops_per_token
 from lightning_titan.model import ModelConfig
+from lightning_titan.pipeline.theory import ideal_bubble
 from lightning_titan.plan.devices import Device, Link
 
 BYTES = 4  # fp32 activations, grads and state
+SPLIT_BACKWARD = ("zb_h1", "zbv")  # the schedules whose backward is B then W (a fixed cost more)
 BUCKET = 25 * 2**20  # the reducer's default bucket_cap_mb
 ZERO_FACTOR = {0: (2.0, 0.0), 1: (2.0, 1.0), 2: (1.0, 1.0)}  # (grad reduction, weight all-gather)
 # in units of (n-1)/n * bytes: a ring all-reduce is 2, a reduce-scatter or an all-gather 1
@@ -61,11 +65,20 @@ class StepCost:
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """The idle share of a step with equal stages (docs/choosing_a_layout.md)."""
+    """The idle share of a step with equal stages (docs/choosing_a_layout.md): the closed form once
+    the pipeline fills, the replay of the schedule's own order (``pipeline/theory.py``) before; a test
+    holds the two equal wherever the closed form is used."""
+    m = microbatches
     fill = (pp - 1) / virtual_stages
     if schedule == "zb_h1":
+        if m < pp:  # the W's cannot fill a warm-up that is never complete
+            return ideal_bubble(schedule, pp, 1, m)
         fill /= 3  # F, B and W equal: 1F1B idles (pp-1)(F+B+W), ZB-H1 (pp-1)(F+B-W)
-    return fill / (microbatches + fill)
+    elif schedule == "zbv":
+        if m < 2 * pp - 1:  # the V is never full
+            return ideal_bubble(schedule, pp, 2, m)
+        fill = (pp - 1) / 6  # the V's two chunks each idle ZB-H1's third of a chunk
+    return fill / (m + fill)
 
 
 def collective(link: Link, nbytes: float, n: int, units: float, calls: int = 1) -> float:
@@ -106,7 +119,8 @@ def predict(
     layers = config.n_layers / pp
     passes = 4 if options.recompute else 3  # forward, backward (2x), and a recomputed forward
     flops = tokens * passes * (layers * layer + head)  # the last stage: it holds the head
-    compute = flops / device.flops + m_count * (layers + 1) * device.pass_s
+    per_pass = device.pass_s + (device.split_s if options.schedule in SPLIT_BACKWARD else 0.0)
+    compute = flops / device.flops + m_count * (layers + 1) * per_pass
     bubble = (
         compute
         * bubble_fraction(options.schedule, pp, m_count, v)

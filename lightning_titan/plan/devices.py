@@ -35,12 +35,19 @@ class Device:
     memory: float  # bytes per device
     flops: float  # FLOP/s one rank's matmuls sustain
     pass_s: float  # fixed cost of one block's forward + backward on one microbatch
+    split_s: (
+        float  # what a block pass costs more when its backward is split into B and W (zb_h1, zbv)
+    )
     memory_bandwidth: float  # bytes/s the optimizer step streams state at
     intra: Link  # between devices of one node
     inter: Link | None  # between nodes (None: one node only)
     cores: int | None = None  # CPU: the ranks share these cores; None: one device per rank
     per_node: int = 8
 
+
+# The backward split's extra fixed cost on a GPU, an assumption (not measured: no GPU here): W's
+# direct node calls and its second autograd call, about half of one block pass's launches.
+GPU_SPLIT_SHARE = 0.5
 
 # Share of the dense bf16 peak that large training matmuls reach: an assumption (published MFU of
 # well-tuned MoE training runs is 30-50%), not a measurement on these cards.
@@ -53,11 +60,11 @@ MATMUL_EFFICIENCY = 0.5
 # 10 us on NVLink, 20 us over InfiniBand), an assumption. Peaks, so predicted traffic is optimistic.
 GPUS = {
     "h100-80gb": Device(
-        "h100-80gb", 80 * GB, 989e12 * MATMUL_EFFICIENCY, 50e-6, 3.35e12,
+        "h100-80gb", 80 * GB, 989e12 * MATMUL_EFFICIENCY, 50e-6, 50e-6 * GPU_SPLIT_SHARE, 3.35e12,
         Link(10e-6, 450 * GB), Link(20e-6, 50 * GB),
     ),
     "a100-80gb": Device(
-        "a100-80gb", 80 * GB, 312e12 * MATMUL_EFFICIENCY, 50e-6, 2.04e12,
+        "a100-80gb", 80 * GB, 312e12 * MATMUL_EFFICIENCY, 50e-6, 50e-6 * GPU_SPLIT_SHARE, 2.04e12,
         Link(10e-6, 300 * GB), Link(20e-6, 25 * GB),
     ),
 }  # fmt: skip
@@ -78,22 +85,44 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def pass_seconds(n_experts: int, top_k: int, repeats: int = 5) -> float:
-    """Best time of one block's forward + backward on a tiny input (1 sequence of 8 tokens): the
-    fixed cost a block pays per microbatch whatever its size (a small model with the same experts)."""
+def pass_seconds(n_experts: int, top_k: int, repeats: int = 5) -> tuple[float, float]:
+    """Best times, per block, of a forward + backward on a tiny input (1 sequence of 8 tokens): the
+    fixed cost a block pays per microbatch whatever its size (a small model with the same experts);
+    and how much more the same pass costs with its backward split into B and W
+    (``pipeline/backward_split.py``, what zb_h1 and zbv run) on a stage that takes hidden states."""
     from lightning_titan.model import ModelConfig, StageModel
+    from lightning_titan.pipeline import backward_split
 
     config = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, ffn_dim=32,
                          n_experts=n_experts, top_k=top_k, seq_len=8)  # fmt: skip
     model = StageModel(config, pp_rank=0, pp=1)
-    x = torch.randint(0, 32, (1, 8))
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        logits, aux = model(x)
+    middle = StageModel(replace(config, n_layers=3), pp_rank=1, pp=3)  # one block, no ends
+    tokens, hidden = torch.randint(0, 32, (1, 8)), torch.randn(1, 8, 32)
+
+    def whole() -> None:
+        logits, aux = model(tokens)
         (logits.float().sum() + aux.sum()).backward()
-        best = min(best, time.perf_counter() - start)
-    return best / (config.n_layers + 1)  # the embedding and head count as about one block
+
+    def middle_pass(split: bool) -> None:
+        x = hidden.clone().requires_grad_()
+        out, aux = middle(x)
+        objective = out.sum() + aux.sum()
+        if split:
+            backward_split.split(objective, x, list(middle.parameters()))[1].run()
+        else:
+            objective.backward()
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    pass_s = best(whole) / (config.n_layers + 1)  # the embedding and head count as about one block
+    split_s = best(lambda: middle_pass(True)) - best(lambda: middle_pass(False))
+    return pass_s, max(0.0, split_s)
 
 
 def cpu_device(ranks: int, n_experts: int, top_k: int, memory: float) -> Device:
@@ -105,11 +134,12 @@ def cpu_device(ranks: int, n_experts: int, top_k: int, memory: float) -> Device:
     torch.set_num_threads(threads)
     try:
         flops = matmul_peak(torch.device("cpu"), torch.float32, n=512, seconds=0.2)
-        pass_s = pass_seconds(n_experts, top_k)
+        pass_s, split_s = pass_seconds(n_experts, top_k)
     finally:
         torch.set_num_threads(before)
     return Device(f"cpu ({threads} thread{'s' * (threads > 1)}/rank, {cores} cores)", memory,
-                  flops, pass_s, CPU_MEMORY_BANDWIDTH, GLOO_LOOPBACK, None, cores, per_node=ranks)  # fmt: skip
+                  flops, pass_s, split_s, CPU_MEMORY_BANDWIDTH, GLOO_LOOPBACK, None, cores,
+                  per_node=ranks)  # fmt: skip
 
 
 def on_nodes(device: Device, devices: int, nodes: int) -> Device:
@@ -143,7 +173,8 @@ def main() -> None:
 
     for ranks in (1, 2, 4):
         d = cpu_device(ranks, 8, 2, 0)
-        print(f"{ranks} ranks: {d.name}: {d.flops / 1e9:.1f} GFLOP/s, pass {d.pass_s * 1e3:.2f} ms")
+        print(f"{ranks} ranks: {d.name}: {d.flops / 1e9:.1f} GFLOP/s, pass {d.pass_s * 1e3:.2f} ms, "
+              f"split backward +{d.split_s * 1e3:.2f} ms")  # fmt: skip
     small, large = run_on_ranks(_gloo_probe, 2, timeout_s=120)[0]
     print(f"gloo 2 ranks: 1 kB all-reduce {small * 1e3:.3f} ms, 16 MB {large * 1e3:.1f} ms "
           f"({2 * 16e6 / 2 / large / GB:.2f} GB/s ring bus bandwidth)")  # fmt: skip

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 from lightning_titan.model import ModelConfig
 from lightning_titan.options import TrainOptions
-from lightning_titan.pipeline.schedules import CHUNKED, SCHEDULES, check_microbatches
+from lightning_titan.pipeline.schedules import CHUNKED, SCHEDULES, V_SHAPED, check_microbatches
 from lightning_titan.pipeline.split import StageSplit
 from lightning_titan.plan.activations import peak_bytes
 from lightning_titan.plan.cost import StepCost, StepOptions, predict
 from lightning_titan.plan.devices import Device
 from lightning_titan.plan.layouts import Candidate, divisors
 
-VIRTUAL_STAGES = 2  # interleaved 1F1B is offered with two chunks per rank
+VIRTUAL_STAGES = 2  # interleaved 1F1B is offered with two chunks per rank (zbv has exactly two)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def step_options(
             out += [StepOptions("1f1b", m, 1, ckpt) for m in divisors(local_batch)]
             continue
         for schedule in sorted(SCHEDULES):
-            v = VIRTUAL_STAGES if schedule in CHUNKED else 1
+            v = VIRTUAL_STAGES if schedule in {**CHUNKED, **V_SHAPED} else 1
             for m in divisors(local_batch):
                 options = StepOptions(schedule, m, v, ckpt)
                 if _accepted(config, pp, options):

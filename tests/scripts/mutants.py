@@ -297,6 +297,16 @@ MUTATIONS = {
                                "self._backwards_done == self.num_microbatches * self.num_chunks",
                                "self._backwards_done == self.num_microbatches",
                                ["tests/test_equivalence.py", "-k", "4"]),
+    # issue 17: the planner prices ZBV's bubble as ZB-H1's (one chunk per rank)
+    "plan_zbv_as_zb_h1": ("lightning_titan/plan/cost.py",
+                          "        fill = (pp - 1) / 6",
+                          "        fill = (pp - 1) / 3",
+                          ["tests/test_plan.py", "-k", "own_order"]),
+    # issue 17: the planner holds every microbatch's activations under ZB-H1 (its old upper bound)
+    "plan_zb_h1_holds_m": ("lightning_titan/plan/activations.py",
+                           "        return min(m, pp)\n",
+                           "        return m\n",
+                           ["tests/test_plan.py", "-k", "own_order"]),
     # issue 17: W keeps one weight-side grad per intermediate (a matmul's bias grad is lost)
     "zb_first_output_only": ("lightning_titan/pipeline/backward_split.py",
                              "            for k, edge in outputs:\n",
