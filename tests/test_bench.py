@@ -898,3 +898,11 @@ def test_the_state_tables_expected_shares_follow_the_split(pp, split):
         cut, whole = cut_and_whole(StageModel(config, pp_rank=rank, pp=pp, split=split))
         expected = expected_tp_shares(config, pp, 1, rank, split)
         assert expected == pytest.approx((cut / full_cut, whole / full_whole)), (rank, split)
+
+
+def test_split_cost_times_a_whole_backward_and_both_halves():
+    from lightning_titan.bench.split_cost import measure
+
+    r = measure(32, n_layers=2, batch=1, repeats=2)
+    assert set(r) == {"whole", "B", "W", "ratio"} and all(v > 0 for v in r.values())
+    assert r["ratio"] == (r["B"] + r["W"]) / r["whole"]
