@@ -112,7 +112,7 @@ class WeightGrads:
             kept = self.kept.get(node)
             if kept is None or all(g is None for g in kept):  # no grad reached it in B
                 continue
-            result = node(*kept)
+            result = node(*kept)  # type: ignore[operator]  # a node runs its backward formula
             result = result if isinstance(result, tuple) else (result,)
             for k, edge in outputs:
                 if result[k] is not None:
@@ -135,7 +135,8 @@ class WeightGrads:
     def run(self) -> None:
         edges = [e for outputs in self.intermediates.values() for _, e in outputs]
         anchor = torch.zeros((), requires_grad=True)
-        torch.autograd.backward([_CallIntermediates.apply(anchor, self)], inputs=[anchor, *edges])
+        inputs = [torch.autograd.graph.get_gradient_edge(anchor), *edges]
+        torch.autograd.backward([_CallIntermediates.apply(anchor, self)], inputs=inputs)
         self.intermediates, self.kept = {}, {}
 
 
@@ -152,7 +153,7 @@ def split(objective: Tensor, x: Tensor, params: list[nn.Parameter]) -> tuple[Ten
     for node in sorted(met, key=lambda n: -n._sequence_nr()):
         if isinstance(node, BackwardCFunction):  # its backward would run whole, collectives and all
             raise RuntimeError(
-                f"the backward split cannot defer the weight grads of {node.name()}: a custom "
+                f"the backward split cannot defer the weight grads of {type(node).__name__}: a custom "
                 "autograd Function that takes a weight computes all of its grads at once; give it "
                 "the activation only and use the weight outside it, or use a schedule without the "
                 "split (1f1b, interleaved_1f1b)"
