@@ -125,7 +125,7 @@ class WeightGrads:
     def _accumulate(self, edges: list[GradientEdge], grads: list[Tensor]) -> None:
         """The second call (module doc), for the grads computed so far: they go into ``.grad`` before
         the next intermediates allocate theirs, so the allocator hands the same memory out again
-        (holding all of a stage's weight grads at once page-faulted about 43 MB per microbatch at
+        (holding all of a stage's weight grads at once page-faulted about 45 MB per microbatch at
         d_model 256)."""
         if edges:
             torch.autograd.backward(edges, grads, inputs=self.weights)
