@@ -9,6 +9,7 @@ counting what each forward saves until its backward frees it gives the peak of l
 from __future__ import annotations
 
 from lightning_titan.bench.cases import OURS, TORCH_PP
+from lightning_titan.pipeline.schedules import SPLIT_BACKWARD
 from lightning_titan.pipeline.theory import ideal_bubble, live_peak
 
 TORCH_TARGET = 1.05  # torch's step time / ours, at least
@@ -60,7 +61,7 @@ def schedule_checks(srows: list[dict]) -> list[dict]:
             checks.append({"case": s["case"], "check": "uneven-stage share (replay at median "
                            f"lengths) within 0.02 of {s['theory']:.3f}", "value": f"{worst:.3f} off",
                            "met": worst <= REPLAY_POINTS})  # fmt: skip
-        if s["schedule"] in ("zb_h1", "zbv"):
+        if s["schedule"] in SPLIT_BACKWARD:
             base = next((o for o in srows if o["pp"] == s["pp"] and o["schedule"] == "1f1b"
                          and o["microbatches"] == s["microbatches"] and not o["auto_split"]),
                         None)  # fmt: skip

@@ -108,6 +108,7 @@ class WeightGrads:
     def call_intermediates(self) -> None:
         edges: list[GradientEdge] = []
         grads: list[Tensor] = []
+        held = 0  # bytes in grads
         for node, outputs in self.intermediates.items():
             kept = self.kept.get(node)
             if kept is None or all(g is None for g in kept):  # no grad reached it in B
@@ -118,8 +119,10 @@ class WeightGrads:
                 if result[k] is not None:
                     edges.append(edge)
                     grads.append(_as_received(result[k], edge))
-            if sum(g.nbytes for g in grads) >= FLUSH_BYTES:
+                    held += grads[-1].nbytes
+            if held >= FLUSH_BYTES:
                 self._accumulate(edges, grads)
+                held = 0
         self._accumulate(edges, grads)
 
     def _accumulate(self, edges: list[GradientEdge], grads: list[Tensor]) -> None:

@@ -86,6 +86,7 @@ def ideal_spans(schedule: str, pp: int, v: int, m: int, cost: dict[str, float] |
     return tracing.replay_without_communication(spans, [list(range(pp))])
 
 
+@functools.cache  # the planner asks for the same few small replays for every layout
 def ideal_bubble(schedule: str, pp: int, v: int, m: int) -> float:
     """The worst stage's bubble of ``ideal_spans``: (P-1)/(M+P-1) for 1F1B, (P-1)/(v*M+P-1)
     interleaved, (P-1)/(3M+P-1) for ZB-H1 (its W's fill the cooldown); ZBV's, replayed likewise."""

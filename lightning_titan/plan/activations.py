@@ -102,12 +102,12 @@ def peak_bytes(
     share = degrees["tp"] * degrees["cp"]  # positions per rank (the head's logits: V/tp of them)
     m = global_batch // (degrees["dp"] * degrees["ep"]) / options.microbatches
     layers = config.n_layers / pp
+    head = 0 if options.schedule == "zbv" else pp - 1  # the rank with the embedding, head and loss
     if options.recompute:  # inputs kept, one block's activations live again during its backward
         kept = config.seq_len * config.d_model * BYTES
         peaks = [held(options, pp, p) * layers * kept + block for p in range(pp)]
-        peaks[0 if options.schedule == "zbv" else -1] += ends
+        peaks[head] += ends
         return max(peaks) * m / share
     peaks = [held(options, pp, p) * layers * block for p in range(pp)]
-    head = 0 if options.schedule == "zbv" else pp - 1  # the rank with the embedding, head and loss
     peaks[head] += held(options, pp, head) * ends
     return max(peaks) * m / share

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 from lightning_titan.flops import forward_flops_per_token
 from lightning_titan.model import ModelConfig
+from lightning_titan.pipeline.schedules import SPLIT_BACKWARD
 from lightning_titan.pipeline.theory import ideal_bubble
 from lightning_titan.plan.devices import Device, Link
 
 BYTES = 4  # fp32 activations, grads and state
-SPLIT_BACKWARD = ("zb_h1", "zbv")  # the schedules whose backward is B then W (a fixed cost more)
 BUCKET = 25 * 2**20  # the reducer's default bucket_cap_mb
 ZERO_FACTOR = {0: (2.0, 0.0), 1: (2.0, 1.0), 2: (1.0, 1.0)}  # (grad reduction, weight all-gather)
 # in units of (n-1)/n * bytes: a ring all-reduce is 2, a reduce-scatter or an all-gather 1
@@ -121,11 +121,8 @@ def predict(
     flops = tokens * passes * (layers * layer + head)  # the last stage: it holds the head
     per_pass = device.pass_s + (device.split_s if options.schedule in SPLIT_BACKWARD else 0.0)
     compute = flops / device.flops + m_count * (layers + 1) * per_pass
-    bubble = (
-        compute
-        * bubble_fraction(options.schedule, pp, m_count, v)
-        / (1 - bubble_fraction(options.schedule, pp, m_count, v))
-    )
+    idle = bubble_fraction(options.schedule, pp, m_count, v)
+    bubble = compute * idle / (1 - idle)
 
     comm = {}
     act = mb_tokens * config.d_model * BYTES  # one microbatch's activations between blocks
