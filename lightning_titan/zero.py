@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from lightning_titan import probes
+from lightning_titan.collectives import all_gather_
 from lightning_titan.parallel_dims import group_mesh
 from lightning_titan.reducer import assign_buckets
 from lightning_titan.tensor_parallel import TpShard, real_size
@@ -125,6 +126,7 @@ class ZeroGroup:
             setattr(leaf, ATTR, shard)
             self.shards[id(p)] = shard
         sharded = [s.param for s in self.shards.values()]
+        self._flat: dict[torch.dtype, Tensor] = {}
         self.buckets = [
             _GatherBucket([self.shards[id(sharded[i])] for i in indices], self.n)
             for indices in assign_buckets(sharded, bucket_cap_mb * 1024 * 1024)
@@ -141,16 +143,25 @@ class ZeroGroup:
             if drop:
                 s.leaf.grad = None
 
+    def _buffer(self, bucket: _GatherBucket) -> Tensor:
+        """The all-gather's buffer, one per dtype, kept from step to step: a new one of tens of MB
+        is fresh pages each step, whose faults cost as much CPU as the gather's copies (module doc)."""
+        param = bucket.shards[0].param
+        flat = self._flat.get(param.dtype)
+        if flat is None:
+            numel = max(b.slot for b in self.buckets if b.dtype == param.dtype) * self.n
+            flat = self._flat[param.dtype] = param.new_empty(numel)
+        return flat[: bucket.slot * self.n]
+
     @torch.no_grad()
     def gather(self) -> None:
         """Every rank's updated rows into every rank's parameters, one all-gather per bucket; then
         the full grads go (the optimizer step consumed them)."""
         for bucket in self.buckets:
-            mine = bucket.shards[0].param.new_empty(bucket.slot)
-            torch._foreach_copy_(bucket.views(mine, bucket.pack), bucket.own)
-            everyone = mine.new_empty(bucket.slot * self.n)
+            everyone = self._buffer(bucket)
+            torch._foreach_copy_(bucket.views(everyone, bucket.pack, self.q * bucket.slot), bucket.own)
             with probes.span("all_gather", "zero params"):
-                dist.all_gather_single(everyone, mine, group=self.group)
+                all_gather_(everyone, self.group)
             torch._foreach_copy_(bucket.dst, bucket.views(everyone, bucket.unpack))
         for s in self.shards.values():
             s.param.grad = None
@@ -187,10 +198,14 @@ class _GatherBucket:
                     )
             offset += s.chunk_numel
         self.slot = slot
+        self.dtype = shards[0].param.dtype
 
     @staticmethod
-    def views(flat: Tensor, where: list[tuple[int, torch.Size, tuple[int, ...]]]) -> list[Tensor]:
-        return [flat.as_strided(shape, stride, offset) for offset, shape, stride in where]
+    def views(
+        flat: Tensor, where: list[tuple[int, torch.Size, tuple[int, ...]]], start: int = 0
+    ) -> list[Tensor]:
+        """Views of ``flat`` (offset 0 in its storage) at ``where``, shifted by ``start`` elements."""
+        return [flat.as_strided(shape, stride, start + offset) for offset, shape, stride in where]
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -7,8 +7,9 @@ with a reduce-scatter and adds the same all-gather. On NCCL a ring reduce-scatte
 moves what one ring all-reduce moves, so ZeRO costs about nothing; this table says what they cost
 here. Prints best-of-N ms per collective on one flat fp32 buffer of each size (a gradient bucket)
 and the ratios against the all-reduce in the same run: torch's ``reduce_scatter_single`` (on gloo an
-all-reduce of a copy) beside ours (``lightning_titan.collectives``: on gloo one all-to-all and a
-local sum), which zero=2 uses.
+all-reduce of a copy) and ``all_gather_into_tensor`` (on gloo a gather into a fresh flat buffer and
+a copy out) beside ours (``lightning_titan.collectives``: on gloo one all-to-all and a local sum;
+one broadcast per rank into its chunk), which ZeRO uses.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from lightning_titan import collectives
 from lightning_titan.launch import run_on_ranks
 
 KINDS = ("all_reduce", "reduce_scatter", "reduce_scatter (ours)", "all_gather",
-         "ours + all_gather")  # fmt: skip
+         "all_gather (ours)", "both ours")  # fmt: skip
 
 
 def _best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -52,16 +53,20 @@ def _timings(n: int, world: int, repeats: int) -> dict[str, float]:
     def ours() -> None:
         collectives.reduce_scatter(shard, grads, None)
 
+    def gather_ours() -> None:
+        collectives.all_gather_(full, None)
+
     def both() -> None:
         ours()
-        all_gather()
+        gather_ours()
 
     ops = {
         "all_reduce": lambda: dist.all_reduce(grads),
         "reduce_scatter": reduce_scatter,
         "reduce_scatter (ours)": ours,
         "all_gather": all_gather,
-        "ours + all_gather": both,
+        "all_gather (ours)": gather_ours,
+        "both ours": both,
     }
     return {k: _best_ms(op, repeats) for k, op in ops.items()}
 
@@ -82,8 +87,8 @@ def measure(worlds: list[int], sizes_mb: list[float], repeats: int = 10) -> list
 def markdown(rows: list[dict], backend: str = "gloo") -> list[str]:
     lines = [
         f"**Collectives** ({backend}, one flat fp32 buffer, best of N ms on rank 0): what ZeRO "
-        "adds to (zero=1: + all-gather) or puts in place of (zero=2: our reduce-scatter + all-gather) "
-        "zero=0's all-reduce",
+        "adds to (zero=1: + our all-gather) or puts in place of (zero=2: our reduce-scatter + our "
+        "all-gather) zero=0's all-reduce",
         "",
         "| ranks | MB | "
         + " | ".join(f"{k} ms" for k in KINDS)
@@ -93,8 +98,8 @@ def markdown(rows: list[dict], backend: str = "gloo") -> list[str]:
     for r in rows:
         ar = r["all_reduce"]
         cells = " | ".join(f"{r[k]:.2f}" for k in KINDS)
-        zero1 = (ar + r["all_gather"]) / ar
-        zero2 = r["ours + all_gather"] / ar
+        zero1 = (ar + r["all_gather (ours)"]) / ar
+        zero2 = r["both ours"] / ar
         lines.append(f"| {r['world']} | {r['mb']:g} | {cells} | {zero1:.2f}x | {zero2:.2f}x |")
     return lines
 

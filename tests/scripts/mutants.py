@@ -82,6 +82,16 @@ MUTATIONS = {
                               "rows = s.rows(s.param.detach(), q)",
                               "rows = s.rows(s.param.detach(), n - 1 - q)",
                               ["tests/test_equivalence.py", "-k", "2"]),
+    # ZeRO: every rank packs its rows into rank 0's chunk of the all-gather buffer
+    "zero_pack_first_slot": ("lightning_titan/zero.py",
+                             "bucket.views(everyone, bucket.pack, self.q * bucket.slot)",
+                             "bucket.views(everyone, bucket.pack)",
+                             ["tests/test_equivalence.py", "-k", "2"]),
+    # ZeRO on gloo: the all-gather's broadcasts all from the group's first rank
+    "gather_one_root": ("lightning_titan/collectives.py",
+                        "group=group, group_src=q, async_op=True",
+                        "group=group, group_src=0, async_op=True",
+                        ["tests/test_equivalence.py", "-k", "2"]),
     # ZeRO-1 checkpoint rows saved at another rank's offset
     "zero_ckpt_rows": ("lightning_titan/zero.py",
                        "start, stop = owned_rows(p.shape[dim], self.n, self.q)",
