@@ -87,6 +87,11 @@ MUTATIONS = {
                              "bucket.views(everyone, bucket.pack, self.q * bucket.slot)",
                              "bucket.views(everyone, bucket.pack)",
                              ["tests/test_equivalence.py", "-k", "2"]),
+    # ZeRO: the unpack leaves out the rank after this one as well as this rank's own rows
+    "zero_unpack_skips_next": ("lightning_titan/zero.py",
+                               "for lo, hi in ((0, me), (me + 1, n)):",
+                               "for lo, hi in ((0, me), (me + 2, n)):",
+                               ["tests/test_equivalence.py", "-k", "2"]),
     # ZeRO on gloo: the all-gather's broadcasts all from the group's first rank
     "gather_one_root": ("lightning_titan/collectives.py",
                         "group=group, group_src=q, async_op=True",
