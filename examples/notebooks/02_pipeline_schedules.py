@@ -386,9 +386,9 @@ for m in MS:
 print("1F1B peak == GPipe peak * min(M, P - p) / M on every stage, for M in", MS)
 
 # %% [markdown]
-# ## Interleaved 1F1B and ZB-H1
+# ## Interleaved 1F1B, ZB-H1 and ZBV
 #
-# Two more orders of the same work, for the bubble that 1F1B leaves:
+# Three more orders of the same work, for the bubble that 1F1B leaves:
 #
 # - **Interleaved 1F1B** (`TitanStrategy(schedule="interleaved_1f1b", virtual_stages=v)`): each rank
 #   holds `v` chunks of layers (rank `p` holds virtual stages `p`, `p + P`, ...), so a microbatch goes
@@ -397,6 +397,10 @@ print("1F1B peak == GPipe peak * min(M, P - p) / M on every stage, for M in", MS
 # - **ZB-H1** (`schedule="zb_h1"`): each backward is split into B (the input grad, sent upstream at
 #   once) and W (the weight grads, deferred); stage `p` defers its W's by `p` backwards, so they fill the
 #   cooldown where 1F1B waits. With F = B = W the bubble is `(P-1)/(3M+P-1)`.
+# - **ZBV** (`schedule="zbv", virtual_stages=2`): the same split over two chunks per rank laid out as
+#   a V (rank `r` holds virtual stages `r` and `2P-1-r`, so rank 0 embeds and also runs the head and
+#   the loss). The turn of the V needs no message, and once `M >= 2P-1` the bubble is
+#   `(P-1)/(6M+P-1)`, for 1F1B's first-stage memory on every rank.
 #
 # Their ideal timelines come from the schedule functions the same way as above
 # (`lightning_titan.bench.schedule_report`: a stand-in stage records the order; F 1, B 2, zero-bubble
@@ -405,7 +409,7 @@ print("1F1B peak == GPipe peak * min(M, P - p) / M on every stage, for M in", MS
 
 # %%
 RUNS.mkdir(parents=True, exist_ok=True)
-MORE = {"1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1}  # schedule -> chunks per rank
+MORE = {"1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}  # schedule -> chunks per rank
 fig, axes = plt.subplots(len(MORE), 1, figsize=(13, 3 * len(MORE)))
 for ax, (schedule, v) in zip(axes, MORE.items(), strict=True):
     path = RUNS / f"ideal_{schedule}.png"
@@ -420,7 +424,10 @@ plt.show()
 for m in (4, 8, 16):
     assert np.isclose(ideal_bubble("interleaved_1f1b", P, 2, m), (P - 1) / (2 * m + P - 1))
     assert ideal_bubble("zb_h1", P, 1, m) < ideal_bubble("1f1b", P, 1, m)
-print("ideal bubble: interleaved (P-1)/(v*M+P-1); zb_h1 below 1f1b at the same M")
+for m in (8, 16):  # the V is full from M = 2P - 1 on
+    assert np.isclose(ideal_bubble("zbv", P, 2, m), (P - 1) / (6 * m + P - 1))
+    assert ideal_bubble("zbv", P, 2, m) < ideal_bubble("zb_h1", P, 1, m)
+print("ideal bubble: interleaved (P-1)/(v*M+P-1); zb_h1 below 1f1b; zbv (P-1)/(6M+P-1) below zb_h1")
 
 # %% [markdown]
 # ### Measured: `titan bench --schedules`
@@ -433,7 +440,7 @@ print("ideal bubble: interleaved (P-1)/(v*M+P-1); zb_h1 below 1f1b at the same M
 
 # %%
 DOCS = Path(lightning_titan.__file__).resolve().parents[1] / "docs" / "benchmarks"
-measured = [DOCS / f"pp4_{name}.png" for name in ("1f1b", "interleaved_1f1b_v2", "zb_h1")]
+measured = [DOCS / f"pp4_{name}.png" for name in ("1f1b", "interleaved_1f1b_v2", "zb_h1", "zbv")]
 if all(path.exists() for path in measured):
     fig, axes = plt.subplots(len(measured), 1, figsize=(13, 3.2 * len(measured)))
     for ax, path in zip(axes, measured, strict=True):

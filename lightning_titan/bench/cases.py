@@ -153,14 +153,13 @@ SCHEDULES_N_LAYERS = 8  # pp4 x v2 = 8 virtual stages of one layer each
 
 
 def schedule_cases(peers: bool = True) -> list[Case]:
-    """``titan bench --schedules``: pp2 and pp4 under 1F1B, interleaved 1F1B (v=2) and ZB-H1 at the
-    same M, and pp2 under ZBV, each beside its torch.distributed.pipelining schedule; and pp2 1F1B
-    with the layers split by ``stage_layers="auto"`` (ours only: the probe's split against the
-    theory)."""
+    """``titan bench --schedules``: pp2 and pp4 under 1F1B, interleaved 1F1B (v=2), ZB-H1 and ZBV
+    at the same M, each beside its torch.distributed.pipelining schedule; and pp2 1F1B with the
+    layers split by ``stage_layers="auto"`` (ours only: the probe's split against the theory)."""
     impls = (OURS, TORCH_PP) if peers else (OURS,)
     cases = []
     for pp in (2, 4):
         cases += [Case(pp=pp, impls=impls), Case(pp=pp, schedule="interleaved_1f1b",
-                  virtual_stages=2, impls=impls), Case(pp=pp, schedule="zb_h1", impls=impls)]  # fmt: skip
-    zbv = Case(pp=2, schedule="zbv", virtual_stages=2, impls=impls)
-    return cases[:3] + [zbv] + cases[3:] + [Case(pp=2, stage_layers=AUTO)]
+                  virtual_stages=2, impls=impls), Case(pp=pp, schedule="zb_h1", impls=impls),
+                  Case(pp=pp, schedule="zbv", virtual_stages=2, impls=impls)]  # fmt: skip
+    return cases + [Case(pp=2, stage_layers=AUTO)]

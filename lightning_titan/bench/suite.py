@@ -8,7 +8,7 @@
     titan bench --worlds 1 2 4 --cases single dp2 cp2 dp4 cp4 --seq-len 1024  # CP: activations
     titan bench --global-batch 128 --d-model 256 --device cuda   # scale up (CUDA: one rank per GPU)
     titan bench --routing   # only: grouped vs loop experts, FLOP/s vs the matmul peak, load balance
-    titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1 vs torch's (8 layers)
+    titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1, zbv vs torch's (8 layers)
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
 (timeline/<case>.json: open in ui.perfetto.dev) plus a Gantt chart for pipeline cases.
@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="2 ranks, a tiny model, few steps")
     p.add_argument(
         "--schedules", action="store_true",
-        help="the pipeline schedules table: pp2 and pp4 under 1f1b, interleaved_1f1b (v=2) and zb_h1 "
-        "beside torch's, and pp2 with stage_layers='auto' (with --quick: pp2 only)",
+        help="the pipeline schedules table: pp2 and pp4 under 1f1b, interleaved_1f1b (v=2), zb_h1 and "
+        "zbv beside torch's, and pp2 with stage_layers='auto' (with --quick: pp2 only)",
     )  # fmt: skip
     p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument(
