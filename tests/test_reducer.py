@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_titan import collectives
 from lightning_titan.clipping import clip_grad_norm_
 from lightning_titan.failures import nonfinite_message
 from lightning_titan.launch import run_on_ranks
@@ -351,6 +352,25 @@ def _clip_grads(stage: int, rank: int, bad: bool) -> tuple[list, list]:
     return non_expert, expert
 
 
+def _case_collectives(rank: int) -> None:
+    """ZeRO's collectives on gloo (``lightning_titan.collectives``, not the backend's): the
+    all-gather fills every rank's chunk, over the world and over a subgroup of two; the
+    reduce-scatter leaves each rank its chunk of the sum. Integers: exact."""
+    for group in (dist.group.WORLD, dist.new_group([1, 3])):
+        if rank not in dist.get_process_group_ranks(group):
+            continue
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        out = torch.full((n * 5,), -1.0)
+        out.view(n, 5)[me] = torch.arange(5.0) + 10 * me
+        collectives.all_gather_(out, group)
+        want = torch.cat([torch.arange(5.0) + 10 * q for q in range(n)])
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        mine = torch.empty(3)
+        collectives.reduce_scatter(mine, torch.arange(3.0 * n) * (rank + 1), group)
+        weight = sum(r + 1 for r in dist.get_process_group_ranks(group))
+        torch.testing.assert_close(mine, (torch.arange(3.0) + 3 * me) * weight, rtol=0, atol=0)
+
+
 def _case_clipping(rank: int) -> dict:
     dims = ParallelDims(1, 2, 2, rank)
     groups = build_process_groups(dims)
@@ -427,6 +447,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
     _case_vs_ddp(rank)
     _case_subgroups(rank)
     _case_zero2(rank, group)
+    _case_collectives(rank)
     return {
         "launch_sites": launch_sites,
         "used_on_some": used_on_some,
