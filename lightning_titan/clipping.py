@@ -24,10 +24,29 @@ def _is_trivial(group: dist.ProcessGroup | None) -> bool:
 
 
 def _local_sq_norm(grads: list[Tensor], device: torch.device) -> Tensor:
-    if not grads:
+    """The sum of the squared norms of ``grads``, fp32 on ``device``: one ``_foreach_norm`` per dtype
+    (fp32 accumulation for the 16-bit dtypes, fp64 in its own precision), as torch's
+    ``clip_grad_norm_`` does."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    norms = [
+        n.float().to(device)
+        for dtype, group in by_dtype.items()
+        for n in torch._foreach_norm(
+            group, 2, dtype=None if dtype == torch.float64 else torch.float32
+        )
+    ]
+    if not norms:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
     return torch.stack(norms).square().sum()
+
+
+def _scale_(grads: list[Tensor], total: Tensor, max_norm: float) -> None:
+    """Every grad times ``min(1, max_norm / (total + 1e-6))``, as torch's ``clip_grad_norm_``; by 1
+    when ``total`` is not finite (``torch.where`` instead of an ``if``: no host sync)."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, torch.where(total.isfinite(), coef, torch.ones_like(coef)))
 
 
 def clip_grad_norm_(
@@ -60,11 +79,7 @@ def clip_grad_norm_(
     total = total_sq.sqrt()
 
     if max_norm is not None and grads:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        # torch.where instead of `if total.isfinite()` keeps the device free of a host sync.
-        coef = torch.where(total.isfinite(), coef, torch.ones_like(coef))
-        for g in grads:
-            g.mul_(coef)
+        _scale_(grads, total, max_norm)
     return total
 
 
@@ -84,22 +99,11 @@ def clip_counted_grad_norm_(
         raise ValueError(
             f"max_norm={max_norm!r} must be a positive number, or None to only measure the norm"
         )
-    norms = [
-        # fp32 accumulation for the 16-bit dtypes, as _local_sq_norm; fp64 in its own precision
-        torch.linalg.vector_norm(g, dtype=None if g.dtype == torch.float64 else torch.float32)
-        .float()
-        .to(device)
-        for g, c in zip(grads, counted, strict=True)
-        if c
-    ]
-    total_sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
+    total_sq = _local_sq_norm([g for g, c in zip(grads, counted, strict=True) if c], device)
     for g in (group, pp_group):
         if not _is_trivial(g):
             dist.all_reduce(total_sq, group=g)
     total = total_sq.sqrt()
     if max_norm is not None and grads:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        coef = torch.where(total.isfinite(), coef, torch.ones_like(coef))  # no host sync
-        for grad in grads:
-            grad.mul_(coef)
+        _scale_(grads, total, max_norm)
     return total

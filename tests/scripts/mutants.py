@@ -211,6 +211,16 @@ MUTATIONS = {
                               'SEQUENCE: ("ep", "tp")}',
                               'SEQUENCE: ("ep",)}',
                               ["tests/test_reference.py", "-k", "tp2"]),
+    # composed clipping: the per-dtype norms summed unsquared
+    "clip_norms_unsquared": ("lightning_titan/clipping.py",
+                             "return torch.stack(norms).square().sum()",
+                             "return torch.stack(norms).sum()",
+                             ["tests/test_reducer.py"]),
+    # ZeRO-2 clipping: every rank counts the grads left whole, not the group's first rank only
+    "clip_shards_all_counted": ("lightning_titan/clipping.py",
+                                "_local_sq_norm([g for g, c in zip(grads, counted, strict=True) if c], device)",
+                                "_local_sq_norm(grads, device)",
+                                ["tests/test_reducer.py"]),
     # issue 21.2: the strategy does not clip
     "clip_none": ("lightning_titan/strategy.py",
                   "self.engine.finish_gradients(self.options.gradient_clip_norm)",
