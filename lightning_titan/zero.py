@@ -150,11 +150,10 @@ class ZeroGroup:
 
     def _buffer(self, bucket: _GatherBucket) -> Tensor:
         """``bucket``'s all-gather buffer: the start of the one kept for its dtype (module doc)."""
-        param = bucket.shards[0].param
-        flat = self._flat.get(param.dtype)
+        flat = self._flat.get(bucket.dtype)
         if flat is None:
-            numel = max(b.slot for b in self.buckets if b.dtype == param.dtype) * self.n
-            flat = self._flat[param.dtype] = param.new_empty(numel)
+            numel = max(b.slot for b in self.buckets if b.dtype == bucket.dtype) * self.n
+            flat = self._flat[bucket.dtype] = bucket.shards[0].param.new_empty(numel)
         return flat[: bucket.slot * self.n]
 
     @torch.no_grad()
@@ -200,7 +199,7 @@ class _GatherBucket:
                         strides = (slot, *_contiguous_strides(own.shape))
                         self.unpack.append((lo * slot + offset, rows_N[lo:hi].shape, strides))
             else:
-                for q in (q for q in range(n) if q != me):
+                for q in [r for r in range(n) if r != me]:
                     rows = s.rows(s.param.detach(), q)
                     self.dst.append(rows)
                     self.unpack.append(
