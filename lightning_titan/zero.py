@@ -131,11 +131,16 @@ class ZeroGroup:
             setattr(leaf, ATTR, shard)
             self.shards[id(p)] = shard
         sharded = [s.param for s in self.shards.values()]
-        self._flat: dict[torch.dtype, Tensor] = {}
         self.buckets = [
             _GatherBucket([self.shards[id(sharded[i])] for i in indices], self.n, self.q)
             for indices in assign_buckets(sharded, bucket_cap_mb * 1024 * 1024)
         ]
+        kept: dict[torch.dtype, Tensor] = {}  # the gather buffer of each dtype (module doc)
+        for b in self.buckets:
+            if b.dtype not in kept:
+                numel = max(c.slot for c in self.buckets if c.dtype == b.dtype) * self.n
+                kept[b.dtype] = b.shards[0].param.new_empty(numel)
+            b.bind(kept[b.dtype][: b.slot * self.n], self.q)
 
     def bind_grads(self, drop: bool = False) -> None:
         """Each shard's grad: its reduced, clipped rows, or None (``drop``: a skipped step). ZeRO-1:
@@ -148,26 +153,15 @@ class ZeroGroup:
             if drop:
                 s.leaf.grad = None
 
-    def _buffer(self, bucket: _GatherBucket) -> Tensor:
-        """``bucket``'s all-gather buffer: the start of the one kept for its dtype (module doc)."""
-        flat = self._flat.get(bucket.dtype)
-        if flat is None:
-            numel = max(b.slot for b in self.buckets if b.dtype == bucket.dtype) * self.n
-            flat = self._flat[bucket.dtype] = bucket.shards[0].param.new_empty(numel)
-        return flat[: bucket.slot * self.n]
-
     @torch.no_grad()
     def gather(self) -> None:
         """Every rank's updated rows into every rank's parameters, one all-gather per bucket; then
         the full grads go (the optimizer step consumed them)."""
         for bucket in self.buckets:
-            everyone = self._buffer(bucket)
-            torch._foreach_copy_(
-                bucket.views(everyone, bucket.pack, self.q * bucket.slot), bucket.own
-            )
+            torch._foreach_copy_(bucket.mine, bucket.own)
             with probes.span("all_gather", "zero params"):
-                all_gather_(everyone, self.group)
-            torch._foreach_copy_(bucket.dst, bucket.views(everyone, bucket.unpack))
+                all_gather_(bucket.buffer, self.group)
+            torch._foreach_copy_(bucket.dst, bucket.theirs)
         for s in self.shards.values():
             s.param.grad = None
 
@@ -209,12 +203,12 @@ class _GatherBucket:
         self.slot = slot
         self.dtype = shards[0].param.dtype
 
-    @staticmethod
-    def views(
-        flat: Tensor, where: list[tuple[int, torch.Size, tuple[int, ...]]], start: int = 0
-    ) -> list[Tensor]:
-        """Views of ``flat`` (offset 0 in its storage) at ``where``, shifted by ``start`` elements."""
-        return [flat.as_strided(shape, stride, start + offset) for offset, shape, stride in where]
+    def bind(self, buffer: Tensor, me: int) -> None:
+        """Gather through ``buffer`` (``n * slot`` elements at offset 0 of its storage, kept from step
+        to step): the views of it that the copies in and out use, worked out once."""
+        self.buffer = buffer
+        self.mine = [buffer.as_strided(sh, st, me * self.slot + at) for at, sh, st in self.pack]
+        self.theirs = [buffer.as_strided(sh, st, at) for at, sh, st in self.unpack]
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
