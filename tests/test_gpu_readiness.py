@@ -125,6 +125,9 @@ class _Work:
         self.log.append(("wait", self.what))
         return True
 
+    def is_completed(self) -> bool:  # not yet: ``finish`` waits for it
+        return False
+
 
 def _fake_p2p(monkeypatch) -> list:
     """Replace torch.distributed's point-to-point calls by recorders: (call, dtype) and waits."""

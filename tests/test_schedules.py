@@ -286,6 +286,64 @@ def test_interleaved_1f1b_order_messages_and_live_activations(pp, v, m):
         assert peak == min(v * m, (pp - p - 1) * 2 + (v - 1) * pp + 1), (p, peak)
 
 
+class CpuChunkedFakeStage(ChunkedFakeStage):
+    """What PipelineStage runs on CPU (``StageLinks.early``): a chunk's output and input grad go out
+    when the chunk makes them and no send waits (gloo's isend, the receive posted ahead), one channel
+    per stream (gloo matches by tag); ``exchange`` only marks receives due, and a chunk takes the due
+    messages of its stream when it needs its input. A take waits for a message the peer sends
+    without waiting for anything but its own takes: a cycle of those deadlocks the test."""
+
+    def __init__(self, net, pp, pp_rank, v, m):
+        super().__init__(net, pp, pp_rank, v, m)
+        self.due = {"act": 0, "grad": 0}
+
+    def _take_until(self, kind, chunk, i):
+        src = (self.pp_rank + (-1 if kind == "act" else 1)) % self.pp
+        while (kind, chunk, i) not in self.received and self.due[kind]:
+            self.due[kind] -= 1
+            got, want = self.net.recv((src, kind), self.pp_rank), (kind, *next(self.streams[kind]))
+            assert got == want, f"stage {self.pp_rank} expected {want}, got {got}"
+            self.received.add(got)
+
+    def forward_chunk(self, chunk, i):
+        pp, p, v = self.pp, self.pp_rank, self.num_chunks
+        if interleaved.has_prev(p, chunk):
+            self._take_until("act", chunk, i)
+        super().forward_chunk(chunk, i)
+        if interleaved.has_next(pp, p, v, chunk):
+            self.net.post_send((p, "act"), (p + 1) % pp, ("act", chunk + (p == pp - 1), i))
+
+    def backward_chunk(self, chunk, i):
+        pp, p, v = self.pp, self.pp_rank, self.num_chunks
+        if interleaved.has_next(pp, p, v, chunk):
+            self._take_until("grad", chunk, i)
+        super().backward_chunk(chunk, i)
+        if interleaved.has_prev(p, chunk):
+            self.net.post_send((p, "grad"), (p - 1) % pp, ("grad", chunk - (p == 0), i))
+
+    def exchange(
+        self, send_forward=None, send_backward=None, recv_forward=False, recv_backward=False
+    ):
+        self.due["act"] += recv_forward
+        self.due["grad"] += recv_backward
+
+
+@pytest.mark.parametrize("pp,v,m", [c for c in INTERLEAVED_GRID if c[2] % c[0] == 0])
+def test_interleaved_1f1b_on_the_cpu_transport(pp, v, m):
+    """Sent at once, taken when needed: no deadlock, every message matched and taken in the step,
+    the same compute order."""
+
+    stages = []
+
+    def make(net, pp_, p):
+        stages.append(CpuChunkedFakeStage(net, pp_, p, v, m))
+        return stages[-1]
+
+    for p, order in enumerate(run_pipeline(interleaved_1f1b, pp, m, make)):
+        assert order == megatron_order(pp, p, v, m)
+    assert all(s.due == {"act": 0, "grad": 0} for s in stages)
+
+
 @pytest.mark.parametrize("pp,v,m", [(2, 2, 2), (3, 2, 6), (4, 3, 8), (4, 2, 4)])
 def test_interleaved_forward_only(pp, v, m):
     def make(net, pp_, p):

@@ -10,14 +10,14 @@ by order) needs: the threaded test checks that over one channel per pair.
 
 On gloo a send completes only after the receiver has posted the matching receive, and the payload moves
 when the sender's side notices that; a stage busy computing notices late (3-5 ms per message on 2 shared
-cores). So, on CPU, the receive of the next message is posted as soon as the current one is taken, before
-it is needed, and sends are not waited at once: the sender finds the receive already posted and writes
-from its own thread. One batch of sends stays in flight (waited when the next one goes out, and by
-``finish``), which bounds the activations the sends hold. NCCL runs a pair's sends and receives on one
-stream, where an early receive would hold up the send it is waiting for: there each exchange posts its
-sends and receives together (``batch_isend_irecv``) and waits for the ones with a receive; a send-only
-batch is waited by ``finish`` (waiting it at once would hold this rank's compute stream until the peer
-takes the message).
+cores). So, on CPU, the receives of a stream's next ``AHEAD`` messages are posted as soon as the current
+one is taken, before they are needed, and sends are not waited: the sender finds the receive already
+posted and writes from its own thread. A send holds its tensor until it is done (the done ones are
+dropped at each send, the rest waited by ``finish``); an activation is held until its backward anyway.
+NCCL runs a pair's sends and receives on one stream, where an early receive would hold up the send it
+is waiting for: there each exchange posts its sends and receives together (``batch_isend_irecv``) and
+waits for the ones with a receive; a send-only batch is waited by ``finish`` (waiting it at once would
+hold this rank's compute stream until the peer takes the message).
 
 Under autocast the wire carries the autocast dtype (``lightning_titan.wire``): the receiver's matmuls
 compute in it anyway. The receiver widens what it takes back to the stage's dtype, so the residual
@@ -38,6 +38,7 @@ from lightning_titan.wire import wire_dtype
 
 # Each stream has its own tag: with virtual stages on pp=2 both neighbours are the same rank.
 FORWARD_TAG, BACKWARD_TAG = 0, 1
+AHEAD = 2  # receives posted ahead per stream on CPU
 
 
 class _Inbox:
@@ -63,7 +64,8 @@ class _Inbox:
                 f"the schedule asked rank {self.peer} for more messages than StageLinks.start() announced"
             )
         work, buffer = self.posted.popleft()
-        self.post()  # the next message's receive is up before this one is waited for
+        while len(self.posted) < AHEAD and self.unposted:  # the next receives, before this wait
+            self.post()
         work.wait()
         return buffer.to(self.links.dtype)
 
@@ -144,8 +146,8 @@ class StageLinks:
             return None, None
         probes.fault("p2p")
         if self.early:
-            if sends:
-                self.finish()  # one batch of sends in flight: bounds what they hold
+            if sends:  # the sends in flight hold their tensors: drop the ones done
+                self._sends = [w for w in self._sends if not w.is_completed()]
                 self._sends += [dist.isend(t, p, group=self.group, tag=tag) for t, p, tag in sends]
             x, g = (None if box is None else box.take() for box in inboxes)
             return x, g
