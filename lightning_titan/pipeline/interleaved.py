@@ -7,7 +7,8 @@ bubble shrinks from (P-1)/(M+P-1) to (P-1)/(v*M+P-1) for v times as many message
 Every rank runs its v*M forwards in the same order: in groups of P microbatches, chunk by chunk
 (``forward_ids``), and its backwards likewise with the chunks reversed (``backward_ids``); this needs
 M to be a multiple of P. Each step's sends and receives go out together (``stage.exchange``), so
-the ring cannot deadlock.
+the ring cannot deadlock. (On CPU the stage sends each output when it is made and waits for each
+input when a chunk needs it, which deadlocks no more: ``PipelineStage.exchange``.)
 
 A chunked stage provides::
 
