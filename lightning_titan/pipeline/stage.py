@@ -350,7 +350,7 @@ class PipelineStage:
         run(self, m)
         if any(self._due.values()):  # its posted receive would take a message of the next step
             raise RuntimeError(
-                f"schedule {schedule!r} received messages no chunk took: {self._due}"
+                f"schedule {schedule!r} marked receives due that no chunk took: {self._due}"
             )
         with self._span("wait_sends", m - 1):
             self.links.finish()
