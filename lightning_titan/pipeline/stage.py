@@ -232,12 +232,17 @@ class PipelineStage:
         return self._inbox.pop((kind, chunk, i))
 
     def _take(self, kind: str) -> None:
-        """Wait for the next message of stream ``kind`` ("x": activations, "g": grads) and file it
-        under the (chunk, microbatch) the stream says it is (``interleaved.stream_ids``)."""
+        """Wait for the next message of stream ``kind`` ("x": activations, "g": grads) and file it."""
         self._due[kind] -= 1
-        chunk, i = self._streams[kind == "g"].pop(0)
+        chunk, i = self._streams[kind == "g"][0]
         with self._span("exchange", i, chunk):
             received = self.links.recv_forward() if kind == "x" else self.links.recv_backward()
+        self._file(kind, received)
+
+    def _file(self, kind: str, received: Tensor | None) -> None:
+        """File the next message of stream ``kind`` under the (chunk, microbatch) the stream says it
+        is (``interleaved.stream_ids``)."""
+        chunk, i = self._streams[kind == "g"].pop(0)
         self._inbox[kind, chunk, i] = received
 
     def exchange(
@@ -266,13 +271,10 @@ class PipelineStage:
         dx = None if send_backward is None else self._outbox.pop(("dx", *send_backward))
         with self._span("exchange", (send_forward or send_backward or (0, 0))[1]):
             x, g = self.links.exchange(y, dx, recv_forward, recv_backward)
-        acts, grads = self._streams
         if recv_forward:
-            chunk, i = acts.pop(0)
-            self._inbox["x", chunk, i] = x
+            self._file("x", x)
         if recv_backward:
-            chunk, i = grads.pop(0)
-            self._inbox["g", chunk, i] = g
+            self._file("g", g)
 
     # zbv (zbv.py): the V's two chunks, B and W apart; inputs and outputs by (chunk, microbatch) ------
     def backward_input_chunk(self, chunk: int, i: int) -> None:
