@@ -9,7 +9,10 @@ needs only half the traffic. On CPU tensors (gloo) this sends each rank its rows
 with one all-to-all and sums the ``n`` pieces locally: every rank sends ``(n - 1) / n`` of the buffer,
 what a ring reduce-scatter sends. Measured with ``python -m lightning_titan.bench.collectives``
 (docs/benchmarks.md), best of 10 on 2 and 4 ranks, 1-16 MB: 1.1-2.4x faster than gloo's own and
-below its all-reduce in 5 of 6 sizes. Other devices keep the backend's own (NCCL's ring).
+below its all-reduce in 5 of 6 sizes. On two ranks the peer's chunk goes straight into the output
+and this rank's own is added there: no receive buffer, which on CPU is fresh pages (glibc hands a
+freed buffer of megabytes back to the kernel) on every call. Other devices keep the backend's own
+(NCCL's ring).
 
 **All-gather** (ZeRO's parameters): gloo's ``all_gather_into_tensor`` gathers into a fresh flat
 buffer of the whole output and copies it out (ProcessGroupGloo's allgather work), and above glibc's
@@ -27,18 +30,22 @@ from torch import Tensor
 
 
 class _SumOnWait(dist.Work):
-    """The all-to-all's work; ``wait()`` also sums the received pieces into the output."""
+    """The all-to-all's work; ``wait()`` also sums the received pieces (and, on two ranks, this
+    rank's own chunk of the input) into the output."""
 
-    def __init__(self, work: dist.Work, pieces_NX: Tensor, output: Tensor) -> None:
+    def __init__(self, work: dist.Work, pieces: tuple[Tensor, ...], output: Tensor) -> None:
         super().__init__()
         self.work, self.output = work, output
-        self.pieces_NX: Tensor | None = pieces_NX
+        self.pieces: tuple[Tensor, ...] | None = pieces
 
     def wait(self, timeout: object = None) -> bool:
-        if self.pieces_NX is not None:
+        if self.pieces is not None:
             self.work.wait()
-            torch.sum(self.pieces_NX, dim=0, out=self.output.view(-1))
-            self.pieces_NX = None  # the received copy goes with the first wait
+            if len(self.pieces) == 1:  # n ranks' pieces, stacked
+                torch.sum(self.pieces[0], dim=0, out=self.output.view(-1))
+            else:  # two ranks: the peer's piece came straight into the output
+                self.output.view(-1).add_(self.pieces[1])
+            self.pieces = None  # the received copy goes with the first wait
         return True
 
 
@@ -51,9 +58,19 @@ def reduce_scatter(
     if input.device.type != "cpu":
         return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
     n = dist.get_world_size(group)
-    received = torch.empty_like(input)
-    work = dist.all_to_all_single(received, input, group=group, async_op=True)
-    pending = _SumOnWait(work, received.view(n, -1), output)
+    chunks = input.view(n, -1)
+    if n == 2:  # the peer's chunk straight into the output: no receive buffer (fresh pages on CPU)
+        me = dist.get_rank(group)
+        sizes = [0, 0]
+        sizes[1 - me] = chunks.shape[1]
+        work = dist.all_to_all_single(
+            output.view(-1), chunks[1 - me], sizes, sizes, group=group, async_op=True
+        )
+        pending = _SumOnWait(work, (output, chunks[me]), output)
+    else:
+        received = torch.empty_like(input)
+        work = dist.all_to_all_single(received, input, group=group, async_op=True)
+        pending = _SumOnWait(work, (received.view(n, -1),), output)
     if async_op:
         return pending
     pending.wait()

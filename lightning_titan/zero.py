@@ -9,7 +9,8 @@ of the rank's rows, so the optimizer's in-place update writes straight into the 
 state (AdamW's two moments) exists for those rows only. After the step the group all-gathers the
 updated rows (bucketed: one collective per bucket) and the grads are dropped. Each rank packs its rows
 into its chunk of a gather buffer kept from step to step (one per dtype, the size of the largest
-bucket, which the gather would peak at anyway): a new one of tens of MB is fresh pages every step,
+bucket, which the gather would peak at anyway; ZeRO-2's reducer borrows it during backward): a new
+one of tens of MB is fresh pages every step,
 and at d_model 256 their faults cost more CPU than the copies (10,000 faults a step on dp2; the
 gather 65 -> 39 ms per rank once the buffer was kept, after 94 -> 65 from gloo's all-gather to
 ``collectives.all_gather_``).
@@ -135,12 +136,23 @@ class ZeroGroup:
             _GatherBucket([self.shards[id(sharded[i])] for i in indices], self.n, self.q)
             for indices in assign_buckets(sharded, bucket_cap_mb * 1024 * 1024)
         ]
-        kept: dict[torch.dtype, Tensor] = {}  # the gather buffer of each dtype (module doc)
-        for b in self.buckets:
-            if b.dtype not in kept:
-                numel = max(c.slot for c in self.buckets if c.dtype == b.dtype) * self.n
-                kept[b.dtype] = b.shards[0].param.new_empty(numel)
-            b.bind(kept[b.dtype][: b.slot * self.n], self.q)
+        self.kept: dict[torch.dtype, Tensor] = {}  # the gather buffer of each dtype (module doc)
+        for b in self.buckets:  # each dtype's the size of its largest bucket
+            numel = max(c.slot for c in self.buckets if c.dtype == b.dtype) * self.n
+            self.reserve(b.shards[0].param, numel)
+
+    def reserve(self, like: Tensor, numel: int) -> Tensor:
+        """The kept buffer of ``like``'s dtype (and device), grown to at least ``numel`` elements; every
+        gather bucket of that dtype is bound to its start. ZeRO-2's reducer borrows it too, for a
+        bucket's reduce-scatter input: it is idle from the end of one gather to the start of the next,
+        and a fresh buffer of that size is fresh pages on CPU every step (``zero_grads.py``)."""
+        kept = self.kept.get(like.dtype)
+        if kept is None or kept.numel() < numel:
+            kept = self.kept[like.dtype] = like.new_empty(numel)
+            for b in self.buckets:
+                if b.dtype == like.dtype:
+                    b.bind(kept[: b.slot * self.n], self.q)
+        return kept
 
     def bind_grads(self, drop: bool = False) -> None:
         """Each shard's grad: its reduced, clipped rows, or None (``drop``: a skipped step). ZeRO-1:
