@@ -30,22 +30,26 @@ from torch import Tensor
 
 
 class _SumOnWait(dist.Work):
-    """The all-to-all's work; ``wait()`` also sums the received pieces (and, on two ranks, this
-    rank's own chunk of the input) into the output."""
+    """The all-to-all's work; ``wait()`` also sums what it received into ``output``: the ``n``
+    pieces stacked in ``received_NX``, or, on two ranks, this rank's own chunk ``own`` onto the
+    peer's piece, which the all-to-all wrote into ``output`` itself."""
 
-    def __init__(self, work: dist.Work, pieces: tuple[Tensor, ...], output: Tensor) -> None:
+    def __init__(
+        self, work: dist.Work, output: Tensor, received_NX: Tensor | None, own: Tensor | None
+    ) -> None:
         super().__init__()
-        self.work, self.output = work, output
-        self.pieces: tuple[Tensor, ...] | None = pieces
+        self.work, self.output, self.received_NX, self.own = work, output, received_NX, own
+        self.summed = False
 
     def wait(self, timeout: object = None) -> bool:
-        if self.pieces is not None:
+        if not self.summed:
             self.work.wait()
-            if len(self.pieces) == 1:  # n ranks' pieces, stacked
-                torch.sum(self.pieces[0], dim=0, out=self.output.view(-1))
-            else:  # two ranks: the peer's piece came straight into the output
-                self.output.view(-1).add_(self.pieces[1])
-            self.pieces = None  # the received copy goes with the first wait
+            if self.own is None:
+                torch.sum(self.received_NX, dim=0, out=self.output.view(-1))
+            else:
+                self.output.view(-1).add_(self.own)
+            self.received_NX = self.own = None  # the received copy goes with the first wait
+            self.summed = True
         return True
 
 
@@ -66,11 +70,11 @@ def reduce_scatter(
         work = dist.all_to_all_single(
             output.view(-1), chunks[1 - me], sizes, sizes, group=group, async_op=True
         )
-        pending = _SumOnWait(work, (output, chunks[me]), output)
+        pending = _SumOnWait(work, output, None, own=chunks[me])
     else:
         received = torch.empty_like(input)
         work = dist.all_to_all_single(received, input, group=group, async_op=True)
-        pending = _SumOnWait(work, (received.view(n, -1),), output)
+        pending = _SumOnWait(work, output, received.view(n, -1), own=None)
     if async_op:
         return pending
     pending.wait()

@@ -114,8 +114,8 @@ MUTATIONS = {
                               ["tests/test_equivalence.py", "-k", "2"]),
     # ZeRO-2 / TP on two gloo ranks: the sum adds the chunk sent away, not this rank's own
     "reduce_scatter_pair_sum": ("lightning_titan/collectives.py",
-                                "pending = _SumOnWait(work, (output, chunks[me]), output)",
-                                "pending = _SumOnWait(work, (output, chunks[1 - me]), output)",
+                                "pending = _SumOnWait(work, output, None, own=chunks[me])",
+                                "pending = _SumOnWait(work, output, None, own=chunks[1 - me])",
                                 ["tests/test_reducer.py", "-k", "four_gloo"]),
     # ZeRO-2: every bucket borrows the kept buffer, so buckets in flight overwrite each other's input
     "zero2_borrow_shared": ("lightning_titan/zero_grads.py",
