@@ -137,11 +137,11 @@ class ZeroGroup:
             for indices in assign_buckets(sharded, bucket_cap_mb * 1024 * 1024)
         ]
         self.kept: dict[torch.dtype, Tensor] = {}  # the gather buffer of each dtype (module doc)
-        for b in self.buckets:  # each dtype's the size of its largest bucket
-            numel = max(c.slot for c in self.buckets if c.dtype == b.dtype) * self.n
-            self.reserve(b.shards[0].param, numel)
+        for dtype in {b.dtype for b in self.buckets}:  # each the size of its dtype's largest bucket
+            same = [b for b in self.buckets if b.dtype == dtype]
+            self.reserve(same[0].shards[0].param, max(b.slot for b in same) * self.n)
 
-    def reserve(self, like: Tensor, numel: int) -> Tensor:
+    def reserve(self, like: Tensor, numel: int) -> None:
         """The kept buffer of ``like``'s dtype (and device), grown to at least ``numel`` elements; every
         gather bucket of that dtype is bound to its start. ZeRO-2's reducer borrows it too, for a
         bucket's reduce-scatter input: it is idle from the end of one gather to the start of the next,
@@ -152,7 +152,6 @@ class ZeroGroup:
             for b in self.buckets:
                 if b.dtype == like.dtype:
                     b.bind(kept[: b.slot * self.n], self.q)
-        return kept
 
     def bind_grads(self, drop: bool = False) -> None:
         """Each shard's grad: its reduced, clipped rows, or None (``drop``: a skipped step). ZeRO-1:
