@@ -10,7 +10,9 @@ injection point of that phase in that step. Actions:
 - ``exit``: leave at once with exit code :data:`EXIT_CODE`, no cleanup (as a C++ abort would);
 - ``kill``: SIGKILL this process (as the OOM killer would);
 - ``term``: SIGTERM to this process (as a scheduler preempting the job would);
-- ``note``: nothing but the line below (the test sends a signal of its own when it reads it);
+- ``note``: the line below, then this rank waits (at most :data:`NOTE_HOLD_S`) for a SIGUSR1: a test
+  reads the line, sends a signal of its own, then SIGUSR1 to the pid the line names, so that a loaded
+  machine cannot run the job past the step before the test's signal lands;
 - ``nan`` / ``inf``: poison the phase's tensor (stage output, backward objective, all-to-all payload).
 
 The variable is read once, when this module is imported (by the strategy); a fault installs itself at
@@ -22,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +38,7 @@ PHASES = ("forward", "backward", "p2p", "all_to_all", "all_reduce", "checkpoint_
 ACTIONS = ("raise", "exit", "kill", "term", "note", "nan", "inf")
 TENSOR_PHASES = ("forward", "backward", "all_to_all")  # where nan/inf has a tensor to poison
 EXIT_CODE = 13
+NOTE_HOLD_S = 60.0
 
 
 class InjectedFault(RuntimeError):
@@ -98,9 +102,17 @@ def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
     if _fired or phase != fault.phase or _step != fault.step or rank != fault.rank:
         return tensor
     _fired = True
+    released: list[int] = []
+    if fault.action == "note":  # before the line: the test's SIGUSR1 may follow it at once
+        previous = signal.signal(signal.SIGUSR1, lambda signum, frame: released.append(signum))
     what = f"{ENV} fired: rank {rank} (pid {os.getpid()}) {fault.action} in {phase} at step {_step}"
     sys.stderr.flush()
     os.write(sys.stderr.fileno(), f"{what}\n".encode())  # one write: ranks share the stream
+    if fault.action == "note":
+        deadline = time.monotonic() + NOTE_HOLD_S
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.01)  # the handler runs between these sleeps, as any signal's would
+        signal.signal(signal.SIGUSR1, previous)
     if fault.action == "raise":
         raise InjectedFault(what)
     if fault.action == "exit":
