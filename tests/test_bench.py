@@ -3,6 +3,7 @@ the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 r
 torch ``parallelize_module`` peer included)."""
 
 import json
+import re
 import time
 from dataclasses import asdict, replace
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from lightning_titan import tracing
+from lightning_titan.bench.cases import step_ratio
 from lightning_titan.bench.memory import SavedTensorMeter
 from lightning_titan.bench.runners import token_loss_sum
 from lightning_titan.engine import Engine
@@ -421,6 +423,17 @@ def _state(expert_opt, non_expert_opt, params=100):
             "non_expert_optimizer": non_expert_opt}  # fmt: skip
 
 
+def test_a_step_ratio_shows_the_medians_ratio_and_its_range_over_the_paired_rounds():
+    """Round i of one implementation against round i of the other (timed back to back), not the
+    fastest of one against the slowest of the other."""
+    peer = {"step_ms": 12.0, "rounds_ms": [10.0, 12.0, 15.0]}
+    ours = {"step_ms": 10.0, "rounds_ms": [10.0, 10.0, 10.0]}
+    assert step_ratio(peer, ours) == "1.20x (1.00-1.50)"
+    loaded_second_round = {"step_ms": 15.0, "rounds_ms": [10.0, 20.0]}  # both slowed alike
+    assert step_ratio(loaded_second_round, loaded_second_round) == "1.00x (1.00-1.00)"
+    assert step_ratio({"step_ms": 12.0}, {"step_ms": 10.0}) == "1.20x"  # no rounds recorded
+
+
 def test_zero_table_ideal_splits_expert_state_over_dp_and_the_rest_over_dp_times_ep():
     from lightning_titan.bench import report
 
@@ -555,6 +568,10 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     assert sum(peer_ranks) == pytest.approx(zero["mb"]["titan"]["optimizer"] * 1e6, abs=1)
     assert min(peer_ranks) > 0
     assert zero["step_ratio"] > 0 and zero["peer_step_ratio"] > 0
+    for cell, median in ((zero["step_cell"], zero["step_ratio"]), *(
+            (p["ratio_cell"], p["ratio"]) for p in results["peers"])):  # fmt: skip
+        lo, hi = map(float, re.fullmatch(r"\d+\.\d\dx \((\S+)-(\S+)\)", cell).groups())
+        assert lo - 0.005 <= median <= hi + 0.005, cell  # a median's ratio lies within the rounds'
     split = zero["split_ms"]  # recorded steps: only zero=1 gathers parameters
     assert split["zero0"]["all_gather"] == 0 < split["zero1"]["all_gather"]
     assert split["zero1"]["optimizer"] > 0

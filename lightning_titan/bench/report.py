@@ -17,6 +17,7 @@ from lightning_titan.bench.cases import (
     ZERO_LEVELS,
     Case,
     Settings,
+    step_ratio,
 )
 from lightning_titan.bench.cp_report import cp_markdown, cp_rows  # noqa: F401 (suite)
 from lightning_titan.bench.schedule_report import schedules_markdown
@@ -149,7 +150,8 @@ def peer_ratios(rows: list[dict]) -> list[dict]:
             out.append({
                 "world": row["world"], "case": row["case"], "peer": impl, "baseline": base,
                 "peer_label": label, "ours_tokens_per_s": ours["tokens_per_s"],
-                "peer_tokens_per_s": peer["tokens_per_s"], "ratio": ratio, "target": target,
+                "peer_tokens_per_s": peer["tokens_per_s"], "ratio": ratio,
+                "ratio_cell": step_ratio(peer, ours), "target": target,
                 "ours_cpu_ms": ours["cpu_ms"], "peer_cpu_ms": peer["cpu_ms"],
                 "cpu_ratio": peer["cpu_ms"] / ours["cpu_ms"],
                 "met": None if target is None else ratio >= target,
@@ -252,8 +254,8 @@ def markdown(results: dict) -> str:
             f"{t['other']:.1f} | {bubble} | {max(ours['peak_mb_per_rank']):.0f} | "
             f"{max(r['state']['mb_per_rank']):.2f} |"
         )
-    lines += ["", "**Peers** (same model, batches, steps and rounds; ratio = peer step time / ours; "
-              "CPU ratio = peer CPU time per step / ours, all ranks, which other load on the machine "
+    lines += ["", "**Peers** (same model, batches, steps and rounds; ratio = peer step time / ours, "
+              "its range over the rounds in brackets; CPU ratio = peer CPU time per step / ours, all ranks, which other load on the machine "
               "does not inflate)", "",
               "| ranks | composition | peer | ours tokens/s | peer tokens/s | ratio | target | met "
               "| CPU ms ours / peer | CPU ratio |", "|---:|---|---|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
@@ -261,7 +263,7 @@ def markdown(results: dict) -> str:
         target = "-" if p["target"] is None else f">= {p['target']:.2f}x"
         lines.append(
             f"| {p['world']} | {p['case']} | {p['peer_label']} | {p['ours_tokens_per_s']:,.0f} | "
-            f"{p['peer_tokens_per_s']:,.0f} | {p['ratio']:.2f}x | {target} | {_mark(p['met'])} | "
+            f"{p['peer_tokens_per_s']:,.0f} | {p['ratio_cell']} | {target} | {_mark(p['met'])} | "
             f"{p['ours_cpu_ms']:.0f} / {p['peer_cpu_ms']:.0f} | {p['cpu_ratio']:.2f}x |"
         )
     if results["dispatch"]:
