@@ -255,8 +255,8 @@ def markdown(results: dict) -> str:
             f"{max(r['state']['mb_per_rank']):.2f} |"
         )
     lines += ["", "**Peers** (same model, batches, steps and rounds; ratio = peer step time / ours, "
-              "its range over the rounds in brackets; CPU ratio = peer CPU time per step / ours, all ranks, which other load on the machine "
-              "does not inflate)", "",
+              "its range over the rounds in brackets; CPU ratio = peer CPU time per step / ours, "
+              "all ranks, which other load on the machine does not inflate)", "",
               "| ranks | composition | peer | ours tokens/s | peer tokens/s | ratio | target | met "
               "| CPU ms ours / peer | CPU ratio |", "|---:|---|---|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
     for p in results["peers"]:

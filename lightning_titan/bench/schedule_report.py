@@ -103,8 +103,8 @@ def schedules_markdown(srows: list[dict], checks: list[dict]) -> list[str]:
              "schedule's ideal one (its order replayed with equal stages, F 1, B 2, zero-bubble B 1 + W "
              "1); activations saved for backward (peak MB) beside the theory: the schedule's live "
              "microbatch-chunks (count) times what one microbatch of each chunk saves; step time "
-             "against torch.distributed.pipelining's schedule over the same stage modules (its range over "
-             "the rounds in brackets)", "",
+             "against torch.distributed.pipelining's schedule over the same stage modules (its "
+             "range over the rounds in brackets)", "",
              "| case | M | layers per stage | step ms | torch ms | torch / ours | bubble measured "
              "| replay | replay CPU | uneven stages | theory | activations MB | theory MB | live |",
              "|---|---:|---|---:|---:|---:|---|---|---|---|---:|---|---|---|"]  # fmt: skip

@@ -113,9 +113,10 @@ def zero_markdown(zero: list[dict]) -> list[str]:
     lines = ["", "**ZeRO-1**: model state per rank in MB (largest rank; params and grads stay whole "
              "at zero=1), optimizer state zero=1 / zero=0 on the worst rank against the ideal "
              "(each parameter's over its own data-parallel group: experts over dp x cp x tp ranks, "
-             "TP-cut weights over dp x ep x cp, the rest over dp x ep x cp x tp); step and CPU time per step "
-             "against zero=0 in the same rounds (a step's range over the rounds in brackets); optimizer and parameter all-gather ms per rank from the "
-             "recorded steps. ZRO: torch DDP + ZeroRedundancyOptimizer(AdamW)",
+             "TP-cut weights over dp x ep x cp, the rest over dp x ep x cp x tp); step and CPU time "
+             "per step against zero=0 in the same rounds (a step's range over the rounds in "
+             "brackets); optimizer and parameter all-gather ms per rank from the recorded steps. "
+             "ZRO: torch DDP + ZeroRedundancyOptimizer(AdamW)",
              "",
              "| ranks | composition | params MB | grads MB | optimizer MB zero=0 | zero=1 "
              "| zero=1 / zero=0 (ideal) | within 5% | ZRO optimizer MB "
@@ -152,8 +153,9 @@ def zero2_markdown(zero: list[dict]) -> list[str]:
     lines = ["", "**ZeRO-2**: grads a rank keeps after the step in MB (largest rank; its rows of the "
              "reduce-scattered grads), zero=2 / zero=0 on the worst rank against the ideal (split as "
              "the optimizer state); optimizer state as zero=1; step and CPU "
-             "time per step against zero=0 in the same rounds (a step's range over the rounds in brackets); optimizer and parameter all-gather "
-             "ms per rank from the recorded steps; FSDP2: torch's fully_shard on each block and the "
+             "time per step against zero=0 in the same rounds (a step's range over the rounds in "
+             "brackets); optimizer and parameter all-gather ms per rank from the recorded steps; "
+             "FSDP2: torch's fully_shard on each block and the "
              "root (reshard_after_forward=False: it shards the parameters too, between steps) over AdamW",
              "",
              "| ranks | composition | grads MB zero=0 | zero=2 | zero=2 / zero=0 (ideal) | within 5% "
