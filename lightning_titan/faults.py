@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -103,12 +104,14 @@ def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
         return tensor
     _fired = True
     released: list[int] = []
-    if fault.action == "note":  # before the line: the test's SIGUSR1 may follow it at once
+    # only the main thread can take a signal handler; elsewhere (a saving thread) note just prints
+    hold = fault.action == "note" and threading.current_thread() is threading.main_thread()
+    if hold:  # before the line: the test's SIGUSR1 may follow it at once
         previous = signal.signal(signal.SIGUSR1, lambda signum, frame: released.append(signum))
     what = f"{ENV} fired: rank {rank} (pid {os.getpid()}) {fault.action} in {phase} at step {_step}"
     sys.stderr.flush()
     os.write(sys.stderr.fileno(), f"{what}\n".encode())  # one write: ranks share the stream
-    if fault.action == "note":
+    if hold:
         deadline = time.monotonic() + NOTE_HOLD_S
         while not released and time.monotonic() < deadline:
             time.sleep(0.01)  # the handler runs between these sleeps, as any signal's would

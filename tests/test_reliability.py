@@ -37,7 +37,7 @@ from lightning_titan import TitanDataModule, TitanStrategy
 from lightning_titan.checkpoint import consolidate, consolidate_optimizers
 from lightning_titan.checkpoint.reader import read_checkpoint_info
 from lightning_titan.config_files import compose_config
-from lightning_titan.faults import Fault
+from lightning_titan.faults import NOTE_HOLD_S, Fault
 from lightning_titan.launch import free_port
 from lightning_titan.orphans import running
 from lightning_titan.supervisor import describe_exit, failure_report
@@ -320,6 +320,38 @@ def test_fault_spec_is_parsed_and_checked():
             Fault.parse(spec)
     assert describe_exit(-9) == "was killed by SIGKILL"
     assert describe_exit(13) == "exited with code 13"
+
+
+_NOTE_PROBE = """
+import os, signal, threading, time
+from lightning_titan import faults
+start = time.monotonic()
+elsewhere = threading.Thread(target=faults._fire, args=("forward", None))
+elsewhere.start()
+elsewhere.join()
+off_main = time.monotonic() - start
+faults._fired = False
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+start = time.monotonic()
+faults._fire("forward", None)
+print(off_main, time.monotonic() - start, signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_note_holds_the_main_thread_until_sigusr1_and_prints_only_elsewhere():
+    """TITAN_FAULT's ``note``: in the main thread it waits for the test's SIGUSR1 (sent 1 s later
+    here) and then puts the old handler back; in another thread, which cannot take a handler, it
+    only prints."""
+    env = {**os.environ, "TITAN_FAULT": "rank=0,step=0,phase=forward,action=note"}
+    run = subprocess.run([sys.executable, "-c", _NOTE_PROBE], env=env, capture_output=True,
+                         text=True, timeout=100)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stderr.count("TITAN_FAULT fired: rank 0") == 2, run.stderr[-2000:]
+    off_main, held, restored = run.stdout.split()
+    assert float(off_main) < NOTE_HOLD_S / 2, off_main
+    assert 1.0 <= float(held) < NOTE_HOLD_S / 2, held  # released by the signal, not the deadline
+    assert restored == "True"
 
 
 def test_failure_report_names_the_dead_peer():
