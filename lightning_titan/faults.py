@@ -21,11 +21,13 @@ The variable is read once, when this module is imported (by the strategy); a fau
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +96,22 @@ def set_step(step: int) -> None:
     _step = step
 
 
+@contextlib.contextmanager
+def _held_until_sigusr1() -> Iterator[None]:
+    """``note``: the handler is in place before the body prints the line (the test's SIGUSR1 may
+    follow it at once); then wait for the signal, at most :data:`NOTE_HOLD_S`, and put back the
+    handler that was there."""
+    released: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: released.append(signum))
+    try:
+        yield
+        deadline = time.monotonic() + NOTE_HOLD_S
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.01)  # the handler runs between these sleeps, as any signal's would
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
     """An injection point reached: return ``tensor`` (poisoned for nan/inf), or fail as TITAN_FAULT says."""
     global _fired
@@ -103,19 +121,12 @@ def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
     if _fired or phase != fault.phase or _step != fault.step or rank != fault.rank:
         return tensor
     _fired = True
-    released: list[int] = []
     # only the main thread can take a signal handler; elsewhere (a saving thread) note just prints
     hold = fault.action == "note" and threading.current_thread() is threading.main_thread()
-    if hold:  # before the line: the test's SIGUSR1 may follow it at once
-        previous = signal.signal(signal.SIGUSR1, lambda signum, frame: released.append(signum))
     what = f"{ENV} fired: rank {rank} (pid {os.getpid()}) {fault.action} in {phase} at step {_step}"
-    sys.stderr.flush()
-    os.write(sys.stderr.fileno(), f"{what}\n".encode())  # one write: ranks share the stream
-    if hold:
-        deadline = time.monotonic() + NOTE_HOLD_S
-        while not released and time.monotonic() < deadline:
-            time.sleep(0.01)  # the handler runs between these sleeps, as any signal's would
-        signal.signal(signal.SIGUSR1, previous)
+    with _held_until_sigusr1() if hold else contextlib.nullcontext():
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), f"{what}\n".encode())  # one write: ranks share the stream
     if fault.action == "raise":
         raise InjectedFault(what)
     if fault.action == "exit":
