@@ -3,7 +3,6 @@ the recorder wired into the stack, and ``titan bench --quick`` end to end on 2 r
 torch ``parallelize_module`` peer included)."""
 
 import json
-import re
 import time
 from dataclasses import asdict, replace
 
@@ -11,8 +10,8 @@ import pytest
 import torch
 
 from lightning_titan import tracing
-from lightning_titan.bench.cases import step_ratio
 from lightning_titan.bench.memory import SavedTensorMeter
+from lightning_titan.bench.paired import Ratio, all_of, median_interval
 from lightning_titan.bench.runners import token_loss_sum
 from lightning_titan.engine import Engine
 from lightning_titan.model import ModelConfig, StageModel
@@ -423,15 +422,44 @@ def _state(expert_opt, non_expert_opt, params=100):
             "non_expert_optimizer": non_expert_opt}  # fmt: skip
 
 
-def test_a_step_ratio_shows_the_medians_ratio_and_its_range_over_the_paired_rounds():
+def test_the_median_interval_is_the_sign_tests_at_90_percent():
+    """The k-th smallest and k-th largest of n values, k the largest with 2 P(Binomial(n, 1/2) < k)
+    <= 0.1 (the standard table: n=5 the extremes, n=9 the second, n=15 the fourth, n=21 the
+    seventh); none below 5 values, where even the extremes miss the median 1 time in 8."""
+    for n, k in ((5, 1), (9, 2), (15, 4), (21, 7)):
+        values = [float(v) for v in reversed(range(n))]  # any order: it sorts
+        assert median_interval(values) == (k - 1, n - k), n
+    assert median_interval([1.0, 2.0, 3.0, 4.0]) is None
+    assert median_interval([float(v) for v in range(15)], confidence=0.5) == (5, 9)
+
+
+def test_a_ratio_pairs_the_rounds_and_decides_a_target_only_where_its_interval_does():
     """Round i of one implementation against round i of the other (timed back to back), not the
-    fastest of one against the slowest of the other."""
-    peer = {"step_ms": 12.0, "rounds_ms": [10.0, 12.0, 15.0]}
-    ours = {"step_ms": 10.0, "rounds_ms": [10.0, 10.0, 10.0]}
-    assert step_ratio(peer, ours) == "1.20x (1.00-1.50)"
-    loaded_second_round = {"step_ms": 15.0, "rounds_ms": [10.0, 20.0]}  # both slowed alike
-    assert step_ratio(loaded_second_round, loaded_second_round) == "1.00x (1.00-1.00)"
-    assert step_ratio({"step_ms": 12.0}, {"step_ms": 10.0}) == "1.20x"  # no rounds recorded
+    fastest of one against the slowest of the other; a target is met or missed only when the whole
+    interval is on one side of it."""
+    loaded = {"step_ms": 15.0, "rounds_ms": [10.0, 20.0, 10.0, 20.0, 10.0]}  # both slowed alike
+    same = Ratio.of(loaded, loaded)
+    assert same == Ratio(1.0, (1.0, 1.0)) and same.cell == "1.00x (1.00-1.00)"
+
+    def rounds(*ratios):
+        return {"rounds_ms": [10.0 * r for r in ratios]}, {"rounds_ms": [10.0] * len(ratios)}
+
+    within = Ratio.of(*rounds(1.04, 1.01, 1.045, 1.02, 1.03))
+    assert within.median == pytest.approx(1.03) and within.interval == pytest.approx((1.01, 1.045))
+    assert within.at_most(1.05) is True and within.at_least(1.05) is False
+    straddles = Ratio.of(*rounds(0.98, 1.02, 1.03, 1.04, 1.09))
+    assert straddles.at_most(1.05) is None and straddles.at_least(1.05) is None
+    assert straddles.cell == "1.03x (0.98-1.09)"
+    above = Ratio.of(*rounds(1.06, 1.07, 1.2, 1.08, 1.1))
+    assert above.at_most(1.05) is False and above.at_least(1.05) is True
+    # fewer than 5 rounds give no interval: the median alone decides, as one number did before
+    few = Ratio.of({"step_ms": 12.0, "rounds_ms": [10.0, 12.0, 15.0]}, {"step_ms": 10.0,
+                   "rounds_ms": [10.0, 10.0, 10.0]})  # fmt: skip
+    assert few == Ratio(1.2, None) and few.cell == "1.20x" and few.at_least(1.05) is True
+    assert Ratio.of({"step_ms": 12.0}, {"step_ms": 10.0}) == Ratio(1.2, None)  # no rounds recorded
+    assert (
+        all_of(True, True) is True and all_of(True, None) is None and all_of(None, False) is False
+    )
 
 
 def test_zero_table_ideal_splits_expert_state_over_dp_and_the_rest_over_dp_times_ep():
@@ -506,8 +534,9 @@ def test_zero2_table_splits_grads_like_the_state_and_times_against_zero_0():
     # torch FSDP2 shards what zero=2 does: it is timed against ours at zero=2
     row["impls"]["fsdp2"] = impl(10.1, zero2)
     (z,) = report.zero_rows([row])
-    assert z["zero2"]["peer_step_ratio"] == pytest.approx(1.01) and not z["zero2"]["peer_met"]
-    assert "| 1.01x | **no** |" in "\n".join(report.zero_markdown([z]))
+    z2 = z["zero2"]
+    assert z2["peer_step_ratio"] == pytest.approx(10.1 / 10.2) and z2["peer_met"] is False
+    assert "| 0.99x | **no** |" in "\n".join(report.zero_markdown([z]))
     (peer,) = report.peer_ratios([row])
     assert peer["baseline"] == "titan_zero2" and peer["ratio"] == pytest.approx(10.1 / 10.2)
 
@@ -527,7 +556,7 @@ def test_the_zero_peer_is_timed_against_ours_at_zero_1():
     assert peers["ddp_zero"]["baseline"] == "titan_zero1" and peers["ddp_zero"]["met"]
     assert peers["ddp_zero"]["ratio"] == pytest.approx(13 / 12)
     (z,) = report.zero_rows([row])
-    assert z["peer_step_ratio"] == pytest.approx(1.3) and z["peer_met"]
+    assert z["peer_step_ratio"] == pytest.approx(13 / 12) and z["peer_met"]
 
 
 @pytest.mark.timeout(300)
@@ -568,10 +597,16 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     assert sum(peer_ranks) == pytest.approx(zero["mb"]["titan"]["optimizer"] * 1e6, abs=1)
     assert min(peer_ranks) > 0
     assert zero["step_ratio"] > 0 and zero["peer_step_ratio"] > 0
-    for cell, median in ((zero["step_cell"], zero["step_ratio"]), *(
-            (p["ratio_cell"], p["ratio"]) for p in results["peers"])):  # fmt: skip
-        lo, hi = map(float, re.fullmatch(r"\d+\.\d\dx \((\S+)-(\S+)\)", cell).groups())
-        assert lo - 0.005 <= median <= hi + 0.005, cell  # a median's ratio lies within the rounds'
+    # 2 rounds: too few for an interval, so each ratio is the median of its 2 paired rounds'
+    dp_impls = dp["impls"]
+    for cell, median, (a, b) in ((zero["step_cell"], zero["step_ratio"], ("titan_zero1", "titan")),
+                                 (zero["cpu_cell"], zero["cpu_ratio"], ("titan_zero1", "titan")),
+                                 *((p["ratio_cell"], p["ratio"], (p["peer"], p["baseline"]))
+                                   for p in results["peers"] if p["case"] == "dp2")):  # fmt: skip
+        key = "rounds_cpu_ms" if cell is zero["cpu_cell"] else "rounds_ms"
+        pairs = [x / y for x, y in zip(dp_impls[a][key], dp_impls[b][key], strict=True)]
+        assert len(pairs) == 2 and median == pytest.approx(sum(pairs) / 2), cell
+        assert cell == f"{median:.2f}x"
     split = zero["split_ms"]  # recorded steps: only zero=1 gathers parameters
     assert split["zero0"]["all_gather"] == 0 < split["zero1"]["all_gather"]
     assert split["zero1"]["optimizer"] > 0

@@ -104,15 +104,6 @@ class Settings:
         return m
 
 
-def step_ratio(a: dict, b: dict) -> str:
-    """``a``'s step time / ``b``'s (two implementations' results in one case): the medians' ratio,
-    then its range over the rounds, each round's pair timed back to back, so that a reader sees how
-    far this machine's noise moves it (on a shared CPU a round can be 15 % off its neighbour)."""
-    median = f"{a['step_ms'] / b['step_ms']:.2f}x"
-    pairs = [x / y for x, y in zip(a.get("rounds_ms", ()), b.get("rounds_ms", ()), strict=True)]
-    return f"{median} ({min(pairs):.2f}-{max(pairs):.2f})" if len(pairs) > 1 else median
-
-
 def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
     """The write-up's compositions on each world size (pp <= 4: the default model has 4 layers)."""
     # zero=1 and 2 are ours with a flag: they stay under --no-peers, the ZeRO peer goes

@@ -17,9 +17,9 @@ from lightning_titan.bench.cases import (
     ZERO_LEVELS,
     Case,
     Settings,
-    step_ratio,
 )
 from lightning_titan.bench.cp_report import cp_markdown, cp_rows  # noqa: F401 (suite)
+from lightning_titan.bench.paired import INTERVAL, mark, step_and_cpu
 from lightning_titan.bench.schedule_report import schedules_markdown
 from lightning_titan.bench.tp_report import expected_tp_shares, span, tp_markdown, tp_rows
 from lightning_titan.bench.zero_report import zero_markdown, zero_rows  # noqa: F401 (suite)
@@ -59,6 +59,7 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
             "tokens_per_s": settings.tokens_per_step / step_s,
             "rounds_ms": [s * 1e3 for s in per_rank[0][impl]["step_s"]],
             "cpu_ms": per_rank[0][impl]["median_cpu_s"] * 1e3,  # all ranks together, per step
+            "rounds_cpu_ms": [s * 1e3 for s in per_rank[0][impl]["cpu_s"]],
             "peak_mb_per_rank": [r[impl]["peak_bytes"] / _MB for r in per_rank],
             "state_bytes_per_rank": [r[impl]["state_bytes"] for r in per_rank],
             "tp_cut_share": [r[impl]["tp_cut_param_bytes"] / full["tp_cut"] for r in per_rank],
@@ -146,15 +147,15 @@ def peer_ratios(rows: list[dict]) -> list[dict]:
             base = base if base in row["impls"] else OURS
             ours, target = row["impls"][base], PEER_TARGETS.get(impl)
             label = IMPL_LABELS[impl] + ("" if base == OURS else f" (vs {IMPL_LABELS[base]})")
-            ratio = peer["step_ms"] / ours["step_ms"]
+            ratio, cpu = step_and_cpu(peer, ours)
             out.append({
                 "world": row["world"], "case": row["case"], "peer": impl, "baseline": base,
                 "peer_label": label, "ours_tokens_per_s": ours["tokens_per_s"],
-                "peer_tokens_per_s": peer["tokens_per_s"], "ratio": ratio,
-                "ratio_cell": step_ratio(peer, ours), "target": target,
+                "peer_tokens_per_s": peer["tokens_per_s"], "ratio": ratio.median,
+                "ratio_cell": ratio.cell, "target": target,
                 "ours_cpu_ms": ours["cpu_ms"], "peer_cpu_ms": peer["cpu_ms"],
-                "cpu_ratio": peer["cpu_ms"] / ours["cpu_ms"],
-                "met": None if target is None else ratio >= target,
+                "cpu_ratio": cpu.median, "cpu_cell": cpu.cell,
+                "met": None if target is None else ratio.at_least(target),
             })  # fmt: skip
     return out
 
@@ -211,10 +212,6 @@ def dispatch_check(dispatch_rows: list[dict]) -> list[dict]:
 # -- markdown -------------------------------------------------------------------------------------------
 
 
-def _mark(met: bool | None) -> str:
-    return "" if met is None else ("yes" if met else "**no**")
-
-
 def _stages(values: list[float], fmt: str = "{:.2f}") -> str:
     return " / ".join(fmt.format(v) for v in values)
 
@@ -255,16 +252,18 @@ def markdown(results: dict) -> str:
             f"{max(r['state']['mb_per_rank']):.2f} |"
         )
     lines += ["", "**Peers** (same model, batches, steps and rounds; ratio = peer step time / ours, "
-              "its range over the rounds in brackets; CPU ratio = peer CPU time per step / ours, "
-              "all ranks, which other load on the machine does not inflate)", "",
+              f"{INTERVAL}; CPU ratio = peer CPU time per step / ours, all ranks, which other load "
+              "on the machine does not inflate)", "",
               "| ranks | composition | peer | ours tokens/s | peer tokens/s | ratio | target | met "
               "| CPU ms ours / peer | CPU ratio |", "|---:|---|---|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
     for p in results["peers"]:
-        target = "-" if p["target"] is None else f">= {p['target']:.2f}x"
+        target, met = (
+            ("-", "-") if p["target"] is None else (f">= {p['target']:.2f}x", mark(p["met"]))
+        )
         lines.append(
             f"| {p['world']} | {p['case']} | {p['peer_label']} | {p['ours_tokens_per_s']:,.0f} | "
-            f"{p['peer_tokens_per_s']:,.0f} | {p['ratio_cell']} | {target} | {_mark(p['met'])} | "
-            f"{p['ours_cpu_ms']:.0f} / {p['peer_cpu_ms']:.0f} | {p['cpu_ratio']:.2f}x |"
+            f"{p['peer_tokens_per_s']:,.0f} | {p['ratio_cell']} | {target} | {met} | "
+            f"{p['ours_cpu_ms']:.0f} / {p['peer_cpu_ms']:.0f} | {p['cpu_cell']} |"
         )
     if results["dispatch"]:
         lines += ["", "**EP dispatch + combine** (one process, identity experts; "
@@ -286,7 +285,7 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {m['world']} | {m['layout']} | {m['microbatches']} | "
                 f"{_stages(m['gpipe_mb_per_stage'])} | {_stages(m['1f1b_mb_per_stage'])} | "
-                f"{_stages(m['ratio_per_stage'], '{:.3f}')} | {m['ratio']:.3f} | {m['ideal']:.3f} | <= {m['target']:.3f} | {_mark(m['met'])} |"
+                f"{_stages(m['ratio_per_stage'], '{:.3f}')} | {m['ratio']:.3f} | {m['ideal']:.3f} | <= {m['target']:.3f} | {mark(m['met'])} |"
             )
     lines += ["", "**Model state per rank** (params + grads + AdamW moments): share of the whole "
               "model's parameters held, min..max over ranks, vs the expected 1/(PP*EP) of the experts "
@@ -323,6 +322,6 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {b['world']} | {b['case']} | {b['theory']:.3f} | {b['steady_compute']:.3f} | "
                 f"{b['compute_only']:.3f} | {b['measured_max']:.3f} (stage {b['stage']}) | "
-                f"<= {b['theory'] + 0.05:.3f} | {_mark(b['met'])} |"
+                f"<= {b['theory'] + 0.05:.3f} | {mark(b['met'])} |"
             )
     return "\n".join(lines) + "\n"

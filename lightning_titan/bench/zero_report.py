@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from lightning_titan.bench.cases import DDP_ZERO, FSDP2, OURS, ZERO1, ZERO2, step_ratio
+from lightning_titan.bench.cases import DDP_ZERO, FSDP2, OURS, ZERO1, ZERO2
 from lightning_titan.bench.memory import PARTS
+from lightning_titan.bench.paired import INTERVAL, Ratio, all_of, mark, step_and_cpu
 from lightning_titan.model import EXPERT, SEQUENCE, TP_SHARDED
 from lightning_titan.parallel_dims import ParallelDims
 
 _MB = 1e6
-
-
-def _mark(met: bool | None) -> str:
-    return "" if met is None else ("yes" if met else "**no**")
+TIME_TARGET = 1.05  # zero>0's step and CPU time / zero=0's, at most
 
 
 def _mb(states: list[dict[str, int]], kind: str) -> float:
@@ -46,7 +44,8 @@ def zero_rows(rows: list[dict]) -> list[dict]:
     """Per case with ours at zero=1: per-rank state (largest rank) at zero=0, zero=1 and under torch's
     ZeroRedundancyOptimizer; the optimizer-state ratio against its ideal (target: the worst rank
     within 5%); step and CPU time against zero=0 in the same rounds (target: zero=1 within 1.05x in
-    both, and a step no slower than the ZeroRedundancyOptimizer's)."""
+    both, and a step no slower than the ZeroRedundancyOptimizer's), each decided over the paired
+    rounds (``paired``: met, missed or undecided)."""
     out = []
     for row in rows:
         impls = row["impls"]
@@ -56,15 +55,14 @@ def zero_rows(rows: list[dict]) -> list[dict]:
         ratios, ideals = optimizer_shares(impls[OURS], impls[ZERO1], row)
         worst = max(range(len(ratios)), key=lambda r: ratios[r] / ideals[r])
         zero0, zero1, peer = impls[OURS], impls[ZERO1], impls.get(DDP_ZERO)
-        step, cpu_ratio = (zero1[k] / zero0[k] for k in ("step_ms", "cpu_ms"))
+        step, cpu = step_and_cpu(zero1, zero0)
         entry = {
             "world": row["world"], "case": row["case"], "dp": row["dp"], "ep": row["ep"],
             "mb": {impl: {kind: _mb(st, kind) for kind in PARTS} for impl, st in states.items()},
             "optimizer_ratio_per_rank": ratios, "ideal_per_rank": ideals,
             "optimizer_ratio": ratios[worst], "ideal": ideals[worst],
             "memory_met": abs(ratios[worst] / ideals[worst] - 1) <= 0.05,
-            "step_ratio": step, "step_cell": step_ratio(zero1, zero0), "cpu_ratio": cpu_ratio,
-            "time_target": 1.05, "time_met": max(step, cpu_ratio) <= 1.05,
+            **_time_entry(step, cpu), "time_target": TIME_TARGET,
         }  # fmt: skip
         if "time_ms" in zero1:  # recorded steps, per rank: what zero=1 saves and what it adds
             entry["split_ms"] = {
@@ -74,35 +72,42 @@ def zero_rows(rows: list[dict]) -> list[dict]:
         if ZERO2 in impls:
             entry["zero2"] = _zero2_entry(row, states)
         if peer is not None:
-            entry["peer_step_ratio"] = peer["step_ms"] / zero0["step_ms"]
-            entry["peer_step_cell"] = step_ratio(peer, zero0)
-            entry["peer_cpu_ratio"] = peer["cpu_ms"] / zero0["cpu_ms"]
-            entry["peer_met"] = peer["step_ms"] >= zero1["step_ms"]
+            entry.update(_peer_entry(peer, zero1))
         out.append(entry)
     return out
 
 
 def _zero2_entry(row: dict, states: dict[str, list[dict[str, int]]]) -> dict:
     """ZeRO-2 against zero=0: grads per rank (target: the worst rank within 5% of the ideal) and step
-    and CPU time (target: within 1.05x)."""
+    and CPU time (target: within 1.05x); FSDP2 against it (target: no faster)."""
     zero0, zero2 = row["impls"][OURS], row["impls"][ZERO2]
     ratios, ideals = optimizer_shares(zero0, zero2, row, "grads")
     worst = max(range(len(ratios)), key=lambda r: ratios[r] / ideals[r])
-    step, cpu_ratio = (zero2[k] / zero0[k] for k in ("step_ms", "cpu_ms"))
     entry = {
         "grads_ratio_per_rank": ratios, "grads_ratio": ratios[worst], "grads_ideal": ideals[worst],
         "grads_met": abs(ratios[worst] / ideals[worst] - 1) <= 0.05,
-        "step_ratio": step, "step_cell": step_ratio(zero2, zero0), "cpu_ratio": cpu_ratio,
-        "time_met": max(step, cpu_ratio) <= 1.05,
+        **_time_entry(*step_and_cpu(zero2, zero0)),
     }  # fmt: skip
     if "time_ms" in zero2:
         entry["split_ms"] = {k: zero2["time_ms"][k] for k in ("optimizer", "all_gather")}
     peer = row["impls"].get(FSDP2)
     if peer is not None:  # the peer that shards what zero=2 does (and its parameters too)
-        entry["peer_step_ratio"] = peer["step_ms"] / zero0["step_ms"]
-        entry["peer_step_cell"] = step_ratio(peer, zero0)
-        entry["peer_met"] = peer["step_ms"] >= zero2["step_ms"]
+        entry.update(_peer_entry(peer, zero2))
     return entry
+
+
+def _time_entry(step: Ratio, cpu: Ratio) -> dict:
+    return {"step_ratio": step.median, "step_cell": step.cell, "cpu_ratio": cpu.median,
+            "cpu_cell": cpu.cell,
+            "time_met": all_of(step.at_most(TIME_TARGET), cpu.at_most(TIME_TARGET))}  # fmt: skip
+
+
+def _peer_entry(peer: dict, ours: dict) -> dict:
+    """The sharded-state peer against ours at the zero level it matches (target: ours no slower)."""
+    step, cpu = step_and_cpu(peer, ours)
+    return {"peer_step_ratio": step.median, "peer_step_cell": step.cell,
+            "peer_cpu_ratio": cpu.median, "peer_cpu_cell": cpu.cell,
+            "peer_met": step.at_least(1.0)}  # fmt: skip
 
 
 def zero_markdown(zero: list[dict]) -> list[str]:
@@ -114,14 +119,14 @@ def zero_markdown(zero: list[dict]) -> list[str]:
              "at zero=1), optimizer state zero=1 / zero=0 on the worst rank against the ideal "
              "(each parameter's over its own data-parallel group: experts over dp x cp x tp ranks, "
              "TP-cut weights over dp x ep x cp, the rest over dp x ep x cp x tp); step and CPU time "
-             "per step against zero=0 in the same rounds (a step's range over the rounds in "
-             "brackets); optimizer and parameter all-gather ms per rank from the recorded steps. "
+             "per step against zero=0, and ZRO's against zero=1, in the same rounds "
+             f"({INTERVAL}); optimizer and parameter all-gather ms per rank from the recorded steps. "
              "ZRO: torch DDP + ZeroRedundancyOptimizer(AdamW)",
              "",
              "| ranks | composition | params MB | grads MB | optimizer MB zero=0 | zero=1 "
              "| zero=1 / zero=0 (ideal) | within 5% | ZRO optimizer MB "
              "| optimizer + all-gather ms zero=0 -> zero=1 | step zero=1 / zero=0 "
-             "| CPU zero=1 / zero=0 | both <= 1.05x | step ZRO / zero=0 | CPU ZRO / zero=0 "
+             "| CPU zero=1 / zero=0 | both <= 1.05x | step ZRO / zero=1 | CPU ZRO / zero=1 "
              "| zero=1 as fast as ZRO |",
              "|---:|---|---:|---:|---:|---:|---|---|---:|---|---:|---:|---|---:|---:|---|"]  # fmt: skip
     for z in zero:
@@ -129,7 +134,7 @@ def zero_markdown(zero: list[dict]) -> list[str]:
         peer = "- | - | - | - |"
         if DDP_ZERO in mb:
             peer = (f"{mb[DDP_ZERO]['optimizer']:.3f} | {z['peer_step_cell']} | "
-                    f"{z['peer_cpu_ratio']:.2f}x | {_mark(z['peer_met'])} |")  # fmt: skip
+                    f"{z['peer_cpu_cell']} | {mark(z['peer_met'])} |")  # fmt: skip
         peer_mb, peer_time = peer.split(" | ", 1)
         split = "-"
         if "split_ms" in z:
@@ -138,9 +143,9 @@ def zero_markdown(zero: list[dict]) -> list[str]:
         lines.append(
             f"| {z['world']} | {z['case']} | {mb[OURS]['params']:.3f} | {mb[OURS]['grads']:.3f} | "
             f"{mb[OURS]['optimizer']:.3f} | {mb[ZERO1]['optimizer']:.3f} | "
-            f"{z['optimizer_ratio']:.3f} ({z['ideal']:.3f}) | {_mark(z['memory_met'])} | "
-            f"{peer_mb} | {split} | {z['step_cell']} | {z['cpu_ratio']:.2f}x | "
-            f"{_mark(z['time_met'])} | {peer_time}"
+            f"{z['optimizer_ratio']:.3f} ({z['ideal']:.3f}) | {mark(z['memory_met'])} | "
+            f"{peer_mb} | {split} | {z['step_cell']} | {z['cpu_cell']} | "
+            f"{mark(z['time_met'])} | {peer_time}"
         )
     return lines + zero2_markdown(zero)
 
@@ -153,15 +158,15 @@ def zero2_markdown(zero: list[dict]) -> list[str]:
     lines = ["", "**ZeRO-2**: grads a rank keeps after the step in MB (largest rank; its rows of the "
              "reduce-scattered grads), zero=2 / zero=0 on the worst rank against the ideal (split as "
              "the optimizer state); optimizer state as zero=1; step and CPU "
-             "time per step against zero=0 in the same rounds (a step's range over the rounds in "
-             "brackets); optimizer and parameter all-gather ms per rank from the recorded steps; "
+             "time per step against zero=0, and FSDP2's against zero=2, in the same rounds "
+             f"({INTERVAL}); optimizer and parameter all-gather ms per rank from the recorded steps; "
              "FSDP2: torch's fully_shard on each block and the "
              "root (reshard_after_forward=False: it shards the parameters too, between steps) over AdamW",
              "",
              "| ranks | composition | grads MB zero=0 | zero=2 | zero=2 / zero=0 (ideal) | within 5% "
              "| optimizer MB zero=2 | optimizer + all-gather ms "
              "| step zero=2 / zero=0 | CPU zero=2 / zero=0 | both <= 1.05x "
-             "| FSDP2 params / grads / optimizer MB | step FSDP2 / zero=0 | zero=2 as fast as FSDP2 |",
+             "| FSDP2 params / grads / optimizer MB | step FSDP2 / zero=2 | zero=2 as fast as FSDP2 |",
              "|---:|---|---:|---:|---|---|---:|---|---:|---:|---|---|---:|---|"]  # fmt: skip
     for z in rows:
         mb, z2 = z["mb"], z["zero2"]
@@ -171,9 +176,9 @@ def zero2_markdown(zero: list[dict]) -> list[str]:
             split = f"{t['optimizer']:.1f} + {t['all_gather']:.1f}"
         lines.append(
             f"| {z['world']} | {z['case']} | {mb[OURS]['grads']:.3f} | {mb[ZERO2]['grads']:.3f} | "
-            f"{z2['grads_ratio']:.3f} ({z2['grads_ideal']:.3f}) | {_mark(z2['grads_met'])} | "
+            f"{z2['grads_ratio']:.3f} ({z2['grads_ideal']:.3f}) | {mark(z2['grads_met'])} | "
             f"{mb[ZERO2]['optimizer']:.3f} | {split} | {z2['step_cell']} | "
-            f"{z2['cpu_ratio']:.2f}x | {_mark(z2['time_met'])} | {_fsdp2_cells(z)} |"
+            f"{z2['cpu_cell']} | {mark(z2['time_met'])} | {_fsdp2_cells(z)} |"
         )
     return lines
 
@@ -183,4 +188,4 @@ def _fsdp2_cells(z: dict) -> str:
         return "- | - | -"
     mb, z2 = z["mb"][FSDP2], z["zero2"]
     return (f"{mb['params']:.3f} / {mb['grads']:.3f} / {mb['optimizer']:.3f} | "
-            f"{z2['peer_step_cell']} | {_mark(z2['peer_met'])}")  # fmt: skip
+            f"{z2['peer_step_cell']} | {mark(z2['peer_met'])}")  # fmt: skip
