@@ -10,7 +10,9 @@ distribution (the sign test's interval; it needs at least 5 rounds).
 A target is met when the whole interval satisfies it, missed when none of it does, and undecided
 when the interval straddles it: then this machine's noise cannot tell, and more rounds (or a quieter
 machine) can. One median decided these targets before, and a rerun the same hour often decided the
-other way (issues 16 and 17 recorded 0.91-1.13x for one ratio over six runs).
+other way (issues 16 and 17 recorded 0.91-1.13x for one ratio over six runs). The interval holds
+the noise between the rounds of one run, not a shift of the whole machine between runs: two runs
+of one pipeline schedule an hour apart gave 1.02-1.09 and 1.09-1.16, so a second run checks a first.
 """
 
 from __future__ import annotations
