@@ -599,11 +599,12 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     assert zero["step_ratio"] > 0 and zero["peer_step_ratio"] > 0
     # 2 rounds: too few for an interval, so each ratio is the median of its 2 paired rounds'
     dp_impls = dp["impls"]
-    for cell, median, (a, b) in ((zero["step_cell"], zero["step_ratio"], ("titan_zero1", "titan")),
-                                 (zero["cpu_cell"], zero["cpu_ratio"], ("titan_zero1", "titan")),
-                                 *((p["ratio_cell"], p["ratio"], (p["peer"], p["baseline"]))
-                                   for p in results["peers"] if p["case"] == "dp2")):  # fmt: skip
-        key = "rounds_cpu_ms" if cell is zero["cpu_cell"] else "rounds_ms"
+    zero_pair = ("titan_zero1", "titan")
+    for cell, median, (a, b), key in (
+            (zero["step_cell"], zero["step_ratio"], zero_pair, "rounds_ms"),
+            (zero["cpu_cell"], zero["cpu_ratio"], zero_pair, "rounds_cpu_ms"),
+            *((p["ratio_cell"], p["ratio"], (p["peer"], p["baseline"]), "rounds_ms")
+              for p in results["peers"] if p["case"] == "dp2")):  # fmt: skip
         pairs = [x / y for x, y in zip(dp_impls[a][key], dp_impls[b][key], strict=True)]
         assert len(pairs) == 2 and median == pytest.approx(sum(pairs) / 2), cell
         assert cell == f"{median:.2f}x"
