@@ -82,6 +82,30 @@ def test_a_weight_used_twice_on_the_input_path_is_counted_once():
     torch.testing.assert_close((weight.grad, bias.grad, scale.grad), want)
 
 
+def test_the_weight_may_come_first_and_a_weight_left_out_gets_no_grad():
+    """A matmul whose first input is the weight (its node's first edge leads to the weight side, the
+    second to x's path) is still an intermediate; a tensor that needs a grad but is not in ``params``
+    is not a weight: neither B nor W gives it a grad."""
+    g = torch.Generator().manual_seed(2)
+    weight = torch.nn.Parameter(torch.randn(5, 4, generator=g))
+    other = torch.nn.Parameter(torch.randn(3, 5, generator=g))
+    x0 = torch.randn(4, 3, generator=g)
+
+    def objective(x):
+        return torch.tanh(weight @ x @ other).pow(2).sum()
+
+    x = x0.clone().requires_grad_()
+    objective(x).backward()
+    want, want_dx = weight.grad.clone(), x.grad.clone()
+    weight.grad = other.grad = None
+    x = x0.clone().requires_grad_()
+    dx, weights = backward_split.split(objective(x), x, [weight])
+    assert len(weights.intermediates) == 1
+    weights.run()
+    torch.testing.assert_close((dx, weight.grad), (want_dx, want))
+    assert other.grad is None
+
+
 def test_a_custom_function_that_takes_a_weight_is_refused_with_the_way_out():
     """W calls each intermediate by itself; a custom Function's backward would compute every grad
     (and run any collective in it) again, so split says so instead of running it."""
