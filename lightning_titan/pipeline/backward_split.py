@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, _engine_run_backward
 
-AccumulateGrad = torch._C._functions.AccumulateGrad  # a leaf's node: where its grad lands
+AccumulateGrad = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]  # a leaf's node
 FLUSH_BYTES = 1 << 20  # weight grads held before they are accumulated (``WeightGrads._accumulate``)
 
 
@@ -98,7 +98,11 @@ def _roles(
             ]
             if edges:
                 intermediates[node] = edges
-    weights = {n: n.variable for n, r in role.items() if r == WEIGHT_SIDE and not children[n]}
+    weights = {
+        n: n.variable  # type: ignore[attr-defined]  # an accumulate node's leaf
+        for n, r in role.items()
+        if r == WEIGHT_SIDE and not children[n]
+    }
     return intermediates, weights
 
 
@@ -123,7 +127,7 @@ class WeightGrads:
     # each intermediate, the indices of its weight-side outputs and their edges
     intermediates: dict[Node, list[tuple[int, GradientEdge]]]
     kept: dict[Node, tuple]  # the grads B left at each intermediate
-    weights: list[nn.Parameter]
+    weights: list[Tensor]
 
     def call_intermediates(self) -> None:
         edges: list[GradientEdge] = []
@@ -187,7 +191,8 @@ def split(objective: Tensor, x: Tensor, params: list[nn.Parameter]) -> tuple[Ten
     # does not stop the node from running): cheaper than a Python hook per node
     arity = {node: len(node._input_metadata) for node in intermediates}
     edges = [GradientEdge(node, i) for node, n in arity.items() for i in range(n)]
-    dx, *grads = torch.autograd.grad(objective, [x, *edges], retain_graph=True, allow_unused=True)
+    inputs = [x, *edges]  # a tensor and edges: the engine takes both, the stub either
+    dx, *grads = torch.autograd.grad(objective, inputs, retain_graph=True, allow_unused=True)  # type: ignore[arg-type]
     captured = iter(grads)
     kept = {node: tuple(next(captured) for _ in range(n)) for node, n in arity.items()}
     return dx, WeightGrads(intermediates, kept, list(weights.values()))
