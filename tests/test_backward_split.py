@@ -106,6 +106,20 @@ def test_the_weight_may_come_first_and_a_weight_left_out_gets_no_grad():
     assert other.grad is None
 
 
+def test_an_objective_that_ignores_x_gives_a_zero_input_grad_and_still_its_weight_grads():
+    """The stage before waits for a grad whatever this stage computes: B owes it zeros, not None
+    (which the transport would drop, leaving that stage waiting); with no node on x's path every
+    weight grad is W's, and W still gives them."""
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    ignored = x * 2  # on the graph of x, not of the objective
+    dx, weights = backward_split.split((weight @ weight).pow(2).sum(), x, [weight])
+    assert ignored.requires_grad and torch.equal(dx, torch.zeros_like(x))
+    weights.run()
+    want = torch.autograd.grad((weight @ weight).pow(2).sum(), weight)[0]
+    torch.testing.assert_close(weight.grad, want)
+
+
 def test_a_custom_function_that_takes_a_weight_is_refused_with_the_way_out():
     """W calls each intermediate by itself; a custom Function's backward would compute every grad
     (and run any collective in it) again, so split says so instead of running it."""

@@ -173,7 +173,21 @@ class WeightGrads:
         self.intermediates, self.kept = {}, {}
 
 
-def split(objective: Tensor, x: Tensor, params: list[nn.Parameter]) -> tuple[Tensor, WeightGrads]:
+@dataclass
+class WholeBackward:
+    """The W of an objective that does not depend on x: its whole backward, into the weights only."""
+
+    objective: Tensor
+    weights: list[Tensor]
+
+    def run(self) -> None:
+        if self.weights:
+            torch.autograd.backward(self.objective, inputs=self.weights)
+
+
+def split(
+    objective: Tensor, x: Tensor, params: list[nn.Parameter]
+) -> tuple[Tensor, WeightGrads | WholeBackward]:
     """B: ``(d objective / d x, the W still to run)``; ``x`` is the stage input (requires grad)."""
     found, weights = _roles(objective.grad_fn, _node(x), {id(p) for p in params if p.requires_grad})
     intermediates: dict[Node, list[tuple[int, GradientEdge]]] = {}
@@ -195,4 +209,7 @@ def split(objective: Tensor, x: Tensor, params: list[nn.Parameter]) -> tuple[Ten
     dx, *grads = torch.autograd.grad(objective, inputs, retain_graph=True, allow_unused=True)  # type: ignore[arg-type]
     captured = iter(grads)
     kept = {node: tuple(next(captured) for _ in range(n)) for node, n in arity.items()}
+    if dx is None:  # the objective ignores x: no node is on x's path, so all of the backward is W
+        # and x's grad is zero (the stage before still waits for one)
+        return torch.zeros_like(x), WholeBackward(objective, list(weights.values()))
     return dx, WeightGrads(intermediates, kept, list(weights.values()))

@@ -88,7 +88,9 @@ class PipelineStage:
         self._backwards_done = 0
         # zero-bubble: (chunk, microbatch) -> its W still to run (the embedding's chunk: its whole
         # objective)
-        self._deferred: dict[tuple[int, int], backward_split.WeightGrads | Tensor] = {}
+        self._deferred: dict[
+            tuple[int, int], backward_split.WeightGrads | backward_split.WholeBackward | Tensor
+        ] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
 
@@ -150,7 +152,10 @@ class PipelineStage:
                 objective = objective + (out * grad.to(out.dtype)).sum()
             self._count_backward()
             self._backward(probes.fault("backward", objective))
-            return None if x is None else x.grad
+            if x is None:
+                return None
+            # an output that ignores x still owes the stage before a grad: it waits for one
+            return torch.zeros_like(x) if x.grad is None else x.grad
 
     def backward_input(self, i: int, grad: Tensor | None, chunk: int = 0) -> Tensor | None:
         """B: the input grad only; the weight grads wait for ``backward_weight(i)``. B and W call
