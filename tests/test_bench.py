@@ -957,5 +957,25 @@ def test_split_cost_times_a_whole_backward_and_both_halves():
     from lightning_titan.bench.split_cost import measure
 
     r = measure(32, n_layers=2, batch=1, repeats=2)
-    assert set(r) == {"whole", "B", "W", "ratio"} and all(v > 0 for v in r.values())
+    assert set(r) == {"F", "whole", "B", "W", "ratio"} and all(v > 0 for v in r.values())
     assert r["ratio"] == (r["B"] + r["W"]) / r["whole"]
+    first = measure(32, n_layers=2, batch=1, repeats=2, pp_rank=0)  # the embedding: B is empty
+    assert first["B"] < first["W"] and first["F"] > 0
+
+
+def test_the_split_cost_replay_gives_the_theory_with_ideal_lengths_and_charges_the_split():
+    """With F 1, a whole backward 2 and B = W = 1 on both stages the replay is the theory
+    (1/(M+1) for 1F1B, 1/(3M+1) for ZB-H1 on pp2); a split that costs more than the whole backward
+    lengthens ZB-H1's step, and the free-split row takes that cost back out."""
+    from lightning_titan.bench.split_cost import replay
+
+    ideal = {"F": 1.0, "whole": 2.0, "B": 1.0, "W": 1.0}
+    rows = replay([ideal, ideal], m=8)
+    assert max(rows["1f1b"][1]) == pytest.approx(1 / 9, abs=1e-6)
+    assert max(rows["zb_h1"][1]) == pytest.approx(1 / 25, abs=1e-6)
+    assert rows["zb_h1, free split"] == pytest.approx(rows["zb_h1"])
+    assert rows["zb_h1"][0] < rows["1f1b"][0]
+    costly = dict(ideal, W=2.0)  # the split costs 1.5x the whole backward on both stages
+    slow = replay([costly, costly], m=8)
+    assert slow["zb_h1"][0] > rows["zb_h1"][0] and slow["1f1b"] == pytest.approx(rows["1f1b"])
+    assert slow["zb_h1, free split"] == pytest.approx(rows["zb_h1"])

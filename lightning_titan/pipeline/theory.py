@@ -67,21 +67,23 @@ def orders(schedule: str, pp: int, v: int, m: int) -> list[list[tuple[str, int, 
 IDEAL_COST = {"F": 1.0, "B": 2.0, "B_input": 1.0, "W": 1.0}  # per stage; zero-bubble: B = W = F
 
 
-def ideal_spans(schedule: str, pp: int, v: int, m: int, cost: dict[str, float] | None = None
+def ideal_spans(schedule: str, pp: int, v: int, m: int,
+                cost: dict[str, float] | list[dict[str, float]] | None = None
                 ) -> list[tracing.Span]:  # fmt: skip
     """The schedule's timeline with equal stages and free transfers: forward 1, backward 2 (zero-bubble:
-    B 1 and W 1; or ``cost``), each chunk 1/v of a stage; every op as early as its stage and inputs
-    allow."""
-    cost = cost or IDEAL_COST
+    B 1 and W 1; or ``cost``, one for every stage or a list with one per rank), each chunk 1/v of a
+    stage; every op as early as its stage and inputs allow."""
+    costs = cost if isinstance(cost, list) else [cost or IDEAL_COST] * pp
     spans = []
     for p, ops in enumerate(orders(schedule, pp, v, m)):
+        stage_cost = costs[p]
         for k, (kind, chunk, i) in enumerate(ops):
             args = {"mb": i, "chunk": chunk} if v > 1 else {"mb": i}
             if schedule in V_SHAPED:  # the replay's data dependencies follow the V
                 args["stage"] = StageSplit(v, v_shape=True).stage_ids(pp, p)[chunk]
             name = "backward_weight" if kind == "W" else ("forward" if kind == "F" else "backward")
             span_kind = "forward" if kind == "F" else "backward"
-            ns = round(1e6 * cost[kind] / v)  # drawn in ms: 1 ms = one forward of a stage
+            ns = round(1e6 * stage_cost[kind] / v)  # drawn in ms: 1 ms = one forward of a stage
             spans.append(tracing.Span(span_kind, name, p, k, k + ns, args=args))
     return tracing.replay_without_communication(spans, [list(range(pp))])
 
