@@ -157,6 +157,7 @@ ZERO_BUBBLE = {
         ((1, 2, 1), "zbv", 4),
         ((1, 2, 1), "zbv:paired", 2),  # CUDA's transport: sends in their own batches
         ((1, 2, 1), "zbv:layers=1-1-2-0", 1),  # M < 2P-1: the V never full; a headless chunk
+        ((1, 2, 1), "zb_h1:auto", 2),
     ],
     4: [
         ((1, 4, 1), "zb_h1", 8),
@@ -171,8 +172,9 @@ ZERO_BUBBLE = {
         # the middle ranks of the V (M=4: at M=8 DEEP_CONFIG's grad norm drifted to 1.0e-5 by step
         # 4 under interleaved_1f1b as under zbv while the harness's AdamW had eps=1e-6: rounding)
         ((1, 4, 1), "zbv", 4, DEEP_CONFIG),
+        ((1, 2, 2), "zbv:auto", 2),  # the probe's counts over the V's four virtual stages
     ],
-    8: [((2, 2, 2), "zb_h1", 2)],
+    8: [((2, 2, 2), "zb_h1", 2), ((2, 2, 2), "zbv", 2)],
 }
 
 # The families' options (engine_harness.FAMILY_CONFIGS) on every axis: (layout, schedule, M, name).
