@@ -21,10 +21,10 @@ import docstring_parser
 import torch
 
 from lightning_titan import ModelConfig, StageModel, TitanDataModule, TitanLM, TitanStrategy
-from lightning_titan.config_files import compose_config
-from lightning_titan.model import split_expert_parameters
-from lightning_titan.tensor_parallel import padded_vocab, tp_shards
-from lightning_titan.timeline import ExpertLoad, PipelineTimeline
+from lightning_titan.lightning.callbacks import ExpertLoad, PipelineTimeline
+from lightning_titan.lightning.config_files import compose_config
+from lightning_titan.model.decoder import split_expert_parameters
+from lightning_titan.parallel.tensor_parallel import padded_vocab, tp_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "docs" / "reference.md"
@@ -217,10 +217,10 @@ def render() -> str:
         "",
         *_table(_signature_rows(TitanDataModule, "--data.")),
         "",
-        "## Measuring callbacks: `lightning_titan.timeline`",
+        "## Measuring callbacks: `lightning_titan.lightning.callbacks`",
         "",
         "Add them with `callbacks=[...]`, or on the CLI with "
-        "`--trainer.callbacks+=lightning_titan.timeline.PipelineTimeline` and the init args below as "
+        "`--trainer.callbacks+=lightning_titan.lightning.callbacks.PipelineTimeline` and the init args below as "
         "`--trainer.callbacks.init_args.NAME`.",
         "",
         f"**`PipelineTimeline`**: {_summary(PipelineTimeline)}",

@@ -1,7 +1,7 @@
 """lightning_titan: DP x PP x EP training of Mixture-of-Experts decoders as a Lightning strategy."""
 
-from lightning_titan.model import ModelConfig, StageModel
-from lightning_titan.parallel_dims import ParallelDims
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.parallel.mesh import ParallelDims
 
 __all__ = [
     "ModelConfig",
@@ -14,10 +14,10 @@ __all__ = [
 
 # Lightning (~6 CPU-seconds to import) and `datasets` load only when one of these is asked for, so
 # processes that run the engine alone (tests, benchmarks) never pay for them. Importing
-# lightning_titan.strategy registers strategy="titan".
+# lightning_titan.lightning.strategy registers strategy="titan".
 _LAZY = {
-    "TitanLM": "lightning_titan.module",
-    "TitanStrategy": "lightning_titan.strategy",
+    "TitanLM": "lightning_titan.lightning.module",
+    "TitanStrategy": "lightning_titan.lightning.strategy",
     "TitanDataModule": "lightning_titan.data",
 }
 
@@ -36,7 +36,7 @@ def _watch_the_launcher_if_a_rank() -> None:
     import os
 
     if os.environ.get("TITAN_LAUNCHER_PID"):
-        from lightning_titan.orphans import watch_launcher
+        from lightning_titan.runtime.orphans import watch_launcher
 
         watch_launcher()
 
@@ -46,7 +46,7 @@ def _register_if_lightning_is_loaded() -> None:
     import sys
 
     if "lightning.pytorch" in sys.modules:
-        import lightning_titan.strategy  # noqa: F401
+        import lightning_titan.lightning.strategy  # noqa: F401
 
 
 _watch_the_launcher_if_a_rank()

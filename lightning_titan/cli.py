@@ -20,12 +20,12 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from lightning_titan.config_files import compose_config
 from lightning_titan.data import TitanDataModule
-from lightning_titan.model import ModelConfig, StageModel
-from lightning_titan.module import TitanLM
-from lightning_titan.progress import StepProgressBar
-from lightning_titan.strategy import TitanStrategy
+from lightning_titan.lightning.config_files import compose_config
+from lightning_titan.lightning.module import TitanLM
+from lightning_titan.lightning.progress import StepProgressBar
+from lightning_titan.lightning.strategy import TitanStrategy
+from lightning_titan.model.decoder import ModelConfig, StageModel
 
 __all__ = ["TitanCLI", "cli_components", "compose_config", "main"]
 
@@ -249,16 +249,16 @@ def main(args: list[str] | None = None) -> None:
     """``titan``: ``args`` for Python callers; None reads the command line (as every rank does)."""
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] == "export":
-        from lightning_titan.export import main as export_main
+        from lightning_titan.hf.export import main as export_main
 
         return export_main(argv[1:])
     if argv and argv[0] == "plan":
-        from lightning_titan.plan.cli import main as plan_main
+        from lightning_titan.tools.plan_cli import main as plan_main
 
         plan_main(argv[1:])
         return None
     if argv and argv[0] == "bench":
-        from lightning_titan.bench import main as bench_main
+        from lightning_titan.tools.bench import main as bench_main
 
         bench_main(argv[1:])  # its results dict is for Python callers, not an exit status
         return None

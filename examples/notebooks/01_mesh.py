@@ -27,9 +27,9 @@ import torch.distributed as dist
 from matplotlib.patches import Rectangle
 
 from lightning_titan import ModelConfig, ParallelDims, StageModel, TitanStrategy
-from lightning_titan.launch import run_on_ranks
-from lightning_titan.model import split_expert_parameters
-from lightning_titan.parallel_dims import GROUP_KINDS, build_process_groups
+from lightning_titan.model.decoder import split_expert_parameters
+from lightning_titan.parallel.mesh import GROUP_KINDS, build_process_groups
+from lightning_titan.runtime.launch import run_on_ranks
 
 DP, PP, EP = 2, 2, 2
 for logger in ("lightning.pytorch", "lightning.fabric"):
@@ -238,7 +238,7 @@ except ValueError as error:
 # strategy uses. Each rank discovers its group of each kind by summing one-hot vectors inside it
 # (an `all_reduce` over that group only) and we compare with the picture above.
 #
-# `run_forked` starts gloo ranks with `lightning_titan.launch.run_on_ranks` by fork, so the ranks see
+# `run_forked` starts gloo ranks with `lightning_titan.runtime.launch.run_on_ranks` by fork, so the ranks see
 # functions defined in this notebook. Training launches through the Trainer instead.
 
 

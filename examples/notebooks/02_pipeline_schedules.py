@@ -36,12 +36,12 @@ from lightning.pytorch.loggers import CSVLogger
 
 import lightning_titan
 from lightning_titan import ModelConfig, TitanDataModule, TitanLM, TitanStrategy
-from lightning_titan.bench import plots
-from lightning_titan.bench.memory import SavedTensorMeter
-from lightning_titan.pipeline.schedules import gpipe, one_f_one_b
-from lightning_titan.pipeline.theory import ideal_bubble, ideal_spans
-from lightning_titan.timeline import PipelineTimeline
-from lightning_titan.tracing import theory_bubble
+from lightning_titan.lightning import plots
+from lightning_titan.lightning.callbacks import PipelineTimeline
+from lightning_titan.parallel.pipeline.schedules import gpipe, one_f_one_b
+from lightning_titan.parallel.pipeline.theory import ideal_bubble, ideal_spans
+from lightning_titan.runtime.saved_tensors import SavedTensorMeter
+from lightning_titan.runtime.tracing import theory_bubble
 
 QUICK = os.environ.get("TITAN_NOTEBOOK_QUICK") == "1"  # the test suite sets it: fewer runs
 P = 4  # pipeline stages (ranks)
@@ -218,7 +218,7 @@ print("ideal bubble == (P-1)/(M+P-1); live microbatches: gpipe M, 1f1b min(M, P 
 # Now the real thing: `TitanStrategy(dp=1, pp=4, ep=1, schedule=..., num_microbatches=M)` trains the
 # default model (4 layers: one per stage) for a few steps in forked processes. Two callbacks watch:
 #
-# - `PipelineTimeline` (from `lightning_titan.timeline`) records every rank's forwards, backwards and
+# - `PipelineTimeline` (from `lightning_titan.lightning.callbacks`) records every rank's forwards, backwards and
 #   sends/receives during the chosen steps and writes `trace.json` (open it in
 #   [ui.perfetto.dev](https://ui.perfetto.dev)), `timeline.png` and `bubbles.json` with the measured
 #   bubble per stage next to the formula;
@@ -403,7 +403,7 @@ print("1F1B peak == GPipe peak * min(M, P - p) / M on every stage, for M in", MS
 #   `(P-1)/(6M+P-1)`, for 1F1B's first-stage memory on every rank.
 #
 # Their ideal timelines come from the schedule functions the same way as above
-# (`lightning_titan.bench.schedule_report`: a stand-in stage records the order; F 1, B 2, zero-bubble
+# (`lightning_titan.tools.bench.schedule_report`: a stand-in stage records the order; F 1, B 2, zero-bubble
 # B 1 + W 1; each chunk `1/v` of a stage), drawn by the Gantt chart the benchmark uses
 # (`F3.1`: forward of microbatch 3 in chunk 1; time in units of one forward of a stage):
 

@@ -29,12 +29,12 @@ from lightning.pytorch.loggers import CSVLogger
 from matplotlib.patches import Rectangle
 
 from lightning_titan import ModelConfig, ParallelDims, TitanDataModule, TitanLM, TitanStrategy
-from lightning_titan.launch import run_on_ranks
-from lightning_titan.moe.dispatch import combine, dispatch
-from lightning_titan.moe.layer import MoELayer
-from lightning_titan.moe.router import route
-from lightning_titan.parallel_dims import build_process_groups
-from lightning_titan.timeline import ExpertLoad
+from lightning_titan.lightning.callbacks import ExpertLoad
+from lightning_titan.model.moe.layer import MoELayer
+from lightning_titan.model.moe.router import route
+from lightning_titan.parallel.dispatch import combine, dispatch
+from lightning_titan.parallel.mesh import build_process_groups
+from lightning_titan.runtime.launch import run_on_ranks
 
 QUICK = os.environ.get("TITAN_NOTEBOOK_QUICK") == "1"  # the test suite sets it: a few steps only
 TRAIN_STEPS = 6 if QUICK else 100
@@ -120,7 +120,7 @@ print("route -> dispatch -> experts -> combine == MoELayer.forward")
 # `rank * 100 + token` through the same plan. Every rank builds the same full layer from the same seed
 # and keeps only its experts, so we can compare the EP output with the full layer on the same tokens.
 #
-# `run_forked` starts gloo ranks with `lightning_titan.launch.run_on_ranks` by fork, so the ranks see
+# `run_forked` starts gloo ranks with `lightning_titan.runtime.launch.run_on_ranks` by fork, so the ranks see
 # functions defined in this notebook. Training launches through the Trainer instead.
 
 # %%
@@ -230,7 +230,7 @@ print(
 #
 # Does the router spread tokens evenly? The default model adds Mixtral's load-balancing loss
 # (`aux_loss_coef=0.01`), which pushes the share of assignments per expert towards `1/E`. The
-# `ExpertLoad` callback (from `lightning_titan.timeline`) counts each MoE layer's assignments per
+# `ExpertLoad` callback (from `lightning_titan.lightning.callbacks`) counts each MoE layer's assignments per
 # expert on every rank during the training forwards, sums them over the whole world in one all-reduce
 # (each rank counts its own tokens in its own stage's layers), and logs every expert's share of every
 # layer as `expert_load/layer{l}/expert{e}`, plus `expert_load/layer{l}/max_over_mean`.

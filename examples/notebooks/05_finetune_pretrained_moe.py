@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_titan import ModelConfig, TitanDataModule, TitanLM, TitanStrategy
-from lightning_titan.export import byte_tokenizer_files, export_hf
+from lightning_titan.hf.export import byte_tokenizer_files, export_hf
 
 QUICK = os.environ.get("TITAN_NOTEBOOK_QUICK") == "1"  # the test suite sets it: a few steps only
 STEPS = 3 if QUICK else 60

@@ -21,7 +21,7 @@ import time
 import zlib
 from pathlib import Path
 
-from lightning_titan import orphans
+from lightning_titan.runtime import orphans
 
 MARKER = "COMPLETE"
 META_FILE = "meta.pt"

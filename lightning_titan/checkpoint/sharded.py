@@ -24,11 +24,11 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_titan import probes
-from lightning_titan.agreement import agree as _agree
 from lightning_titan.checkpoint import files, integrity, lock, reader, storage
 from lightning_titan.checkpoint import state as keys
 from lightning_titan.checkpoint.reader import FORMAT_VERSION, read_checkpoint_info
+from lightning_titan.runtime import probes
+from lightning_titan.runtime.agreement import agree as _agree
 
 
 def _distributed() -> bool:

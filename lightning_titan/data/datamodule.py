@@ -17,7 +17,6 @@ import lightning.pytorch as L
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lightning_titan.batching import local_batch_size
 from lightning_titan.data.checks import (
     check_args,
     check_counts,
@@ -31,6 +30,7 @@ from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, prepar
 from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences
 from lightning_titan.data.streaming import StreamingWindows, check_rank_shard, rank_stream
 from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
+from lightning_titan.parallel.batching import local_batch_size
 
 
 class TitanDataModule(L.LightningDataModule):

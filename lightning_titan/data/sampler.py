@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from lightning_titan.batching import local_batch_size
+from lightning_titan.parallel.batching import local_batch_size
 
 
 def epoch_order(num_sequences: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:

@@ -24,10 +24,10 @@ from dataclasses import replace
 
 import torch
 
-from lightning_titan.bench.memory import SavedTensorMeter
-from lightning_titan.model import ModelConfig, StageModel
-from lightning_titan.pipeline.theory import live_peak
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.parallel.pipeline.theory import live_peak
 from lightning_titan.plan.cost import BYTES, StepOptions
+from lightning_titan.runtime.saved_tensors import SavedTensorMeter
 
 PROBE_WIDTH = 512  # the widest d_model measured as it is
 

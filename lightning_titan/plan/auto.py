@@ -9,14 +9,15 @@ so ranks could disagree: the strategy takes global rank 0's choice and broadcast
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from lightning_titan.model import ModelConfig
-from lightning_titan.plan.devices import GPUS, Device
-from lightning_titan.plan.layouts import candidates, shortfall
+from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.plan.devices import GPUS, Device, cpu_device, on_nodes
+from lightning_titan.plan.layouts import DEVICES, GB, candidates, shortfall
 from lightning_titan.plan.rank import Ranked, ranked
 
 # what the strategy's own arguments default to: layout="auto" sets these itself
@@ -69,7 +70,6 @@ def global_batch(datamodule: Any) -> int:
 def this_device(device: torch.device, world: int, nodes: int, config: ModelConfig) -> Device:
     """The catalogue's entry for this GPU (matched by name and memory), or this machine's CPU probed
     for ``world`` ranks: what ``titan plan --device`` would use."""
-    from lightning_titan.plan.cli import cost_device, device_memory
 
     if device.type != "cuda":
         return cost_device("cpu", device_memory("cpu", None, world), world, nodes, config)
@@ -138,3 +138,24 @@ def agree(mine: Choice | None, strategy: Any, module: Any, datamodule: Any) -> C
     if isinstance(sent[0], str):
         raise ValueError(sent[0])
     return sent[0]
+
+
+def device_memory(device: str, memory_gb: float | None, devices: int) -> float:
+    if memory_gb is not None:
+        if memory_gb <= 0:
+            raise ValueError(f"--memory-gb={memory_gb} must be > 0")
+        return memory_gb * GB
+    if device == "cpu":  # ranks on this machine share its memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / devices
+    return DEVICES[device]
+
+
+def cost_device(
+    device: str, memory: float, devices: int, nodes: int, config: ModelConfig
+) -> Device:
+    """The catalogue's GPU, or this machine probed for ``devices`` CPU ranks (about a second)."""
+    if device == "cpu":
+        if nodes != 1:
+            raise ValueError(f"--nodes={nodes}: --device cpu is this one machine; use --nodes 1")
+        return cpu_device(devices, config.n_experts, config.top_k, memory)
+    return on_nodes(replace(GPUS[device], memory=memory), devices, nodes)

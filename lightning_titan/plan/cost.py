@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_titan.flops import forward_flops_per_token
-from lightning_titan.model import ModelConfig
-from lightning_titan.pipeline.schedules import SPLIT_BACKWARD
-from lightning_titan.pipeline.theory import ideal_bubble
+from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.model.flops import forward_flops_per_token
+from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD
+from lightning_titan.parallel.pipeline.theory import ideal_bubble
 from lightning_titan.plan.devices import Device, Link
 
 BYTES = 4  # fp32 activations, grads and state

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lightning_titan.flops import matmul_peak
+from lightning_titan.model.flops import matmul_peak
 
 GB = 1e9
 
@@ -90,8 +90,8 @@ def pass_seconds(n_experts: int, top_k: int, repeats: int = 5) -> tuple[float, f
     fixed cost a block pays per microbatch whatever its size (a small model with the same experts);
     and how much more the same pass costs with its backward split into B and W
     (``pipeline/backward_split.py``, what zb_h1 and zbv run) on a stage that takes hidden states."""
-    from lightning_titan.model import ModelConfig, StageModel
-    from lightning_titan.pipeline import backward_split
+    from lightning_titan.model.decoder import ModelConfig, StageModel
+    from lightning_titan.parallel.pipeline import backward_split
 
     config = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, ffn_dim=32,
                          n_experts=n_experts, top_k=top_k, seq_len=8)  # fmt: skip
@@ -169,7 +169,7 @@ def _gloo_probe(rank: int, world: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    from lightning_titan.launch import run_on_ranks
+    from lightning_titan.runtime.launch import run_on_ranks
 
     for ranks in (1, 2, 4):
         d = cpu_device(ranks, 8, 2, 0)

@@ -13,12 +13,12 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from lightning_titan.batching import local_batch_size
-from lightning_titan.model import ModelConfig
-from lightning_titan.options import TrainOptions, check_trainer_clipping
-from lightning_titan.parallel_dims import AXES, ParallelDims
+from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.parallel.batching import local_batch_size
+from lightning_titan.parallel.dp.zero import LEVELS
+from lightning_titan.parallel.mesh import AXES, ParallelDims
 from lightning_titan.plan.memory import fullest_state, layout_state
-from lightning_titan.zero import LEVELS
+from lightning_titan.train.options import TrainOptions, check_trainer_clipping
 
 GB = 1e9
 # usable memory per device in bytes (the card's; CUDA's own context and the allocator's slack are the

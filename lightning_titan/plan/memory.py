@@ -13,7 +13,7 @@ layout then gives every rank its part of each tensor the way the strategy cuts i
 
 Bytes are those ``bench.memory.state_bytes`` measures on a rank after a step (fp32 weights, grads and
 AdamW's two moments; bf16-mixed keeps fp32 weights too), keyed the same way, so the two compare
-exactly (``tests/test_bench.py``).
+exactly (``tests/distributed/test_bench.py``).
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_titan.bench.memory import PARTS
-from lightning_titan.model import EXPERT, ModelConfig, StageModel, grad_group_kinds
-from lightning_titan.parallel_dims import ParallelDims
-from lightning_titan.pipeline.split import StageSplit
-from lightning_titan.tensor_parallel import padded_vocab, tp_shards
-from lightning_titan.zero import cut_dim, owned_rows
+from lightning_titan.model.decoder import EXPERT, ModelConfig, StageModel, grad_group_kinds
+from lightning_titan.parallel.dp.zero import cut_dim, owned_rows
+from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.parallel.pipeline.split import StageSplit
+from lightning_titan.parallel.tensor_parallel import padded_vocab, tp_shards
 
 BYTES = 4  # fp32 weights, grads and moments
 MOMENTS = 2  # AdamW: exp_avg and exp_avg_sq (its step count is a scalar: not counted)
+
+PARTS = ("params", "grads", "optimizer")  # what a rank holds per parameter: state_bytes' keys
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_titan.model import ModelConfig
-from lightning_titan.options import TrainOptions
-from lightning_titan.pipeline.schedules import CHUNKED, SCHEDULES, V_SHAPED, check_microbatches
-from lightning_titan.pipeline.split import StageSplit
+from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.parallel.pipeline.schedules import (
+    CHUNKED,
+    SCHEDULES,
+    V_SHAPED,
+    check_microbatches,
+)
+from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.activations import peak_bytes
 from lightning_titan.plan.cost import StepCost, StepOptions, predict
 from lightning_titan.plan.devices import Device
 from lightning_titan.plan.layouts import Candidate, divisors
+from lightning_titan.train.options import TrainOptions
 
 VIRTUAL_STAGES = 2  # interleaved 1F1B is offered with two chunks per rank (zbv has exactly two)
 

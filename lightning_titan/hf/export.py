@@ -1,0 +1,236 @@
+"""From a sharded checkpoint to one process: the full model, and the Hugging Face format of its family
+(Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE: the one it was loaded from, hf_arch.architecture_of).
+
+titan export --ckpt runs/dp_pp_ep/checkpoints/last.ckpt --out mixtral-tiny
+# then: transformers.AutoModelForCausalLM.from_pretrained("mixtral-tiny")
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+from torch import Tensor
+
+from lightning_titan.checkpoint import consolidate, files, read_checkpoint_info
+from lightning_titan.data.tokenizer import tokenizer_files_of
+from lightning_titan.hf.arch import ARCHITECTURES, MIXTRAL, architecture_of, hf_config, hf_names
+from lightning_titan.model.decoder import ModelConfig, StageModel
+
+__all__ = ["export_hf", "hf_config", "hf_state_dict", "load_full_model", "write_hf_folder"]
+
+
+def hf_mixtral_names(name: str, expert_range: tuple[int, int] = (0, 1)) -> list[str]:
+    """The Hugging Face Mixtral tensors that hold our parameter ``name`` (``hf_arch.hf_names``)."""
+    return hf_names(name, expert_range, ARCHITECTURES[MIXTRAL])
+
+
+def is_stacked_experts(name: str) -> bool:
+    """Our expert tensors are [n_local, ...]: Hugging Face holds each row, transposed, apart."""
+    return ".moe.experts." in name
+
+
+def hf_state_dict(model: StageModel) -> dict[str, Tensor]:
+    """This stage's parameters under the Hugging Face names of its family (``hf_arch.architecture_of``;
+    experts split per global id)."""
+    out = {}
+    arch = architecture_of(model.config)
+    for name, p in model.named_parameters():
+        names = hf_names(name, model.expert_range, arch)
+        if not is_stacked_experts(name):
+            out[names[0]] = p.detach()
+            continue
+        for row, hf_name in enumerate(names):
+            out[hf_name] = p[row].detach().t().contiguous()
+    return out
+
+
+hf_mixtral_state_dict = hf_state_dict  # the name from when Mixtral was the only family
+
+
+def load_full_model(ckpt: str | Path) -> StageModel:
+    """The whole model (every layer and expert) in this process, in eval mode; no process group needed."""
+    info = read_checkpoint_info(ckpt)
+    if not info.get("model_config"):
+        raise ValueError(
+            f"{ckpt} holds no model config: it was not written by TitanLM under TitanStrategy"
+        )
+    model = StageModel(ModelConfig(**info["model_config"]))
+    state = consolidate(ckpt)
+    # TitanLM holds the stage as `self.model`: its keys start with "model."
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def byte_tokenizer_files() -> dict[str, dict]:
+    """Our byte tokenizer (ids 0-255 = bytes, 256 = end of document) as a Hugging Face fast tokenizer:
+    byte-level BPE with no merges, so every byte is one token with id = its value."""
+    byte_chars = _bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    eod = "<|endoftext|>"
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": 256,
+                "content": eod,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],  # fmt: skip
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": False,
+            "use_regex": False,
+        },  # fmt: skip
+        "post_processor": None,
+        "decoder": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": False,
+            "use_regex": False,
+        },
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "vocab": {**vocab, eod: 256},
+            "merges": [],
+        },  # fmt: skip
+    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod, "model_max_length": 1 << 30,
+              "clean_up_tokenization_spaces": False}  # fmt: skip
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenisation emits)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    names = (files.MARKER, files.META_FILE, files.DCP_METADATA)
+    return path.is_dir() and any((path / name).exists() for name in names)
+
+
+def check_out(out: Path) -> None:
+    """Refuse an ``--out`` that would overwrite something or vanish, before any model is loaded."""
+    if out.is_symlink() and not out.exists():
+        raise FileExistsError(
+            f"--out {out} is a dangling symlink (to {os.readlink(out)}); remove it or choose a new "
+            "--out directory"
+        )
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(
+            f"--out {out} is an existing file; choose a new --out directory (or delete the file)"
+        )
+    inside = next((p for p in [out, *out.parents] if _looks_like_checkpoint(p)), None)
+    if inside is not None:
+        raise ValueError(
+            f"--out {out} is inside the checkpoint directory {inside}: the next save of that "
+            "checkpoint replaces the directory and deletes the export; choose an --out outside it"
+        )
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out} exists and is not empty; choose a new --out directory")
+
+
+def export_hf(ckpt: str | Path, out: str | Path) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in the model's family, and the tokenizer: the
+    files of the Hugging Face folder the model was loaded from (init_from) when it has them, else ours
+    when the data module used the byte tokenizer. Nothing is written when the model fits no family."""
+    out = Path(out)
+    check_out(out)
+    info = read_checkpoint_info(ckpt)
+    meta = info.get("meta", {})
+    config = ModelConfig(**info["model_config"]) if info.get("model_config") else None
+    if config is not None:
+        architecture_of(config)  # refused before the model is loaded or anything is written
+    model = load_full_model(ckpt)
+    init_from = (meta.get("hyper_parameters") or {}).get("init_from")
+    # no data module recorded (a plain DataLoader): the ids were the folder's if it has a tokenizer
+    tokenizer = (meta.get("datamodule_hyper_parameters") or {}).get("tokenizer", "auto")
+    copied = tokenizer_files_of(init_from) if init_from and tokenizer in ("auto", init_from) else []
+    write_hf_folder(model, out, byte_tokenizer=not copied and tokenizer in ("byte", "auto"))
+    for path in copied:
+        shutil.copy2(path, out / path.name)
+    if copied:  # the folder's special tokens, as its own config.json gives them
+        hf = json.loads((Path(init_from) / "config.json").read_text())
+        written = json.loads((out / "config.json").read_text())
+        written.update(
+            {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+        )
+        (out / "config.json").write_text(json.dumps(written, indent=2))
+    return out
+
+
+def write_hf_folder(model: StageModel, out: str | Path, byte_tokenizer: bool = False) -> Path:
+    """``model`` (the whole of it, one process) as a Hugging Face folder of its family; with
+    ``byte_tokenizer`` (and a vocabulary that holds it) our byte tokenizer's files too."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise ImportError(
+            "titan export needs safetensors: pip install 'lightning-titan[export]'"
+        ) from e
+    arch = architecture_of(model.config)
+    biased = [n for n, b in model.named_buffers() if n.endswith("expert_bias") and b.any()]
+    if biased:
+        warnings.warn(
+            f"{len(biased)} MoE layers carry an expert bias (router_bias_update_rate, e.g. "
+            f"{biased[0]}): {arch.class_name} has no place for it, so the export leaves it out and "
+            "its router picks experts by the unbiased scores (the combine weights are unchanged)",
+            stacklevel=2,
+        )
+    if model.config.capacity_factor is not None:
+        warnings.warn(
+            f"the model was trained with capacity_factor={model.config.capacity_factor}: "
+            f"{arch.class_name} has no expert capacity, so the exported model keeps every assignment (dropless)",
+            stacklevel=2,
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in hf_state_dict(model).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    byte_tokenizer = byte_tokenizer and model.config.vocab_size >= 257
+    eos = 256 if byte_tokenizer else None
+    (out / "config.json").write_text(json.dumps(hf_config(model.config, eos), indent=2))
+    if byte_tokenizer:
+        for name, content in byte_tokenizer_files().items():
+            (out / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="titan export", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--ckpt", required=True, help="a checkpoint directory written by TitanStrategy"
+    )
+    parser.add_argument("--out", required=True, help="a new directory for the Hugging Face files")
+    args = parser.parse_args(argv)
+    out = export_hf(args.ckpt, args.out)
+    print(f"wrote {out.resolve()} (load with transformers.AutoModelForCausalLM.from_pretrained)")

@@ -1,0 +1,48 @@
+"""What a layout config means as one plain dict: configs/<layout>.yaml = configs/base.yaml + its keys.
+
+The ``titan`` parser (jsonargparse) reads a config's ``config: base.yaml`` key as "load that file here",
+relative to the config; each later key replaces one value of it (dotted: ``trainer.devices: 8``; a
+model field: ``model.model.init_args.seq_len: 256``) or a whole block (nested). ``compose_config`` applies the same rules without a parser, for scripts that edit
+a config (tests, docs/gen_reference.py); tests/cli/test_cli.py checks that it agrees with the parser.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+INCLUDE = "config"
+
+
+def compose_config(path: str | Path) -> dict[str, Any]:
+    """The full nested config that ``titan fit --config path`` starts from (before defaults)."""
+    path = Path(path)
+    own = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(own, dict):
+        raise ValueError(f"{path} holds a {type(own).__name__}, not a mapping of config keys")
+    composed: dict[str, Any] = {}
+    for key, value in own.items():
+        if key == INCLUDE:
+            if composed:
+                raise ValueError(
+                    f"{path}: `{INCLUDE}: {value}` must come first: the keys before it would be "
+                    "overwritten by the included file"
+                )
+            composed = compose_config(path.parent / value)
+        else:
+            _set(composed, key.split("."), value)
+    return composed
+
+
+def _set(tree: dict[str, Any], keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        if key == "init_args" and "class_path" not in tree:
+            # a dataclass block (model.model) takes its fields under init_args in dotted keys, as
+            # the parser wants them, but holds them directly
+            continue
+        if not isinstance(tree.get(key), dict):
+            tree[key] = {}
+        tree = tree[key]
+    tree[keys[-1]] = value

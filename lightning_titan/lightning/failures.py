@@ -1,0 +1,155 @@
+"""Failing together during training: reports that name the rank, and non-finite steps.
+
+- a rank that raises reports who it is and leaves; the supervisor brings the rest down
+  (:func:`report_failure`); during setup, barriers and broadcasts are agreements so that a failing
+  rank can join the one its peers wait in (:class:`FailTogether`, ``agreement``);
+- a non-finite loss or gradient norm is global, so every rank takes the same branch: stop, naming the
+  stage and parameter where it began, or skip the update (:func:`check_finite`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _sync_ddp_if_available,
+)
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_titan.lightning import supervisor
+from lightning_titan.parallel.dp.zero_grads import grad_of
+from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.runtime.agreement import SetupPhase, distributed
+
+
+class FailTogether:
+    """The collectives Lightning's loops, callbacks and loggers call, and the exception hook; during
+    setup, barriers and broadcasts are agreements. A mixin of ``TitanStrategy`` (it uses ``options``,
+    ``parallel_dims``, ``global_rank``, ``root_device``)."""
+
+    _setup_phase: SetupPhase
+    _peers: list[tuple[str, int]] | None = None
+
+    def barrier(self: Any, name: str | None = None) -> None:
+        if not distributed():
+            return
+        if self._setup_phase.active:
+            self._setup_phase.agree()
+        elif dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self: Any, obj: Any, src: int = 0) -> Any:
+        if not distributed():
+            return obj
+        if self._setup_phase.active:
+            return self._setup_phase.agree(None, obj if self.global_rank == src else None)[src]
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(
+        self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> Tensor:
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    def on_exception(self: Any, exception: BaseException) -> None:
+        self._setup_phase.fail(exception)
+        env = self.cluster_environment
+        started = distributed() or (env is not None and env.creates_processes_externally)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        report_failure(
+            exception, dims=self.parallel_dims if started else None,
+            global_step=None if trainer is None else trainer.global_step,
+            peers=self._peers, grace_s=self.options.grace_s,
+        )  # fmt: skip
+
+
+def report_failure(
+    exception: BaseException,
+    *,
+    dims: ParallelDims | None,
+    global_step: int | None,
+    peers: list[tuple[str, int]] | None,
+    grace_s: float,
+) -> None:
+    """Print which rank failed and why (naming dead peers); a rank in a started job then leaves."""
+    if dims is not None:
+        where = dims.label(dims.rank)
+        if global_step is not None:
+            where += f", global_step={global_step}"
+        who, rank = f"rank {dims.rank}/{dims.world_size} ({where})", dims.rank
+    else:  # no rank started yet (popen), or the parent of fork/spawn ranks
+        who, rank = "the launcher", 0
+    supervisor.say(supervisor.failure_report(exception, who=who, rank=rank, peers=peers))
+    if distributed():
+        supervisor.leave_after_failure(grace_s)
+
+
+def nonfinite_message(
+    module: nn.Module, dims: ParallelDims, step: int, norm: float, loss: float | None
+) -> str:
+    """Where the non-finite values are: one gather of every rank's verdict on its own grads."""
+    grads = ((n, grad_of(p)) for n, p in module.named_parameters())  # zero=2: this rank's rows
+    first_bad = next(
+        (n for n, g in grads if g is not None and not torch.isfinite(g).all()), None
+    )  # fmt: skip
+    verdicts: list[Any] = [(dims.pp_rank, first_bad)]
+    if distributed():
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, (dims.pp_rank, first_bad))
+    bad = sorted({(pp, rank, name) for rank, (pp, name) in enumerate(verdicts) if name})
+    parts = [f"non-finite values at step {step}"]
+    if loss is not None and not math.isfinite(loss):
+        parts.append(f"the loss is {loss} (computed on the last stage, pp_rank={dims.pp - 1})")
+    parts.append(f"the gradient norm is {norm}")
+    if bad:
+        stages = sorted({pp for pp, _, _ in bad})
+        # backward runs the last stage first: the latest stage with bad grads is the origin
+        pp, rank, name = bad[-1]
+        parts.append(
+            f"non-finite gradients on stage(s) pp_rank={stages}, first (in backward order) on "
+            f"stage {pp} (e.g. {name!r} on rank {rank})"
+        )
+    return "; ".join(parts) + f" (layout {dims.label()})"
+
+
+def check_finite(
+    module: nn.Module, dims: ParallelDims, step: int, norm_and_loss: list[float], action: str
+) -> bool:
+    """True when the step's gradient norm and loss (global, so every rank takes the same branch) are
+    finite. Otherwise raise FloatingPointError naming where it began (``action="raise"``), or drop every
+    gradient so that the optimizer step changes nothing and return False (``"skip"``)."""
+    if all(math.isfinite(v) for v in norm_and_loss):
+        return True
+    norm, *loss = norm_and_loss
+    message = nonfinite_message(module, dims, step, norm, loss[0] if loss else None)
+    if action == "raise":
+        raise FloatingPointError(
+            f"{message}; no optimizer step was taken. Lower the learning rate, set "
+            "gradient_clip_norm, use precision='32-true' to find the cause, or "
+            "TitanStrategy(on_nonfinite='skip') to skip such steps"
+        )
+    rank_zero_warn(f"{message}; this step's update is skipped (on_nonfinite='skip')")
+    for p in module.parameters():  # the optimizer skips parameters without a grad: no update
+        p.grad = None
+    return False
+
+
+def unreduced_step_error() -> RuntimeError:
+    return RuntimeError(
+        "optimizer.step() was called on gradients that are not reduced yet: under manual "
+        "optimization call `self.trainer.strategy.finish_gradients(loss)` after the backward "
+        "and before optimizer.step() (TitanLM.training_step shows the order)"
+    )

@@ -1,0 +1,348 @@
+"""TitanStrategy: DP x PP x EP x CP x TP as a Lightning strategy (Lightning glue; the machinery is
+elsewhere): ``L.Trainer(accelerator="cpu", devices=8, strategy=TitanStrategy(dp=2, pp=2, ep=2))``"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_titan.lightning import preemption, supervisor
+from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpointHooks
+from lightning_titan.lightning.failures import FailTogether, check_finite, unreduced_step_error
+from lightning_titan.parallel.mesh import (
+    ParallelDims,
+    ProcessGroups,
+    build_process_groups,
+    check_degrees,
+    check_launched_world,
+    resolve_degrees,
+)
+from lightning_titan.parallel.pipeline.schedules import V_SHAPED, check_microbatches
+from lightning_titan.plan import auto
+from lightning_titan.runtime import faults
+from lightning_titan.runtime.agreement import SetupPhase
+from lightning_titan.runtime.launch import cpu_threads_per_rank, rank_store
+from lightning_titan.train.engine import Engine
+from lightning_titan.train.options import TrainOptions, check_precision, preflight
+
+
+class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks, ParallelStrategy):
+    """DP, PP, EP, CP and TP composed, for a stage-local model built in ``configure_model``.
+
+    Args:
+        dp: data-parallel replicas (-1: fill what the other degrees leave of the world).
+        pp: pipeline stages; the model's layers split evenly across them (or as ``stage_layers`` says).
+        ep: expert-parallel ranks per stage; the experts split evenly across them.
+        tp: tensor-parallel ranks (with sequence parallelism): heads, vocabulary and sequence split.
+        cp: context-parallel ranks: each sequence's positions split (load-balanced causal chunks).
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zb_h1"`` (zero-bubble 1F1B) or
+            ``"zbv"`` (zero-bubble V: rank r holds virtual stages r and 2*pp-1-r; loss on rank 0).
+        virtual_stages: model chunks per rank (>= 2 for interleaved 1F1B, layers round-robin; 2 for
+            zbv).
+        stage_layers: layers per (virtual) stage, e.g. ``[3, 1]``, or ``"auto"`` (probed); None: even.
+        num_microbatches: microbatches per step on every rank (default: ``pp``).
+        microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
+        bucket_cap_mb: size of a gradient all-reduce bucket.
+        reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
+        zero: 1 splits each parameter's optimizer state over its data-parallel group (ZeRO-1), 2 also its grads.
+        gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
+        timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds).
+        on_nonfinite: a NaN/inf loss or gradient norm ``"raise"`` s FloatingPointError on every rank
+            (naming the step and the stages), or ``"skip"`` s that step's update (a warning says so).
+        start_method: ``"popen"`` re-runs the script per rank; ``"fork"`` for notebooks.
+        process_group_backend: ``nccl`` on CUDA, ``gloo`` on CPU by default.
+        allow_config_change: model-config fields a resume may change (others must match the saved).
+        layout: ``"auto"``: the layout and step options ``titan plan`` ranks first for this model,
+            world, global batch and device (``plan/auto.py``), said on rank 0; leave the degrees,
+            ``zero``, ``schedule``, ``virtual_stages`` and ``num_microbatches`` out.
+    """
+
+    strategy_name = "titan"
+
+    def __init__(
+        self,
+        dp: int = -1,
+        pp: int = 1,
+        ep: int = 1,
+        tp: int = 1,
+        cp: int = 1,
+        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv"] = "1f1b",
+        virtual_stages: int = 1,
+        stage_layers: list[int] | Literal["auto"] | None = None,
+        num_microbatches: int | None = None,
+        microbatch_size: int | None = None,
+        bucket_cap_mb: float = 25.0,
+        reducer: Literal["bucketed", "per_param"] = "bucketed",
+        zero: Literal[0, 1, 2] = 0,
+        gradient_clip_norm: float | None = None,
+        timeout_minutes: float = 30.0,
+        on_nonfinite: Literal["raise", "skip"] = "raise",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: str | None = None,
+        allow_config_change: list[str] | None = None,
+        layout: Literal["auto"] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if layout not in (None, "auto"):
+            raise ValueError(f"layout={layout!r} is unknown; use 'auto' or give the degrees")
+        if layout == "auto":
+            auto.check_auto_arguments(
+                dict(dp=dp, pp=pp, ep=ep, tp=tp, cp=cp, zero=zero, schedule=schedule,
+                     virtual_stages=virtual_stages, num_microbatches=num_microbatches)
+            )  # fmt: skip
+        self._auto = layout == "auto"
+        self._auto_choice: auto.Choice | None = None
+        self.options = TrainOptions(
+            schedule=schedule, num_microbatches=num_microbatches, microbatch_size=microbatch_size,
+            bucket_cap_mb=bucket_cap_mb, reducer=reducer, gradient_clip_norm=gradient_clip_norm,
+            timeout_minutes=timeout_minutes, on_nonfinite=on_nonfinite, start_method=start_method,
+            zero=zero, virtual_stages=virtual_stages, stage_layers=stage_layers,
+        )  # fmt: skip
+        self._degrees = check_degrees(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp)  # world size: known later
+        if schedule in V_SHAPED:  # pp is known here: say now, not on the ranks, what zbv needs
+            check_microbatches(schedule, num_microbatches or pp, pp, virtual_stages)
+        self._process_group_backend = process_group_backend
+        self.allow_config_change = tuple(allow_config_change or ())
+        self._num_nodes = 1
+        self._dims: ParallelDims | None = None
+        self._groups: ProcessGroups | None = None
+        self._engine: Engine | None = None
+        self._setup_phase = SetupPhase()
+        # pending: a backward ran, its grads not finished yet; skipped: updates dropped by "skip"
+        self._grads_pending, self.skipped_steps = False, 0
+
+    # -- layout, Lightning plumbing, setup ------------------------------------------------------
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._dims is None:
+            raise RuntimeError("parallel_dims is known once the Trainer is built (set_world_ranks)")
+        return self._dims
+
+    @property
+    def groups(self) -> ProcessGroups:
+        if self._groups is None:
+            raise RuntimeError("process groups exist only after setup_environment()")
+        return self._groups
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the engine exists only after the strategy's setup()")
+        return self._engine
+
+    def preflight(self, module: Any, datamodule: Any, trainer: Any = None) -> None:
+        """The checks that need no process group, in the launcher and on every rank before it (with
+        ``layout="auto"`` on a rank: once the layout is agreed)."""
+        if self._auto and self._auto_choice is None:  # the launcher: choose here, fail early
+            self._use_layout(auto.choose_for(self, module, datamodule))
+        preflight(self.parallel_dims, self.options, module, datamodule, trainer)
+
+    def _use_layout(self, choice: auto.Choice) -> None:
+        """``layout="auto"``: take the chosen degrees and step options, as if they had been given."""
+        if self._auto_choice is None:  # said once: rank 0 may have chosen in the launcher already
+            rank_zero_info(f"[titan] layout='auto' chose {choice.summary}")
+        self._auto_choice = choice
+        self._degrees = check_degrees(**choice.degrees)
+        self.options = replace(
+            self.options, zero=choice.zero, schedule=choice.schedule,
+            virtual_stages=choice.virtual_stages, num_microbatches=choice.num_microbatches,
+        )  # fmt: skip
+        self.set_world_ranks()
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # the accelerator connector reads this: without it sync_dist and the sampler are silently off
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of one pipeline reads the same shard
+        return {"num_replicas": self.parallel_dims.data_world, "rank": self.parallel_dims.data_rank}
+
+    def set_world_ranks(self) -> None:
+        """Runs when the Trainer is built: check the layout against the world before anything launches."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            check_launched_world(self.cluster_environment, self.num_processes, self.num_nodes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        check_precision(self.precision_plugin)
+        if self._auto and self._auto_choice is None:
+            return  # the degrees come with the choice (preflight, or setup_environment's agreement)
+        degrees = resolve_degrees(self._degrees, self.num_nodes * self.num_processes)
+        self._dims = ParallelDims(**degrees, rank=self.global_rank)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = supervisor.launcher_for(self, self.options.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if self.root_device.type == "cpu":
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
+            forked = self.options.start_method == "fork"
+            torch.set_num_threads(cpu_threads_per_rank(local_world, forked=forked))
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        datamodule = getattr(trainer, "datamodule", None)
+        if not self._auto:
+            self.preflight(self.lightning_module, datamodule, trainer)
+        device = self.root_device
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)  # fmt: skip
+        timeout = timedelta(minutes=self.options.timeout_minutes)  # the subgroups' too
+        # a forked rank's store: rank 0 serves it on its launcher's socket (launch.hosted_rendezvous)
+        env = self.cluster_environment
+        store = rank_store(env.global_rank(), env.world_size(), timeout)
+        extra: dict[str, Any] = {} if store is None else {"store": store}
+        _init_dist_connection(
+            env, backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+            **extra,
+        )  # fmt: skip
+        if self._auto:  # rank 0's choice (its CPU probe may differ from the others'), or its error
+            self._use_layout(auto.agree(self._auto_choice, self, self.lightning_module, datamodule))
+            self.preflight(self.lightning_module, datamodule, trainer)
+        self._setup_phase.start()
+        self._groups = build_process_groups(self.parallel_dims, timeout)
+        self._peers = supervisor.gather_peers()
+        self.options = self.options.resolved(self.lightning_module, trainer, self._dims, device)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self._setup_phase.end()  # a rank that failed in configure_model is heard before any broadcast
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if self._engine is not None:
+            self._engine.remove()
+        o = self.options
+        self._engine = Engine(
+            self.lightning_module, self.parallel_dims, self.groups, schedule=o.schedule,
+            bucket_cap_mb=o.bucket_cap_mb, reducer=o.reducer, zero=o.zero,
+        )  # fmt: skip
+        self._engine.broadcast_replicated()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._engine.shard_optimizers(self.optimizers)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- the end of a step: reduce, check, clip ----------------------------------------------------------
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # automatic optimization with accumulate_grad_batches > 1 calls this on the non-final batches
+        self.engine.set_grad_sync(False)
+        try:
+            yield
+        finally:
+            self.engine.set_grad_sync(True)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        self._grads_pending = True
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def finish_gradients(self, loss: Tensor | None = None, *metrics: Tensor) -> list[float]:
+        """Wait for the reducers, check for non-finite values, clip by the composed global norm.
+
+        Returns ``[pre-clip norm, loss, *metrics]`` as floats, read in one host sync with the ranks'
+        agreement on a SIGTERM (``preemption``). A non-finite norm or ``loss`` (the step's global loss,
+        the same on every rank) raises FloatingPointError on every rank, or with
+        ``on_nonfinite="skip"`` drops every gradient so that the optimizer step changes nothing."""
+        stop = preemption.start_agreement(self.root_device)  # on SIGTERM, over the world
+        norm = self.engine.finish_gradients(self.options.gradient_clip_norm)
+        self._grads_pending = False
+        module, action = self.lightning_module, self.options.on_nonfinite
+        tensors = [norm, stop()] if loss is None else [norm, loss, *metrics, stop()]
+        *values, stopping = torch.stack([t.double() for t in tensors]).tolist()  # one host read
+        self.decide(stopping)
+        step = module.trainer.global_step
+        finite = check_finite(module, self.parallel_dims, step, values[:2], action)
+        self.skipped_steps += not finite
+        self.engine.bind_shard_grads(drop=not finite)  # zero>0: after the clip and the skip
+        return values
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        if self.lightning_module.automatic_optimization:
+            # drop-in for DDP: Lightning's closure runs the backward, then the gradients are finished
+            def closure_then_finish(user_closure: Callable[[], Any] = closure) -> Any:
+                return (user_closure(), self.finish_gradients())[0]  # the closure's result
+
+            closure = closure_then_finish
+        elif self._grads_pending:
+            raise unreduced_step_error()
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.engine.after_optimizer_step()  # zero>0: the updated shards to every rank; expert bias
+        return output
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        faults.set_step(self.lightning_module.trainer.global_step)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.remove()
+            self._engine = None
+        super().teardown()
+
+
+if TitanStrategy.strategy_name not in StrategyRegistry:  # a re-import must not raise
+    StrategyRegistry.register(
+        "titan", TitanStrategy, description="DP x PP x EP x CP x TP (lightning_titan)"
+    )

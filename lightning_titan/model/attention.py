@@ -1,0 +1,164 @@
+"""Causal self-attention with RoPE and grouped-query heads, and the options pretrained MoE checkpoints
+use (``ModelConfig.qkv_bias``, ``qk_norm``, ``attn_head_dim``).
+
+QK-norm comes in two shapes. Qwen3-MoE (``qk_norm="head"``) normalises each head's q and k over
+``head_dim`` with one weight ``[head_dim]`` shared by the heads: local to a TP rank's heads, its grad a
+partial sum over them like a norm of the sequence-parallel region. OLMoE (``qk_norm="full"``)
+normalises the whole q (and k) projection, ``[H * head_dim]`` channels at once: under TP a rank holds
+``H/tp`` heads' channels, so the mean of squares is summed over the TP group (``FullQKNorm``) and the
+weight is cut like the projection's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_titan.parallel.context_parallel import gather_keys
+from lightning_titan.parallel.tensor_parallel import (
+    gather_sequence,
+    mark_tp_shard,
+    scatter_sequence,
+    tp_size,
+)
+
+QK_NORMS = ("none", "head", "full")
+
+
+class RMSNorm(nn.Module):
+    """Mixtral's RMSNorm: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward is the all-reduce of the grads: every rank's output used every
+    rank's input."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class FullQKNorm(RMSNorm):
+    """OLMoE's q/k norm over all ``full_dim`` channels of a projection, of which this TP rank holds a
+    contiguous ``weight``-sized slice ``x`` [..., full_dim / tp]: the sum of squares is the group's."""
+
+    def __init__(
+        self, local_dim: int, full_dim: int, eps: float, group: ProcessGroup | None
+    ) -> None:
+        super().__init__(local_dim, eps)
+        self.full_dim, self.group = full_dim, group
+        mark_tp_shard(self, 0, full_dim, group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        squares = h.pow(2).sum(-1, keepdim=True)
+        if tp_size(self.group) > 1:
+            squares = _SumOverGroup.apply(squares, self.group)
+        h = h * torch.rsqrt(squares / self.full_dim + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """[S, head_dim] fp32 tables for positions 0..S-1, halves duplicated (HF ``rotate_half`` convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    positions = torch.arange(seq_len, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1).to(device)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [b, H, S, hd]: channel i pairs with i + hd/2 (not interleaved pairs)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE and grouped-query heads (Mixtral), optionally with q/k/v biases
+    (Qwen2-MoE) and QK-norm (Qwen3-MoE per head, OLMoE over the whole projection).
+
+    With a ``tp_group`` of n ranks it holds heads ``[r * H/n, (r + 1) * H/n)`` (and the KV heads they
+    read), takes and returns the rank's sequence slice, and gathers the sequence inside."""
+
+    def __init__(
+        self,
+        config,  # ModelConfig (not imported: model.py imports this module)
+        tp_group: ProcessGroup | None = None,
+        cp_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        tp = tp_size(tp_group)
+        self.tp_group, self.cp_group = tp_group, cp_group
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads // tp,
+            config.kv_heads // tp,
+            config.head_dim,
+        )
+        d, bias = config.d_model, config.qkv_bias
+        self.wq = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        for column_parallel in (self.wq, self.wk, self.wv):  # a bias is cut with the rows
+            mark_tp_shard(column_parallel, 0, column_parallel.out_features * tp, tp_group)
+        mark_tp_shard(self.wo, 1, self.wo.in_features * tp, tp_group)  # row-parallel
+        self.qk_norm = config.qk_norm
+        if self.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+        elif self.qk_norm == "full":
+            q_dim, k_dim = self.wq.out_features, self.wk.out_features
+            self.q_norm = FullQKNorm(q_dim, q_dim * tp, config.norm_eps, tp_group)
+            self.k_norm = FullQKNorm(k_dim, k_dim * tp, config.norm_eps, tp_group)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``mask`` [S_q, S_k] (True: attend) under context parallelism, else causal by order."""
+        x = gather_sequence(x, self.tp_group)
+        b, s, _ = x.shape
+        q_BSC, k_BSC, v_BSC = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "full":
+            q_BSC, k_BSC = self.q_norm(q_BSC), self.k_norm(k_BSC)
+        q = q_BSC.view(b, s, self.n_heads, self.head_dim)
+        k = k_BSC.view(b, s, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v_BSC.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # every CP rank's keys and values, before the GQA repeat (fewer bytes on the wire)
+        k, v = gather_keys(k, self.cp_group), gather_keys(v, self.cp_group)
+        # KV head j serves query heads j*rep .. (j+1)*rep-1, as HF's repeat_kv.
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # each rank's o-projection of its heads is a partial sum of the output
+        return scatter_sequence(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.tp_group)

@@ -1,0 +1,184 @@
+"""The model's configuration: every size and option of the decoder, validated where it is given.
+
+Each error names the field, the value and the fix. ``validate_layout(pp, ep, tp, cp)`` adds what a layout needs
+(whole layers per stage, whole experts per EP rank, whole heads per TP rank, whole positions per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_titan.model.attention import QK_NORMS
+from lightning_titan.model.moe.capacity import expert_capacity
+from lightning_titan.model.moe.router import ROUTER_SCORES
+from lightning_titan.parallel.pipeline.split import StageSplit
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257  # byte tokenizer: 256 bytes + end-of-document
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None = n_heads; fewer = grouped-query attention (Mixtral)
+    ffn_dim: int = 128  # per-expert SwiGLU hidden size
+    n_experts: int = 8
+    top_k: int = 2
+    seq_len: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    aux_loss_coef: float = 0.01  # load-balancing loss coefficient, 0 = off
+    z_loss_coef: float = 0.0  # router z-loss coefficient, 0 = off
+    # aux-loss-free balancing (DeepSeek-V3, moe/balance.py): a per-expert bias on the scores that
+    # pick the top-K (not on the combine weights); works with the aux loss on or off
+    router_bias_update_rate: float = 0.0  # expert-bias step per optimizer step, e.g. 1e-3; 0 = off
+    init_std: float = 0.02
+    activation_checkpointing: bool = False  # recompute each block in backward
+    # expert capacity (moe/capacity.py): the assignments over it are dropped (the residual passes)
+    capacity_factor: float | None = None  # <= floor(factor*S*K/E) per sequence; None: dropless
+    # options of pretrained MoE families (model_options.py; hf_arch.py maps them to Hugging Face)
+    attn_head_dim: int | None = None  # None = d_model / n_heads; Qwen3-MoE sets it apart
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2-MoE)
+    qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3-MoE); "full": whole q/k (OLMoE)
+    router_score: str = "softmax"  # or "sigmoid": independent per-expert scores (DeepSeek-V3)
+    router_norm_topk: bool = True  # renormalise the top-K scores to sum to 1 (Mixtral)
+    shared_expert_dim: int = 0  # hidden size of a sigmoid-gated shared expert (Qwen2-MoE); 0 = none
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "ffn_dim",
+            "n_experts",
+            "top_k",
+            "seq_len",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.n_kv_heads is not None and (
+            not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1
+        ):
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads!r} must be a positive int or None (= n_heads)"
+            )
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        for name in ("aux_loss_coef", "z_loss_coef", "router_bias_update_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 (0 turns it off)")
+        check_options(self)
+        if self.attn_head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "pick n_heads dividing d_model"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
+                "each KV head must serve a whole number of query heads"
+            )
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k={self.top_k} > n_experts={self.n_experts}; use top_k <= n_experts"
+            )
+        if self.head_dim % 2:
+            which = "attn_head_dim" if self.attn_head_dim else "head_dim = d_model / n_heads = "
+            which += "" if self.attn_head_dim else f"{self.d_model} / {self.n_heads}"
+            raise ValueError(
+                f"{which} = {self.head_dim} is odd; "
+                "RoPE rotates pairs of channels, so choose an even head_dim"
+            )
+        check_capacity(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.attn_head_dim or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    def validate_layout(
+        self, pp: int, ep: int, tp: int = 1, cp: int = 1, split: StageSplit | None = None
+    ) -> None:
+        """Check that ``pp`` stages (cut as ``split`` says; None: evenly), ``ep`` expert ranks,
+        ``tp`` tensor ranks and ``cp`` context ranks split this model."""
+        for name, value in (("pp", pp), ("ep", ep), ("tp", tp), ("cp", cp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        (split or StageSplit()).counts(self.n_layers, pp)
+        if self.n_experts % ep:
+            raise ValueError(
+                f"n_experts={self.n_experts} is not divisible by ep={ep}; choose ep dividing "
+                f"{self.n_experts} or change n_experts to a multiple of {ep}"
+            )
+        for name in ("n_heads", "kv_heads"):
+            value = getattr(self, name)
+            if value % tp:
+                field = "n_kv_heads" if name == "kv_heads" else name
+                raise ValueError(
+                    f"{field}={value} is not divisible by tp={tp}: tensor parallelism splits the "
+                    f"heads evenly; choose tp dividing {value} or change {field} to a multiple of {tp}"
+                )
+        # CP: 2*cp chunks (rank r holds r and 2cp-1-r); TP then splits a rank's positions again
+        chunks = (2 * cp if cp > 1 else 1) * tp
+        if self.seq_len % chunks:
+            raise ValueError(
+                f"seq_len={self.seq_len} is not divisible by {'2 * cp * tp' if cp > 1 else 'tp'} = "
+                f"{chunks} (cp={cp}, tp={tp}): every rank holds as many positions of each sequence; "
+                f"use a seq_len that is a multiple of {chunks}"
+            )
+
+
+def check_options(config: Any) -> None:
+    """Raise ValueError naming the ModelConfig field whose value is not allowed."""
+    if config.qk_norm not in QK_NORMS:
+        raise ValueError(
+            f"qk_norm={config.qk_norm!r} must be one of {QK_NORMS}: 'head' normalises each head "
+            "(Qwen3-MoE), 'full' the whole q/k projection (OLMoE)"
+        )
+    if config.router_score not in ROUTER_SCORES:
+        raise ValueError(f"router_score={config.router_score!r} must be one of {ROUTER_SCORES}")
+    for name in ("qkv_bias", "router_norm_topk"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name}={getattr(config, name)!r} must be True or False")
+    shared = config.shared_expert_dim
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ValueError(f"shared_expert_dim={shared!r} must be an int >= 0 (0: no shared expert)")
+    head_dim = config.attn_head_dim
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
+        raise ValueError(
+            f"attn_head_dim={head_dim!r} must be a positive int or None (= d_model / n_heads)"
+        )
+
+
+def check_capacity(config: ModelConfig) -> None:
+    """Raise ValueError for a capacity factor that is not a positive number, that leaves an expert
+    no room at all, or that could never drop anything (an expert already takes a whole sequence)."""
+    factor = config.capacity_factor
+    if factor is None:
+        return
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(
+            f"capacity_factor={factor!r} must be a number > 0 (e.g. 1.25), or None for dropless "
+            "routing (every assignment kept)"
+        )
+    per_expert = config.seq_len * config.top_k / config.n_experts
+    if expert_capacity(factor, config.seq_len, config.top_k, config.n_experts) < 1:
+        raise ValueError(
+            f"capacity_factor={factor!r} gives each expert {factor * per_expert:.3g} < 1 of a "
+            f"sequence's assignments (seq_len={config.seq_len} x top_k={config.top_k} / "
+            f"n_experts={config.n_experts} = {per_expert:g} per expert at factor 1): every token "
+            f"would be dropped; use capacity_factor >= {1 / per_expert:.4g}"
+        )
+    if factor * config.top_k >= config.n_experts:
+        raise ValueError(
+            f"capacity_factor={factor!r} >= n_experts / top_k = {config.n_experts / config.top_k:g}: "
+            "an expert could take a whole sequence, so nothing is ever dropped; use "
+            "capacity_factor=None (dropless) or a smaller factor"
+        )

@@ -1,0 +1,347 @@
+"""Stage-local Mixtral-style MoE decoder: the layers ``[start, end)`` and experts ``[start, end)`` one
+rank owns, named globally so that any (pp, ep, tp) layout holds slices of the same full model.
+
+Under tensor parallelism (``tensor_parallel``) a rank also holds only its heads of each attention
+(q, k, v rows, o columns) and its rows of the embedding and the LM head (the vocabulary padded to a
+multiple of tp); ``tensor_parallel.TP_SHARD`` on a module says which dim of its ``weight`` is cut.
+
+Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))`` (+ a shared expert, Qwen2-MoE). The
+options of the pretrained families (attention.py, model_options.py) make it Mixtral, Qwen2-MoE,
+Qwen3-MoE or OLMoE; names map to theirs (``hf_arch.py``) and logits match transformers' models.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
+
+from lightning_titan.model.attention import Attention, RMSNorm, apply_rope, rope_cos_sin
+from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.moe.experts import GroupedExperts
+from lightning_titan.model.moe.layer import MoELayer
+from lightning_titan.model.moe.shared import SharedExpert
+from lightning_titan.parallel import context_parallel
+from lightning_titan.parallel.dispatch import ep_size
+from lightning_titan.parallel.pipeline.split import StageSplit
+from lightning_titan.parallel.tensor_parallel import (
+    gather_sequence,
+    local_slice,
+    mark_tp_shard,
+    padded_vocab,
+    scatter_sequence,
+    tp_shard,
+    tp_shards,
+    tp_size,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = ["Attention", "ModelConfig", "RMSNorm", "StageModel", "apply_rope", "rope_cos_sin"]
+
+
+class Block(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        expert_range: tuple[int, int],
+        ep_group: ProcessGroup | None,
+        tp_group: ProcessGroup | None = None,
+        cp_group: ProcessGroup | None = None,
+        sequence_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config, tp_group, cp_group)
+        self.moe_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.moe = MoELayer(
+            config.d_model,
+            config.ffn_dim,
+            config.n_experts,
+            config.top_k,
+            expert_range=expert_range,
+            ep_group=ep_group,
+            aux_loss_coef=config.aux_loss_coef,
+            z_loss_coef=config.z_loss_coef,
+            sequence_group=sequence_group,
+            bias_update_rate=config.router_bias_update_rate,
+            capacity_factor=config.capacity_factor,
+            sequence_split=(tp_size(cp_group), tp_size(tp_group)),
+            router_score=config.router_score,
+            norm_topk=config.router_norm_topk,
+        )
+        self.shared_expert = (
+            SharedExpert(config.d_model, config.shared_expert_dim)
+            if config.shared_expert_dim
+            else None
+        )
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        h = self.moe_norm(x)
+        moe_out, aux = self.moe(h)
+        if self.shared_expert is not None:
+            moe_out = moe_out + self.shared_expert(h)
+        return x + moe_out, aux
+
+
+class StageModel(nn.Module):
+    """The part of the model one (pp_rank, ep_rank, cp_rank, tp_rank) owns; a pure ``nn.Module`` with
+    no Lightning glue.
+
+    ``forward`` takes token ids [b, S/cp] (this CP rank's positions, ``context_parallel.take_local``)
+    on the first stage, hidden states [b, S/(cp*tp), D] elsewhere, and returns (hidden
+    [b, S/(cp*tp), D], or on the last stage logits [b, S/cp, V/tp] of this rank's vocabulary shard,
+    and aux [b] fp32): the per-sequence auxiliary loss summed over this stage's layers, already
+    weighted by the coefficients (under CP or TP, this rank's tokens' share). ``token_loss_sum`` turns
+    the logits into the summed cross-entropy, without gathering them.
+
+    ``split`` (``pipeline.split``): a rank may hold several chunks of layers (virtual stages) and
+    the stages may hold different numbers of layers; ``forward(x, chunk=c)`` runs chunk ``c``
+    (``chunk_ranges[c]``), the embedding before the chunk of virtual stage 0, the head after the chunk
+    of the last one (``embeds``, ``heads``: under the V both are on rank 0).
+
+    ``sequence_group``: the cp x tp ranks that hold one sequence (for the aux losses' counts); it may
+    be left None when only one of cp and tp is used.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        pp_rank: int = 0,
+        pp: int = 1,
+        ep_rank: int = 0,
+        ep: int = 1,
+        ep_group: ProcessGroup | None = None,
+        tp_group: ProcessGroup | None = None,
+        cp_group: ProcessGroup | None = None,
+        sequence_group: ProcessGroup | None = None,
+        split: StageSplit | None = None,
+    ) -> None:
+        super().__init__()
+        tp, cp = tp_size(tp_group), tp_size(cp_group)
+        split = split or StageSplit()
+        config.validate_layout(pp, ep, tp, cp, split)
+        if sequence_group is None and tp > 1 and cp > 1:
+            raise ValueError(
+                "with both tp and cp, pass sequence_group: the cp x tp ranks of one sequence "
+                "(ProcessGroups.sequence)"
+            )
+        if sequence_group is None:
+            sequence_group = tp_group if tp > 1 else cp_group
+        if not 0 <= pp_rank < pp:
+            raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1} (pp={pp})")
+        if not 0 <= ep_rank < ep:
+            raise ValueError(f"ep_rank={ep_rank} is outside 0..{ep - 1} (ep={ep})")
+        if ep_group is not None and ep_size(ep_group) != ep:
+            raise ValueError(
+                f"ep_group has {ep_size(ep_group)} ranks but ep={ep}; pass this stage's EP group"
+            )
+        self.config = config
+        per_rank = config.n_experts // ep
+        self.chunk_ranges = split.chunk_ranges(config.n_layers, pp, pp_rank)
+        self.num_chunks = len(self.chunk_ranges)
+        # with one chunk: its layers; with more, the span from the first to the last one held
+        self.layer_range = (self.chunk_ranges[0][0], self.chunk_ranges[-1][1])
+        self.expert_range = (ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        # the embedding goes with virtual stage 0, the head with the last one, wherever the placement
+        # puts them (the V puts both on rank 0)
+        self.stage_ids = stage_ids = split.stage_ids(pp, pp_rank)  # each chunk's virtual stage
+        last = pp * split.virtual_stages - 1
+        self.embed_chunk = stage_ids.index(0) if 0 in stage_ids else None
+        self.head_chunk = stage_ids.index(last) if last in stage_ids else None
+        self.is_first_stage = self.embed_chunk is not None  # holds the embedding
+        self.is_last_stage = self.head_chunk is not None  # holds the head
+        self.v_shape = split.v_shape  # chunks linked down and back up the ranks, not round a ring
+        self.tp_group, self.cp_group = tp_group, cp_group
+        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        vocab_rows = padded_vocab(config.vocab_size, tp) // tp
+        self.vocab_start = self.tp_rank * vocab_rows
+        self._rope_cache: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
+
+        if self.is_first_stage:
+            self.embed = mark_tp_shard(
+                nn.Embedding(vocab_rows, config.d_model), 0, config.vocab_size, tp_group
+            )
+        self.layers = nn.ModuleDict(
+            {
+                str(i): Block(
+                    config, self.expert_range, ep_group, tp_group, cp_group, sequence_group
+                )
+                for start, end in self.chunk_ranges
+                for i in range(start, end)
+            }
+        )
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.d_model, config.norm_eps)
+            self.lm_head = mark_tp_shard(
+                nn.Linear(config.d_model, vocab_rows, bias=False), 0, config.vocab_size, tp_group
+            )
+
+    def embeds(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` starts with the embedding (takes token ids)."""
+        return chunk == self.embed_chunk
+
+    def heads(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` ends with the final norm and the LM head (returns logits)."""
+        return chunk == self.head_chunk
+
+    def forward(self, x: Tensor, chunk: int = 0) -> tuple[Tensor, Tensor]:
+        if self.embeds(chunk):
+            if x.dim() != 2 or x.dtype != torch.long:
+                raise ValueError(
+                    f"the first stage takes token ids [b, S] long, got {x.dtype} {tuple(x.shape)}"
+                )
+            seq_len = x.shape[1] * tp_size(self.cp_group)
+            x = self._embed(x)
+        elif x.dim() != 3 or x.shape[-1] != self.config.d_model:
+            raise ValueError(
+                f"stage {self.chunk_ranges[chunk]} takes hidden states [b, S/(cp*tp), {self.config.d_model}], got {tuple(x.shape)}"
+            )
+        else:
+            seq_len = x.shape[1] * tp_size(self.tp_group) * tp_size(self.cp_group)
+        cos, sin = self._rope(seq_len, x.device)
+        mask = None
+        if tp_size(self.cp_group) > 1:  # RoPE and the causal mask by the tokens' global positions
+            mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)
+            keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
+            cos, sin, mask = cos[mine], sin[mine], keys.unsqueeze(0) <= mine.unsqueeze(1)
+        aux = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
+        for block in (self.layers[str(i)] for i in range(*self.chunk_ranges[chunk])):
+            if self.config.activation_checkpointing and torch.is_grad_enabled():
+                x, block_aux = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x, block_aux = block(x, cos, sin, mask)
+            aux = aux + block_aux
+        if self.heads(chunk):
+            x = self.lm_head(gather_sequence(self.norm(x), self.tp_group))
+        return x, aux
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        """Token ids [b, S] -> this rank's sequence slice of the embeddings [b, S/tp, D]: each rank
+        looks up the ids in its vocabulary rows, and the reduce-scatter sums the rows and slices."""
+        if tp_size(self.tp_group) == 1:
+            return self.embed(ids)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed.num_embeddings)
+        rows = self.embed(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(
+            self.embed.weight.dtype
+        )
+        return scatter_sequence(rows, self.tp_group)
+
+    def token_loss_sum(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The summed cross-entropy of ``targets`` [..., S] under the last stage's ``logits``
+        [..., S, V/tp] (the padded vocabulary rows excluded); the same value on every TP rank."""
+        losses = vocab_parallel_cross_entropy(
+            logits.flatten(0, -2), targets.flatten(), vocab_start=self.vocab_start,
+            vocab_size=self.config.vocab_size, group=self.tp_group,
+        )  # fmt: skip
+        return losses.sum()
+
+    def _rope(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        # A plain cache, not a buffer: a buffer would be garbage after meta-device init + to_empty.
+        key = (seq_len, device)
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_cos_sin(
+                seq_len, self.config.head_dim, self.config.rope_theta, device
+            )
+        return self._rope_cache[key]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Layout-free init: each value depends on (seed, global name, global expert) only.
+
+        Norm weights are 1, biases 0; every other matrix is Normal(0, init_std), output projections
+        (``wo``, experts' and the shared expert's ``w2``) scaled by 1/sqrt(2 * n_layers) so the residual
+        stream does not grow with depth.
+        """
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        for module_name, module in self.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, GroupedExperts):
+                start = module.expert_range[0]
+                for pname, p in module.named_parameters(recurse=False):
+                    param_std = out_std if pname == "w2" else std
+                    for e in range(module.n_local):
+                        p[e].copy_(
+                            _seeded_normal(p.shape[1:], param_std, seed, prefix + pname, start + e)
+                        )
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                param_std = (
+                    out_std if module_name.endswith(("attn.wo", "shared_expert.w2")) else std
+                )
+                if isinstance(bias := getattr(module, "bias", None), Tensor):
+                    bias.zero_()
+                shard = tp_shard(module)
+                shape = list(module.weight.shape)
+                if shard is not None:
+                    shape[shard.dim] = shard.full_size  # draw the whole tensor, keep the slice
+                weight = _seeded_normal(torch.Size(shape), param_std, seed, prefix + "weight")
+                if shard is not None:
+                    weight = local_slice(weight, shard.dim, tp_size(self.tp_group), self.tp_rank)
+                module.weight.copy_(weight)
+
+
+def _seeded_normal(shape: torch.Size, std: float, seed: int, name: str, expert: int = -1) -> Tensor:
+    # crc32, not hash(): Python's string hash is salted per process, so ranks would disagree.
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}|{name}|{expert}".encode()))
+    # Drawn on CPU whatever the ambient device: Lightning builds the model under ``with root_device:``,
+    # where a CUDA randn would reject this CPU generator (and a CUDA one would give other values).
+    # The caller's copy_ moves the values to the parameter's device.
+    return torch.randn(shape, generator=generator, device="cpu") * std
+
+
+def split_expert_parameters(
+    module: nn.Module,
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(expert, non_expert) named parameters in ``module.parameters()`` order.
+
+    Expert parameters are those of ``GroupedExperts`` modules (sharded over EP, reduced over expert-DP);
+    everything else, the router included, is replicated over the stage's EP group.
+    """
+    expert_ids = {
+        id(p) for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters()
+    }
+    expert: list[tuple[str, nn.Parameter]] = []
+    non_expert: list[tuple[str, nn.Parameter]] = []
+    for name, p in module.named_parameters():
+        (expert if id(p) in expert_ids else non_expert).append((name, p))
+    return expert, non_expert
+
+
+# The group kind (parallel_dims.GROUPS) over which each kind of parameter's grad is summed, and the
+# axes it is held whole (copied) on inside one data-parallel replica, where the norm counts it once.
+EXPERT, TP_SHARDED, SEQUENCE = "expert_dp", "non_expert_dp", "sequence_dp"
+COPIED_OVER = {EXPERT: ("tp",), TP_SHARDED: ("ep",), SEQUENCE: ("ep", "tp")}
+
+
+def grad_group_kinds(module: nn.Module) -> list[tuple[str, nn.Parameter, str]]:
+    """(name, parameter, group kind) in ``module.parameters()`` order.
+
+    Experts (``GroupedExperts``) are split by EP and copied on the TP ranks, which route their own
+    tokens: their grads sum over dp x tp. TP-sharded weights (``tensor_parallel.TP_SHARD``: attention,
+    embedding, LM head) are copied on the EP ranks: dp x ep. Everything else (norms, routers) runs in
+    the sequence-parallel region, whole on every rank of a stage: dp x ep x tp.
+    """
+    expert_ids = {id(p) for _, p in split_expert_parameters(module)[0]}
+    sharded_ids = set(tp_shards(module))  # weights and the biases cut with them
+    out = []
+    for name, p in module.named_parameters():
+        if id(p) in expert_ids:
+            kind = EXPERT
+        elif id(p) in sharded_ids:
+            kind = TP_SHARDED
+        else:
+            kind = SEQUENCE
+        out.append((name, p, kind))
+    return out

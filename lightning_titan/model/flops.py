@@ -1,0 +1,100 @@
+"""Model FLOPs per training step, and the peak they are a share of (MFU).
+
+The count is that of the matmuls (2 FLOPs per multiply-add), as ``torch.utils.flop_counter
+.FlopCounterMode`` counts them (tests/unit/test_flops.py checks the formula against it): per token and
+layer the q/k/v/o projections, the attention scores and their weighted sum over the whole sequence
+(like FlopCounterMode and PaLM's formula, not halved for the causal mask), the router, and K SwiGLU
+experts; once per token the LM head. Training is 3x the forward (the backward computes the grads of
+both operands of every matmul). Norms, softmax, dispatch and the optimizer are left out; so is the
+recompute of activation checkpointing (a cost of the method, not of the model), and the experts are
+counted dropless (capacity drops save some; MFU then reads low by that share).
+
+The peak is per device: on a GPU its dense bf16 tensor-core peak from ``GPU_BF16_PEAK`` (the vendor's
+datasheet numbers, without sparsity), on a CPU (or an unknown GPU) a short matmul probe at the dtype
+the model trains in. ``TitanLM(peak_flops=...)`` overrides both.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_titan.model.decoder import ModelConfig
+
+# dense bf16 FLOP/s, by a substring of torch.cuda.get_device_name(); the first match wins, so the
+# more specific names come first
+GPU_BF16_PEAK: dict[str, float] = {
+    "GH200": 989e12,
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+}
+
+
+def forward_flops_per_token(config: ModelConfig) -> int:
+    """Matmul FLOPs of one token's forward through the whole model (see the module doc)."""
+    d, hd, s = config.d_model, config.head_dim, config.seq_len
+    q_width, kv_width = config.n_heads * hd, config.kv_heads * hd
+    projections = 2 * d * (2 * q_width + 2 * kv_width)  # q and o; k and v
+    attention = 2 * 2 * s * q_width  # scores q.k over S keys, then the weighted sum of S values
+    router = 2 * d * config.n_experts
+    experts = config.top_k * 3 * 2 * d * config.ffn_dim  # gate, up, down per chosen expert
+    head = 2 * d * config.vocab_size
+    return config.n_layers * (projections + attention + router + experts) + head
+
+
+def training_flops_per_token(config: ModelConfig) -> int:
+    """Forward and backward: 3x the forward's matmul FLOPs."""
+    return 3 * forward_flops_per_token(config)
+
+
+def step_flops(config: ModelConfig, tokens: int) -> float:
+    """Model FLOPs of one training step over ``tokens`` tokens (the global batch's ``b * S``)."""
+    return float(training_flops_per_token(config)) * tokens
+
+
+def catalogue_peak(device: torch.device) -> float | None:
+    """The device's dense bf16 peak from ``GPU_BF16_PEAK``, None for a CPU or an unlisted GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_BF16_PEAK.items() if key in name), None)
+
+
+def matmul_peak(
+    device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3
+) -> float:
+    """FLOP/s of the best of repeated ``n x n`` matmuls for about ``seconds`` (a probe of what this
+    process gets: its threads, its share of a busy box)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    torch.matmul(a, b, out=out)  # warm-up: the kernel choice, the caches
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == float("inf"):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best
+
+
+def device_peak(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the number comes from)."""
+    peak = catalogue_peak(device)
+    if peak is not None:
+        return peak, f"{torch.cuda.get_device_name(device)} bf16 dense (catalogue)"
+    probe_dtype = torch.bfloat16 if device.type == "cuda" else dtype
+    return matmul_peak(device, probe_dtype), f"{device.type} {probe_dtype} matmul probe"

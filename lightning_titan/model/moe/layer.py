@@ -1,0 +1,157 @@
+"""The MoE feed-forward: router over all E experts, dispatch to owners, local experts, combine."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_titan.model.moe import capacity
+from lightning_titan.model.moe.experts import GroupedExperts
+from lightning_titan.model.moe.router import route
+from lightning_titan.parallel.dispatch import combine, dispatch, ep_size
+
+
+class MoELayer(nn.Module):
+    """Mixtral's sparse MoE block, with this rank's experts ``expert_range`` of ``n_experts``.
+
+    ``router`` is replicated (maps to HF ``block_sparse_moe.gate``); ``experts`` is sharded over the
+    EP group. ``tokens_per_expert`` holds the last forward's [E] assignment counts of this rank's tokens.
+    ``sequence_group``: the TP group under sequence parallelism, whose ranks hold the other slices of
+    the sequences this rank routes (for the per-sequence aux losses).
+
+    ``bias_update_rate`` > 0 turns on aux-loss-free balancing (``moe/balance.py``): a persistent
+    ``expert_bias`` [E] fp32 steers the top-K choice, and ``step_tokens_per_expert`` [E] sums this
+    rank's assignments over the training forwards of a step (not the recompute of activation
+    checkpointing) until ``balance.update_expert_bias`` spends them.
+
+    ``capacity_factor`` (None: dropless) caps each expert at ``floor(factor * S * K / E)`` of a
+    sequence's assignments and drops the rest (``moe/capacity.py``); ``sequence_split`` = (cp, tp)
+    says how ``sequence_group`` cuts each sequence. The counts above are the router's selections,
+    before the drops; ``step_dropped`` sums the dropped assignments of a step's training forwards
+    (the engine spends it) and ``rows_per_local_expert`` holds the last forward's received rows.
+    With the bias on, ``unbiased_tokens_per_expert`` [E] holds the last forward's counts of the
+    top-K the unbiased scores would have chosen (what the bias changed: ``timeline.ExpertLoad``).
+    """
+
+    expert_bias: Tensor | None
+    step_tokens_per_expert: Tensor
+    step_dropped: Tensor
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        expert_range: tuple[int, int] | None = None,
+        ep_group: ProcessGroup | None = None,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+        sequence_group: ProcessGroup | None = None,
+        bias_update_rate: float = 0.0,
+        capacity_factor: float | None = None,
+        sequence_split: tuple[int, int] = (1, 1),
+        router_score: str = "softmax",
+        norm_topk: bool = True,
+    ) -> None:
+        super().__init__()
+        expert_range = expert_range or (0, n_experts)
+        n_local = expert_range[1] - expert_range[0]
+        if not bias_update_rate >= 0:
+            raise ValueError(
+                f"bias_update_rate={bias_update_rate!r} must be >= 0 (0 turns the expert bias off)"
+            )
+        if ep_group is not None and n_local * ep_size(ep_group) != n_experts:
+            raise ValueError(
+                f"{n_local} local experts x EP group of {ep_size(ep_group)} ranks != n_experts="
+                f"{n_experts}; give each EP rank n_experts / ep experts"
+            )
+        self.n_experts = n_experts
+        self.top_k = top_k
+        self.ep_group = ep_group
+        self.sequence_group = sequence_group
+        self.aux_loss_coef = aux_loss_coef
+        self.z_loss_coef = z_loss_coef
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.router_score, self.norm_topk = router_score, norm_topk  # moe/router.py
+        self.experts = GroupedExperts(d_model, ffn_dim, expert_range)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
+        )
+        self.bias_update_rate = bias_update_rate
+        balancing = bias_update_rate > 0
+        # None when off: no key in the state dict, so checkpoints without balancing load as before
+        self.register_buffer(
+            "expert_bias", torch.zeros(n_experts, dtype=torch.float32) if balancing else None
+        )
+        self.register_buffer(
+            "step_tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
+        )
+        self.capacity_factor = capacity_factor
+        self.sequence_split = sequence_split
+        self.register_buffer("step_dropped", torch.zeros((), dtype=torch.long), persistent=False)
+        self.rows_per_local_expert: list[int] = []
+        self.unbiased_tokens_per_expert: Tensor | None = None
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``x`` [b, S, D] -> (output [b, S, D], aux [b] fp32 already weighted by the coefficients)."""
+        b, s, d = x.shape
+        if self.ep_group is None and self.experts.n_local != self.n_experts:
+            raise ValueError(
+                f"this MoE layer holds {self.experts.n_local} of {self.n_experts} experts but has no "
+                "ep_group to reach the others; pass the EP process group"
+            )
+        logits = self.router(x)
+        routing = route(
+            logits, self.top_k, self.sequence_group, self.expert_bias,
+            score=self.router_score, norm_topk=self.norm_topk,
+        )  # fmt: skip
+        if self.expert_bias is not None:
+            self.unbiased_tokens_per_expert = self._unbiased_counts(logits)
+        tokens = x.reshape(b * s, d)
+        keep = self._keep(routing.expert_ids, b, s)
+        expert_in, plan = dispatch(tokens, routing.expert_ids, self.n_experts, self.ep_group, keep)
+        expert_out = self.experts(expert_in, plan.tokens_per_local_expert)
+        out = combine(expert_out, routing.weights, plan)
+        self.rows_per_local_expert = plan.tokens_per_local_expert
+        selected = plan.tokens_per_expert
+        if keep is not None:  # the router's load is its selections, the dropped ones included
+            ids = routing.expert_ids.reshape(-1)
+            selected = torch.zeros_like(selected).scatter_add_(0, ids, torch.ones_like(ids))
+        self.tokens_per_expert = selected.detach()
+        if self.training and torch.is_grad_enabled() and not recomputing():
+            if self.expert_bias is not None:
+                self.step_tokens_per_expert += selected
+            if keep is not None:
+                self.step_dropped += keep.numel() - keep.sum()
+        aux = self.aux_loss_coef * routing.load_balance + self.z_loss_coef * routing.z_loss
+        return out.view(b, s, d), aux
+
+    @torch.no_grad()
+    def _unbiased_counts(self, logits: Tensor) -> Tensor:
+        """[E] long: the assignments the router's scores alone would make (no bias), for ExpertLoad.
+        The top-K of the logits is that of any score that grows with them (softmax, sigmoid)."""
+        ids = torch.topk(logits.detach(), self.top_k, dim=-1).indices.reshape(-1)
+        return torch.zeros(self.n_experts, dtype=torch.long, device=ids.device).scatter_add_(
+            0, ids, torch.ones_like(ids)
+        )
+
+    def _keep(self, expert_ids: Tensor, b: int, s: int) -> Tensor | None:
+        """[T, K] bool: the assignments within capacity (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        cp, tp = self.sequence_split
+        limit = capacity.expert_capacity(
+            self.capacity_factor, s * cp * tp, self.top_k, self.n_experts
+        )
+        return capacity.keep_mask(
+            expert_ids, b, self.n_experts, limit, self.sequence_group, self.sequence_split
+        )
+
+
+def recomputing() -> bool:
+    """Whether this forward is activation checkpointing's recompute inside a backward: its tokens were
+    counted by the first forward already."""
+    return torch._C._current_graph_task_id() != -1

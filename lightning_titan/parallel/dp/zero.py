@@ -1,0 +1,293 @@
+"""ZeRO-1 (and ZeRO-2's rows): the ranks of a data-parallel group split the optimizer state.
+
+Each parameter is cut into row ranges along one dimension (dim 0; dim 1 for stacked experts, whose
+dim 0 is the experts, and for a weight TP cuts along dim 0: ``cut_dim``), ``torch.chunk``-style:
+rank ``q`` of an ``n``-rank group owns rows ``[q * c, (q + 1) * c)`` with ``c = ceil(rows / n)``
+(the last ranks may own fewer, or none). The user's optimizer is kept, and only its
+``param_groups`` lists change: each parameter is replaced by a leaf ``nn.Parameter`` that is a view
+of the rank's rows, so the optimizer's in-place update writes straight into the model, and its
+state (AdamW's two moments) exists for those rows only. After the step the group all-gathers the
+updated rows (bucketed: one collective per bucket) and the grads are dropped. Each rank packs its rows
+into its chunk of a gather buffer kept from step to step (one per dtype, the size of the largest
+bucket, which the gather would peak at anyway; ZeRO-2's reducer borrows it during backward): a new
+one of tens of MB is fresh pages every step,
+and at d_model 256 their faults cost more CPU than the copies (10,000 faults a step on dp2; the
+gather 65 -> 39 ms per rank once the buffer was kept, after 94 -> 65 from gloo's all-gather to
+``collectives.all_gather_``).
+
+Grads are all-reduced in full as before (ZeRO-1), so the clipping norm is computed as without ZeRO;
+the shard grads are views of the reduced grads, bound just before the optimizer step, after any
+clipping or non-finite skip has acted on the full grads. Under ZeRO-2 (``zero_grads.py``) the
+reducer reduce-scatters straight into these rows instead and the full grads never come back.
+
+Checkpoints stay layout-free: a shard's state is saved as a ``DTensor`` over the group's mesh (its
+rows of the full tensor), so DCP writes one logical tensor per parameter that loads under any zero
+level and layout. A TP-cut weight's shard is a ``DTensor`` over the 2-D mesh (tp, zero group): TP
+cuts one dim of the full model's tensor and ZeRO another, each ``torch.chunk``-style, which is how
+DCP places uneven shards, so the 2-D offsets need no bookkeeping of ours.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from lightning_titan.parallel.collectives import all_gather_
+from lightning_titan.parallel.dp.reducer import assign_buckets
+from lightning_titan.parallel.mesh import group_mesh
+from lightning_titan.parallel.tensor_parallel import TpShard, real_size
+from lightning_titan.runtime import probes
+
+LEVELS = (0, 1, 2)
+# torch's optimizers whose update of an element reads the rest of the tensor: row shards would change
+# the result (the element-wise ones, Adam/AdamW/SGD/..., give the same numbers on any rows)
+WHOLE_TENSOR_OPTIMIZERS = (torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.Muon)
+ATTR = "_titan_zero_shard"  # on a shard's leaf tensor: its ZeroShard (checkpoint keys need it)
+
+
+def owned_rows(size: int, n: int, q: int) -> tuple[int, int]:
+    """Rank ``q``'s rows ``[start, stop)`` of ``size`` rows cut into ``n`` ``torch.chunk`` pieces."""
+    chunk = math.ceil(size / n)
+    start = min(q * chunk, size)
+    return start, min(start + chunk, size)
+
+
+@dataclass
+class ZeroShard:
+    """One parameter's rows ``[start, stop)`` along ``dim`` on this rank, and the leaf the optimizer
+    updates (a view of them)."""
+
+    param: nn.Parameter
+    dim: int
+    start: int
+    stop: int
+    leaf: nn.Parameter
+    group: dist.ProcessGroup
+    n: int
+    grad: Tensor | None = None  # ZeRO-2: the reduced rows, until bind_grads hands them to the leaf
+    tp: TpShard | None = None  # the weight is this TP rank's part of the full model's (tp > 1)
+
+    def rows(self, tensor: Tensor, q: int | None = None) -> Tensor:
+        """Rank ``q``'s rows of ``tensor`` (this rank's by default), a view."""
+        start, stop = (self.start, self.stop) if q is None else owned_rows(self.size, self.n, q)
+        return tensor.narrow(self.dim, start, stop - start)
+
+    @property
+    def size(self) -> int:
+        return self.param.shape[self.dim]
+
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of the largest rank's rows: every rank's slot in a gather buffer has this size."""
+        return math.ceil(self.size / self.n) * (self.param.numel() // max(1, self.size))
+
+
+def cut_dim(param: Tensor, expert: bool, tp_dim: int | None = None) -> int | None:
+    """The dimension to cut, or None when the parameter stays whole on every rank (a scalar, a
+    one-dimensional expert tensor: every rank then applies the same update to all of it).
+
+    Never the dim TP cuts (``tp_dim``): the saved shard is then a block of the full tensor, one
+    ``torch.chunk`` split per dim, as a DTensor on the (tp, zero) mesh says. Rows of a TP slice
+    would nest two splits in one dim, the inner one over the padded vocabulary rows that the
+    checkpoint does not hold."""
+    dim = 1 if expert or tp_dim == 0 else 0
+    return dim if param.dim() > dim else None
+
+
+class ZeroGroup:
+    """The parameters reduced over one data-parallel group, their shards on this rank, and the
+    bucketed all-gather that makes every rank's copy whole again after the optimizer step."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        expert_ids: set[int],
+        group: dist.ProcessGroup,
+        *,
+        bucket_cap_mb: float,
+        tp_shards: dict[int, TpShard] | None = None,
+    ) -> None:
+        """``tp_shards``: ``id(weight) -> TpShard`` of the weights TP cuts (``tp_shards(model)``)."""
+        self.group = group
+        self.n, self.q = dist.get_world_size(group), dist.get_rank(group)
+        self.shards: dict[int, ZeroShard] = {}
+        for p in params:
+            tp = (tp_shards or {}).get(id(p))
+            tp = tp if tp is not None and tp.size > 1 else None
+            dim = cut_dim(p, id(p) in expert_ids, None if tp is None else tp.dim)
+            if dim is None:
+                continue
+            start, stop = owned_rows(p.shape[dim], self.n, self.q)
+            leaf = nn.Parameter(p.detach().narrow(dim, start, stop - start))
+            shard = ZeroShard(p, dim, start, stop, leaf, group, self.n, tp=tp)
+            setattr(leaf, ATTR, shard)
+            self.shards[id(p)] = shard
+        sharded = [s.param for s in self.shards.values()]
+        self.buckets = [
+            _GatherBucket([self.shards[id(sharded[i])] for i in indices], self.n, self.q)
+            for indices in assign_buckets(sharded, bucket_cap_mb * 1024 * 1024)
+        ]
+        self.kept: dict[torch.dtype, Tensor] = {}  # the gather buffer of each dtype (module doc)
+        for dtype in {b.dtype for b in self.buckets}:  # each the size of its dtype's largest bucket
+            same = [b for b in self.buckets if b.dtype == dtype]
+            self.reserve(same[0].shards[0].param, max(b.slot for b in same) * self.n)
+
+    def reserve(self, like: Tensor, numel: int) -> None:
+        """The kept buffer of ``like``'s dtype (and device), grown to at least ``numel`` elements; every
+        gather bucket of that dtype is bound to its start. ZeRO-2's reducer borrows it too, for a
+        bucket's reduce-scatter input: it is idle from the end of one gather to the start of the next,
+        and a fresh buffer of that size is fresh pages on CPU every step (``zero_grads.py``)."""
+        kept = self.kept.get(like.dtype)
+        if kept is None or kept.numel() < numel:
+            kept = self.kept[like.dtype] = like.new_empty(numel)
+            for b in self.buckets:
+                if b.dtype == like.dtype:
+                    b.bind(kept[: b.slot * self.n], self.q)
+
+    def bind_grads(self, drop: bool = False) -> None:
+        """Each shard's grad: its reduced, clipped rows, or None (``drop``: a skipped step). ZeRO-1:
+        a view of the full grad's rows; ZeRO-2: the rows the reduce-scatter left (``ZeroShard.grad``)."""
+        for s in self.shards.values():
+            if s.grad is not None:
+                s.leaf.grad, s.grad = s.grad, None
+            else:
+                s.leaf.grad = None if s.param.grad is None else s.rows(s.param.grad)
+            if drop:
+                s.leaf.grad = None
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Every rank's updated rows into every rank's parameters, one all-gather per bucket; then
+        the full grads go (the optimizer step consumed them)."""
+        for bucket in self.buckets:
+            torch._foreach_copy_(bucket.mine, bucket.own)
+            with probes.span("all_gather", "zero params"):
+                all_gather_(bucket.buffer, self.group)
+            torch._foreach_copy_(bucket.dst, bucket.theirs)
+        for s in self.shards.values():
+            s.param.grad = None
+
+
+class _GatherBucket:
+    """One all-gather's shards and, worked out once, where each piece goes: this rank's rows into
+    its slot of the gather buffer, every other rank's slot back into the parameters (one strided
+    view of their rows on each side of this rank's where a parameter's rows split evenly; this
+    rank's own rows are its optimizer's leaf, updated in place already). Each side is then one
+    ``_foreach_copy_``: copying 43 parameters one ``copy_`` at a time cost as much CPU as the
+    collective itself on this project's bench model."""
+
+    def __init__(self, shards: list[ZeroShard], n: int, me: int) -> None:
+        self.shards = shards
+        # views (detached: no autograd history); the params' storage stays put, as for the leaves
+        self.own = [s.rows(s.param.detach()) for s in shards]
+        self.pack: list[tuple[int, torch.Size, tuple[int, ...]]] = []
+        self.dst: list[Tensor] = []
+        self.unpack: list[tuple[int, torch.Size, tuple[int, ...]]] = []
+        slot = sum(s.chunk_numel for s in shards)
+        offset = 0
+        for s, own in zip(shards, self.own, strict=True):
+            self.pack.append((offset, own.shape, _contiguous_strides(own.shape)))
+            if s.size % n == 0:  # the other ranks' rows at once: (ranks, *rows) against their slots
+                rows_N = s.param.detach().unflatten(s.dim, (n, s.size // n)).movedim(s.dim, 0)
+                for lo, hi in ((0, me), (me + 1, n)):  # before this rank, after it
+                    if hi > lo:
+                        self.dst.append(rows_N[lo:hi])
+                        strides = (slot, *_contiguous_strides(own.shape))
+                        self.unpack.append((lo * slot + offset, rows_N[lo:hi].shape, strides))
+            else:
+                for q in [r for r in range(n) if r != me]:
+                    rows = s.rows(s.param.detach(), q)
+                    self.dst.append(rows)
+                    self.unpack.append(
+                        (q * slot + offset, rows.shape, _contiguous_strides(rows.shape))
+                    )
+            offset += s.chunk_numel
+        self.slot = slot
+        self.dtype = shards[0].param.dtype
+
+    def bind(self, buffer: Tensor, me: int) -> None:
+        """Gather through ``buffer`` (``n * slot`` elements at offset 0 of its storage, kept from step
+        to step): the views of it that the copies in and out use, worked out once."""
+        self.buffer = buffer
+        self.mine = [buffer.as_strided(sh, st, me * self.slot + at) for at, sh, st in self.pack]
+        self.theirs = [buffer.as_strided(sh, st, at) for at, sh, st in self.unpack]
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+def shard_optimizer(optimizer: Optimizer, groups: Sequence[ZeroGroup]) -> None:
+    """Point ``optimizer`` at this rank's shards in place (its param groups, hyper-parameters and any
+    scheduler stay); a parameter no shard covers stays whole. Only before the optimizer has state."""
+    if isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS):
+        raise ValueError(
+            f"zero=1 cannot split {type(optimizer).__name__}: its update of a weight depends on the "
+            "whole tensor (a factored or orthogonalised update, or a line search), not on each "
+            "element alone; use zero=0 with it, or an element-wise optimizer such as AdamW"
+        )
+    if optimizer.state:
+        raise RuntimeError(
+            "zero>0 shards an optimizer before its first step; this one already has state"
+        )
+    shards = {pid: s for g in groups for pid, s in g.shards.items()}
+    for param_group in optimizer.param_groups:
+        leaves = []
+        for p in param_group["params"]:
+            shard = shards.get(id(p))
+            if shard is None:
+                leaves.append(p)
+            elif shard.stop > shard.start:  # a rank past the last row holds nothing of it
+                leaves.append(shard.leaf)
+        param_group["params"] = leaves
+
+
+def as_dtensor(local: Tensor, shard: ZeroShard, shape: torch.Size) -> DTensor:
+    """``local``, this rank's rows (dim 0) of a tensor of ``shape``, as a DTensor over the group: how
+    DCP learns where the rows go (no copy: DCP reads into and writes from ``local`` itself). For a
+    TP-cut weight (``shard.tp``; ``local`` is its state, ``shape`` this TP rank's), the real entries
+    of ``local`` as a block of the full model's tensor over the (tp, zero) mesh."""
+    mesh, placements = group_mesh(shard.group, local.device.type), [Shard(0)]
+    if shard.tp is not None:
+        tp = shard.tp
+        local = local.narrow(tp.dim, 0, real_size(tp.full_size, tp.size, tp.rank))
+        shape = torch.Size([tp.full_size if d == tp.dim else n for d, n in enumerate(shape)])
+        mesh = tp_zero_mesh(tp.group, shard.group, local.device.type)
+        placements = [Shard(tp.dim), Shard(shard.dim)]
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+@functools.cache
+def tp_zero_mesh(
+    tp_group: dist.ProcessGroup, zero_group: dist.ProcessGroup, device_type: str
+) -> DeviceMesh:
+    """The 2-D mesh (tp, zero) of the ranks holding a TP-cut weight's shards: entry ``[i, j]`` is
+    member ``j`` of TP rank ``i``'s zero group. A rank's coordinates are mixed-radix digits, so
+    moving along tp adds the same offset to every member (``parallel_dims``)."""
+    me = dist.get_rank()
+    members = dist.get_process_group_ranks(zero_group)
+    rows = [[z + t - me for z in members] for t in dist.get_process_group_ranks(tp_group)]
+    return DeviceMesh.from_group(
+        [tp_group, zero_group], device_type, torch.tensor(rows), mesh_dim_names=("tp", "zero")
+    )
+
+
+def shard_of(tensor: Tensor) -> ZeroShard | None:
+    """The ZeroShard a tensor in an optimizer stands for, None for a whole parameter."""
+    return getattr(tensor, ATTR, None)
+
+
+def full_param(tensor: Tensor) -> Tensor:
+    """The model parameter an optimizer's tensor belongs to (itself unless it is a shard)."""
+    shard = shard_of(tensor)
+    return tensor if shard is None else shard.param

@@ -1,0 +1,209 @@
+"""ZeRO-2: the bucketed reducer reduce-scatters grads into the ZeRO-1 row shards (``zero.py``).
+
+Each bucket's flat buffer is rank-major: slot ``q`` holds rank ``q``'s rows of every parameter of the
+bucket (padded to the largest rank's rows, ``ZeroShard.chunk_numel``), a whole copy of a parameter
+with nothing to cut (a scalar), and the flags GradReducer's all-reduce carries (one "has a grad" per
+parameter, then "all its hooks fired" and "launched from a hook"), written into every slot. One
+reduce-scatter per bucket then leaves each rank its own slot: its rows of the summed grads and the
+flags summed over the group, as the all-reduce would have. The launch-order rule (reducer.py's module
+doc) is GradReducer's, unchanged: only what a bucket holds and which collective it runs differ.
+
+Memory. A hook copies its parameter's grad into the bucket and drops it (``p.grad = None``). A
+bucket's input buffer (the full grads, rank-major) lives from its first copy to the end of its
+reduce-scatter in ``finish()``; what a rank keeps is each bucket's output slot, about 1/n of the
+grads, and the shard grads the optimizer steps are views of it. The first bucket to fill borrows the
+ZeRO group's kept gather buffer as its input (idle between gathers; grown at init to fit the largest
+bucket), the others get a new one: on CPU a new one of megabytes is fresh pages every step, which cost
+a dp4 step 1,700 page faults and about 6 ms of its backward at d_model 64 (the default model has one
+bucket, so it now allocates none).
+
+Clipping. After ``finish()`` each element of the stage's gradient sits on exactly one rank of the
+stage's sequence-DP group (its dp x ep x cp x tp ranks): a row of a TP-cut weight on one rank of
+the dp x ep x cp group of the TP rank holding that part, a norm's or router's row on one rank of
+them all, an expert row on one dp x cp x tp rank of the EP rank that owns the expert. So the
+squares of the shard grads summed over that group, then over the stages, are the whole model's
+norm^2; a grad left whole on every rank of its reducer's group (a parameter with nothing to cut)
+is counted on that group's first rank only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_titan.parallel.collectives import reduce_scatter
+from lightning_titan.parallel.dp.clipping import clip_counted_grad_norm_
+from lightning_titan.parallel.dp.reducer import GradReducer, _Bucket
+from lightning_titan.parallel.dp.zero import ZeroGroup, ZeroShard
+from lightning_titan.parallel.mesh import ProcessGroups
+from lightning_titan.runtime import probes
+
+ATTR = "_titan_zero_grad_rows"  # on a parameter whose grad a ShardedGradReducer cuts: its ZeroShard
+
+
+def grad_of(param: Tensor) -> Tensor | None:
+    """The grad this rank holds of ``param``: ``param.grad``, or under ZeRO-2 its reduced rows (what a
+    non-finite diagnosis reads)."""
+    shard: ZeroShard | None = getattr(param, ATTR, None)
+    if param.grad is not None or shard is None:
+        return param.grad
+    return shard.grad if shard.grad is not None else shard.leaf.grad
+
+
+@dataclass
+class _ShardBucket(_Bucket):
+    # per parameter: its shard (None: kept whole), its offset in a slot, the elements it takes there
+    layout: list[tuple[ZeroShard | None, int, int]] = field(default_factory=list)
+    grads_numel: int = 0  # elements of one slot before its flags
+    output: Tensor | None = None  # this rank's slot: reduced rows, then the summed flags
+
+    @property
+    def numel(self) -> int:
+        return self.grads_numel
+
+    @property
+    def slot_numel(self) -> int:
+        return self.grads_numel + len(self.params) + 2
+
+
+class ShardedGradReducer(GradReducer):
+    """GradReducer whose buckets end in this rank's rows only (see the module doc).
+
+    ``zero_group`` holds the shards of ``params`` over ``zero_group.group``; after ``finish()`` a
+    sharded parameter's reduced rows are in ``ZeroShard.grad`` (its ``p.grad`` is None), a parameter
+    kept whole has its reduced ``p.grad`` as under GradReducer.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        zero_group: ZeroGroup,
+        *,
+        scale: float,
+        bucket_cap_mb: float = 25.0,
+        mode: str = "bucketed",
+    ) -> None:
+        if mode != "bucketed":
+            raise ValueError(
+                f"zero=2 reduce-scatters flat buckets, reducer={mode!r} has none; use "
+                "reducer='bucketed' with zero=2 (or zero<=1 with the per-parameter baseline)"
+            )
+        self.zero_group = zero_group  # _make_bucket, called by the base __init__, reads it
+        super().__init__(
+            params, zero_group.group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=mode
+        )
+        for shard in zero_group.shards.values():
+            setattr(shard.param, ATTR, shard)
+        self._borrower: dict[torch.dtype, _Bucket] = {}  # the bucket whose input is the kept buffer
+
+    def remove(self) -> None:
+        super().remove()
+        for shard in self.zero_group.shards.values():
+            if getattr(shard.param, ATTR, None) is shard:
+                delattr(shard.param, ATTR)
+
+    def _make_bucket(self, params: list[nn.Parameter]) -> _Bucket:
+        layout, total = [], 0
+        for p in params:
+            shard = self.zero_group.shards.get(id(p))
+            size = p.numel() if shard is None else shard.chunk_numel
+            layout.append((shard, total, size))
+            total += size
+        bucket = _ShardBucket(params, [offset for _, offset, _ in layout], None, layout=layout)
+        bucket.grads_numel = total
+        bucket.output = params[0].new_zeros(bucket.slot_numel)
+        self.zero_group.reserve(params[0], self._world * bucket.slot_numel)
+        bucket.reset()
+        return bucket
+
+    def _fill(self, bucket: _Bucket, slot: int) -> None:
+        """Every rank's rows of this slot's grad into that rank's slot, then drop the full grad."""
+        assert isinstance(bucket, _ShardBucket)
+        param, n = bucket.params[slot], self._world
+        if bucket.buffer is None:  # this step's input, until its reduce-scatter is done
+            numel = n * bucket.slot_numel
+            if param.dtype not in self._borrower:  # the first bucket to fill borrows the kept one
+                self._borrower[param.dtype] = bucket
+                bucket.buffer = self.zero_group.kept[param.dtype][:numel]
+            else:
+                bucket.buffer = param.new_empty(numel)
+        slots_N = bucket.buffer.view(n, bucket.slot_numel)
+        shard, offset, size = bucket.layout[slot]
+        grad = param.grad
+        dst_N = slots_N[:, offset : offset + size]
+        if grad is None:
+            dst_N.zero_()
+        elif shard is None:
+            dst_N.copy_(grad.reshape(1, -1).expand(n, -1))
+        elif shard.size % n == 0:  # no padding: one strided copy, every rank's rows at once
+            rows_N = grad.unflatten(shard.dim, (n, shard.size // n)).movedim(shard.dim, 0)
+            dst_N.view(rows_N.shape).copy_(rows_N)
+        else:
+            for q in range(n):
+                rows = shard.rows(grad, q)
+                dst_N[q, : rows.numel()].view(rows.shape).copy_(rows)
+                dst_N[q, rows.numel() :].zero_()  # past the last row: padding
+        slots_N[:, bucket.grads_numel + slot] = float(grad is not None)
+        param.grad = None  # ZeRO-2: the bucket holds it now; only this rank's rows come back
+        bucket.filled[slot] = True
+        bucket.num_filled += 1
+
+    def _start(self, b: int, bucket: _Bucket, where: str) -> dist.Work:
+        assert isinstance(bucket, _ShardBucket) and bucket.buffer is not None
+        slots_N = bucket.buffer.view(self._world, bucket.slot_numel)
+        slots_N[:, -2] = float(bucket.all_hooked)
+        slots_N[:, -1] = float(where == "hook")
+        with probes.span("all_reduce", "grad bucket reduce-scatter", bucket=b):
+            return reduce_scatter(bucket.output, bucket.buffer, self.group, async_op=True)
+
+    def _write_back(self, bucket: _Bucket) -> list[float] | None:
+        assert isinstance(bucket, _ShardBucket) and bucket.output is not None
+        bucket.buffer = None  # the full-size input goes: the slot is what this rank keeps
+        if self._borrower.get(bucket.params[0].dtype) is bucket:
+            del self._borrower[bucket.params[0].dtype]  # the gather may use the kept buffer again
+        out = bucket.output
+        if self.scale != 1.0:  # after the sum: 1/n of the multiplications, the flags left as counts
+            out[: bucket.grads_numel].mul_(self.scale)
+        flags = out[bucket.grads_numel :].tolist()  # one device-to-host read per bucket
+        for slot, (p, (shard, offset, _)) in enumerate(
+            zip(bucket.params, bucket.layout, strict=True)
+        ):
+            has_grad = flags[slot] > 0  # on some rank of the group; else None, as in one process
+            if shard is None:
+                p.grad = (
+                    out[offset : offset + p.numel()].view(p.shape).clone() if has_grad else None
+                )
+            else:
+                numel = shard.leaf.numel()
+                shard.grad = (
+                    out[offset : offset + numel].view(shard.leaf.shape) if has_grad else None
+                )
+        return flags[-2:]
+
+
+def clip_shard_grads_(
+    reducers: Sequence[GradReducer],
+    zero_groups: Sequence[ZeroGroup],
+    max_norm: float | None,
+    groups: ProcessGroups,
+) -> Tensor:
+    """The pre-clip global norm from this rank's shard grads (module doc), the same on every rank;
+    scales the shards and whole grads by ``max_norm`` as ``clip_grad_norm_`` does."""
+    shards = {pid: s for g in zero_groups for pid, s in g.shards.items()}
+    grads = [s.grad for s in shards.values() if s.grad is not None]
+    counted = [True] * len(grads)
+    for r in reducers:
+        # a grad left whole is the same on every rank of its group: count it on the first one
+        first = r.group is None or dist.get_rank(r.group) == 0
+        for p in r.params:
+            if id(p) not in shards and p.grad is not None:
+                grads.append(p.grad)
+                counted.append(first)
+    device = next((p.device for r in reducers for p in r.params), torch.device("cpu"))
+    return clip_counted_grad_norm_(
+        grads, counted, max_norm, group=groups.sequence_dp, pp_group=groups.pp, device=device
+    )

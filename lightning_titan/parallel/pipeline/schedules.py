@@ -1,0 +1,138 @@
+"""Pipeline schedules as plain functions over one stage.
+
+A schedule only decides the order of work; the stage does the work. ``stage`` provides::
+
+    recv_forward(i) -> x          forward(i, x) -> y          send_forward(i, y)
+    recv_backward(i) -> g         backward(i, g) -> dx        send_backward(i, dx)
+    send_forward_recv_backward(i, y, j) -> g        # send y of microbatch i, get the grad of microbatch j
+    send_backward_recv_forward(j, dx, i) -> x       # send dx of microbatch j, get the input of microbatch i
+
+(zero-bubble schedules split ``backward`` into ``backward_input(i, g) -> dx`` and, later,
+``backward_weight(i)``), and ``stage.pp_rank``, ``stage.pp``. Sends and receives are no-ops where the
+stage has no neighbour, so every stage runs the same code. Every stage of one pipeline must run the
+same schedule with the same M.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning_titan.parallel.pipeline.interleaved import check_microbatches as check_interleaved
+from lightning_titan.parallel.pipeline.interleaved import interleaved_1f1b
+from lightning_titan.parallel.pipeline.zbv import check_microbatches as check_zbv
+from lightning_titan.parallel.pipeline.zbv import zbv
+
+
+def gpipe(stage: Any, num_microbatches: int) -> None:
+    """All forwards, then all backwards (in reverse). Peak: M microbatches of activations live."""
+    for i in range(num_microbatches):
+        stage.send_forward(i, stage.forward(i, stage.recv_forward(i)))
+    for i in reversed(range(num_microbatches)):
+        stage.send_backward(i, stage.backward(i, stage.recv_backward(i)))
+
+
+def one_f_one_b(stage: Any, num_microbatches: int) -> None:
+    """1F1B (PipeDream-flush): at most P - p microbatches live on stage p.
+
+    Warmup: stage p runs P - p - 1 forwards so the last stage can start its first backward at once.
+    Steady: one forward then one backward; sends and receives to the same neighbour are paired.
+    Cooldown: the backwards of the warmup microbatches.
+    """
+    m = num_microbatches
+    warmup = min(m, stage.pp - stage.pp_rank - 1)
+    steady = m - warmup
+
+    for i in range(warmup):
+        stage.send_forward(i, stage.forward(i, stage.recv_forward(i)))
+
+    x = stage.recv_forward(warmup) if steady > 0 else None
+    for k in range(steady):
+        i, j = warmup + k, k  # forward microbatch i, backward microbatch j
+        grad = stage.send_forward_recv_backward(i, stage.forward(i, x), j)
+        dx = stage.backward(j, grad)
+        if k == steady - 1:
+            stage.send_backward(j, dx)
+        else:
+            x = stage.send_backward_recv_forward(j, dx, i + 1)
+
+    for j in range(steady, m):
+        stage.send_backward(j, stage.backward(j, stage.recv_backward(j)))
+
+
+def zb_h1(stage: Any, num_microbatches: int) -> None:
+    """ZB-H1 (Qi et al., zero-bubble pipeline parallelism): 1F1B with each backward split into B (the
+    input grad, sent upstream at once) and W (the weight grads, ``stage.backward_weight``).
+
+    Stage p defers its W's by p backwards, so they fill the cooldown, where 1F1B waits: the first
+    stage runs B W B W (1F1B's order), the last one F B F B ... with its W's at the end. At most
+    min(M, P) microbatches are live (forward run, W not yet) on every stage: 1F1B's peak (stage 0's).
+    """
+    m, delay = num_microbatches, stage.pp_rank
+    warmup = min(m, stage.pp - stage.pp_rank - 1)
+    steady = m - warmup
+    deferred: list[int] = []
+
+    def weights_after(j: int) -> None:
+        deferred.append(j)
+        if len(deferred) > delay:
+            stage.backward_weight(deferred.pop(0))
+
+    for i in range(warmup):
+        stage.send_forward(i, stage.forward(i, stage.recv_forward(i)))
+
+    x = stage.recv_forward(warmup) if steady > 0 else None
+    for k in range(steady):
+        i, j = warmup + k, k  # forward microbatch i, backward microbatch j
+        grad = stage.send_forward_recv_backward(i, stage.forward(i, x), j)
+        stage.send_backward(j, stage.backward_input(j, grad))  # upstream first: the critical path
+        weights_after(j)
+        if k < steady - 1:
+            x = stage.recv_forward(i + 1)
+
+    for j in range(steady, m):
+        stage.send_backward(j, stage.backward_input(j, stage.recv_backward(j)))
+        weights_after(j)
+    for j in deferred:
+        stage.backward_weight(j)
+
+
+def forward_only(stage: Any, num_microbatches: int) -> None:
+    """Evaluation: forwards only, no activations kept for backward."""
+    for i in range(num_microbatches):
+        stage.send_forward(i, stage.forward(i, stage.recv_forward(i)))
+
+
+# schedules over several chunks per rank (virtual stages); their stage interface is interleaved.py's
+CHUNKED: dict[str, Callable[[Any, int], None]] = {"interleaved_1f1b": interleaved_1f1b}
+# two chunks per rank in a V (rank r: virtual stages r and 2P-1-r); their stage interface is zbv.py's
+V_SHAPED: dict[str, Callable[[Any, int], None]] = {"zbv": zbv}
+# the schedules whose backward is B then W (pipeline/backward_split.py)
+SPLIT_BACKWARD = ("zb_h1", *V_SHAPED)
+SCHEDULES: dict[str, Callable[[Any, int], None]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "zb_h1": zb_h1,
+    **CHUNKED,
+    **V_SHAPED,
+}
+
+
+def check_microbatches(schedule: str, m: int, pp: int, virtual_stages: int) -> None:
+    """Raise, saying which M work, if ``schedule`` cannot run ``m`` microbatches on this layout."""
+    if schedule in CHUNKED:
+        check_interleaved(pp, virtual_stages, m)
+    elif schedule in V_SHAPED:
+        check_zbv(pp, virtual_stages, m)
+    elif virtual_stages > 1:
+        raise ValueError(
+            f"virtual_stages={virtual_stages} needs a schedule over several chunks per rank, not "
+            f"schedule={schedule!r}: use one of {sorted({**CHUNKED, **V_SHAPED})} (or "
+            "virtual_stages=1)"
+        )
+
+
+def get_schedule(name: str) -> Callable[[Any, int], None]:
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is unknown; choose one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name]

@@ -1,0 +1,396 @@
+"""One rank's pipeline stage for one step: runs microbatches through the stage-local model.
+
+The objective each rank back-propagates is its share of the global one:
+
+    loss_fn sums over local tokens / local_tokens + sum over sequences of aux / local_sequences
+
+so that averaging grads over the data ranks (the reducers) gives the gradient of the global mean loss,
+whatever the layout (DESIGN.md invariant 3). ``loss_fn(logits_MSV, targets_MS)`` is the caller's
+(TitanLM's): the sum of the token losses of one microbatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_titan.parallel.batching import split_microbatches
+from lightning_titan.parallel.context_parallel import take_local
+from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.parallel.pipeline import backward_split, interleaved, zbv
+from lightning_titan.parallel.pipeline.p2p import StageLinks
+from lightning_titan.parallel.pipeline.schedules import CHUNKED, forward_only, get_schedule
+from lightning_titan.runtime import probes
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class _Width(Protocol):
+    @property
+    def d_model(self) -> int: ...
+
+
+class StageModule(Protocol):
+    """What a stage needs of the stage-local model (``model.decoder.StageModel`` is one): its chunks
+    (virtual stages), which of them embed and which hold the head, and a forward per chunk."""
+
+    @property
+    def config(self) -> _Width: ...
+    @property
+    def num_chunks(self) -> int: ...
+    @property
+    def stage_ids(self) -> Sequence[int]: ...  # each chunk's virtual stage
+    @property
+    def is_last_stage(self) -> bool: ...
+    @property
+    def v_shape(self) -> bool: ...  # chunks linked down and back up the ranks (ZBV)
+    @property
+    def cp_group(self) -> ProcessGroup | None: ...
+
+    def embeds(self, chunk: int) -> bool: ...
+    def heads(self, chunk: int) -> bool: ...
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def __call__(self, x: Tensor, chunk: int = 0) -> tuple[Tensor, Tensor]: ...
+
+
+@dataclass
+class StepSums:
+    """This rank's local sums for one step; the global values need one all-reduce over the world."""
+
+    loss_sum: Tensor  # sum of the token losses (last stage's first TP rank only, else 0)
+    aux_sum: Tensor  # sum over sequences of this stage's weighted aux losses (under TP: this rank's share)
+    tokens: int  # tokens this rank's pipeline saw (counted where loss_sum is, else 0)
+
+
+class PipelineStage:
+    def __init__(
+        self,
+        model: StageModule,
+        dims: ParallelDims,
+        links: StageLinks,
+        inputs: Tensor,
+        targets: Tensor,
+        num_microbatches: int,
+        loss_fn: LossFn,
+        *,
+        backward: Callable[[Tensor], None] | None = None,
+        on_last_backward: Callable[[], None] | None = None,
+        tracer: Callable[[str, int], object] | None = None,
+    ) -> None:
+        local_batch = inputs.shape[0]
+        self.model, self.links, self.loss_fn = model, links, loss_fn
+        self.pp, self.pp_rank = dims.pp, dims.pp_rank
+        self.num_chunks = model.num_chunks  # virtual stages on this rank
+        # every TP rank computes the same loss (vocab-parallel): one of them reports it
+        self.reports_loss = model.is_last_stage and dims.tp_rank == 0
+        self.cp = dims.cp
+        # under CP each rank computes its positions of every sequence (context_parallel)
+        self.inputs = split_microbatches(take_local(inputs, model.cp_group), num_microbatches)
+        self.targets = split_microbatches(take_local(targets, model.cp_group), num_microbatches)
+        self.num_microbatches = num_microbatches
+        self.local_sequences = local_batch
+        self.local_tokens = inputs.numel()
+        d_model = model.config.d_model
+        # between stages each CP x TP rank sends its slice of the sequence
+        self.shape = (
+            local_batch // num_microbatches,
+            inputs.shape[1] // (dims.cp * dims.tp),
+            d_model,
+        )
+        self._backward = backward or (lambda loss: loss.backward())
+        self._on_last_backward = on_last_backward
+        self._tracer = tracer
+        # (chunk, microbatch) -> (its input to get the grad of, its output to back-propagate into,
+        # its objective)
+        self._saved: dict[tuple[int, int], tuple[Tensor | None, Tensor | None, Tensor]] = {}
+        # chunked schedules: what exchange received and what it is to send, by (kind, chunk, mb)
+        self._inbox: dict[tuple[str, int, int], Tensor | None] = {}
+        self._outbox: dict[tuple[str, int, int], Tensor | None] = {}
+        self._streams: tuple[list, list] = ([], [])
+        self._due = {"x": 0, "g": 0}  # receives an exchange asked for that no chunk has taken yet
+        self._backwards_done = 0
+        # zero-bubble: (chunk, microbatch) -> its W still to run (the embedding's chunk: its whole
+        # objective)
+        self._deferred: dict[
+            tuple[int, int], backward_split.WeightGrads | backward_split.WholeBackward | Tensor
+        ] = {}
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        self.aux_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
+
+    def _span(self, name: str, i: int, chunk: int = 0):
+        if self._tracer is not None:
+            return self._tracer(name, i)
+        kind = name if name in ("forward", "backward") else "p2p"
+        kind = "backward" if name == "backward_weight" else kind  # zero-bubble W: compute too
+        if self.model.v_shape:  # the chunk's virtual stage: the V is not chunk * P + rank
+            return probes.span(kind, name, mb=i, chunk=chunk, stage=self.model.stage_ids[chunk])
+        if self.num_chunks > 1:
+            return probes.span(kind, name, mb=i, chunk=chunk)
+        return probes.span(kind, name, mb=i)
+
+    # compute ---------------------------------------------------------------------------------------
+    def embeds(self, chunk: int) -> bool:
+        return self.model.embeds(chunk)
+
+    def heads(self, chunk: int) -> bool:
+        return self.model.heads(chunk)
+
+    def _count_backward(self) -> None:
+        """The last backward of the step (W, under a zero-bubble schedule) lets the reducers sync."""
+        self._backwards_done += 1
+        last = self._backwards_done == self.num_microbatches * self.num_chunks
+        if last and self._on_last_backward is not None:
+            self._on_last_backward()
+
+    def forward(self, i: int, x: Tensor | None, chunk: int = 0) -> Tensor | None:
+        with self._span("forward", i, chunk):
+            grad_enabled = torch.is_grad_enabled()
+            if self.embeds(chunk):
+                x = self.inputs[i]
+            elif grad_enabled:
+                x = x.requires_grad_()
+            out, aux = self.model(x, chunk=chunk)
+            if grad_enabled:
+                out = probes.fault("forward", out)
+            self.aux_sum += aux.detach().sum()
+            objective = aux.sum() / self.local_sequences
+            if self.heads(chunk):
+                loss = self.loss_fn(out, self.targets[i])
+                if self.reports_loss:
+                    self.loss_sum += loss.detach()
+                objective = objective + loss / self.local_tokens
+            if grad_enabled:
+                # the surrogate (out * grad).sum() below gives `out` exactly the received grad
+                self._saved[chunk, i] = (
+                    None if self.embeds(chunk) else x,
+                    None if self.heads(chunk) else out,
+                    objective,
+                )
+            return None if self.heads(chunk) else out
+
+    def backward(self, i: int, grad: Tensor | None, chunk: int = 0) -> Tensor | None:
+        with self._span("backward", i, chunk):
+            x, out, objective = self._saved.pop((chunk, i))
+            if out is not None:
+                objective = objective + (out * grad.to(out.dtype)).sum()
+            self._count_backward()
+            self._backward(probes.fault("backward", objective))
+            if x is None:
+                return None
+            # an output that ignores x still owes the stage before a grad: it waits for one
+            return torch.zeros_like(x) if x.grad is None else x.grad
+
+    def backward_input(self, i: int, grad: Tensor | None, chunk: int = 0) -> Tensor | None:
+        """B: the input grad only; the weight grads wait for ``backward_weight(i)``. B and W call
+        autograd themselves, not the ``backward`` callable (Lightning's ``manual_backward``, which
+        under 32-true and bf16-mixed only calls ``.backward()``); the embedding's W does use it."""
+        with self._span("backward", i, chunk):
+            x, out, objective = self._saved.pop((chunk, i))
+            if out is not None:
+                objective = objective + (out * grad.to(out.dtype)).sum()
+            objective = probes.fault("backward", objective)
+            if x is None:  # the embedding's chunk sends nothing upstream: all of it is W
+                self._deferred[chunk, i] = objective
+                return None
+            # the chunk's own weights (the other chunk's are not on this graph: split skips them)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            dx, self._deferred[chunk, i] = backward_split.split(objective, x, params)
+            return dx
+
+    def backward_weight(self, i: int, chunk: int = 0) -> None:
+        """W: accumulate microbatch ``i``'s weight grads (the reducers' hooks fire here)."""
+        with self._span("backward_weight", i, chunk):
+            deferred = self._deferred.pop((chunk, i))
+            self._count_backward()
+            if isinstance(deferred, Tensor):
+                self._backward(deferred)
+            else:
+                deferred.run()
+
+    # communication ---------------------------------------------------------------------------------
+    def recv_forward(self, i: int) -> Tensor | None:
+        with self._span("recv_forward", i):
+            return self.links.recv_forward()
+
+    def send_forward(self, i: int, y: Tensor | None) -> None:
+        with self._span("send_forward", i):
+            self.links.send_forward(y)
+
+    def recv_backward(self, i: int) -> Tensor | None:
+        with self._span("recv_backward", i):
+            return self.links.recv_backward()
+
+    def send_backward(self, i: int, dx: Tensor | None) -> None:
+        with self._span("send_backward", i):
+            self.links.send_backward(dx)
+
+    def send_forward_recv_backward(self, i: int, y: Tensor | None, j: int) -> Tensor | None:
+        with self._span("send_forward_recv_backward", i):
+            return self.links.send_forward_recv_backward(y)
+
+    def send_backward_recv_forward(self, j: int, dx: Tensor | None, i: int) -> Tensor | None:
+        with self._span("send_backward_recv_forward", j):
+            return self.links.send_backward_recv_forward(dx)
+
+    # chunked schedules (interleaved.py): inputs and outputs by (chunk, microbatch) -----------------
+    def forward_chunk(self, chunk: int, i: int) -> None:
+        x = None if self.embeds(chunk) else self._received("x", chunk, i)
+        self._sent("y", chunk, i, self.forward(i, x, chunk))
+
+    def backward_chunk(self, chunk: int, i: int) -> None:
+        grad = None if self.heads(chunk) else self._received("g", chunk, i)
+        self._sent("dx", chunk, i, self.backward(i, grad, chunk))
+
+    def _sent(self, kind: str, chunk: int, i: int, out: Tensor | None) -> None:
+        """A chunk's output ("y") or input grad ("dx"): under interleaved 1F1B on CPU sent at once
+        (``exchange``'s doc), else kept for the exchange that sends it (ZBV's sends each output
+        right after its action anyway, ``exchange_messages``)."""
+        if not self.links.early or self.model.v_shape:
+            self._outbox[kind, chunk, i] = out
+            return
+        if out is None:  # the head's output, the embedding's input grad: nothing to send
+            return
+        with self._span("exchange", i, chunk):
+            self.links.exchange(out if kind == "y" else None, out if kind == "dx" else None)
+
+    def _received(self, kind: str, chunk: int, i: int) -> Tensor | None:
+        """The input ``(kind, chunk, i)``, taking due messages of its stream until it is in."""
+        while (kind, chunk, i) not in self._inbox and self._due[kind]:
+            self._take(kind)
+        return self._inbox.pop((kind, chunk, i))
+
+    def _take(self, kind: str) -> None:
+        """Wait for the next message of stream ``kind`` ("x": activations, "g": grads) and file it."""
+        self._due[kind] -= 1
+        chunk, i = self._streams[kind == "g"][0]
+        with self._span("exchange", i, chunk):
+            received = self.links.recv_forward() if kind == "x" else self.links.recv_backward()
+        self._file(kind, received)
+
+    def _file(self, kind: str, received: Tensor | None) -> None:
+        """File the next message of stream ``kind`` under the (chunk, microbatch) the stream says it
+        is (``interleaved.stream_ids``)."""
+        chunk, i = self._streams[kind == "g"].pop(0)
+        self._inbox[kind, chunk, i] = received
+
+    def exchange(
+        self,
+        send_forward: tuple[int, int] | None = None,
+        send_backward: tuple[int, int] | None = None,
+        recv_forward: bool = False,
+        recv_backward: bool = False,
+    ) -> None:
+        """One batch of sends and receives; a received tensor is filed under the (chunk, microbatch)
+        its stream says comes next (``interleaved.stream_ids``).
+
+        That is the schedule's order for NCCL, which pairs each send with its receive. On CPU the
+        sends do not wait and every receive is posted ahead (``StageLinks``), so each message moves
+        as soon as it can: a chunk's output is sent when its forward ends, not after the backward
+        that follows it, and a receive marked due here is waited for only when a chunk needs it
+        (``_received``). Every wait is then on data its peer produces without waiting for a send,
+        the dependencies the schedule's order already satisfies (the order tests), so nothing
+        deadlocks. On pp2 at d_model 64 the paired exchange held each rank 2-5 ms on most steady
+        steps: the peer's output of a forward waited for the backward after it."""
+        if self.links.early:
+            self._due["x"] += recv_forward
+            self._due["g"] += recv_backward
+            return
+        y = None if send_forward is None else self._outbox.pop(("y", *send_forward))
+        dx = None if send_backward is None else self._outbox.pop(("dx", *send_backward))
+        with self._span("exchange", (send_forward or send_backward or (0, 0))[1]):
+            x, g = self.links.exchange(y, dx, recv_forward, recv_backward)
+        if recv_forward:
+            self._file("x", x)
+        if recv_backward:
+            self._file("g", g)
+
+    # zbv (zbv.py): the V's two chunks, B and W apart; inputs and outputs by (chunk, microbatch) ------
+    def backward_input_chunk(self, chunk: int, i: int) -> None:
+        grad = None if self.heads(chunk) else self._inbox.pop(("g", chunk, i))
+        self._outbox["dx", chunk, i] = self.backward_input(i, grad, chunk)
+
+    def backward_weight_chunk(self, chunk: int, i: int) -> None:
+        self.backward_weight(i, chunk)
+
+    def exchange_messages(
+        self, done: tuple[str, int, int] | None, take: list[tuple[int, tuple[str, int, int]]]
+    ) -> None:
+        """Send the output of action ``done`` where ``zbv.output`` says, then receive ``take``
+        (each (peer pp rank, message) the next of its peer's stream). On the last rank the turn of the
+        V stays local: chunk 0's output is chunk 1's input, chunk 1's input grad chunk 0's grad."""
+        if done is not None and done[0] in ("F", "B"):
+            kind, chunk, i = done
+            out = self._outbox.pop(("y" if kind == "F" else "dx", chunk, i))
+            target = zbv.output(self.pp, self.pp_rank, done)
+            if target is not None:
+                # a link's streams go by direction: its forward one to the next rank
+                to_next = target[0] == self.pp_rank + 1
+                with self._span("exchange", i, chunk):
+                    self.links.exchange(out if to_next else None, None if to_next else out)
+            elif out is not None:
+                # the turn, detached as a p2p leaves it: chunk 1's split walks its own graph only
+                self._inbox[("x", 1, i) if kind == "F" else ("g", 0, i)] = out.detach()
+        for peer, (what, chunk, i) in take:
+            from_prev = peer == self.pp_rank - 1
+            with self._span("exchange", i, chunk):
+                x, g = self.links.exchange(recv_forward=from_prev, recv_backward=not from_prev)
+            self._inbox["x" if what == "act" else "g", chunk, i] = x if from_prev else g
+
+    def _start_zbv(self, schedule: str | None) -> Callable[[Any, int], None]:
+        if schedule not in (None, "zbv"):
+            raise ValueError(
+                f"schedule={schedule!r} cannot run the V placement this stage was built with "
+                "(StageSplit(v_shape=True)); use schedule='zbv'"
+            )
+        train, m, p = schedule is not None, self.num_microbatches, self.pp_rank
+        from_prev = zbv.stream(self.pp, p - 1, p, m, train)
+        from_next = zbv.stream(self.pp, p + 1, p, m, train)
+        self.links.start(self.shape, forward=len(from_prev), backward=len(from_next))
+        return zbv.zbv if train else zbv.zbv_forward_only
+
+    # driving ---------------------------------------------------------------------------------------
+    def run(self, schedule: str | None) -> StepSums:
+        """Run a training schedule by name, or forward only when ``schedule`` is None."""
+        m = self.num_microbatches
+        if schedule == "zbv" and not self.model.v_shape:
+            raise ValueError(
+                "schedule='zbv' needs the V placement: build the model with "
+                "StageSplit(virtual_stages=2, v_shape=True)"
+            )
+        if self.model.v_shape:
+            run = self._start_zbv(schedule)
+        elif self.num_chunks > 1:
+            if schedule is not None and schedule not in CHUNKED:
+                raise ValueError(
+                    f"schedule={schedule!r} runs one chunk per rank but this stage holds "
+                    f"{self.num_chunks} (virtual_stages): use one of {sorted(CHUNKED)}"
+                )
+            acts, grads = interleaved.stream_ids(self.pp, self.pp_rank, self.num_chunks, m)
+            self._streams = (acts, [] if schedule is None else grads)
+            self.links.start(self.shape, forward=len(acts), backward=len(self._streams[1]))
+            run = interleaved.interleaved_forward_only if schedule is None else CHUNKED[schedule]
+        else:
+            if schedule in CHUNKED:
+                raise ValueError(
+                    f"schedule={schedule!r} needs virtual_stages >= 2 (this stage holds one chunk); "
+                    "build the model with StageSplit(virtual_stages=...) or use schedule='1f1b'"
+                )
+            self.links.start(self.shape, forward=m, backward=0 if schedule is None else m)
+            run = forward_only if schedule is None else get_schedule(schedule)
+        run(self, m)
+        if any(self._due.values()):  # its posted receive would take a message of the next step
+            raise RuntimeError(
+                f"schedule {schedule!r} marked receives due that no chunk took: {self._due}"
+            )
+        with self._span("wait_sends", m - 1):
+            self.links.finish()
+        if (self._saved or self._deferred) and schedule is not None:
+            left = sorted(self._saved) + sorted(self._deferred)
+            raise RuntimeError(f"schedule {schedule!r} left microbatches {left} without backward")
+        tokens = self.local_tokens // self.cp if self.reports_loss else 0  # each CP rank its own
+        return StepSums(self.loss_sum, self.aux_sum, tokens)

@@ -1,0 +1,233 @@
+"""Megatron-style tensor parallelism with sequence parallelism, as explicit autograd functions.
+
+Between blocks every TP rank holds ``1/tp`` of each sequence (``[b, S/tp, D]``, positions
+``[r * S/tp, (r + 1) * S/tp)``): norms, residual adds and the whole MoE layer run there, on no
+replicated activation. Attention gathers the sequence (``gather_sequence``), computes its own heads
+(q, k, v column-parallel), and its row-parallel output projection gives a partial sum that
+``scatter_sequence`` reduce-scatters back to the rank's slice. The embedding and the LM head are
+vocab-parallel; ``vocab_parallel_cross_entropy`` computes the loss from the local vocabulary shard
+with three all-reduces of ``[tokens]`` numbers, never the full logits.
+
+Each function's backward is the other collective (all-gather <-> reduce-scatter), so every rank's
+grads are those of the loss it back-propagates: its own shard of the computation.
+
+Ours rather than DTensor's ``parallelize_module``: our reducers, clipping and checkpoints work on
+plain local tensors with global names, the MoE layer stays per-token and local, and the padded
+vocabulary needs a loss that DTensor's ``loss_parallel`` does not mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_titan.parallel.collectives import reduce_scatter
+from lightning_titan.parallel.mesh import group_mesh
+from lightning_titan.runtime import probes
+
+TP_SHARD = "_titan_tp_shard"
+M = TypeVar("M", bound=nn.Module)
+
+
+@dataclass(frozen=True)
+class TpShard:
+    """Which dim of a module's ``weight`` the TP group cuts, and that dim's size in the full model
+    (padded up to a multiple of tp when it does not divide: the vocabulary)."""
+
+    dim: int
+    full_size: int
+    group: ProcessGroup | None = None
+
+    @property
+    def size(self) -> int:
+        return tp_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return tp_rank(self.group)
+
+
+def mark_tp_shard(module: M, dim: int, full_size: int, group: ProcessGroup | None) -> M:
+    setattr(module, TP_SHARD, TpShard(dim, full_size, group))
+    return module
+
+
+def as_global(local: Tensor, shard: TpShard) -> Tensor:
+    """This rank's (padded) part of a TP-cut tensor as a DTensor of the full model's shape holding
+    the real entries only: how a checkpoint stores it under its global name, loadable under any tp
+    (no copy: DCP reads into and writes from ``local`` itself). Without TP, ``local`` itself."""
+    if shard.size == 1:
+        return local
+    real = local.narrow(shard.dim, 0, real_size(shard.full_size, shard.size, shard.rank))
+    shape = list(local.shape)
+    shape[shard.dim] = shard.full_size
+    return DTensor.from_local(
+        real, group_mesh(shard.group, local.device.type), [Shard(shard.dim)], run_check=False, shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )  # fmt: skip
+
+
+def tp_shard(module: nn.Module) -> TpShard | None:
+    return getattr(module, TP_SHARD, None)
+
+
+def tp_shards(module: nn.Module) -> dict[int, TpShard]:
+    """``id(weight) -> TpShard`` for every TP-cut weight under ``module``, and for the bias of a
+    column-parallel (dim 0) one, which is cut with its rows (Qwen2-MoE's q/k/v biases)."""
+    out = {}
+    for m in module.modules():
+        if (s := tp_shard(m)) is not None:
+            out[id(m.weight)] = s
+            if s.dim == 0 and isinstance(getattr(m, "bias", None), Tensor):
+                out[id(m.bias)] = s
+    return out
+
+
+def tp_size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def tp_rank(group: ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of ``tp`` (Megatron pads it so that every rank holds
+    as many rows; the padded rows' logits are masked out of the loss and they are never saved)."""
+    return math.ceil(vocab_size / tp) * tp
+
+
+def real_size(full_size: int, tp: int, rank: int) -> int:
+    """How many of rank ``rank``'s ``padded / tp`` entries along a cut dim are real, not padding:
+    the ``torch.chunk`` split of ``full_size``, which is how checkpoints store them."""
+    per_rank = padded_vocab(full_size, tp) // tp
+    return max(0, min(per_rank, full_size - rank * per_rank))
+
+
+def local_slice(full: Tensor, dim: int, tp: int, rank: int) -> Tensor:
+    """Rank ``rank``'s part of ``full`` along ``dim``, zero-padded to ``padded / tp`` entries."""
+    per_rank = padded_vocab(full.shape[dim], tp) // tp
+    part = full.narrow(
+        dim, min(rank * per_rank, full.shape[dim]), real_size(full.shape[dim], tp, rank)
+    )
+    missing = per_rank - part.shape[dim]
+    if missing:
+        pad = [0, 0] * (full.dim() - 1 - dim) + [0, missing]
+        part = F.pad(part, pad)
+    return part
+
+
+def _gather(x: Tensor, group: ProcessGroup, dim: int, kind: str) -> Tensor:
+    """All-gather along ``dim``, rank-major (a ``kind`` span: "tp" or "cp")."""
+    n = dist.get_world_size(group)
+    local = x.movedim(dim, 0).contiguous()
+    out = local.new_empty((local.shape[0] * n, *local.shape[1:]))
+    with probes.span(kind, "all_gather"):
+        dist.all_gather_single(out, local, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int, kind: str) -> Tensor:
+    """Sum over the group, each rank keeping its ``1/n`` of ``dim``."""
+    n = dist.get_world_size(group)
+    full = x.movedim(dim, 0).contiguous()
+    out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
+    with probes.span(kind, "reduce_scatter"):
+        reduce_scatter(out, full, group)
+    return out.movedim(0, dim)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, kind):
+        ctx.group, ctx.dim, ctx.kind = group, dim, kind
+        return _gather(x, group, dim, kind)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank's downstream (its heads, its vocabulary shard, its queries) used the whole
+        # gathered tensor: the slice's grad is the sum of theirs
+        return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.kind), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim, "tp")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.dim, "tp"), None, None
+
+
+def gather_along(x: Tensor, group: ProcessGroup | None, dim: int, kind: str = "tp") -> Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order, differentiable (the backward
+    reduce-scatters); identity for a group of one. ``kind`` names the axis in traces ("tp" for the
+    sequence-parallel collectives, "cp" for the keys and values)."""
+    return x if tp_size(group) == 1 else _Gather.apply(x, group, dim, kind)
+
+
+def gather_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """``[b, S/tp, D]`` on each rank -> ``[b, S, D]`` on every rank (identity without TP)."""
+    return gather_along(x, group, 1)
+
+
+def scatter_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Partial sums ``[b, S, D]`` on each rank -> their sum's slice ``[b, S/tp, D]`` (identity
+    without TP)."""
+    return x if tp_size(group) == 1 else _ReduceScatter.apply(x, group, 1)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group):
+        # padded rows (global id >= vocab_size) are not in the vocabulary: -inf, so softmax gives 0
+        ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
+        row_max = logits.max(dim=-1).values
+        with probes.span("tp", "loss max"):
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        exp = torch.exp(logits - row_max.unsqueeze(-1))
+        sum_exp = exp.sum(dim=-1)
+        local = (targets >= vocab_start) & (targets < vocab_start + logits.shape[-1])
+        local_target = torch.where(local, targets - vocab_start, 0)
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = torch.where(local, target_logit - row_max, 0.0)
+        stats = torch.stack([sum_exp, target_logit])
+        with probes.span("tp", "loss sums"):
+            dist.all_reduce(stats, group=group)  # one collective for both sums
+        sum_exp, target_logit = stats
+        ctx.save_for_backward(exp, sum_exp, local, local_target)
+        return torch.log(sum_exp) - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sum_exp, local, local_target = ctx.saved_tensors
+        grad_logits = exp / sum_exp.unsqueeze(-1)
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -local.to(exp.dtype).unsqueeze(-1))
+        return grad_logits * grad.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group: ProcessGroup | None,
+) -> Tensor:
+    """Per-token cross-entropy ``[N]`` (fp32) from this rank's vocabulary shard ``logits`` [N, V/tp]
+    holding global ids ``[vocab_start, vocab_start + V/tp)``; the same values on every TP rank."""
+    logits = logits.float()
+    if tp_size(group) == 1:
+        return torch.nn.functional.cross_entropy(logits[:, :vocab_size], targets, reduction="none")
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, group)

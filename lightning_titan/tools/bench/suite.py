@@ -1,0 +1,331 @@
+"""``titan bench``: every composition on 2, 4 and 8 ranks at the same tokens per step, beside its peers.
+
+    titan bench                                  # = python -m lightning_titan.tools.bench
+    titan bench --worlds 2 4 --rounds 5 --out bench_out
+    titan bench --quick                          # 2 ranks, tiny model: a smoke run (~30 s)
+    titan bench --worlds 2 4 --only dp2 dp4 dp2xep2  # ZeRO-1/2 vs zero=0 and ZeroRedundancyOptimizer
+    titan bench --worlds 1 2 4 --cases single dp2 tp2 dp2xtp2 ep2xtp2  # TP vs DP, one rank, torch TP
+    titan bench --worlds 1 2 4 --cases single dp2 cp2 dp4 cp4 --seq-len 1024  # CP: activations
+    titan bench --global-batch 128 --d-model 256 --device cuda   # scale up (CUDA: one rank per GPU)
+    titan bench --routing   # only: grouped vs loop experts, FLOP/s vs the matmul peak, load balance
+    titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1, zbv vs torch's (8 layers)
+
+Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
+(timeline/<case>.json: open in ui.perfetto.dev) plus a Gantt chart for pipeline cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_titan.lightning import plots
+from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.parallel.pipeline.schedules import check_microbatches
+from lightning_titan.parallel.pipeline.split import AUTO
+from lightning_titan.runtime import tracing
+from lightning_titan.runtime.launch import run_on_ranks
+from lightning_titan.tools.bench import dispatch as dispatch_bench
+from lightning_titan.tools.bench import report, routing, schedule_report
+from lightning_titan.tools.bench.cases import (
+    SCHEDULES_N_LAYERS,
+    Case,
+    Settings,
+    default_cases,
+    quick_cases,
+    schedule_cases,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="titan bench", description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8], help="numbers of ranks")
+    p.add_argument("--quick", action="store_true", help="2 ranks, a tiny model, few steps")
+    p.add_argument(
+        "--schedules", action="store_true",
+        help="the pipeline schedules table: pp2 and pp4 under 1f1b, interleaved_1f1b (v=2), zb_h1 and "
+        "zbv beside torch's, and pp2 with stage_layers='auto' (with --quick: pp2 only)",
+    )  # fmt: skip
+    p.add_argument("--out", default="bench_out", help="output folder")
+    p.add_argument(
+        "--only", nargs="+", default=None, help="run cases whose name contains one of these"
+    )
+    p.add_argument(
+        "--cases", nargs="+", default=None,
+        help="run only the cases with exactly these names (e.g. single dp2 tp2 dp2xtp2)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-peers", action="store_true",
+        help="ours only (zero=0, and zero=1 and 2 where timed): no DDP, ZeroRedundancyOptimizer, "
+        "pipelining or per-param",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-dispatch", action="store_true", help="skip the EP dispatch micro-benchmark"
+    )
+    p.add_argument(
+        "--global-batch", type=int, default=32, help="sequences per step, every world size"
+    )
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--ffn-dim", type=int, default=128)
+    p.add_argument(
+        "--n-layers",
+        type=int,
+        default=None,
+        help=f"default 4; {SCHEDULES_N_LAYERS} with --schedules (pp4 x v2)",
+    )
+    p.add_argument("--n-experts", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds alternating ours and the peers")
+    p.add_argument("--traced-steps", type=int, default=3)
+    p.add_argument("--microbatches-per-stage", type=int, default=4, help="M = this x pp")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--threads-per-rank", type=int, default=None,
+        help="torch CPU threads per rank (default: the cores split between the ranks); 1 on a "
+        "shared box, where a second thread mostly waits for a preempted core",
+    )  # fmt: skip
+    p.add_argument("--bucket-cap-mb", type=float, default=Settings.bucket_cap_mb,
+                   help="our reducer's bucket size (DDP keeps its defaults)")  # fmt: skip
+    p.add_argument("--dispatch-tokens", type=int, default=8192)
+    p.add_argument("--dispatch-threads", type=int, default=1)
+    p.add_argument("--note", default="", help="free text for the machine line (e.g. 'shared box')")
+    p.add_argument(
+        "--routing", action="store_true",
+        help="run only the one-process routing benchmarks (bench/routing.py) into routing.md/json",
+    )  # fmt: skip
+    p.add_argument("--mfu-d-models", type=int, nargs="+", default=[64, 256, 512])
+    p.add_argument("--balance-steps", type=int, default=200)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
+    return p
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    n_layers = args.n_layers or (SCHEDULES_N_LAYERS if args.schedules else 4)
+    config = ModelConfig(d_model=args.d_model, ffn_dim=args.ffn_dim, n_layers=n_layers,
+                         n_experts=args.n_experts, seq_len=args.seq_len)  # fmt: skip
+    settings = Settings(config=config, global_batch=args.global_batch, warmup=args.warmup,
+                        steps=args.steps, rounds=args.rounds, traced_steps=args.traced_steps,
+                        microbatches_per_stage=args.microbatches_per_stage, device=device,
+                        threads_per_rank=args.threads_per_rank, timeout_s=args.timeout,
+                        bucket_cap_mb=args.bucket_cap_mb)  # fmt: skip
+    if args.quick:
+        settings = replace(settings, config=replace(config, d_model=32, ffn_dim=32, seq_len=16),
+                           global_batch=16, warmup=1, steps=2, rounds=2, traced_steps=1)  # fmt: skip
+    return settings
+
+
+def _exact(cases: list[Case], names: list[str]) -> list[Case]:
+    unknown = sorted(set(names) - {c.name for c in cases})
+    if unknown:
+        raise ValueError(
+            f"--cases {' '.join(unknown)}: no such case among the selected world sizes; choose from "
+            f"{', '.join(c.name for c in cases)} (or add their world size to --worlds)"
+        )
+    return [c for c in cases if c.name in names]
+
+
+def _check_case(case: Case, settings: Settings) -> None:
+    local = settings.global_batch % (case.dp * case.ep)
+    if local:
+        raise ValueError(
+            f"global batch {settings.global_batch} does not split over dp*ep = {case.dp * case.ep} data "
+            f"ranks ({case.name}); use a --global-batch divisible by {case.dp * case.ep}"
+        )
+    split = None if case.stage_layers == AUTO else case.split  # auto: chosen on the ranks
+    settings.config.validate_layout(case.pp, case.ep, case.tp, case.cp, split)
+    check_microbatches(case.schedule, settings.num_microbatches(case), case.pp, case.virtual_stages)
+
+
+def _machine(settings: Settings, note: str) -> str:
+    if settings.device == "cuda":
+        text = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, NCCL"
+    else:
+        text = f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), gloo"
+    text += f", torch {torch.__version__}"
+    return f"{text}; {note}" if note else text
+
+
+def _load() -> str:
+    """1-minute load average: how busy the machine was besides the benchmark."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "?"
+
+
+def _launch(cases: list[Case], settings: Settings, world: int) -> list[list[dict]]:
+    from lightning_titan.tools.bench.worker import run_world
+
+    kwargs = {}
+    if settings.device == "cuda":
+        kwargs["backend"] = "cpu:gloo,cuda:nccl"
+    return run_on_ranks(run_world, world, cases, settings, timeout_s=settings.timeout_s, **kwargs)
+
+
+def _write_timeline(
+    out: Path, case: Case, spans: list[tracing.Span], num_microbatches: int
+) -> None:
+    dims = ParallelDims(case.dp, case.pp, case.ep, tp=case.tp, cp=case.cp)
+    labels = {r: f"rank {r} ({dims.label(r)})" for r in range(case.world)}
+    slug = case.name.replace(" ", "_")
+    (out / "timeline").mkdir(parents=True, exist_ok=True)
+    (out / "timeline" / f"{slug}.json").write_text(json.dumps(tracing.chrome_trace(spans, labels)))
+    if case.pp > 1 and spans and plots.available():
+        last = max(s.step for s in spans)  # the steadiest recorded step
+        plots.plot_gantt([s for s in spans if s.step == last], out / "timeline" / f"{slug}.png",
+                         labels, title=f"{case.name}, M={num_microbatches}: measured timeline "
+                         "(F/B/W microbatch.chunk)")  # fmt: skip
+
+
+def _check_device(settings: Settings, cases: list[Case]) -> None:
+    if settings.device != "cuda":
+        return
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise ValueError(
+            f"--device cuda, but torch {torch.__version__} sees no CUDA device; use --device cpu"
+        )
+    worlds = sorted({c.world for c in cases if c.world > gpus})
+    if worlds:
+        raise ValueError(
+            f"world sizes {worlds} need that many GPUs (NCCL takes one rank per GPU) and this machine "
+            f"has {gpus}; pass --worlds up to {gpus}, or --device cpu"
+        )
+
+
+def _micro_benchmarks(
+    args: argparse.Namespace, settings: Settings
+) -> tuple[list[dict], str, list[dict]]:
+    """One process: vectorised vs loop dispatch, grouped vs loop experts, at E = 8 and 64."""
+    tokens = 1024 if args.quick else args.dispatch_tokens
+    repeats = 5 if args.quick else 20
+    device = torch.device(settings.device)
+    # one thread: on a shared box a second thread mostly waits for a preempted core
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.dispatch_threads)
+    dispatch_settings = f"tokens={tokens}, d_model=64, top_k=2, best of {repeats}, {args.dispatch_threads} thread(s)"
+    dispatch_rows = []
+    for experts in (8, 64):
+        row = dispatch_bench.bench_case(experts, tokens, 64, 2, repeats, device)
+        row["experts"] = experts
+        row["ratio_fwd"] = row["loop_fwd_ms"] / row["vectorised_fwd_ms"]
+        row["ratio_fwd_bwd"] = row["loop_fwd_bwd_ms"] / row["vectorised_fwd_bwd_ms"]
+        dispatch_rows.append(row)
+    experts_rows = [routing.experts_case(e, tokens, 64, 128, 2, repeats, device) for e in (8, 64)]
+    torch.set_num_threads(threads)
+    return dispatch_rows, dispatch_settings, experts_rows
+
+
+def _routing_only(args: argparse.Namespace, argv: list[str], out: Path, load_before: str) -> dict:
+    started = time.perf_counter()
+    table, results = routing.run_all(args)
+    results["command"] = "titan bench " + shlex.join(argv)
+    results["machine"] = _machine(_settings(args), args.note) + f"; load {load_before} -> {_load()}"
+    results["wall_s"] = time.perf_counter() - started
+    (out / "routing.md").write_text(f"`{results['command']}`\n\n{results['machine']}\n\n{table}")
+    (out / "routing.json").write_text(json.dumps(results, indent=1))
+    print(table)
+    print(f"titan bench: {results['wall_s']:.0f} s; wrote {out.resolve()}/routing.md, routing.json")
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:  # every bad argument is reported before anything runs, as a usage error
+        settings = _settings(args)
+        if args.schedules:
+            cases = schedule_cases(not args.no_peers)
+            cases = [c for c in cases if c.pp == 2] if args.quick else cases
+        elif args.quick:
+            cases = quick_cases(not args.no_peers)
+        else:
+            cases = default_cases(args.worlds, not args.no_peers)
+        if args.only:
+            cases = [c for c in cases if any(word in c.name for word in args.only)]
+        if args.cases:
+            cases = _exact(cases, args.cases)
+        for case in cases:
+            _check_case(case, settings)
+        _check_device(settings, cases)
+    except ValueError as error:
+        parser.error(str(error))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started, load_before = time.perf_counter(), _load()
+    if args.routing:
+        return _routing_only(args, argv, out, load_before)
+
+    dispatch_rows: list[dict] = []
+    experts_rows: list[dict] = []
+    dispatch_settings = ""
+    if not (args.no_dispatch or args.schedules):  # the schedules table is about pipelines only
+        dispatch_rows, dispatch_settings, experts_rows = _micro_benchmarks(args, settings)
+
+    full = report.full_model_params(settings)
+    rows = []
+    for world in sorted({c.world for c in cases}):
+        world_cases = [c for c in cases if c.world == world]
+        print(f"titan bench: {world} rank(s): {', '.join(c.name for c in world_cases)}", flush=True)
+        per_rank = _launch(world_cases, settings, world)
+        for i, case in enumerate(world_cases):
+            row, spans = report.summarize(case, settings, [r[i] for r in per_rank], full)
+            rows.append(row)
+            _write_timeline(out, case, spans, settings.num_microbatches(case))
+    schedules = schedule_report.schedule_rows(rows)
+
+    results: dict[str, Any] = {
+        "command": "titan bench " + shlex.join(argv),
+        "machine": _machine(settings, args.note) + f"; load average {load_before} -> {_load()}",
+        "settings": {**asdict(settings), "tokens_per_step": settings.tokens_per_step},
+        "rows": rows,
+        "peers": report.peer_ratios(rows),
+        "memory": report.memory_pairs(rows),
+        "zero": report.zero_rows(rows),
+        "tp": report.tp_rows(rows),
+        "cp": report.cp_rows(rows),
+        "bubble_checks": report.bubble_checks(rows),
+        "schedules": schedules,
+        "schedule_checks": schedule_report.schedule_checks(schedules),
+        "dispatch": dispatch_rows,
+        "dispatch_settings": dispatch_settings,
+        "dispatch_checks": report.dispatch_check(dispatch_rows),
+        "experts": experts_rows,
+        "wall_s": time.perf_counter() - started,
+    }
+    table = report.markdown(results)
+    if experts_rows:
+        table += "\n\n" + routing.markdown(experts_rows, [], [], dispatch_settings)
+    (out / "bench.md").write_text(f"`{results['command']}`\n\n{table}")
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    if plots.available():
+        plots.plot_throughput(rows, out / "throughput.png")
+        plots.plot_breakdown(rows, out / "breakdown.png")
+        if results["peers"] or dispatch_rows:
+            plots.plot_peers(results["peers"], dispatch_rows, out / "peers.png")
+        if results["memory"]:
+            plots.plot_memory(results["memory"], out / "memory.png")
+    else:
+        print("titan bench: matplotlib is not installed, so no PNG charts (pip install matplotlib)")
+    print(table)
+    print(
+        f"titan bench: {results['wall_s']:.0f} s; wrote {out.resolve()}/bench.md, bench.json, *.png, timeline/"
+    )
+    return results

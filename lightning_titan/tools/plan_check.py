@@ -1,0 +1,127 @@
+"""``titan plan --check``: the planner's ranking against this machine.
+
+For every world size from 1 to ``--devices`` (the powers of two that divide it), the layouts the bench
+can run are predicted for this machine's CPU ranks; the fastest and the slowest few are then run by
+``titan bench``'s worker (the same runner, a few steps each), and the predicted step time and state
+are printed beside the measured ones, with the Spearman rank correlation of the step times.
+
+Only what the bench's runner sets is checked: zero=0, every schedule with the bench's microbatch
+count (interleaved 1F1B and ZBV with two chunks per rank), no recompute (not a bench case).
+"""
+
+from __future__ import annotations
+
+import time
+
+from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.plan.devices import cpu_device
+from lightning_titan.plan.layouts import candidates
+from lightning_titan.plan.rank import Ranked, ranked
+from lightning_titan.runtime.launch import run_on_ranks
+from lightning_titan.tools.bench.cases import OURS, Case, Settings
+from lightning_titan.tools.bench.memory import state_total
+from lightning_titan.tools.bench.worker import run_world
+
+SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv")
+PER_END = {2: 2, 4: 3, 8: 3}  # layouts taken from each end of a world's ranking
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties share their mean rank)."""
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def _case(r: Ranked) -> Case:
+    d = r.candidate.degrees
+    return Case(dp=d["dp"], pp=d["pp"], ep=d["ep"], cp=d["cp"], tp=d["tp"],
+                schedule=r.options.schedule, virtual_stages=r.options.virtual_stages,
+                impls=(OURS,))  # fmt: skip
+
+
+def chosen(config: ModelConfig, batch: int, world: int, settings: Settings, memory: float,
+           per_end: int) -> list[Ranked]:  # fmt: skip
+    """The fastest and slowest ``per_end`` runnable layouts of ``world`` ranks, as predicted."""
+    device = cpu_device(world, config.n_experts, config.top_k, memory)
+    found = [c for c in candidates(config, world, batch)[0] if c.zero == 0]
+    rows = [
+        r
+        for r in ranked(config, found, batch, device, recompute=(False,))
+        if r.options.schedule in SCHEDULES
+        and r.options.microbatches == settings.num_microbatches(_case(r))
+        and r.candidate.state_bytes <= memory
+    ]
+    if len(rows) <= 2 * per_end:
+        return rows
+    return rows[:per_end] + rows[-per_end:]
+
+
+def check(config: ModelConfig, batch: int, devices: int, memory: float, steps: int = 2,
+          rounds: int = 3) -> float:  # fmt: skip
+    """Run, print the table, return the Spearman correlation of predicted and measured step time."""
+    settings = Settings(config=config, global_batch=batch, warmup=1, steps=steps, rounds=rounds,
+                        traced_steps=0, timeout_s=600.0)  # fmt: skip
+    worlds = [w for w in (1, 2, 4, 8, 16) if w <= devices and devices % w == 0]
+    rows: list[tuple[int, Ranked, dict]] = []
+    start = time.perf_counter()
+    for world in worlds:
+        picked = chosen(config, batch, world, settings, memory, PER_END.get(world, 3))
+        if not picked:
+            continue
+        print(f"titan plan --check: {world} rank(s), {len(picked)} layouts ...", flush=True)
+        per_rank = run_on_ranks(run_world, world, [_case(r) for r in picked], settings,
+                                timeout_s=settings.timeout_s)  # fmt: skip
+        for i, r in enumerate(picked):
+            rows.append((world, r, _measured([results[i][OURS] for results in per_rank])))
+    predicted = [r.cost.step for _, r, _ in rows]
+    measured = [m["step_s"] for _, _, m in rows]
+    rho = spearman(predicted, measured)
+    print("\n".join(_table(rows)))
+    print(
+        f"Spearman rank correlation of predicted and measured step time over {len(rows)} layouts: "
+        f"{rho:.3f} ({time.perf_counter() - start:.0f} s; wall times on a shared machine are noisy)"
+    )
+    return rho
+
+
+def _measured(ranks: list[dict]) -> dict:
+    return {
+        "step_s": ranks[0]["median_step_s"],  # the slowest rank's (all-reduced max)
+        "cpu_s": ranks[0]["median_cpu_s"],  # every rank's CPU seconds: steadier under load
+        "state": max(sum(r["state_bytes"].values()) for r in ranks),
+        "expert_state": max(state_total(r["state_bytes"], "expert") for r in ranks),
+        "saved_peak": max(r["saved_peak_bytes"] for r in ranks),
+    }
+
+
+def _table(rows: list[tuple[int, Ranked, dict]]) -> list[str]:
+    lines = [
+        "| ranks | layout | step options | predicted ms | measured ms | predicted state MB | "
+        "measured state MB | predicted activations MB | measured activations MB | "
+        "measured CPU s (all ranks) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for world, r, m in rows:
+        lines.append(
+            f"| {world} | {r.label} | {r.options_label} | {r.cost.step * 1e3:,.1f} | "
+            f"{m['step_s'] * 1e3:,.1f} | {r.candidate.state_bytes / 1e6:,.3f} | "
+            f"{m['state'] / 1e6:,.3f} | {r.activation_bytes / 1e6:,.2f} | {m['saved_peak'] / 1e6:,.2f} | {m['cpu_s']:,.3f} |"
+        )
+    return lines

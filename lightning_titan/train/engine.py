@@ -1,0 +1,268 @@
+"""The parallel machinery of one rank, without Lightning: what TitanStrategy drives and the tests check.
+
+engine = Engine(module, dims, groups, schedule="1f1b")
+engine.broadcast_replicated()
+step = engine.forward_backward(stage_model, inputs, targets, 4, loss_fn)  # global loss and aux
+norm = engine.finish_gradients(max_norm=1.0)  # reduced, clipped; the pre-clip norm
+optimizer.step(); optimizer.zero_grad()
+engine.after_optimizer_step()  # zero>0: gather the updated shards; the routers' expert bias
+# zero=1 or 2: engine.shard_optimizer(optimizer) once, and the step between
+# engine.bind_shard_grads() and engine.after_optimizer_step()
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_titan.model.decoder import COPIED_OVER, EXPERT, StageModel, grad_group_kinds
+from lightning_titan.model.moe import balance
+from lightning_titan.model.moe.layer import MoELayer
+from lightning_titan.parallel.dp import zero as zero_levels
+from lightning_titan.parallel.dp import zero_grads
+from lightning_titan.parallel.dp.clipping import clip_grad_norm_
+from lightning_titan.parallel.dp.reducer import GradReducer
+from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
+from lightning_titan.parallel.pipeline.p2p import StageLinks
+from lightning_titan.parallel.pipeline.schedules import get_schedule
+from lightning_titan.parallel.pipeline.stage import LossFn, PipelineStage, StepSums
+from lightning_titan.parallel.tensor_parallel import tp_shards
+from lightning_titan.runtime import probes
+
+
+@dataclass
+class StepLoss:
+    """The step's global means over every data rank's sequences, the same on every rank (0-dim fp64
+    tensors on the device: reading them is the caller's one host sync)."""
+
+    loss: Tensor  # mean token loss (loss_fn) of the global batch
+    aux: Tensor  # mean per-sequence aux loss (router balance + z), summed over stages
+    # assignments over an expert's capacity in the step, all layers and data ranks (0 when dropless)
+    dropped: Tensor
+
+
+class Engine:
+    """Owns the two reducers and the composed clipping for ``module``'s parameters, and runs schedules.
+
+    ``module`` is whatever holds the parameters (a LightningModule or the stage model itself): expert
+    parameters are told apart by module type, so any module works (one without experts has none).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dims: ParallelDims,
+        groups: ProcessGroups,
+        *,
+        schedule: str = "1f1b",
+        bucket_cap_mb: float = 25.0,
+        reducer: str = "bucketed",
+        zero: int = 0,
+    ) -> None:
+        get_schedule(schedule)
+        if zero not in zero_levels.LEVELS:
+            raise ValueError(
+                f"zero={zero!r} is not a ZeRO level; choose one of {zero_levels.LEVELS}"
+            )
+        self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
+        self.zero = zero
+        kinds = grad_group_kinds(module)
+        self.expert_params = [p for _, p, kind in kinds if kind == EXPERT]
+        scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
+        # 1/data_world = 1/dp (the expert-DP average) / ep: an expert owner sums every EP rank's
+        # tokens; the CP and TP ranks' grads are parts of one sum (their own tokens, heads or vocabulary)
+
+        # ZeRO: the optimizer state (zero=2: and the grads) of each reducer's parameters is split
+        # over that reducer's group (a TP-cut weight's along a dim TP does not cut)
+        expert_ids = {id(p) for p in self.expert_params}
+        cut_by_tp = tp_shards(module)
+        self.zero_groups: list[zero_levels.ZeroGroup] = []
+
+        def reducer_over(params: list[nn.Parameter], group: dist.ProcessGroup) -> GradReducer:
+            if zero and group is not None and dist.get_world_size(group) > 1:
+                params = [p for p in params if p.requires_grad]
+                shards = zero_levels.ZeroGroup(
+                    params, expert_ids, group, bucket_cap_mb=bucket_cap_mb, tp_shards=cut_by_tp
+                )
+                self.zero_groups.append(shards)
+                if zero == 2:
+                    return zero_grads.ShardedGradReducer(
+                        params, shards, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
+                    )
+            return GradReducer(
+                params, group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
+            )
+
+        # parameters whose grads sum over the same ranks share a reducer: fewer, fuller buckets
+        # (with cp = tp = ep = 1 every kind is the DP group: one reducer)
+        by_ranks: dict[tuple[int, ...], tuple[str, list[nn.Parameter]]] = {}
+        for _, p, kind in kinds:
+            if p.requires_grad:
+                ranks = tuple(dims.group_ranks(kind))
+                by_ranks.setdefault(ranks, (kind, []))[1].append(p)
+        self.reducers = [
+            reducer_over(params, getattr(groups, kind)) for kind, params in by_ranks.values()
+        ]
+        self._reducer_kinds = [kind for kind, _ in by_ranks.values()]
+        # the norm counts a copy on the first rank of the axes it is copied over (clipping.py)
+        coords = dims.coords(dims.rank)
+        self.norm_params = [
+            p for _, p, kind in kinds if all(coords[axis] == 0 for axis in COPIED_OVER[kind])
+        ]
+        self.params = [p for _, p, _ in kinds]
+        self.balanced_layers = balance.balanced_layers(module)  # MoE layers with an expert bias
+        self.capacity_layers = [  # MoE layers that can drop assignments: their counts to sum
+            m for m in module.modules() if isinstance(m, MoELayer) and m.capacity_factor is not None
+        ]
+        self._step_dropped = False  # the step's update is dropped (non-finite): so is the bias's
+        if zero and not self.zero_groups:
+            warnings.warn(
+                f"zero={zero} changes nothing here: this layout (dp={dims.dp}, ep={dims.ep}) has no "
+                "data-parallel group to split the optimizer state over; use dp > 1 (or ep > 1)",
+                stacklevel=2,
+            )
+
+    @torch.no_grad()
+    def broadcast_replicated(self) -> None:
+        """Replicas start equal: each parameter from the first rank of the group its grads are reduced
+        over, floating buffers over the non-expert-DP group (layout-free init makes them equal already;
+        this guards against drift, e.g. a user's own init that used the global RNG)."""
+        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+        pairs: list[tuple[list[Tensor], str]] = [
+            (list(r.params), kind)
+            for r, kind in zip(self.reducers, self._reducer_kinds, strict=True)
+        ]
+        for tensors, kind in [*pairs, (buffers, "non_expert_dp")]:
+            group = getattr(self.groups, kind)
+            ranks = self.dims.group_ranks(kind)
+            if len(ranks) > 1:
+                for t in tensors:
+                    dist.broadcast(t.data, src=ranks[0], group=group)
+
+    def set_grad_sync(self, sync: bool) -> None:
+        for r in self.reducers:
+            r.sync = sync
+
+    def forward_backward(
+        self,
+        stage_model: StageModel,
+        inputs: Tensor,
+        targets: Tensor,
+        num_microbatches: int,
+        loss_fn: LossFn,
+        *,
+        backward: Callable[[Tensor], None] | None = None,
+        tracer: Callable[[str, int], object] | None = None,
+    ) -> StepLoss:
+        """One step's forward and backward over ``num_microbatches`` with the schedule; grads are reduced
+        during the last backward (overlapped), finished by ``finish_gradients``."""
+        self.set_grad_sync(False)
+        stage = PipelineStage(
+            stage_model, self.dims, self._links(stage_model, inputs.device), inputs, targets,
+            num_microbatches, loss_fn, backward=backward,
+            on_last_backward=lambda: self.set_grad_sync(True), tracer=tracer,
+        )  # fmt: skip
+        try:
+            sums = stage.run(self.schedule)
+        finally:
+            self.set_grad_sync(True)
+        dropped = sums.loss_sum.new_zeros((), dtype=torch.float64)
+        for layer in self.capacity_layers:  # this rank's tokens in its stage's layers
+            dropped += layer.step_dropped.to(dropped.device)
+            layer.step_dropped.zero_()
+        return self._global_means(sums, inputs.shape[0], dropped)
+
+    @torch.no_grad()
+    def forward_only(
+        self,
+        stage_model: StageModel,
+        inputs: Tensor,
+        targets: Tensor,
+        num_microbatches: int,
+        loss_fn: LossFn,
+    ) -> StepLoss:
+        links = self._links(stage_model, inputs.device)
+        stage = PipelineStage(
+            stage_model, self.dims, links, inputs, targets, num_microbatches, loss_fn
+        )
+        return self._global_means(stage.run(None), inputs.shape[0])
+
+    def _links(self, stage_model: StageModel, device: torch.device) -> StageLinks:
+        dtype = next(stage_model.parameters()).dtype
+        # virtual stages: the last rank's chunk c feeds the first rank's chunk c + 1 (the V of zbv
+        # turns on the last rank instead: no ring)
+        ring = getattr(stage_model, "num_chunks", 1) > 1 and not getattr(
+            stage_model, "v_shape", False
+        )
+        return StageLinks(self.dims, self.groups.pp, dtype, device, ring=ring)
+
+    def finish_gradients(self, max_norm: float | None = None) -> Tensor:
+        """Wait for every bucket (launching, in order, any that never filled), then clip by the global norm
+        composed over stages, expert shards and TP shards. Returns the pre-clip norm, the same on every rank."""
+        probes.fault("all_reduce")
+        for r in self.reducers:
+            r.finish()
+        with probes.span("all_reduce", "grad norm"):
+            if self.zero == 2 and self.zero_groups:  # the grads are shards now
+                return zero_grads.clip_shard_grads_(
+                    self.reducers, self.zero_groups, max_norm, self.groups
+                )
+            return clip_grad_norm_(
+                self.params, max_norm, counted=self.norm_params, group=self.groups.model
+            )
+
+    def shard_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Under zero>0, make each optimizer update only this rank's shards (see ``zero``)."""
+        for optimizer in optimizers:
+            zero_levels.shard_optimizer(optimizer, self.zero_groups)
+
+    def bind_shard_grads(self, drop: bool = False) -> None:
+        """Under zero>0, just before the optimizer step: the shards' reduced grads (None: ``drop``, a
+        skipped step)."""
+        self._step_dropped = drop
+        for g in self.zero_groups:
+            g.bind_grads(drop)
+
+    def gather_params(self) -> None:
+        """Under zero>0, just after the optimizer step: every rank's parameters whole again."""
+        for g in self.zero_groups:
+            g.gather()
+
+    def update_router_bias(self) -> None:
+        """Just after the optimizer step: move the MoE layers' expert biases by the step's global
+        expert loads (one all-reduce over the stage's ``sequence_dp`` ranks; ``moe/balance.py``)."""
+        balance.update_expert_bias(
+            self.balanced_layers, self.groups.sequence_dp, skip=self._step_dropped
+        )
+        self._step_dropped = False
+
+    def after_optimizer_step(self) -> None:
+        """What follows every optimizer step: ``gather_params`` then ``update_router_bias``."""
+        self.gather_params()
+        self.update_router_bias()
+
+    def _global_means(
+        self, sums: StepSums, local_sequences: int, dropped: Tensor | None = None
+    ) -> StepLoss:
+        """One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0;
+        the dropped assignments of each layer on its stage's ranks (each counts its own tokens)."""
+        tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)
+        if dropped is None:
+            dropped = torch.zeros_like(tokens)
+        totals = torch.stack([sums.loss_sum.double(), sums.aux_sum.double(), tokens, dropped])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            with probes.span("all_reduce", "loss"):
+                dist.all_reduce(totals)
+        global_sequences = local_sequences * self.dims.data_world
+        return StepLoss(
+            loss=totals[0] / totals[2], aux=totals[1] / global_sequences, dropped=totals[3]
+        )
+
+    def remove(self) -> None:
+        for r in self.reducers:
+            r.remove()

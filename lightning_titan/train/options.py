@@ -1,0 +1,194 @@
+"""The strategy's training options, validated once, where they are given.
+
+The reducer, the clipping and the schedules trust these values; a wrong one fails at
+``TitanStrategy(...)`` with a message that names it and says what would be right.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_titan.parallel.batching import (
+    check_microbatch_args,
+    local_batch_size,
+    num_microbatches,
+)
+from lightning_titan.parallel.dp.zero import LEVELS as ZERO_LEVELS
+from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.parallel.pipeline.schedules import (
+    CHUNKED,
+    SCHEDULES,
+    V_SHAPED,
+    check_microbatches,
+)
+from lightning_titan.parallel.pipeline.split import AUTO, StageSplit
+from lightning_titan.train import auto_split
+
+REDUCERS = ("bucketed", "per_param")
+ON_NONFINITE = ("raise", "skip")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def _choose(values: Any) -> str:
+    names = [repr(v) for v in values]
+    return (
+        f"choose {' or '.join(names)}" if len(names) == 2 else f"choose one of {', '.join(names)}"
+    )
+
+
+def _positive(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Everything about a step that is not the layout (see ``TitanStrategy`` for each meaning)."""
+
+    schedule: str = "1f1b"
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    bucket_cap_mb: float = 25.0
+    reducer: str = "bucketed"
+    gradient_clip_norm: float | None = None
+    timeout_minutes: float = 30.0
+    on_nonfinite: str = "raise"
+    start_method: str = "popen"
+    zero: int = 0
+    virtual_stages: int = 1
+    stage_layers: Sequence[int] | str | None = None  # a tuple once validated, or "auto"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is unknown; {_choose(sorted(SCHEDULES))}")
+        split = StageSplit(self.virtual_stages, self.stage_layers)  # types and signs
+        object.__setattr__(self, "stage_layers", split.stage_layers)
+        if self.schedule in V_SHAPED and self.virtual_stages != 2:
+            raise ValueError(
+                f"schedule={self.schedule!r} places exactly two chunks on every rank (the V): "
+                f"virtual_stages={self.virtual_stages} does not work; use "
+                f"TitanStrategy(schedule={self.schedule!r}, virtual_stages=2)"
+            )
+        if self.schedule in CHUNKED and self.virtual_stages < 2:
+            raise ValueError(
+                f"schedule={self.schedule!r} needs virtual_stages >= 2 (model chunks per rank), "
+                f"got {self.virtual_stages}; e.g. TitanStrategy(schedule={self.schedule!r}, "
+                "virtual_stages=2)"
+            )
+        if self.virtual_stages > 1 and self.schedule not in {**CHUNKED, **V_SHAPED}:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs a schedule over several chunks per "
+                f"rank, not schedule={self.schedule!r}; {_choose(sorted({**CHUNKED, **V_SHAPED}))} "
+                "(or virtual_stages=1)"
+            )
+        check_microbatch_args(self.num_microbatches, self.microbatch_size)
+        if not _positive(self.bucket_cap_mb):
+            raise ValueError(
+                f"bucket_cap_mb={self.bucket_cap_mb!r} must be > 0 MiB "
+                "(25 is a good default; a tiny value gives one parameter per bucket)"
+            )
+        if self.reducer not in REDUCERS:
+            raise ValueError(f"reducer={self.reducer!r} is unknown; {_choose(REDUCERS)}")
+        if self.gradient_clip_norm is not None and not _positive(self.gradient_clip_norm):
+            raise ValueError(
+                f"gradient_clip_norm={self.gradient_clip_norm!r} must be > 0, or None to disable "
+                "clipping"
+            )
+        if not _positive(self.timeout_minutes):
+            raise ValueError(f"timeout_minutes={self.timeout_minutes!r} must be > 0")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(
+                f"on_nonfinite={self.on_nonfinite!r} is unknown; {_choose(ON_NONFINITE)}"
+            )
+        if self.zero not in ZERO_LEVELS or isinstance(self.zero, bool):
+            raise ValueError(
+                f"zero={self.zero!r} is not a ZeRO level; choose 0 (every replica holds the whole "
+                "optimizer state), 1 (each data-parallel group splits it) or 2 (and the gradients)"
+            )
+        if self.zero == 2 and self.reducer != "bucketed":
+            raise ValueError(
+                f"zero=2 reduce-scatters flat gradient buckets; reducer={self.reducer!r} has none: "
+                "use reducer='bucketed' with zero=2"
+            )
+        if self.start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method={self.start_method!r} is unknown; {_choose(START_METHODS)}"
+            )
+
+    def microbatches(self, local_batch: int, *, pp: int) -> int:
+        """How many microbatches a per-rank batch of ``local_batch`` sequences is split into."""
+        m = num_microbatches(
+            local_batch, num_microbatches=self.num_microbatches,
+            microbatch_size=self.microbatch_size, pp=pp,
+        )  # fmt: skip
+        check_microbatches(self.schedule, m, pp, self.virtual_stages)
+        return m
+
+    def resolved(self, module: Any, trainer: Any, dims: ParallelDims, device: Any) -> TrainOptions:
+        """With ``stage_layers="auto"``: the counts probed on global rank 0 and broadcast (the same on
+        every rank, before any rank builds its stage; rank 0 says what it chose). Else ``self``."""
+        if self.stage_layers != AUTO:
+            return self
+
+        return auto_split.resolve(self, module, trainer, dims, device)
+
+    @property
+    def split(self) -> StageSplit:
+        """How the layers are cut over the pipeline's ranks and their chunks (zbv: in a V)."""
+        return StageSplit(self.virtual_stages, self.stage_layers, v_shape=self.schedule in V_SHAPED)
+
+    @property
+    def grace_s(self) -> float:
+        """How long a rank whose job failed may take to leave before it is killed."""
+        return min(30.0, self.timeout_minutes * 60)
+
+
+def preflight(
+    dims: ParallelDims, options: TrainOptions, module: Any, datamodule: Any, trainer: Any = None
+) -> None:
+    """Checks that need the model and the data but no process group. They run in the launcher before
+    any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
+    mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
+    check_trainer_clipping(dims, options, trainer)
+    check_layout = getattr(module, "check_layout", None)
+    if callable(check_layout):
+        # TitanLM: layers/experts split, data fits the model
+        check_layout(dims, datamodule, split=options.split)
+    batch = getattr(datamodule, "global_batch_size", None)
+    if isinstance(batch, int) and batch > 0:
+        local = local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")
+        options.microbatches(local, pp=dims.pp)
+
+
+def check_trainer_clipping(dims: ParallelDims, options: TrainOptions, trainer: Any) -> None:
+    """Lightning's own clipping (``Trainer(gradient_clip_val=...)``) sees only this rank's grads: right
+    for pure DP, wrong once a stage, expert shard or ZeRO shard holds part of the model."""
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if clip and (dims.pp > 1 or dims.ep > 1 or dims.tp > 1 or options.zero):
+        raise ValueError(
+            f"Trainer(gradient_clip_val={clip}) would clip each rank's part of the gradient by its own "
+            f"norm under pp={dims.pp} ep={dims.ep} tp={dims.tp} zero={options.zero}; use "
+            f"TitanStrategy(gradient_clip_norm={clip}) instead, which clips by the whole model's norm"
+        )
+
+
+def check_precision(plugin: Any) -> None:
+    precision = getattr(plugin, "precision", "32-true")
+    if precision == "16-mixed":
+        raise ValueError(
+            "precision='16-mixed' is not supported by TitanStrategy: its GradScaler would scale the "
+            "activation grads that stages send each other and unscale after our clipping. Use "
+            "precision='bf16-mixed' (or '32-true')"
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not supported by TitanStrategy; use one of {PRECISIONS}"
+        )

@@ -1,0 +1,261 @@
+"""Bad input found at construction or in data setup, in-process: each message names the value or file
+and the fix (issue 13, item 7). Slower, launched cases live in test_reliability's bad-input tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_titan.cli import fit_summary, skipped_warning
+from lightning_titan.data import TitanDataModule
+from lightning_titan.lightning.module import TitanLM
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        ({"max_bytes": -5}, r"max_bytes=-5 must be at least 1.*or None"),
+        ({"max_bytes": 0}, r"max_bytes=0 must be at least 1"),
+        ({"streaming": True, "steps_per_epoch": 0}, r"steps_per_epoch=0 must be at least 1.*None"),
+        ({"val_batches": 0}, r"val_batches=0 must be at least 1.*val_fraction=0"),
+    ],
+)
+def test_datamodule_rejects_non_positive_counts_at_construction(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        TitanDataModule(**kwargs)
+
+
+def test_weight_decay_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"weight_decay=-1 must be >= 0"):
+        TitanLM(weight_decay=-1)
+    TitanLM(weight_decay=0.0)  # 0 turns it off: allowed
+
+
+def _trainer(skipped: int | None, steps: int) -> SimpleNamespace:
+    strategy = SimpleNamespace() if skipped is None else SimpleNamespace(skipped_steps=skipped)
+    return SimpleNamespace(
+        callback_metrics={}, global_step=steps, strategy=strategy, logger=None,
+        checkpoint_callback=None,
+    )  # fmt: skip
+
+
+def test_fit_summary_counts_skipped_steps_and_warns_when_most_were_skipped():
+    module = TitanLM()
+    assert "skipped steps      7 of 8" in fit_summary(_trainer(7, 8), module)
+    assert "skipped steps      0 of 8" in fit_summary(_trainer(0, 8), module)
+    assert "skipped" not in fit_summary(_trainer(None, 8), module)  # another strategy
+    warning = skipped_warning(_trainer(7, 8))
+    assert warning is not None and warning.startswith(
+        "WARNING: 7 of 8 optimizer steps were skipped"
+    )
+    assert "on_nonfinite='raise'" in warning
+    assert skipped_warning(_trainer(4, 8)) is not None
+    assert skipped_warning(_trainer(1, 8)) is None and skipped_warning(_trainer(0, 8)) is None
+    assert skipped_warning(_trainer(None, 8)) is None
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def _bad_files(root: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (file, what the message must say): each one `datasets` fails on without naming a file."""
+    (root / "binary").mkdir()
+    cases = {
+        "binary .txt": (root / "binary" / "a.txt", r"holds binary data \(a NUL byte at offset 0\)"),
+        "latin-1 .txt": (root / "latin1.txt", r"is not UTF-8 text \(byte 0xe9 at offset 3\)"),
+        "binary .jsonl": (root / "noise.jsonl", r"(holds binary data|is not UTF-8 text)"),
+        "bad JSON line": (root / "broken.jsonl", r"is not JSON Lines: line 2"),
+    }
+    cases["binary .txt"][0].write_bytes(bytes(range(256)) * 50)
+    cases["latin-1 .txt"][0].write_bytes(
+        ("caf\xe9 na\xefve " * 200 + "\n\nmore\n").encode("latin-1")
+    )
+    cases["binary .jsonl"][0].write_bytes(bytes(range(255, -1, -1)) * 20)
+    cases["bad JSON line"][0].write_text('{"text": "fine"}\n{"text": "cut off\n{"text": "x"}\n')
+    return cases
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_an_unreadable_data_file_is_named_with_the_fix(tmp_path, streaming):
+    for name, (path, pattern) in _bad_files(tmp_path).items():
+        dm = TitanDataModule(
+            source=str(path), cache_dir=str(tmp_path / "cache"), streaming=streaming,
+            steps_per_epoch=2, seq_len=16, global_batch_size=2,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=f"source file '{path}' {pattern}") as info:
+            dm.bind(0, 1).setup("fit")
+        assert "leave it out of source" in str(info.value), name
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_a_text_column_that_is_not_text_is_named(tmp_path, streaming):
+    ints, mixed = tmp_path / "ints.jsonl", tmp_path / "mixed.jsonl"
+    write_jsonl(ints, [{"text": i, "body": "x" * 50} for i in range(50)])
+    write_jsonl(mixed, [{"text": "abc" * 30 if i % 2 else 7} for i in range(50)])
+    for path, kind in ((ints, "int64"), (mixed, "Json")):
+        dm = TitanDataModule(
+            source=str(path), cache_dir=str(tmp_path / "cache"), streaming=streaming,
+            steps_per_epoch=2, seq_len=16, global_batch_size=2,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=f"text_column='text' of source '{path}' holds {kind}"):
+            dm.bind(0, 1).setup("fit")
+
+
+def test_as_text_names_a_value_that_is_not_text():
+    from lightning_titan.data.readable import as_text
+
+    assert as_text("abc", "text", "s") == "abc" and as_text(None, "text", "s") == ""
+    with pytest.raises(ValueError, match=r"text_column='n' of source 'f.jsonl' holds int values"):
+        as_text(3, "n", "f.jsonl")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("offline", ["1", ""], ids=["HF_HUB_OFFLINE", "no-flag"])
+def test_an_unknown_tokenizer_fails_fast_and_says_tokenizer(monkeypatch, offline):
+    """Offline (or on a hub without that name) the error says which tokenizer and the fix, in seconds,
+    not after transformers' retries (about 50 s offline, before the fix, with an OSError)."""
+    pytest.importorskip("transformers")
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    name = "lightning-titan-no-such-owner/no-such-tokenizer"
+    start = time.perf_counter()
+    with pytest.raises(
+        ValueError, match=rf"tokenizer '{name}' could not be loaded.*tokenizer='byte'"
+    ):
+        _ = TitanDataModule(tokenizer=name).vocab_size  # what the launcher's preflight reads
+    assert time.perf_counter() - start < 30
+    with pytest.raises(
+        ValueError, match=r"tokenizer '/no/such/folder' could not be loaded: no such"
+    ):
+        _ = TitanDataModule(tokenizer="/no/such/folder").vocab_size
+
+
+def _damage(path: Path, how: str) -> None:
+    arrow = next((path / "train").glob("*.arrow"))
+    if how == "truncated":
+        with open(arrow, "r+b") as f:
+            f.truncate(arrow.stat().st_size // 2)
+    elif how == "emptied":
+        arrow.write_bytes(b"")
+    elif how == "no meta.json":
+        (path / "meta.json").unlink()
+    elif how == "short":  # loads, but fewer rows than were written
+        meta = json.loads((path / "meta.json").read_text())
+        meta["train"]["sequences"] += 3
+        (path / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.timeout(240)
+def test_a_damaged_data_cache_is_named_and_rebuilt(tmp_path, capfd):
+    from lightning_titan.data.prepare import DamagedCache, load_packed
+
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": f"document {i} " * 20} for i in range(60)])
+    args = dict(source=str(tmp_path / "docs.jsonl"), cache_dir=str(tmp_path / "cache"), seq_len=16)
+    dm = TitanDataModule(**args, global_batch_size=2).bind(0, 1)
+    dm.setup("fit")
+    path, first = dm.corpus.path, dm.corpus.train[:]["input_ids"]
+    for how in ("truncated", "emptied", "no meta.json", "short"):
+        _damage(path, how)
+        with pytest.raises(
+            DamagedCache, match=rf"cache {path} is damaged .*rm -r {path}\) and it is"
+        ):
+            load_packed(path)
+        capfd.readouterr()
+        dm = TitanDataModule(**args, global_batch_size=2).bind(0, 1)
+        dm.setup("fit")  # rebuilt under the lock, the same rows as at first
+        assert dm.corpus.train[:]["input_ids"] == first, how
+        assert f"the prepared data cache {path} is damaged (" in capfd.readouterr().err, how
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--trainer.strategy.init_args.dp=-1", "--trainer.strategy.init_args.pp=-1"],
+         "dp and pp are -1: at most one degree may be -1 (fill the rest)"),
+        (["--trainer.strategy.init_args.timeout_minutes=0"], "timeout_minutes=0.0 must be > 0"),
+    ],
+)  # fmt: skip
+def test_a_bad_strategy_argument_is_the_last_line_not_a_cli_dump(
+    tmp_path, monkeypatch, args, message
+):
+    """LightningCLI builds the strategy through jsonargparse's ``str | Strategy`` union, whose error
+    lists every type's complaint and dumps the whole namespace; ours must be the whole message."""
+    from lightning_titan.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[2] / "configs" / "dp.yaml"
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", str(config), *args])
+    assert str(info.value) == message
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("router_bias_update_rate=-0.1", "router_bias_update_rate=-0.1 must be >= 0 (0 turns it off)"),
+        ("capacity_factor=-1", "capacity_factor=-1.0 must be a number > 0 (e.g. 1.25), or None for "
+                               "dropless routing (every assignment kept)"),
+        ("capacity_factor=4", "capacity_factor=4.0 >= n_experts / top_k = 4: an expert could take a "
+                              "whole sequence, so nothing is ever dropped; use capacity_factor=None "
+                              "(dropless) or a smaller factor"),
+    ],
+)  # fmt: skip
+def test_a_bad_model_argument_is_the_last_line_not_a_cli_dump(tmp_path, monkeypatch, arg, message):
+    """The routing options (issue 19) fail in the launcher, before any rank starts, with the
+    ModelConfig's own message rather than jsonargparse's dump of the ``ModelConfig | None`` union."""
+    from lightning_titan.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[2] / "configs" / "dp.yaml"
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", str(config), f"--model.model.{arg}"])
+    assert str(info.value) == message
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_torchrun_with_more_processes_than_devices_names_world_size(monkeypatch, rank):
+    """torchrun --nproc_per_node=3 with Trainer devices=2: every rank (not only the one outside the
+    layout, while the others wait in the rendezvous) says WORLD_SIZE differs and how to match it."""
+    import lightning.pytorch as L
+
+    from lightning_titan.lightning.strategy import TitanStrategy
+
+    env = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "3", "RANK": str(rank), "LOCAL_RANK": str(rank),
+           "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500"}  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError) as info:
+        L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(dp=-1), logger=False)
+    assert str(info.value) == (
+        "WORLD_SIZE from torchrun is 3 but the Trainer has devices x num_nodes = 2 x 1 = 2: start 2 "
+        "processes per node on 1 node(s) (torchrun --nproc_per_node=2 --nnodes=1), or set Trainer "
+        "devices and num_nodes so that devices x num_nodes = 3"
+    )
+
+
+def test_fit_summary_reads_the_counts_the_fork_launcher_carries_back():
+    """Under start_method=fork the summary is printed by the launcher, whose own trainer has run no
+    step: FitCounts puts the worker's counts among the callback metrics, which the launcher receives."""
+    import torch
+
+    from lightning_titan.cli import FitCounts
+
+    worker = _trainer(7, 8)
+    worker.callback_metrics = {}
+    FitCounts().on_train_end(worker, None)
+    launcher = _trainer(None, 0)
+    launcher.callback_metrics = {**worker.callback_metrics, "train_loss": torch.tensor(2.5)}
+    summary = fit_summary(launcher, TitanLM())
+    assert "final train_loss   2.5000 (step 8)" in summary
+    assert "skipped steps      7 of 8" in summary
+    assert skipped_warning(launcher).startswith("WARNING: 7 of 8 optimizer steps were skipped")

@@ -1,0 +1,349 @@
+"""titan plan (issue 20): the layouts the strategy accepts, each one's model state, activations and
+predicted step time.
+
+The state model itself is checked against measured runs: every equivalence case's ranks
+(tests/distributed/test_equivalence.py) and every quick-bench case (tests/distributed/test_bench.py). Here, in one process:
+the enumeration against the strategy's own rules, a published parameter count, the cost terms and the
+ranking, the overlay a user feeds back to `titan fit`, and the errors; in spawned ranks (slow): the
+activation peaks against the bench's meter, and `--check` end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_titan.cli import TitanCLI, cli_components
+from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.parallel.dp.zero import LEVELS
+from lightning_titan.parallel.mesh import AXES
+from lightning_titan.parallel.pipeline.schedules import (
+    CHUNKED,
+    SCHEDULES,
+    V_SHAPED,
+    check_microbatches,
+)
+from lightning_titan.parallel.pipeline.theory import ideal_bubble, live_peak
+from lightning_titan.plan.activations import held, peak_bytes
+from lightning_titan.plan.cost import StepOptions, bubble_fraction, collective, predict
+from lightning_titan.plan.devices import GPUS, Link
+from lightning_titan.plan.layouts import candidates, factorizations, total_params
+from lightning_titan.plan.memory import layout_state
+from lightning_titan.plan.rank import step_options
+from lightning_titan.runtime.launch import run_on_ranks
+from lightning_titan.tools.bench.cases import OURS, Case, Settings
+from lightning_titan.tools.bench.worker import run_world
+from lightning_titan.tools.plan_check import check, spearman
+from lightning_titan.tools.plan_cli import main as plan_main
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DEFAULT = ModelConfig(vocab_size=257, d_model=64, n_layers=4, n_heads=4, ffn_dim=128, n_experts=8)
+
+
+def test_factorizations_are_every_ordered_product():
+    layouts = factorizations(12)
+    assert all(math.prod(d.values()) == 12 and list(d) == list(AXES) for d in layouts)
+    assert len({tuple(d.values()) for d in layouts}) == len(layouts)
+    # ordered factorizations of 12 = 2^2 * 3 into 5 factors: C(2+4, 4) * C(1+4, 4) = 15 * 5
+    assert len(layouts) == 75
+
+
+def test_candidates_follow_the_strategy_rules():
+    found, rejected = candidates(DEFAULT, 8, 16)
+    layouts = {(tuple(c.degrees.values()), c.zero) for c in found}
+    assert ((2, 2, 2, 1, 1), 0) in layouts and ((2, 2, 2, 1, 1), 2) in layouts
+    assert not any(c.degrees["tp"] == 8 for c in found)  # 4 heads: tp <= 4
+    assert not any(c.degrees["pp"] == 8 for c in found)  # 4 layers: pp <= 4
+    assert ((1, 1, 1, 1, 1), 0) not in layouts  # 8 devices: no one-rank layout
+    assert rejected["n_heads=4"] > 0 and rejected["n_layers=4"] > 0
+    # zero > 0 only where a data-parallel group exists (pure pp has none)
+    four = {(tuple(c.degrees.values()), c.zero) for c in candidates(DEFAULT, 4, 16)[0]}
+    assert ((1, 4, 1, 1, 1), 0) in four and ((1, 4, 1, 1, 1), 1) not in four
+    assert ((1, 2, 2, 1, 1), 1) in four  # ep: the non-expert state splits over it
+    # a global batch of 12 sequences splits over 1, 2 or 4 data ranks (dp * ep), not 8
+    twelve, rejected = candidates(DEFAULT, 8, 12)
+    assert rejected["global_batch_size=12"] > 0
+    assert {c.degrees["dp"] * c.degrees["ep"] for c in twelve} == {1, 2, 4}
+    # more devices for the experts: less state on the fullest rank
+    state = {(tuple(c.degrees.values()), c.zero): c.state_bytes for c in found}
+    assert state[((1, 1, 8, 1, 1), 0)] < state[((2, 1, 4, 1, 1), 0)] < state[((8, 1, 1, 1, 1), 0)]
+    assert state[((8, 1, 1, 1, 1), 1)] < state[((8, 1, 1, 1, 1), 0)]
+
+
+def test_mixtral_8x7b_has_its_published_parameter_count():
+    """46.7 B (Mistral's announcement; HF's MixtralForCausalLM at these sizes), built on meta."""
+    mixtral = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                          ffn_dim=14336, n_experts=8, top_k=2, seq_len=4096)  # fmt: skip
+    assert total_params(mixtral) == 46_702_792_704
+
+
+def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsys):
+    overlay = tmp_path / "layout.yaml"
+    config = str(CONFIGS / "dp_pp_ep.yaml")
+    rows = plan_main(["--config", config, "--devices", "4", "--out", str(overlay)])
+    printed = capsys.readouterr().out
+    assert "| 1 | " in printed and "step ms" in printed
+    assert rows and all(a.cost.step <= b.cost.step for a, b in itertools.pairwise(rows))
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", config, "--config", str(overlay)]
+    cli = TitanCLI(*cli_components(), run=False, args=args)
+    dims, options = cli.trainer.strategy.parallel_dims, cli.trainer.strategy.options
+    assert dims.degrees == rows[0].candidate.degrees and cli.trainer.num_devices == 4
+    assert options.zero == rows[0].candidate.zero
+    assert options.schedule == rows[0].options.schedule
+    assert options.num_microbatches == rows[0].options.microbatches
+    assert cli.model.config.activation_checkpointing == rows[0].options.recompute
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--devices", "8", "--device", "tpu"], "--device='tpu' is unknown"),
+        (["--devices", "0"], "--devices=0 must be a positive number"),
+        (["--devices", "8", "--global-batch", "0"], "--global-batch=0 must be a positive"),
+        (["--devices", "8", "--memory-gb", "0.001"], "nothing fits: the smallest model state"),
+        (["--devices", "7"], "no layout of these devices splits this model"),
+        (["--devices", "8", "--device", "h100-80gb", "--nodes", "3"], "--nodes=3 must divide"),
+        (["--devices", "8", "--nodes", "2"], "--device cpu is this one machine"),
+        (["--devices", "8", "--device", "h100-80gb", "--check"], "--check runs on this machine's"),
+    ],
+)
+def test_bad_requests_are_named(args, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        plan_main(["--config", str(CONFIGS / "dp_pp_ep.yaml"), *args])
+    said = capsys.readouterr().err + str(stop.value.code)  # argparse's usage error, or sys.exit's
+    assert stop.value.code != 0 and message in said, said
+
+
+def test_titan_plan_is_a_titan_command():
+    cmd = [sys.executable, "-m", "lightning_titan", "plan", "--config",
+           str(CONFIGS / "dp_pp_ep.yaml"), "--devices", "2", "--top", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "| 1 | " in proc.stdout, proc.stderr[-2000:]
+
+
+MIXTRAL = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_dim=14336, n_experts=8, top_k=2, seq_len=4096)  # fmt: skip
+H100 = GPUS["h100-80gb"]
+
+
+def _layout(dp=1, pp=1, ep=1, cp=1, tp=1) -> dict[str, int]:
+    return {"dp": dp, "pp": pp, "ep": ep, "cp": cp, "tp": tp}
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_bubble_is_the_schedule_formula(pp, m):
+    assert (
+        bubble_fraction("gpipe", pp, m) == bubble_fraction("1f1b", pp, m) == (pp - 1) / (m + pp - 1)
+    )
+    assert bubble_fraction("interleaved_1f1b", pp, m, 2) == pytest.approx(
+        (pp - 1) / (2 * m + pp - 1)
+    )
+    # the predicted step carries it: bubble / (compute + bubble)
+    cost = predict(MIXTRAL, _layout(pp=pp, ep=8 // pp if pp < 8 else 1), 0,
+                   StepOptions("1f1b", m), 64, H100, (10**9, 10**10))  # fmt: skip
+    assert cost.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_bubble_and_held_activations_are_the_schedules_own_order():
+    """For every schedule the planner offers, over P in {2, 3, 4} and every M the schedule takes, the
+    predicted bubble and live microbatches per stage equal the replay of the schedule functions' own
+    order (pipeline/theory.py): the closed forms where the pipeline fills, the replay before."""
+    for schedule in SCHEDULES:
+        v = 2 if schedule in {**CHUNKED, **V_SHAPED} else 1
+        for pp in (2, 3, 4):
+            for m in range(1, 17):
+                try:
+                    check_microbatches(schedule, m, pp, v)
+                except ValueError:
+                    continue
+                case = f"{schedule} pp={pp} M={m}"
+                assert bubble_fraction(schedule, pp, m, v) == pytest.approx(
+                    ideal_bubble(schedule, pp, v, m), abs=1e-9
+                ), case
+                options = StepOptions(schedule, m, v)
+                for p in range(pp):
+                    live = live_peak(schedule, pp, p, v, m, [1] * v)[1] / v
+                    assert held(options, pp, p) == pytest.approx(live), f"{case} stage {p}"
+
+
+def test_every_schedule_is_offered_with_its_chunks():
+    offered = {(o.schedule, o.virtual_stages) for o in step_options(DEFAULT, 2, 16)}
+    assert {s for s, _ in offered} == set(SCHEDULES)
+    assert ("zbv", 2) in offered and ("interleaved_1f1b", 2) in offered and ("zb_h1", 1) in offered
+
+
+def test_collectives_move_the_ring_bytes():
+    bandwidth_only = Link(latency_s=0.0, bandwidth=1e9)
+    nbytes = 4e9
+    for n in (2, 4, 8):  # all-reduce: 2 (n-1)/n of the data; all-gather / reduce-scatter: half
+        assert collective(bandwidth_only, nbytes, n, 2) == pytest.approx(2 * (n - 1) / n * 4)
+        assert collective(bandwidth_only, nbytes, n, 1) == pytest.approx((n - 1) / n * 4)
+    assert collective(Link(1e-3, 1e9), 0, 4, 2, calls=10) == pytest.approx(10 * 6 * 1e-3)
+    assert collective(bandwidth_only, nbytes, 1, 2) == 0.0
+
+
+def test_cost_terms_grow_with_their_axis():
+    # a small model on H100s: too little compute to hide the all-reduce behind
+    params, options = (10**9, 10**10), StepOptions("1f1b", 8)
+
+    def cost(**degrees):
+        return predict(DEFAULT, _layout(**degrees), 0, options, 256, H100, params)
+
+    # more data-parallel ranks, more all-reduce traffic for the same grads
+    assert cost(dp=8, pp=2).comm["dp"] > cost(dp=2, pp=2).comm["dp"] > 0
+    assert cost(pp=2).comm["dp"] == 0 and cost(pp=2).comm["ep"] == 0
+    assert cost(ep=8).comm["ep"] > cost(ep=2, dp=4).comm["ep"] > 0
+    assert cost(tp=4, dp=2).comm["tp"] > 0 and cost(cp=2, dp=4).comm["cp"] > 0
+    assert cost(pp=4, dp=2).comm["pp"] > 0 and cost(dp=8).comm["pp"] == 0
+    # crossing nodes costs: the same EP group on a slower link
+    two_nodes = dataclasses.replace(H100, per_node=4)
+    ep8 = predict(DEFAULT, _layout(ep=8), 0, options, 256, two_nodes, params)
+    assert ep8.comm["ep"] > cost(ep=8).comm["ep"]
+    # ZeRO-1 adds the weight all-gather to zero=0's all-reduce; ZeRO-2 halves the reduction
+    z = [predict(DEFAULT, _layout(dp=8), zero, StepOptions(), 8, H100, params) for zero in LEVELS]
+    assert z[1].comm["dp"] > z[0].comm["dp"] and z[2].comm["dp"] < z[1].comm["dp"]
+    # recompute: a third more compute
+    again = predict(DEFAULT, _layout(dp=8), 0, StepOptions(recompute=True), 8, H100, params)
+    assert again.compute > z[0].compute
+
+
+def test_rows_are_ranked_by_predicted_step_time(capsys):
+    rows = plan_main(["--config", str(CONFIGS / "dp_pp_ep.yaml"), "--devices", "8",
+                      "--device", "h100-80gb", "--nodes", "2", "--top", "5"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert [r.cost.step for r in rows] == sorted(r.cost.step for r in rows)
+    assert len({(r.options.schedule, r.options.recompute) for r in rows}) >= 6
+    assert f"**{rows[0].cost.step * 1e3:,.3g}**" in printed.split("| 1 |")[1].split("\n")[0]
+    assert "inter-node 50 GB/s" in printed
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_activation_peaks_match_the_measured_ones(pp):
+    """Within 10% of what autograd saves (the bench's meter), on every stage's max, gpipe and 1F1B."""
+    cases = [Case(pp=pp, schedule=s, impls=(OURS,)) for s in ("gpipe", "1f1b")]
+    settings = Settings(config=DEFAULT, global_batch=16, warmup=1, steps=1, rounds=1,
+                        traced_steps=0, timeout_s=360)  # fmt: skip
+    per_rank = run_on_ranks(run_world, pp, cases, settings, timeout_s=360)
+    for i, case in enumerate(cases):
+        measured = max(results[i][OURS]["saved_peak_bytes"] for results in per_rank)
+        options = StepOptions(case.schedule, settings.num_microbatches(case))
+        predicted = peak_bytes(DEFAULT, _layout(pp=pp), options, 16)
+        assert predicted == pytest.approx(measured, rel=0.10), (case.name, predicted, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_runs_predicted_against_measured(capsys):
+    tiny = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, ffn_dim=32, n_experts=4,
+                       seq_len=16)  # fmt: skip
+    rho = check(tiny, 8, 2, 2e9, steps=1, rounds=1)
+    printed = capsys.readouterr().out
+    assert "| 1 | single |" in printed and "| 2 | " in printed
+    assert -1.0 <= rho <= 1.0 and "Spearman rank correlation" in printed
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_the_fullest_rank_is_found_without_counting_every_rank(devices):
+    """candidates() counts one rank per stage; every rank's count (layout_state) agrees."""
+    for c in candidates(DEFAULT, devices, 16)[0]:
+        every = layout_state(DEFAULT, c.degrees, c.zero)
+        assert c.state_bytes == max(sum(s.values()) for s in every), c.label
+
+
+# -- TitanStrategy(layout="auto") -----------------------------------------------------------------
+
+
+def test_layout_auto_refuses_what_it_would_choose_itself():
+    from lightning_titan import TitanStrategy
+
+    with pytest.raises(ValueError, match=r"layout='auto' chooses dp, .*but \{'dp': 2\} was given"):
+        TitanStrategy(layout="auto", dp=2)
+    with pytest.raises(
+        ValueError, match=r"layout='auto' chooses .*\{'zero': 1, 'schedule': 'gpipe'\}"
+    ):
+        TitanStrategy(layout="auto", zero=1, schedule="gpipe")
+    with pytest.raises(ValueError, match="layout='best' is unknown; use 'auto'"):
+        TitanStrategy(layout="best")
+
+
+def test_layout_auto_takes_the_plans_first_row_and_names_what_is_short():
+    from lightning_titan.plan.auto import choose
+    from lightning_titan.plan.rank import ranked
+
+    device = GPUS["h100-80gb"]  # the catalogue: no probe, the same choice every time
+    choice = choose(DEFAULT, 16, 8, device)
+    found, _ = candidates(DEFAULT, 8, 16)
+    first = ranked(DEFAULT, found, 16, device, recompute=(False,))[0]
+    assert choice.degrees == first.candidate.degrees and choice.zero == first.candidate.zero
+    assert (choice.schedule, choice.num_microbatches) == (
+        first.options.schedule,
+        first.options.microbatches,
+    )
+    assert choice.summary.startswith(first.label.split(" ")[0])
+    tiny = dataclasses.replace(device, memory=1e5)
+    with pytest.raises(ValueError, match=r"layout='auto': nothing fits: the smallest model state"):
+        choose(DEFAULT, 16, 8, tiny)
+    with pytest.raises(
+        ValueError, match="no layout of 7 devices splits this model and a global batch of 16"
+    ):
+        choose(DEFAULT, 16, 7, device)  # dp7 does not divide 16; no axis splits this model by 7
+
+
+def _agree_on(rank, world):
+    """Rank 0 holds a choice, then (second round) a module it cannot plan for; the others hold
+    none: every rank ends with rank 0's choice, then with its error."""
+    from types import SimpleNamespace
+
+    from lightning_titan.plan.auto import Choice, agree
+
+    mine = Choice({"dp": 2}, 0, "1f1b", 1, 1, "dp2") if rank == 0 else None
+    chosen = agree(mine, None, SimpleNamespace(), None)
+    try:
+        agree(None, None, SimpleNamespace(), None)
+    except ValueError as error:
+        return chosen, f"ValueError: {error}"
+    return chosen, None
+
+
+@pytest.mark.timeout(120)
+def test_layout_auto_every_rank_takes_rank_0s_choice_or_its_error():
+    (chosen0, error0), (chosen1, error1) = run_on_ranks(_agree_on, 2)
+    assert chosen0 == chosen1 and chosen1.summary == "dp2"
+    assert error0 == error1 and "plans from the model's ModelConfig" in error1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_titan_fit_with_layout_auto_trains_under_the_choice(tmp_path):
+    """configs/auto.yaml on 2 CPU ranks (script launch): the launcher chooses and says so once,
+    every rank takes that layout (their groups match: the step runs), and the loss is logged."""
+    cmd = [sys.executable, "-m", "lightning_titan", "fit", "--config", str(CONFIGS / "auto.yaml"),
+           "--trainer.devices=2", "--trainer.max_steps=2", "--trainer.limit_val_batches=0"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [
+        line for line in (proc.stdout + proc.stderr).splitlines() if "layout='auto' chose" in line
+    ]
+    assert len(said) == 1, said
+    layout = said[0].split("chose ")[1].split(" ")[0]
+    assert layout in {c.label.split(" ")[0] for c in candidates(ModelConfig(), 2, 16)[0]}
+    (metrics,) = (tmp_path / "runs" / "auto").glob("version_*/metrics.csv")
+    header, *rows = metrics.read_text().splitlines()
+    column = header.split(",").index("train_loss")
+    assert any(r.split(",")[column] for r in rows)  # a loss was logged

@@ -1,0 +1,184 @@
+"""Collective order across groups, logged on 4 gloo ranks (issue 22, DESIGN invariant 6).
+
+NCCL needs every rank to enqueue the collectives of different communicators in the same relative
+order (a blocked kernel of one can stop the other's progress). gloo does not care, so here every
+collective is logged with its group, and the logs are compared: per group, every member enters the
+same sequence; per pair of groups, every rank in both interleaves them the same way. The layouts
+include EP > 1 (all-to-alls in backward), a parameter that only some ranks use (its bucket cannot
+become ready from a hook there), and dp2 x ep2 at zero=2 (reduce-scatters instead of all-reduces;
+on gloo, all-to-alls).
+
+Also, per step: the host reads (each a stream sync on CUDA) are a fixed number per MoE layer per
+microbatch and per bucket, and under CPU autocast the all-to-all and p2p payloads travel in bf16.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from itertools import combinations
+
+import pytest
+import torch
+import torch.distributed as dist
+from engine_harness import token_loss_sum
+from host_reads import HostReads
+from torch import nn
+
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.parallel.mesh import ParallelDims, build_process_groups
+from lightning_titan.runtime.launch import run_on_ranks
+from lightning_titan.train.engine import Engine
+
+WORLD = 4
+# (dp, pp, ep, zero): zero=2 reduce-scatters its buckets in the same launch order
+LAYOUTS = [(1, 2, 2, 0), (2, 1, 2, 0), (1, 1, 4, 0), (2, 2, 1, 0), (2, 1, 2, 2)]
+CONFIG = ModelConfig(
+    vocab_size=31, d_model=16, n_layers=4, n_heads=2, ffn_dim=16, n_experts=4, top_k=2, seq_len=6
+)
+BATCH, M, STEPS = 8, 2, 3
+SCATTERS = ("reduce_scatter_single", "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "all_to_all_single",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter_single",
+)
+
+
+class CollectiveLog:
+    """Wraps torch.distributed's collectives (and the p2p sends, for their dtypes) while entered."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, tuple[int, ...]]] = []
+        self.dtypes: dict[str, set[tuple[torch.dtype, tuple[int, ...]]]] = {
+            "all_to_all_single": set(),
+            "isend": set(),
+        }
+        self._saved: dict[str, Callable] = {}
+
+    def _wrap(self, name: str, func: Callable) -> Callable:
+        signature = inspect.signature(func)
+
+        def logged(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            group = bound.arguments.get("group")
+            tensor = next(iter(bound.arguments.values()))
+            ranks = range(dist.get_world_size()) if group is None else None
+            ranks = tuple(ranks or dist.get_process_group_ranks(group))
+            if name in self.dtypes and tensor.is_floating_point():
+                self.dtypes[name].add((tensor.dtype, ranks))
+            if name in COLLECTIVES:
+                self.entries.append((name, ranks))
+            return func(*args, **kwargs)
+
+        return logged
+
+    def __enter__(self) -> CollectiveLog:
+        for name in (*COLLECTIVES, "isend"):
+            self._saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, func in self._saved.items():
+            setattr(dist, name, func)
+
+
+def _model_with_a_parameter_some_ranks_use(dims: ParallelDims, groups) -> StageModel:
+    """The stage model plus ``layers.<last>.extra`` [D], added to the last local block's output on
+    ranks with an even data rank only: its grad is ready there before that block's all-to-alls run
+    backward, and never from a hook elsewhere. Registered last, so its bucket comes early."""
+    model = StageModel(CONFIG, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
+                       ep_group=groups.ep)  # fmt: skip
+    model.init_weights(7)
+    block = model.layers[str(model.layer_range[1] - 1)]
+    block.extra = nn.Parameter(torch.zeros(CONFIG.d_model))
+    if dims.data_rank % 2 == 0:
+        block.register_forward_hook(lambda mod, args, out: (out[0] + mod.extra, out[1]))
+    return model
+
+
+def _run_layout(rank: int, layout: tuple[int, int, int, int]) -> dict:
+    *degrees, zero = layout
+    dims = ParallelDims(*degrees, rank)
+    groups = build_process_groups(dims)
+    model = _model_with_a_parameter_some_ranks_use(dims, groups)
+    # a bucket each
+    engine = Engine(model, dims, groups, schedule="1f1b", bucket_cap_mb=1e-9, zero=zero)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.shard_optimizers([optimizer])
+    b = BATCH // dims.data_world
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))[dims.data_rank * b:][:b]  # fmt: skip
+    logs, reads = [], []
+    for step in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step == STEPS - 1):
+            with CollectiveLog() as log, HostReads() as step_reads:
+                engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], M, token_loss_sum)
+                forward_backward_reads = len(step_reads.calls)
+                engine.finish_gradients(1.0)
+        engine.bind_shard_grads()
+        optimizer.step()
+        engine.gather_params()
+        optimizer.zero_grad(set_to_none=True)
+        logs.append(log.entries)
+        reads.append((forward_backward_reads, len(step_reads.calls) - forward_backward_reads))
+    engine.remove()
+    return {
+        "logs": logs,
+        "reads": reads,
+        "buckets": sum(len(r.bucket_params) for r in engine.reducers),
+        "layers": len(model.layers),
+        "dtypes": {k: sorted((str(d), g) for d, g in v) for k, v in log.dtypes.items()},
+    }
+
+
+def _all_layouts(rank: int, world_size: int) -> list[dict]:
+    torch.set_num_threads(1)
+    return [_run_layout(rank, layout) for layout in LAYOUTS]
+
+
+def _check_order(logs: list[list[tuple[str, tuple[int, ...]]]], label: str) -> None:
+    """Per group, and per pair of groups, the same sequence on every rank that is in them. Groups are
+    told apart by their ranks: groups with the same ranks count as one (a stricter check)."""
+    groups = sorted({g for log in logs for _, g in log})
+    for chosen in [*([g] for g in groups), *map(list, combinations(groups, 2))]:
+        members = set(chosen[0]).intersection(*chosen[1:])
+        if not members:
+            continue
+        seqs = {r: [e for e in logs[r] if e[1] in chosen] for r in members}
+        first = seqs[min(members)]
+        for r, seq in seqs.items():
+            assert seq == first, f"{label}: rank {r} orders {chosen} unlike rank {min(members)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_collective_order_host_reads_and_payload_dtypes():
+    per_rank = run_on_ranks(_all_layouts, WORLD, timeout_s=360, start_method="fork")
+    for i, layout in enumerate(LAYOUTS):
+        results = [per_rank[r][i] for r in range(WORLD)]
+        for step in range(STEPS):
+            _check_order([r["logs"][step] for r in results], f"{layout} step {step}")
+        dp, pp, ep, zero = layout
+        # zero=2 reduce-scatters over a data-parallel group; on gloo as one all-to-all
+        # (lightning_titan.parallel.collectives), which EP's token all-to-alls must not be taken for
+        dims = ParallelDims(dp, pp, ep, 0)
+        ep_groups = {tuple(g) for g in dims.all_groups("ep")}
+        dp_groups = {tuple(g) for g in dims.all_groups("non_expert_dp") if len(g) > 1} - ep_groups
+        entries = {entry for r in results for log in r["logs"] for entry in log}
+        scattered = {g for name, g in entries if name in SCATTERS and g in dp_groups}
+        assert bool(scattered) == (zero == 2), (layout, entries)
+        for r in results:
+            # one read per MoE layer per microbatch (the dispatch split sizes), none in backward;
+            # one per bucket to finish the gradients (its used-flags), none for clipping
+            for fb, finish in r["reads"]:
+                assert fb == r["layers"] * M and finish == r["buckets"], (layout, r["reads"])
+            # the last step ran under autocast: tokens travel in bf16 (zero=2's grads stay fp32)
+            tokens = {d for d, g in r["dtypes"]["all_to_all_single"] if g in ep_groups}
+            if ep > 1:
+                assert tokens == {"torch.bfloat16"}, (layout, r["dtypes"])
+            if pp > 1:
+                assert {d for d, _ in r["dtypes"]["isend"]} == {"torch.bfloat16"}, r["dtypes"]

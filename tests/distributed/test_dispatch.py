@@ -1,0 +1,230 @@
+"""Dispatch / combine and the MoE layer: process-free at EP=1, then one 4-rank gloo spawn for EP=2 and 4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_titan.model.moe.layer import MoELayer
+from lightning_titan.parallel.dispatch import (
+    combine,
+    combine_loop_reference,
+    dispatch,
+    dispatch_loop_reference,
+    sort_by_expert,
+)
+from lightning_titan.runtime.launch import run_on_ranks
+
+D, F, E, K = 16, 24, 8, 2
+
+
+def routed_tokens(n_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens [T, D], distinct top-K expert ids [T, K] and weights summing to 1 per token."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tokens, D, generator=g)
+    ids = torch.rand(n_tokens, E, generator=g).topk(K, dim=-1).indices
+    w = torch.rand(n_tokens, K, generator=g) + 0.1
+    return x, ids, w / w.sum(-1, keepdim=True)
+
+
+def scale_by_expert(rows: torch.Tensor, counts: list[int], first_expert: int) -> torch.Tensor:
+    """A stand-in expert that multiplies its rows by (global expert id + 1): misrouting shows."""
+    ids = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts)) + first_expert
+    return rows * (ids + 1).unsqueeze(-1).to(rows.dtype)
+
+
+def dense_moe_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: sum over its top-K experts of weight * SwiGLU(x) (Mixtral's definition)."""
+    probs = layer.router(x).float().softmax(-1)
+    top = probs.topk(K, dim=-1)
+    weights = top.values / top.values.sum(-1, keepdim=True)
+    ex = layer.experts
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(K):
+            e = top.indices[t, k].item()
+            h = torch.nn.functional.silu(x[t] @ ex.w1[e]) * (x[t] @ ex.w3[e])
+            out[t] += weights[t, k] * (h @ ex.w2[e])
+    return out
+
+
+def force_experts_0_and_1(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """Make every token pick experts 0 and 1, so all the others receive zero tokens."""
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0], layer.router.weight[1, 0] = 5.0, 4.0
+    x = x.clone()
+    x[..., 0] = 1.0 + x[..., 0].abs()
+    return x
+
+
+def test_round_trip_ep1_matches_loop_reference():
+    x, ids, w = routed_tokens(50, seed=0)
+    expert_in, plan = dispatch(x, ids, E)
+    packed, indices = dispatch_loop_reference(x, ids, E)
+    assert torch.equal(expert_in, packed)
+    assert plan.tokens_per_local_expert == torch.bincount(ids.flatten(), minlength=E).tolist()
+    torch.testing.assert_close(combine(expert_in, w, plan), x)
+    expert_out = scale_by_expert(expert_in, plan.tokens_per_local_expert, 0)
+    torch.testing.assert_close(
+        combine(expert_out, w, plan), combine_loop_reference(expert_out, w, indices)
+    )
+    want = x * (w * (ids + 1)).sum(-1, keepdim=True)
+    torch.testing.assert_close(combine(expert_out, w, plan), want)
+
+
+@pytest.mark.parametrize(
+    ("n_ids", "n_experts"),
+    [(37, 8), (2048, 8), (16384, 64), (32767, 255), (40000, 64), (16384, 300), (5000, 1)],
+)
+def test_sort_by_expert_is_the_stable_argsort(n_ids: int, n_experts: int):
+    """Covers the comparison sort, the radix path reached by padding, the unpadded radix path and
+    wide keys; stability matters because combine and the EP reorder rely on source order."""
+    ids = torch.randint(0, n_experts, (n_ids,), generator=torch.Generator().manual_seed(n_ids))
+    assert torch.equal(sort_by_expert(ids, n_experts), torch.argsort(ids, stable=True))
+
+
+def test_large_dispatch_matches_loop_reference_forward_and_backward():
+    """Enough tokens for the padded radix sort; gradients of x and of the router weights too."""
+    g = torch.Generator().manual_seed(3)
+    n_tokens, n_experts = 3000, 64
+    x = torch.randn(n_tokens, D, generator=g, dtype=torch.float64)
+    ids = torch.rand(n_tokens, n_experts, generator=g).topk(K, dim=-1).indices
+    w = torch.rand(n_tokens, K, generator=g, dtype=torch.float64)
+    upstream = torch.randn(n_tokens, D, generator=g, dtype=torch.float64)
+    results = []
+    for vectorised in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if vectorised:
+            rows, plan = dispatch(xi, ids, n_experts)
+            counts = plan.tokens_per_local_expert
+        else:
+            rows, indices = dispatch_loop_reference(xi, ids, n_experts)
+            counts = torch.bincount(ids.flatten(), minlength=n_experts).tolist()
+        rows = scale_by_expert(rows.sin(), counts, 0)
+        out = combine(rows, wi, plan) if vectorised else combine_loop_reference(rows, wi, indices)
+        out.backward(upstream)
+        results.append((out, xi.grad, wi.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_dispatch_combine_gradcheck():
+    x, ids, w = routed_tokens(12, seed=1)
+    x, w = x.double().requires_grad_(), w.double().requires_grad_()
+
+    def moe_like(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        expert_in, plan = dispatch(x, ids, E)
+        expert_out = scale_by_expert(expert_in.sin(), plan.tokens_per_local_expert, 0)
+        return combine(expert_out, w, plan)
+
+    assert torch.autograd.gradcheck(moe_like, (x, w))
+
+
+def test_moe_layer_ep1_matches_dense_reference_with_empty_experts():
+    torch.manual_seed(0)
+    layer = MoELayer(D, F, E, K)
+    for forced in (False, True):
+        x = torch.randn(2, 9, D)
+        if forced:
+            x = force_experts_0_and_1(layer, x)
+        results = []
+        for fn in (lambda x: layer(x)[0], lambda x: dense_moe_reference(layer, x.view(-1, D))):
+            xi = x.clone().requires_grad_()
+            layer.zero_grad()
+            out = fn(xi).view(-1, D)
+            out.square().sum().backward()
+            grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+            results.append({"out": out, "x.grad": xi.grad, **grads})
+        got, want = results
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], msg=key)
+        if forced:
+            assert layer.tokens_per_expert.tolist() == [18, 18] + [0] * 6  # from the layer's run
+            for name in ("experts.w1", "experts.w2", "experts.w3"):
+                assert torch.equal(got[name][2:], torch.zeros_like(got[name][2:]))
+                assert got[name][:2].abs().sum() > 0
+
+
+def _check_layout(group: dist.ProcessGroup, rank: int) -> None:
+    """Each local expert receives exactly its tokens, source-rank-major; combine inverts dispatch."""
+    ep, ep_rank = dist.get_world_size(group), dist.get_rank(group)
+    n_local = E // ep
+    x, ids, w = routed_tokens(20 + 7 * rank, seed=rank)  # uneven token counts across ranks
+    expert_in, plan = dispatch(x, ids, E, group)
+
+    everyone = [None] * ep
+    dist.all_gather_object(everyone, (x, ids), group=group)
+    want_rows, want_counts = [], []
+    for e in range(ep_rank * n_local, (ep_rank + 1) * n_local):
+        rows = [xs[(ids_s == e).any(-1)] for xs, ids_s in everyone]
+        want_rows += rows
+        want_counts.append(sum(r.shape[0] for r in rows))
+    assert plan.tokens_per_local_expert == want_counts
+    assert torch.equal(expert_in, torch.cat(want_rows))
+
+    torch.testing.assert_close(combine(expert_in, w, plan), x)
+    expert_out = scale_by_expert(expert_in, plan.tokens_per_local_expert, ep_rank * n_local)
+    torch.testing.assert_close(
+        combine(expert_out, w, plan), x * (w * (ids + 1)).sum(-1, keepdim=True)
+    )
+
+
+def _check_moe_matches_local(group: dist.ProcessGroup, rank: int, forced: bool) -> None:
+    """EP-sharded MoE == one layer holding all experts, on each rank's own tokens; expert grads of the
+    full layer are the sum over EP ranks of each rank's token contributions."""
+    ep, ep_rank = dist.get_world_size(group), dist.get_rank(group)
+    start, end = ep_rank * (E // ep), (ep_rank + 1) * (E // ep)
+    torch.manual_seed(0)  # the same full layer on every rank
+    full = MoELayer(D, F, E, K, aux_loss_coef=0.01, z_loss_coef=0.001)
+    shard = MoELayer(
+        D, F, E, K, expert_range=(start, end), ep_group=group, aux_loss_coef=0.01, z_loss_coef=0.001
+    )
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(1 + rank % 2, 6 + rank, D, generator=g)
+    if forced:
+        x = force_experts_0_and_1(full, x)
+    with torch.no_grad():
+        shard.router.weight.copy_(full.router.weight)
+        for name in ("w1", "w2", "w3"):
+            getattr(shard.experts, name).copy_(getattr(full.experts, name)[start:end])
+
+    results = []
+    for layer in (shard, full):
+        xi = x.clone().requires_grad_()
+        out, aux = layer(xi)
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
+        ((out * grad_out).sum() + aux.sum()).backward()
+        results.append((out, aux, xi.grad))
+    for got, want in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(shard.router.weight.grad, full.router.weight.grad)
+    assert torch.equal(shard.tokens_per_expert, full.tokens_per_expert)
+    for name in ("w1", "w2", "w3"):
+        want = getattr(full.experts, name).grad.clone()
+        dist.all_reduce(want, group=group)
+        torch.testing.assert_close(getattr(shard.experts, name).grad, want[start:end])
+    if forced:
+        counts = full.tokens_per_expert.clone()
+        dist.all_reduce(counts, group=group)
+        assert counts[2:].sum() == 0 and counts[:2].sum() > 0
+        if start >= 2:  # this rank received no token at all, and still took part in every exchange
+            assert torch.equal(shard.experts.w1.grad, torch.zeros_like(shard.experts.w1.grad))
+
+
+def _ep_cases(rank: int, world_size: int) -> str:
+    torch.set_num_threads(1)
+    # new_group is collective: every rank creates every group, in the same order.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    everyone = dist.new_group(list(range(world_size)))
+    for group in (pairs[rank // 2], everyone):
+        _check_layout(group, rank)
+        _check_moe_matches_local(group, rank, forced=False)
+        _check_moe_matches_local(group, rank, forced=True)
+    return "ok"
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_matches_local_moe():
+    assert run_on_ranks(_ep_cases, 4, timeout_s=240, start_method="fork") == ["ok"] * 4

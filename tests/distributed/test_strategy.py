@@ -1,0 +1,243 @@
+"""TitanStrategy as a Lightning strategy: argument checks at Trainer(...), the drop-in DDP replacement
+(torchrun vs Lightning's DDPStrategy launched by script), and fork launch (notebooks)."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_titan import TitanStrategy
+from lightning_titan.parallel.dp.zero import shard_optimizer
+from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
+from lightning_titan.runtime import launch
+from lightning_titan.runtime.launch import AGENT_STORE, free_port, hosted_rendezvous
+from lightning_titan.train.engine import Engine
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "support" / "scripts"
+
+
+@pytest.mark.parametrize(
+    "kwargs,devices,match",
+    [
+        (
+            {"dp": 3, "pp": 1, "ep": 1},
+            2,
+            r"dp\*pp\*ep\*cp\*tp = 3\*1\*1\*1\*1 = 3 but the world size is 2",
+        ),
+        ({"dp": 2, "pp": 2, "ep": 2}, 4, "= 8 but the world size is 4"),
+        ({"dp": -1, "pp": 3, "ep": 1}, 4, "not divisible"),
+        ({"dp": 0}, 2, "dp=0 is not valid"),
+        ({"schedule": "interleaved"}, 2, "schedule='interleaved' is unknown"),
+        ({"num_microbatches": 0}, 2, "num_microbatches=0 must be a positive int"),
+        ({"num_microbatches": 2, "microbatch_size": 2}, 2, "both set"),
+        ({"bucket_cap_mb": 0}, 2, "bucket_cap_mb=0 must be > 0"),
+        ({"gradient_clip_norm": -1.0}, 2, "gradient_clip_norm=-1.0 must be > 0"),
+        ({"timeout_minutes": 0}, 2, "timeout_minutes=0 must be > 0"),
+        ({"start_method": "thread"}, 2, "start_method='thread' is unknown"),
+        ({"reducer": "ring"}, 2, "reducer='ring' is unknown"),
+        ({"zero": 3}, 2, "zero=3 is not a ZeRO level; choose 0"),
+        ({"zero": 2, "reducer": "per_param"}, 2, "zero=2 reduce-scatters flat gradient buckets"),
+        ({"virtual_stages": 2}, 2, "virtual_stages=2 needs a schedule over several chunks"),
+        ({"pp": 2, "schedule": "zbv"}, 2, "virtual_stages=1 does not work; use"),
+        ({"stage_layers": [2, -1]}, 2, r"stage_layers=\[2, -1\] must hold ints >= 0"),
+    ],
+)
+def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(
+            accelerator="cpu", devices=devices, strategy=TitanStrategy(**kwargs), logger=False
+        )
+
+
+def test_zero_with_nothing_to_split_warns_and_whole_tensor_optimizers_are_refused():
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"zero=1 changes nothing here: .*dp=1, ep=1.*use dp > 1"):
+        engine = Engine(model, ParallelDims(1, 1, 1), ProcessGroups(None, None, None, None), zero=1)
+    assert engine.zero_groups == []
+    for optimizer in (
+        torch.optim.Adafactor(model.parameters()),
+        torch.optim.LBFGS(model.parameters()),
+    ):
+        with pytest.raises(ValueError, match=f"zero=1 cannot split {type(optimizer).__name__}"):
+            shard_optimizer(optimizer, [])
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2, "zero": 1}, {"pp": 2, "dp": 1}])
+def test_lightning_clipping_is_refused_where_it_sees_part_of_the_gradient(layout):
+    # raised by the launcher's checks, before any rank starts
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=TitanStrategy(**layout),
+        gradient_clip_val=0.5, max_steps=1, logger=False, enable_checkpointing=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"gradient_clip_val=0.5\) would clip each rank's part"):
+        trainer.fit(BoringModel())
+
+
+def test_16_mixed_is_rejected_with_the_alternative():
+    # on CPU Lightning itself turns 16-mixed into bf16-mixed; on GPU the plugin reaches the strategy
+    fp16 = MixedPrecision("16-mixed", "cpu")
+    with pytest.raises(ValueError, match="16-mixed.*bf16-mixed"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(dp=2), plugins=[fp16])
+    with pytest.raises(ValueError, match="'16-true' is not supported"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(dp=2), precision="16-true")
+
+
+def test_registry_name_and_minus_one_fill():
+    trainer = L.Trainer(accelerator="cpu", devices=8, strategy="titan", logger=False)
+    assert isinstance(trainer.strategy, TitanStrategy)
+    assert (trainer.strategy.parallel_dims.dp, trainer.strategy.parallel_dims.pp) == (8, 1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=8, strategy=TitanStrategy(dp=2, pp=-1, ep=2), logger=False
+    )
+    dims = trainer.strategy.parallel_dims
+    assert (dims.dp, dims.pp, dims.ep) == (2, 2, 2)
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 4, "rank": 0}
+
+
+def test_the_rendezvous_is_bound_before_any_rank_starts_and_the_environment_is_left_as_found(
+    monkeypatch,
+):
+    """CI failed with EADDRINUSE: a Trainer built in the test process had set MASTER_PORT there, every
+    later job it started inherited that one port, and a rank 0 could not bind it. Now the launcher
+    binds the store itself, takes the next pick on a clash, names a taken MASTER_PORT, and leaves no
+    variable behind."""
+    for key in ("MASTER_PORT", AGENT_STORE):
+        monkeypatch.delenv(key, raising=False)
+    L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(dp=2), logger=False)
+    assert "MASTER_PORT" not in os.environ
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        picks = iter([taken, free_port()])
+        monkeypatch.setattr(launch, "free_port", lambda: next(picks))
+        with hosted_rendezvous() as port:
+            assert port != taken
+            assert (os.environ["MASTER_PORT"], os.environ[AGENT_STORE]) == (str(port), "True")
+            client = dist.TCPStore(
+                "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)
+            )
+            client.set("rank", "0")  # the store serves already
+        with pytest.raises(RuntimeError, match=f"MASTER_PORT={taken} is taken .*unset MASTER_PORT"):
+            with hosted_rendezvous(taken):
+                pass
+    assert "MASTER_PORT" not in os.environ and AGENT_STORE not in os.environ
+
+
+def test_a_forking_launcher_runs_no_store_thread_while_it_forks():
+    """A store serves from a thread, and a rank forked while that thread holds a lock deadlocked in
+    its own first TCPStore (a probe: 6 of 16 launches of 8 forked ranks; CI's 8-rank fork jobs hung
+    at times). Forking, the launcher only binds the port, starts no thread, and rank 0 serves the
+    store on the inherited socket."""
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    with hosted_rendezvous(forks=True) as port:
+        assert threads() == before
+        assert os.environ[launch.STORE_LAUNCHER] == str(os.getpid())
+        assert int(os.environ["MASTER_PORT"]) == port and AGENT_STORE not in os.environ
+    assert launch.STORE_FD not in os.environ and launch.STORE_LAUNCHER not in os.environ
+    assert launch.run_on_ranks(_rank_and_world, 4, start_method="fork") == [
+        (r, 4) for r in range(4)
+    ]
+
+
+def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
+    dist.barrier()
+    return dist.get_rank(), dist.get_world_size()
+
+
+_FIT_VALIDATE_FIT = """
+import os
+import lightning as L
+from lightning_titan import ModelConfig, TitanDataModule, TitanLM, TitanStrategy
+
+config = ModelConfig(d_model=32, n_layers=2, n_experts=4, seq_len=16)
+data = TitanDataModule(seq_len=16, global_batch_size=4)
+
+
+def trainer(**layout):
+    return L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(**layout), max_steps=2,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     limit_val_batches=1, num_sanity_val_steps=0, enable_model_summary=False)
+
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+first = trainer(dp=2)
+first.fit(TitanLM(config), datamodule=data)
+first.validate(first.lightning_module, datamodule=data, verbose=False)
+second = trainer(ep=2)  # another layout: new groups, through the first launch's store
+second.fit(TitanLM(config), datamodule=data)
+after_second = threads()
+third = trainer(ep=2)  # the same layout again: the same groups
+third.fit(TitanLM(config), datamodule=data)
+third.validate(third.lightning_module, datamodule=data, verbose=False)
+print(f"rank {third.global_rank} threads {after_second} {threads()}", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_script_fits_validates_and_fits_again_on_the_same_ranks(tmp_path):
+    """A script's later launches (this Trainer's validate, then other Trainers' fits) reuse the ranks
+    and the world group of the first; the rendezvous store lives on with the group, for the groups
+    of a new layout (this failed with EADDRINUSE and 'Broken pipe'); a layout seen before gets the
+    same groups (every new gloo group keeps threads polling: the thread count stays put)."""
+    script = tmp_path / "fit_validate_fit.py"
+    script.write_text(_FIT_VALIDATE_FIT)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=150,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the two ranks share stdout: a line of one may run into the other's
+    ranks = sorted(re.findall(r"rank (\d) threads (\d+) (\d+)", done.stdout))
+    assert [rank for rank, _, _ in ranks] == ["0", "1"], done.stdout
+    assert all(before == after for _, before, after in ranks), done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_drop_in_for_ddp_gives_the_same_weights(tmp_path):
+    """An ordinary module (automatic optimization, gradient accumulation, an unused layer) under
+    TitanStrategy(dp=2, zero=2) launched by torchrun ends with exactly the weights of DDPStrategy
+    (script launch): the grads are reduce-scattered, AdamW, the user's own optimizer, updates each
+    rank's half of every weight."""
+    ours, theirs = tmp_path / "titan.pt", tmp_path / "ddp.pt"
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    for cmd in (
+        torchrun + [str(SCRIPTS / "dropin.py"), "titan", str(ours)],
+        [sys.executable, str(SCRIPTS / "dropin.py"), "ddp", str(theirs)],
+    ):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = torch.load(ours), torch.load(theirs)
+    assert a["final"].keys() == b["final"].keys()
+    for name in a["final"]:
+        torch.testing.assert_close(
+            a["final"][name], b["final"][name], rtol=1e-6, atol=1e-7, msg=name
+        )
+    assert not torch.equal(a["final"]["net.0.weight"], a["initial"]["net.0.weight"]), "it trained"
+    # the unused layer has no grad under both (None, not zeros), so AdamW's weight decay skips it
+    torch.testing.assert_close(a["final"]["unused.weight"], a["initial"]["unused.weight"])

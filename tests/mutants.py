@@ -1,0 +1,616 @@
+"""Plant one-line bugs, one at a time, in a copy of the repository and check that the tests kill them.
+
+    python tests/mutants.py            # every mutation
+    python tests/mutants.py aux_detach clip_none   # some
+    python tests/mutants.py --check    # only check that every target string is still there
+
+Each mutation is (file, old, new) applied by exact string replacement: a target that is missing or not
+unique fails loudly, so a moved line is noticed (update the triple when the code is reshaped). The
+tests run in the copy with PYTHONPATH pointing at it; a mutation is "killed" when they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: (file, old, new, pytest arguments)
+MUTATIONS = {
+    # issue 20: the planner's state model cuts the vocabulary without Megatron's padding
+    "plan_vocab_unpadded": ("lightning_titan/plan/memory.py",
+                            "shape[t.tp_dim] = padded_vocab(shape[t.tp_dim], dims.tp) // dims.tp",
+                            "shape[t.tp_dim] = shape[t.tp_dim] // dims.tp",
+                            ["tests/distributed/test_equivalence.py", "-k", "2]"]),
+    # issue 20: the planner offers layouts whose data ranks do not divide the global batch
+    "plan_batch_unchecked": ("lightning_titan/plan/layouts.py",
+                             '        local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")\n',
+                             "",
+                             ["tests/cli/test_plan.py"]),
+    # issue 20: the planner splits every ZeRO shard over the expert-DP group
+    "plan_zero_group": ("lightning_titan/plan/memory.py",
+                        "group = dims.group_ranks(t.kind)",
+                        'group = dims.group_ranks("expert_dp")',
+                        ["tests/distributed/test_equivalence.py", "-k", "2]"]),
+    # issue 20: the pipeline bubble as (pp-1)/M, not (pp-1)/(M+pp-1)
+    "plan_bubble": ("lightning_titan/plan/cost.py", "return fill / (m + fill)",
+                    "return fill / m", ["tests/cli/test_plan.py", "-k", "bubble"]),
+    # issue 20: ZeRO-2 charged a full all-reduce beside its all-gather
+    "plan_zero2_bytes": ("lightning_titan/plan/cost.py", "2: (1.0, 1.0)}", "2: (2.0, 1.0)}",
+                         ["tests/cli/test_plan.py", "-k", "cost_terms"]),
+    # issue 20: a ring collective charged n/(n-1) too much (the whole data per rank)
+    "plan_ring_bytes": ("lightning_titan/plan/cost.py",
+                        "units * (n - 1) / n * nbytes / link.bandwidth",
+                        "units * nbytes / link.bandwidth", ["tests/cli/test_plan.py", "-k", "collectives"]),
+    # issue 20: the gradient reduction priced as if over 2 ranks whatever dp is
+    "plan_dp_group": ("lightning_titan/plan/cost.py",
+                      "total += collective(link, nbytes, n, grads, buckets)",
+                      "total += collective(link, nbytes, 2, grads, buckets)",
+                      ["tests/cli/test_plan.py", "-k", "cost_terms"]),
+    # issue 20: every group on the intra-node link, whatever --nodes says
+    "plan_one_node": ("lightning_titan/plan/cost.py", "span > device.per_node else",
+                      "span > 10**9 else", ["tests/cli/test_plan.py", "-k", "cost_terms"]),
+    # issue 20: rows ranked by state instead of predicted step time
+    "plan_rank_by_state": ("lightning_titan/plan/rank.py",
+                           "rows.sort(key=lambda r: (r.cost.step, r.candidate.state_bytes))",
+                           "rows.sort(key=lambda r: (r.candidate.state_bytes, r.cost.step))",
+                           ["tests/cli/test_plan.py", "-k", "ranked or overlay"]),
+    # issue 20: --nodes that does not divide the devices accepted
+    "plan_nodes_unchecked": ("lightning_titan/plan/devices.py", "if nodes < 1 or devices % nodes:",
+                             "if nodes < 1:", ["tests/cli/test_plan.py", "-k", "bad_requests"]),
+    # issue 20: the fullest rank taken from the last rank of every group (ZeRO's smallest rows)
+    "plan_fullest_last": ("lightning_titan/plan/memory.py",
+                          "firsts = [dims.rank_of(0, p, 0) for p in range(dims.pp)]",
+                          "firsts = [dims.rank_of(dims.dp - 1, p, dims.ep - 1) for p in range(dims.pp)]",
+                          ["tests/cli/test_plan.py", "-k", "fullest"]),
+    # issue 20: 1F1B's activations counted like GPipe's (every microbatch held)
+    "plan_1f1b_holds_all": ("lightning_titan/plan/activations.py", "return min(m, pp - pp_rank)",
+                            "return m", ["tests/cli/test_plan.py", "-k", "activation_peaks", "-m", "slow"]),
+    # issue 16: ZeRO-1 without its all-gather (other ranks' rows never arrive), through the strategy
+    "zero_no_gather": ("lightning_titan/lightning/strategy.py",
+                       "        self.engine.after_optimizer_step()  # zero>0",
+                       "        pass  # zero>0",
+                       ["tests/distributed/test_strategy_step.py"]),
+    # ZeRO-1: the gather puts each rank's updated rows in another rank's place (engine layouts)
+    "zero_gather_misplaced": ("lightning_titan/parallel/dp/zero.py",
+                              "rows = s.rows(s.param.detach(), q)",
+                              "rows = s.rows(s.param.detach(), n - 1 - q)",
+                              ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # ZeRO: every rank packs its rows into rank 0's chunk of the all-gather buffer
+    "zero_pack_first_slot": ("lightning_titan/parallel/dp/zero.py",
+                             "buffer.as_strided(sh, st, me * self.slot + at)",
+                             "buffer.as_strided(sh, st, at)",
+                             ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # ZeRO: the unpack leaves out the rank after this one as well as this rank's own rows
+    "zero_unpack_skips_next": ("lightning_titan/parallel/dp/zero.py",
+                               "for lo, hi in ((0, me), (me + 1, n)):",
+                               "for lo, hi in ((0, me), (me + 2, n)):",
+                               ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # ZeRO on gloo: the all-gather's broadcasts all from the group's first rank
+    "gather_one_root": ("lightning_titan/parallel/collectives.py",
+                        "group=group, group_src=q, async_op=True",
+                        "group=group, group_src=0, async_op=True",
+                        ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # ZeRO-1 checkpoint rows saved at another rank's offset
+    "zero_ckpt_rows": ("lightning_titan/parallel/dp/zero.py",
+                       "start, stop = owned_rows(p.shape[dim], self.n, self.q)",
+                       "start, stop = owned_rows(p.shape[dim], self.n, self.n - 1 - self.q)",
+                       ["tests/distributed/test_checkpoint.py", "-k", "save_under_one"]),
+    # ZeRO-2: the rank-major bucket interleaves the ranks' rows instead of keeping each block whole
+    "zero2_rows_interleaved": ("lightning_titan/parallel/dp/zero_grads.py",
+                               "grad.unflatten(shard.dim, (n, shard.size // n)).movedim(shard.dim, 0)",
+                               "grad.unflatten(shard.dim, (shard.size // n, n)).movedim(shard.dim + 1, 0)",
+                               ["tests/distributed/test_reducer.py", "-k", "four_gloo"]),
+    # ZeRO-2: the full grads stay after their rows went into the bucket (no memory saved)
+    "zero2_full_grads_kept": ("lightning_titan/parallel/dp/zero_grads.py",
+                              "        param.grad = None  # ZeRO-2",
+                              "        pass  # ZeRO-2",
+                              ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # ZeRO-2 / TP on two gloo ranks: the sum adds the chunk sent away, not this rank's own
+    "reduce_scatter_pair_sum": ("lightning_titan/parallel/collectives.py",
+                                "pending = _SumOnWait(work, output, None, own=chunks[me])",
+                                "pending = _SumOnWait(work, output, None, own=chunks[1 - me])",
+                                ["tests/distributed/test_reducer.py", "-k", "four_gloo"]),
+    # ZeRO-2: every bucket borrows the kept buffer, so buckets in flight overwrite each other's input
+    "zero2_borrow_shared": ("lightning_titan/parallel/dp/zero_grads.py",
+                            "if param.dtype not in self._borrower:",
+                            "if True:",
+                            ["tests/distributed/test_reducer.py", "-k", "four_gloo"]),
+    # ZeRO-2: a grad left whole counts in the norm on every rank of its group, not once
+    "zero2_norm_replicas": ("lightning_titan/parallel/dp/zero_grads.py",
+                            "counted.append(first)",
+                            "counted.append(True)",
+                            ["tests/distributed/test_reducer.py", "-k", "four_gloo"]),
+    # ZeRO-2: the shards' squares summed over the expert-DP group only (non-expert rows under dp x ep)
+    "zero2_norm_group": ("lightning_titan/parallel/dp/zero_grads.py",
+                         "group=groups.sequence_dp, pp_group",
+                         "group=groups.expert_dp, pp_group",
+                         ["tests/distributed/test_equivalence.py", "-k", "4"]),
+    # ZeRO-2 under TP: the shards' squares summed without the TP ranks (the norms' rows over tp)
+    "zero2_norm_no_tp": ("lightning_titan/parallel/dp/zero_grads.py",
+                         "group=groups.sequence_dp, pp_group",
+                         "group=groups.non_expert_dp, pp_group",
+                         ["tests/distributed/test_equivalence.py", "-k", "4"]),
+    # ZeRO under TP: the TP-cut weights left whole (trains and saves right: only the state per rank
+    # is larger than its share)
+    "zero_tp_left_whole": ("lightning_titan/parallel/dp/zero.py",
+                           "dim = cut_dim(p, id(p) in expert_ids, None if tp is None else tp.dim)",
+                           "dim = None if tp is not None else cut_dim(p, id(p) in expert_ids)",
+                           ["tests/distributed/test_equivalence.py", "-k", "4"]),
+    # ZeRO under TP: a cut weight's state saved as rows of its TP slice under the global name (the
+    # TP ranks' blocks collide: what the refusal of zero with tp stood for)
+    "zero_tp_local_keys": ("lightning_titan/train/engine.py",
+                           "tp_shards=cut_by_tp",
+                           "tp_shards=None",
+                           ["tests/distributed/test_checkpoint.py", "-k", "save_under_one"]),
+    # ZeRO: the all-gather deferred to the next step's start (as an overlapped parameter gather
+    # would be): every step trains right, but the checkpoint between steps holds other ranks' stale
+    # rows, so a zero=2 run killed and resumed from `last` leaves the uninterrupted curve
+    "zero_gather_deferred": ("lightning_titan/lightning/strategy.py",
+                             "        self.engine.after_optimizer_step()  # zero>0: the updated shards to every rank; expert bias\n"
+                             "        return output\n\n    @override\n"
+                             "    def training_step(self, *args: Any, **kwargs: Any) -> Any:\n",
+                             "        self.engine.update_router_bias()\n"
+                             "        return output\n\n    @override\n"
+                             "    def training_step(self, *args: Any, **kwargs: Any) -> Any:\n"
+                             "        self.engine.gather_params()\n",
+                             ["tests/distributed/test_reliability.py", "-k", "kill_9_loses_nothing and training"]),
+    # the same bug through the CLI: a zero=1 checkpoint resumed under tp=4 x ep=2 at zero=2
+    "zero_tp_local_keys_cli": ("lightning_titan/train/engine.py",
+                               "tp_shards=cut_by_tp",
+                               "tp_shards=None",
+                               ["tests/cli/test_cli.py", "-k", "resume_under_another_layout"]),
+    # ZeRO under TP: the 2-D block's placements swapped (the TP cut read as ZeRO's and back)
+    "zero_tp_placements": ("lightning_titan/parallel/dp/zero.py",
+                           "placements = [Shard(tp.dim), Shard(shard.dim)]",
+                           "placements = [Shard(shard.dim), Shard(tp.dim)]",
+                           ["tests/distributed/test_checkpoint.py", "-k", "save_under_one"]),
+    # issue 21.1: the router losses become non-trainable in the stage objective
+    "aux_detach": ("lightning_titan/parallel/pipeline/stage.py",
+                   "objective = aux.sum() / self.local_sequences",
+                   "objective = aux.detach().sum() / self.local_sequences",
+                   ["tests/distributed/test_reference.py"]),
+    # an expert gradient twice too large (the expert reducer's scale)
+    "expert_grad_x2": ("lightning_titan/train/engine.py",
+                       "params, group, scale=scale, bucket_cap_mb",
+                       "params, group, scale=2 * scale if params[0] is self.expert_params[0] else scale, bucket_cap_mb",
+                       ["tests/distributed/test_reference.py"]),
+    # issue 21.7: the same bug through the CLI (grad_norm of the ep configs against the single run)
+    "expert_grad_x2_cli": ("lightning_titan/train/engine.py",
+                           "params, group, scale=scale, bucket_cap_mb",
+                           "params, group, scale=2 * scale if params[0] is self.expert_params[0] else scale, bucket_cap_mb",
+                           ["tests/cli/test_cli.py", "-k", "single_process_curve"]),
+    # issue 14: the sequence-parallel region's grads (norms, routers) not summed over the TP ranks
+    "tp_norms_unreduced": ("lightning_titan/model/decoder.py",
+                           'EXPERT, TP_SHARDED, SEQUENCE = "expert_dp", "non_expert_dp", "sequence_dp"',
+                           'EXPERT, TP_SHARDED, SEQUENCE = "expert_dp", "non_expert_dp", "non_expert_dp"',
+                           ["tests/distributed/test_reference.py", "-k", "tp2"]),
+    # issue 14: the aux loss's expert counts not summed over the sequence slices
+    "tp_aux_local_counts": ("lightning_titan/model/moe/router.py",
+                            "        dist.all_reduce(assignments, group=sequence_group)\n",
+                            "        pass\n",
+                            ["tests/distributed/test_reference.py", "-k", "tp2"]),
+    # issue 14: the padded vocabulary rows take part in the softmax
+    "tp_padding_in_loss": ("lightning_titan/parallel/tensor_parallel.py",
+                           'logits = logits.masked_fill(ids >= vocab_size, float("-inf"))',
+                           "logits = logits.masked_fill(ids < 0, 0.0)",
+                           ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 14: the optimizer state of a TP-cut weight saved as the rank's local tensor
+    "tp_ckpt_local_state": ("lightning_titan/checkpoint/state.py",
+                            "elif isinstance(value, Tensor) and id(p) in shards and value.shape == p.shape:",
+                            "elif False:",
+                            ["tests/distributed/test_checkpoint.py", "-k", "save_under_one"]),
+    # issue 15: RoPE at the local order's positions instead of the tokens' global ones
+    "cp_local_rope": ("lightning_titan/model/decoder.py",
+                      "cos, sin, mask = cos[mine], sin[mine],",
+                      "cos, sin, mask = cos[: mine.numel()], sin[: mine.numel()],",
+                      ["tests/distributed/test_reference.py", "-k", "cp2"]),
+    # issue 15: the aux losses' expert counts not summed over the CP ranks of a sequence
+    "cp_local_counts": ("lightning_titan/model/decoder.py",
+                        "            sequence_group=sequence_group,\n",
+                        "            sequence_group=tp_group,\n",
+                        ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 14: the norm counts the TP copies of the norms and routers on every TP rank
+    "tp_norm_counts_copies": ("lightning_titan/model/decoder.py",
+                              'SEQUENCE: ("ep", "tp")}',
+                              'SEQUENCE: ("ep",)}',
+                              ["tests/distributed/test_reference.py", "-k", "tp2"]),
+    # composed clipping: the per-dtype norms summed unsquared
+    "clip_norms_unsquared": ("lightning_titan/parallel/dp/clipping.py",
+                             "return torch.stack(norms).square().sum()",
+                             "return torch.stack(norms).sum()",
+                             ["tests/distributed/test_reducer.py"]),
+    # ZeRO-2 clipping: every rank counts the grads left whole, not the group's first rank only
+    "clip_shards_all_counted": ("lightning_titan/parallel/dp/clipping.py",
+                                "_local_sq_norm([g for g, c in zip(grads, counted, strict=True) if c], device)",
+                                "_local_sq_norm(grads, device)",
+                                ["tests/distributed/test_reducer.py"]),
+    # issue 21.2: the strategy does not clip
+    "clip_none": ("lightning_titan/lightning/strategy.py",
+                  "self.engine.finish_gradients(self.options.gradient_clip_norm)",
+                  "self.engine.finish_gradients(None)",
+                  ["tests/distributed/test_strategy_step.py"]),
+    # issue 21.3: the broadcast of replicated parameters does nothing / is not called
+    "broadcast_noop": ("lightning_titan/train/engine.py",
+                       "dist.broadcast(t.data, src=ranks[0], group=group)",
+                       "pass",
+                       ["tests/distributed/test_strategy_step.py"]),
+    "broadcast_not_called": ("lightning_titan/lightning/strategy.py",
+                             "        self._engine.broadcast_replicated()\n",
+                             "",
+                             ["tests/distributed/test_strategy_step.py"]),
+    # issue 21.4: the old checkpoint is deleted before the new one is renamed in
+    "delete_before_rename": ("lightning_titan/checkpoint/files.py",
+                             "    if not (path.exists() or path.is_symlink()):\n        os.rename(tmp, path)",
+                             "    _delete(path)\n    if not (path.exists() or path.is_symlink()):\n"
+                             "        os.rename(tmp, path)",
+                             ["tests/unit/test_checkpoint_install.py"]),
+    # issue 21.5: the resume after kill -9 restarts from scratch (a mutation of the test's command)
+    "resume_without_ckpt": ("tests/distributed/test_reliability.py",
+                            'job = titan_fit(config, root, cache, "--ckpt_path=last", fork)',
+                            "job = titan_fit(config, root, cache, fork)",
+                            ["tests/distributed/test_reliability.py", "-k", "kill_9"]),
+    # issue 12.1: manual optimization may step on grads that were never reduced
+    "step_unreduced": ("lightning_titan/lightning/strategy.py",
+                       "        elif self._grads_pending:\n",
+                       "        elif False:\n",
+                       ["tests/distributed/test_agreement.py", "-k", "unreduced"]),
+    # issue 21.6: the sampler gets the DP rank instead of the data rank
+    "sampler_dp_rank": ("lightning_titan/lightning/strategy.py",
+                        '"rank": self.parallel_dims.data_rank}',
+                        '"rank": self.parallel_dims.dp_rank}',
+                        ["tests/distributed/test_strategy_step.py"]),
+    # issue 21.8: the inf fault action poisons nothing
+    "inf_action_noop": ("lightning_titan/runtime/faults.py",
+                        'value = float("nan") if fault.action == "nan" else float("inf")',
+                        'value = float("nan") if fault.action == "nan" else 1.0',
+                        ["tests/distributed/test_reliability.py", "-k", "skip_takes"]),
+    # issue 19: the expert bias enters the combine weights, not only the selection
+    "bias_in_combine": ("lightning_titan/model/moe/router.py",
+                        "weights = probs.gather(-1, expert_ids)",
+                        "weights = (probs + selection_bias).gather(-1, expert_ids)",
+                        ["tests/unit/test_balance.py"]),
+    # issue 19: the expert loads summed over the sequence's CP/TP ranks only, not the data ranks
+    "bias_counts_not_over_data": ("lightning_titan/train/engine.py",
+                                  "self.balanced_layers, self.groups.sequence_dp,",
+                                  "self.balanced_layers, self.groups.sequence,",
+                                  ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 19: activation checkpointing's recompute counts the tokens a second time
+    "bias_counts_recompute": ("lightning_titan/model/moe/layer.py",
+                              "torch.is_grad_enabled() and not recomputing():",
+                              "torch.is_grad_enabled():",
+                              ["tests/unit/test_balance.py"]),
+    # issue 19: the grouped experts' row offsets in the wrong order (rows go to other experts)
+    "grouped_offsets": ("lightning_titan/model/moe/experts.py",
+                        "ends = list(itertools.accumulate(tokens_per_expert))",
+                        "ends = list(itertools.accumulate(tokens_per_expert[::-1]))",
+                        ["tests/unit/test_experts.py"]),
+    # issue 19: an expanded output grad reaches _grouped_mm's backward, which rejects it
+    "grouped_strided_grad": ("lightning_titan/model/moe/experts.py",
+                             "return _ContiguousGrad.apply(torch._grouped_mm(",
+                             "return (torch._grouped_mm(",
+                             ["tests/unit/test_experts.py"]),
+    # issue 17: the backwards of the interleaved schedule run the chunks forward, not reversed
+    "interleaved_bwd_order": ("lightning_titan/parallel/pipeline/interleaved.py",
+                              "chunk = r // pp if forward else v - 1 - r // pp",
+                              "chunk = r // pp",
+                              ["tests/unit/test_schedules.py", "-k", "interleaved"]),
+    # issue 17: rank p holds virtual stages p*v .. p*v+v-1 (contiguous), not round-robin
+    "split_not_round_robin": ("lightning_titan/parallel/pipeline/split.py",
+                              "return list(range(pp_rank, pp * self.virtual_stages, pp))  # round-robin",
+                              "return list(range(pp_rank * self.virtual_stages, (pp_rank + 1) * self.virtual_stages))",
+                              ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 17: an explicit split silently drops the last layer (the peers' bug)
+    "split_drops_a_layer": ("lightning_titan/parallel/pipeline/split.py",
+                            "        return counts\n",
+                            "        return counts[:-1] + [max(0, counts[-1] - 1)]\n",
+                            ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 17: a split that does not sum to n_layers gets through
+    "split_sum_unchecked": ("lightning_titan/parallel/pipeline/split.py",
+                            "        if sum(counts) != n_layers:",
+                            "        if False:",
+                            ["tests/unit/test_split.py"]),
+    # issue 17: a received message is filed under its stream's last id, not its next (the paired
+    # transport's exchange and the CPU one's takes file through the same call)
+    "stream_misfiled": ("lightning_titan/parallel/pipeline/stage.py",
+                        'chunk, i = self._streams[kind == "g"].pop(0)',
+                        'chunk, i = self._streams[kind == "g"].pop()',
+                        ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 17: both streams share a tag (pp=2 with virtual stages: one peer for both)
+    "ring_one_tag": ("lightning_titan/parallel/pipeline/p2p.py",
+                     "FORWARD_TAG, BACKWARD_TAG = 0, 1",
+                     "FORWARD_TAG, BACKWARD_TAG = 0, 0",
+                     ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 17: the grads are reduced from the last microbatch's backward of chunk v-1 on, before
+    # the other chunks' backwards have accumulated theirs
+    "sync_before_last_chunk": ("lightning_titan/parallel/pipeline/stage.py",
+                               "self._backwards_done == self.num_microbatches * self.num_chunks",
+                               "self._backwards_done == self.num_microbatches",
+                               ["tests/distributed/test_equivalence.py", "-k", "4"]),
+    # issue 17: the planner prices ZBV's bubble as ZB-H1's (one chunk per rank)
+    "plan_zbv_as_zb_h1": ("lightning_titan/plan/cost.py",
+                          "        fill = (pp - 1) / 6",
+                          "        fill = (pp - 1) / 3",
+                          ["tests/cli/test_plan.py", "-k", "own_order"]),
+    # issue 17: the planner holds every microbatch's activations under ZB-H1 (its old upper bound)
+    "plan_zb_h1_holds_m": ("lightning_titan/plan/activations.py",
+                           "        return min(m, pp)\n",
+                           "        return m\n",
+                           ["tests/cli/test_plan.py", "-k", "own_order"]),
+    # issue 17: W keeps one weight-side grad per intermediate (a matmul's bias grad is lost)
+    "zb_first_output_only": ("lightning_titan/parallel/pipeline/backward_split.py",
+                             "            for k, edge in outputs:\n",
+                             "            for k, edge in outputs[:1]:\n",
+                             ["tests/unit/test_backward_split.py"]),
+    # issue 17: the weight grads computed after the last flush never reach .grad
+    "zb_last_flush_dropped": ("lightning_titan/parallel/pipeline/backward_split.py",
+                              "                held = 0\n        self._accumulate(edges, grads)\n",
+                              "                held = 0\n",
+                              ["tests/unit/test_backward_split.py"]),
+    # issue 17: B also accumulates the weight grads (they would come twice with W)
+    "zb_b_accumulates": ("lightning_titan/parallel/pipeline/backward_split.py",
+                         "    dx, *grads = torch.autograd.grad(objective, inputs, retain_graph=True,",
+                         "    torch.autograd.backward(objective, inputs=[p for p in params if p.requires_grad],"
+                         " retain_graph=True)\n    dx, *grads = torch.autograd.grad(objective, inputs, retain_graph=True,",
+                         ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 17: the reducers sync from the first W on, not the last (grads reduced too early)
+    "zb_sync_first_w": ("lightning_titan/parallel/pipeline/stage.py",
+                        "        last = self._backwards_done == self.num_microbatches * self.num_chunks\n",
+                        "        last = self._backwards_done == 1\n",
+                        ["tests/distributed/test_equivalence.py", "-k", "4"]),
+    # issue 17: ZB-H1 runs W before sending the input grad upstream (B's point lost) -- order test
+    "zb_w_not_deferred": ("lightning_titan/parallel/pipeline/schedules.py",
+                          "        if len(deferred) > delay:",
+                          "        if len(deferred) > 0:",
+                          ["tests/unit/test_schedules.py", "-k", "zb"]),
+    # issue 17: stage_layers="auto" charges the head to the first stage
+    "auto_head_on_first": ("lightning_titan/parallel/pipeline/split.py",
+                           "extra[-1] += costs.head / block",
+                           "extra[0] += costs.head / block",
+                           ["tests/unit/test_split.py", "-k", "auto"]),
+    # issue 17: one warmup forward too few per stage: a steady step waits for a grad that needs its
+    # own next forward first (the ideal replay deadlocks)
+    "interleaved_short_warmup": ("lightning_titan/parallel/pipeline/interleaved.py",
+                                 "return min(v * m, (pp - pp_rank - 1) * 2 + (v - 1) * pp)",
+                                 "return min(v * m, (pp - pp_rank - 1) * 2 + (v - 1) * pp - 1)",
+                                 ["tests/distributed/test_bench.py", "-k", "interleaved_bubble"]),
+    # issue 17: the compute-only replay ignores the chunks (interleaved spans replayed as one stage)
+    "replay_ignores_chunks": ("lightning_titan/runtime/tracing.py",
+                              'v_stage = s.args.get("stage", s.args.get("chunk", 0) * len(ranks) + p)',
+                              'v_stage = s.args.get("stage", p)',
+                              ["tests/distributed/test_bench.py", "-k", "replay_knows"]),
+    # issue 17: the replay runs a deferred W as a backward (it then waits for the next stage's B)
+    "replay_w_as_b": ("lightning_titan/runtime/tracing.py",
+                      'kind = "weight" if s.name == "backward_weight" else s.kind',
+                      "kind = s.kind",
+                      ["tests/distributed/test_bench.py", "-k", "replay_sends"]),
+    # issue 19: capacity's queue counted over this rank's tokens, not the sequence's cp x tp ranks
+    "capacity_local_queue": ("lightning_titan/model/moe/capacity.py",
+                             "    if parts == 1:\n",
+                             "    if True:\n",
+                             ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 19: the gathered sequence in rank order, not at its tokens' global positions (CP)
+    "capacity_rank_order": ("lightning_titan/model/moe/capacity.py",
+                            "whole_BSK[:, where_PS.reshape(-1)] = torch.cat(gathered, dim=1)",
+                            "whole_BSK[:, :] = torch.cat(gathered, dim=1)",
+                            ["tests/distributed/test_equivalence.py", "-k", "4"]),
+    # issue 19: the over-capacity assignments are dispatched anyway
+    "capacity_not_dropped": ("lightning_titan/parallel/dispatch.py",
+                             "flat_ids = torch.where(keep.reshape(-1), flat_ids, n_experts)",
+                             "flat_ids = flat_ids",
+                             ["tests/unit/test_capacity.py"]),
+    # issue 19: the queue position-major (a token's second choice before a later token's first)
+    "capacity_position_major": ("lightning_titan/model/moe/capacity.py",
+                                "flat_BN = expert_ids_BSK.transpose(1, 2).reshape(b, k * s)",
+                                "flat_BN = expert_ids_BSK.reshape(b, s * k)",
+                                ["tests/unit/test_capacity.py"]),
+    # issue 19: a capacity factor that never drops is accepted silently
+    "capacity_no_check": ("lightning_titan/model/config.py",
+                          "    if factor * config.top_k >= config.n_experts:",
+                          "    if False:",
+                          ["tests/unit/test_capacity.py"]),
+    # issue 19: a bad ModelConfig value reaches the user inside jsonargparse's dump of the union
+    "cli_model_unchecked": ("lightning_titan/cli.py",
+                            '        check_model_config(config.get("model"))\n',
+                            "",
+                            ["tests/cli/test_errors.py", "-k", "bad_model_argument"]),
+    # issue 19: the model FLOPs leave the attention scores out
+    "flops_no_attention": ("lightning_titan/model/flops.py",
+                           "attention = 2 * 2 * s * q_width",
+                           "attention = 0",
+                           ["tests/unit/test_flops.py"]),
+    # issue 19: the training FLOPs counted as forward + one backward matmul per matmul
+    "flops_forward_only": ("lightning_titan/model/flops.py",
+                           "return 3 * forward_flops_per_token(config)",
+                           "return 2 * forward_flops_per_token(config)",
+                           ["tests/unit/test_flops.py"]),
+    # issue 19: the layers' dropped counts never reach the step's totals
+    "dropped_not_summed": ("lightning_titan/train/engine.py",
+                           "dropped += layer.step_dropped.to(dropped.device)",
+                           "dropped += 0",
+                           ["tests/unit/test_flops.py", "-k", "titanlm"]),
+    # issue 19: ExpertLoad's "without the bias" load counted from the biased scores
+    "unbiased_load_biased": ("lightning_titan/model/moe/layer.py",
+                             "self.unbiased_tokens_per_expert = self._unbiased_counts(logits)",
+                             "self.unbiased_tokens_per_expert = self._unbiased_counts(logits.softmax(-1) + self.expert_bias)",
+                             ["tests/unit/test_expert_load.py"]),
+    # issue 18: OLMoE's whole-projection QK-norm takes a TP rank's own channels for the whole
+    "qk_full_no_tp_sum": ("lightning_titan/model/attention.py",
+                          "squares = _SumOverGroup.apply(squares, self.group)",
+                          "squares = squares * tp_size(self.group)",
+                          ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 18: Qwen2-MoE's q/k/v biases not cut with their rows (grads summed over TP too)
+    "qkv_bias_not_cut": ("lightning_titan/parallel/tensor_parallel.py",
+                         'if s.dim == 0 and isinstance(getattr(m, "bias", None), Tensor):',
+                         "if False:",
+                         ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # issue 18: the shared expert without its sigmoid gate
+    "shared_expert_ungated": ("lightning_titan/model/moe/shared.py",
+                              "return torch.sigmoid(self.gate(x_BSD)) * out_BSD",
+                              "return out_BSD",
+                              ["tests/distributed/test_hf_archs.py", "-k", "one_process and qwen2"]),
+    # issue 18: the top-K scores renormalised whatever norm_topk_prob says
+    "norm_topk_ignored": ("lightning_titan/model/moe/router.py",
+                          "    if norm_topk:",
+                          "    if True:",
+                          ["tests/unit/test_model_options.py"]),
+    # issue 18: sigmoid scores computed as a softmax
+    "sigmoid_as_softmax": ("lightning_titan/model/moe/router.py",
+                           "return torch.sigmoid(logits)",
+                           "return torch.softmax(logits, dim=-1)",
+                           ["tests/unit/test_model_options.py"]),
+    # issue 18: Qwen3-MoE's q and k norms swapped on load (both [head_dim])
+    "qk_norm_names_swapped": ("lightning_titan/hf/arch.py",
+                              '"attn.q_norm.weight": "self_attn.q_norm.weight",',
+                              '"attn.q_norm.weight": "self_attn.k_norm.weight",',
+                              ["tests/distributed/test_hf_archs.py", "-k", "one_process and qwen3"]),
+    # issue 18: every family exported as Mixtral
+    "export_as_mixtral": ("lightning_titan/hf/arch.py",
+                          '"architectures": [arch.class_name],',
+                          '"architectures": ["MixtralForCausalLM"],',
+                          ["tests/distributed/test_hf_archs.py", "-k", "own_family"]),
+    # issue 18: the explicit head_dim of Qwen3-MoE dropped (ours is d_model / n_heads again)
+    "head_dim_dropped": ("lightning_titan/model/config.py",
+                         "return self.attn_head_dim or self.d_model // self.n_heads",
+                         "return self.d_model // self.n_heads",
+                         ["tests/distributed/test_hf_archs.py", "-k", "one_process and qwen3"]),
+    # issue 18: a TP rank reads the whole of its q/k/v bias rows instead of its slice
+    "tp_load_slices_ignored": ("lightning_titan/hf/load.py",
+                               "shard = cut.get(id(target))",
+                               "shard = None",
+                               ["tests/distributed/test_hf_archs.py", "-k", "eight_ranks"]),
+    # issue 18: tokenizer="auto" never sees the model's folder (the byte tokenizer always)
+    "auto_tokenizer_ignored": ("lightning_titan/data/datamodule.py",
+                               "return resolve_tokenizer(self.tokenizer_spec, self.model_folder)",
+                               "return resolve_tokenizer(self.tokenizer_spec, None)",
+                               ["tests/distributed/test_hf_finetune.py", "-k", "data_module"]),
+    # issue 18: the export leaves the init_from folder's tokenizer behind
+    "export_tokenizer_not_copied": ("lightning_titan/hf/export.py",
+                                    "        shutil.copy2(path, out / path.name)",
+                                    "        pass",
+                                    ["tests/distributed/test_hf_finetune.py", "-k", "resumes"]),
+    # issue 18: a rank reads every tensor of the file it opens, not only its own
+    "load_reads_whole_file": ("lightning_titan/hf/load.py",
+                              "tensor = f.get_tensor(hf_name)",
+                              "tensor = [f.get_tensor(k) for k in f.keys()] and f.get_tensor(hf_name)",
+                              ["tests/distributed/test_hf_load.py", "-k", "share"]),
+    # issue 18: the same, through a checkpoint written under tp4 and read under tp2 and whole
+    "ckpt_bias_not_cut": ("lightning_titan/parallel/tensor_parallel.py",
+                          'if s.dim == 0 and isinstance(getattr(m, "bias", None), Tensor):',
+                          "if False:",
+                          ["tests/distributed/test_checkpoint.py", "-k", "save_under_one"]),
+    # found with issue 18: the grouped-GEMM probe runs under the caller's no_grad and caches "no"
+    "probe_under_no_grad": ("lightning_titan/model/moe/experts.py",
+                            "with torch.inference_mode(False), torch.enable_grad():",
+                            "if True:",
+                            ["tests/unit/test_experts.py"]),
+}  # fmt: skip
+
+IGNORE = shutil.ignore_patterns(
+    ".git", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", ".benchmarks"
+)
+
+
+def apply(copy: Path, file: str, old: str, new: str) -> None:
+    path = copy / file
+    text = path.read_text()
+    count = text.count(old)
+    if count != 1:
+        raise SystemExit(f"{file}: target {old!r} found {count} times (need exactly 1); update it")
+    path.write_text(text.replace(old, new))
+
+
+def run(name: str, timeout_s: float) -> tuple[str, float]:
+    file, old, new, args = MUTATIONS[name]
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(ROOT, copy, ignore=IGNORE)
+        apply(copy, file, old, new)
+        env = {**os.environ, "PYTHONPATH": str(copy)}
+        where = subprocess.run(
+            [sys.executable, "-c", "import lightning_titan; print(lightning_titan.__file__)"],
+            env=env, capture_output=True, text=True, cwd=copy,
+        ).stdout.strip()  # fmt: skip
+        if not where.startswith(str(copy)):
+            raise SystemExit(f"the copy imports lightning_titan from {where!r}, not {copy}")
+        # one process (no xdist): a failure is pytest rc 1, and -x stops at once
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            *args,
+        ]
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(
+                cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            return "timeout", time.monotonic() - start
+        seconds = time.monotonic() - start
+    if proc.returncode == 1:
+        # the first assertion line says what caught it
+        caught = next(
+            (ln[1:].strip() for ln in proc.stdout.splitlines() if ln.startswith("E ")), ""
+        )
+        return f"killed  {caught[:100]}", seconds
+    if proc.returncode == 0:
+        return "SURVIVED", seconds
+    return f"error (pytest rc {proc.returncode}): {proc.stdout[-300:]}", seconds
+
+
+def missing_targets(names: list[str]) -> list[str]:
+    """One line per mutation whose file or target line is not there exactly once."""
+    out = []
+    for name in names:
+        file, old, _, args = MUTATIONS[name]
+        path = ROOT / file
+        count = path.read_text().count(old) if path.is_file() else 0
+        if count != 1:
+            out.append(f"{name}: {file} has target {old!r} {count} times; update it")
+        test_files = [a.split("::")[0] for a in args if a.startswith("tests/")]
+        out += [f"{name}: no test file {t}" for t in test_files if not (ROOT / t).is_file()]
+    return out
+
+
+def main(argv: list[str]) -> int:
+    names = [a for a in argv if not a.startswith("--")] or list(MUTATIONS)
+    unknown = [n for n in names if n not in MUTATIONS]
+    if unknown:
+        raise SystemExit(f"unknown mutations {unknown}; choose from {list(MUTATIONS)}")
+    missing = missing_targets(
+        names
+    )  # every target first, so a moved line fails before anything runs
+    if missing:
+        raise SystemExit("\n".join(missing))
+    if "--check" in argv:
+        print(f"all {len(names)} targets found")
+        return 0
+    rows = []
+    for name in names:
+        verdict, seconds = run(name, timeout_s=900)
+        rows.append((name, verdict, seconds))
+        tests = " ".join(MUTATIONS[name][3])
+        print(f"{name:22} {seconds:4.0f} s  {tests:45} {verdict}", flush=True)
+    survived = [n for n, v, _ in rows if not v.startswith("killed")]
+    print(
+        f"\n{len(rows) - len(survived)}/{len(rows)} killed"
+        + (f"; not killed: {survived}" if survived else "")
+    )
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

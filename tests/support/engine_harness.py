@@ -1,0 +1,357 @@
+"""Train the same model on the same global batches under a layout, without Lightning.
+
+Used by the equivalence tests: every layout must reproduce the single-process run (DESIGN.md invariant 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+
+import torch
+import torch.nn.functional as F
+
+from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.model.moe.capacity import expert_capacity
+from lightning_titan.model.moe.layer import MoELayer
+from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
+from lightning_titan.parallel.pipeline.schedules import V_SHAPED
+from lightning_titan.parallel.pipeline.split import StageSplit
+from lightning_titan.parallel.tensor_parallel import local_slice, tp_shards
+from lightning_titan.tools.bench.memory import state_bytes, zero2_grad_bytes
+from lightning_titan.train import auto_split
+from lightning_titan.train.engine import Engine
+
+CONFIG = ModelConfig(
+    vocab_size=61, d_model=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=24, n_experts=4, top_k=2,
+    seq_len=16, aux_loss_coef=0.05, z_loss_coef=0.01,
+)  # fmt: skip
+# aux-loss-free balancing on top (the aux loss stays on): the bias moves selections within STEPS
+BIAS_CONFIG = replace(CONFIG, router_bias_update_rate=1e-3)
+# deep enough for 2 chunks on each of 4 stages (interleaved pp4 x v2)
+DEEP_CONFIG = replace(CONFIG, n_layers=8)
+# recompute each block in backward: the same numbers as CONFIG
+ACKPT_CONFIG = replace(CONFIG, activation_checkpointing=True)
+# expert capacity: 16 tokens x top-2 / 4 experts x 0.5 = 4 of a sequence's 32 assignments per expert
+# (about half dropped: 0.75 and 1.25 drift to ~1e-5 of the norm by step 5, rounding amplified)
+CAPACITY_CONFIG = replace(CONFIG, capacity_factor=0.5)
+# the options of the pretrained families, from scratch: OLMoE's whole-projection QK-norm (summed over
+# TP ranks) with Qwen2-MoE's q/k/v biases (cut with the rows) and shared expert, under sigmoid routing
+# without renormalisation; and Qwen3-MoE's per-head QK-norm with an explicit head_dim (init_std 0.1:
+# the norm divides by the rms of a 6-wide q, which at std 0.02 is so small that wq's grads amplify the
+# layouts' rounding ~5x a step, past rtol 1e-5 on the grad norm by step 5; the losses agree to 1e-7)
+FAMILY_CONFIGS = {
+    "qk_full": replace(
+        CONFIG, qk_norm="full", qkv_bias=True, shared_expert_dim=16, router_score="sigmoid",
+        router_norm_topk=False,
+    ),
+    "qk_head": replace(
+        CONFIG, qk_norm="head", attn_head_dim=6, router_norm_topk=False, init_std=0.1
+    ),
+}  # fmt: skip
+GLOBAL_BATCH = 8
+STEPS = 5
+SEED = 7
+MAX_NORM = 0.3  # small enough that clipping bites on every step (checked against the reference)
+
+
+def stage_model(
+    dims: ParallelDims, groups: ProcessGroups, config: ModelConfig, split: StageSplit | None = None
+) -> StageModel:
+    """This rank's stage of the model (its layers as ``split`` says), with the layout-free init
+    every layout starts from."""
+    model = StageModel(
+        config,
+        split=split,
+        pp_rank=dims.pp_rank,
+        pp=dims.pp,
+        ep_rank=dims.ep_rank,
+        ep=dims.ep,
+        ep_group=groups.ep,
+        tp_group=groups.tp,
+        cp_group=groups.cp,
+        sequence_group=groups.sequence,
+    )
+    model.init_weights(SEED)
+    return model
+
+
+def loss_fn_for(model: StageModel, dims: ParallelDims):
+    """The plain cross-entropy below for one vocabulary, our vocab-parallel one under TP (which the
+    comparison with the plain one then checks)."""
+    return model.token_loss_sum if dims.tp > 1 else token_loss_sum
+
+
+def record(model: StageModel, dims: ParallelDims) -> dict:
+    """What the comparison needs to know of this rank's slice of the model."""
+    expert, _ = split_expert_parameters(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    tp_dims = {names[i]: shard.dim for i, shard in tp_shards(model).items()}  # biases too
+    return {
+        "expert_names": {n for n, _ in expert},
+        "expert_range": model.expert_range,
+        "tp_dims": tp_dims,
+        "tp": (dims.tp, dims.tp_rank),
+        "coords": tuple(dims.coords(dims.rank).values()),
+    }
+
+
+def expected_slice(result: dict, name: str, full: torch.Tensor) -> torch.Tensor:
+    """The part of the single process's ``full`` tensor ``name`` that this rank must hold."""
+    start, end = result["expert_range"]
+    if name in result["expert_names"]:
+        return full[start:end]
+    if name in result["tp_dims"]:
+        return local_slice(full, result["tp_dims"][name], *result["tp"])
+    return full
+
+
+def token_loss_sum(logits_MSV: torch.Tensor, targets_MS: torch.Tensor) -> torch.Tensor:
+    """The objective TitanLM hands the engine, stated again here: summed token cross-entropy."""
+    return F.cross_entropy(logits_MSV.float().flatten(0, 1), targets_MS.flatten(), reduction="sum")
+
+
+def global_batch(step: int, config: ModelConfig = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, config.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train(
+    dims: ParallelDims,
+    groups: ProcessGroups,
+    schedule: str,
+    num_microbatches: int,
+    config: ModelConfig = CONFIG,
+    steps: int = STEPS,
+    bucket_cap_mb: float = 0.01,
+    paired_p2p: bool = False,
+    zero: int = 0,
+    split: StageSplit | None = None,
+) -> dict:
+    """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
+
+    ``paired_p2p`` runs the pipeline transport CUDA gets (each exchange posts its receive with its
+    send and waits for both) on gloo, so that CPU tests cover it too. ``zero`` shards the optimizer
+    state over the data-parallel groups; ``split`` cuts the layers over stages and chunks."""
+    torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
+    model = stage_model(dims, groups, config, split)
+    engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb, zero=zero)
+    if paired_p2p:
+        make_links = engine._links
+
+        def paired_links(stage_model, device):
+            links = make_links(stage_model, device)
+            links.early = False
+            return links
+
+        engine._links = paired_links
+    engine.broadcast_replicated()
+    rows_over_capacity = watch_rows(model, config, dims)
+    # Adam divides by sqrt(v) + eps: a grad element whose last bits differ (summation order differs
+    # between layouts) moves its weight by up to lr * (its rounding / eps), and 5 steps compound that.
+    # One process against itself (the whole batch against 2, 4 or 8 microbatches) drifted on an
+    # AVX-512 box to 1.0e-5 of the grad norm and 1.1e-5 in the weights with eps=1e-6 (the 8-layer
+    # model), past these tolerances before any layout added its own sums; with eps=1e-3 to 1.3e-6
+    # and 1.2e-7. The grads (~1e-3 an element after clipping) still get Adam's per-element scaling.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-3)
+    engine.shard_optimizers([optimizer])
+    b = GLOBAL_BATCH // dims.data_world
+    losses, auxes, norms, dropped = [], [], [], []
+    for step in range(steps):
+        inputs, targets = global_batch(step, config)
+        rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
+        step_loss = engine.forward_backward(
+            model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
+        )
+        norms.append(engine.finish_gradients(MAX_NORM).item())
+        engine.bind_shard_grads()
+        grad_bytes = held_grad_bytes(model, optimizer)  # the grads the step reads
+        optimizer.step()
+        engine.after_optimizer_step()
+        # after the step, before zero_grad: the larger of the two
+        grad_bytes = max(grad_bytes, held_grad_bytes(model, optimizer))
+        # what `titan bench` measures (and `titan plan` predicts): state bytes by part after the step
+        state = state_bytes(model, optimizer, zero2_grad_bytes(engine))
+        optimizer.zero_grad(set_to_none=True)
+        loss, aux = step_loss.loss.item(), step_loss.aux.item()
+        losses.append(loss)
+        auxes.append(aux)
+        dropped.append(step_loss.dropped.item())
+    # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
+    inputs, targets = global_batch(0, config)
+    rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
+    val = engine.forward_only(
+        model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
+    )
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    engine.remove()
+    moments = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+    return {
+        "loss": losses,
+        "aux": auxes,
+        "val_loss": val.loss.item(),
+        "norm": norms,
+        "dropped": dropped,
+        "rows_over_capacity": max(rows_over_capacity, default=0.0),
+        "weights": weights,
+        "biases": biases,
+        "state_numel": sum(v.numel() for v in moments),
+        "state": state,
+        "grad_bytes": grad_bytes,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        **record(model, dims),
+    }
+
+
+def watch_rows(model: StageModel, config: ModelConfig, dims: ParallelDims) -> list[float]:
+    """A list that each MoE forward appends to: the most rows one local expert received over the
+    most the capacity allows it (capacity x the microbatch's sequences x ep); empty when dropless."""
+    ratios: list[float] = []
+    if config.capacity_factor is None:
+        return ratios
+    limit = expert_capacity(config.capacity_factor, config.seq_len, config.top_k, config.n_experts)
+
+    def hook(layer: MoELayer, inputs: tuple, output: object) -> None:
+        sequences = inputs[0].shape[0]
+        ratios.append(max(layer.rows_per_local_expert) / (limit * sequences * dims.ep))
+
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.register_forward_hook(hook)
+    return ratios
+
+
+def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every distinct storage that a grad this rank holds lives in: the model's grads, the
+    optimizer's (ZeRO shards) and, as the shard grads are views into it, a storage counted once."""
+    tensors = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]]
+    storages = {}
+    for t in tensors:
+        if t.grad is not None:
+            storage = t.grad.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
+    """The single-process run: one rank, whole batch, one microbatch, no process group."""
+    dims = ParallelDims(1, 1, 1, 0)
+    return train(dims, ProcessGroups(None, None, None, None), "gpipe", 1, config, steps)
+
+
+def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
+    """Spawned: every case (layout (dp, pp, ep), (dp, pp, ep, tp) or (dp, pp, ep, tp, cp), schedule,
+    M[, config]) in turn, on the same ranks; a schedule named ``"<name>:paired"`` runs with
+    ``paired_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...), ``"<name>:v2"`` with two
+    chunks per rank, ``"<name>:layers=3-1"`` with ``stage_layers=[3, 1]``, ``"<name>:auto"`` with the
+    split probed on rank 0; ``config`` replaces CONFIG."""
+    out, cpu = [], torch.device("cpu")
+    for layout, schedule, m, *rest in cases:
+        config = rest[0] if rest else CONFIG
+        dims = ParallelDims(*layout[:3], rank, *layout[3:])
+        name, *options = schedule.split(":")
+        zero = next((int(o[-1]) for o in options if o.startswith("zero")), 0)
+        split = split_of(options, name)
+        if split.stage_layers == "auto":  # probed on rank 0, the same counts everywhere
+            microbatch = GLOBAL_BATCH // dims.data_world // m
+            counts, _ = auto_split.agree(config, dims.pp, split.virtual_stages, microbatch, cpu)
+            split = StageSplit(split.virtual_stages, counts, split.v_shape)
+        result = train(
+            dims, build_process_groups(dims), name, m, config,
+            paired_p2p="paired" in options, zero=zero, split=split,
+        )  # fmt: skip
+        result["split"] = split
+        out.append(result)
+    return out
+
+
+def split_of(options: list[str], schedule: str = "1f1b") -> StageSplit:
+    """``["v2", "layers=2-1-1-0"]`` -> StageSplit(2, (2, 1, 1, 0)); ``"auto"``: stage_layers="auto";
+    neither given: the even split. ``schedule="zbv"``: two chunks per rank in the V (as
+    ``TrainOptions.split`` builds it)."""
+    v_shape = schedule in V_SHAPED
+    v = next((int(o[1:]) for o in options if o[:1] == "v" and o[1:].isdigit()), 2 if v_shape else 1)
+    layers = next((o.split("=")[1] for o in options if o.startswith("layers=")), None)
+    if "auto" in options:
+        return StageSplit(v, "auto", v_shape)
+    counts = None if layers is None else tuple(int(n) for n in layers.split("-"))
+    return StageSplit(v, counts, v_shape)
+
+
+def assert_matches_reference(ref: dict, results: list[dict], label: str) -> None:
+    for r in results:
+        where = f"{label} rank coords {r['coords']}"
+        torch.testing.assert_close(
+            r["loss"], ref["loss"], rtol=1e-5, atol=0, msg=lambda m, w=where: f"{w} loss: {m}"
+        )
+        torch.testing.assert_close(
+            r["aux"], ref["aux"], rtol=1e-5, atol=1e-8, msg=lambda m, w=where: f"{w} aux: {m}"
+        )
+        torch.testing.assert_close(
+            r["norm"], ref["norm"], rtol=1e-5, atol=0, msg=lambda m, w=where: f"{w} norm: {m}"
+        )
+        torch.testing.assert_close(
+            r["val_loss"], ref["val_loss"], rtol=1e-5, atol=0,
+            msg=lambda m, w=where: f"{w} forward-only loss: {m}",
+        )  # fmt: skip
+        # the same assignments dropped (integer counts), and no expert got more rows than it may
+        assert r["dropped"] == ref["dropped"], (where, r["dropped"], ref["dropped"])
+        assert r["rows_over_capacity"] <= 1.0, (where, r["rows_over_capacity"])
+        for name, local in r["weights"].items():
+            expected = expected_slice(r, name, ref["weights"][name])
+            torch.testing.assert_close(
+                local, expected, rtol=0, atol=1e-5, msg=lambda m, w=f"{where} {name}": f"{w}: {m}"
+            )
+        # the expert bias moves by integer loads: equal on every rank, bit for bit
+        for name, bias in r["biases"].items():
+            assert torch.equal(bias, ref["biases"][name]), (where, name, bias, ref["biases"][name])
+    # every parameter (and expert bias) of the full model is held by some rank of the layout
+    biases = set().union(*(r["biases"] for r in results))
+    assert biases == set(ref["biases"]), f"{label}: biases nobody holds: {ref['biases'].keys()}"
+    held = set().union(*(r["weights"] for r in results))
+    assert held == set(ref["weights"]), (
+        f"{label}: parameters nobody holds: {set(ref['weights']) - held}"
+    )
+
+
+def config_dict() -> dict:
+    return asdict(CONFIG)
+
+
+def grads_of_one_step(
+    dims: ParallelDims,
+    groups: ProcessGroups,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    num_microbatches: int,
+    max_norms: tuple[float | None, ...],
+    schedule: str = "1f1b",
+) -> dict:
+    """This rank's reduced gradients of one forward/backward on its rows of the global batch, once per
+    ``max_norms`` entry (None = no clipping): {"grads": [{name: local grad}], "norm": [pre-clip norm],
+    "loss"/"aux": global means, "expert_names", "expert_range", "coords"}."""
+    model = stage_model(dims, groups, CONFIG)
+    engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=0.01)
+    engine.broadcast_replicated()
+    b = inputs.shape[0] // dims.data_world
+    rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
+    out = {"grads": [], "norm": []}
+    for max_norm in max_norms:
+        step = engine.forward_backward(
+            model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
+        )
+        out["norm"].append(engine.finish_gradients(max_norm).item())
+        out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    out["loss"], out["aux"] = step.loss.item(), step.aux.item()
+    engine.remove()
+    out.update(record(model, dims))
+    return out
+
+
+def full_initial_weights(config: ModelConfig = CONFIG) -> dict[str, torch.Tensor]:
+    """The whole model's initial weights under global names (one process, ``init_weights(SEED)``)."""
+    model = StageModel(config)
+    model.init_weights(SEED)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

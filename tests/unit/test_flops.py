@@ -1,0 +1,112 @@
+"""Model FLOPs (lightning_titan/model/flops.py): the formula against torch's FlopCounterMode on one
+training step of the whole model, and the peak it is a share of."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_titan.model import flops
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.moe.experts import GroupedExperts
+
+CONFIGS = {
+    "default": ModelConfig(),
+    "gqa, top-1 of 4, longer": ModelConfig(
+        d_model=48, n_heads=6, n_kv_heads=2, ffn_dim=80, n_experts=4, top_k=1, seq_len=96
+    ),
+    "many experts, top-4": ModelConfig(
+        d_model=32, n_layers=2, n_heads=2, ffn_dim=24, n_experts=16, top_k=4, seq_len=32
+    ),
+}
+
+
+def counted_step_flops(config: ModelConfig, batch: int) -> int:
+    """FlopCounterMode's count of one forward + backward of ``batch`` sequences."""
+    model = StageModel(config)
+    model.init_weights(0)
+    for m in model.modules():  # FlopCounterMode counts mm, not torch._grouped_mm
+        if isinstance(m, GroupedExperts):
+            m.grouped_mm = False
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=g)
+    # the math backend: FlopCounterMode has no formula for the fused CPU attention kernel, and the
+    # math one runs the same two matmuls as bmm, which it counts
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits, aux = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + aux.mean()
+        loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_step_flops_within_2_percent_of_flop_counter(name):
+    config, batch = CONFIGS[name], 3
+    expected = counted_step_flops(config, batch)
+    formula = flops.step_flops(config, batch * config.seq_len)
+    assert formula == pytest.approx(expected, rel=0.02), (name, formula, expected)
+
+
+def test_formula_terms_scale_as_they_should():
+    base = ModelConfig()
+    # the LM head is counted once per token, not per layer; the attention grows with S
+    one_layer = flops.forward_flops_per_token(ModelConfig(n_layers=1))
+    two_layers = flops.forward_flops_per_token(ModelConfig(n_layers=2))
+    assert two_layers - one_layer == one_layer - 2 * base.d_model * base.vocab_size
+    assert flops.training_flops_per_token(base) == 3 * flops.forward_flops_per_token(base)
+
+
+def test_peak_is_a_probe_on_cpu_and_the_catalogue_on_a_known_gpu(monkeypatch):
+    cpu = torch.device("cpu")
+    peak, source = flops.device_peak(cpu)
+    assert peak > 1e8 and "matmul probe" in source
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert flops.catalogue_peak(torch.device("cuda", 0)) == 756e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert flops.catalogue_peak(torch.device("cuda", 0)) == 989e12
+    assert flops.catalogue_peak(cpu) is None
+
+
+def test_titanlm_logs_flops_mfu_and_the_dropped_assignments(tmp_path):
+    """Through Trainer + TitanStrategy on one rank (in process); the multi-rank runs of test_cli
+    check that every layout logs the same keys."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_titan import TitanLM, TitanStrategy
+
+    config = ModelConfig(d_model=32, n_layers=2, n_heads=2, ffn_dim=32, n_experts=4, seq_len=16,
+                         capacity_factor=0.5)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (8, config.seq_len + 1), generator=g)
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=TitanStrategy(), max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    module = TitanLM(config, warmup_steps=0)
+    environ = dict(os.environ)
+    try:
+        trainer.fit(module, loader)
+    finally:  # the fit leaves a process group and its address behind; later spawns need neither
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    per_token = metrics["flops_per_sec"] / metrics["tokens_per_sec"]
+    assert per_token == pytest.approx(flops.training_flops_per_token(config), rel=1e-6)
+    assert 0 < metrics["mfu"] < 1.5  # a share of this box's probed peak (a busy box may wobble)
+    assert metrics["mfu"] == pytest.approx(metrics["flops_per_sec"] / module.peak_flops_total)
+    assignments = 4 * config.seq_len * config.top_k * config.n_layers
+    assert 0 < metrics["dropped_assignments"] < assignments
+    assert metrics["dropped_fraction"] == pytest.approx(
+        metrics["dropped_assignments"] / assignments
+    )
