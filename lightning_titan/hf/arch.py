@@ -1,6 +1,6 @@
 """The Hugging Face MoE families we load and export: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
-Each is our decoder with some ModelConfig options on (model_options.py). ``architecture_of`` reads the
+Each is our decoder with some ModelConfig options on (model/config.py). ``architecture_of`` reads the
 family off those options, so a model loaded from a folder exports as the family it came from and a
 model trained from scratch exports as the one family that holds its options (or an error says none
 does). Per family: the tensor names, the config.json keys of our fields, and what is refused.

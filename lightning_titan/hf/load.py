@@ -1,4 +1,4 @@
-"""Start from a pretrained Hugging Face MoE folder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; hf_arch.py):
+"""Start from a pretrained Hugging Face MoE folder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; hf/arch.py):
 its config becomes our ModelConfig, and each rank reads only its own stage's tensors and its own
 experts, memory-mapped from the safetensors files.
 

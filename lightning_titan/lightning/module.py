@@ -198,20 +198,23 @@ class TitanLM(L.LightningModule):
         )  # fmt: skip
         # 2. wait for the reducers, stop (or skip) on a non-finite loss or norm, clip by the norm
         #    composed across stages and expert shards; the numbers come back in one host read
-        grad_norm, loss, aux, dropped = strategy.finish_gradients(step.loss, step.aux, step.dropped)
-        # 3. the update (the strategy's optimizer_step then runs engine.after_optimizer_step: ZeRO
-        #    shards gathered, the routers' expert bias moved by the step's global expert loads)
+        stats = strategy.finish_gradients(step)
+        # 3. the update, then what follows it: under zero>0 each rank updated its own rows of the
+        #    parameters, which every rank then gathers; the routers' expert biases move by the
+        #    step's global expert loads (not on a skipped step)
         optimizer = cast(LightningOptimizer, self.optimizers())  # TitanLM has one
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        strategy.engine.gather_params()
+        strategy.engine.update_router_bias(skip=not stats.finite)
         cast(LRScheduler, self.lr_schedulers()).step()
 
         tokens = inputs.numel() * strategy.parallel_dims.data_world
         # the same keys on every rank, values already global: the loggers live on rank 0, the loss
         # on the last stage
-        self.log("train_loss", loss, prog_bar=True)
-        self.log("aux_loss", aux)
-        self.log("grad_norm", grad_norm)
+        self.log("train_loss", stats.loss, prog_bar=True)
+        self.log("aux_loss", stats.aux)
+        self.log("grad_norm", stats.grad_norm)
         self.log("lr", optimizer.param_groups[0]["lr"])
         seconds = time.perf_counter() - start
         self.log("tokens_per_sec", tokens / seconds, prog_bar=True)
@@ -220,8 +223,8 @@ class TitanLM(L.LightningModule):
         self.log("mfu", achieved / self.peak_flops_total if self.peak_flops_total else 0.0)
         if self.config.capacity_factor is not None:  # the config is the same on every rank
             assignments = tokens * self.config.top_k * self.config.n_layers
-            self.log("dropped_assignments", dropped)  # over capacity, summed over the layers
-            self.log("dropped_fraction", dropped / assignments)
+            self.log("dropped_assignments", stats.dropped)  # over capacity, summed over layers
+            self.log("dropped_fraction", stats.dropped / assignments)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         inputs, targets = batch

@@ -41,7 +41,7 @@ from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
 from lightning_titan.runtime.agreement import SetupPhase
 from lightning_titan.runtime.launch import cpu_threads_per_rank, rank_store
-from lightning_titan.train.engine import Engine
+from lightning_titan.train.engine import Engine, GradStats, StepLoss
 from lightning_titan.train.options import TrainOptions, check_precision, preflight
 
 
@@ -293,40 +293,47 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         self._grads_pending = True
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def finish_gradients(self, loss: Tensor | None = None, *metrics: Tensor) -> list[float]:
+    def finish_gradients(self, step: StepLoss | None = None) -> GradStats:
         """Wait for the reducers, check for non-finite values, clip by the composed global norm.
 
-        Returns ``[pre-clip norm, loss, *metrics]`` as floats, read in one host sync with the ranks'
-        agreement on a SIGTERM (``preemption``). A non-finite norm or ``loss`` (the step's global loss,
-        the same on every rank) raises FloatingPointError on every rank, or with
-        ``on_nonfinite="skip"`` drops every gradient so that the optimizer step changes nothing."""
+        ``step``: the step's global loss (``engine.forward_backward``), read with the norm and the
+        ranks' agreement on a SIGTERM (``preemption``) in one host sync. A non-finite norm or loss
+        raises FloatingPointError on every rank, or with ``on_nonfinite="skip"`` drops every gradient
+        so that the optimizer step changes nothing (``GradStats.finite`` is then False)."""
         stop = preemption.start_agreement(self.root_device)  # on SIGTERM, over the world
         norm = self.engine.finish_gradients(self.options.gradient_clip_norm)
         self._grads_pending = False
         module, action = self.lightning_module, self.options.on_nonfinite
-        tensors = [norm, stop()] if loss is None else [norm, loss, *metrics, stop()]
-        *values, stopping = torch.stack([t.double() for t in tensors]).tolist()  # one host read
+        given = [] if step is None else [step.loss, step.aux, step.dropped]
+        *values, stopping = torch.stack([t.double() for t in [norm, *given, stop()]]).tolist()
         self.decide(stopping)
-        step = module.trainer.global_step
-        finite = check_finite(module, self.parallel_dims, step, values[:2], action)
+        finite = check_finite(
+            module, self.parallel_dims, module.trainer.global_step, values[:2], action
+        )
         self.skipped_steps += not finite
         self.engine.bind_shard_grads(drop=not finite)  # zero>0: after the clip and the skip
-        return values
+        return GradStats(values[0], finite, *values[1:])
 
     @override
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        if self.lightning_module.automatic_optimization:
-            # drop-in for DDP: Lightning's closure runs the backward, then the gradients are finished
-            def closure_then_finish(user_closure: Callable[[], Any] = closure) -> Any:
-                return (user_closure(), self.finish_gradients())[0]  # the closure's result
+        if not self.lightning_module.automatic_optimization:
+            # the module's training_step finishes the grads before and does the post-step work
+            # after (TitanLM.training_step shows the order)
+            if self._grads_pending:
+                raise unreduced_step_error()
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # drop-in for DDP: Lightning's loop owns the step, so the strategy does what TitanLM names
+        stats: list[GradStats] = []
 
-            closure = closure_then_finish
-        elif self._grads_pending:
-            raise unreduced_step_error()
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.engine.after_optimizer_step()  # zero>0: the updated shards to every rank; expert bias
+        def closure_then_finish(user_closure: Callable[[], Any] = closure) -> Any:
+            output = user_closure()  # the backward
+            stats.append(self.finish_gradients())
+            return output
+
+        output = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+        self.engine.after_optimizer_step(skip=not stats[-1].finite)  # ZeRO gather, expert bias
         return output
 
     @override

@@ -107,7 +107,7 @@ class Attention(nn.Module):
 
     def __init__(
         self,
-        config,  # ModelConfig (not imported: model.py imports this module)
+        config,  # ModelConfig (not imported: model/decoder.py imports this module)
         tp_group: ProcessGroup | None = None,
         cp_group: ProcessGroup | None = None,
     ) -> None:

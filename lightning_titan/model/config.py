@@ -30,14 +30,14 @@ class ModelConfig:
     norm_eps: float = 1e-5
     aux_loss_coef: float = 0.01  # load-balancing loss coefficient, 0 = off
     z_loss_coef: float = 0.0  # router z-loss coefficient, 0 = off
-    # aux-loss-free balancing (DeepSeek-V3, moe/balance.py): a per-expert bias on the scores that
+    # aux-loss-free balancing (DeepSeek-V3, model/moe/balance.py): a per-expert bias on the scores that
     # pick the top-K (not on the combine weights); works with the aux loss on or off
     router_bias_update_rate: float = 0.0  # expert-bias step per optimizer step, e.g. 1e-3; 0 = off
     init_std: float = 0.02
     activation_checkpointing: bool = False  # recompute each block in backward
-    # expert capacity (moe/capacity.py): the assignments over it are dropped (the residual passes)
+    # expert capacity (model/moe/capacity.py): the assignments over it are dropped (the residual passes)
     capacity_factor: float | None = None  # <= floor(factor*S*K/E) per sequence; None: dropless
-    # options of pretrained MoE families (model_options.py; hf_arch.py maps them to Hugging Face)
+    # options of pretrained MoE families (model/config.py; hf/arch.py maps them to Hugging Face)
     attn_head_dim: int | None = None  # None = d_model / n_heads; Qwen3-MoE sets it apart
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2-MoE)
     qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3-MoE); "full": whole q/k (OLMoE)

@@ -6,8 +6,8 @@ Under tensor parallelism (``tensor_parallel``) a rank also holds only its heads 
 multiple of tp); ``tensor_parallel.TP_SHARD`` on a module says which dim of its ``weight`` is cut.
 
 Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))`` (+ a shared expert, Qwen2-MoE). The
-options of the pretrained families (attention.py, model_options.py) make it Mixtral, Qwen2-MoE,
-Qwen3-MoE or OLMoE; names map to theirs (``hf_arch.py``) and logits match transformers' models.
+options of the pretrained families (model/attention.py, model/config.py) make it Mixtral, Qwen2-MoE,
+Qwen3-MoE or OLMoE; names map to theirs (``hf/arch.py``) and logits match transformers' models.
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def dispatch(
 
     Returns the local experts' input rows, local-expert-major, and the plan for ``combine``.
     Expert ``e`` lives on EP rank ``e // (n_experts // ep)``. ``keep`` [T, K] bool (capacity,
-    ``moe/capacity.py``): only those assignments are sent; ``tokens_per_expert`` counts them.
+    ``model/moe/capacity.py``): only those assignments are sent; ``tokens_per_expert`` counts them.
     """
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)

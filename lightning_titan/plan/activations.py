@@ -11,7 +11,7 @@ scores, not scaled, are a rounding error). Then, in microbatches held at the pea
     zb_h1: min(M, pp) (a forward's activations live until its W, which every stage defers)
     zbv: pp on every rank once the V is full (M >= 2 pp - 1), the replayed order before
 
-(each the count of live microbatches in the schedule's own order, ``pipeline/theory.py``: a test
+(each the count of live microbatches in the schedule's own order, ``parallel/pipeline/theory.py``: a test
 holds them equal). Under zbv the embedding, head and loss are on rank 0, the V's turn.
 
 Activation checkpointing keeps only each block's input (``m * S * D`` floats) and, during one block's

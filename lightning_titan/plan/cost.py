@@ -1,7 +1,7 @@
 """Predicted step time of a layout, term by term: compute, the pipeline bubble, and each kind of
 communication, so a reader sees why one layout wins.
 
-- **compute**: the model's matmul FLOPs (``flops.py``) a rank does (its stage's layers, its share of
+- **compute**: the model's matmul FLOPs (``model/flops.py``) a rank does (its stage's layers, its share of
   the tokens: ``b*S/(tp*cp)``; x4/3 under activation checkpointing) at the device's throughput,
   plus a fixed cost per block pass (launches; it is what a small model pays on a CPU), more when the
   schedule splits the backward into B and W (``Device.split_s``);
@@ -66,7 +66,7 @@ class StepCost:
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
     """The idle share of a step with equal stages (docs/choosing_a_layout.md): the closed form once
-    the pipeline fills, the replay of the schedule's own order (``pipeline/theory.py``) before; a test
+    the pipeline fills, the replay of the schedule's own order (``parallel/pipeline/theory.py``) before; a test
     holds the two equal wherever the closed form is used."""
     m = microbatches
     fill = (pp - 1) / virtual_stages

@@ -89,7 +89,7 @@ def pass_seconds(n_experts: int, top_k: int, repeats: int = 5) -> tuple[float, f
     """Best times, per block, of a forward + backward on a tiny input (1 sequence of 8 tokens): the
     fixed cost a block pays per microbatch whatever its size (a small model with the same experts);
     and how much more the same pass costs with its backward split into B and W
-    (``pipeline/backward_split.py``, what zb_h1 and zbv run) on a stage that takes hidden states."""
+    (``parallel/pipeline/backward_split.py``, what zb_h1 and zbv run) on a stage that takes hidden states."""
     from lightning_titan.model.decoder import ModelConfig, StageModel
     from lightning_titan.parallel.pipeline import backward_split
 

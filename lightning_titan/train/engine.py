@@ -12,6 +12,7 @@ engine.after_optimizer_step()  # zero>0: gather the updated shards; the routers'
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,18 @@ class StepLoss:
     aux: Tensor  # mean per-sequence aux loss (router balance + z), summed over stages
     # assignments over an expert's capacity in the step, all layers and data ranks (0 when dropless)
     dropped: Tensor
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """What finishing a step's gradients found (``TitanStrategy.finish_gradients``): global values,
+    the same on every rank, read from the device in the step's one host sync."""
+
+    grad_norm: float  # before clipping, composed over every axis
+    finite: bool  # False: on_nonfinite="skip" dropped every grad, and the update changes nothing
+    loss: float = math.nan  # the step's StepLoss, where one was given
+    aux: float = math.nan
+    dropped: float = 0.0
 
 
 class Engine:
@@ -109,7 +122,7 @@ class Engine:
             reducer_over(params, getattr(groups, kind)) for kind, params in by_ranks.values()
         ]
         self._reducer_kinds = [kind for kind, _ in by_ranks.values()]
-        # the norm counts a copy on the first rank of the axes it is copied over (clipping.py)
+        # the norm counts a copy on the first rank of the axes it is copied over (parallel/dp/clipping.py)
         coords = dims.coords(dims.rank)
         self.norm_params = [
             p for _, p, kind in kinds if all(coords[axis] == 0 for axis in COPIED_OVER[kind])
@@ -119,7 +132,7 @@ class Engine:
         self.capacity_layers = [  # MoE layers that can drop assignments: their counts to sum
             m for m in module.modules() if isinstance(m, MoELayer) and m.capacity_factor is not None
         ]
-        self._step_dropped = False  # the step's update is dropped (non-finite): so is the bias's
+        self._gather_due = False  # zero>0: an optimizer step updated only this rank's rows
         if zero and not self.zero_groups:
             warnings.warn(
                 f"zero={zero} changes nothing here: this layout (dp={dims.dp}, ep={dims.ep}) has no "
@@ -161,6 +174,7 @@ class Engine:
     ) -> StepLoss:
         """One step's forward and backward over ``num_microbatches`` with the schedule; grads are reduced
         during the last backward (overlapped), finished by ``finish_gradients``."""
+        self._check_whole()
         self.set_grad_sync(False)
         stage = PipelineStage(
             stage_model, self.dims, self._links(stage_model, inputs.device), inputs, targets,
@@ -186,11 +200,20 @@ class Engine:
         num_microbatches: int,
         loss_fn: LossFn,
     ) -> StepLoss:
+        self._check_whole()
         links = self._links(stage_model, inputs.device)
         stage = PipelineStage(
             stage_model, self.dims, links, inputs, targets, num_microbatches, loss_fn
         )
         return self._global_means(stage.run(None), inputs.shape[0])
+
+    def _check_whole(self) -> None:
+        if self._gather_due:  # a silent divergence otherwise: each rank trains its own rows only
+            raise RuntimeError(
+                "the parameters are not whole: under zero>0 an optimizer step updates each rank's "
+                "own rows; call strategy.engine.gather_params() after optimizer.step() (as "
+                "TitanLM.training_step does)"
+            )
 
     def _links(self, stage_model: StageModel, device: torch.device) -> StageLinks:
         dtype = next(stage_model.parameters()).dtype
@@ -224,27 +247,28 @@ class Engine:
     def bind_shard_grads(self, drop: bool = False) -> None:
         """Under zero>0, just before the optimizer step: the shards' reduced grads (None: ``drop``, a
         skipped step)."""
-        self._step_dropped = drop
+        self._gather_due = bool(self.zero_groups)
         for g in self.zero_groups:
             g.bind_grads(drop)
 
     def gather_params(self) -> None:
         """Under zero>0, just after the optimizer step: every rank's parameters whole again."""
+        self._gather_due = False
         for g in self.zero_groups:
             g.gather()
 
-    def update_router_bias(self) -> None:
+    def update_router_bias(self, skip: bool = False) -> None:
         """Just after the optimizer step: move the MoE layers' expert biases by the step's global
-        expert loads (one all-reduce over the stage's ``sequence_dp`` ranks; ``moe/balance.py``)."""
-        balance.update_expert_bias(
-            self.balanced_layers, self.groups.sequence_dp, skip=self._step_dropped
-        )
-        self._step_dropped = False
+        expert loads (one all-reduce over the stage's ``sequence_dp`` ranks; ``model/moe/balance.py``).
+        ``skip``: the step's update was dropped (non-finite), so the bias stays too; every rank of the
+        group passes the same (it decides whether there is an all-reduce)."""
+        balance.update_expert_bias(self.balanced_layers, self.groups.sequence_dp, skip=skip)
 
-    def after_optimizer_step(self) -> None:
-        """What follows every optimizer step: ``gather_params`` then ``update_router_bias``."""
+    def after_optimizer_step(self, skip: bool = False) -> None:
+        """``gather_params`` then ``update_router_bias(skip)``: for loops that do not name them (the
+        engine-level harnesses, Lightning's automatic optimization)."""
         self.gather_params()
-        self.update_router_bias()
+        self.update_router_bias(skip)
 
     def _global_means(
         self, sums: StepSums, local_sequences: int, dropped: Tensor | None = None

@@ -155,7 +155,7 @@ def test_bubble_is_the_schedule_formula(pp, m):
 def test_bubble_and_held_activations_are_the_schedules_own_order():
     """For every schedule the planner offers, over P in {2, 3, 4} and every M the schedule takes, the
     predicted bubble and live microbatches per stage equal the replay of the schedule functions' own
-    order (pipeline/theory.py): the closed forms where the pipeline fills, the replay before."""
+    order (parallel/pipeline/theory.py): the closed forms where the pipeline fills, the replay before."""
     for schedule in SCHEDULES:
         v = 2 if schedule in {**CHUNKED, **V_SHAPED} else 1
         for pp in (2, 3, 4):

@@ -969,10 +969,10 @@ def test_a_taken_master_port_is_named_before_any_rank_starts(tmp_path):
     assert job.seconds - job.launcher_s < 10, f"{job.seconds - job.launcher_s:.1f} s"
 
 
-# orphans.py is standard library only: loaded by path, without the package (and torch), in a second
+# runtime/orphans.py is standard library only: loaded by path, without the package (and torch), in a second
 _LOAD_ORPHANS = f"""
 import importlib.util
-spec = importlib.util.spec_from_file_location("orphans", {str(ROOT / "lightning_titan" / "orphans.py")!r})
+spec = importlib.util.spec_from_file_location("orphans", {str(ROOT / "lightning_titan" / "runtime/orphans.py")!r})
 orphans = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(orphans)
 """

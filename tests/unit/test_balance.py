@@ -1,4 +1,4 @@
-"""Aux-loss-free balancing (moe/balance.py): the expert bias picks the experts but does not weigh
+"""Aux-loss-free balancing (model/moe/balance.py): the expert bias picks the experts but does not weigh
 them, moves by the sign of the step's load against the mean, and counts each training token once.
 
 Across layouts (the counts summed over data, expert, context and tensor ranks) the equivalence suite
@@ -105,7 +105,7 @@ def test_skipped_step_keeps_the_bias():
     ids = torch.randint(0, 257, (2, 8), generator=torch.Generator().manual_seed(2))
     model(ids)[0].sum().backward()
     engine.bind_shard_grads(drop=True)  # a non-finite step: its update is dropped
-    engine.after_optimizer_step()
+    engine.after_optimizer_step(skip=True)
     for layer in engine.balanced_layers:
         assert layer.expert_bias.abs().sum() == 0 and layer.step_tokens_per_expert.sum() == 0
     model(ids)[0].sum().backward()

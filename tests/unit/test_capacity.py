@@ -1,4 +1,4 @@
-"""Expert capacity (moe/capacity.py): per sequence, first choices before second ones, in position
+"""Expert capacity (model/moe/capacity.py): per sequence, first choices before second ones, in position
 order; dropped assignments are not dispatched and add nothing; bad factors fail at config time.
 
 Across layouts (the queue counted over a sequence's CP and TP ranks) the equivalence suite checks

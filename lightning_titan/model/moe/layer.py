@@ -20,13 +20,13 @@ class MoELayer(nn.Module):
     ``sequence_group``: the TP group under sequence parallelism, whose ranks hold the other slices of
     the sequences this rank routes (for the per-sequence aux losses).
 
-    ``bias_update_rate`` > 0 turns on aux-loss-free balancing (``moe/balance.py``): a persistent
+    ``bias_update_rate`` > 0 turns on aux-loss-free balancing (``model/moe/balance.py``): a persistent
     ``expert_bias`` [E] fp32 steers the top-K choice, and ``step_tokens_per_expert`` [E] sums this
     rank's assignments over the training forwards of a step (not the recompute of activation
     checkpointing) until ``balance.update_expert_bias`` spends them.
 
     ``capacity_factor`` (None: dropless) caps each expert at ``floor(factor * S * K / E)`` of a
-    sequence's assignments and drops the rest (``moe/capacity.py``); ``sequence_split`` = (cp, tp)
+    sequence's assignments and drops the rest (``model/moe/capacity.py``); ``sequence_split`` = (cp, tp)
     says how ``sequence_group`` cuts each sequence. The counts above are the router's selections,
     before the drops; ``step_dropped`` sums the dropped assignments of a step's training forwards
     (the engine spends it) and ``rows_per_local_expert`` holds the last forward's received rows.
@@ -75,7 +75,7 @@ class MoELayer(nn.Module):
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.router_score, self.norm_topk = router_score, norm_topk  # moe/router.py
+        self.router_score, self.norm_topk = router_score, norm_topk  # model/moe/router.py
         self.experts = GroupedExperts(d_model, ffn_dim, expert_range)
         self.register_buffer(
             "tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False

@@ -8,7 +8,7 @@ the sequence's, so the TP ranks' values sum to one process's.
 
 Aux-loss-free balancing (DeepSeek-V3): a per-expert ``selection_bias`` shifts the scores that pick
 the top-K experts only; the combine weights stay the unbiased probabilities of the chosen experts,
-so the bias steers the load without entering the output or the gradient (``moe/balance.py``).
+so the bias steers the load without entering the output or the gradient (``model/moe/balance.py``).
 
 Score functions (``ModelConfig.router_score``): ``softmax`` over the E logits (Mixtral, Qwen-MoE,
 OLMoE) or an independent ``sigmoid`` per expert (DeepSeek-V3). ``norm_topk`` rescales the K chosen

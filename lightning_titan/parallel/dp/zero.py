@@ -17,7 +17,7 @@ gather 65 -> 39 ms per rank once the buffer was kept, after 94 -> 65 from gloo's
 
 Grads are all-reduced in full as before (ZeRO-1), so the clipping norm is computed as without ZeRO;
 the shard grads are views of the reduced grads, bound just before the optimizer step, after any
-clipping or non-finite skip has acted on the full grads. Under ZeRO-2 (``zero_grads.py``) the
+clipping or non-finite skip has acted on the full grads. Under ZeRO-2 (``parallel/dp/zero_grads.py``) the
 reducer reduce-scatters straight into these rows instead and the full grads never come back.
 
 Checkpoints stay layout-free: a shard's state is saved as a ``DTensor`` over the group's mesh (its
@@ -145,7 +145,7 @@ class ZeroGroup:
         """The kept buffer of ``like``'s dtype (and device), grown to at least ``numel`` elements; every
         gather bucket of that dtype is bound to its start. ZeRO-2's reducer borrows it too, for a
         bucket's reduce-scatter input: it is idle from the end of one gather to the start of the next,
-        and a fresh buffer of that size is fresh pages on CPU every step (``zero_grads.py``)."""
+        and a fresh buffer of that size is fresh pages on CPU every step (``parallel/dp/zero_grads.py``)."""
         kept = self.kept.get(like.dtype)
         if kept is None or kept.numel() < numel:
             kept = self.kept[like.dtype] = like.new_empty(numel)

@@ -1,11 +1,11 @@
-"""ZeRO-2: the bucketed reducer reduce-scatters grads into the ZeRO-1 row shards (``zero.py``).
+"""ZeRO-2: the bucketed reducer reduce-scatters grads into the ZeRO-1 row shards (``parallel/dp/zero.py``).
 
 Each bucket's flat buffer is rank-major: slot ``q`` holds rank ``q``'s rows of every parameter of the
 bucket (padded to the largest rank's rows, ``ZeroShard.chunk_numel``), a whole copy of a parameter
 with nothing to cut (a scalar), and the flags GradReducer's all-reduce carries (one "has a grad" per
 parameter, then "all its hooks fired" and "launched from a hook"), written into every slot. One
 reduce-scatter per bucket then leaves each rank its own slot: its rows of the summed grads and the
-flags summed over the group, as the all-reduce would have. The launch-order rule (reducer.py's module
+flags summed over the group, as the all-reduce would have. The launch-order rule (parallel/dp/reducer.py's module
 doc) is GradReducer's, unchanged: only what a bucket holds and which collective it runs differ.
 
 Memory. A hook copies its parameter's grad into the bucket and drops it (``p.grad = None``). A

@@ -107,7 +107,7 @@ def forward_only(stage: Any, num_microbatches: int) -> None:
 CHUNKED: dict[str, Callable[[Any, int], None]] = {"interleaved_1f1b": interleaved_1f1b}
 # two chunks per rank in a V (rank r: virtual stages r and 2P-1-r); their stage interface is zbv.py's
 V_SHAPED: dict[str, Callable[[Any, int], None]] = {"zbv": zbv}
-# the schedules whose backward is B then W (pipeline/backward_split.py)
+# the schedules whose backward is B then W (parallel/pipeline/backward_split.py)
 SPLIT_BACKWARD = ("zb_h1", *V_SHAPED)
 SCHEDULES: dict[str, Callable[[Any, int], None]] = {
     "gpipe": gpipe,

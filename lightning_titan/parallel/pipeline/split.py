@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-AUTO = "auto"  # stage_layers chosen from measured costs (pipeline/auto_split.py)
+AUTO = "auto"  # stage_layers chosen from measured costs (train/auto_split.py)
 
 
 def _positive_int(value: object) -> bool:

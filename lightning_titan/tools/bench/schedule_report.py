@@ -1,7 +1,7 @@
 """``titan bench --schedules``: each schedule's bubble and activation memory against its theory, and
 its step time against torch.distributed.pipelining's schedule over the same stage modules.
 
-The theories come from the schedule functions themselves (``pipeline/theory.py``, which the planner
+The theories come from the schedule functions themselves (``parallel/pipeline/theory.py``, which the planner
 uses too): the order each rank runs its work in, replayed with ideal durations, gives the bubble, and
 counting what each forward saves until its backward frees it gives the peak of live activations.
 """

@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--note", default="", help="free text for the machine line (e.g. 'shared box')")
     p.add_argument(
         "--routing", action="store_true",
-        help="run only the one-process routing benchmarks (bench/routing.py) into routing.md/json",
+        help="run only the one-process routing benchmarks (tools/bench/routing.py) into routing.md/json",
     )  # fmt: skip
     p.add_argument("--mfu-d-models", type=int, nargs="+", default=[64, 256, 512])
     p.add_argument("--balance-steps", type=int, default=200)
