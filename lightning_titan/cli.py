@@ -47,22 +47,28 @@ def quiet_known_noise() -> None:
     """Silence the warnings a titan user can do nothing about, each by its exact text and category."""
     # Lightning 2.6's CombinedLoader builds torch's LeafSpec(), which torch 2.13 deprecates (once per rank)
     warnings.filterwarnings(
-        "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
+        "ignore",
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        FutureWarning,
         module=r"lightning\.pytorch\.utilities\._pytree",
-    )  # fmt: skip
+    )
     # under manual optimization ModelCheckpoint asks for a copy of the weights from before
     # optimizer.step(); ours are rightly the weights after step N, which a resume at step N continues
     warnings.filterwarnings(
-        "ignore", r"Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
-        r"pre-optimization state was saved", UserWarning,
-    )  # fmt: skip
+        "ignore",
+        r"Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
+        r"pre-optimization state was saved",
+        UserWarning,
+    )
     # TitanLM's epoch-level values are global by construction (every rank logs the same all-reduced
     # mean): a sync_dist mean would only cost a collective. Only these keys: others still warn.
     warnings.filterwarnings(
-        "ignore", r"It is recommended to use `self.log\('(val|test)_(loss|perplexity)', \.\.\., "
-        r"sync_dist=True\)`", PossibleUserWarning,
+        "ignore",
+        r"It is recommended to use `self.log\('(val|test)_(loss|perplexity)', \.\.\., "
+        r"sync_dist=True\)`",
+        PossibleUserWarning,
         module=r"lightning\.pytorch\.trainer\.connectors\.logger_connector",
-    )  # fmt: skip
+    )
 
 
 def one_seed(seed: bool | int) -> int:

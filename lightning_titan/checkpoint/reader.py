@@ -173,8 +173,9 @@ def check_config(
         if saved.get(k) != current.get(k):
             diffs.append(k)
     if diffs:
-        shown = "; ".join(f"checkpoint has {k}={saved.get(k)!r}, model has {current.get(k)!r}"
-                          for k in diffs)  # fmt: skip
+        shown = "; ".join(
+            f"checkpoint has {k}={saved.get(k)!r}, model has {current.get(k)!r}" for k in diffs
+        )
         raise ValueError(
             # the same opening as a shape mismatch: ranks whose shapes fit report this one instead
             f"checkpoint {path} does not fit this model: {shown}. Build the model "
@@ -199,7 +200,9 @@ def check_entries(entries: Mapping[str, Any], metadata: Metadata) -> list[str]:
     return problems
 
 
-def mismatch(path: Path, saved_config: dict | None, model: nn.Module, problems: list[str]):
+def mismatch(
+    path: Path, saved_config: dict | None, model: nn.Module, problems: list[str]
+) -> ValueError:
     """A ValueError that leads with the differing config fields, then the first few key problems."""
     current = model_config(model)
     diffs = []

@@ -237,6 +237,7 @@ def load_sharded(
         union = 0
         for mask in _agree(error, plan.covered if plan else 0):
             union |= mask
+        assert plan is not None  # else this rank had an error, which _agree raised
         # Keys no rank loads mean the model is smaller than the checkpoint (fewer layers, experts).
         unused = [k[len(keys.MODEL) :] for i, k in enumerate(plan.model_keys) if not union >> i & 1]
         if unused:

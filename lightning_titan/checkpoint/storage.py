@@ -86,9 +86,10 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = load_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -222,6 +223,7 @@ def explain_write_error(
         }[code]
         fix = "Free space (or keep fewer checkpoints: save_top_k) or save to a larger disk"
     else:
+        assert number is not None  # a code other than "" comes from an errno
         what, fix = f"{code}: {os.strerror(number)}", "Check the checkpoint directory"
     kept = "still holds the previous checkpoint" if path.exists() else "was not written"
     file = f" while writing {name}" if name else ""

@@ -40,9 +40,12 @@ class Source:
 
     @property
     def byte_cap(self) -> int | None:
-        if self.source is None and self.max_bytes is None:
-            return DEFAULT_CORPUS_BYTES
-        return self.max_bytes
+        return self.default_corpus_bytes if self.source is None else self.max_bytes
+
+    @property
+    def default_corpus_bytes(self) -> int:
+        """How much of the default corpus to read (``source=None``): ``max_bytes`` or the default."""
+        return DEFAULT_CORPUS_BYTES if self.max_bytes is None else self.max_bytes
 
     @property
     def column(self) -> str:
@@ -126,13 +129,14 @@ def _suffix(name: str) -> str:
 
 
 def builder_for(files: list[str]) -> str:
-    kinds = {BUILDERS.get(_suffix(f)) for f in files}
+    suffixes = {_suffix(f) for f in files}
+    kinds = {BUILDERS.get(s) for s in suffixes}
     if None in kinds or len(kinds) != 1:
         raise ValueError(
             f"source files must all be one of {sorted(BUILDERS)} (text / json / jsonl / parquet); got "
-            f"{sorted({_suffix(f) for f in files})}; pass files of one kind"
+            f"{sorted(suffixes)}; pass files of one kind"
         )
-    return kinds.pop()
+    return BUILDERS[suffixes.pop()]
 
 
 def load_documents(
@@ -145,7 +149,7 @@ def load_documents(
 ) -> datasets.Dataset | datasets.IterableDataset:
     """The raw documents (a text column and whatever else the source has), not yet tokenised."""
     if src.source is None:
-        texts = texts if texts is not None else default_corpus_texts(src.byte_cap)
+        texts = texts if texts is not None else default_corpus_texts(src.default_corpus_bytes)
         ds = datasets.Dataset.from_dict({"text": texts})
         if not streaming:
             return ds

@@ -11,11 +11,13 @@ the same B sequences for every layout (see sampler.py). Streaming: see streaming
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
+import datasets
 import lightning.pytorch as L
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_titan.data.checks import (
     check_args,
@@ -137,6 +139,11 @@ class TitanDataModule(L.LightningDataModule):
             raise RuntimeError("the data layout is known after setup()")
         return self._layout
 
+    def _require_corpus(self) -> PackedCorpus:
+        if self.corpus is None:
+            raise RuntimeError("the prepared corpus is loaded by setup() (map-style only)")
+        return self.corpus
+
     # -- tokenizer and model --------------------------------------------------------------------
     @property
     def tokenizer_name(self) -> str:
@@ -197,17 +204,22 @@ class TitanDataModule(L.LightningDataModule):
             return self._loader(self._train_stream)
         epoch, start = (0, 0) if self._pending is None else self._map_position(self._pending)
         self._train_sampler = LayoutFreeSampler(
-            len(self.corpus.train), self.global_batch_size, self.data_rank, self.data_world, seed=self.seed,
-            epoch=epoch, start_batch=start,
-        )  # fmt: skip
-        return self._loader(PackedSequences(self.corpus.train), self._train_sampler)
+            len(self._require_corpus().train),
+            self.global_batch_size,
+            self.data_rank,
+            self.data_world,
+            seed=self.seed,
+            epoch=epoch,
+            start_batch=start,
+        )
+        return self._loader(PackedSequences(self._require_corpus().train), self._train_sampler)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_fraction == 0:
             return []
         if self.streaming:
             return self._loader(self._stream(validation=True))
-        n = len(self.corpus.validation)
+        n = len(self._require_corpus().validation)
         sampler = LayoutFreeSampler(
             n,
             self.global_batch_size,
@@ -216,7 +228,7 @@ class TitanDataModule(L.LightningDataModule):
             seed=self.seed,
             shuffle=False,
         )
-        return self._loader(PackedSequences(self.corpus.validation), sampler)
+        return self._loader(PackedSequences(self._require_corpus().validation), sampler)
 
     def test_dataloader(self) -> DataLoader | list:
         """``titan test``: the held-out documents, as validation sees them (the corpus has one held-out
@@ -232,7 +244,9 @@ class TitanDataModule(L.LightningDataModule):
         epoch, in_epoch, total = self._consumed()
         if not self.streaming:
             state.update(
-                epoch=epoch, batches_in_epoch=in_epoch, num_sequences=len(self.corpus.train)
+                epoch=epoch,
+                batches_in_epoch=in_epoch,
+                num_sequences=len(self._require_corpus().train),
             )
             return state
         stream = self._train_stream
@@ -268,10 +282,11 @@ class TitanDataModule(L.LightningDataModule):
         return epoch, in_epoch, epoch * self._train_sampler.num_batches + in_epoch
 
     def _map_position(self, state: dict) -> tuple[int, int]:
-        if state["num_sequences"] != len(self.corpus.train):
+        train = self._require_corpus().train
+        if state["num_sequences"] != len(train):
             raise ValueError(
                 f"the data state was saved for a corpus of {state['num_sequences']} training sequences, this "
-                f"one has {len(self.corpus.train)}; resume with the same source, tokenizer, seq_len and cap"
+                f"one has {len(train)}; resume with the same source, tokenizer, seq_len and cap"
             )
         return state["epoch"], state["batches_in_epoch"]
 
@@ -289,16 +304,21 @@ class TitanDataModule(L.LightningDataModule):
     def _mode(self) -> str:
         return "streaming" if self.streaming else "map"
 
-    def _prepare(self):
+    def _prepare(self) -> Path:
         tok, cache = self.tokenizer, self.cache_dir
         return prepare(self.src, tok, self.seq_len, self.val_fraction, cache, self.num_proc)
 
-    def _loader(self, dataset, sampler: LayoutFreeSampler | None = None) -> DataLoader:
+    def _loader(self, dataset: Dataset, sampler: LayoutFreeSampler | None = None) -> DataLoader:
         workers = 0 if self.streaming else self.num_workers
         return DataLoader(
-            dataset, batch_size=self.local_batch_size, sampler=sampler, drop_last=True,
-            num_workers=workers, collate_fn=collate_windows, persistent_workers=workers > 0,
-        )  # fmt: skip
+            dataset,
+            batch_size=self.local_batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=workers,
+            collate_fn=collate_windows,
+            persistent_workers=workers > 0,
+        )
 
     def _stream(self, validation: bool) -> StreamingWindows:
         return StreamingWindows(
@@ -318,7 +338,7 @@ class TitanDataModule(L.LightningDataModule):
             source=self.src,
         )
 
-    def _make_stream(self, epoch: int):
+    def _make_stream(self, epoch: int) -> datasets.IterableDataset:
         texts = self._default_texts if self.src.source is None else None
         return rank_stream(
             self.src,
@@ -331,4 +351,4 @@ class TitanDataModule(L.LightningDataModule):
 
     @functools.cached_property
     def _default_texts(self) -> list[str]:
-        return default_corpus_texts(self.src.byte_cap)
+        return default_corpus_texts(self.src.default_corpus_bytes)

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
@@ -141,7 +142,15 @@ def load_packed(path: Path) -> PackedCorpus:
     return corpus
 
 
-def _build_into(final: Path, src, tokenizer, seq_len, val_fraction, cache_dir, num_proc) -> None:
+def _build_into(
+    final: Path,
+    src: Source,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    val_fraction: float,
+    cache_dir: str,
+    num_proc: int | None,
+) -> None:
     """Build in a temporary folder next to ``final`` and rename it into place (the caller holds the lock)."""
     work = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
@@ -151,7 +160,15 @@ def _build_into(final: Path, src, tokenizer, seq_len, val_fraction, cache_dir, n
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work: Path) -> None:
+def _build(
+    src: Source,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    val_fraction: float,
+    cache_dir: str,
+    num_proc: int | None,
+    work: Path,
+) -> None:
     raw = load_documents(src, cache_dir)
     check_text_column(raw.column_names, src.column, src.source)
     check_text_feature(raw.features, src.column, src.source)
@@ -184,7 +201,11 @@ def _build(src, tokenizer, seq_len, val_fraction, cache_dir, num_proc, work: Pat
         cache_file_name=str(work / "tokens.arrow"),
         desc="tokenising",
     )
-    meta = {"seq_len": seq_len, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
+    meta: dict[str, Any] = {
+        "seq_len": seq_len,
+        "vocab_size": tokenizer.vocab_size,
+        "eod_id": tokenizer.eod_id,
+    }
     splits = {}
     for split in SPLITS:
         splits[split], meta[split] = _pack(tokens, split == "validation", seq_len + 1, dtype, work)
@@ -201,7 +222,14 @@ def _docs_within(raw: datasets.Dataset, column: str, max_bytes: int) -> int:
     return min(len(sizes), int(np.searchsorted(cumulative, max_bytes, side="left")) + 1)
 
 
-def _tokenize(batch: dict, tokenizer, column: str, source, val_fraction: float, dtype) -> dict:
+def _tokenize(
+    batch: dict,
+    tokenizer: Tokenizer,
+    column: str,
+    source: str | list[str] | None,
+    val_fraction: float,
+    dtype: np.dtype,
+) -> dict:
     ids, val = [], []
     for value in batch[column]:
         text = as_text(value, column, source)
@@ -214,7 +242,9 @@ def _tokenize(batch: dict, tokenizer, column: str, source, val_fraction: float, 
     return {"input_ids": ids, "val": val}
 
 
-def _pack(tokens: datasets.Dataset, want_val: bool, window: int, dtype: np.dtype, work: Path):
+def _pack(
+    tokens: datasets.Dataset, want_val: bool, window: int, dtype: np.dtype, work: Path
+) -> tuple[datasets.Dataset, dict[str, int]]:
     """Stream the tokenised documents of one split through a Packer into an Arrow file of windows."""
     schema = pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(dtype), window))])
     path = work / f"{'validation' if want_val else 'train'}.arrow"

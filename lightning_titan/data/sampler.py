@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import datasets
 import numpy as np
 import torch
@@ -65,7 +67,7 @@ class LayoutFreeSampler(DistributedSampler):
         )
         return order[step * self.global_batch_size : (step + 1) * self.global_batch_size]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         epoch = self.epoch
         start = self._resume_at[1] if epoch == self._resume_at[0] else 0
         self._served = (epoch, start)

@@ -147,7 +147,9 @@ class StreamingWindows(IterableDataset):
             limit = self.batches_per_iter - self.batches_served % self.batches_per_iter
         return self._serve(self.position, self.batches_served, limit, record=True)
 
-    def _serve(self, pos: StreamPosition, served: int, limit: int | None, record: bool):
+    def _serve(
+        self, pos: StreamPosition, served: int, limit: int | None, record: bool
+    ) -> Iterator[torch.Tensor]:
         b, end = self.local_batch_size, None if limit is None else served + limit
         packer = Packer(self.window_len, self.eod_id, np.asarray(pos.leftover, dtype=np.int64))
         in_batch = 0

@@ -135,9 +135,16 @@ def _unloadable(name: str, err: BaseException, why: str = "") -> ValueError:
 
 # what save_pretrained writes for a tokenizer (and generation defaults), copied on export
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def tokenizer_files_of(folder: str | os.PathLike | None) -> list:

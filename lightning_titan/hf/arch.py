@@ -195,8 +195,12 @@ def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
     if arch.model_type in (QWEN2_MOE, QWEN3_MOE):  # every layer sparse
         out.update(decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
     if arch.model_type == QWEN2_MOE:
-        out.update(qkv_bias=config.qkv_bias, sliding_window=0, max_window_layers=config.n_layers,
-                   shared_expert_intermediate_size=config.shared_expert_dim)  # fmt: skip
+        out.update(
+            qkv_bias=config.qkv_bias,
+            sliding_window=0,
+            max_window_layers=config.n_layers,
+            shared_expert_intermediate_size=config.shared_expert_dim,
+        )
     else:
         out.update(attention_bias=False)
     if arch.model_type == OLMOE:

@@ -13,6 +13,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
@@ -73,7 +74,7 @@ def byte_tokenizer_files() -> dict[str, dict]:
     byte_chars = _bytes_to_unicode()
     vocab = {byte_chars[b]: b for b in range(256)}
     eod = "<|endoftext|>"
-    tokenizer = {
+    tokenizer: dict[str, Any] = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
@@ -87,14 +88,14 @@ def byte_tokenizer_files() -> dict[str, dict]:
                 "normalized": False,
                 "special": True,
             }
-        ],  # fmt: skip
+        ],
         "normalizer": None,
         "pre_tokenizer": {
             "type": "ByteLevel",
             "add_prefix_space": False,
             "trim_offsets": False,
             "use_regex": False,
-        },  # fmt: skip
+        },
         "post_processor": None,
         "decoder": {
             "type": "ByteLevel",
@@ -112,10 +113,14 @@ def byte_tokenizer_files() -> dict[str, dict]:
             "byte_fallback": False,
             "vocab": {**vocab, eod: 256},
             "merges": [],
-        },  # fmt: skip
+        },
     }
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod, "model_max_length": 1 << 30,
-              "clean_up_tokenization_spaces": False}  # fmt: skip
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eod,
+        "model_max_length": 1 << 30,
+        "clean_up_tokenization_spaces": False,
+    }
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
 
 
@@ -179,6 +184,7 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     for path in copied:
         shutil.copy2(path, out / path.name)
     if copied:  # the folder's special tokens, as its own config.json gives them
+        assert init_from  # the files were copied from it
         hf = json.loads((Path(init_from) / "config.json").read_text())
         written = json.loads((out / "config.json").read_text())
         written.update(

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -67,7 +68,7 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Arc
     """The folder's family; refuse what our decoder does not model, naming the config.json field and
     its value."""
 
-    def refuse(field: str, why: str) -> None:
+    def refuse(field: str, why: str) -> NoReturn:
         raise ValueError(f"{folder}/config.json: {field}={hf.get(field)!r} {why}")
 
     arch = ARCHITECTURES.get(str(hf.get("model_type")))
@@ -75,10 +76,12 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Arc
         refuse(
             "model_type", f"is not supported: init_from loads model_type {sorted(ARCHITECTURES)}"
         )
-    assert arch is not None
     if (hf.get("architectures") or [arch.class_name]) != [arch.class_name]:
-        refuse("architectures", f"is not supported: init_from loads [{arch.class_name!r}] for "
-               f"model_type {arch.model_type!r}")  # fmt: skip
+        refuse(
+            "architectures",
+            f"is not supported: init_from loads [{arch.class_name!r}] for "
+            f"model_type {arch.model_type!r}",
+        )
     if hf.get("tie_word_embeddings", False):
         refuse("tie_word_embeddings", "is not supported: our lm_head is untied from the embedding")
     if hf.get("hidden_act", "silu") != "silu":
@@ -102,7 +105,9 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Arc
     return arch
 
 
-def _check_attention(hf: dict[str, Any], arch: Architecture, seq_len: int, refuse) -> None:
+def _check_attention(
+    hf: dict[str, Any], arch: Architecture, seq_len: int, refuse: Callable[[str, str], NoReturn]
+) -> None:
     window = hf.get("sliding_window")
     if arch.model_type in (QWEN2_MOE, QWEN3_MOE):  # the window applies only when this is on
         window = window if hf.get("use_sliding_window", False) else None
@@ -111,28 +116,39 @@ def _check_attention(hf: dict[str, Any], arch: Architecture, seq_len: int, refus
                 "layer_types", "is not supported: every layer attends to the whole sequence here"
             )
     if window is not None and window < seq_len:
-        refuse("sliding_window", f"< seq_len={seq_len}: we attend to the whole sequence; "
-               f"train with seq_len <= {window}")  # fmt: skip
+        refuse(
+            "sliding_window",
+            f"< seq_len={seq_len}: we attend to the whole sequence; train with seq_len <= {window}",
+        )
     if arch.model_type in (QWEN3_MOE, OLMOE) and hf.get("attention_bias", False):
         refuse("attention_bias", "is not supported: only Qwen2-MoE's q/k/v biases are (qkv_bias)")
     if arch.model_type == OLMOE and hf.get("clip_qkv") is not None:
         refuse("clip_qkv", "is not supported: we do not clamp q, k and v")
 
 
-def _check_sparse_layers(hf: dict[str, Any], arch: Architecture, refuse) -> None:
+def _check_sparse_layers(
+    hf: dict[str, Any], arch: Architecture, refuse: Callable[[str, str], NoReturn]
+) -> None:
     if arch.model_type == QWEN2_MOE and not hf.get("shared_expert_intermediate_size", 0) > 0:
-        refuse("shared_expert_intermediate_size", "is not supported: a Qwen2-MoE shared expert "
-               "has a positive hidden size")  # fmt: skip
+        refuse(
+            "shared_expert_intermediate_size",
+            "is not supported: a Qwen2-MoE shared expert has a positive hidden size",
+        )
     if arch.model_type not in (QWEN2_MOE, QWEN3_MOE):
         return
     if hf.get("mlp_only_layers"):
-        refuse("mlp_only_layers", "is not supported: dense MLP layers are not modelled, every "
-               "layer here is an MoE layer")  # fmt: skip
+        refuse(
+            "mlp_only_layers",
+            "is not supported: dense MLP layers are not modelled, every layer here is an MoE layer",
+        )
     step, n = hf.get("decoder_sparse_step", 1), hf.get("num_hidden_layers", 0)
     dense = [i for i in range(n) if (i + 1) % step]
     if dense:
-        refuse("decoder_sparse_step", f"is not supported: it makes layers {dense} dense MLP "
-               "layers; every layer here is an MoE layer (decoder_sparse_step=1)")  # fmt: skip
+        refuse(
+            "decoder_sparse_step",
+            f"is not supported: it makes layers {dense} dense MLP "
+            "layers; every layer here is an MoE layer (decoder_sparse_step=1)",
+        )
 
 
 def folder_fields(hf: dict[str, Any], folder: str | Path, arch: Architecture) -> dict[str, Any]:

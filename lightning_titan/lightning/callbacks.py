@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_titan.lightning import plots
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.runtime import tracing
@@ -80,16 +81,23 @@ class PipelineTimeline(Callback):
             self._optimizer_span = None
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step in self.steps and not self._done:
             trainer.strategy.barrier("timeline")  # every rank starts the step together
             cuda = trainer.strategy.root_device.type == "cuda"
             tracing.start(trainer.global_rank, step=trainer.global_step, synchronize=cuda)
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         if not tracing.is_recording():
             return
         self._mine += tracing.stop()
@@ -107,7 +115,7 @@ class PipelineTimeline(Callback):
 
     def _write(self, trainer: L.Trainer, pl_module: L.LightningModule | None) -> None:
         self._done = True
-        gathered = [self._mine]
+        gathered: list[Any] = [self._mine]
         if _distributed():
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, self._mine)
@@ -124,13 +132,9 @@ class PipelineTimeline(Callback):
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     def _save(self, dims: ParallelDims, times: dict[str, float]) -> None:
-        from lightning_titan.lightning import plots
-
         self.out_dir.mkdir(parents=True, exist_ok=True)
         labels = {r: f"rank {r} ({dims.label(r)})" for r in range(dims.world_size)}
-        (self.out_dir / "trace.json").write_text(
-            json.dumps(tracing.chrome_trace(self.spans, labels))
-        )
+        (self.out_dir / "trace.json").write_text(json.dumps(plots.chrome_trace(self.spans, labels)))
         last = max(s.step for s in self.spans)
         if plots.available():
             title = f"step {last}, {dims.label()}: measured"
@@ -139,9 +143,12 @@ class PipelineTimeline(Callback):
         summary = {"steps": self.steps, "ms_per_step_and_rank": times, "bubbles": self.bubbles}
         (self.out_dir / "bubbles.json").write_text(json.dumps(summary, indent=1))
         lines = [f"PipelineTimeline: steps {self.steps} -> {self.out_dir.resolve()}"]
-        lines += [f"  stage {b['stage']}: bubble measured {b['measured']:.3f}, {_theory_label(b)}; "
-                  f"with free send/recv {b['compute_only']:.3f}, and steady compute "
-                  f"{b['steady_compute']:.3f}" for b in self.bubbles]  # fmt: skip
+        lines += [
+            f"  stage {b['stage']}: bubble measured {b['measured']:.3f}, {_theory_label(b)}; "
+            f"with free send/recv {b['compute_only']:.3f}, and steady compute "
+            f"{b['steady_compute']:.3f}"
+            for b in self.bubbles
+        ]
         lines.append(
             "  ms per step and rank: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
         )
@@ -177,8 +184,12 @@ class ExpertLoad(Callback):
     training prints them (rank 0).
     """
 
-    def __init__(self, every_n_steps: int = 1, plot_path: str | None = "expert_load.png",
-                 log_per_expert: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        plot_path: str | None = "expert_load.png",
+        log_per_expert: bool = True,
+    ) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps!r} must be a positive int")
         self.every_n_steps = every_n_steps
@@ -201,9 +212,13 @@ class ExpertLoad(Callback):
                 match = _LAYER.search(name + ".")
                 layers[int(match.group(1)) if match else len(layers)] = module
         # the global table's shape: this rank holds only its stage's layers
-        shape = torch.tensor([max(layers, default=-1) + 1,
-                              max((m.n_experts for m in layers.values()), default=0),
-                              any(m.expert_bias is not None for m in layers.values())])  # fmt: skip
+        shape = torch.tensor(
+            [
+                max(layers, default=-1) + 1,
+                max((m.n_experts for m in layers.values()), default=0),
+                any(m.expert_bias is not None for m in layers.values()),
+            ]
+        )
         if _distributed():
             shape = shape.to(trainer.strategy.root_device)
             dist.all_reduce(shape, op=dist.ReduceOp.MAX)
@@ -213,7 +228,7 @@ class ExpertLoad(Callback):
         for layer, module in layers.items():
             self._hooks.append(module.register_forward_hook(self._counter(layer)))
 
-    def _counter(self, layer: int):
+    def _counter(self, layer: int) -> Callable[[MoELayer, Any, Any], None]:
         def count(module: MoELayer, inputs: Any, output: Any) -> None:
             if module.training and torch.is_grad_enabled():
                 counts = module.tokens_per_expert.detach().double()
@@ -225,14 +240,25 @@ class ExpertLoad(Callback):
         return count
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         n_layers, n_experts = self._shape
         if n_layers == 0 or trainer.global_step % self.every_n_steps:
             return
         # [actual (+ unbiased), layers, experts]: one all-reduce and one host read for both
-        tables = torch.zeros(1 + self._with_bias, n_layers, n_experts, dtype=torch.float64,
-                             device=trainer.strategy.root_device)  # fmt: skip
+        tables = torch.zeros(
+            1 + self._with_bias,
+            n_layers,
+            n_experts,
+            dtype=torch.float64,
+            device=trainer.strategy.root_device,
+        )
         for i, counts_by_layer in enumerate((self._counts, self._unbiased)[: len(tables)]):
             for layer, counts in counts_by_layer.items():
                 tables[i, layer] += counts.to(tables.device)
@@ -266,8 +292,6 @@ class ExpertLoad(Callback):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        from lightning_titan.lightning import plots
-
         if not trainer.is_global_zero or not self.history:
             return
         rank_zero_info(balance_summary(self.balance))
@@ -280,12 +304,16 @@ class ExpertLoad(Callback):
 def balance_summary(balance: Sequence[tuple[int, list[float], list[float] | None]]) -> str:
     """Max/mean load per layer, first and last logged step and the mean over training; with the
     bias on, the unbiased choice's beside it."""
-    lines = [f"ExpertLoad: max/mean load per layer over {len(balance)} logged steps "
-             "(first -> last, mean; 1.0 = balanced)"]  # fmt: skip
+    lines = [
+        f"ExpertLoad: max/mean load per layer over {len(balance)} logged steps "
+        "(first -> last, mean; 1.0 = balanced)"
+    ]
     for layer in range(len(balance[0][1])):
         for label, index in (("", 1), (" unbiased", 2)):
             values = [row[index][layer] for row in balance if row[index] is not None]  # type: ignore[index]
             if values:
-                lines.append(f"  layer {layer}{label}: {values[0]:.2f} -> {values[-1]:.2f}, "
-                             f"mean {sum(values) / len(values):.2f}")  # fmt: skip
+                lines.append(
+                    f"  layer {layer}{label}: {values[0]:.2f} -> {values[-1]:.2f}, "
+                    f"mean {sum(values) / len(values):.2f}"
+                )
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 - a rank that raises reports who it is and leaves; the supervisor brings the rest down
   (:func:`report_failure`); during setup, barriers and broadcasts are agreements so that a failing
-  rank can join the one its peers wait in (:class:`FailTogether`, ``agreement``);
+  rank can join the one its peers wait in (``TitanStrategy.barrier``, ``runtime/agreement.py``);
 - a non-finite loss or gradient norm is global, so every rank takes the same branch: stop, naming the
   stage and parameter where it began, or skip the update (:func:`check_finite`).
 """
@@ -14,66 +14,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _sync_ddp_if_available,
-)
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_titan.lightning import supervisor
 from lightning_titan.parallel.dp.zero_grads import grad_of
 from lightning_titan.parallel.mesh import ParallelDims
-from lightning_titan.runtime.agreement import SetupPhase, distributed
-
-
-class FailTogether:
-    """The collectives Lightning's loops, callbacks and loggers call, and the exception hook; during
-    setup, barriers and broadcasts are agreements. A mixin of ``TitanStrategy`` (it uses ``options``,
-    ``parallel_dims``, ``global_rank``, ``root_device``)."""
-
-    _setup_phase: SetupPhase
-    _peers: list[tuple[str, int]] | None = None
-
-    def barrier(self: Any, name: str | None = None) -> None:
-        if not distributed():
-            return
-        if self._setup_phase.active:
-            self._setup_phase.agree()
-        elif dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    def broadcast(self: Any, obj: Any, src: int = 0) -> Any:
-        if not distributed():
-            return obj
-        if self._setup_phase.active:
-            return self._setup_phase.agree(None, obj if self.global_rank == src else None)[src]
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    def all_gather(
-        self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
-    ) -> Tensor:
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
-
-    def on_exception(self: Any, exception: BaseException) -> None:
-        self._setup_phase.fail(exception)
-        env = self.cluster_environment
-        started = distributed() or (env is not None and env.creates_processes_externally)
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        report_failure(
-            exception, dims=self.parallel_dims if started else None,
-            global_step=None if trainer is None else trainer.global_step,
-            peers=self._peers, grace_s=self.options.grace_s,
-        )  # fmt: skip
+from lightning_titan.runtime.agreement import distributed
 
 
 def report_failure(
@@ -102,9 +49,7 @@ def nonfinite_message(
 ) -> str:
     """Where the non-finite values are: one gather of every rank's verdict on its own grads."""
     grads = ((n, grad_of(p)) for n, p in module.named_parameters())  # zero=2: this rank's rows
-    first_bad = next(
-        (n for n, g in grads if g is not None and not torch.isfinite(g).all()), None
-    )  # fmt: skip
+    first_bad = next((n for n, g in grads if g is not None and not torch.isfinite(g).all()), None)
     verdicts: list[Any] = [(dims.pp_rank, first_bad)]
     if distributed():
         verdicts = [None] * dist.get_world_size()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import lightning as L
@@ -116,24 +117,41 @@ class TitanLM(L.LightningModule):
         dims = self.strategy.parallel_dims  # checked against the model by check_layout already
         groups = self.strategy.groups
         self.model = StageModel(
-            self.config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
-            ep_group=groups.ep, tp_group=groups.tp, cp_group=groups.cp, sequence_group=groups.sequence,
+            self.config,
+            pp_rank=dims.pp_rank,
+            pp=dims.pp,
+            ep_rank=dims.ep_rank,
+            ep=dims.ep,
+            ep_group=groups.ep,
+            tp_group=groups.tp,
+            cp_group=groups.cp,
+            sequence_group=groups.sequence,
             split=self.strategy.options.split,
-        )  # fmt: skip
+        )
         # a resumed checkpoint is loaded after this (restore_checkpoint_after_setup) and replaces both
         if self.hparams["init_from"] is not None:
             hf_load.load_stage(self.model, self.hparams["init_from"])
         else:
             self.model.init_weights(self.hparams["seed"])
 
+    @property
+    def stage(self) -> StageModel:
+        """This rank's stage of the model (built by ``configure_model``, inside the Trainer)."""
+        if self.model is None:
+            raise RuntimeError("the stage model is built by configure_model, inside Trainer.fit")
+        return self.model
+
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.ndim >= 2]  # matrices; not norms
         no_decay = [p for p in self.parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams["weight_decay"]},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams["learning_rate"], betas=tuple(self.hparams["betas"]),
-        )  # fmt: skip
+            [
+                {"params": decay, "weight_decay": self.hparams["weight_decay"]},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.hparams["learning_rate"],
+            betas=tuple(self.hparams["betas"]),
+        )
         total = self.hparams["lr_decay_steps"] or max(
             1, int(self.trainer.estimated_stepping_batches)
         )
@@ -143,7 +161,7 @@ class TitanLM(L.LightningModule):
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
 
-    def _lr_factor(self, total_steps: int):
+    def _lr_factor(self, total_steps: int) -> Callable[[int], float]:
         warmup, floor = self.hparams["warmup_steps"], self.hparams["min_lr_ratio"]
 
         def factor(step: int) -> float:
@@ -164,22 +182,22 @@ class TitanLM(L.LightningModule):
             peak, source = flops.device_peak(self.strategy.root_device, dtype)
         total = torch.tensor(float(peak), dtype=torch.float64, device=self.strategy.root_device)
         self.peak_flops_total = float(self.strategy.reduce(total, reduce_op="sum"))
-        rank_zero_info(f"mfu: model FLOP/s over {self.peak_flops_total / 1e12:.3g} TFLOP/s, every "
-                       f"rank's peak summed (rank 0's: {source})")  # fmt: skip
+        rank_zero_info(
+            f"mfu: model FLOP/s over {self.peak_flops_total / 1e12:.3g} TFLOP/s, every "
+            f"rank's peak summed (rank 0's: {source})"
+        )
 
     # -- steps -----------------------------------------------------------------------------------------
     def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """The stage's own forward (logits only on a single-stage layout)."""
-        assert self.model is not None
-        return self.model(tokens)
+        return self.stage(tokens)
 
     def loss_fn(self, logits_MSV: Tensor, targets_MS: Tensor) -> Tensor:
         """The sum of the token losses of one microbatch (the engine makes it the global mean).
 
         Runs on the last stage; override it to train another objective. Under tp > 1 ``logits_MSV``
         holds this rank's vocabulary shard only (``StageModel.token_loss_sum`` reduces over it)."""
-        assert self.model is not None
-        return self.model.token_loss_sum(logits_MSV, targets_MS)
+        return self.stage.token_loss_sum(logits_MSV, targets_MS)
 
     def _microbatches(self, inputs: Tensor) -> int:
         """M for this rank's batch ``inputs`` [b, S] (checked against the schedule)."""
@@ -193,9 +211,13 @@ class TitanLM(L.LightningModule):
         # 1. every microbatch forward and backward, in the schedule's order; the reducers all-reduce
         #    the grads while the last backward runs. The global loss and aux come back on every rank.
         step = strategy.engine.forward_backward(
-            self.model, inputs, targets, self._microbatches(inputs), self.loss_fn,
+            self.stage,
+            inputs,
+            targets,
+            self._microbatches(inputs),
+            self.loss_fn,
             backward=self.manual_backward,
-        )  # fmt: skip
+        )
         # 2. wait for the reducers, stop (or skip) on a non-finite loss or norm, clip by the norm
         #    composed across stages and expert shards; the numbers come back in one host read
         stats = strategy.finish_gradients(step)
@@ -230,7 +252,7 @@ class TitanLM(L.LightningModule):
         inputs, targets = batch
         strategy = self.strategy
         step = strategy.engine.forward_only(
-            self.model, inputs, targets, self._microbatches(inputs), self.loss_fn
+            self.stage, inputs, targets, self._microbatches(inputs), self.loss_fn
         )
         self.val_loss.update(step.loss)
 

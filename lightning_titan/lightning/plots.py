@@ -1,21 +1,30 @@
-"""PNG charts: the measured pipeline timeline (Gantt), expert load, and the benchmark's summaries.
+"""PNG charts: the measured pipeline timeline (Gantt), expert load, and the benchmark's summaries;
+the timeline as a Chrome trace too.
 
 Uses matplotlib's object API with the Agg canvas, so it never switches a notebook's backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_titan.runtime.tracing import KINDS, Span
 
 COLORS = {
-    "forward": "#4C72B0", "backward": "#55A868", "p2p": "#B0B0B0", "all_to_all": "#DD8452",
-    "all_reduce": "#C44E52", "wait": "#8172B3", "optimizer": "#937860", "other": "#E0E0E0",
-    "all_gather": "#DA8BC3", "tp": "#8C8C3C", "cp": "#64B5CD",
-}  # fmt: skip
+    "forward": "#4C72B0",
+    "backward": "#55A868",
+    "p2p": "#B0B0B0",
+    "all_to_all": "#DD8452",
+    "all_reduce": "#C44E52",
+    "wait": "#8172B3",
+    "optimizer": "#937860",
+    "other": "#E0E0E0",
+    "all_gather": "#DA8BC3",
+    "tp": "#8C8C3C",
+    "cp": "#64B5CD",
+}
 _HEIGHT = {"forward": 0.8, "backward": 0.8, "optimizer": 0.8}  # others: drawn thinner, on top
 
 
@@ -28,7 +37,7 @@ def available() -> bool:
     return True
 
 
-def _figure(width: float, height: float):
+def _figure(width: float, height: float) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -37,8 +46,12 @@ def _figure(width: float, height: float):
     return fig
 
 
-def plot_gantt(spans: Sequence[Span], path: str | Path, rank_labels: dict[int, str] | None = None,
-               title: str = "") -> None:  # fmt: skip
+def plot_gantt(
+    spans: Sequence[Span],
+    path: str | Path,
+    rank_labels: dict[int, str] | None = None,
+    title: str = "",
+) -> None:
     """One row per rank, time in ms from the first span; compute full height, communication thin on top."""
     from matplotlib.patches import Patch
 
@@ -65,8 +78,14 @@ def plot_gantt(spans: Sequence[Span], path: str | Path, rank_labels: dict[int, s
     ax.set_xlabel("ms")
     ax.set_title(title)
     kinds = [k for k in KINDS if any(s.kind == k for s in spans)]
-    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds], loc="upper center",
-              bbox_to_anchor=(0.5, -0.25), ncol=len(kinds), fontsize=7, frameon=False)  # fmt: skip
+    ax.legend(
+        handles=[Patch(color=COLORS[k], label=k) for k in kinds],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.25),
+        ncol=len(kinds),
+        fontsize=7,
+        frameon=False,
+    )
     fig.tight_layout()
     fig.savefig(path)
 
@@ -108,8 +127,13 @@ def plot_expert_load(
 def _draw_balance(ax: Any, balance: Balance) -> None:
     steps = [step for step, _, _ in balance]
     for layer in range(len(balance[0][1])):
-        ax.plot(steps, [row[1][layer] for row in balance], color=f"C{layer}", linewidth=0.9,
-                label=f"layer {layer}")  # fmt: skip
+        ax.plot(
+            steps,
+            [row[1][layer] for row in balance],
+            color=f"C{layer}",
+            linewidth=0.9,
+            label=f"layer {layer}",
+        )
         unbiased = [row[2][layer] for row in balance if row[2] is not None]
         if unbiased:
             ax.plot(steps, unbiased, color=f"C{layer}", linewidth=0.7, linestyle="--")
@@ -147,8 +171,13 @@ def plot_breakdown(rows: Sequence[dict], path: str | Path) -> None:
         values = [r["time_ms"].get(kind, 0.0) for r in rows]
         ax.bar(range(len(rows)), values, bottom=bottom, color=COLORS[kind], label=kind)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set_xticks(range(len(rows)), [f"{r['world']}: {r['case']}" for r in rows], rotation=60,
-                  ha="right", fontsize=7)  # fmt: skip
+    ax.set_xticks(
+        range(len(rows)),
+        [f"{r['world']}: {r['case']}" for r in rows],
+        rotation=60,
+        ha="right",
+        fontsize=7,
+    )
     ax.set_ylabel("ms per step and rank")
     ax.legend(fontsize=7, ncol=4)
     ax.set_title("where a step's time goes")
@@ -159,8 +188,14 @@ def plot_breakdown(rows: Sequence[dict], path: str | Path) -> None:
 def plot_peers(peers: Sequence[dict], dispatch: Sequence[dict], path: str | Path) -> None:
     """Peer ratios (peer time / ours) with their targets; the dispatch ratios beside them."""
     items = [(f"{p['world']}: {p['case']}\nvs {p['peer']}", p["ratio"], p["target"]) for p in peers]
-    items += [(f"dispatch E={d['experts']}\nvs loop", d["ratio_fwd_bwd"], 10.0 if d["experts"] >= 64 else None)
-              for d in dispatch]  # fmt: skip
+    items += [
+        (
+            f"dispatch E={d['experts']}\nvs loop",
+            d["ratio_fwd_bwd"],
+            10.0 if d["experts"] >= 64 else None,
+        )
+        for d in dispatch
+    ]
     fig = _figure(max(6, 0.7 * len(items) + 2), 4)
     ax = fig.add_subplot()
     ax.bar(range(len(items)), [v for _, v, _ in items], color="#4C72B0")
@@ -191,3 +226,37 @@ def plot_memory(pairs: Sequence[dict], path: str | Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def chrome_trace(spans: Iterable[Span], rank_labels: dict[int, str] | None = None) -> dict:
+    """Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev): one process per rank, times in us
+    from the earliest span. Ranks of one host share the monotonic clock, so their spans line up."""
+    spans = list(spans)
+    t0 = min((s.start_ns for s in spans), default=0)
+    threads: dict[tuple[int, int], int] = {}
+    events = []
+    for s in sorted(spans, key=lambda s: (s.rank, s.start_ns)):
+        tid = threads.setdefault((s.rank, s.thread), sum(r == s.rank for r, _ in threads))
+        events.append(
+            {
+                "name": s.name if "mb" not in s.args else f"{s.name} {s.args['mb']}",
+                "cat": s.kind,
+                "ph": "X",
+                "pid": s.rank,
+                "tid": tid,
+                "ts": (s.start_ns - t0) / 1e3,
+                "dur": s.duration_ns / 1e3,
+                "args": {"step": s.step, **{k: _jsonable(v) for k, v in s.args.items()}},
+            }
+        )
+    for rank in sorted({s.rank for s in spans}):
+        label = (rank_labels or {}).get(rank, f"rank {rank}")
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": label}})
+        events.append(
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}
+        )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _jsonable(value: object) -> object:
+    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)

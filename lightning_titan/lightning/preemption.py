@@ -3,19 +3,19 @@ rank, with ``last`` saved through the normal checkpoint path, and exit code 143.
 
 - ``on_signal``: the handler only sets a flag. Lightning's own handler is replaced once training
   starts: it runs a broadcast inside the handler and stops only the rank that got the signal. (A fork
-  launcher's parent, no rank, forwards the signal to the ranks: ``supervisor.TitanForkLauncher``.)
+  launcher's parent, no rank, forwards the signal to the ranks: ``launchers.TitanForkLauncher``.)
 - SIGINT (Ctrl+C) in a job of several processes (the ``popen`` launcher, which is rank 0, or a rank)
   stops the same way, with exit code 130: Lightning's own handling of the KeyboardInterrupt saves
   nothing and kills the ranks wherever they are. A second Ctrl+C stops at once (the launcher kills
   its ranks). A single process keeps Lightning's handling (a notebook's interrupt stays immediate);
   fork ranks ignore SIGINT (their parent decides).
-- ``start_agreement``/``decide``: the ranks agree on the flag (the signal's number) once per step, in one tiny all-reduce whose
+- ``start_agreement``/``Preemption.decide``: the ranks agree on the flag (the signal's number) once per step, in one tiny all-reduce whose
   result rides on the step's one host read (``TitanStrategy.finish_gradients``). Once they agree,
   ``trainer.received_sigterm`` is set on every rank, so Lightning's loop raises ``SIGTERMException``
   on every rank at the end of the same step.
-- ``Preemptible.on_exception``: every rank then saves ``last`` (``save_sharded`` is collective and
+- ``Preemption.handles`` (from ``on_exception``): every rank then saves ``last`` (``save_sharded`` is collective and
   atomic) and the exception's exit code becomes 143 (130 when SIGINT was the only signal).
-- ``_outside_fit``: in ``validate``/``test``/``predict`` a SIGTERM stops at once (nothing to save).
+- ``stop_at_once_outside_fit``: in ``validate``/``test``/``predict`` a SIGTERM stops at once (nothing to save).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_titan.lightning import supervisor
+from lightning_titan.lightning.launchers import TitanForkLauncher
 
 EXIT_CODE = 128 + signal.SIGTERM  # 143: what a shell and a scheduler report for "terminated"
 _requested = threading.Event()  # this process got SIGTERM or SIGINT
@@ -82,68 +83,63 @@ def start_agreement(device: torch.device) -> Callable[[], torch.Tensor]:
     return agreed
 
 
-class Preemptible:
-    """A mixin of ``TitanStrategy``: install the handler, act on the agreement, save ``last``."""
+class Preemption:
+    """What a TitanStrategy does about SIGTERM and Ctrl+C: install the handler once training starts, act
+    on the ranks' agreement, and save ``last`` when the agreed stop arrives as an exception."""
 
-    _preempted_at: int | None = None  # the global step after which every rank stops
-    _stop_signal: int = signal.SIGTERM  # the signal the ranks agreed on
+    def __init__(self) -> None:
+        self.stopped_after: int | None = None  # the global step after which every rank stops
+        self.signal: int = signal.SIGTERM  # the signal the ranks agreed on
 
-    def on_train_start(self: Any) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        install(self.world_size)  # after Lightning registered its handlers (Trainer._run)
-
-    def barrier(self: Any, name: str | None = None) -> None:
-        # "run-stage" is the Trainer's first call after it registered its own signal handlers and
-        # before the evaluation loop's first collective (its dataloader-length all-reduce): a SIGTERM
-        # there would run Lightning's handler, whose broadcast waits out the timeout mid-collective
-        if name == "run-stage":
-            _outside_fit(self)
-        super().barrier(name)  # type: ignore[misc]
-
-    def decide(self: Any, agreed: float) -> None:
+    def decide(self, agreed: float, trainer: Any) -> None:
         """``agreed``: the all-reduced flag (a signal's number, or 0), read with the step's numbers."""
-        if agreed > 0 and self._preempted_at is None:
-            self._stop_signal = int(agreed)
-            trainer = self.lightning_module.trainer
-            self._preempted_at = trainer.global_step
+        if agreed > 0 and self.stopped_after is None:
+            self.signal = int(agreed)
+            self.stopped_after = trainer.global_step
             supervisor.preempting.set()  # the launcher's watcher: a rank's exit 143 is no failure
             trainer._signal_connector.received_sigterm = True  # Lightning stops after this step
 
-    def on_exception(self: Any, exception: BaseException) -> None:
-        if isinstance(self.launcher, supervisor.TitanForkLauncher) and not dist.is_initialized():
+    def handles(
+        self,
+        exception: BaseException,
+        trainer: Any,
+        launcher: Any,
+        rank: int,
+        world: int,
+        grace_s: float,
+    ) -> bool:
+        """True when ``exception`` is the agreed stop (``last`` is then saved and the exit code set),
+        or the interrupt of a fork launcher's parent, whose ranks have already stopped."""
+        if isinstance(launcher, TitanForkLauncher) and not dist.is_initialized():
             if isinstance(exception, (KeyboardInterrupt, SystemExit)):  # the parent: no failure
                 what = "interrupted" if isinstance(exception, KeyboardInterrupt) else "preempted"
                 supervisor.say(f"[titan] the launcher was {what}: every rank has stopped")
-                return
-        if not (isinstance(exception, SIGTERMException) and self._preempted_at is not None):
-            super().on_exception(exception)  # type: ignore[misc]
-            return
-        trainer = self.lightning_module.trainer
+                return True
+        if not (isinstance(exception, SIGTERMException) and self.stopped_after is not None):
+            return False
         saved = save_last(trainer)
-        where = f"rank {self.global_rank}/{self.world_size}"
         what = f"saved {', '.join(saved)}" if saved else "no ModelCheckpoint: nothing saved"
-        code, name = 128 + self._stop_signal, signal.Signals(self._stop_signal).name
-        how = "interrupted" if self._stop_signal == signal.SIGINT else "preempted"
+        code, name = 128 + self.signal, signal.Signals(self.signal).name
+        how = "interrupted" if self.signal == signal.SIGINT else "preempted"
         supervisor.say(
-            f"[titan] {where} {how} ({name}) after global_step={trainer.global_step}: {what}; "
-            f"exit code {code}"
+            f"[titan] rank {rank}/{world} {how} ({name}) after global_step={trainer.global_step}: "
+            f"{what}; exit code {code}"
         )
         exception.code = code
-        procs = getattr(self.launcher, "procs", None)
-        if procs and self.global_rank == 0:  # the popen launcher leaves after its ranks
-            supervisor.wait_for(procs, self.options.grace_s)
+        procs = getattr(launcher, "procs", None)
+        if procs and rank == 0:  # the popen launcher leaves after its ranks
+            supervisor.wait_for(procs, grace_s)
+        return True
 
 
-def _outside_fit(strategy: Any) -> None:
+def stop_at_once_outside_fit(trainer: Any, grace_s: float) -> None:
     """``titan validate``/``test``/``predict``: no step to agree on, nothing to save, so SIGTERM stops
     this process (and the ranks a popen launcher started) at once, exit code 143. Lightning's own
     handler would broadcast inside the handler, which blocks, mid-collective, until the timeout."""
-    trainer = strategy.lightning_module.trainer
     if trainer.state.fn == TrainerFn.FITTING:
         return
     if threading.current_thread() is not threading.main_thread():
         return
-    grace_s = strategy.options.grace_s
     loggers = list(trainer.loggers)
 
     def stop_now(signum: int, frame: Any) -> None:

@@ -1,20 +1,17 @@
-"""TitanStrategy: DP x PP x EP x CP x TP as a Lightning strategy (Lightning glue; the machinery is
-elsewhere): ``L.Trainer(accelerator="cpu", devices=8, strategy=TitanStrategy(dp=2, pp=2, ep=2))``"""
+"""TitanStrategy: DP x PP x EP x CP x TP as a Lightning strategy. Lightning glue only; the machinery
+lives in train/engine.py, parallel/, checkpoint/ and the objects it owns (ShardedCheckpoints,
+Preemption): ``L.Trainer(accelerator="cpu", devices=8, strategy=TitanStrategy(dp=2, pp=2, ep=2))``"""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -25,9 +22,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_titan.checkpoint.sharded import remove_checkpoint
 from lightning_titan.lightning import preemption, supervisor
-from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpointHooks
-from lightning_titan.lightning.failures import FailTogether, check_finite, unreduced_step_error
+from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpoints
+from lightning_titan.lightning.connect import connect
+from lightning_titan.lightning.failures import check_finite, report_failure, unreduced_step_error
+from lightning_titan.lightning.launchers import launcher_for
 from lightning_titan.parallel.mesh import (
     ParallelDims,
     ProcessGroups,
@@ -39,13 +39,13 @@ from lightning_titan.parallel.mesh import (
 from lightning_titan.parallel.pipeline.schedules import V_SHAPED, check_microbatches
 from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
-from lightning_titan.runtime.agreement import SetupPhase
-from lightning_titan.runtime.launch import cpu_threads_per_rank, rank_store
-from lightning_titan.train.engine import Engine, GradStats, StepLoss
+from lightning_titan.runtime.agreement import SetupPhase, distributed
+from lightning_titan.train.engine import Engine, GradStats
+from lightning_titan.train.objective import StepLoss
 from lightning_titan.train.options import TrainOptions, check_precision, preflight
 
 
-class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks, ParallelStrategy):
+class TitanStrategy(ParallelStrategy):
     """DP, PP, EP, CP and TP composed, for a stage-local model built in ``configure_model``.
 
     Args:
@@ -78,6 +78,8 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
 
     strategy_name = "titan"
 
+    strategy_name = "titan"
+
     def __init__(
         self,
         dp: int = -1,
@@ -103,31 +105,40 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        degrees = dict(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp)
         if layout not in (None, "auto"):
             raise ValueError(f"layout={layout!r} is unknown; use 'auto' or give the degrees")
         if layout == "auto":
-            auto.check_auto_arguments(
-                dict(dp=dp, pp=pp, ep=ep, tp=tp, cp=cp, zero=zero, schedule=schedule,
-                     virtual_stages=virtual_stages, num_microbatches=num_microbatches)
-            )  # fmt: skip
+            chosen = dict(zero=zero, schedule=schedule, virtual_stages=virtual_stages)
+            auto.check_auto_arguments({**degrees, **chosen, "num_microbatches": num_microbatches})
         self._auto = layout == "auto"
         self._auto_choice: auto.Choice | None = None
         self.options = TrainOptions(
-            schedule=schedule, num_microbatches=num_microbatches, microbatch_size=microbatch_size,
-            bucket_cap_mb=bucket_cap_mb, reducer=reducer, gradient_clip_norm=gradient_clip_norm,
-            timeout_minutes=timeout_minutes, on_nonfinite=on_nonfinite, start_method=start_method,
-            zero=zero, virtual_stages=virtual_stages, stage_layers=stage_layers,
-        )  # fmt: skip
-        self._degrees = check_degrees(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp)  # world size: known later
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            microbatch_size=microbatch_size,
+            bucket_cap_mb=bucket_cap_mb,
+            reducer=reducer,
+            gradient_clip_norm=gradient_clip_norm,
+            timeout_minutes=timeout_minutes,
+            on_nonfinite=on_nonfinite,
+            start_method=start_method,
+            zero=zero,
+            virtual_stages=virtual_stages,
+            stage_layers=stage_layers,
+        )
+        self._degrees = check_degrees(**degrees)  # the world size is known later
         if schedule in V_SHAPED:  # pp is known here: say now, not on the ranks, what zbv needs
             check_microbatches(schedule, num_microbatches or pp, pp, virtual_stages)
         self._process_group_backend = process_group_backend
-        self.allow_config_change = tuple(allow_config_change or ())
+        self.checkpoints = ShardedCheckpoints(tuple(allow_config_change or ()))
+        self.preemption = preemption.Preemption()
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
         self._groups: ProcessGroups | None = None
         self._engine: Engine | None = None
         self._setup_phase = SetupPhase()
+        self._peers: list[tuple[str, int]] | None = None  # hosts and pids, for failure reports
         # pending: a backward ran, its grads not finished yet; skipped: updates dropped by "skip"
         self._grads_pending, self.skipped_steps = False, 0
 
@@ -143,6 +154,13 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         if self._groups is None:
             raise RuntimeError("process groups exist only after setup_environment()")
         return self._groups
+
+    @property
+    def module(self) -> pl.LightningModule:
+        """The LightningModule being run (Lightning connects it before any hook here runs)."""
+        if self.lightning_module is None:
+            raise RuntimeError("TitanStrategy has no LightningModule: pass one to trainer.fit()")
+        return self.lightning_module
 
     @property
     def engine(self) -> Engine:
@@ -163,16 +181,13 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
             rank_zero_info(f"[titan] layout='auto' chose {choice.summary}")
         self._auto_choice = choice
         self._degrees = check_degrees(**choice.degrees)
-        self.options = replace(
-            self.options, zero=choice.zero, schedule=choice.schedule,
-            virtual_stages=choice.virtual_stages, num_microbatches=choice.num_microbatches,
-        )  # fmt: skip
+        self.options = choice.applied_to(self.options)
         self.set_world_ranks()
 
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
+        assert self.parallel_devices is not None  # set by the accelerator connector
         return self.parallel_devices[self.local_rank]
 
     @property
@@ -215,39 +230,30 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = supervisor.launcher_for(self, self.options.start_method)
+        self._launcher = launcher_for(self, self.options.start_method)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        if self.root_device.type == "cpu":
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
-            forked = self.options.start_method == "fork"
-            torch.set_num_threads(cpu_threads_per_rank(local_world, forked=forked))
         trainer = getattr(self.lightning_module, "_trainer", None)
         datamodule = getattr(trainer, "datamodule", None)
         if not self._auto:
             self.preflight(self.lightning_module, datamodule, trainer)
-        device = self.root_device
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)  # fmt: skip
-        timeout = timedelta(minutes=self.options.timeout_minutes)  # the subgroups' too
-        # a forked rank's store: rank 0 serves it on its launcher's socket (launch.hosted_rendezvous)
-        env = self.cluster_environment
-        store = rank_store(env.global_rank(), env.world_size(), timeout)
-        extra: dict[str, Any] = {} if store is None else {"store": store}
-        _init_dist_connection(
-            env, backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
-            **extra,
-        )  # fmt: skip
+        assert self.cluster_environment is not None  # set by the accelerator connector
+        env, o = self.cluster_environment, self.options
+        connect(env, self.root_device, self._process_group_backend, o, self.num_processes)
         if self._auto:  # rank 0's choice (its CPU probe may differ from the others'), or its error
             self._use_layout(auto.agree(self._auto_choice, self, self.lightning_module, datamodule))
             self.preflight(self.lightning_module, datamodule, trainer)
         self._setup_phase.start()
-        self._groups = build_process_groups(self.parallel_dims, timeout)
+        timeout = timedelta(minutes=self.options.timeout_minutes)
+        self._groups = build_process_groups(self.parallel_dims, timeout, self.root_device.type)
         self._peers = supervisor.gather_peers()
-        self.options = self.options.resolved(self.lightning_module, trainer, self._dims, device)
+        self.options = self.options.resolved(
+            self.module, trainer, self.parallel_dims, self.root_device
+        )
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -258,11 +264,9 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         self.model_to_device()
         if self._engine is not None:
             self._engine.remove()
-        o = self.options
         self._engine = Engine(
-            self.lightning_module, self.parallel_dims, self.groups, schedule=o.schedule,
-            bucket_cap_mb=o.bucket_cap_mb, reducer=o.reducer, zero=o.zero,
-        )  # fmt: skip
+            self.module, self.parallel_dims, self.groups, **self.options.engine_args
+        )
         self._engine.broadcast_replicated()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -276,6 +280,13 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.checkpoints.claim(self.module.trainer, self.global_rank)
+        # after Lightning registered its signal handlers (Trainer._run)
+        preemption.install(self.world_size)
 
     # -- the end of a step: reduce, check, clip ----------------------------------------------------------
     @contextmanager
@@ -303,10 +314,10 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
         stop = preemption.start_agreement(self.root_device)  # on SIGTERM, over the world
         norm = self.engine.finish_gradients(self.options.gradient_clip_norm)
         self._grads_pending = False
-        module, action = self.lightning_module, self.options.on_nonfinite
+        module, action = self.module, self.options.on_nonfinite
         given = [] if step is None else [step.loss, step.aux, step.dropped]
         *values, stopping = torch.stack([t.double() for t in [norm, *given, stop()]]).tolist()
-        self.decide(stopping)
+        self.preemption.decide(stopping, module.trainer)
         finite = check_finite(
             module, self.parallel_dims, module.trainer.global_step, values[:2], action
         )
@@ -318,7 +329,7 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        if not self.lightning_module.automatic_optimization:
+        if not self.module.automatic_optimization:
             # the module's training_step finishes the grads before and does the post-step work
             # after (TitanLM.training_step shows the order)
             if self._grads_pending:
@@ -338,8 +349,101 @@ class TitanStrategy(preemption.Preemptible, FailTogether, ShardedCheckpointHooks
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        faults.set_step(self.lightning_module.trainer.global_step)
+        faults.set_step(self.module.trainer.global_step)
         return super().training_step(*args, **kwargs)
+
+    # -- collectives for Lightning's loops, callbacks and loggers; failing together -------------------
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if name == "run-stage":  # the Trainer's first call after it set its signal handlers
+            preemption.stop_at_once_outside_fit(self.module.trainer, self.options.grace_s)
+        self._setup_phase.barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._setup_phase.broadcast(obj, src, self.global_rank)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return _sync_ddp_if_available(tensor, group, reduce_op)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        trainer, o = getattr(self.lightning_module, "_trainer", None), self.options
+        if self.preemption.handles(
+            exception, trainer, self.launcher, self.global_rank, self.world_size, o.grace_s
+        ):
+            return
+        self._setup_phase.fail(exception)
+        env = self.cluster_environment
+        started = distributed() or (env is not None and env.creates_processes_externally)
+        report_failure(
+            exception,
+            dims=self.parallel_dims if started else None,
+            peers=self._peers,
+            global_step=None if trainer is None else trainer.global_step,
+            grace_s=o.grace_s,
+        )
+
+    # -- checkpoints: every rank writes and reads its own shards (checkpoint_hooks.py) -----------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the stage-local model and the optimizer must exist to load into
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint already loaded it, resharded for this layout
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the shards are written by save_checkpoint; no full copy is gathered
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # done in load_checkpoint
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "TitanStrategy.save_checkpoint takes no storage_options (it writes DCP shards)"
+            )
+        path, dims = self.broadcast(str(filepath)), self.parallel_dims
+        layout = {**dims.degrees, "schedule": self.options.schedule, "zero": self.options.zero}
+        self.checkpoints.save(
+            path, checkpoint, self.module, self.optimizers, layout, self._global_batch_size()
+        )
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        return self.checkpoints.load(
+            path, self.module, self.optimizers, self._global_batch_size(), weights_only
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        remove_checkpoint(filepath)
+
+    def _global_batch_size(self) -> int | None:
+        datamodule = getattr(self.module.trainer, "datamodule", None)
+        return getattr(datamodule, "global_batch_size", None)
 
     @override
     def teardown(self) -> None:

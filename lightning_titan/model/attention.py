@@ -11,6 +11,8 @@ weight is cut like the projection's rows.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,6 +28,22 @@ from lightning_titan.parallel.tensor_parallel import (
 )
 
 QK_NORMS = ("none", "head", "full")
+
+
+class _AttentionConfig(Protocol):
+    """What Attention reads of a ModelConfig (not imported: model/config.py imports this module)."""
+
+    d_model: int
+    n_heads: int
+    qkv_bias: bool
+    qk_norm: str
+    norm_eps: float
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
 
 
 class RMSNorm(nn.Module):
@@ -47,14 +65,14 @@ class _SumOverGroup(torch.autograd.Function):
     rank's input."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: Tensor, group: ProcessGroup) -> Tensor:
         ctx.group = group
         x = x.clone()
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -107,7 +125,7 @@ class Attention(nn.Module):
 
     def __init__(
         self,
-        config,  # ModelConfig (not imported: model/decoder.py imports this module)
+        config: _AttentionConfig,
         tp_group: ProcessGroup | None = None,
         cp_group: ProcessGroup | None = None,
     ) -> None:

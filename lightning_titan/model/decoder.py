@@ -240,9 +240,12 @@ class StageModel(nn.Module):
         """The summed cross-entropy of ``targets`` [..., S] under the last stage's ``logits``
         [..., S, V/tp] (the padded vocabulary rows excluded); the same value on every TP rank."""
         losses = vocab_parallel_cross_entropy(
-            logits.flatten(0, -2), targets.flatten(), vocab_start=self.vocab_start,
-            vocab_size=self.config.vocab_size, group=self.tp_group,
-        )  # fmt: skip
+            logits.flatten(0, -2),
+            targets.flatten(),
+            vocab_start=self.vocab_start,
+            vocab_size=self.config.vocab_size,
+            group=self.tp_group,
+        )
         return losses.sum()
 
     def _rope(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -17,6 +17,7 @@ Every rank of the EP group must call ``dispatch``/``combine`` in the same order,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,13 +50,15 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
+    def forward(
+        ctx: Any, x: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+    ) -> Tensor:
         ctx.splits = (output_splits, input_splits)
         ctx.group = group
         return _all_to_all(x, output_splits, input_splits, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         output_splits, input_splits = ctx.splits
         return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
 
@@ -72,12 +75,12 @@ class _PermuteRows(torch.autograd.Function):
     than the scatter-add autograd would otherwise use)."""
 
     @staticmethod
-    def forward(ctx, x, index, inverse):
+    def forward(ctx: Any, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
         ctx.save_for_backward(inverse)
         return x.index_select(0, index)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
 
@@ -88,13 +91,13 @@ class _PackTokens(torch.autograd.Function):
     (``index_add_``) autograd derives for ``index_select`` with repeated indices."""
 
     @staticmethod
-    def forward(ctx, x, token_of_row, token_rows):
+    def forward(ctx: Any, x: Tensor, token_of_row: Tensor, token_rows: Tensor) -> Tensor:
         ctx.save_for_backward(token_rows)
         return x.index_select(0, token_of_row)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         (token_rows,) = ctx.saved_tensors
         return F.embedding_bag(token_rows, grad.contiguous(), mode="sum"), None, None
 
@@ -177,7 +180,7 @@ def dispatch(
     packed = _PackTokens.apply(x, plan.token_of_row, plan.token_rows)
 
     ep = ep_size(group)
-    if ep == 1:
+    if group is None or ep == 1:
         plan.tokens_per_local_expert = counts.tolist()
         if plan.dropped:
             packed = packed[: sum(plan.tokens_per_local_expert)]
@@ -218,6 +221,10 @@ def dispatch(
 def combine(expert_out: Tensor, weights: Tensor, plan: DispatchPlan) -> Tensor:
     """Return each token's router-weighted sum of its K expert outputs, [T, D] (reverse of dispatch)."""
     if plan.local_order is not None:
+        # dispatch sets the splits and the group with local_order (more than one EP rank)
+        assert (
+            plan.send_splits is not None and plan.recv_splits is not None and plan.group is not None
+        )
         source_major = _PermuteRows.apply(expert_out, plan.local_order_inverse, plan.local_order)
         expert_out = all_to_all(source_major, plan.send_splits, plan.recv_splits, plan.group)
     if plan.dropped:  # zero rows for the dropped assignments: they add nothing, get no gradient
@@ -237,7 +244,14 @@ class _WeightedUnpack(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, weights, order, token_of_row, token_rows):
+    def forward(
+        ctx: Any,
+        rows: Tensor,
+        weights: Tensor,
+        order: Tensor,
+        token_of_row: Tensor,
+        token_rows: Tensor,
+    ) -> Tensor:
         w = weights.to(rows.dtype)  # Mixtral applies the fp32 router weights in the hidden dtype
         ctx.save_for_backward(rows, w, order, token_of_row, token_rows)
         ctx.weights_dtype = weights.dtype
@@ -245,7 +259,7 @@ class _WeightedUnpack(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         rows, w, order, token_of_row, token_rows = ctx.saved_tensors
         grad_of_row = grad.index_select(0, token_of_row)  # [T*K, D], expert-major
         grad_rows = grad_weights = None

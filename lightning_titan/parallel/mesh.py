@@ -39,7 +39,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch._C._distributed_c10d import Backend as C10dBackend
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("dp", "pp", "ep", "cp", "tp")  # slowest to fastest
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -268,10 +269,16 @@ class ProcessGroups:
     model: dist.ProcessGroup | None = None
     cp: dist.ProcessGroup | None = None
     sequence: dist.ProcessGroup | None = None
+    mesh: DeviceMesh | None = None  # the named-axis mesh they come from
 
 
-def build_process_groups(dims: ParallelDims, timeout: timedelta | None = None) -> ProcessGroups:
-    """Create every group of every kind, on every rank in the same order (``new_group`` is collective).
+def build_process_groups(
+    dims: ParallelDims, timeout: timedelta | None = None, device_type: str = "cpu"
+) -> ProcessGroups:
+    """The mesh of ``dims`` as one ``DeviceMesh`` with the axes as named dims, and every group kind
+    from it: a one-axis kind is the mesh's dim, a kind of several axes its flattened sub-mesh
+    (``mesh["dp", "cp", "tp"]``: the axes need not be adjacent). Collective: every rank builds the
+    same dims and kinds in the same order.
 
     ``timeout``: the collective timeout of the groups (None: torch's default, 30 min, whatever the
     world group's is), how long a stalled peer holds the others.
@@ -287,19 +294,37 @@ def build_process_groups(dims: ParallelDims, timeout: timedelta | None = None) -
             f"the process group has {dist.get_world_size()} ranks but the layout "
             f"{dims.degrees} has {dims.world_size}"
         )
-    key = (tuple(dims.degrees.values()), dims.rank, timeout)
+    key = (tuple(dims.degrees.values()), dims.rank, timeout, device_type)
     world, built = _BUILT.get(key, (None, None))
     if built is not None and world is dist.group.WORLD:
         return built
+    options = None if timeout is None else _group_options(timeout)
+    overrides: (
+        dict[int | str, str | C10dBackend.Options | tuple[str, C10dBackend.Options]] | None
+    ) = None if options is None else dict.fromkeys(AXES, options)
+    shape = tuple(dims.degrees[a] for a in AXES)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES, backend_override=overrides)
     mine = {}
-    for kind in GROUP_KINDS:
-        group, _ = dist.new_subgroups_by_enumeration(dims.all_groups(kind), timeout=timeout)
-        mine[kind] = group
-    _BUILT[key] = (dist.group.WORLD, ProcessGroups(**mine))
+    for kind, axes in GROUPS.items():
+        # _flatten: torch's (private) way to one group over several dims; its test is this module's
+        sub = mesh[axes[0]] if len(axes) == 1 else mesh[axes]._flatten(kind, options)
+        mine[kind] = sub.get_group()
+    _BUILT[key] = (dist.group.WORLD, ProcessGroups(**mine, mesh=mesh))
     return _BUILT[key][1]
 
 
-# (degrees, rank, timeout) -> (the world group they were built in, the groups)
+def _group_options(timeout: timedelta) -> C10dBackend.Options:
+    """Backend options that carry ``timeout`` into every group the mesh creates (NCCL takes only its
+    own options class)."""
+    if dist.get_backend() != "nccl":
+        return C10dBackend.Options(dist.get_backend(), timeout)
+    nccl = dist.ProcessGroupNCCL.Options()
+    nccl.is_high_priority_stream = False
+    nccl._timeout = timeout
+    return nccl
+
+
+# (degrees, rank, timeout, device type) -> (the world group they were built in, the groups)
 _BUILT: dict[tuple, tuple[Any, ProcessGroups]] = {}
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -70,9 +70,13 @@ def as_global(local: Tensor, shard: TpShard) -> Tensor:
     shape = list(local.shape)
     shape[shard.dim] = shard.full_size
     return DTensor.from_local(
-        real, group_mesh(shard.group, local.device.type), [Shard(shard.dim)], run_check=False, shape=torch.Size(shape),
+        real,
+        group_mesh(shard.group, local.device.type),
+        [Shard(shard.dim)],
+        run_check=False,
+        shape=torch.Size(shape),
         stride=torch.empty(shape, device="meta").stride(),
-    )  # fmt: skip
+    )
 
 
 def tp_shard(module: nn.Module) -> TpShard | None:
@@ -147,12 +151,12 @@ def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int, kind: str) -> Tens
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, kind):
+    def forward(ctx: Any, x: Tensor, group: ProcessGroup, dim: int, kind: str) -> Tensor:
         ctx.group, ctx.dim, ctx.kind = group, dim, kind
         return _gather(x, group, dim, kind)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         # every rank's downstream (its heads, its vocabulary shard, its queries) used the whole
         # gathered tensor: the slice's grad is the sum of theirs
         return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.kind), None, None, None
@@ -160,12 +164,12 @@ class _Gather(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx: Any, x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
         ctx.group, ctx.dim = group, dim
         return _reduce_scatter(x, group, dim, "tp")
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         return _gather(grad, ctx.group, ctx.dim, "tp"), None, None
 
 
@@ -189,7 +193,14 @@ def scatter_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, group):
+    def forward(
+        ctx: Any,
+        logits: Tensor,
+        targets: Tensor,
+        vocab_start: int,
+        vocab_size: int,
+        group: ProcessGroup,
+    ) -> Tensor:
         # padded rows (global id >= vocab_size) are not in the vocabulary: -inf, so softmax gives 0
         ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
@@ -210,7 +221,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return torch.log(sum_exp) - target_logit
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         exp, sum_exp, local, local_target = ctx.saved_tensors
         grad_logits = exp / sum_exp.unsqueeze(-1)
         grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -local.to(exp.dtype).unsqueeze(-1))

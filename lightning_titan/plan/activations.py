@@ -67,11 +67,15 @@ def per_sequence(config: ModelConfig) -> tuple[float, float]:
     if key not in _PER_SEQUENCE:
         s = _scale(config)
         narrow = replace(
-            config, d_model=config.d_model // s, n_heads=config.n_heads // s,
+            config,
+            d_model=config.d_model // s,
+            n_heads=config.n_heads // s,
             n_kv_heads=None if config.n_kv_heads is None else config.n_kv_heads // s,
-            ffn_dim=config.ffn_dim // s, shared_expert_dim=config.shared_expert_dim // s,
-            attn_head_dim=config.head_dim, activation_checkpointing=False,
-        )  # fmt: skip
+            ffn_dim=config.ffn_dim // s,
+            shared_expert_dim=config.shared_expert_dim // s,
+            attn_head_dim=config.head_dim,
+            activation_checkpointing=False,
+        )
         one, two = _saved(replace(narrow, n_layers=1)), _saved(replace(narrow, n_layers=2))
         _PER_SEQUENCE[key] = ((two - one) * s, one - (two - one))
     return _PER_SEQUENCE[key]

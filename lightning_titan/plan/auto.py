@@ -19,10 +19,20 @@ from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.plan.devices import GPUS, Device, cpu_device, on_nodes
 from lightning_titan.plan.layouts import DEVICES, GB, candidates, shortfall
 from lightning_titan.plan.rank import Ranked, ranked
+from lightning_titan.train.options import TrainOptions
 
 # what the strategy's own arguments default to: layout="auto" sets these itself
-CHOSEN_DEFAULTS = {"dp": -1, "pp": 1, "ep": 1, "tp": 1, "cp": 1, "zero": 0, "schedule": "1f1b",
-                   "virtual_stages": 1, "num_microbatches": None}  # fmt: skip
+CHOSEN_DEFAULTS = {
+    "dp": -1,
+    "pp": 1,
+    "ep": 1,
+    "tp": 1,
+    "cp": 1,
+    "zero": 0,
+    "schedule": "1f1b",
+    "virtual_stages": 1,
+    "num_microbatches": None,
+}
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,11 @@ class Choice:
     virtual_stages: int
     num_microbatches: int
     summary: str  # one line: the layout, its options and its predicted step
+
+    def applied_to(self, options: TrainOptions) -> TrainOptions:
+        """``options`` with the chosen step options, as if they had been given."""
+        return replace(options, zero=self.zero, schedule=self.schedule,
+                       virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches)  # fmt: skip
 
 
 def check_auto_arguments(given: dict[str, Any]) -> None:
@@ -109,10 +124,18 @@ def choose(config: ModelConfig, batch: int, world: int, device: Device) -> Choic
 
 def _as_choice(r: Ranked) -> Choice:
     o = r.options
-    summary = (f"{r.label.split(' ')[0]} zero={r.candidate.zero} {r.options_label}, predicted "
-               f"{r.cost.step * 1e3:,.3g} ms per step")  # fmt: skip
-    return Choice(dict(r.candidate.degrees), r.candidate.zero, o.schedule, o.virtual_stages,
-                  o.microbatches, summary)  # fmt: skip
+    summary = (
+        f"{r.label.split(' ')[0]} zero={r.candidate.zero} {r.options_label}, predicted "
+        f"{r.cost.step * 1e3:,.3g} ms per step"
+    )
+    return Choice(
+        dict(r.candidate.degrees),
+        r.candidate.zero,
+        o.schedule,
+        o.virtual_stages,
+        o.microbatches,
+        summary,
+    )
 
 
 def choose_for(strategy: Any, module: Any, datamodule: Any) -> Choice:

@@ -151,9 +151,13 @@ def predict(
 
 
 def _data_parallel(
-    config: ModelConfig, degrees: dict[str, int], zero: int, params: tuple[int, int],
-    device: Device, microbatch_s: float,
-) -> float:  # fmt: skip
+    config: ModelConfig,
+    degrees: dict[str, int],
+    zero: int,
+    params: tuple[int, int],
+    device: Device,
+    microbatch_s: float,
+) -> float:
     """Exposed seconds of the gradient reduction (and ZeRO's weight all-gather): the reduction
     overlaps the last microbatch's backward (2/3 of its compute); the all-gather follows the step."""
     dp, ep, cp, tp = degrees["dp"], degrees["ep"], degrees["cp"], degrees["tp"]

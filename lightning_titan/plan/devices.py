@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -69,10 +70,12 @@ GPUS = {
     ),
 }  # fmt: skip
 # the same chips with other memory: A100 40GB (1.56 TB/s HBM2), H200 (141 GB, 4.8 TB/s HBM3e)
-GPUS["a100-40gb"] = replace(GPUS["a100-80gb"], name="a100-40gb", memory=40 * GB,
-                            memory_bandwidth=1.56e12)  # fmt: skip
-GPUS["h200-141gb"] = replace(GPUS["h100-80gb"], name="h200-141gb", memory=141 * GB,
-                             memory_bandwidth=4.8e12)  # fmt: skip
+GPUS["a100-40gb"] = replace(
+    GPUS["a100-80gb"], name="a100-40gb", memory=40 * GB, memory_bandwidth=1.56e12
+)
+GPUS["h200-141gb"] = replace(
+    GPUS["h100-80gb"], name="h200-141gb", memory=141 * GB, memory_bandwidth=4.8e12
+)
 
 # gloo over loopback on this 2-core box (python -m lightning_titan.plan.devices, 2026-12-01, load
 # average 4-5 from other jobs): a 1 kB all-reduce on 2 ranks took 0.35 and 2.8 ms in two runs, a
@@ -93,8 +96,16 @@ def pass_seconds(n_experts: int, top_k: int, repeats: int = 5) -> tuple[float, f
     from lightning_titan.model.decoder import ModelConfig, StageModel
     from lightning_titan.parallel.pipeline import backward_split
 
-    config = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, ffn_dim=32,
-                         n_experts=n_experts, top_k=top_k, seq_len=8)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=32,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        ffn_dim=32,
+        n_experts=n_experts,
+        top_k=top_k,
+        seq_len=8,
+    )
     model = StageModel(config, pp_rank=0, pp=1)
     middle = StageModel(replace(config, n_layers=3), pp_rank=1, pp=3)  # one block, no ends
     tokens, hidden = torch.randint(0, 32, (1, 8)), torch.randn(1, 8, 32)
@@ -112,7 +123,7 @@ def pass_seconds(n_experts: int, top_k: int, repeats: int = 5) -> tuple[float, f
         else:
             objective.backward()
 
-    def best(fn) -> float:
+    def best(fn: Callable[[], None]) -> float:
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
             start = time.perf_counter()
@@ -137,9 +148,18 @@ def cpu_device(ranks: int, n_experts: int, top_k: int, memory: float) -> Device:
         pass_s, split_s = pass_seconds(n_experts, top_k)
     finally:
         torch.set_num_threads(before)
-    return Device(f"cpu ({threads} thread{'s' * (threads > 1)}/rank, {cores} cores)", memory,
-                  flops, pass_s, split_s, CPU_MEMORY_BANDWIDTH, GLOO_LOOPBACK, None, cores,
-                  per_node=ranks)  # fmt: skip
+    return Device(
+        f"cpu ({threads} thread{'s' * (threads > 1)}/rank, {cores} cores)",
+        memory,
+        flops,
+        pass_s,
+        split_s,
+        CPU_MEMORY_BANDWIDTH,
+        GLOO_LOOPBACK,
+        None,
+        cores,
+        per_node=ranks,
+    )
 
 
 def on_nodes(device: Device, devices: int, nodes: int) -> Device:
@@ -173,11 +193,15 @@ def main() -> None:
 
     for ranks in (1, 2, 4):
         d = cpu_device(ranks, 8, 2, 0)
-        print(f"{ranks} ranks: {d.name}: {d.flops / 1e9:.1f} GFLOP/s, pass {d.pass_s * 1e3:.2f} ms, "
-              f"split backward +{d.split_s * 1e3:.2f} ms")  # fmt: skip
+        print(
+            f"{ranks} ranks: {d.name}: {d.flops / 1e9:.1f} GFLOP/s, pass {d.pass_s * 1e3:.2f} ms, "
+            f"split backward +{d.split_s * 1e3:.2f} ms"
+        )
     small, large = run_on_ranks(_gloo_probe, 2, timeout_s=120)[0]
-    print(f"gloo 2 ranks: 1 kB all-reduce {small * 1e3:.3f} ms, 16 MB {large * 1e3:.1f} ms "
-          f"({2 * 16e6 / 2 / large / GB:.2f} GB/s ring bus bandwidth)")  # fmt: skip
+    print(
+        f"gloo 2 ranks: 1 kB all-reduce {small * 1e3:.3f} ms, 16 MB {large * 1e3:.1f} ms "
+        f"({2 * 16e6 / 2 / large / GB:.2f} GB/s ring bus bandwidth)"
+    )
 
 
 if __name__ == "__main__":

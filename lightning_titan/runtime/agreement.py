@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -75,6 +76,27 @@ class SetupPhase:
         except BaseException:
             self.active = False  # agreed: the peers raise it too, nobody waits for another
             raise
+
+    def barrier(self, device: torch.device) -> None:
+        """A barrier of the world; while active, an agreement (a rank that failed joins it as an error)."""
+        if not distributed():
+            return
+        if self.active:
+            self.agree()
+        elif dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int, rank: int) -> Any:
+        """``obj`` of global rank ``src`` on every rank; while active, an agreement."""
+        if not distributed():
+            return obj
+        if self.active:
+            return self.agree(None, obj if rank == src else None)[src]
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
 
     def fail(self, exception: BaseException) -> None:
         """This rank failed: if the peers wait in a setup agreement, tell them."""

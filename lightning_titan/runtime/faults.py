@@ -136,6 +136,7 @@ def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
         os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGTERM)
     if fault.action in ("term", "note"):
         return tensor
+    assert tensor is not None  # parse() takes nan/inf only for TENSOR_PHASES, whose points pass one
     value = float("nan") if fault.action == "nan" else float("inf")
     # multiply (not fill) so autograd carries the poison to every gradient upstream
     return tensor * torch.tensor(value, dtype=tensor.dtype, device=tensor.device)

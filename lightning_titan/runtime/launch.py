@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing.queues import SimpleQueue
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +132,15 @@ def rank_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store | N
         return None
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     if rank == 0:
-        return dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=int(fd),
-                             timeout=timeout, wait_for_workers=False)  # fmt: skip
+        return dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            master_listen_fd=int(fd),
+            timeout=timeout,
+            wait_for_workers=False,
+        )
     return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
 
@@ -152,7 +160,16 @@ def cpu_threads_per_rank(local_world_size: int, *, forked: bool = False) -> int:
     return 1 if forked else max(1, (os.cpu_count() or 1) // local_world_size)
 
 
-def _entry(rank, world_size, timeout_s, backend, fn, args, queue, forked):
+def _entry(
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    backend: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    queue: SimpleQueue[tuple[int, bool, bytes | str]],
+    forked: bool,
+) -> None:
     # a launcher killed (kill -9, a test runner's timeout) must not leave its ranks waiting in a
     # collective for timeout_s: each leaves within seconds (orphans.watch_launcher)
     watch_launcher()

@@ -53,7 +53,7 @@ def stopped_peers(peers: Sequence[tuple[str, int]] | None) -> list[tuple[int, in
 
 
 def waiting_in(exception: BaseException) -> str | None:
-    """``all_reduce (lightning_titan/train/engine.py:_global_means)``: the collective a failed call was in
+    """``all_reduce (train/objective.py:global_means)``: the collective a failed call was in
     (the innermost ``torch.distributed`` function) and the innermost caller outside torch."""
     frames = []
     tb = exception.__traceback__

@@ -99,8 +99,8 @@ class _Open:
         rec = self.recorder
         end = time.perf_counter_ns()
         cpu = None if rec.synchronize else time.thread_time_ns() - self.start_cpu_ns
-        span = Span(self.kind, self.name, rec.rank, self.start_ns, end, rec.step,
-                    threading.get_ident(), self.args, cpu)  # fmt: skip
+        where = (rec.rank, self.start_ns, end, rec.step, threading.get_ident())
+        span = Span(self.kind, self.name, *where, self.args, cpu)
         end_event = None
         if rec.synchronize:
             end_event = _new_cuda_event()
@@ -175,17 +175,18 @@ def exclusive_ns(spans: Iterable[Span], window: tuple[int, int] | None = None) -
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:
-    total, cur_start, cur_end = 0, None, None
-    for a, b in sorted(intervals):
-        if cur_end is None or a > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
+    if not intervals:
+        return 0
+    total = 0
+    ordered = sorted(intervals)
+    cur_start, cur_end = ordered[0]
+    for a, b in ordered[1:]:
+        if a > cur_end:
+            total += cur_end - cur_start
             cur_start, cur_end = a, b
         else:
             cur_end = max(cur_end, b)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+    return total + cur_end - cur_start
 
 
 def theory_bubble(
@@ -205,9 +206,8 @@ class StageBubble:
     stage: int
     measured: float  # median over (pipeline, step) samples: one disturbed step does not decide it
     theory: float
-    num_microbatches: (
-        int  # M: distinct microbatches, not forwards (v per microbatch when interleaved)
-    )
+    # M: distinct microbatches, not forwards (v per microbatch when interleaved)
+    num_microbatches: int
     samples: int  # (pipeline, step) pairs measured
     mean: float = 0.0
     virtual_stages: int = 1  # chunks per rank (v)
@@ -246,15 +246,28 @@ def measure_bubbles(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -
     pp = len(pipelines[0]) if pipelines else 1
     m, v = microbatches.get(0, (1, 1))
     split = any(s.name == "backward_weight" for s in spans)
-    return [
-        StageBubble(stage, statistics.median(f), theory_bubble(pp, m, v, split),
-                    microbatches[stage][0], len(f), sum(f) / len(f), microbatches[stage][1], split)
-        for stage, f in sorted(fractions.items())
-    ]  # fmt: skip
+    theory = theory_bubble(pp, m, v, split)
+    out = []
+    for stage, f in sorted(fractions.items()):
+        stage_m, stage_v = microbatches[stage]
+        out.append(
+            StageBubble(
+                stage,
+                statistics.median(f),
+                theory,
+                stage_m,
+                len(f),
+                sum(f) / len(f),
+                stage_v,
+                split,
+            )
+        )
+    return out
 
 
-def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]
-                                 ) -> list[Span]:  # fmt: skip
+def replay_without_communication(
+    spans: Sequence[Span], pipelines: Sequence[Sequence[int]]
+) -> list[Span]:
     """The recorded forwards and backwards, each stage in its recorded order and with its recorded
     durations, re-timed as if send/recv cost nothing: forward i on stage p starts once forward i on
     p - 1 ended, backward i once backward i on p + 1 ended. ``measure_bubbles`` of the result is the
@@ -298,8 +311,10 @@ def replay_without_communication(spans: Sequence[Span], pipelines: Sequence[Sequ
                     nxt[p] += 1
                     progressed = True
                 if not progressed:
-                    raise ValueError(f"the recorded order of step {step} on ranks {list(ranks)} cannot be "
-                                     "replayed: spans without matching microbatch ids (args['mb'])?")  # fmt: skip
+                    raise ValueError(
+                        f"the recorded order of step {step} on ranks {list(ranks)} cannot be "
+                        "replayed: spans without matching microbatch ids (args['mb'])?"
+                    )
     return out
 
 
@@ -327,7 +342,7 @@ def with_cpu_lengths(spans: Sequence[Span]) -> list[Span] | None:
     compute = [s for s in spans if s.kind in COMPUTE_KINDS]
     if not compute or any(s.cpu_ns is None for s in compute):
         return None
-    return [replace(s, end_ns=s.start_ns + s.cpu_ns) for s in compute]
+    return [replace(s, end_ns=s.start_ns + (s.cpu_ns or 0)) for s in compute]
 
 
 def bubble_breakdown(spans: Sequence[Span], pipelines: Sequence[Sequence[int]]) -> list[dict]:
@@ -379,29 +394,3 @@ def time_by_kind(spans: Sequence[Span]) -> dict[str, float]:
             totals[kind] += ns / 1e6
     n = max(1, len(by_key))
     return {kind: totals.get(kind, 0.0) / n for kind in (*KINDS, OTHER)}
-
-
-def chrome_trace(spans: Iterable[Span], rank_labels: dict[int, str] | None = None) -> dict:
-    """Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev): one process per rank, times in us
-    from the earliest span. Ranks of one host share the monotonic clock, so their spans line up."""
-    spans = list(spans)
-    t0 = min((s.start_ns for s in spans), default=0)
-    threads: dict[tuple[int, int], int] = {}
-    events = []
-    for s in sorted(spans, key=lambda s: (s.rank, s.start_ns)):
-        tid = threads.setdefault((s.rank, s.thread), sum(r == s.rank for r, _ in threads))
-        events.append({
-            "name": s.name if "mb" not in s.args else f"{s.name} {s.args['mb']}",
-            "cat": s.kind, "ph": "X", "pid": s.rank, "tid": tid,
-            "ts": (s.start_ns - t0) / 1e3, "dur": s.duration_ns / 1e3,
-            "args": {"step": s.step, **{k: _jsonable(v) for k, v in s.args.items()}},
-        })  # fmt: skip
-    for rank in sorted({s.rank for s in spans}):
-        label = (rank_labels or {}).get(rank, f"rank {rank}")
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": label}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})  # fmt: skip
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def _jsonable(value: object) -> object:
-    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)

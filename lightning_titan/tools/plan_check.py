@@ -51,13 +51,21 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def _case(r: Ranked) -> Case:
     d = r.candidate.degrees
-    return Case(dp=d["dp"], pp=d["pp"], ep=d["ep"], cp=d["cp"], tp=d["tp"],
-                schedule=r.options.schedule, virtual_stages=r.options.virtual_stages,
-                impls=(OURS,))  # fmt: skip
+    return Case(
+        dp=d["dp"],
+        pp=d["pp"],
+        ep=d["ep"],
+        cp=d["cp"],
+        tp=d["tp"],
+        schedule=r.options.schedule,
+        virtual_stages=r.options.virtual_stages,
+        impls=(OURS,),
+    )
 
 
-def chosen(config: ModelConfig, batch: int, world: int, settings: Settings, memory: float,
-           per_end: int) -> list[Ranked]:  # fmt: skip
+def chosen(
+    config: ModelConfig, batch: int, world: int, settings: Settings, memory: float, per_end: int
+) -> list[Ranked]:
     """The fastest and slowest ``per_end`` runnable layouts of ``world`` ranks, as predicted."""
     device = cpu_device(world, config.n_experts, config.top_k, memory)
     found = [c for c in candidates(config, world, batch)[0] if c.zero == 0]
@@ -73,11 +81,19 @@ def chosen(config: ModelConfig, batch: int, world: int, settings: Settings, memo
     return rows[:per_end] + rows[-per_end:]
 
 
-def check(config: ModelConfig, batch: int, devices: int, memory: float, steps: int = 2,
-          rounds: int = 3) -> float:  # fmt: skip
+def check(
+    config: ModelConfig, batch: int, devices: int, memory: float, steps: int = 2, rounds: int = 3
+) -> float:
     """Run, print the table, return the Spearman correlation of predicted and measured step time."""
-    settings = Settings(config=config, global_batch=batch, warmup=1, steps=steps, rounds=rounds,
-                        traced_steps=0, timeout_s=600.0)  # fmt: skip
+    settings = Settings(
+        config=config,
+        global_batch=batch,
+        warmup=1,
+        steps=steps,
+        rounds=rounds,
+        traced_steps=0,
+        timeout_s=600.0,
+    )
     worlds = [w for w in (1, 2, 4, 8, 16) if w <= devices and devices % w == 0]
     rows: list[tuple[int, Ranked, dict]] = []
     start = time.perf_counter()
@@ -86,8 +102,9 @@ def check(config: ModelConfig, batch: int, devices: int, memory: float, steps: i
         if not picked:
             continue
         print(f"titan plan --check: {world} rank(s), {len(picked)} layouts ...", flush=True)
-        per_rank = run_on_ranks(run_world, world, [_case(r) for r in picked], settings,
-                                timeout_s=settings.timeout_s)  # fmt: skip
+        per_rank = run_on_ranks(
+            run_world, world, [_case(r) for r in picked], settings, timeout_s=settings.timeout_s
+        )
         for i, r in enumerate(picked):
             rows.append((world, r, _measured([results[i][OURS] for results in per_rank])))
     predicted = [r.cost.step for _, r, _ in rows]

@@ -56,10 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", help="write the first layout as a config overlay (YAML)")
     parser.add_argument(
-        "--check", action="store_true",
+        "--check",
+        action="store_true",
         help="run the fastest and slowest predicted layouts on this machine's CPU ranks (1 to "
         "--devices) for a few steps: predicted against measured, and their rank correlation",
-    )  # fmt: skip
+    )
     return parser
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -47,7 +48,7 @@ def probe_costs(
         logits = model.lm_head(model.norm(x.requires_grad_()))
         return F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten(), reduction="sum")
 
-    def seconds(part) -> float:
+    def seconds(part: Callable[[], torch.Tensor]) -> float:
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()

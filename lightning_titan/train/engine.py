@@ -31,20 +31,10 @@ from lightning_titan.parallel.dp.reducer import GradReducer
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
 from lightning_titan.parallel.pipeline.p2p import StageLinks
 from lightning_titan.parallel.pipeline.schedules import get_schedule
-from lightning_titan.parallel.pipeline.stage import LossFn, PipelineStage, StepSums
+from lightning_titan.parallel.pipeline.stage import PipelineStage
 from lightning_titan.parallel.tensor_parallel import tp_shards
 from lightning_titan.runtime import probes
-
-
-@dataclass
-class StepLoss:
-    """The step's global means over every data rank's sequences, the same on every rank (0-dim fp64
-    tensors on the device: reading them is the caller's one host sync)."""
-
-    loss: Tensor  # mean token loss (loss_fn) of the global batch
-    aux: Tensor  # mean per-sequence aux loss (router balance + z), summed over stages
-    # assignments over an expert's capacity in the step, all layers and data ranks (0 when dropless)
-    dropped: Tensor
+from lightning_titan.train.objective import LossFn, Objective, StepLoss, global_means
 
 
 @dataclass(frozen=True)
@@ -177,10 +167,17 @@ class Engine:
         self._check_whole()
         self.set_grad_sync(False)
         stage = PipelineStage(
-            stage_model, self.dims, self._links(stage_model, inputs.device), inputs, targets,
-            num_microbatches, loss_fn, backward=backward,
-            on_last_backward=lambda: self.set_grad_sync(True), tracer=tracer,
-        )  # fmt: skip
+            stage_model,
+            self.dims,
+            self._links(stage_model, inputs.device),
+            inputs,
+            targets,
+            num_microbatches,
+            self._objective(loss_fn, inputs),
+            backward=backward,
+            on_last_backward=lambda: self.set_grad_sync(True),
+            tracer=tracer,
+        )
         try:
             sums = stage.run(self.schedule)
         finally:
@@ -189,7 +186,7 @@ class Engine:
         for layer in self.capacity_layers:  # this rank's tokens in its stage's layers
             dropped += layer.step_dropped.to(dropped.device)
             layer.step_dropped.zero_()
-        return self._global_means(sums, inputs.shape[0], dropped)
+        return global_means(sums, inputs.shape[0], self.dims.data_world, dropped)
 
     @torch.no_grad()
     def forward_only(
@@ -202,10 +199,15 @@ class Engine:
     ) -> StepLoss:
         self._check_whole()
         links = self._links(stage_model, inputs.device)
+        objective = self._objective(loss_fn, inputs)
         stage = PipelineStage(
-            stage_model, self.dims, links, inputs, targets, num_microbatches, loss_fn
+            stage_model, self.dims, links, inputs, targets, num_microbatches, objective
         )
-        return self._global_means(stage.run(None), inputs.shape[0])
+        return global_means(stage.run(None), inputs.shape[0], self.dims.data_world)
+
+    @staticmethod
+    def _objective(loss_fn: LossFn, inputs: Tensor) -> Objective:
+        return Objective(loss_fn, local_tokens=inputs.numel(), local_sequences=inputs.shape[0])
 
     def _check_whole(self) -> None:
         if self._gather_due:  # a silent divergence otherwise: each rank trains its own rows only
@@ -269,23 +271,6 @@ class Engine:
         engine-level harnesses, Lightning's automatic optimization)."""
         self.gather_params()
         self.update_router_bias(skip)
-
-    def _global_means(
-        self, sums: StepSums, local_sequences: int, dropped: Tensor | None = None
-    ) -> StepLoss:
-        """One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0;
-        the dropped assignments of each layer on its stage's ranks (each counts its own tokens)."""
-        tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)
-        if dropped is None:
-            dropped = torch.zeros_like(tokens)
-        totals = torch.stack([sums.loss_sum.double(), sums.aux_sum.double(), tokens, dropped])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            with probes.span("all_reduce", "loss"):
-                dist.all_reduce(totals)
-        global_sequences = local_sequences * self.dims.data_world
-        return StepLoss(
-            loss=totals[0] / totals[2], aux=totals[1] / global_sequences, dropped=totals[3]
-        )
 
     def remove(self) -> None:
         for r in self.reducers:

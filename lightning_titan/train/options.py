@@ -126,11 +126,19 @@ class TrainOptions:
     def microbatches(self, local_batch: int, *, pp: int) -> int:
         """How many microbatches a per-rank batch of ``local_batch`` sequences is split into."""
         m = num_microbatches(
-            local_batch, num_microbatches=self.num_microbatches,
-            microbatch_size=self.microbatch_size, pp=pp,
-        )  # fmt: skip
+            local_batch,
+            num_microbatches=self.num_microbatches,
+            microbatch_size=self.microbatch_size,
+            pp=pp,
+        )
         check_microbatches(self.schedule, m, pp, self.virtual_stages)
         return m
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        """The options ``train.engine.Engine`` takes, by name."""
+        return {"schedule": self.schedule, "bucket_cap_mb": self.bucket_cap_mb,
+                "reducer": self.reducer, "zero": self.zero}  # fmt: skip
 
     def resolved(self, module: Any, trainer: Any, dims: ParallelDims, device: Any) -> TrainOptions:
         """With ``stage_layers="auto"``: the counts probed on global rank 0 and broadcast (the same on

@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
+from lightning_titan.lightning import plots
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
 from lightning_titan.parallel.pipeline.schedules import get_schedule
@@ -345,7 +346,7 @@ def test_time_split_counts_the_zero_parameter_gather():
 def test_chrome_trace_has_one_process_per_rank_in_microseconds():
     spans = [tracing.Span("forward", "forward", 1, 5_000, 9_000, step=3, args={"mb": 2}),
              tracing.Span("p2p", "send_forward", 0, 2_000, 3_000)]  # fmt: skip
-    trace = json.loads(json.dumps(tracing.chrome_trace(spans, {0: "rank 0 (pp0)"})))
+    trace = json.loads(json.dumps(plots.chrome_trace(spans, {0: "rank 0 (pp0)"})))
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {(e["pid"], e["name"], e["ts"], e["dur"]) for e in events} == {
         (1, "forward 2", 3.0, 4.0),

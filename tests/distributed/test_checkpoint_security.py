@@ -32,7 +32,7 @@ from lightning_titan.checkpoint import (
 )
 from lightning_titan.checkpoint.storage import UnsafeCheckpointError
 from lightning_titan.hf import export
-from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpointHooks
+from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpoints
 from lightning_titan.model.decoder import ModelConfig, StageModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,10 +204,10 @@ def test_two_jobs_on_one_directory(tmp_path: Path) -> None:
         in_use = f"{ckpts} is in use by another job \\(pid {job.pid}"
         with pytest.raises(RuntimeError, match=in_use):
             save_sharded(ckpts / "other.ckpt", nn.Linear(2, 2), [], {}, layout={})
-        strategy = SimpleNamespace(global_rank=0)  # the strategy calls this in setup, before a step
+        # the strategy claims its directories when training starts, before a step
         trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(ckpts))])
         with pytest.raises(RuntimeError, match=in_use):
-            ShardedCheckpointHooks.claim_checkpoint_dirs(strategy, trainer)
+            ShardedCheckpoints.claim(trainer, global_rank=0)
         files.recover(ckpts / "last.ckpt")  # even unlocked, recovery spares the live job's save
         assert live.exists() and not dead.exists()
         assert is_complete_checkpoint(ckpts / "last.ckpt")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +45,11 @@ class _ContiguousGrad(torch.autograd.Function):
     ``contiguous()`` leaves as they are)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx: Any, x: Tensor) -> Tensor:
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
         return (
             grad.contiguous()
             if grad.numel()

@@ -105,9 +105,13 @@ class MoELayer(nn.Module):
             )
         logits = self.router(x)
         routing = route(
-            logits, self.top_k, self.sequence_group, self.expert_bias,
-            score=self.router_score, norm_topk=self.norm_topk,
-        )  # fmt: skip
+            logits,
+            self.top_k,
+            self.sequence_group,
+            self.expert_bias,
+            score=self.router_score,
+            norm_topk=self.norm_topk,
+        )
         if self.expert_bias is not None:
             self.unbiased_tokens_per_expert = self._unbiased_counts(logits)
         tokens = x.reshape(b * s, d)

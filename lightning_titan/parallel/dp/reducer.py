@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -173,7 +173,7 @@ class GradReducer:
         """The parameters of each bucket, in bucket order (empty when there is no collective)."""
         return [list(b.params) for b in self._buckets]
 
-    def _hook(self, b: int, slot: int):
+    def _hook(self, b: int, slot: int) -> Callable[[Tensor], None]:
         def on_grad_accumulated(param: Tensor) -> None:
             if not self.sync:
                 return
@@ -210,6 +210,7 @@ class GradReducer:
 
     @staticmethod
     def _slice(bucket: _Bucket, slot: int) -> Tensor:
+        assert bucket.buffer is not None  # "bucketed" mode: its callers check
         param, start = bucket.params[slot], bucket.offsets[slot]
         return bucket.buffer[start : start + param.numel()].view(param.shape)
 
@@ -246,6 +247,7 @@ class GradReducer:
         """Scale the bucket's grads and start its async all-reduce."""
         if bucket.buffer is None:
             flat = bucket.params[0].grad
+            assert flat is not None  # _fill gave every filled slot a grad
         else:
             # Python scalars: a fill on the device, where a host tensor would be a synced copy
             bucket.buffer[-2] = float(bucket.all_hooked)
@@ -281,6 +283,7 @@ class GradReducer:
                 self._launch(b, "finish")
         counts = self._hook_counts()
         for b, bucket in enumerate(self._buckets):
+            assert bucket.work is not None  # every bucket was launched just above
             with probes.span("wait", "grad all-reduce"):
                 bucket.work.wait()
             flags = self._write_back(bucket)

@@ -153,7 +153,8 @@ class ShardedGradReducer(GradReducer):
         bucket.num_filled += 1
 
     def _start(self, b: int, bucket: _Bucket, where: str) -> dist.Work:
-        assert isinstance(bucket, _ShardBucket) and bucket.buffer is not None
+        assert isinstance(bucket, _ShardBucket)
+        assert bucket.buffer is not None and bucket.output is not None
         slots_N = bucket.buffer.view(self._world, bucket.slot_numel)
         slots_N[:, -2] = float(bucket.all_hooked)
         slots_N[:, -1] = float(where == "hook")

@@ -30,6 +30,7 @@ block's forward a second time (correct, one more forward per block).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -110,12 +111,12 @@ class _CallIntermediates(torch.autograd.Function):
     """The one-node graph of W's first call: its backward calls the intermediates (module doc)."""
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, weights: WeightGrads) -> Tensor:
+    def forward(ctx: Any, anchor: Tensor, weights: WeightGrads) -> Tensor:
         ctx.weights = weights
         return anchor.clone()
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         ctx.weights.call_intermediates()
         return grad, None
 
@@ -189,6 +190,10 @@ def split(
     objective: Tensor, x: Tensor, params: list[nn.Parameter]
 ) -> tuple[Tensor, WeightGrads | WholeBackward]:
     """B: ``(d objective / d x, the W still to run)``; ``x`` is the stage input (requires grad)."""
+    if objective.grad_fn is None:
+        raise ValueError(
+            "the backward split needs an objective computed with grad (it has no grad_fn)"
+        )
     found, weights = _roles(objective.grad_fn, _node(x), {id(p) for p in params if p.requires_grad})
     intermediates: dict[Node, list[tuple[int, GradientEdge]]] = {}
     # latest first, as one backward meets them: the reducers' buckets fill in their usual order

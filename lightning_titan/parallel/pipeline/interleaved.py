@@ -24,7 +24,7 @@ rank (``stream_ids``).
 
 from __future__ import annotations
 
-from typing import Any
+from lightning_titan.parallel.pipeline.protocols import ChunkedStage
 
 ChunkId = tuple[int, int]  # (chunk, microbatch)
 
@@ -82,7 +82,7 @@ def warmup_forwards(pp: int, pp_rank: int, v: int, m: int) -> int:
     return min(v * m, (pp - pp_rank - 1) * 2 + (v - 1) * pp)
 
 
-def interleaved_1f1b(stage: Any, num_microbatches: int) -> None:
+def interleaved_1f1b(stage: ChunkedStage, num_microbatches: int) -> None:
     """Warmup: forwards only. Steady: one forward, one backward, one exchange carrying both. Cooldown:
     the remaining backwards. Peak: ``warmup_forwards + 1`` chunk-microbatches live (v*M at most)."""
     pp, p, v, m = stage.pp, stage.pp_rank, stage.num_chunks, num_microbatches
@@ -109,9 +109,11 @@ def interleaved_1f1b(stage: Any, num_microbatches: int) -> None:
         recv_prev = not (first and fwd[(f - (pp - 1)) % total][0] == v - 1)
         recv_next = not (last and bwd[(b - (pp - 1)) % total][0] == 0)  # likewise for grads
         stage.exchange(
-            send_forward=fwd[f], send_backward=bwd[b],
-            recv_forward=recv_prev and k < steady - 1, recv_backward=recv_next,
-        )  # fmt: skip
+            send_forward=fwd[f],
+            send_backward=bwd[b],
+            recv_forward=recv_prev and k < steady - 1,
+            recv_backward=recv_next,
+        )
 
     for k in range(steady, total):
         stage.backward_chunk(*bwd[k])
@@ -119,7 +121,7 @@ def interleaved_1f1b(stage: Any, num_microbatches: int) -> None:
         stage.exchange(send_backward=bwd[k], recv_backward=recv_next)
 
 
-def interleaved_forward_only(stage: Any, num_microbatches: int) -> None:
+def interleaved_forward_only(stage: ChunkedStage, num_microbatches: int) -> None:
     """Evaluation: the forwards in the same order, each step's send and receive together."""
     pp, p, v, m = stage.pp, stage.pp_rank, stage.num_chunks, num_microbatches
     check_microbatches(pp, v, m)

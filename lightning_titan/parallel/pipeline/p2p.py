@@ -41,6 +41,11 @@ FORWARD_TAG, BACKWARD_TAG = 0, 1
 AHEAD = 2  # receives posted ahead per stream on CPU
 
 
+def _started(work: dist.Work | None) -> dist.Work:
+    assert work is not None  # torch returns None only to a rank outside the group
+    return work
+
+
 class _Inbox:
     """Receives from one neighbour, posted ahead of use when ``early``."""
 
@@ -53,7 +58,7 @@ class _Inbox:
         if self.unposted:
             self.unposted -= 1
             buffer = self.links.new_buffer()
-            work = dist.irecv(buffer, self.peer, group=self.links.group, tag=self.tag)
+            work = _started(dist.irecv(buffer, self.peer, group=self.links.group, tag=self.tag))
             self.posted.append((work, buffer))
 
     def take(self) -> Tensor:
@@ -148,15 +153,20 @@ class StageLinks:
         if self.early:
             if sends:  # the sends in flight hold their tensors: drop the ones done
                 self._sends = [w for w in self._sends if not w.is_completed()]
-                self._sends += [dist.isend(t, p, group=self.group, tag=tag) for t, p, tag in sends]
+                self._sends += [
+                    _started(dist.isend(t, p, group=self.group, tag=tag)) for t, p, tag in sends
+                ]
             x, g = (None if box is None else box.take() for box in inboxes)
             return x, g
         ops = [dist.P2POp(dist.isend, t, p, self.group, tag) for t, p, tag in sends]
         received: list[Tensor | None] = []
         for box in inboxes:
-            received.append(None if box is None else self.new_buffer())
-            if box is not None:
-                ops.append(dist.P2POp(dist.irecv, received[-1], box.peer, self.group, box.tag))
+            if box is None:
+                received.append(None)
+            else:
+                buffer = self.new_buffer()
+                received.append(buffer)
+                ops.append(dist.P2POp(dist.irecv, buffer, box.peer, self.group, box.tag))
         works = dist.batch_isend_irecv(ops)
         if not any(inboxes):
             self._sends.extend(works)  # the sent tensors live until finish(): the step's last call

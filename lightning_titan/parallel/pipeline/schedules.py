@@ -20,11 +20,12 @@ from typing import Any
 
 from lightning_titan.parallel.pipeline.interleaved import check_microbatches as check_interleaved
 from lightning_titan.parallel.pipeline.interleaved import interleaved_1f1b
+from lightning_titan.parallel.pipeline.protocols import Stage
 from lightning_titan.parallel.pipeline.zbv import check_microbatches as check_zbv
 from lightning_titan.parallel.pipeline.zbv import zbv
 
 
-def gpipe(stage: Any, num_microbatches: int) -> None:
+def gpipe(stage: Stage, num_microbatches: int) -> None:
     """All forwards, then all backwards (in reverse). Peak: M microbatches of activations live."""
     for i in range(num_microbatches):
         stage.send_forward(i, stage.forward(i, stage.recv_forward(i)))
@@ -32,7 +33,7 @@ def gpipe(stage: Any, num_microbatches: int) -> None:
         stage.send_backward(i, stage.backward(i, stage.recv_backward(i)))
 
 
-def one_f_one_b(stage: Any, num_microbatches: int) -> None:
+def one_f_one_b(stage: Stage, num_microbatches: int) -> None:
     """1F1B (PipeDream-flush): at most P - p microbatches live on stage p.
 
     Warmup: stage p runs P - p - 1 forwards so the last stage can start its first backward at once.
@@ -60,7 +61,7 @@ def one_f_one_b(stage: Any, num_microbatches: int) -> None:
         stage.send_backward(j, stage.backward(j, stage.recv_backward(j)))
 
 
-def zb_h1(stage: Any, num_microbatches: int) -> None:
+def zb_h1(stage: Stage, num_microbatches: int) -> None:
     """ZB-H1 (Qi et al., zero-bubble pipeline parallelism): 1F1B with each backward split into B (the
     input grad, sent upstream at once) and W (the weight grads, ``stage.backward_weight``).
 
@@ -97,7 +98,7 @@ def zb_h1(stage: Any, num_microbatches: int) -> None:
         stage.backward_weight(j)
 
 
-def forward_only(stage: Any, num_microbatches: int) -> None:
+def forward_only(stage: Stage, num_microbatches: int) -> None:
     """Evaluation: forwards only, no activations kept for backward."""
     for i in range(num_microbatches):
         stage.send_forward(i, stage.forward(i, stage.recv_forward(i)))

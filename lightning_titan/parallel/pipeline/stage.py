@@ -1,61 +1,32 @@
 """One rank's pipeline stage for one step: runs microbatches through the stage-local model.
 
-The objective each rank back-propagates is its share of the global one:
-
-    loss_fn sums over local tokens / local_tokens + sum over sequences of aux / local_sequences
-
-so that averaging grads over the data ranks (the reducers) gives the gradient of the global mean loss,
-whatever the layout (DESIGN.md invariant 3). ``loss_fn(logits_MSV, targets_MS)`` is the caller's
-(TitanLM's): the sum of the token losses of one microbatch.
+Each microbatch back-propagates what the caller's ``objective`` makes of it: this rank's share of the
+global loss (``train/objective.py`` normalises it), so that the reducers' average over the data ranks
+is the gradient of the global mean, whatever the layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, cast
 
 import torch
-from torch import Tensor, nn
-from torch.distributed import ProcessGroup
+from torch import Tensor
 
 from lightning_titan.parallel.batching import split_microbatches
 from lightning_titan.parallel.context_parallel import take_local
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline import backward_split, interleaved, zbv
 from lightning_titan.parallel.pipeline.p2p import StageLinks
+from lightning_titan.parallel.pipeline.protocols import ChunkedStage, Stage, StageModule, VStage
 from lightning_titan.parallel.pipeline.schedules import CHUNKED, forward_only, get_schedule
 from lightning_titan.runtime import probes
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
-
-
-class _Width(Protocol):
-    @property
-    def d_model(self) -> int: ...
-
-
-class StageModule(Protocol):
-    """What a stage needs of the stage-local model (``model.decoder.StageModel`` is one): its chunks
-    (virtual stages), which of them embed and which hold the head, and a forward per chunk."""
-
-    @property
-    def config(self) -> _Width: ...
-    @property
-    def num_chunks(self) -> int: ...
-    @property
-    def stage_ids(self) -> Sequence[int]: ...  # each chunk's virtual stage
-    @property
-    def is_last_stage(self) -> bool: ...
-    @property
-    def v_shape(self) -> bool: ...  # chunks linked down and back up the ranks (ZBV)
-    @property
-    def cp_group(self) -> ProcessGroup | None: ...
-
-    def embeds(self, chunk: int) -> bool: ...
-    def heads(self, chunk: int) -> bool: ...
-    def parameters(self) -> Iterator[nn.Parameter]: ...
-    def __call__(self, x: Tensor, chunk: int = 0) -> tuple[Tensor, Tensor]: ...
+# (aux, logits, targets) -> (this rank's share to back-propagate, the token-loss sum or None);
+# logits and targets on the stage that holds the head only (train/objective.py's Objective)
+StageObjective = Callable[[Tensor, Tensor | None, Tensor | None], tuple[Tensor, Tensor | None]]
 
 
 @dataclass
@@ -76,14 +47,14 @@ class PipelineStage:
         inputs: Tensor,
         targets: Tensor,
         num_microbatches: int,
-        loss_fn: LossFn,
+        objective: StageObjective,
         *,
         backward: Callable[[Tensor], None] | None = None,
         on_last_backward: Callable[[], None] | None = None,
         tracer: Callable[[str, int], object] | None = None,
     ) -> None:
         local_batch = inputs.shape[0]
-        self.model, self.links, self.loss_fn = model, links, loss_fn
+        self.model, self.links, self.objective = model, links, objective
         self.pp, self.pp_rank = dims.pp, dims.pp_rank
         self.num_chunks = model.num_chunks  # virtual stages on this rank
         # every TP rank computes the same loss (vocab-parallel): one of them reports it
@@ -93,7 +64,6 @@ class PipelineStage:
         self.inputs = split_microbatches(take_local(inputs, model.cp_group), num_microbatches)
         self.targets = split_microbatches(take_local(targets, model.cp_group), num_microbatches)
         self.num_microbatches = num_microbatches
-        self.local_sequences = local_batch
         self.local_tokens = inputs.numel()
         d_model = model.config.d_model
         # between stages each CP x TP rank sends its slice of the sequence
@@ -122,9 +92,10 @@ class PipelineStage:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
 
-    def _span(self, name: str, i: int, chunk: int = 0):
+    def _span(self, name: str, i: int, chunk: int = 0) -> AbstractContextManager[Any]:
         if self._tracer is not None:
-            return self._tracer(name, i)
+            # a context manager (runtime/tracing.py), which the tracer's signature calls object
+            return cast(AbstractContextManager[Any], self._tracer(name, i))
         kind = name if name in ("forward", "backward") else "p2p"
         kind = "backward" if name == "backward_weight" else kind  # zero-bubble W: compute too
         if self.model.v_shape:  # the chunk's virtual stage: the V is not chunk * P + rank
@@ -152,20 +123,24 @@ class PipelineStage:
             grad_enabled = torch.is_grad_enabled()
             if self.embeds(chunk):
                 x = self.inputs[i]
+            elif x is None:
+                raise ValueError(
+                    f"forward of microbatch {i} (chunk {chunk}) needs the previous stage's output"
+                )
             elif grad_enabled:
                 x = x.requires_grad_()
             out, aux = self.model(x, chunk=chunk)
             if grad_enabled:
                 out = probes.fault("forward", out)
             self.aux_sum += aux.detach().sum()
-            objective = aux.sum() / self.local_sequences
-            if self.heads(chunk):
-                loss = self.loss_fn(out, self.targets[i])
-                if self.reports_loss:
-                    self.loss_sum += loss.detach()
-                objective = objective + loss / self.local_tokens
+            head = self.heads(chunk)
+            objective, loss = self.objective(
+                aux, out if head else None, self.targets[i] if head else None
+            )
+            if loss is not None and self.reports_loss:
+                self.loss_sum += loss.detach()
             if grad_enabled:
-                # the surrogate (out * grad).sum() below gives `out` exactly the received grad
+                # the surrogate (out * grad).sum() (_take_saved) gives `out` exactly the received grad
                 self._saved[chunk, i] = (
                     None if self.embeds(chunk) else x,
                     None if self.heads(chunk) else out,
@@ -173,11 +148,21 @@ class PipelineStage:
                 )
             return None if self.heads(chunk) else out
 
+    def _take_saved(self, i: int, grad: Tensor | None, chunk: int) -> tuple[Tensor | None, Tensor]:
+        """Microbatch ``i``'s saved input and its objective, into which the surrogate
+        ``(out * grad).sum()`` gives ``out`` exactly the received ``grad``."""
+        x, out, objective = self._saved.pop((chunk, i))
+        if out is not None:
+            if grad is None:
+                raise ValueError(
+                    f"backward of microbatch {i} (chunk {chunk}) needs the next stage's grad"
+                )
+            objective = objective + (out * grad.to(out.dtype)).sum()
+        return x, objective
+
     def backward(self, i: int, grad: Tensor | None, chunk: int = 0) -> Tensor | None:
         with self._span("backward", i, chunk):
-            x, out, objective = self._saved.pop((chunk, i))
-            if out is not None:
-                objective = objective + (out * grad.to(out.dtype)).sum()
+            x, objective = self._take_saved(i, grad, chunk)
             self._count_backward()
             self._backward(probes.fault("backward", objective))
             if x is None:
@@ -190,9 +175,7 @@ class PipelineStage:
         autograd themselves, not the ``backward`` callable (Lightning's ``manual_backward``, which
         under 32-true and bf16-mixed only calls ``.backward()``); the embedding's W does use it."""
         with self._span("backward", i, chunk):
-            x, out, objective = self._saved.pop((chunk, i))
-            if out is not None:
-                objective = objective + (out * grad.to(out.dtype)).sum()
+            x, objective = self._take_saved(i, grad, chunk)
             objective = probes.fault("backward", objective)
             if x is None:  # the embedding's chunk sends nothing upstream: all of it is W
                 self._deferred[chunk, i] = objective
@@ -394,3 +377,8 @@ class PipelineStage:
             raise RuntimeError(f"schedule {schedule!r} left microbatches {left} without backward")
         tokens = self.local_tokens // self.cp if self.reports_loss else 0  # each CP rank its own
         return StepSums(self.loss_sum, self.aux_sum, tokens)
+
+
+def _serves_every_schedule(stage: PipelineStage) -> tuple[Stage, ChunkedStage, VStage]:
+    """Never called: mypy checks here that PipelineStage satisfies each schedule's protocol."""
+    return stage, stage, stage

@@ -67,9 +67,13 @@ def orders(schedule: str, pp: int, v: int, m: int) -> list[list[tuple[str, int, 
 IDEAL_COST = {"F": 1.0, "B": 2.0, "B_input": 1.0, "W": 1.0}  # per stage; zero-bubble: B = W = F
 
 
-def ideal_spans(schedule: str, pp: int, v: int, m: int,
-                cost: dict[str, float] | list[dict[str, float]] | None = None
-                ) -> list[tracing.Span]:  # fmt: skip
+def ideal_spans(
+    schedule: str,
+    pp: int,
+    v: int,
+    m: int,
+    cost: dict[str, float] | list[dict[str, float]] | None = None,
+) -> list[tracing.Span]:
     """The schedule's timeline with equal stages and free transfers: forward 1, backward 2 (zero-bubble:
     B 1 and W 1; or ``cost``, one for every stage or a list with one per rank), each chunk 1/v of a
     stage; every op as early as its stage and inputs allow."""
@@ -96,8 +100,9 @@ def ideal_bubble(schedule: str, pp: int, v: int, m: int) -> float:
     return max(b.measured for b in bubbles)
 
 
-def live_peak(schedule: str, pp: int, pp_rank: int, v: int, m: int, chunk_bytes: list[int]
-              ) -> tuple[int, int]:  # fmt: skip
+def live_peak(
+    schedule: str, pp: int, pp_rank: int, v: int, m: int, chunk_bytes: list[int]
+) -> tuple[int, int]:
     """(peak bytes, peak microbatch-chunks) of activations stage ``pp_rank`` holds under the schedule's
     order: a forward saves ``chunk_bytes[chunk]`` until its backward (zero-bubble: until its W)."""
     live: set[tuple[int, int]] = set()

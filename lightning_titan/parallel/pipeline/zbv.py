@@ -23,7 +23,7 @@ rank r+1's chunk 0, rank r's chunk 1 feeds rank r-1's chunk 1, and grads go the 
 
 from __future__ import annotations
 
-from typing import Any
+from lightning_titan.parallel.pipeline.protocols import VStage
 
 Action = tuple[str, int, int]  # ("F" | "B" | "W", chunk 0 | 1, microbatch)
 Message = tuple[str, int, int]  # ("act" | "grad", chunk it is for, microbatch)
@@ -129,17 +129,17 @@ def stream(pp: int, src: int, dst: int, m: int, train: bool = True) -> list[Mess
     return [msg for out in sent if out is not None and out[0] == dst for msg in [out[1]]]
 
 
-def zbv(stage: Any, num_microbatches: int) -> None:
+def zbv(stage: VStage, num_microbatches: int) -> None:
     """Train: this rank's actions (``order``) with their messages."""
     _run(stage, num_microbatches, train=True)
 
 
-def zbv_forward_only(stage: Any, num_microbatches: int) -> None:
+def zbv_forward_only(stage: VStage, num_microbatches: int) -> None:
     """Evaluation: the forwards down the V, then back up."""
     _run(stage, num_microbatches, train=False)
 
 
-def _run(stage: Any, m: int, train: bool) -> None:
+def _run(stage: VStage, m: int, train: bool) -> None:
     """After each action, one exchange sends its output (``stage`` keeps the turn of the V on the
     last rank) and receives, in stream order, the messages up to what the next action needs: a rank
     never waits on a message before taking the ones its peer sent earlier."""

@@ -159,7 +159,10 @@ def schedule_cases(peers: bool = True) -> list[Case]:
     impls = (OURS, TORCH_PP) if peers else (OURS,)
     cases = []
     for pp in (2, 4):
-        cases += [Case(pp=pp, impls=impls), Case(pp=pp, schedule="interleaved_1f1b",
-                  virtual_stages=2, impls=impls), Case(pp=pp, schedule="zb_h1", impls=impls),
-                  Case(pp=pp, schedule="zbv", virtual_stages=2, impls=impls)]  # fmt: skip
+        cases += [
+            Case(pp=pp, impls=impls),
+            Case(pp=pp, schedule="interleaved_1f1b", virtual_stages=2, impls=impls),
+            Case(pp=pp, schedule="zb_h1", impls=impls),
+            Case(pp=pp, schedule="zbv", virtual_stages=2, impls=impls),
+        ]
     return cases + [Case(pp=2, stage_layers=AUTO)]

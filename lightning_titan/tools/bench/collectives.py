@@ -24,8 +24,14 @@ import torch.distributed as dist
 from lightning_titan.parallel import collectives
 from lightning_titan.runtime.launch import run_on_ranks
 
-KINDS = ("all_reduce", "reduce_scatter", "reduce_scatter (ours)", "all_gather",
-         "all_gather (ours)", "both ours")  # fmt: skip
+KINDS = (
+    "all_reduce",
+    "reduce_scatter",
+    "reduce_scatter (ours)",
+    "all_gather",
+    "all_gather (ours)",
+    "both ours",
+)
 
 
 def _best_ms(fn: Callable[[], object], repeats: int) -> float:

@@ -24,11 +24,17 @@ def cp_rows(rows: list[dict]) -> list[dict]:
             continue
         mine = row["impls"][OURS]
         entry = {
-            "world": row["world"], "case": row["case"], "cp": row["cp"], "tp": row.get("tp", 1),
-            "tokens_per_s": mine["tokens_per_s"], "step_ms": mine["step_ms"],
-            "cpu_ms": mine["cpu_ms"], "saved_mb": row["saved_peak_mb"],
-            "kv_ms": row["time_ms"]["cp"], "step_split_ms": sum(row["time_ms"].values()),
-        }  # fmt: skip
+            "world": row["world"],
+            "case": row["case"],
+            "cp": row["cp"],
+            "tp": row.get("tp", 1),
+            "tokens_per_s": mine["tokens_per_s"],
+            "step_ms": mine["step_ms"],
+            "cpu_ms": mine["cpu_ms"],
+            "saved_mb": row["saved_peak_mb"],
+            "kv_ms": row["time_ms"]["cp"],
+            "step_split_ms": sum(row["time_ms"].values()),
+        }
         for key, name in (("dp", f"dp{row['world']}"), ("single", "single")):
             base = by_case.get(name)
             if base is not None:
@@ -48,13 +54,17 @@ def _ratio(entry: dict | None, key: str) -> str:
 def cp_markdown(cp: list[dict]) -> list[str]:
     if not cp:
         return []
-    lines = ["", "**Context parallelism**: ours per CP case; activations saved for backward on the "
-             "largest rank during one step, and ratios ours / the other (< 1: less) against pure DP on "
-             "as many ranks and against one rank, at the same tokens per step", "",
-             "| ranks | composition | tokens/s | step ms | CPU ms | K/V exchange ms (of step) "
-             "| saved MB/rank | saved / one rank (1/(cp*tp)) | saved / DP | step / DP | CPU / DP "
-             "| step / one rank | CPU / one rank |",
-             "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "",
+        "**Context parallelism**: ours per CP case; activations saved for backward on the "
+        "largest rank during one step, and ratios ours / the other (< 1: less) against pure DP on "
+        "as many ranks and against one rank, at the same tokens per step",
+        "",
+        "| ranks | composition | tokens/s | step ms | CPU ms | K/V exchange ms (of step) "
+        "| saved MB/rank | saved / one rank (1/(cp*tp)) | saved / DP | step / DP | CPU / DP "
+        "| step / one rank | CPU / one rank |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for c in cp:
         dp, one = c.get("vs_dp"), c.get("vs_single")
         lines.append(

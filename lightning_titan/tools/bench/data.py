@@ -34,10 +34,14 @@ def measure_data(
 ) -> dict:
     """Tokens/s one data rank's DataLoader yields, after its first batch (worker start-up excluded)."""
     dm = TitanDataModule(
-        seq_len=seq_len, global_batch_size=global_batch_size, streaming=streaming,
-        num_workers=0 if streaming else num_workers, cache_dir=cache_dir, max_bytes=max_bytes,
+        seq_len=seq_len,
+        global_batch_size=global_batch_size,
+        streaming=streaming,
+        num_workers=0 if streaming else num_workers,
+        cache_dir=cache_dir,
+        max_bytes=max_bytes,
         val_fraction=0.0,
-    )  # fmt: skip
+    )
     started = time.perf_counter()
     dm.bind(0, data_world).setup("fit")
     setup_s = time.perf_counter() - started
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     workers,
                     cache_dir,
                     args.max_bytes,
-                )  # fmt: skip
+                )
             )
     model: dict[int, float] | float | None = args.model_tokens_per_s
     if model is None and not args.no_model:

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 CONFIDENCE = 0.90
 # how a table's caption says what its ratios' brackets hold
-INTERVAL = ("the median of the rounds' paired ratios with its 90 % interval in brackets, *undecided* "
-            "where the interval straddles the target")  # fmt: skip
+INTERVAL = (
+    "the median of the rounds' paired ratios with its 90 % interval in brackets, *undecided* "
+    "where the interval straddles the target"
+)
 
 
 def median_interval(

@@ -47,8 +47,9 @@ def full_model_params(settings: Settings) -> dict[str, int]:
     return out
 
 
-def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[str, int]
-              ) -> tuple[dict, list[tracing.Span]]:  # fmt: skip
+def summarize(
+    case: Case, settings: Settings, per_rank: list[dict], full: dict[str, int]
+) -> tuple[dict, list[tracing.Span]]:
     """One row for ``case`` from every rank's result, and the spans recorded for it."""
     dims = ParallelDims(case.dp, case.pp, case.ep, tp=case.tp, cp=case.cp)
     impls = {}
@@ -71,11 +72,20 @@ def summarize(case: Case, settings: Settings, per_rank: list[dict], full: dict[s
             )
     spans = [s for r in per_rank for s in r[OURS]["spans"]]
     row = {
-        "world": case.world, "case": case.name, "layout": case.layout, "dp": case.dp, "pp": case.pp,
-        "ep": case.ep, "tp": case.tp, "cp": case.cp, "schedule": case.schedule, "microbatches": settings.num_microbatches(case),
-        "impls": impls, "time_ms": tracing.time_by_kind(spans),
+        "world": case.world,
+        "case": case.name,
+        "layout": case.layout,
+        "dp": case.dp,
+        "pp": case.pp,
+        "ep": case.ep,
+        "tp": case.tp,
+        "cp": case.cp,
+        "schedule": case.schedule,
+        "microbatches": settings.num_microbatches(case),
+        "impls": impls,
+        "time_ms": tracing.time_by_kind(spans),
         "saved_peak_mb": max(r[OURS]["saved_peak_bytes"] for r in per_rank) / _MB,
-    }  # fmt: skip
+    }
     if case.pp > 1:
         pipelines = dims.all_groups("pp")
         row["bubbles"] = tracing.bubble_breakdown(spans, pipelines)
@@ -106,8 +116,10 @@ def _state_shares(
     cut = [r[OURS]["tp_cut_param_bytes"] for r in per_rank]
     counts = per_rank[0][OURS].get("stage_layers")  # the split as run ("auto" resolved)
     split = replace(case.split, stage_layers=counts and tuple(counts))
-    expected = [expected_tp_shares(settings.config, case.pp, case.tp, r[OURS]["coords"][1], split)
-                for r in per_rank]  # fmt: skip
+    expected = [
+        expected_tp_shares(settings.config, case.pp, case.tp, r[OURS]["coords"][1], split)
+        for r in per_rank
+    ]
     return {
         "mb_per_rank": [sum(s.values()) / _MB for s in states],
         "expert_share": [s["expert_params"] / full["expert"] for s in states],
@@ -148,15 +160,25 @@ def peer_ratios(rows: list[dict]) -> list[dict]:
             ours, target = row["impls"][base], PEER_TARGETS.get(impl)
             label = IMPL_LABELS[impl] + ("" if base == OURS else f" (vs {IMPL_LABELS[base]})")
             ratio, cpu = step_and_cpu(peer, ours)
-            out.append({
-                "world": row["world"], "case": row["case"], "peer": impl, "baseline": base,
-                "peer_label": label, "ours_tokens_per_s": ours["tokens_per_s"],
-                "peer_tokens_per_s": peer["tokens_per_s"], "ratio": ratio.median,
-                "ratio_cell": ratio.cell, "target": target,
-                "ours_cpu_ms": ours["cpu_ms"], "peer_cpu_ms": peer["cpu_ms"],
-                "cpu_ratio": cpu.median, "cpu_cell": cpu.cell,
-                "met": None if target is None else ratio.at_least(target),
-            })  # fmt: skip
+            out.append(
+                {
+                    "world": row["world"],
+                    "case": row["case"],
+                    "peer": impl,
+                    "baseline": base,
+                    "peer_label": label,
+                    "ours_tokens_per_s": ours["tokens_per_s"],
+                    "peer_tokens_per_s": peer["tokens_per_s"],
+                    "ratio": ratio.median,
+                    "ratio_cell": ratio.cell,
+                    "target": target,
+                    "ours_cpu_ms": ours["cpu_ms"],
+                    "peer_cpu_ms": peer["cpu_ms"],
+                    "cpu_ratio": cpu.median,
+                    "cpu_cell": cpu.cell,
+                    "met": None if target is None else ratio.at_least(target),
+                }
+            )
     return out
 
 
@@ -176,12 +198,20 @@ def memory_pairs(rows: list[dict]) -> list[dict]:
         # per stage: 1F1B keeps P - p microbatches live where GPipe keeps M; stage 0 is the worst
         per_stage = [a / b for a, b in zip(ours, theirs, strict=True)]
         ratio = max(per_stage)
-        out.append({
-            "world": row["world"], "layout": row["layout"], "microbatches": m,
-            "gpipe_mb_per_stage": theirs, "1f1b_mb_per_stage": ours, "ratio_per_stage": per_stage,
-            "ratio": ratio,
-            "ideal": pp / m, "target": pp / m * 1.1, "met": ratio <= pp / m * 1.1,
-        })  # fmt: skip
+        out.append(
+            {
+                "world": row["world"],
+                "layout": row["layout"],
+                "microbatches": m,
+                "gpipe_mb_per_stage": theirs,
+                "1f1b_mb_per_stage": ours,
+                "ratio_per_stage": per_stage,
+                "ratio": ratio,
+                "ideal": pp / m,
+                "target": pp / m * 1.1,
+                "met": ratio <= pp / m * 1.1,
+            }
+        )
     return out
 
 
@@ -192,21 +222,33 @@ def bubble_checks(rows: list[dict]) -> list[dict]:
         if row["pp"] == 1 or row["schedule"] != "1f1b" or row["microbatches"] < 4 * row["pp"]:
             continue
         worst = max(row["bubbles"], key=lambda b: b["measured"] - b["theory"])
-        out.append({
-            "world": row["world"], "case": row["case"], "theory": worst["theory"],
-            "measured_max": worst["measured"], "stage": worst["stage"],
-            "compute_only": worst["compute_only"], "steady_compute": worst["steady_compute"],
-            "met": worst["measured"] <= worst["theory"] + 0.05,
-        })  # fmt: skip
+        out.append(
+            {
+                "world": row["world"],
+                "case": row["case"],
+                "theory": worst["theory"],
+                "measured_max": worst["measured"],
+                "stage": worst["stage"],
+                "compute_only": worst["compute_only"],
+                "steady_compute": worst["steady_compute"],
+                "met": worst["measured"] <= worst["theory"] + 0.05,
+            }
+        )
     return out
 
 
 def dispatch_check(dispatch_rows: list[dict]) -> list[dict]:
     return [
-        {"experts": r["experts"], "ratio_fwd": r["ratio_fwd"], "ratio_fwd_bwd": r["ratio_fwd_bwd"],
-         "target": 10.0, "met": r["ratio_fwd_bwd"] >= 10.0}
-        for r in dispatch_rows if r["experts"] >= 64
-    ]  # fmt: skip
+        {
+            "experts": r["experts"],
+            "ratio_fwd": r["ratio_fwd"],
+            "ratio_fwd_bwd": r["ratio_fwd_bwd"],
+            "target": 10.0,
+            "met": r["ratio_fwd_bwd"] >= 10.0,
+        }
+        for r in dispatch_rows
+        if r["experts"] >= 64
+    ]
 
 
 # -- markdown -------------------------------------------------------------------------------------------
@@ -251,11 +293,16 @@ def markdown(results: dict) -> str:
             f"{t['other']:.1f} | {bubble} | {max(ours['peak_mb_per_rank']):.0f} | "
             f"{max(r['state']['mb_per_rank']):.2f} |"
         )
-    lines += ["", "**Peers** (same model, batches, steps and rounds; ratio = peer step time / ours, "
-              f"{INTERVAL}; CPU ratio = peer CPU time per step / ours, all ranks, which other load "
-              "on the machine does not inflate)", "",
-              "| ranks | composition | peer | ours tokens/s | peer tokens/s | ratio | target | met "
-              "| CPU ms ours / peer | CPU ratio |", "|---:|---|---|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
+    lines += [
+        "",
+        "**Peers** (same model, batches, steps and rounds; ratio = peer step time / ours, "
+        f"{INTERVAL}; CPU ratio = peer CPU time per step / ours, all ranks, which other load "
+        "on the machine does not inflate)",
+        "",
+        "| ranks | composition | peer | ours tokens/s | peer tokens/s | ratio | target | met "
+        "| CPU ms ours / peer | CPU ratio |",
+        "|---:|---|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
     for p in results["peers"]:
         target, met = (
             ("-", "-") if p["target"] is None else (f">= {p['target']:.2f}x", mark(p["met"]))
@@ -266,10 +313,15 @@ def markdown(results: dict) -> str:
             f"{p['ours_cpu_ms']:.0f} / {p['peer_cpu_ms']:.0f} | {p['cpu_cell']} |"
         )
     if results["dispatch"]:
-        lines += ["", "**EP dispatch + combine** (one process, identity experts; "
-                  f"{results['dispatch_settings']}): vectorised vs the write-up's per-expert loop", "",
-                  "| experts | vectorised fwd ms | loop fwd ms | ratio fwd | vectorised fwd+bwd ms "
-                  "| loop fwd+bwd ms | ratio fwd+bwd |", "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            "",
+            "**EP dispatch + combine** (one process, identity experts; "
+            f"{results['dispatch_settings']}): vectorised vs the write-up's per-expert loop",
+            "",
+            "| experts | vectorised fwd ms | loop fwd ms | ratio fwd | vectorised fwd+bwd ms "
+            "| loop fwd+bwd ms | ratio fwd+bwd |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for d in results["dispatch"]:
             lines.append(
                 f"| {d['experts']} | {d['vectorised_fwd_ms']:.3f} | {d['loop_fwd_ms']:.3f} | "
@@ -277,26 +329,35 @@ def markdown(results: dict) -> str:
                 f"{d['loop_fwd_bwd_ms']:.3f} | {d['ratio_fwd_bwd']:.1f}x |"
             )
     if results["memory"]:
-        lines += ["", "**Activation memory**: peak bytes saved for backward per stage (MB), 1F1B vs "
-                  "GPipe on the same layout and M", "",
-                  "| ranks | layout | M | GPipe per stage | 1F1B per stage | 1F1B / GPipe per stage | worst "
-                  "| P/M | target | met |", "|---:|---|---:|---|---|---|---:|---:|---:|---|"]  # fmt: skip
+        lines += [
+            "",
+            "**Activation memory**: peak bytes saved for backward per stage (MB), 1F1B vs "
+            "GPipe on the same layout and M",
+            "",
+            "| ranks | layout | M | GPipe per stage | 1F1B per stage | 1F1B / GPipe per stage | worst "
+            "| P/M | target | met |",
+            "|---:|---|---:|---|---|---|---:|---:|---:|---|",
+        ]
         for m in results["memory"]:
             lines.append(
                 f"| {m['world']} | {m['layout']} | {m['microbatches']} | "
                 f"{_stages(m['gpipe_mb_per_stage'])} | {_stages(m['1f1b_mb_per_stage'])} | "
                 f"{_stages(m['ratio_per_stage'], '{:.3f}')} | {m['ratio']:.3f} | {m['ideal']:.3f} | <= {m['target']:.3f} | {mark(m['met'])} |"
             )
-    lines += ["", "**Model state per rank** (params + grads + AdamW moments): share of the whole "
-              "model's parameters held, min..max over ranks, vs the expected 1/(PP*EP) of the experts "
-              "and, per rank, its stage's share of the rest (the embedding and head sit on the first "
-              "and last stage); the "
-              "non-expert part split into the weights TP cuts (attention q/k/v/o, embedding, LM head: "
-              "1/TP of them, the vocabulary padded to a multiple of TP) and the rest (norms, routers: "
-              "whole on every TP rank), each against its arithmetic per rank", "",
-              "| ranks | composition | state MB/rank | expert share | expected | non-expert share "
-              "| expected | TP-cut share | expected | norms + routers share | expected |",
-              "|---:|---|---:|---|---:|---|---:|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "**Model state per rank** (params + grads + AdamW moments): share of the whole "
+        "model's parameters held, min..max over ranks, vs the expected 1/(PP*EP) of the experts "
+        "and, per rank, its stage's share of the rest (the embedding and head sit on the first "
+        "and last stage); the "
+        "non-expert part split into the weights TP cuts (attention q/k/v/o, embedding, LM head: "
+        "1/TP of them, the vocabulary padded to a multiple of TP) and the rest (norms, routers: "
+        "whole on every TP rank), each against its arithmetic per rank",
+        "",
+        "| ranks | composition | state MB/rank | expert share | expected | non-expert share "
+        "| expected | TP-cut share | expected | norms + routers share | expected |",
+        "|---:|---|---:|---|---:|---|---:|---|---|---|---|",
+    ]
     for r in results["rows"]:
         st = r["state"]
         e, n = st["expert_share"], st["non_expert_share"]
@@ -312,12 +373,16 @@ def markdown(results: dict) -> str:
     lines += zero_markdown(results.get("zero", []))
     lines += schedules_markdown(results.get("schedules", []), results.get("schedule_checks", []))
     if results["bubble_checks"]:
-        lines += ["", "**Pipeline bubble**, 1F1B at M >= 4P: worst stage measured vs theory (P-1)/(M+P-1), "
-                  "beside what explains it: the recorded forwards and backwards replayed with free "
-                  "send/recv, once with every span at its rank's median length (*uneven stages*) and "
-                  "once as recorded (*+ jitter*); measured minus that is the transfers' share", "",
-                  "| ranks | composition | theory | uneven stages | + jitter | measured (worst stage) | target | met |",
-                  "|---:|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+        lines += [
+            "",
+            "**Pipeline bubble**, 1F1B at M >= 4P: worst stage measured vs theory (P-1)/(M+P-1), "
+            "beside what explains it: the recorded forwards and backwards replayed with free "
+            "send/recv, once with every span at its rank's median length (*uneven stages*) and "
+            "once as recorded (*+ jitter*); measured minus that is the transfers' share",
+            "",
+            "| ranks | composition | theory | uneven stages | + jitter | measured (worst stage) | target | met |",
+            "|---:|---|---:|---:|---:|---:|---:|---|",
+        ]
         for b in results["bubble_checks"]:
             lines.append(
                 f"| {b['world']} | {b['case']} | {b['theory']:.3f} | {b['steady_compute']:.3f} | "

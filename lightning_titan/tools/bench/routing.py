@@ -14,6 +14,7 @@ box's matmul peak, and the load balance of the three balancing choices.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import time
 from collections.abc import Iterator
@@ -31,8 +32,15 @@ from lightning_titan.tools.bench.dispatch import _best_ms
 from lightning_titan.train.engine import Engine
 
 
-def experts_case(n_experts: int, tokens: int, d_model: int, ffn_dim: int, top_k: int,
-                 repeats: int, device: torch.device) -> dict:  # fmt: skip
+def experts_case(
+    n_experts: int,
+    tokens: int,
+    d_model: int,
+    ffn_dim: int,
+    top_k: int,
+    repeats: int,
+    device: torch.device,
+) -> dict:
     """Best-of-N ms of forward + backward of ``n_experts`` experts over ``tokens * top_k`` rows."""
     g = torch.Generator().manual_seed(0)
     ids = torch.rand(tokens, n_experts, generator=g).topk(top_k, dim=-1).indices
@@ -61,7 +69,9 @@ def mfu_config(d_model: int) -> ModelConfig:
     return ModelConfig(d_model=d_model, n_heads=max(1, d_model // 16), ffn_dim=2 * d_model)
 
 
-def _train_steps(config: ModelConfig, batches: Iterator[tuple[Tensor, Tensor]], seed: int = 0):
+def _train_steps(
+    config: ModelConfig, batches: Iterator[tuple[Tensor, Tensor]], seed: int = 0
+) -> Iterator[tuple[float, StageModel]]:
     """A generator: one training step of one rank per batch, yielding (seconds, the model)."""
     model = StageModel(config)
     model.init_weights(seed)
@@ -92,10 +102,16 @@ def mfu_case(d_model: int, batch: int = 32, steps: int = 6, warmup: int = 2) -> 
     step_flops = flops.step_flops(config, batch * config.seq_len)
     achieved = step_flops / min(times)
     peak = flops.matmul_peak(torch.device("cpu"), torch.float32, seconds=1.0)
-    return {"d_model": d_model, "ffn_dim": config.ffn_dim, "n_heads": config.n_heads,
-            "tokens": batch * config.seq_len, "step_ms": min(times) * 1e3,
-            "gflops_per_s": achieved / 1e9, "peak_gflops_per_s": peak / 1e9,
-            "mfu": achieved / peak}  # fmt: skip
+    return {
+        "d_model": d_model,
+        "ffn_dim": config.ffn_dim,
+        "n_heads": config.n_heads,
+        "tokens": batch * config.seq_len,
+        "step_ms": min(times) * 1e3,
+        "gflops_per_s": achieved / 1e9,
+        "peak_gflops_per_s": peak / 1e9,
+        "mfu": achieved / peak,
+    }
 
 
 BALANCING: dict[str, dict[str, float]] = {
@@ -110,8 +126,11 @@ def balance_case(name: str, steps: int = 200, batch: int = 16) -> dict:
     from lightning_titan.data import TitanDataModule
 
     choice = BALANCING[name]
-    config = replace(ModelConfig(), aux_loss_coef=choice["aux_loss_coef"],
-                     router_bias_update_rate=choice["router_bias_update_rate"])  # fmt: skip
+    config = replace(
+        ModelConfig(),
+        aux_loss_coef=choice["aux_loss_coef"],
+        router_bias_update_rate=choice["router_bias_update_rate"],
+    )
     data = TitanDataModule(seq_len=config.seq_len, global_batch_size=batch, val_fraction=0.0)
     data.bind(0, 1).setup("fit")
     batches = itertools.chain.from_iterable(itertools.repeat(data.train_dataloader()))
@@ -122,34 +141,54 @@ def balance_case(name: str, steps: int = 200, batch: int = 16) -> dict:
         ratios.append((loads.max(-1).values / loads.mean(-1)).tolist())
     per_layer = torch.tensor(ratios)  # [steps, layers]
     last = per_layer[-50:]
-    return {"balancing": name, "steps": steps,
-            "mean_all": per_layer.mean(0).tolist(), "mean_last50": last.mean(0).tolist(),
-            "worst_last50": last.max(0).values.tolist()}  # fmt: skip
+    return {
+        "balancing": name,
+        "steps": steps,
+        "mean_all": per_layer.mean(0).tolist(),
+        "mean_last50": last.mean(0).tolist(),
+        "worst_last50": last.max(0).values.tolist(),
+    }
 
 
 def markdown(experts: list[dict], mfu: list[dict], balance: list[dict], settings: str) -> str:
     lines = [f"Settings: {settings}", ""]
     if experts:
-        lines += ["**Grouped vs loop experts** (one layer's experts, forward + backward, best of N)",
-                  "", "| experts | grouped ms | loop ms | loop / grouped |", "|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            "**Grouped vs loop experts** (one layer's experts, forward + backward, best of N)",
+            "",
+            "| experts | grouped ms | loop ms | loop / grouped |",
+            "|---:|---:|---:|---:|",
+        ]
         for r in experts:
             grouped = f"{r['grouped_fwd_bwd_ms']:.2f}" if "ratio" in r else "n/a"
             ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "n/a"
             lines.append(f"| {r['experts']} | {grouped} | {r['loop_fwd_bwd_ms']:.2f} | {ratio} |")
     if mfu:
-        lines += ["", "**Single-rank training FLOP/s vs the matmul peak** (model FLOPs, best step)",
-                  "", "| d_model | ffn_dim | heads | tokens/step | step ms | GFLOP/s | peak GFLOP/s "
-                  "| share of peak |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            "",
+            "**Single-rank training FLOP/s vs the matmul peak** (model FLOPs, best step)",
+            "",
+            "| d_model | ffn_dim | heads | tokens/step | step ms | GFLOP/s | peak GFLOP/s "
+            "| share of peak |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in mfu:
-            lines.append(f"| {r['d_model']} | {r['ffn_dim']} | {r['n_heads']} | {r['tokens']} | "
-                         f"{r['step_ms']:.1f} | {r['gflops_per_s']:.1f} | "
-                         f"{r['peak_gflops_per_s']:.1f} | {100 * r['mfu']:.0f}% |")  # fmt: skip
+            lines.append(
+                f"| {r['d_model']} | {r['ffn_dim']} | {r['n_heads']} | {r['tokens']} | "
+                f"{r['step_ms']:.1f} | {r['gflops_per_s']:.1f} | "
+                f"{r['peak_gflops_per_s']:.1f} | {100 * r['mfu']:.0f}% |"
+            )
     if balance:
         n_layers = len(balance[0]["mean_all"])
         layers = " | ".join(f"layer {i}" for i in range(n_layers))
-        lines += ["", f"**Load balance** (max/mean load per layer, 1.0 = even; {balance[0]['steps']} "
-                  "steps of the default model): mean over the last 50 steps (over all steps)", "",
-                  f"| balancing | {layers} |", "|---|" + "---:|" * n_layers]  # fmt: skip
+        lines += [
+            "",
+            f"**Load balance** (max/mean load per layer, 1.0 = even; {balance[0]['steps']} "
+            "steps of the default model): mean over the last 50 steps (over all steps)",
+            "",
+            f"| balancing | {layers} |",
+            "|---|" + "---:|" * n_layers,
+        ]
         for r in balance:
             cells = " | ".join(
                 f"{a:.2f} ({b:.2f})" for a, b in zip(r["mean_last50"], r["mean_all"], strict=True)
@@ -158,7 +197,7 @@ def markdown(experts: list[dict], mfu: list[dict], balance: list[dict], settings
     return "\n".join(lines)
 
 
-def run_all(args) -> tuple[str, dict]:
+def run_all(args: argparse.Namespace) -> tuple[str, dict]:
     """``titan bench --routing``: the three benchmarks at one thread; (markdown, results)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(args.dispatch_threads)
@@ -167,7 +206,9 @@ def run_all(args) -> tuple[str, dict]:
     mfu = [mfu_case(d) for d in args.mfu_d_models]
     balance = [balance_case(name, args.balance_steps) for name in BALANCING]
     torch.set_num_threads(threads)
-    settings = (f"one process, {args.dispatch_threads} thread(s), fp32; experts: "
-                f"{args.dispatch_tokens} tokens x top-2, d_model 64, ffn 128")  # fmt: skip
+    settings = (
+        f"one process, {args.dispatch_threads} thread(s), fp32; experts: "
+        f"{args.dispatch_tokens} tokens x top-2, d_model 64, ffn 128"
+    )
     results = {"settings": settings, "experts": experts, "mfu": mfu, "balance": balance}
     return markdown(experts, mfu, balance, settings), results

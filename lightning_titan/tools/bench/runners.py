@@ -27,14 +27,25 @@ MAX_NORM = 1.0
 LR = 1e-3
 
 
-def build_stage(config: ModelConfig, dims: ParallelDims, groups: ProcessGroups, device: torch.device,
-                split: StageSplit | None = None) -> StageModel:  # fmt: skip
+def build_stage(
+    config: ModelConfig,
+    dims: ParallelDims,
+    groups: ProcessGroups,
+    device: torch.device,
+    split: StageSplit | None = None,
+) -> StageModel:
     model = StageModel(
-        config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
-        ep_group=groups.ep if dims.ep > 1 else None, tp_group=groups.tp if dims.tp > 1 else None,
+        config,
+        pp_rank=dims.pp_rank,
+        pp=dims.pp,
+        ep_rank=dims.ep_rank,
+        ep=dims.ep,
+        ep_group=groups.ep if dims.ep > 1 else None,
+        tp_group=groups.tp if dims.tp > 1 else None,
         cp_group=groups.cp if dims.cp > 1 else None,
-        sequence_group=groups.sequence if dims.cp > 1 and dims.tp > 1 else None, split=split,
-    )  # fmt: skip
+        sequence_group=groups.sequence if dims.cp > 1 and dims.tp > 1 else None,
+        split=split,
+    )
     model.init_weights(SEED)
     return model.to(device)
 
@@ -57,8 +68,15 @@ class TitanRunner:
         split: StageSplit | None = None,
     ) -> None:
         self.model = build_stage(config, dims, groups, device, split)
-        self.engine = Engine(self.model, dims, groups, schedule=schedule,
-                             bucket_cap_mb=bucket_cap_mb, reducer=reducer, zero=zero)  # fmt: skip
+        self.engine = Engine(
+            self.model,
+            dims,
+            groups,
+            schedule=schedule,
+            bucket_cap_mb=bucket_cap_mb,
+            reducer=reducer,
+            zero=zero,
+        )
         self.engine.broadcast_replicated()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.engine.shard_optimizers([self.optimizer])  # zero=0: changes nothing
@@ -84,8 +102,9 @@ class DDPRunner:
     """``torch.nn.parallel.DistributedDataParallel`` with its defaults (25 MiB buckets), which is what
     Lightning's ``DDPStrategy`` wraps; pure data parallelism only."""
 
-    def __init__(self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups, device: torch.device
+    ) -> None:
         if dims.pp != 1 or dims.ep != 1:
             raise ValueError(f"the DDP peer runs pure DP layouts, not pp={dims.pp} ep={dims.ep}")
         self.model = build_stage(config, dims, groups, device)
@@ -111,8 +130,9 @@ class DDPZeroRunner(DDPRunner):
     setup a torch user would pick. It gives each whole parameter to one rank (sorted-greedy by size)
     and broadcasts the updated parameters from their owners after the step; pure DP layouts only."""
 
-    def __init__(self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups, device: torch.device
+    ) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         super().__init__(config, dims, groups, device)
@@ -128,13 +148,16 @@ class FSDP2Runner(DDPRunner):
     grads and optimizer state are DTensor shards; torch's ``clip_grad_norm_`` composes their norm.
     Pure DP layouts only."""
 
-    def __init__(self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups, device: torch.device
+    ) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         if dims.pp != 1 or dims.ep != 1:
             raise ValueError(f"the FSDP2 peer runs pure DP layouts, not pp={dims.pp} ep={dims.ep}")
+        if groups.expert_dp is None:
+            raise ValueError("the FSDP2 peer shards over the DP group: run it on a process group")
         self.model = build_stage(config, dims, groups, device)
         mesh = DeviceMesh.from_group(groups.expert_dp, device.type)  # pure DP: the dp ranks
         for block in self.model.layers.values():
@@ -180,9 +203,13 @@ def _pipe_loss(output: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
 
 # our schedule -> torch's. zb_h1: torch has no single-chunk ZB-H1 class; its ZB1P
 # (ScheduleInterleavedZeroBubble, the paper's ZB-H1 generalised to chunks) runs it over one chunk
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                   "interleaved_1f1b": "ScheduleInterleaved1F1B",
-                   "zb_h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}  # fmt: skip
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zb_h1": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
 
 
 class TorchPipeRunner:
@@ -211,10 +238,11 @@ class TorchPipeRunner:
         self.model = build_stage(config, dims, groups, device, split)
         v = self.model.num_chunks
         stages = [
-            pipelining.PipelineStage(_Chunk(self.model, c), self.model.stage_ids[c],
-                                     v * dims.pp, device, group=groups.pp)
+            pipelining.PipelineStage(
+                _Chunk(self.model, c), self.model.stage_ids[c], v * dims.pp, device, group=groups.pp
+            )
             for c in range(v)
-        ]  # fmt: skip
+        ]
         kind = getattr(pipelining, TORCH_SCHEDULES[schedule])
         # the single-stage classes take one stage, the runtime ones (multi-chunk) a list
         stage_arg = (

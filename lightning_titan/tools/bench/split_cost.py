@@ -70,8 +70,12 @@ def measure(
             weights.run()
         end = time.perf_counter()
         if i >= 4:
-            for key, value in (("F", forward), ("whole", whole), ("B", middle - start),
-                               ("W", end - middle)):  # fmt: skip
+            for key, value in (
+                ("F", forward),
+                ("whole", whole),
+                ("B", middle - start),
+                ("W", end - middle),
+            ):
                 times[key].append(value)
         if i % 4 == 3:
             model.zero_grad(set_to_none=True)
@@ -86,8 +90,11 @@ def replay(stages: list[dict[str, float]], m: int) -> dict[str, tuple[float, lis
     measured = [{"F": s["F"], "B": s["whole"], "B_input": s["B"], "W": s["W"]} for s in stages]
     free = [dict(c, W=s["whole"] - s["B"]) for c, s in zip(measured, stages, strict=True)]
     out = {}
-    for name, schedule, costs in (("1f1b", "1f1b", measured), ("zb_h1", "zb_h1", measured),
-                                  ("zb_h1, free split", "zb_h1", free)):  # fmt: skip
+    for name, schedule, costs in (
+        ("1f1b", "1f1b", measured),
+        ("zb_h1", "zb_h1", measured),
+        ("zb_h1, free split", "zb_h1", free),
+    ):
         spans = ideal_spans(schedule, len(stages), 1, m, costs)
         step_ms = (max(s.end_ns for s in spans) - min(s.start_ns for s in spans)) / 1e6
         bubbles = tracing.measure_bubbles(spans, [list(range(len(stages)))])
@@ -112,8 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for d, stages in results.items():
         for p, r in enumerate(stages):
-            print(f"| {d} | {p} | {r['F']:.2f} | {r['whole']:.2f} | {r['B']:.2f} | {r['W']:.2f} | "
-                  f"{r['ratio']:.2f}x |")  # fmt: skip
+            print(
+                f"| {d} | {p} | {r['F']:.2f} | {r['whole']:.2f} | {r['B']:.2f} | {r['W']:.2f} | "
+                f"{r['ratio']:.2f}x |"
+            )
     print(
         f"\nReplayed on pp2, M = {args.microbatches}, free transfers (bubble: stage 0 / stage 1):\n"
     )

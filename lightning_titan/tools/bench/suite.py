@@ -53,23 +53,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8], help="numbers of ranks")
     p.add_argument("--quick", action="store_true", help="2 ranks, a tiny model, few steps")
     p.add_argument(
-        "--schedules", action="store_true",
+        "--schedules",
+        action="store_true",
         help="the pipeline schedules table: pp2 and pp4 under 1f1b, interleaved_1f1b (v=2), zb_h1 and "
         "zbv beside torch's, and pp2 with stage_layers='auto' (with --quick: pp2 only)",
-    )  # fmt: skip
+    )
     p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument(
         "--only", nargs="+", default=None, help="run cases whose name contains one of these"
     )
     p.add_argument(
-        "--cases", nargs="+", default=None,
+        "--cases",
+        nargs="+",
+        default=None,
         help="run only the cases with exactly these names (e.g. single dp2 tp2 dp2xtp2)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--no-peers", action="store_true",
+        "--no-peers",
+        action="store_true",
         help="ours only (zero=0, and zero=1 and 2 where timed): no DDP, ZeroRedundancyOptimizer, "
         "pipelining or per-param",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--no-dispatch", action="store_true", help="skip the EP dispatch micro-benchmark"
     )
@@ -93,19 +97,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches-per-stage", type=int, default=4, help="M = this x pp")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
-        "--threads-per-rank", type=int, default=None,
+        "--threads-per-rank",
+        type=int,
+        default=None,
         help="torch CPU threads per rank (default: the cores split between the ranks); 1 on a "
         "shared box, where a second thread mostly waits for a preempted core",
-    )  # fmt: skip
-    p.add_argument("--bucket-cap-mb", type=float, default=Settings.bucket_cap_mb,
-                   help="our reducer's bucket size (DDP keeps its defaults)")  # fmt: skip
+    )
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=Settings.bucket_cap_mb,
+        help="our reducer's bucket size (DDP keeps its defaults)",
+    )
     p.add_argument("--dispatch-tokens", type=int, default=8192)
     p.add_argument("--dispatch-threads", type=int, default=1)
     p.add_argument("--note", default="", help="free text for the machine line (e.g. 'shared box')")
     p.add_argument(
-        "--routing", action="store_true",
+        "--routing",
+        action="store_true",
         help="run only the one-process routing benchmarks (tools/bench/routing.py) into routing.md/json",
-    )  # fmt: skip
+    )
     p.add_argument("--mfu-d-models", type=int, nargs="+", default=[64, 256, 512])
     p.add_argument("--balance-steps", type=int, default=200)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
@@ -117,16 +128,36 @@ def _settings(args: argparse.Namespace) -> Settings:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     n_layers = args.n_layers or (SCHEDULES_N_LAYERS if args.schedules else 4)
-    config = ModelConfig(d_model=args.d_model, ffn_dim=args.ffn_dim, n_layers=n_layers,
-                         n_experts=args.n_experts, seq_len=args.seq_len)  # fmt: skip
-    settings = Settings(config=config, global_batch=args.global_batch, warmup=args.warmup,
-                        steps=args.steps, rounds=args.rounds, traced_steps=args.traced_steps,
-                        microbatches_per_stage=args.microbatches_per_stage, device=device,
-                        threads_per_rank=args.threads_per_rank, timeout_s=args.timeout,
-                        bucket_cap_mb=args.bucket_cap_mb)  # fmt: skip
+    config = ModelConfig(
+        d_model=args.d_model,
+        ffn_dim=args.ffn_dim,
+        n_layers=n_layers,
+        n_experts=args.n_experts,
+        seq_len=args.seq_len,
+    )
+    settings = Settings(
+        config=config,
+        global_batch=args.global_batch,
+        warmup=args.warmup,
+        steps=args.steps,
+        rounds=args.rounds,
+        traced_steps=args.traced_steps,
+        microbatches_per_stage=args.microbatches_per_stage,
+        device=device,
+        threads_per_rank=args.threads_per_rank,
+        timeout_s=args.timeout,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )
     if args.quick:
-        settings = replace(settings, config=replace(config, d_model=32, ffn_dim=32, seq_len=16),
-                           global_batch=16, warmup=1, steps=2, rounds=2, traced_steps=1)  # fmt: skip
+        settings = replace(
+            settings,
+            config=replace(config, d_model=32, ffn_dim=32, seq_len=16),
+            global_batch=16,
+            warmup=1,
+            steps=2,
+            rounds=2,
+            traced_steps=1,
+        )
     return settings
 
 
@@ -185,12 +216,15 @@ def _write_timeline(
     labels = {r: f"rank {r} ({dims.label(r)})" for r in range(case.world)}
     slug = case.name.replace(" ", "_")
     (out / "timeline").mkdir(parents=True, exist_ok=True)
-    (out / "timeline" / f"{slug}.json").write_text(json.dumps(tracing.chrome_trace(spans, labels)))
+    (out / "timeline" / f"{slug}.json").write_text(json.dumps(plots.chrome_trace(spans, labels)))
     if case.pp > 1 and spans and plots.available():
         last = max(s.step for s in spans)  # the steadiest recorded step
-        plots.plot_gantt([s for s in spans if s.step == last], out / "timeline" / f"{slug}.png",
-                         labels, title=f"{case.name}, M={num_microbatches}: measured timeline "
-                         "(F/B/W microbatch.chunk)")  # fmt: skip
+        plots.plot_gantt(
+            [s for s in spans if s.step == last],
+            out / "timeline" / f"{slug}.png",
+            labels,
+            title=f"{case.name}, M={num_microbatches}: measured timeline (F/B/W microbatch.chunk)",
+        )
 
 
 def _check_device(settings: Settings, cases: list[Case]) -> None:

@@ -63,19 +63,33 @@ def parallelize(model: StageModel, groups: ProcessGroups, device: torch.device) 
         block.attn.n_heads //= tp
         block.attn.n_kv_heads //= tp
         block.moe.sequence_group = groups.tp  # per-sequence aux losses over the whole sequence
-    parallelize_module(model, mesh, {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                   use_local_output=False),
-    })  # fmt: skip
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+            ),
+        },
+    )
 
 
 class TorchTPRunner:
     """``parallelize_module`` TP + SP over the same model; AdamW, clipping to the same norm."""
 
-    def __init__(self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups,
-                 device: torch.device, *, seed: int, lr: float, max_norm: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        dims: ParallelDims,
+        groups: ProcessGroups,
+        device: torch.device,
+        *,
+        seed: int,
+        lr: float,
+        max_norm: float,
+    ) -> None:
         if dims.tp < 2 or dims.world_size != dims.tp:
             raise ValueError(
                 f"the torch TP peer runs pure TP layouts (tp > 1, dp = pp = ep = 1), not {dims.label()}"
@@ -117,10 +131,11 @@ class TorchTPRunner:
         dist.all_reduce(flat, group=self.group)
         summed = flat.split([g.numel() for g in grads])
         for p, g in zip(partial, summed, strict=False):
-            p.grad = DTensor.from_local(g.view_as(p.grad.to_local()), p.grad.device_mesh,
-                                        [Replicate()], run_check=False)  # fmt: skip
-        for q, g in zip(plain, summed[len(partial) :], strict=True):
-            q.grad.copy_(g.view_as(q))
+            p.grad = DTensor.from_local(
+                g.view_as(p.grad.to_local()), p.grad.device_mesh, [Replicate()], run_check=False
+            )
+        for grad, g in zip(grads[len(partial) :], summed[len(partial) :], strict=True):
+            grad.copy_(g.view_as(grad))  # the plain params' own grads
 
     @torch.no_grad()
     def _clip(self) -> float:

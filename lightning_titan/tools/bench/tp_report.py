@@ -50,23 +50,28 @@ def tp_rows(rows: list[dict]) -> list[dict]:
             continue
         mine, world = row["impls"][OURS], row["world"]
         entry = {
-            "world": world, "case": row["case"], "tokens_per_s": mine["tokens_per_s"],
-            "step_ms": mine["step_ms"], "cpu_ms": mine["cpu_ms"],
-            "state_mb": max(row["state"]["mb_per_rank"]), "tp_cut_share": row["state"]["tp_cut_share"],
+            "world": world,
+            "case": row["case"],
+            "tokens_per_s": mine["tokens_per_s"],
+            "step_ms": mine["step_ms"],
+            "cpu_ms": mine["cpu_ms"],
+            "state_mb": max(row["state"]["mb_per_rank"]),
+            "tp_cut_share": row["state"]["tp_cut_share"],
             "expected_tp_cut_share": row["state"]["expected_tp_cut_share"],
-        }  # fmt: skip
+        }
         for key, base in (("dp", ours.get(f"dp{world}")), ("single", ours.get("single"))):
             if base is not None:
                 entry[f"vs_{key}"] = {k: mine[k] / base[k] for k in ("step_ms", "cpu_ms")}
         peer = row["impls"].get(TORCH_TP)
         if peer is not None:
             entry["peer"] = {
-                "tokens_per_s": peer["tokens_per_s"], "step_ms": peer["step_ms"],
+                "tokens_per_s": peer["tokens_per_s"],
+                "step_ms": peer["step_ms"],
                 "cpu_ms": peer["cpu_ms"],
                 "state_mb": max(sum(s.values()) for s in peer["state_bytes_per_rank"]) / _MB,
                 "tp_cut_share": peer["tp_cut_share"],
                 "ours_over_peer": {k: mine[k] / peer[k] for k in ("step_ms", "cpu_ms")},
-            }  # fmt: skip
+            }
         out.append(entry)
     return out
 
@@ -79,23 +84,29 @@ def tp_markdown(tp: list[dict]) -> list[str]:
     """The TP table: ours per TP case beside pure DP on as many ranks, one rank, and torch TP."""
     if not tp:
         return []
-    lines = ["", "**Tensor parallelism**: ours per TP case; ratios of step time (wall) and CPU time "
-             "per step, ours / the other (< 1: ours takes less): against pure DP on as many ranks, "
-             "against one rank, and against torch's `parallelize_module` TP + SP in the same rounds "
-             "(the peer's TP-cut share: DTensor cuts the 257-row vocabulary 129 / 128, unpadded)", "",
-             "| ranks | composition | tokens/s | step ms | CPU ms | state MB/rank | TP-cut share "
-             "(expected) | step / DP | CPU / DP | step / one rank | CPU / one rank "
-             "| torch TP tokens/s | step ms | CPU ms | state MB/rank | TP-cut share "
-             "| step ours / torch | CPU ours / torch |",
-             "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
+    lines = [
+        "",
+        "**Tensor parallelism**: ours per TP case; ratios of step time (wall) and CPU time "
+        "per step, ours / the other (< 1: ours takes less): against pure DP on as many ranks, "
+        "against one rank, and against torch's `parallelize_module` TP + SP in the same rounds "
+        "(the peer's TP-cut share: DTensor cuts the 257-row vocabulary 129 / 128, unpadded)",
+        "",
+        "| ranks | composition | tokens/s | step ms | CPU ms | state MB/rank | TP-cut share "
+        "(expected) | step / DP | CPU / DP | step / one rank | CPU / one rank "
+        "| torch TP tokens/s | step ms | CPU ms | state MB/rank | TP-cut share "
+        "| step ours / torch | CPU ours / torch |",
+        "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
     for t in tp:
         dp, one, peer = t.get("vs_dp"), t.get("vs_single"), t.get("peer")
         theirs = "- | - | - | - | - | - | - |"
         if peer is not None:
             mine = peer["ours_over_peer"]
-            theirs = (f"{peer['tokens_per_s']:,.0f} | {peer['step_ms']:.1f} | {peer['cpu_ms']:.0f} | "
-                      f"{peer['state_mb']:.2f} | {span(peer['tp_cut_share'], 4)} | "
-                      f"{mine['step_ms']:.2f}x | {mine['cpu_ms']:.2f}x |")  # fmt: skip
+            theirs = (
+                f"{peer['tokens_per_s']:,.0f} | {peer['step_ms']:.1f} | {peer['cpu_ms']:.0f} | "
+                f"{peer['state_mb']:.2f} | {span(peer['tp_cut_share'], 4)} | "
+                f"{mine['step_ms']:.2f}x | {mine['cpu_ms']:.2f}x |"
+            )
         lines.append(
             f"| {t['world']} | {t['case']} | {t['tokens_per_s']:,.0f} | {t['step_ms']:.1f} | "
             f"{t['cpu_ms']:.0f} | {t['state_mb']:.2f} | {span(t['tp_cut_share'], 4)} "

@@ -83,14 +83,30 @@ def _batches(
     return out
 
 
-def _make(impl: str, case: Case, settings: Settings, dims: ParallelDims, groups: ProcessGroups,
-          device: torch.device, split: StageSplit) -> Any:  # fmt: skip
+def _make(
+    impl: str,
+    case: Case,
+    settings: Settings,
+    dims: ParallelDims,
+    groups: ProcessGroups,
+    device: torch.device,
+    split: StageSplit,
+) -> Any:
     m = settings.num_microbatches(case)
     if impl in (OURS, ZERO1, ZERO2, PER_PARAM):
         reducer = "per_param" if impl == PER_PARAM else "bucketed"
-        return TitanRunner(settings.config, dims, groups, device, schedule=case.schedule,
-                           num_microbatches=m, reducer=reducer, zero=ZERO_LEVELS.get(impl, 0),
-                           bucket_cap_mb=settings.bucket_cap_mb, split=split)  # fmt: skip
+        return TitanRunner(
+            settings.config,
+            dims,
+            groups,
+            device,
+            schedule=case.schedule,
+            num_microbatches=m,
+            reducer=reducer,
+            zero=ZERO_LEVELS.get(impl, 0),
+            bucket_cap_mb=settings.bucket_cap_mb,
+            split=split,
+        )
     if impl == DDP:
         return DDPRunner(settings.config, dims, groups, device)
     if impl == DDP_ZERO:
@@ -98,11 +114,19 @@ def _make(impl: str, case: Case, settings: Settings, dims: ParallelDims, groups:
     if impl == FSDP2:
         return FSDP2Runner(settings.config, dims, groups, device)
     if impl == TORCH_PP:
-        return TorchPipeRunner(settings.config, dims, groups, device, schedule=case.schedule,
-                               num_microbatches=m, split=split)  # fmt: skip
+        return TorchPipeRunner(
+            settings.config,
+            dims,
+            groups,
+            device,
+            schedule=case.schedule,
+            num_microbatches=m,
+            split=split,
+        )
     if impl == TORCH_TP:
-        return TorchTPRunner(settings.config, dims, groups, device, seed=SEED, lr=LR,
-                             max_norm=MAX_NORM)  # fmt: skip
+        return TorchTPRunner(
+            settings.config, dims, groups, device, seed=SEED, lr=LR, max_norm=MAX_NORM
+        )
     raise ValueError(f"impl={impl!r} is unknown; choose one of {list(IMPL_LABELS)}")
 
 
@@ -134,8 +158,9 @@ def _timed_block(
     return wall.item() / steps, cpu_all.item() / steps
 
 
-def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: ProcessGroups,
-             device: torch.device) -> dict[str, dict]:  # fmt: skip
+def run_case(
+    case: Case, settings: Settings, dims: ParallelDims, groups: ProcessGroups, device: torch.device
+) -> dict[str, dict]:
     """This rank's measurements of every implementation of ``case``."""
     batches = _batches(settings, dims, device)
     split = _resolve_split(case, settings, dims, device)
@@ -148,8 +173,13 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
         for k in range(settings.warmup):
             runners[impl].step(*batches[k % len(batches)])
         _sync(device)
-        out[impl] = {"rank": dims.rank, "coords": dims.coords_of(dims.rank), "step_s": [],
-                     "cpu_s": [], "peak_bytes": peak_bytes(device)}  # fmt: skip
+        out[impl] = {
+            "rank": dims.rank,
+            "coords": dims.coords_of(dims.rank),
+            "step_s": [],
+            "cpu_s": [],
+            "peak_bytes": peak_bytes(device),
+        }
     for r in range(settings.rounds):
         order = case.impls[r % len(case.impls) :] + case.impls[: r % len(case.impls)]
         for impl in order:
@@ -181,8 +211,9 @@ def run_case(case: Case, settings: Settings, dims: ParallelDims, groups: Process
     return out
 
 
-def _traced(runner: TitanRunner, batches: list, settings: Settings, dims: ParallelDims,
-            device: torch.device) -> list[tracing.Span]:  # fmt: skip
+def _traced(
+    runner: TitanRunner, batches: list, settings: Settings, dims: ParallelDims, device: torch.device
+) -> list[tracing.Span]:
     spans = []
     for k in range(settings.traced_steps):
         dist.barrier()
@@ -206,8 +237,9 @@ def _saved_peak(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> int:
     return meter.peak
 
 
-def _resolve_split(case: Case, settings: Settings, dims: ParallelDims, device: torch.device
-                   ) -> StageSplit:  # fmt: skip
+def _resolve_split(
+    case: Case, settings: Settings, dims: ParallelDims, device: torch.device
+) -> StageSplit:
     """The case's split, ``stage_layers="auto"`` probed on rank 0 and agreed (as the strategy does),
     so ours and the peers build the same stage modules."""
     split = case.split
@@ -228,8 +260,11 @@ def _microbatch_saved(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> list
     for chunk in range(model.num_chunks):
         meter = SavedTensorMeter(exclude=list(model.parameters()))
         embeds = model.embeds(chunk)
-        x = inputs if embeds else torch.randn(*inputs.shape, d_model, device=inputs.device,
-                                                requires_grad=True)  # fmt: skip
+        x = (
+            inputs
+            if embeds
+            else torch.randn(*inputs.shape, d_model, device=inputs.device, requires_grad=True)
+        )
         with meter:
             y, aux = model(x, chunk)
             if model.heads(chunk):

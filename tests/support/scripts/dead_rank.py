@@ -18,6 +18,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -57,7 +58,8 @@ class Regressor(L.LightningModule):
     def on_train_start(self):
         if self.mode == "stop":  # a short timeout, but not for the rendezvous on a loaded machine
             timeout = timedelta(seconds=STALL_TIMEOUT_S)
-            for group in [None, *vars(self.trainer.strategy.groups).values()]:
+            groups = vars(self.trainer.strategy.groups).values()
+            for group in [None, *(g for g in groups if isinstance(g, dist.ProcessGroup))]:
                 _set_pg_timeout(timeout, group)
 
     def configure_optimizers(self):

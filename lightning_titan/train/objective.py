@@ -1,0 +1,74 @@
+"""The training objective, normalised in one place.
+
+The loss of a step is the mean token loss of the GLOBAL batch (``loss_fn``: TitanLM's sums the
+cross-entropy of one microbatch's tokens) plus the mean per-sequence aux loss (router balance and z,
+summed over the stages). Each rank back-propagates its share of it, per microbatch:
+
+    sum of the microbatch's token losses / the rank's tokens  +  sum of its aux / the rank's sequences
+
+Every data rank holds as many tokens and sequences, so the reducers' average over the data ranks is
+the gradient of the global mean, whatever the layout (expert grads are summed over EP, then averaged
+the same way). Validation reads the same sums; ``global_means`` turns any step's sums into the global
+means with one all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_titan.parallel.pipeline.stage import StepSums
+from lightning_titan.runtime import probes
+
+LossFn = Callable[[Tensor, Tensor], Tensor]  # (logits [m, S, V], targets [m, S]) -> sum, 0-dim
+
+
+@dataclass(frozen=True)
+class Objective:
+    """This rank's share of the global objective, for one microbatch (called by the pipeline stage)."""
+
+    loss_fn: LossFn
+    local_tokens: int  # the tokens of this rank's batch (every data rank holds as many)
+    local_sequences: int
+
+    def __call__(
+        self, aux: Tensor, logits: Tensor | None = None, targets: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(what to back-propagate, the microbatch's token-loss sum)``; ``logits``/``targets`` on the
+        stage that holds the head only (the sum is None elsewhere)."""
+        share = aux.sum() / self.local_sequences
+        if logits is None or targets is None:
+            return share, None
+        loss_sum = self.loss_fn(logits, targets)
+        return share + loss_sum / self.local_tokens, loss_sum
+
+
+@dataclass
+class StepLoss:
+    """The step's global means over every data rank's sequences, the same on every rank (0-dim fp64
+    tensors on the device: reading them is the caller's one host sync)."""
+
+    loss: Tensor  # mean token loss (loss_fn) of the global batch
+    aux: Tensor  # mean per-sequence aux loss (router balance + z), summed over stages
+    # assignments over an expert's capacity in the step, all layers and data ranks (0 when dropless)
+    dropped: Tensor
+
+
+def global_means(
+    sums: StepSums, local_sequences: int, data_world: int, dropped: Tensor | None = None
+) -> StepLoss:
+    """One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0; the
+    dropped assignments of each layer on its stage's ranks (each counts its own tokens)."""
+    tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)
+    if dropped is None:
+        dropped = torch.zeros_like(tokens)
+    totals = torch.stack([sums.loss_sum.double(), sums.aux_sum.double(), tokens, dropped])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with probes.span("all_reduce", "loss"):
+            dist.all_reduce(totals)
+    global_sequences = local_sequences * data_world
+    return StepLoss(loss=totals[0] / totals[2], aux=totals[1] / global_sequences, dropped=totals[3])
