@@ -228,7 +228,7 @@ class TitanLM(L.LightningModule):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         strategy.engine.gather_params()
-        strategy.engine.update_router_bias(skip=not stats.finite)
+        strategy.engine.update_router_bias(step, skip=not stats.finite)
         cast(LRScheduler, self.lr_schedulers()).step()
 
         tokens = inputs.numel() * strategy.parallel_dims.data_world

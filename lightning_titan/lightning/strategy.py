@@ -16,7 +16,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -28,13 +28,12 @@ from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpoints
 from lightning_titan.lightning.connect import connect
 from lightning_titan.lightning.failures import check_finite, report_failure, unreduced_step_error
 from lightning_titan.lightning.launchers import launcher_for
+from lightning_titan.lightning.layout import Layout
 from lightning_titan.parallel.mesh import (
     ParallelDims,
     ProcessGroups,
     build_process_groups,
-    check_degrees,
     check_launched_world,
-    resolve_degrees,
 )
 from lightning_titan.parallel.pipeline.schedules import V_SHAPED, check_microbatches
 from lightning_titan.plan import auto
@@ -111,8 +110,6 @@ class TitanStrategy(ParallelStrategy):
         if layout == "auto":
             chosen = dict(zero=zero, schedule=schedule, virtual_stages=virtual_stages)
             auto.check_auto_arguments({**degrees, **chosen, "num_microbatches": num_microbatches})
-        self._auto = layout == "auto"
-        self._auto_choice: auto.Choice | None = None
         self.options = TrainOptions(
             schedule=schedule,
             num_microbatches=num_microbatches,
@@ -127,14 +124,13 @@ class TitanStrategy(ParallelStrategy):
             virtual_stages=virtual_stages,
             stage_layers=stage_layers,
         )
-        self._degrees = check_degrees(**degrees)  # the world size is known later
+        self.layout = Layout(degrees, auto=layout == "auto")
         if schedule in V_SHAPED:  # pp is known here: say now, not on the ranks, what zbv needs
             check_microbatches(schedule, num_microbatches or pp, pp, virtual_stages)
         self._process_group_backend = process_group_backend
         self.checkpoints = ShardedCheckpoints(tuple(allow_config_change or ()))
         self.preemption = preemption.Preemption()
         self._num_nodes = 1
-        self._dims: ParallelDims | None = None
         self._groups: ProcessGroups | None = None
         self._engine: Engine | None = None
         self._setup_phase = SetupPhase()
@@ -145,9 +141,7 @@ class TitanStrategy(ParallelStrategy):
     # -- layout, Lightning plumbing, setup ------------------------------------------------------
     @property
     def parallel_dims(self) -> ParallelDims:
-        if self._dims is None:
-            raise RuntimeError("parallel_dims is known once the Trainer is built (set_world_ranks)")
-        return self._dims
+        return self.layout.dims
 
     @property
     def groups(self) -> ProcessGroups:
@@ -171,16 +165,13 @@ class TitanStrategy(ParallelStrategy):
     def preflight(self, module: Any, datamodule: Any, trainer: Any = None) -> None:
         """The checks that need no process group, in the launcher and on every rank before it (with
         ``layout="auto"`` on a rank: once the layout is agreed)."""
-        if self._auto and self._auto_choice is None:  # the launcher: choose here, fail early
+        if self.layout.waiting:  # the launcher: choose here, fail early
             self._use_layout(auto.choose_for(self, module, datamodule))
         preflight(self.parallel_dims, self.options, module, datamodule, trainer)
 
     def _use_layout(self, choice: auto.Choice) -> None:
         """``layout="auto"``: take the chosen degrees and step options, as if they had been given."""
-        if self._auto_choice is None:  # said once: rank 0 may have chosen in the launcher already
-            rank_zero_info(f"[titan] layout='auto' chose {choice.summary}")
-        self._auto_choice = choice
-        self._degrees = check_degrees(**choice.degrees)
+        self.layout.take(choice)
         self.options = choice.applied_to(self.options)
         self.set_world_ranks()
 
@@ -223,10 +214,8 @@ class TitanStrategy(ParallelStrategy):
             check_launched_world(self.cluster_environment, self.num_processes, self.num_nodes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         check_precision(self.precision_plugin)
-        if self._auto and self._auto_choice is None:
-            return  # the degrees come with the choice (preflight, or setup_environment's agreement)
-        degrees = resolve_degrees(self._degrees, self.num_nodes * self.num_processes)
-        self._dims = ParallelDims(**degrees, rank=self.global_rank)
+        # with layout="auto", once chosen (preflight, or setup_environment's agreement)
+        self.layout.resolve(self.num_nodes * self.num_processes, self.global_rank)
 
     @override
     def _configure_launcher(self) -> None:
@@ -239,13 +228,17 @@ class TitanStrategy(ParallelStrategy):
         self.set_world_ranks()
         trainer = getattr(self.lightning_module, "_trainer", None)
         datamodule = getattr(trainer, "datamodule", None)
-        if not self._auto:
+        if not self.layout.auto:
             self.preflight(self.lightning_module, datamodule, trainer)
         assert self.cluster_environment is not None  # set by the accelerator connector
         env, o = self.cluster_environment, self.options
         connect(env, self.root_device, self._process_group_backend, o, self.num_processes)
-        if self._auto:  # rank 0's choice (its CPU probe may differ from the others'), or its error
-            self._use_layout(auto.agree(self._auto_choice, self, self.lightning_module, datamodule))
+        if (
+            self.layout.auto
+        ):  # rank 0's choice (its CPU probe may differ from the others'), or its error
+            self._use_layout(
+                auto.agree(self.layout.choice, self, self.lightning_module, datamodule)
+            )
             self.preflight(self.lightning_module, datamodule, trainer)
         self._setup_phase.start()
         timeout = timedelta(minutes=self.options.timeout_minutes)
@@ -344,7 +337,8 @@ class TitanStrategy(ParallelStrategy):
             return output
 
         output = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
-        self.engine.after_optimizer_step(skip=not stats[-1].finite)  # ZeRO gather, expert bias
+        self.engine.gather_params()  # zero>0; the expert bias needs TitanLM's counted step
+        self.engine.update_router_bias(None, skip=not stats[-1].finite)
         return output
 
     @override

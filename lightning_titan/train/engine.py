@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_titan.model.decoder import COPIED_OVER, EXPERT, StageModel, grad_group_kinds
 from lightning_titan.model.moe import balance
-from lightning_titan.model.moe.layer import MoELayer
+from lightning_titan.model.moe.layer import counting
 from lightning_titan.parallel.dp import zero as zero_levels
 from lightning_titan.parallel.dp import zero_grads
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
@@ -119,9 +119,6 @@ class Engine:
         ]
         self.params = [p for _, p, _ in kinds]
         self.balanced_layers = balance.balanced_layers(module)  # MoE layers with an expert bias
-        self.capacity_layers = [  # MoE layers that can drop assignments: their counts to sum
-            m for m in module.modules() if isinstance(m, MoELayer) and m.capacity_factor is not None
-        ]
         self._gather_due = False  # zero>0: an optimizer step updated only this rank's rows
         if zero and not self.zero_groups:
             warnings.warn(
@@ -179,14 +176,14 @@ class Engine:
             tracer=tracer,
         )
         try:
-            sums = stage.run(self.schedule)
+            with counting(stage_model) as counts:  # the MoE layers' routing counts of this step
+                sums = stage.run(self.schedule)
         finally:
             self.set_grad_sync(True)
-        dropped = sums.loss_sum.new_zeros((), dtype=torch.float64)
-        for layer in self.capacity_layers:  # this rank's tokens in its stage's layers
-            dropped += layer.step_dropped.to(dropped.device)
-            layer.step_dropped.zero_()
-        return global_means(sums, inputs.shape[0], self.dims.data_world, dropped)
+        # this rank's tokens in its stage's layers (the all-reduce sums the ranks)
+        dropped = counts.total_dropped()
+        step = global_means(sums, inputs.shape[0], self.dims.data_world, dropped)
+        return replace(step, counts=counts)
 
     @torch.no_grad()
     def forward_only(
@@ -259,18 +256,29 @@ class Engine:
         for g in self.zero_groups:
             g.gather()
 
-    def update_router_bias(self, skip: bool = False) -> None:
+    def update_router_bias(self, step: StepLoss | None, skip: bool = False) -> None:
         """Just after the optimizer step: move the MoE layers' expert biases by the step's global
-        expert loads (one all-reduce over the stage's ``sequence_dp`` ranks; ``model/moe/balance.py``).
-        ``skip``: the step's update was dropped (non-finite), so the bias stays too; every rank of the
-        group passes the same (it decides whether there is an all-reduce)."""
-        balance.update_expert_bias(self.balanced_layers, self.groups.sequence_dp, skip=skip)
+        expert loads (``step.counts``, from ``forward_backward``; one all-reduce over the stage's
+        ``sequence_dp`` ranks; ``model/moe/balance.py``). ``skip``: the step's update was dropped
+        (non-finite), so the bias stays too; every rank of the group passes the same (it decides
+        whether there is an all-reduce)."""
+        if not self.balanced_layers:
+            return
+        if step is None or step.counts is None:
+            raise RuntimeError(
+                "aux-loss-free balancing (router_bias_update_rate > 0) moves the bias by the counts "
+                "of Engine.forward_backward's step: pass that step (TitanLM does); a loop of its "
+                "own, such as Lightning's automatic optimization, does not count them"
+            )
+        balance.update_expert_bias(
+            self.balanced_layers, step.counts, self.groups.sequence_dp, skip=skip
+        )
 
-    def after_optimizer_step(self, skip: bool = False) -> None:
-        """``gather_params`` then ``update_router_bias(skip)``: for loops that do not name them (the
-        engine-level harnesses, Lightning's automatic optimization)."""
+    def after_optimizer_step(self, step: StepLoss | None = None, skip: bool = False) -> None:
+        """``gather_params`` then ``update_router_bias(step, skip)``: for loops that do not name them
+        (the engine-level harnesses, Lightning's automatic optimization)."""
         self.gather_params()
-        self.update_router_bias(skip)
+        self.update_router_bias(step, skip)
 
     def remove(self) -> None:
         for r in self.reducers:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_titan.model.moe.layer import StepCounts
 from lightning_titan.parallel.pipeline.stage import StepSums
 from lightning_titan.runtime import probes
 
@@ -56,6 +57,8 @@ class StepLoss:
     aux: Tensor  # mean per-sequence aux loss (router balance + z), summed over stages
     # assignments over an expert's capacity in the step, all layers and data ranks (0 when dropless)
     dropped: Tensor
+    # this rank's routing counts per MoE layer (training steps: what the expert-bias update spends)
+    counts: StepCounts | None = None
 
 
 def global_means(
@@ -66,7 +69,7 @@ def global_means(
     tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)
     if dropped is None:
         dropped = torch.zeros_like(tokens)
-    totals = torch.stack([sums.loss_sum.double(), sums.aux_sum.double(), tokens, dropped])
+    totals = torch.stack([sums.loss_sum.double(), sums.aux_sum.double(), tokens, dropped.double()])
     if dist.is_initialized() and dist.get_world_size() > 1:
         with probes.span("all_reduce", "loss"):
             dist.all_reduce(totals)

@@ -125,7 +125,7 @@ def finetune(model: StageModel, engine: Engine, dims: ParallelDims) -> list[floa
         engine.finish_gradients(1.0)
         engine.bind_shard_grads()
         optimizer.step()
-        engine.after_optimizer_step()
+        engine.after_optimizer_step(out)
         optimizer.zero_grad(set_to_none=True)
         losses.append(out.loss.item())
     return losses

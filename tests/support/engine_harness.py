@@ -167,7 +167,7 @@ def train(
         engine.bind_shard_grads()
         grad_bytes = held_grad_bytes(model, optimizer)  # the grads the step reads
         optimizer.step()
-        engine.after_optimizer_step()
+        engine.after_optimizer_step(step_loss)
         # after the step, before zero_grad: the larger of the two
         grad_bytes = max(grad_bytes, held_grad_bytes(model, optimizer))
         # what `titan bench` measures (and `titan plan` predicts): state bytes by part after the step

@@ -18,7 +18,7 @@ from engine_harness import BIAS_CONFIG, reference
 from lightning_titan.checkpoint.state import MODEL, model_entries
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.moe.balance import bias_step, update_expert_bias
-from lightning_titan.model.moe.layer import MoELayer
+from lightning_titan.model.moe.layer import MoELayer, counting
 from lightning_titan.model.moe.router import route
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
 from lightning_titan.train.engine import Engine
@@ -78,19 +78,21 @@ def test_counts_once_per_training_token():
         model.init_weights(0)
         # torch stops a recompute once it has the saved tensors it needs, which may be before the
         # layer counts; without that early stop the recompute runs the whole block
-        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-            logits, aux = model(ids)
-            (logits.square().mean() + aux.sum()).backward()
         layer = model.layers["1"].moe
-        assert layer.step_tokens_per_expert.sum() == 3 * 8 * CONFIG.top_k
-        counted.append(layer.step_tokens_per_expert.clone())
-        with torch.no_grad():
+        with counting(model) as counts:
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                logits, aux = model(ids)
+                (logits.square().mean() + aux.sum()).backward()
+            assert counts.selected[layer].sum() == 3 * 8 * CONFIG.top_k
+            counted.append(counts.selected[layer].clone())
+            with torch.no_grad():
+                model(ids)
+            model.eval()
             model(ids)
-        model.eval()
-        model(ids)
-        assert torch.equal(layer.step_tokens_per_expert, counted[-1])
-        update_expert_bias([layer], None)
-        assert layer.step_tokens_per_expert.sum() == 0
+        assert torch.equal(counts.selected[layer], counted[-1])
+        model(ids)  # outside counting: nobody counts
+        assert layer.counts is None and torch.equal(counts.selected[layer], counted[-1])
+        update_expert_bias([layer], counts, None)
         assert torch.equal(
             layer.expert_bias, bias_step(counted[-1], CONFIG.router_bias_update_rate)
         )
@@ -102,16 +104,19 @@ def test_skipped_step_keeps_the_bias():
     model.init_weights(0)
     engine = Engine(model, ParallelDims(1, 1, 1), ProcessGroups(None, None, None, None))
     assert len(engine.balanced_layers) == 2
-    ids = torch.randint(0, 257, (2, 8), generator=torch.Generator().manual_seed(2))
-    model(ids)[0].sum().backward()
+    ids = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(2))
+    step = engine.forward_backward(model, ids[:, :-1], ids[:, 1:], 1, model.token_loss_sum)
+    assert step.counts is not None and set(step.counts.selected) == set(engine.balanced_layers)
     engine.bind_shard_grads(drop=True)  # a non-finite step: its update is dropped
-    engine.after_optimizer_step(skip=True)
-    for layer in engine.balanced_layers:
-        assert layer.expert_bias.abs().sum() == 0 and layer.step_tokens_per_expert.sum() == 0
-    model(ids)[0].sum().backward()
+    engine.after_optimizer_step(step, skip=True)
+    assert all(layer.expert_bias.abs().sum() == 0 for layer in engine.balanced_layers)
     engine.bind_shard_grads()
-    engine.after_optimizer_step()
+    engine.after_optimizer_step(step)
     assert all(layer.expert_bias.abs().sum() > 0 for layer in engine.balanced_layers)
+    with pytest.raises(
+        RuntimeError, match="moves the bias by the counts of Engine.forward_backward"
+    ):
+        engine.update_router_bias(None)  # a loop that did not count its step
     engine.remove()
 
 
@@ -123,7 +128,6 @@ def test_bias_is_a_checkpointed_buffer_only_when_on():
     state = on.state_dict()
     assert state["layers.1.moe.expert_bias"].dtype == torch.float32
     assert state["layers.1.moe.expert_bias"].shape == (CONFIG.n_experts,)
-    assert "layers.1.moe.step_tokens_per_expert" not in state  # per step, not state
     assert MODEL + "layers.1.moe.expert_bias" in model_entries(on)  # its global name
     assert not [k for k in off.state_dict() if "bias" in k]
 

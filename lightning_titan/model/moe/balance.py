@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_titan.model.moe.layer import MoELayer
+from lightning_titan.model.moe.layer import MoELayer, StepCounts
 from lightning_titan.runtime import probes
 
 
@@ -38,22 +38,21 @@ def bias_step(tokens_per_expert_LE: Tensor, rate: float) -> Tensor:
 
 @torch.no_grad()
 def update_expert_bias(
-    layers: list[MoELayer], group: ProcessGroup | None, *, skip: bool = False
+    layers: list[MoELayer], counts: StepCounts, group: ProcessGroup | None, *, skip: bool = False
 ) -> None:
-    """Move each layer's bias by its step's global load, then start the next step's counts.
+    """Move each layer's bias by its step's global load (``counts``: the step's, ``counting``).
 
     ``group``: the stage's ranks that saw other tokens (``sequence_dp``). ``skip``: the step's update
     was dropped (a non-finite step), so the bias stays too. Every rank of ``group`` must call this
     with the same ``skip`` (it decides whether there is an all-reduce)."""
-    if not layers:
+    if not layers or skip:
         return
-    if not skip:
-        counts_LE = torch.stack([m.step_tokens_per_expert for m in layers])
-        if group is not None and dist.get_world_size(group) > 1:
-            with probes.span("all_reduce", "expert loads"):
-                dist.all_reduce(counts_LE, group=group)
-        for layer, counts_E in zip(layers, counts_LE, strict=True):
-            assert layer.expert_bias is not None  # balanced_layers keeps only those with one
-            layer.expert_bias.add_(bias_step(counts_E, layer.bias_update_rate))
-    for layer in layers:
-        layer.step_tokens_per_expert.zero_()
+    # a layer that saw no training forward this step (none on this rank's microbatches) counts 0
+    zero = torch.zeros(layers[0].n_experts, dtype=torch.long, device=layers[0].router.weight.device)
+    counts_LE = torch.stack([counts.selected.get(m, zero) for m in layers])
+    if group is not None and dist.get_world_size(group) > 1:
+        with probes.span("all_reduce", "expert loads"):
+            dist.all_reduce(counts_LE, group=group)
+    for layer, counts_E in zip(layers, counts_LE, strict=True):
+        assert layer.expert_bias is not None  # balanced_layers keeps only those with one
+        layer.expert_bias.add_(bias_step(counts_E, layer.bias_update_rate))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -21,22 +24,21 @@ class MoELayer(nn.Module):
     the sequences this rank routes (for the per-sequence aux losses).
 
     ``bias_update_rate`` > 0 turns on aux-loss-free balancing (``model/moe/balance.py``): a persistent
-    ``expert_bias`` [E] fp32 steers the top-K choice, and ``step_tokens_per_expert`` [E] sums this
-    rank's assignments over the training forwards of a step (not the recompute of activation
-    checkpointing) until ``balance.update_expert_bias`` spends them.
+    ``expert_bias`` [E] fp32 steers the top-K choice, moved after each step by the step's counts.
 
     ``capacity_factor`` (None: dropless) caps each expert at ``floor(factor * S * K / E)`` of a
     sequence's assignments and drops the rest (``model/moe/capacity.py``); ``sequence_split`` = (cp, tp)
     says how ``sequence_group`` cuts each sequence. The counts above are the router's selections,
-    before the drops; ``step_dropped`` sums the dropped assignments of a step's training forwards
-    (the engine spends it) and ``rows_per_local_expert`` holds the last forward's received rows.
+    before the drops; ``rows_per_local_expert`` holds the last forward's received rows.
+
+    Inside ``counting(module)`` the training forwards add their selections and drops to the
+    ``StepCounts`` it yields (not activation checkpointing's recompute, which saw the same tokens):
+    a step's counts come back from the call that ran the step.
     With the bias on, ``unbiased_tokens_per_expert`` [E] holds the last forward's counts of the
     top-K the unbiased scores would have chosen (what the bias changed: ``timeline.ExpertLoad``).
     """
 
     expert_bias: Tensor | None
-    step_tokens_per_expert: Tensor
-    step_dropped: Tensor
 
     def __init__(
         self,
@@ -86,12 +88,9 @@ class MoELayer(nn.Module):
         self.register_buffer(
             "expert_bias", torch.zeros(n_experts, dtype=torch.float32) if balancing else None
         )
-        self.register_buffer(
-            "step_tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
-        )
         self.capacity_factor = capacity_factor
         self.sequence_split = sequence_split
-        self.register_buffer("step_dropped", torch.zeros((), dtype=torch.long), persistent=False)
+        self.counts: StepCounts | None = None  # set inside counting()
         self.rows_per_local_expert: list[int] = []
         self.unbiased_tokens_per_expert: Tensor | None = None
 
@@ -125,11 +124,9 @@ class MoELayer(nn.Module):
             ids = routing.expert_ids.reshape(-1)
             selected = torch.zeros_like(selected).scatter_add_(0, ids, torch.ones_like(ids))
         self.tokens_per_expert = selected.detach()
-        if self.training and torch.is_grad_enabled() and not recomputing():
-            if self.expert_bias is not None:
-                self.step_tokens_per_expert += selected
-            if keep is not None:
-                self.step_dropped += keep.numel() - keep.sum()
+        counts = self.counts
+        if counts is not None and self.training and torch.is_grad_enabled() and not recomputing():
+            counts.add(self, selected, None if keep is None else keep.numel() - keep.sum())
         aux = self.aux_loss_coef * routing.load_balance + self.z_loss_coef * routing.z_loss
         return out.view(b, s, d), aux
 
@@ -159,3 +156,39 @@ def recomputing() -> bool:
     """Whether this forward is activation checkpointing's recompute inside a backward: its tokens were
     counted by the first forward already."""
     return torch._C._current_graph_task_id() != -1
+
+
+class StepCounts:
+    """A step's routing counts, per MoE layer, summed over its training forwards (``counting``):
+    ``selected`` [E] the assignments the router chose (what the expert-bias update spends),
+    ``dropped`` the assignments over capacity (capacity layers only)."""
+
+    def __init__(self) -> None:
+        self.selected: dict[MoELayer, Tensor] = {}
+        self.dropped: dict[MoELayer, Tensor] = {}
+
+    def add(self, layer: MoELayer, selected: Tensor, dropped: Tensor | None) -> None:
+        selected = selected.detach()
+        self.selected[layer] = (
+            self.selected[layer] + selected if layer in self.selected else selected.clone()
+        )
+        if dropped is not None:
+            self.dropped[layer] = (
+                self.dropped[layer] + dropped if layer in self.dropped else dropped
+            )
+
+    def total_dropped(self) -> Tensor | None:
+        return torch.stack(list(self.dropped.values())).sum() if self.dropped else None
+
+
+@contextmanager
+def counting(module: nn.Module) -> Iterator[StepCounts]:
+    """The routing counts of the training forwards of ``module``'s MoE layers inside the block."""
+    counts, layers = StepCounts(), [m for m in module.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        layer.counts = counts
+    try:
+        yield counts
+    finally:
+        for layer in layers:
+            layer.counts = None

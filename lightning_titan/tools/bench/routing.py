@@ -79,10 +79,10 @@ def _train_steps(
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     for inputs, targets in batches:
         start = time.perf_counter()
-        engine.forward_backward(model, inputs, targets, 1, model.token_loss_sum)
+        step = engine.forward_backward(model, inputs, targets, 1, model.token_loss_sum)
         engine.finish_gradients(1.0)
         optimizer.step()
-        engine.after_optimizer_step()
+        engine.after_optimizer_step(step)
         optimizer.zero_grad(set_to_none=True)
         yield time.perf_counter() - start, model
 

@@ -1,0 +1,39 @@
+"""Which layout a TitanStrategy trains under: the degrees it was given, or with ``layout="auto"`` the
+plan's choice once made (``plan/auto.py``), and a rank's coordinates once the world size is known."""
+
+from __future__ import annotations
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_titan.parallel.mesh import ParallelDims, check_degrees, resolve_degrees
+from lightning_titan.plan.auto import Choice
+
+
+class Layout:
+    def __init__(self, degrees: dict[str, int], auto: bool) -> None:
+        self.degrees = check_degrees(**degrees)  # -1 is resolved once the world size is known
+        self.auto = auto
+        self.choice: Choice | None = None
+        self._dims: ParallelDims | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """``layout="auto"`` before its choice: the degrees are not known yet."""
+        return self.auto and self.choice is None
+
+    @property
+    def dims(self) -> ParallelDims:
+        if self._dims is None:
+            raise RuntimeError("parallel_dims is known once the Trainer is built (set_world_ranks)")
+        return self._dims
+
+    def resolve(self, world_size: int, rank: int) -> None:
+        """This rank's dims in a world of ``world_size`` (nothing yet while waiting for the choice)."""
+        if not self.waiting:
+            self._dims = ParallelDims(**resolve_degrees(self.degrees, world_size), rank=rank)
+
+    def take(self, choice: Choice) -> None:
+        """``layout="auto"``: the chosen degrees, as if they had been given."""
+        if self.choice is None:  # said once: rank 0 may have chosen in the launcher already
+            rank_zero_info(f"[titan] layout='auto' chose {choice.summary}")
+        self.choice, self.degrees = choice, check_degrees(**choice.degrees)
