@@ -48,8 +48,13 @@ class Choice:
 
     def applied_to(self, options: TrainOptions) -> TrainOptions:
         """``options`` with the chosen step options, as if they had been given."""
-        return replace(options, zero=self.zero, schedule=self.schedule,
-                       virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches)  # fmt: skip
+        return replace(
+            options,
+            zero=self.zero,
+            schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
+            num_microbatches=self.num_microbatches,
+        )
 
 
 def check_auto_arguments(given: dict[str, Any]) -> None:

@@ -137,8 +137,12 @@ class TrainOptions:
     @property
     def engine_args(self) -> dict[str, Any]:
         """The options ``train.engine.Engine`` takes, by name."""
-        return {"schedule": self.schedule, "bucket_cap_mb": self.bucket_cap_mb,
-                "reducer": self.reducer, "zero": self.zero}  # fmt: skip
+        return {
+            "schedule": self.schedule,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "reducer": self.reducer,
+            "zero": self.zero,
+        }
 
     def resolved(self, module: Any, trainer: Any, dims: ParallelDims, device: Any) -> TrainOptions:
         """With ``stage_layers="auto"``: the counts probed on global rank 0 and broadcast (the same on
