@@ -197,16 +197,22 @@ class FitCounts(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         trainer.callback_metrics["titan_steps"] = torch.tensor(trainer.global_step)
-        skipped = getattr(trainer.strategy, "skipped_steps", None)
+        skipped = skipped_steps(trainer.strategy)
         if skipped is not None:
             trainer.callback_metrics["titan_skipped_steps"] = torch.tensor(skipped)
+
+
+def skipped_steps(strategy: Any) -> int | None:
+    """Updates dropped by ``on_nonfinite="skip"`` (None: not a TitanStrategy)."""
+    step_end = getattr(strategy, "step_end", None)
+    return None if step_end is None else step_end.skipped
 
 
 def fit_counts(trainer: Any) -> tuple[int, int | None]:
     """(optimizer steps, steps skipped for non-finite values or None) of the fit that just ended."""
     metrics = trainer.callback_metrics
     steps = int(metrics.get("titan_steps", trainer.global_step))
-    skipped = metrics.get("titan_skipped_steps", getattr(trainer.strategy, "skipped_steps", None))
+    skipped = metrics.get("titan_skipped_steps", skipped_steps(trainer.strategy))
     return steps, None if skipped is None else int(skipped)
 
 

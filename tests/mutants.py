@@ -233,9 +233,9 @@ MUTATIONS = {
                                 "_local_sq_norm(grads, device)",
                                 ["tests/distributed/test_reducer.py"]),
     # issue 21.2: the strategy does not clip
-    "clip_none": ("lightning_titan/lightning/strategy.py",
-                  "self.engine.finish_gradients(self.options.gradient_clip_norm)",
-                  "self.engine.finish_gradients(None)",
+    "clip_none": ("lightning_titan/lightning/step_end.py",
+                  "engine.finish_gradients(options.gradient_clip_norm)",
+                  "engine.finish_gradients(None)",
                   ["tests/distributed/test_strategy_step.py"]),
     # issue 21.3: the broadcast of replicated parameters does nothing / is not called
     "broadcast_noop": ("lightning_titan/train/engine.py",
@@ -258,9 +258,9 @@ MUTATIONS = {
                             "job = titan_fit(config, root, cache, fork)",
                             ["tests/distributed/test_reliability.py", "-k", "kill_9"]),
     # issue 12.1: manual optimization may step on grads that were never reduced
-    "step_unreduced": ("lightning_titan/lightning/strategy.py",
-                       "            if self._grads_pending:\n",
-                       "            if False:\n",
+    "step_unreduced": ("lightning_titan/lightning/step_end.py",
+                       "        if self.pending:\n",
+                       "        if False:\n",
                        ["tests/distributed/test_agreement.py", "-k", "unreduced"]),
     # issue 21.6: the sampler gets the DP rank instead of the data rank
     "sampler_dp_rank": ("lightning_titan/lightning/strategy.py",

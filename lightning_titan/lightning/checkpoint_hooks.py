@@ -29,10 +29,10 @@ class ShardedCheckpoints:
         module: nn.Module,
         optimizers: list[Optimizer],
         layout: dict[str, Any],
-        global_batch_size: int | None,
     ) -> None:
         """Collective. ``checkpoint``: Lightning's dict; its state dicts are written as shards.
         ``layout``: the degrees, schedule and zero level, a record (the state loads under any)."""
+        global_batch_size = _global_batch_size(module)
         if global_batch_size is not None:
             layout = {**layout, "global_batch_size": global_batch_size}
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -43,10 +43,10 @@ class ShardedCheckpoints:
         path: str,
         module: nn.Module,
         optimizers: list[Optimizer],
-        global_batch_size: int | None,
         weights_only: bool | None,
     ) -> dict[str, Any]:
         """Collective: the module's and the optimizers' shards for this layout, and Lightning's dict."""
+        global_batch_size = _global_batch_size(module)
         expect = {} if global_batch_size is None else {"global_batch_size": global_batch_size}
         return load_sharded(
             path,
@@ -70,3 +70,9 @@ class ShardedCheckpoints:
             except Exception as e:  # noqa: BLE001 - every rank raises it
                 error = e
         agree(error)
+
+
+def _global_batch_size(module: nn.Module) -> int | None:
+    """The data module's global batch, recorded in a checkpoint and checked on resume."""
+    datamodule = getattr(getattr(module, "trainer", None), "datamodule", None)
+    return getattr(datamodule, "global_batch_size", None)

@@ -6,13 +6,27 @@ from __future__ import annotations
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_titan.parallel.mesh import ParallelDims, check_degrees, resolve_degrees
-from lightning_titan.plan.auto import Choice
+from lightning_titan.parallel.pipeline.schedules import V_SHAPED, check_microbatches
+from lightning_titan.plan.auto import Choice, check_auto_arguments
+from lightning_titan.train.options import TrainOptions
 
 
 class Layout:
-    def __init__(self, degrees: dict[str, int], auto: bool) -> None:
+    """``layout``: None (the ``degrees`` given) or ``"auto"`` (chosen at launch, so neither the
+    degrees nor the step ``options`` it chooses may be given)."""
+
+    def __init__(self, degrees: dict[str, int], layout: str | None, options: TrainOptions) -> None:
+        if layout not in (None, "auto"):
+            raise ValueError(f"layout={layout!r} is unknown; use 'auto' or give the degrees")
+        o = options
+        if layout == "auto":
+            step = dict(zero=o.zero, schedule=o.schedule, virtual_stages=o.virtual_stages)
+            check_auto_arguments({**degrees, **step, "num_microbatches": o.num_microbatches})
         self.degrees = check_degrees(**degrees)  # -1 is resolved once the world size is known
-        self.auto = auto
+        self.auto = layout == "auto"
+        pp = degrees["pp"]
+        if o.schedule in V_SHAPED:  # pp is known here: say now, not on the ranks, what zbv needs
+            check_microbatches(o.schedule, o.num_microbatches or pp, pp, o.virtual_stages)
         self.choice: Choice | None = None
         self._dims: ParallelDims | None = None
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -100,16 +101,11 @@ class Preemption:
             trainer._signal_connector.received_sigterm = True  # Lightning stops after this step
 
     def handles(
-        self,
-        exception: BaseException,
-        trainer: Any,
-        launcher: Any,
-        rank: int,
-        world: int,
-        grace_s: float,
+        self, exception: BaseException, trainer: Any, strategy: ParallelStrategy, grace_s: float
     ) -> bool:
         """True when ``exception`` is the agreed stop (``last`` is then saved and the exit code set),
         or the interrupt of a fork launcher's parent, whose ranks have already stopped."""
+        launcher, rank, world = strategy.launcher, strategy.global_rank, strategy.world_size
         if isinstance(launcher, TitanForkLauncher) and not dist.is_initialized():
             if isinstance(exception, (KeyboardInterrupt, SystemExit)):  # the parent: no failure
                 what = "interrupted" if isinstance(exception, KeyboardInterrupt) else "preempted"

@@ -1,6 +1,4 @@
-"""TitanStrategy: DP x PP x EP x CP x TP as a Lightning strategy. Lightning glue only; the machinery
-lives in train/engine.py, parallel/, checkpoint/ and the objects it owns (ShardedCheckpoints,
-Preemption): ``L.Trainer(accelerator="cpu", devices=8, strategy=TitanStrategy(dp=2, pp=2, ep=2))``"""
+"""TitanStrategy: DP x PP x EP x CP x TP, Lightning glue over the engine and the objects it owns."""
 
 from __future__ import annotations
 
@@ -9,33 +7,22 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
-import lightning.pytorch as pl
-import torch
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_titan.checkpoint.sharded import remove_checkpoint
 from lightning_titan.lightning import preemption, supervisor
-from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpoints
 from lightning_titan.lightning.connect import connect
-from lightning_titan.lightning.failures import check_finite, report_failure, unreduced_step_error
+from lightning_titan.lightning.failures import report_failure
 from lightning_titan.lightning.launchers import launcher_for
 from lightning_titan.lightning.layout import Layout
-from lightning_titan.parallel.mesh import (
-    ParallelDims,
-    ProcessGroups,
-    build_process_groups,
-    check_launched_world,
-)
-from lightning_titan.parallel.pipeline.schedules import V_SHAPED, check_microbatches
+from lightning_titan.lightning.sharded_strategy import ShardedStrategy
+from lightning_titan.lightning.step_end import StepEnd
+from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
 from lightning_titan.runtime.agreement import SetupPhase, distributed
@@ -44,7 +31,7 @@ from lightning_titan.train.objective import StepLoss
 from lightning_titan.train.options import TrainOptions, check_precision, preflight
 
 
-class TitanStrategy(ParallelStrategy):
+class TitanStrategy(ShardedStrategy):
     """DP, PP, EP, CP and TP composed, for a stage-local model built in ``configure_model``.
 
     Args:
@@ -77,8 +64,6 @@ class TitanStrategy(ParallelStrategy):
 
     strategy_name = "titan"
 
-    strategy_name = "titan"
-
     def __init__(
         self,
         dp: int = -1,
@@ -103,13 +88,7 @@ class TitanStrategy(ParallelStrategy):
         layout: Literal["auto"] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        degrees = dict(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp)
-        if layout not in (None, "auto"):
-            raise ValueError(f"layout={layout!r} is unknown; use 'auto' or give the degrees")
-        if layout == "auto":
-            chosen = dict(zero=zero, schedule=schedule, virtual_stages=virtual_stages)
-            auto.check_auto_arguments({**degrees, **chosen, "num_microbatches": num_microbatches})
+        super().__init__(allow_config_change, **kwargs)
         self.options = TrainOptions(
             schedule=schedule,
             num_microbatches=num_microbatches,
@@ -124,19 +103,14 @@ class TitanStrategy(ParallelStrategy):
             virtual_stages=virtual_stages,
             stage_layers=stage_layers,
         )
-        self.layout = Layout(degrees, auto=layout == "auto")
-        if schedule in V_SHAPED:  # pp is known here: say now, not on the ranks, what zbv needs
-            check_microbatches(schedule, num_microbatches or pp, pp, virtual_stages)
+        self.layout = Layout(dict(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp), layout, self.options)
         self._process_group_backend = process_group_backend
-        self.checkpoints = ShardedCheckpoints(tuple(allow_config_change or ()))
         self.preemption = preemption.Preemption()
-        self._num_nodes = 1
+        self.step_end = StepEnd(self.preemption)
         self._groups: ProcessGroups | None = None
         self._engine: Engine | None = None
         self._setup_phase = SetupPhase()
         self._peers: list[tuple[str, int]] | None = None  # hosts and pids, for failure reports
-        # pending: a backward ran, its grads not finished yet; skipped: updates dropped by "skip"
-        self._grads_pending, self.skipped_steps = False, 0
 
     # -- layout, Lightning plumbing, setup ------------------------------------------------------
     @property
@@ -148,13 +122,6 @@ class TitanStrategy(ParallelStrategy):
         if self._groups is None:
             raise RuntimeError("process groups exist only after setup_environment()")
         return self._groups
-
-    @property
-    def module(self) -> pl.LightningModule:
-        """The LightningModule being run (Lightning connects it before any hook here runs)."""
-        if self.lightning_module is None:
-            raise RuntimeError("TitanStrategy has no LightningModule: pass one to trainer.fit()")
-        return self.lightning_module
 
     @property
     def engine(self) -> Engine:
@@ -177,42 +144,13 @@ class TitanStrategy(ParallelStrategy):
 
     @property
     @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None  # set by the accelerator connector
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        # the accelerator connector reads this: without it sync_dist and the sampler are silently off
-        return True
-
-    @property
-    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every stage of one pipeline reads the same shard
         return {"num_replicas": self.parallel_dims.data_world, "rank": self.parallel_dims.data_rank}
 
     def set_world_ranks(self) -> None:
         """Runs when the Trainer is built: check the layout against the world before anything launches."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-            check_launched_world(self.cluster_environment, self.num_processes, self.num_nodes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        super().set_world_ranks()
         check_precision(self.precision_plugin)
         # with layout="auto", once chosen (preflight, or setup_environment's agreement)
         self.layout.resolve(self.num_nodes * self.num_processes, self.global_rank)
@@ -226,20 +164,18 @@ class TitanStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        module, trainer = self.lightning_module, getattr(self.lightning_module, "_trainer", None)
         datamodule = getattr(trainer, "datamodule", None)
         if not self.layout.auto:
-            self.preflight(self.lightning_module, datamodule, trainer)
+            self.preflight(module, datamodule, trainer)
         assert self.cluster_environment is not None  # set by the accelerator connector
         env, o = self.cluster_environment, self.options
         connect(env, self.root_device, self._process_group_backend, o, self.num_processes)
         if (
             self.layout.auto
-        ):  # rank 0's choice (its CPU probe may differ from the others'), or its error
-            self._use_layout(
-                auto.agree(self.layout.choice, self, self.lightning_module, datamodule)
-            )
-            self.preflight(self.lightning_module, datamodule, trainer)
+        ):  # rank 0's choice (its CPU probe may differ from others'), or its error
+            self._use_layout(auto.agree(self.layout.choice, self, module, datamodule))
+            self.preflight(module, datamodule, trainer)
         self._setup_phase.start()
         timeout = timedelta(minutes=self.options.timeout_minutes)
         self._groups = build_process_groups(self.parallel_dims, timeout, self.root_device.type)
@@ -270,14 +206,8 @@ class TitanStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    @override
     def on_train_start(self) -> None:
-        super().on_train_start()
-        self.checkpoints.claim(self.module.trainer, self.global_rank)
+        super().on_train_start()  # claims the checkpoint directories
         # after Lightning registered its signal handlers (Trainer._run)
         preemption.install(self.world_size)
 
@@ -286,15 +216,12 @@ class TitanStrategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         # automatic optimization with accumulate_grad_batches > 1 calls this on the non-final batches
-        self.engine.set_grad_sync(False)
-        try:
+        with self.engine.grad_sync_off():
             yield
-        finally:
-            self.engine.set_grad_sync(True)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        self._grads_pending = True
+        self.step_end.pending = True
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def finish_gradients(self, step: StepLoss | None = None) -> GradStats:
@@ -304,19 +231,8 @@ class TitanStrategy(ParallelStrategy):
         ranks' agreement on a SIGTERM (``preemption``) in one host sync. A non-finite norm or loss
         raises FloatingPointError on every rank, or with ``on_nonfinite="skip"`` drops every gradient
         so that the optimizer step changes nothing (``GradStats.finite`` is then False)."""
-        stop = preemption.start_agreement(self.root_device)  # on SIGTERM, over the world
-        norm = self.engine.finish_gradients(self.options.gradient_clip_norm)
-        self._grads_pending = False
-        module, action = self.module, self.options.on_nonfinite
-        given = [] if step is None else [step.loss, step.aux, step.dropped]
-        *values, stopping = torch.stack([t.double() for t in [norm, *given, stop()]]).tolist()
-        self.preemption.decide(stopping, module.trainer)
-        finite = check_finite(
-            module, self.parallel_dims, module.trainer.global_step, values[:2], action
-        )
-        self.skipped_steps += not finite
-        self.engine.bind_shard_grads(drop=not finite)  # zero>0: after the clip and the skip
-        return GradStats(values[0], finite, *values[1:])
+        dims, o = self.parallel_dims, self.options
+        return self.step_end.finish(self.engine, self.module, dims, o, self.root_device, step)
 
     @override
     def optimizer_step(
@@ -325,8 +241,7 @@ class TitanStrategy(ParallelStrategy):
         if not self.module.automatic_optimization:
             # the module's training_step finishes the grads before and does the post-step work
             # after (TitanLM.training_step shows the order)
-            if self._grads_pending:
-                raise unreduced_step_error()
+            self.step_end.check_finished()
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # drop-in for DDP: Lightning's loop owns the step, so the strategy does what TitanLM names
         stats: list[GradStats] = []
@@ -358,86 +273,20 @@ class TitanStrategy(ParallelStrategy):
         return self._setup_phase.broadcast(obj, src, self.global_rank)
 
     @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        if not isinstance(tensor, Tensor):
-            return tensor
-        return _sync_ddp_if_available(tensor, group, reduce_op)
-
-    @override
     def on_exception(self, exception: BaseException) -> None:
-        trainer, o = getattr(self.lightning_module, "_trainer", None), self.options
-        if self.preemption.handles(
-            exception, trainer, self.launcher, self.global_rank, self.world_size, o.grace_s
-        ):
+        trainer, grace_s = getattr(self.lightning_module, "_trainer", None), self.options.grace_s
+        if self.preemption.handles(exception, trainer, self, grace_s):
             return
         self._setup_phase.fail(exception)
         env = self.cluster_environment
         started = distributed() or (env is not None and env.creates_processes_externally)
-        report_failure(
-            exception,
-            dims=self.parallel_dims if started else None,
-            peers=self._peers,
-            global_step=None if trainer is None else trainer.global_step,
-            grace_s=o.grace_s,
-        )
+        step = None if trainer is None else trainer.global_step
+        dims = self.parallel_dims if started else None  # else: the launcher, no rank yet
+        report_failure(exception, dims=dims, peers=self._peers, global_step=step, grace_s=grace_s)
 
-    # -- checkpoints: every rank writes and reads its own shards (checkpoint_hooks.py) -----------------
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the stage-local model and the optimizer must exist to load into
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint already loaded it, resharded for this layout
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the shards are written by save_checkpoint; no full copy is gathered
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {}
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # done in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # done in load_checkpoint
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "TitanStrategy.save_checkpoint takes no storage_options (it writes DCP shards)"
-            )
-        path, dims = self.broadcast(str(filepath)), self.parallel_dims
-        layout = {**dims.degrees, "schedule": self.options.schedule, "zero": self.options.zero}
-        self.checkpoints.save(
-            path, checkpoint, self.module, self.optimizers, layout, self._global_batch_size()
-        )
-
-    @override
-    def load_checkpoint(
-        self, checkpoint_path: Any, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        path = self.broadcast(str(checkpoint_path))
-        return self.checkpoints.load(
-            path, self.module, self.optimizers, self._global_batch_size(), weights_only
-        )
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        remove_checkpoint(filepath)
-
-    def _global_batch_size(self) -> int | None:
-        datamodule = getattr(self.module.trainer, "datamodule", None)
-        return getattr(datamodule, "global_batch_size", None)
+    def checkpoint_layout(self) -> dict[str, Any]:
+        o = self.options
+        return {**self.parallel_dims.degrees, "schedule": o.schedule, "zero": o.zero}
 
     @override
     def teardown(self) -> None:
@@ -448,6 +297,4 @@ class TitanStrategy(ParallelStrategy):
 
 
 if TitanStrategy.strategy_name not in StrategyRegistry:  # a re-import must not raise
-    StrategyRegistry.register(
-        "titan", TitanStrategy, description="DP x PP x EP x CP x TP (lightning_titan)"
-    )
+    StrategyRegistry.register("titan", TitanStrategy, description="DP x PP x EP x CP x TP")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -147,6 +148,15 @@ class Engine:
     def set_grad_sync(self, sync: bool) -> None:
         for r in self.reducers:
             r.sync = sync
+
+    @contextmanager
+    def grad_sync_off(self) -> Iterator[None]:
+        """Backwards that accumulate without reducing (Lightning's ``accumulate_grad_batches``)."""
+        self.set_grad_sync(False)
+        try:
+            yield
+        finally:
+            self.set_grad_sync(True)
 
     def forward_backward(
         self,

@@ -35,7 +35,9 @@ def test_weight_decay_must_not_be_negative():
 
 
 def _trainer(skipped: int | None, steps: int) -> SimpleNamespace:
-    strategy = SimpleNamespace() if skipped is None else SimpleNamespace(skipped_steps=skipped)
+    strategy = SimpleNamespace(
+        step_end=None if skipped is None else SimpleNamespace(skipped=skipped)
+    )
     return SimpleNamespace(
         callback_metrics={}, global_step=steps, strategy=strategy, logger=None,
         checkpoint_callback=None,
