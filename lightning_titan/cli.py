@@ -90,7 +90,17 @@ def model_seq_len(model: Namespace | ModelConfig | None) -> int:
     return int(model.init_args.seq_len)
 
 
+class UsageError(ValueError):
+    """A bad value on the command line: ``titan`` prints its message alone, exit status 2."""
+
+
 class TitanCLI(LightningCLI):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # TitanLM builds its optimizer on its weight-decay groups once its stage exists, where
+        # LightningCLI's --optimizer would build one on no parameters: --model.optimizer instead
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(*args, **kwargs)
+
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         # no `predict`: the pipeline engine computes losses, not outputs to collect; to generate, use
@@ -154,7 +164,7 @@ def check_strategy(trainer: Namespace) -> None:
     try:
         cls(**kwargs)
     except ValueError as err:
-        raise ValueError(str(err)) from None
+        raise UsageError(str(err)) from None
     except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before
         return
 
@@ -168,7 +178,7 @@ def check_model_config(model: Namespace | None) -> None:
     try:
         ModelConfig(**fields.as_dict())
     except ValueError as err:
-        raise ValueError(str(err)) from None
+        raise UsageError(str(err)) from None
     except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before
         return
 
@@ -275,13 +285,30 @@ def main(args: list[str] | None = None) -> None:
         bench_main(argv[1:])  # its results dict is for Python callers, not an exit status
         return None
     quiet_known_noise()
-    TitanCLI(
-        *cli_components(),
-        trainer_defaults=TRAINER_DEFAULTS,
-        seed_everything_default=1234,
-        save_config_kwargs={"overwrite": True},
-        args=args,  # None: LightningCLI reads sys.argv itself (both would warn)
-    )
+    try:
+        check_optimizer_flags(argv)
+        TitanCLI(
+            *cli_components(),
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=1234,
+            save_config_kwargs={"overwrite": True},
+            args=args,  # None: LightningCLI reads sys.argv itself (both would warn)
+        )
+    except UsageError as err:
+        if args is not None:  # a Python caller gets the exception
+            raise
+        print(f"titan: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def check_optimizer_flags(argv: list[str]) -> None:
+    for flag in ("--optimizer", "--lr_scheduler"):
+        if any(a == flag or a.startswith(flag + "=") or a.startswith(flag + ".") for a in argv):
+            raise UsageError(
+                f"{flag} is not a titan option: TitanLM builds the optimizer on its weight-decay "
+                "groups and runs its warmup and cosine schedule; name another optimizer with "
+                "--model.optimizer=torch.optim.SGD --model.optimizer.lr=0.1 (its own arguments)"
+            )
 
 
 if __name__ == "__main__":

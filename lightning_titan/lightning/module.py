@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import lightning as L
 import torch
+from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
@@ -43,6 +44,12 @@ class TitanLM(L.LightningModule):
             uses the folder's tokenizer when it has one.
         peak_flops: one device's peak FLOP/s for the logged ``mfu`` (None: a GPU's dense bf16 peak
             from ``flops.GPU_BF16_PEAK``, else a short matmul probe on each rank at train start).
+        optimizer: another optimizer than AdamW, built on the same two groups (the matrices, then the
+            norms at weight_decay 0) with its own arguments, e.g. ``partial(torch.optim.SGD, lr=0.1,
+            momentum=0.9)``; on the command line ``--model.optimizer=torch.optim.SGD
+            --model.optimizer.lr=0.1``. ``learning_rate``, ``betas`` and ``weight_decay`` are then
+            unused; the warmup and cosine schedule still scale its learning rate. Under zero>0 it
+            must update each element on its own (checked by a probe step).
     """
 
     def __init__(
@@ -57,6 +64,7 @@ class TitanLM(L.LightningModule):
         seed: int = 1234,
         init_from: str | None = None,
         peak_flops: float | None = None,
+        optimizer: OptimizerCallable | None = None,
     ) -> None:
         super().__init__()
         if not learning_rate > 0:
@@ -80,7 +88,8 @@ class TitanLM(L.LightningModule):
         if init_from is not None:  # its shape, and every tensor there, before any rank starts
             self.config = hf_load.config_from_folder(init_from, self.config)
             hf_load.check_folder(init_from, self.config)
-        self.save_hyperparameters(ignore=["model"])
+        self.make_optimizer = optimizer  # a callable: not a hyper-parameter a checkpoint can hold
+        self.save_hyperparameters(ignore=["model", "optimizer"])
         self.hparams["model"] = vars(self.config)
         self.automatic_optimization = False
         self.model: StageModel | None = None
@@ -144,14 +153,19 @@ class TitanLM(L.LightningModule):
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.ndim >= 2]  # matrices; not norms
         no_decay = [p for p in self.parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.hparams["weight_decay"]},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.hparams["learning_rate"],
-            betas=tuple(self.hparams["betas"]),
-        )
+        if self.make_optimizer is not None:
+            optimizer = self.make_optimizer(
+                [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+            )
+        else:
+            optimizer = torch.optim.AdamW(
+                [
+                    {"params": decay, "weight_decay": self.hparams["weight_decay"]},
+                    {"params": no_decay, "weight_decay": 0.0},
+                ],
+                lr=self.hparams["learning_rate"],
+                betas=tuple(self.hparams["betas"]),
+            )
         total = self.hparams["lr_decay_steps"] or max(
             1, int(self.trainer.estimated_stepping_batches)
         )
@@ -224,12 +238,19 @@ class TitanLM(L.LightningModule):
         # 3. the update, then what follows it: under zero>0 each rank updated its own rows of the
         #    parameters, which every rank then gathers; the routers' expert biases move by the
         #    step's global expert loads (not on a skipped step)
-        optimizer = cast(LightningOptimizer, self.optimizers())  # TitanLM has one
+        optimizer = self.optimizers()
+        if not isinstance(optimizer, LightningOptimizer):
+            raise TypeError(
+                f"TitanLM steps one optimizer; configure_optimizers gave {len(optimizer)}: return "
+                "one (with an optional lr_scheduler)"
+            )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         strategy.engine.gather_params()
         strategy.engine.update_router_bias(step, skip=not stats.finite)
-        cast(LRScheduler, self.lr_schedulers()).step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:  # an overridden configure_optimizers may return no schedule
+            cast(LRScheduler, scheduler).step()
 
         tokens = inputs.numel() * strategy.parallel_dims.data_world
         # the same keys on every rank, values already global: the loggers live on rank 0, the loss

@@ -218,6 +218,47 @@ def test_linked_and_misplaced_keys_fail_with_the_key_to_use(tmp_path, capsys):
         compose_config(late)
 
 
+def test_model_optimizer_is_built_on_the_weight_decay_groups(tmp_path, monkeypatch, capsys):
+    """--model.optimizer names another optimizer (its own arguments); TitanLM still builds the two
+    groups, the norms at weight_decay 0. LightningCLI's --optimizer, which would build one on the
+    parameters of a stage that does not exist yet, is refused with the flag to use."""
+    from lightning_titan.model.decoder import StageModel
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(config("single")), "--model.lr_decay_steps=10",
+            "--model.optimizer=torch.optim.SGD", "--model.optimizer.lr=0.5",
+            "--model.optimizer.momentum=0.9", "--model.optimizer.weight_decay=0.01"]  # fmt: skip
+    module = TitanCLI(*cli_components(), run=False, args=args).model
+    module.model = StageModel(module.config, pp_rank=0, pp=1, ep_rank=0, ep=1)
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert type(optimizer) is torch.optim.SGD
+    matrices, norms = optimizer.param_groups
+    assert (matrices["initial_lr"], matrices["momentum"], matrices["weight_decay"]) == (0.5, 0.9, 0.01)
+    assert norms["weight_decay"] == 0.0 and all(p.ndim < 2 for p in norms["params"])
+    assert len(matrices["params"]) + len(norms["params"]) == len(list(module.parameters()))
+    with pytest.raises(ValueError, match=r"--optimizer is not a titan option.*--model.optimizer="):
+        main(["fit", "--config", str(config("single")), "--optimizer=torch.optim.SGD"])
+
+
+def test_a_bad_value_on_the_command_line_is_the_message_alone(tmp_path):
+    """The `titan` command prints a bad strategy or model value as one line, no traceback, exit 2."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for flag, message in [
+        (
+            "--trainer.strategy.init_args.pp=0",
+            "titan: error: pp=0 is not valid: use a positive int",
+        ),
+        ("--model.model.capacity_factor=-1", "titan: error: capacity_factor=-1.0 must be a number"),
+        ("--lr_scheduler=x", "titan: error: --lr_scheduler is not a titan option"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-m", "lightning_titan.cli", "fit", "--config", str(config("dp")), flag],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_help_lists_every_command_and_each_runs(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -4,14 +4,17 @@ and the fix (issue 13, item 7). Slower, launched cases live in test_reliability'
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_titan.cli import fit_summary, skipped_warning
 from lightning_titan.data import TitanDataModule
 from lightning_titan.lightning.module import TitanLM
+from lightning_titan.model.decoder import ModelConfig
 
 
 @pytest.mark.parametrize(
@@ -261,3 +264,33 @@ def test_fit_summary_reads_the_counts_the_fork_launcher_carries_back():
     assert "final train_loss   2.5000 (step 8)" in summary
     assert "skipped steps      7 of 8" in summary
     assert skipped_warning(launcher).startswith("WARNING: 7 of 8 optimizer steps were skipped")
+
+
+def test_a_configure_optimizers_returning_a_bare_optimizer_trains(tmp_path):
+    """A TitanLM subclass may return its optimizer alone (no lr_scheduler): the step has none to take."""
+    import lightning as L
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_titan import TitanStrategy
+
+    class PlainSGD(TitanLM):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    config = ModelConfig(d_model=16, n_layers=1, n_heads=2, ffn_dim=16, n_experts=2, seq_len=8)
+    tokens = torch.randint(0, config.vocab_size, (4, config.seq_len + 1))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=TitanStrategy(), max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    environ = dict(os.environ)
+    try:
+        trainer.fit(PlainSGD(config), DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), 2))
+    finally:  # the fit leaves a process group and its address behind; later spawns need neither
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    assert trainer.global_step == 2

@@ -64,12 +64,37 @@ def test_zero_with_nothing_to_split_warns_and_whole_tensor_optimizers_are_refuse
     with pytest.warns(UserWarning, match=r"zero=1 changes nothing here: .*dp=1, ep=1.*use dp > 1"):
         engine = Engine(model, ParallelDims(1, 1, 1), ProcessGroups(None, None, None, None), zero=1)
     assert engine.zero_groups == []
-    for optimizer in (
-        torch.optim.Adafactor(model.parameters()),
-        torch.optim.LBFGS(model.parameters()),
+    # refused by what they do to a probe weight cut in two, not by name: a factored update, an
+    # orthogonalised one, a custom g / ||g||, and one that cannot step without a closure
+    for optimizer, why in (
+        (torch.optim.Adafactor(model.parameters()), "cannot split"),
+        (torch.optim.Muon([model.weight]), "cannot split"),
+        (UnitStep(model.parameters()), "cannot split"),
+        (torch.optim.LBFGS(model.parameters()), "cannot check"),
     ):
-        with pytest.raises(ValueError, match=f"zero=1 cannot split {type(optimizer).__name__}"):
+        with pytest.raises(ValueError, match=f"zero>0 {why} .*{type(optimizer).__name__}"):
             shard_optimizer(optimizer, [])
+    # element-wise ones pass, torch's and a custom one alike
+    for optimizer in (
+        torch.optim.AdamW(model.parameters(), weight_decay=0.1),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+        UnitStep(model.parameters(), elementwise_sign=True),
+    ):
+        shard_optimizer(optimizer, [])
+
+
+class UnitStep(torch.optim.Optimizer):
+    """A step of length lr along g / ||g|| (whole-tensor), or along sign(g) (element-wise)."""
+
+    def __init__(self, params, lr=0.1, elementwise_sign=False):
+        super().__init__(params, dict(lr=lr, elementwise_sign=elementwise_sign))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                d = p.grad.sign() if group["elementwise_sign"] else p.grad / p.grad.norm()
+                p.sub_(group["lr"] * d)
 
 
 @pytest.mark.parametrize("layout", [{"dp": 2, "zero": 1}, {"pp": 2, "dp": 1}])

@@ -48,9 +48,6 @@ from lightning_titan.parallel.tensor_parallel import TpShard, real_size
 from lightning_titan.runtime import probes
 
 LEVELS = (0, 1, 2)
-# torch's optimizers whose update of an element reads the rest of the tensor: row shards would change
-# the result (the element-wise ones, Adam/AdamW/SGD/..., give the same numbers on any rows)
-WHOLE_TENSOR_OPTIMIZERS = (torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.Muon)
 ATTR = "_titan_zero_shard"  # on a shard's leaf tensor: its ZeroShard (checkpoint keys need it)
 
 
@@ -229,12 +226,7 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 def shard_optimizer(optimizer: Optimizer, groups: Sequence[ZeroGroup]) -> None:
     """Point ``optimizer`` at this rank's shards in place (its param groups, hyper-parameters and any
     scheduler stay); a parameter no shard covers stays whole. Only before the optimizer has state."""
-    if isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS):
-        raise ValueError(
-            f"zero=1 cannot split {type(optimizer).__name__}: its update of a weight depends on the "
-            "whole tensor (a factored or orthogonalised update, or a line search), not on each "
-            "element alone; use zero=0 with it, or an element-wise optimizer such as AdamW"
-        )
+    check_elementwise(optimizer)
     if optimizer.state:
         raise RuntimeError(
             "zero>0 shards an optimizer before its first step; this one already has state"
@@ -249,6 +241,61 @@ def shard_optimizer(optimizer: Optimizer, groups: Sequence[ZeroGroup]) -> None:
             elif shard.stop > shard.start:  # a rank past the last row holds nothing of it
                 leaves.append(shard.leaf)
         param_group["params"] = leaves
+
+
+def check_elementwise(optimizer: Optimizer) -> None:
+    """Refuse an optimizer whose update of an element reads other elements of its tensor (a factored,
+    normalised or orthogonalised update, a line search): on a rank's rows it would train another
+    model. Found by behaviour, not by name: a fresh optimizer of the same class and hyper-parameters
+    takes three steps on a probe weight, once whole and once cut into two row ranges, and the two
+    must agree. A class that cannot be probed (its constructor or ``step`` needs more) may declare
+    ``elementwise = True``."""
+    cls = type(optimizer)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if getattr(cls, "elementwise", None) is True:
+        return
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    if first is None:
+        return
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        try:
+            whole, cut = (
+                _probe_steps(cls, hyper, first, split=False),
+                _probe_steps(cls, hyper, first, split=True),
+            )
+        except Exception as e:  # noqa: BLE001 - named in the error
+            raise ValueError(
+                f"zero>0 cannot check that {name} updates each element on its own (a probe step "
+                f"failed: {type(e).__name__}: {e}); use zero=0 with it, or, if its update of an "
+                f"element reads nothing else of the tensor, set `{cls.__qualname__}.elementwise = True`"
+            ) from None
+        if not torch.allclose(whole, cut, rtol=1e-5, atol=1e-7):
+            raise ValueError(
+                f"zero>0 cannot split {name}: its update of an element depends on the rest of the "
+                "tensor (a probe weight updated whole and in two row ranges differs), so a rank "
+                "updating its rows would train another model; use zero=0 with it, or an "
+                "element-wise optimizer such as torch.optim.AdamW"
+            )
+
+
+def _probe_steps(cls: type[Optimizer], hyper: dict, like: Tensor, split: bool) -> Tensor:
+    """A (6, 4) float32 weight on ``like``'s device (bf16 rounding would hide nothing and could
+    differ between the two) after three steps of ``cls`` on fixed grads,
+    held whole or as rows [0, 3) and [3, 6)."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(6, 4, generator=gen)
+    grads = [torch.randn(6, 4, generator=gen) for _ in range(3)]
+    kind = dict(device=like.device, dtype=torch.float32)
+    pieces = [start[:3], start[3:]] if split else [start]
+    params = [nn.Parameter(t.to(**kind)) for t in pieces]
+    opt = cls([{"params": params, **hyper}])
+    for g in grads:
+        parts = [g[:3], g[3:]] if split else [g]
+        for p, part in zip(params, parts, strict=True):
+            p.grad = part.to(**kind)
+        opt.step()
+    return torch.cat([p.detach().cpu() for p in params])
 
 
 def as_dtensor(local: Tensor, shard: ZeroShard, shape: torch.Size) -> DTensor:
