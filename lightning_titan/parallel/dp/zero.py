@@ -33,6 +33,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -279,21 +280,19 @@ def check_elementwise(optimizer: Optimizer) -> None:
             )
 
 
-def _probe_steps(cls: type[Optimizer], hyper: dict, like: Tensor, split: bool) -> Tensor:
-    """A (6, 4) float32 weight on ``like``'s device (bf16 rounding would hide nothing and could
-    differ between the two) after three steps of ``cls`` on fixed grads,
-    held whole or as rows [0, 3) and [3, 6)."""
+def _probe_steps(cls: type[Optimizer], hyper: dict[str, Any], like: Tensor, split: bool) -> Tensor:
+    """A (6, 4) weight on ``like``'s device after three steps of ``cls`` on fixed grads, held whole or
+    as rows [0, 3) and [3, 6); float32, whose rounding cannot tell the two apart where bf16's could."""
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(6, 4, generator=gen)
     grads = [torch.randn(6, 4, generator=gen) for _ in range(3)]
-    kind = dict(device=like.device, dtype=torch.float32)
     pieces = [start[:3], start[3:]] if split else [start]
-    params = [nn.Parameter(t.to(**kind)) for t in pieces]
-    opt = cls([{"params": params, **hyper}])
+    params = [nn.Parameter(t.to(like.device)) for t in pieces]
+    opt = cls([{"params": params, **hyper}])  # type: ignore[call-arg]  # a subclass's signature
     for g in grads:
         parts = [g[:3], g[3:]] if split else [g]
         for p, part in zip(params, parts, strict=True):
-            p.grad = part.to(**kind)
+            p.grad = part.to(like.device)
         opt.step()
     return torch.cat([p.detach().cpu() for p in params])
 
