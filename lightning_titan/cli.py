@@ -287,6 +287,7 @@ def main(args: list[str] | None = None) -> None:
     quiet_known_noise()
     try:
         check_optimizer_flags(argv)
+        check_config_files(argv)
         TitanCLI(
             *cli_components(),
             trainer_defaults=TRAINER_DEFAULTS,
@@ -299,6 +300,19 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"titan: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Read each ``--config`` as the parser will, so that a key it would reject with a dump of the
+    whole namespace is refused first, naming the file, the key and the fix."""
+    given = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--config"]
+    given += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in given:
+        if os.path.isfile(path):  # a missing file: the parser says so
+            try:
+                compose_config(path)
+            except ValueError as err:
+                raise UsageError(str(err)) from None
 
 
 def check_optimizer_flags(argv: list[str]) -> None:

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from lightning_titan.checkpoint import files, integrity, storage
 from lightning_titan.checkpoint import state as keys
 from lightning_titan.checkpoint.storage import UnsafeCheckpointError
+from lightning_titan.model.config import ModelConfig
 
 FORMAT_VERSION = 1
 
@@ -163,6 +164,8 @@ def check_config(
             f"allow_config_change names {unknown}, not fields of {type(config).__name__} "
             f"({', '.join(current)})"
         )
+    if isinstance(config, ModelConfig):  # n_kv_heads=None is n_heads: the same model
+        saved, current = ModelConfig.spelled_out(saved), ModelConfig.spelled_out(current)
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     diffs = []
     for k in sorted(set(saved) | set(current)):

@@ -14,6 +14,8 @@ from typing import Any
 import yaml
 
 INCLUDE = "config"
+# values the parser holds as {class_path, init_args}: a dotted key sets their fields under init_args
+CLASS_VALUED = ("model.model", "trainer.strategy", "trainer.logger")
 
 
 def compose_config(path: str | Path) -> dict[str, Any]:
@@ -32,6 +34,7 @@ def compose_config(path: str | Path) -> dict[str, Any]:
                 )
             composed = compose_config(path.parent / value)
         else:
+            check_dotted_key(path, key)
             _set(composed, key.split("."), value)
     return composed
 
@@ -46,3 +49,16 @@ def _set(tree: dict[str, Any], keys: list[str], value: Any) -> None:
             tree[key] = {}
         tree = tree[key]
     tree[keys[-1]] = value
+
+
+def check_dotted_key(path: Path, key: str) -> None:
+    """``model.model.n_layers: 4`` would reach the user as jsonargparse's dump of the model's union
+    type: say which key to write instead."""
+    for prefix in CLASS_VALUED:
+        rest = key[len(prefix) + 1 :].split(".")[0] if key.startswith(prefix + ".") else None
+        if rest not in (None, "class_path", "init_args", "dict_kwargs"):
+            fixed = f"{prefix}.init_args.{key[len(prefix) + 1 :]}"
+            raise ValueError(
+                f"{path}: the key `{key}` sets a field of {prefix}, which goes under init_args: "
+                f"write `{fixed}`"
+            )

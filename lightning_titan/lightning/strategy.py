@@ -43,7 +43,7 @@ class TitanStrategy(ShardedStrategy):
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zb_h1"`` (zero-bubble 1F1B) or
             ``"zbv"`` (zero-bubble V: rank r holds virtual stages r and 2*pp-1-r; loss on rank 0).
         virtual_stages: model chunks per rank (>= 2 for interleaved 1F1B, layers round-robin; 2 for
-            zbv).
+            zbv). None: 2 for zbv, else 1.
         stage_layers: layers per (virtual) stage, e.g. ``[3, 1]``, or ``"auto"`` (probed); None: even.
         num_microbatches: microbatches per step on every rank (default: ``pp``).
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
@@ -72,7 +72,7 @@ class TitanStrategy(ShardedStrategy):
         tp: int = 1,
         cp: int = 1,
         schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv"] = "1f1b",
-        virtual_stages: int = 1,
+        virtual_stages: int | None = None,
         stage_layers: list[int] | Literal["auto"] | None = None,
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
@@ -100,7 +100,7 @@ class TitanStrategy(ShardedStrategy):
             on_nonfinite=on_nonfinite,
             start_method=start_method,
             zero=zero,
-            virtual_stages=virtual_stages,
+            virtual_stages=TrainOptions.chunks_for(schedule, virtual_stages),
             stage_layers=stage_layers,
         )
         self.layout = Layout(dict(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp), layout, self.options)

@@ -95,6 +95,17 @@ class ModelConfig:
             )
         check_capacity(self)
 
+    @staticmethod
+    def spelled_out(fields: dict[str, Any]) -> dict[str, Any]:
+        """``fields`` (a config as a dict) with each None that stands for a value computed from others
+        written out, so that ``n_kv_heads=None`` and ``n_kv_heads=n_heads`` compare equal."""
+        out = dict(fields)
+        if out.get("n_kv_heads") is None and "n_heads" in out:
+            out["n_kv_heads"] = out["n_heads"]
+        if out.get("attn_head_dim") is None and out.get("n_heads") and "d_model" in out:
+            out["attn_head_dim"] = out["d_model"] // out["n_heads"]
+        return out
+
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.d_model // self.n_heads

@@ -66,6 +66,13 @@ class TrainOptions:
     virtual_stages: int = 1
     stage_layers: Sequence[int] | str | None = None  # a tuple once validated, or "auto"
 
+    @staticmethod
+    def chunks_for(schedule: str, virtual_stages: int | None) -> int:
+        """``virtual_stages`` as given, or when None the schedule's own: zbv's V needs two chunks."""
+        if virtual_stages is not None:
+            return virtual_stages
+        return 2 if schedule in V_SHAPED else 1
+
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is unknown; {_choose(sorted(SCHEDULES))}")

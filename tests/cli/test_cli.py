@@ -216,6 +216,10 @@ def test_linked_and_misplaced_keys_fail_with_the_key_to_use(tmp_path, capsys):
     late.write_text(f"trainer.devices: 2\nconfig: {config('single')}\n")
     with pytest.raises(ValueError, match="must come first"):
         compose_config(late)
+    dotted = tmp_path / "dotted.yaml"
+    dotted.write_text(f"config: {config('single')}\nmodel.model.n_layers: 2\n")
+    with pytest.raises(ValueError, match=r"`model.model.n_layers` .* write `model.model.init_args"):
+        compose_config(dotted)
 
 
 def test_model_optimizer_is_built_on_the_weight_decay_groups(tmp_path, monkeypatch, capsys):
@@ -233,7 +237,11 @@ def test_model_optimizer_is_built_on_the_weight_decay_groups(tmp_path, monkeypat
     optimizer = module.configure_optimizers()["optimizer"]
     assert type(optimizer) is torch.optim.SGD
     matrices, norms = optimizer.param_groups
-    assert (matrices["initial_lr"], matrices["momentum"], matrices["weight_decay"]) == (0.5, 0.9, 0.01)
+    assert (matrices["initial_lr"], matrices["momentum"], matrices["weight_decay"]) == (
+        0.5,
+        0.9,
+        0.01,
+    )
     assert norms["weight_decay"] == 0.0 and all(p.ndim < 2 for p in norms["params"])
     assert len(matrices["params"]) + len(norms["params"]) == len(list(module.parameters()))
     with pytest.raises(ValueError, match=r"--optimizer is not a titan option.*--model.optimizer="):
@@ -243,16 +251,17 @@ def test_model_optimizer_is_built_on_the_weight_decay_groups(tmp_path, monkeypat
 def test_a_bad_value_on_the_command_line_is_the_message_alone(tmp_path):
     """The `titan` command prints a bad strategy or model value as one line, no traceback, exit 2."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for flag, message in [
-        (
-            "--trainer.strategy.init_args.pp=0",
-            "titan: error: pp=0 is not valid: use a positive int",
-        ),
-        ("--model.model.capacity_factor=-1", "titan: error: capacity_factor=-1.0 must be a number"),
-        ("--lr_scheduler=x", "titan: error: --lr_scheduler is not a titan option"),
+    dotted = tmp_path / "dotted.yaml"
+    dotted.write_text(f"config: {config('dp')}\ntrainer.strategy.dp: 2\n")
+    dp = ["--config", str(config("dp"))]
+    for args, message in [
+        ([f"--config={dotted}"], f"titan: error: {dotted}: the key `trainer.strategy.dp`"),
+        ([*dp, "--trainer.strategy.init_args.pp=0"], "titan: error: pp=0 is not valid"),
+        ([*dp, "--model.model.capacity_factor=-1"], "titan: error: capacity_factor=-1.0 must"),
+        ([*dp, "--lr_scheduler=x"], "titan: error: --lr_scheduler is not a titan option"),
     ]:
         done = subprocess.run(
-            [sys.executable, "-m", "lightning_titan.cli", "fit", "--config", str(config("dp")), flag],
+            [sys.executable, "-m", "lightning_titan.cli", "fit", *args],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 2, done.stderr[-2000:]

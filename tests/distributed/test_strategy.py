@@ -48,7 +48,11 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "support" / "scripts"
         ({"zero": 3}, 2, "zero=3 is not a ZeRO level; choose 0"),
         ({"zero": 2, "reducer": "per_param"}, 2, "zero=2 reduce-scatters flat gradient buckets"),
         ({"virtual_stages": 2}, 2, "virtual_stages=2 needs a schedule over several chunks"),
-        ({"pp": 2, "schedule": "zbv"}, 2, "virtual_stages=1 does not work; use"),
+        (
+            {"pp": 2, "schedule": "zbv", "virtual_stages": 1},
+            2,
+            "virtual_stages=1 does not work; use",
+        ),
         ({"stage_layers": [2, -1]}, 2, r"stage_layers=\[2, -1\] must hold ints >= 0"),
     ],
 )

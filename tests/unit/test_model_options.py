@@ -87,3 +87,23 @@ def test_an_explicit_head_dim_need_not_divide_d_model():
     assert config.head_dim == 8
     with pytest.raises(ValueError, match="d_model=36 is not divisible by n_heads=8"):
         ModelConfig(d_model=36, n_heads=8)
+
+
+def test_a_resume_compares_the_model_a_config_means_not_how_it_is_spelled():
+    """n_kv_heads=None is n_heads, attn_head_dim=None is d_model / n_heads: a checkpoint saved with
+    the None loads into a model that writes the value out, and a real change is still refused."""
+    import dataclasses
+    from pathlib import Path
+
+    from lightning_titan.checkpoint.reader import check_config
+
+    class Holder(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+
+    saved = dataclasses.asdict(ModelConfig(d_model=64, n_heads=4))
+    check_config(Path("ckpt"), saved, Holder(ModelConfig(d_model=64, n_heads=4, n_kv_heads=4)))
+    check_config(Path("ckpt"), saved, Holder(ModelConfig(d_model=64, n_heads=4, attn_head_dim=16)))
+    with pytest.raises(ValueError, match=r"checkpoint has n_kv_heads=4, model has 2"):
+        check_config(Path("ckpt"), saved, Holder(ModelConfig(d_model=64, n_heads=4, n_kv_heads=2)))

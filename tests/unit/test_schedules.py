@@ -510,8 +510,9 @@ def test_zbv_order_is_torchs(pp, m):
 def test_zbv_options_name_the_fix():
     from lightning_titan.lightning.strategy import TitanStrategy
 
+    assert TitanStrategy(pp=2, schedule="zbv").options.virtual_stages == 2  # the V's two chunks
     with pytest.raises(ValueError, match=r"virtual_stages=1 does not work; use .*virtual_stages=2"):
-        TitanStrategy(pp=2, schedule="zbv")
+        TitanStrategy(pp=2, schedule="zbv", virtual_stages=1)
     with pytest.raises(ValueError, match=r"virtual_stages=3 does not work"):
         TitanStrategy(pp=2, schedule="zbv", virtual_stages=3)
     with pytest.raises(ValueError, match=r"needs pp >= 2 \(got pp=1\)"):
