@@ -93,9 +93,17 @@ def _from_pretrained(auto: Any, name: str) -> Any:
         )
     try:
         return auto.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as err:
-        if os.path.exists(name) or _offline():
-            raise _unloadable(name, err) from err
+    except Exception as err:  # a damaged file raises anything, from json to the tokenizers library
+        if os.path.exists(name):
+            raise ValueError(
+                f"tokenizer folder {name!r} could not be read ({_cause(err)}): its tokenizer files "
+                f"({', '.join(TOKENIZER_FILES[:2])}, ...) are damaged or missing; replace them, or "
+                "use tokenizer='byte'"
+            ) from err
+        if not isinstance(err, (OSError, ValueError)):
+            raise
+        if _offline():
+            raise _unloadable(name, err, "HF_HUB_OFFLINE is set and it is not cached") from err
     _probe_hub(name)
     try:
         return auto.from_pretrained(name)
@@ -125,11 +133,15 @@ def _probe_hub(name: str) -> None:
         raise _unloadable(name, err) from err
 
 
+def _cause(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+
+
 def _unloadable(name: str, err: BaseException, why: str = "") -> ValueError:
-    cause = why or f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    """A hub name that could not be fetched: no network, no such repository, or not cached offline."""
     return ValueError(
-        f"tokenizer {name!r} could not be loaded ({cause}); offline? use tokenizer='byte' or a local "
-        "path to a tokenizer folder (or download it once with network: it is cached then)"
+        f"tokenizer {name!r} could not be loaded ({why or _cause(err)}); use tokenizer='byte' or a "
+        "local path to a tokenizer folder (or download it once with network: it is cached then)"
     )
 
 

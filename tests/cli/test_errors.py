@@ -142,6 +142,19 @@ def test_an_unknown_tokenizer_fails_fast_and_says_tokenizer(monkeypatch, offline
         _ = TitanDataModule(tokenizer="/no/such/folder").vocab_size
 
 
+def test_a_damaged_tokenizer_folder_is_named_as_such_not_as_a_network_problem(tmp_path):
+    pytest.importorskip("transformers")
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{ not json")
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    with pytest.raises(ValueError) as info:
+        _ = TitanDataModule(tokenizer=str(folder)).vocab_size
+    message = str(info.value)
+    assert message.startswith(f"tokenizer folder '{folder}' could not be read (")
+    assert "damaged or missing" in message and "offline" not in message
+
+
 def _damage(path: Path, how: str) -> None:
     arrow = next((path / "train").glob("*.arrow"))
     if how == "truncated":
