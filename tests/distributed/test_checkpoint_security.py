@@ -354,3 +354,45 @@ def test_export_refuses_bad_destinations_before_loading(tmp_path: Path, monkeypa
         with pytest.raises((FileExistsError, ValueError), match=message.replace("(", "\\(")):
             _export(ckpt, out)
     assert loaded == [] and existing.read_text() == "keep me" and not (ckpt / "hf").exists()
+
+
+def _init_from_folder(folder: Path) -> Path:
+    """A stand-in init_from folder: its tokenizer files and the config.json the export reads ids from."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": 3}))
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    (folder / "tokenizer.json").chmod(0o600)  # the export's copy gets the export's mode, not this
+    return folder
+
+
+def _save_from(path: Path, init_from: Path) -> Path:
+    model, opt = _model()
+    meta = {"hyper_parameters": {"init_from": str(init_from)}}
+    save_sharded(path, model, [opt], meta, layout={})
+    return path
+
+
+def test_export_copies_no_link_out_of_init_from_and_gives_every_file_one_mode(tmp_path) -> None:
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    folder = _init_from_folder(tmp_path / "pretrained")
+    (folder / "tokenizer_config.json").symlink_to(secret)
+    ckpt = _save_from(tmp_path / "ck" / "last.ckpt", folder)
+    out = tmp_path / "hf"
+    link = folder / "tokenizer_config.json"
+    with pytest.raises(ValueError, match=f"{link} is a symlink to {secret}, outside its folder"):
+        _export(ckpt, out)
+    assert not out.exists()
+
+    link.unlink()  # a link that stays inside the folder is its own file: copied as a regular file
+    (folder / "vocab.json").write_text("{}")
+    (folder / "special_tokens_map.json").symlink_to("vocab.json")
+    _export(ckpt, out)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: oct(p.lstat().st_mode) for p in out.iterdir()}
+    assert set(modes) == {
+        "config.json", "model.safetensors", "tokenizer.json", "vocab.json", "special_tokens_map.json"
+    }  # fmt: skip
+    assert set(modes.values()) == {oct(0o100000 | 0o666 & ~umask)}, modes
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
