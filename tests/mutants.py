@@ -252,6 +252,16 @@ MUTATIONS = {
                              "    _delete(path)\n    if not (path.exists() or path.is_symlink()):\n"
                              "        os.rename(tmp, path)",
                              ["tests/unit/test_checkpoint_install.py"]),
+    # a damaged COMPLETE marker of a checkpoint saved with checksums reads as one from before them
+    "damaged_marker_trusted": ("lightning_titan/checkpoint/integrity.py",
+                               "    if info.get(CHECKSUMMED):",
+                               "    if False:",
+                               ["tests/distributed/test_checkpoint_security.py", "-k", "marker"]),
+    # ckpt_path="last" with only an interrupted save starts a new run (Lightning's warning)
+    "missing_last_accepted": ("lightning_titan/lightning/launchers.py",
+                              '    refuse_missing_last(trainer, called.get("ckpt_path"))',
+                              "    pass",
+                              ["tests/distributed/test_resume_last.py"]),
     # issue 21.5: the resume after kill -9 restarts from scratch (a mutation of the test's command)
     "resume_without_ckpt": ("tests/distributed/test_reliability.py",
                             'job = titan_fit(config, root, cache, "--ckpt_path=last", fork)',

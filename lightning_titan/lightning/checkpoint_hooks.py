@@ -87,12 +87,12 @@ def refuse_missing_last(trainer: Any, ckpt_path: Any) -> None:
         return
     # directories set by the user (or titan's CLI): Lightning's default is a new version_N per run
     callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-    callbacks = [c for c in callbacks if c.dirpath]
-    last = set().union(*(c._find_last_checkpoints(trainer) for c in callbacks))
+    dirs = {c: Path(c.dirpath) for c in callbacks if c.dirpath}
+    last = set().union(*(c._find_last_checkpoints(trainer) for c in dirs))
     on_exception = [c.ckpt_path for c in trainer.callbacks if isinstance(c, OnExceptionCheckpoint)]
     if last or any(Path(p).exists() for p in on_exception):
         return  # Lightning loads it; the load refuses one that is incomplete, naming it
-    for dirpath in sorted({Path(c.dirpath) for c in callbacks}):
+    for dirpath in sorted(set(dirs.values())):
         held = sorted(dirpath.iterdir()) if dirpath.is_dir() else []
         if not held:
             continue
