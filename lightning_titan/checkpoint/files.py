@@ -76,6 +76,26 @@ def siblings(path: Path) -> list[Path]:
     return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefixes))
 
 
+_LEFTOVER = re.compile(rf"\.(?P<name>.+)\.(?P<kind>{'|'.join(_SIBLING_KINDS)})-.+")
+_LEFTOVER_IS = {
+    "tmp": "a save of {name} that was interrupted",
+    "old": "the previous {name}, set aside by an interrupted swap",
+    "del": "a removal of {name} that was interrupted",
+}
+
+
+def describe(path: Path) -> str:
+    """``path``'s name and what it is, for an error that lists a checkpoint directory."""
+    leftover = _LEFTOVER.fullmatch(path.name)
+    if leftover:
+        what = _LEFTOVER_IS[leftover["kind"]].format(name=leftover["name"])
+    elif is_complete_checkpoint(path):
+        what = "a complete checkpoint"
+    else:
+        what = "a directory" if path.is_dir() else "a file"
+    return f"{path.name} ({what})"
+
+
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` is a directory checkpoint whose save ran to the end."""
     path = Path(path)

@@ -77,14 +77,17 @@ def _check_is_checkpoint(path: Path) -> None:
 def read_checkpoint_info(
     path: str | os.PathLike, *, weights_only: bool | None = None
 ) -> dict[str, Any]:
-    """``meta.pt`` of a complete checkpoint: format_version, meta, layout, model_config, param_groups.
+    """``meta.pt`` of a complete checkpoint: format_version, checksummed, meta, layout, model_config,
+    param_groups.
 
     Read weights-only (plain containers, numbers, strings, tensors: nothing in it can run code)
     unless ``weights_only=False``, for a checkpoint you trust whose Lightning state holds other
     objects (a callback's custom state)."""
     path = Path(path)
     _check_is_checkpoint(path)
-    integrity.verify(path, [files.META_FILE])
+    verifiable = integrity.saved_checksums(path) is not None
+    if verifiable:  # before it is read; without checksums, meta.pt says whether it had them
+        integrity.verify(path, [files.META_FILE])
     try:
         info = torch.load(
             path / files.META_FILE, map_location="cpu", weights_only=weights_only is not False
@@ -104,6 +107,8 @@ def read_checkpoint_info(
             f"checkpoint {path} has format_version={version!r}, this code reads {FORMAT_VERSION}; "
             "use the lightning_titan version that wrote it"
         )
+    if not verifiable:  # a damaged marker, or a checkpoint from before checksums
+        integrity.check_verifiable(path, info)
     return info
 
 

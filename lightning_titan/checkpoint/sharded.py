@@ -69,6 +69,7 @@ def save_sharded(
             token = files.new_token()
             info = {
                 "format_version": FORMAT_VERSION,
+                integrity.CHECKSUMMED: True,  # so a marker without them reads as damaged, not old
                 "meta": meta,
                 "layout": {**layout, "world_size": _world()},
                 "model_config": reader.model_config(model),

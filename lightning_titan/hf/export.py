@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_titan.checkpoint import consolidate, files, read_checkpoint_info
 from lightning_titan.data.tokenizer import tokenizer_files_of
+from lightning_titan.hf import folder as hf_folder
 from lightning_titan.hf.arch import ARCHITECTURES, MIXTRAL, architecture_of, hf_config, hf_names
 from lightning_titan.model.decoder import ModelConfig, StageModel
 
@@ -164,6 +165,26 @@ def check_out(out: Path) -> None:
         raise FileExistsError(f"--out {out} exists and is not empty; choose a new --out directory")
 
 
+def check_copyable(path: Path) -> None:
+    """Refuse a file of the ``init_from`` folder that is a link out of it (to a key, a secret): the
+    export would publish its content."""
+    escaped = hf_folder.outside(path.parent, path.name)
+    if escaped is not None:
+        raise ValueError(
+            f"{path} is a symlink to {escaped}, outside its folder {path.parent}: titan export "
+            "copies only files inside the init_from folder; replace the link with a copy of the "
+            "file it should be, or remove it"
+        )
+
+
+def _default_mode() -> int:
+    """The mode ``open`` gives a new file: 0o666 less the umask (read by setting it and putting it
+    back at once; a file another thread creates in between gets 0o644 at most)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in the model's family, and the tokenizer: the
     files of the Hugging Face folder the model was loaded from (init_from) when it has them, else ours
@@ -175,14 +196,17 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     config = ModelConfig(**info["model_config"]) if info.get("model_config") else None
     if config is not None:
         architecture_of(config)  # refused before the model is loaded or anything is written
-    model = load_full_model(ckpt)
     init_from = (meta.get("hyper_parameters") or {}).get("init_from")
     # no data module recorded (a plain DataLoader): the ids were the folder's if it has a tokenizer
     tokenizer = (meta.get("datamodule_hyper_parameters") or {}).get("tokenizer", "auto")
     copied = tokenizer_files_of(init_from) if init_from and tokenizer in ("auto", init_from) else []
+    for path in copied:
+        check_copyable(path)
+    model = load_full_model(ckpt)
     write_hf_folder(model, out, byte_tokenizer=not copied and tokenizer in ("byte", "auto"))
     for path in copied:
-        shutil.copy2(path, out / path.name)
+        # the content only: the new file gets the mode every other file of the export gets
+        shutil.copyfile(path, out / path.name)
     if copied:  # the folder's special tokens, as its own config.json gives them
         assert init_from  # the files were copied from it
         hf = json.loads((Path(init_from) / "config.json").read_text())
@@ -222,6 +246,7 @@ def write_hf_folder(model: StageModel, out: str | Path, byte_tokenizer: bool = F
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in hf_state_dict(model).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", _default_mode())  # safetensors creates it 0600
     byte_tokenizer = byte_tokenizer and model.config.vocab_size >= 257
     eos = 256 if byte_tokenizer else None
     (out / "config.json").write_text(json.dumps(hf_config(model.config, eos), indent=2))

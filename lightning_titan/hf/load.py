@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from lightning_titan.hf import folder as hf_folder
 from lightning_titan.hf.arch import (
     ARCHITECTURES,
     OLMOE,
@@ -199,6 +200,14 @@ def tensor_files(folder: str | Path) -> dict[str, Path]:
     folder = Path(folder)
     if (folder / INDEX_FILE).is_file():
         weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        for name, file in weight_map.items():
+            escaped = hf_folder.outside(folder, file)
+            if escaped is not None:
+                raise ValueError(
+                    f"{folder / INDEX_FILE}: weight_map[{name!r}] = {file!r} leads out of the folder "
+                    f"(to {escaped}); its entries must name files inside {folder}: put the file "
+                    "there and name it relative to the folder (e.g. model-00001-of-00002.safetensors)"
+                )
         return {name: folder / file for name, file in weight_map.items()}
     if (folder / SINGLE_FILE).is_file():
         from safetensors import safe_open

@@ -3,12 +3,14 @@ nothing is gathered, and a checkpoint saved under one layout loads under any oth
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_titan.checkpoint import lock
+from lightning_titan.checkpoint import files, lock
 from lightning_titan.checkpoint.sharded import load_sharded, save_sharded
 from lightning_titan.runtime.agreement import agree
 
@@ -76,3 +78,41 @@ def _global_batch_size(module: nn.Module) -> int | None:
     """The data module's global batch, recorded in a checkpoint and checked on resume."""
     datamodule = getattr(getattr(module, "trainer", None), "datamodule", None)
     return getattr(datamodule, "global_batch_size", None)
+
+
+def refuse_missing_last(trainer: Any, ckpt_path: Any) -> None:
+    """``ckpt_path="last"`` asks to resume: with no ``last`` checkpoint, Lightning warns and starts a
+    new run. Refuse that instead when a checkpoint directory holds anything (the ``.tmp-*`` of an
+    interrupted save, other checkpoints), naming what it holds. An empty or missing directory is a
+    first run, which Lightning's "last" is meant to let start (the same command for every launch).
+
+    No collective: each rank reads the same directories and raises the same error, before any rank
+    joins the process group. Call it before the launch, with the ``ckpt_path`` given to fit/validate.
+    """
+    if ckpt_path != "last":
+        return
+    # directories set by the user (or titan's CLI): Lightning's default is a new version_N per run
+    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    dirs = {c: Path(c.dirpath) for c in callbacks if c.dirpath}
+    last = set().union(*(c._find_last_checkpoints(trainer) for c in dirs))
+    on_exception = [c.ckpt_path for c in trainer.callbacks if isinstance(c, OnExceptionCheckpoint)]
+    if last or any(Path(p).exists() for p in on_exception):
+        return  # Lightning loads it; the load refuses one that is incomplete, naming it
+    for dirpath in sorted(set(dirs.values())):
+        held = sorted(dirpath.iterdir()) if dirpath.is_dir() else []
+        if not held:
+            continue
+        complete = [p for p in held if files.is_complete_checkpoint(p)]
+        newest = str(max(complete, key=files.completed_at)) if complete else None
+        resume = (
+            f"to resume from its newest complete checkpoint, pass ckpt_path={newest!r}"
+            if newest
+            else "it holds no complete checkpoint to resume from"
+        )
+        shown = ", ".join(files.describe(p) for p in held[:6])
+        more = f" and {len(held) - 6} more" if len(held) > 6 else ""
+        raise ValueError(
+            f'ckpt_path="last" found no last checkpoint in {dirpath}, which holds {shown}{more}. '
+            f"Lightning would start a new run instead of resuming; {resume}, or to start a new "
+            "run leave ckpt_path out (the next save removes what an interrupted one left)"
+        )

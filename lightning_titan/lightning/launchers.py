@@ -7,10 +7,16 @@
   collectives fail first (gloo's do at once; NCCL does not notice a dead peer on the same node).
 - ``TitanForkLauncher``: Lightning's fork/spawn launcher, but an interrupt (or SIGTERM) in the parent
   stops every rank: SIGTERM first (they save ``last`` after the step, ``preemption``), then SIGKILL.
+- ``ExternalLauncher``: for processes started outside (torchrun, SLURM) it starts nothing, but each
+  rank still runs the checks of a launch (``check_call``).
+
+Every launch first refuses ``ckpt_path="last"`` where Lightning would silently start a new run
+(``checkpoint_hooks.refuse_missing_last``): only a launcher sees the ``ckpt_path`` fit was given.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import threading
@@ -29,10 +35,12 @@ from lightning.pytorch.strategies.launchers import (
     _SubprocessScriptLauncher,
     subprocess_script,
 )
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.call import _interrupt
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_titan.lightning.checkpoint_hooks import refuse_missing_last
 from lightning_titan.lightning.supervisor import (
     LAUNCHER_WAIT_S,
     _children,
@@ -48,6 +56,32 @@ from lightning_titan.runtime.orphans import (
     die_with_launcher,
     watch_launcher,
 )
+
+
+def check_call(
+    function: Callable, args: Sequence[Any], kwargs: dict[str, Any], trainer: Any
+) -> None:
+    """The checks of the Trainer call being launched (``function``: ``trainer._fit_impl``, ...)."""
+    called = inspect.signature(function).bind_partial(*args, **kwargs).arguments
+    refuse_missing_last(trainer, called.get("ckpt_path"))
+
+
+class ExternalLauncher(_Launcher):
+    """Processes started outside (torchrun, SLURM): nothing to start or kill, the checks on each rank."""
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        check_call(function, args, kwargs, trainer)
+        return function(*args, **kwargs)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        pass  # the processes are not this launcher's
 
 
 class TitanLauncher(_SubprocessScriptLauncher):
@@ -67,6 +101,7 @@ class TitanLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         # one process, no process group: a bad layout, model or batch costs one interpreter start
         self._preflight(*_module_and_data(args, kwargs), trainer)
+        check_call(function, args, kwargs, trainer)
         self.cluster_environment.validate_settings(
             num_devices=self.num_processes, num_nodes=self.num_nodes
         )
@@ -170,11 +205,12 @@ def lightning_rendezvous(env: Any, forks: bool = False) -> Iterator[None]:
 
 
 def launcher_for(strategy: Any, start_method: str) -> Any:
-    """The launcher for a strategy: none when processes are created outside (torchrun, SLURM), ours
-    for ``popen`` (checks first, watches after), Lightning's multiprocessing one for fork/spawn."""
+    """The launcher for a strategy: one that only checks when processes are created outside
+    (torchrun, SLURM), ours for ``popen`` (checks first, watches after), Lightning's multiprocessing
+    one for fork/spawn."""
     env = strategy.cluster_environment
     if env.creates_processes_externally:
-        return None
+        return ExternalLauncher()
     if start_method == "popen":
         return TitanLauncher(strategy.preflight, env, strategy.num_processes, strategy.num_nodes)
     return TitanForkLauncher(strategy, start_method, strategy.options.grace_s)
@@ -192,6 +228,7 @@ class TitanForkLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        check_call(function, args, kwargs, trainer)  # in the parent, before any rank starts
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, self._forward_sigterm) if main else None
         try:

@@ -25,6 +25,7 @@ from lightning_titan.checkpoint import (
     consolidate,
     consolidate_optimizers,
     files,
+    integrity,
     is_complete_checkpoint,
     load_sharded,
     read_checkpoint_info,
@@ -158,6 +159,58 @@ def test_a_flipped_byte_fails_the_load_naming_the_file(tmp_path: Path) -> None:
     for attempt in (lambda: load_sharded(ckpt, model, [opt]), lambda: consolidate(ckpt)):
         with pytest.raises(ValueError, match=f"corrupt checkpoint .*{shard.name} changed after"):
             attempt()
+
+
+def _flip_a_byte(ckpt: Path) -> None:
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "no files"])
+def test_a_damaged_marker_does_not_switch_the_checksums_off(tmp_path, monkeypatch, damage) -> None:
+    """A flipped byte under an emptied, cut or rewritten COMPLETE: refused, naming the marker, even
+    where unverified checkpoints from before checksums are allowed."""
+    ckpt = _save(tmp_path / "last.ckpt")
+    _flip_a_byte(ckpt)
+    marker = ckpt / files.MARKER
+    text = marker.read_text()
+    marker.write_text(
+        {"empty": "", "truncated": text[:40], "no files": '{"format_version": 1}'}[damage]
+    )
+    model, opt = _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for allowed in ("0", "1"):
+        monkeypatch.setenv(integrity.ALLOW_UNVERIFIED, allowed)
+        for attempt in (
+            lambda: load_sharded(ckpt, model, [opt]),
+            lambda: consolidate(ckpt),
+            lambda: _export(ckpt, tmp_path / "hf"),
+        ):
+            with pytest.raises(ValueError, match=f"corrupt checkpoint {ckpt}: its marker {marker}"):
+                attempt()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_from_before_checksums_loads_only_when_allowed(tmp_path, monkeypatch) -> None:
+    ckpt = _save(tmp_path / "last.ckpt")
+    info = torch.load(ckpt / files.META_FILE, weights_only=True)
+    del info[integrity.CHECKSUMMED]
+    torch.save(info, ckpt / files.META_FILE)
+    (ckpt / files.MARKER).write_text('{"format_version": 1, "entries": 1}')  # no checksums yet
+    model, opt = _model()
+    monkeypatch.delenv(integrity.ALLOW_UNVERIFIED, raising=False)
+    with pytest.raises(ValueError, match=f"set {integrity.ALLOW_UNVERIFIED}=1") as caught:
+        load_sharded(ckpt, model, [opt])
+    assert f"{ckpt / files.MARKER} lists no files" in str(caught.value)
+    monkeypatch.setenv(integrity.ALLOW_UNVERIFIED, "1")
+    with pytest.warns(UserWarning, match="saved before checksums existed"):
+        load_sharded(ckpt, model, [opt])
+    (ckpt / files.MARKER).unlink()  # a missing marker is an interrupted save, allowed or not
+    with pytest.raises(ValueError, match=f"incomplete checkpoint {ckpt}: no COMPLETE marker"):
+        load_sharded(ckpt, model, [opt])
 
 
 @pytest.mark.parametrize(
@@ -301,3 +354,45 @@ def test_export_refuses_bad_destinations_before_loading(tmp_path: Path, monkeypa
         with pytest.raises((FileExistsError, ValueError), match=message.replace("(", "\\(")):
             _export(ckpt, out)
     assert loaded == [] and existing.read_text() == "keep me" and not (ckpt / "hf").exists()
+
+
+def _init_from_folder(folder: Path) -> Path:
+    """A stand-in init_from folder: its tokenizer files and the config.json the export reads ids from."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": 3}))
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    (folder / "tokenizer.json").chmod(0o600)  # the export's copy gets the export's mode, not this
+    return folder
+
+
+def _save_from(path: Path, init_from: Path) -> Path:
+    model, opt = _model()
+    meta = {"hyper_parameters": {"init_from": str(init_from)}}
+    save_sharded(path, model, [opt], meta, layout={})
+    return path
+
+
+def test_export_copies_no_link_out_of_init_from_and_gives_every_file_one_mode(tmp_path) -> None:
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    folder = _init_from_folder(tmp_path / "pretrained")
+    (folder / "tokenizer_config.json").symlink_to(secret)
+    ckpt = _save_from(tmp_path / "ck" / "last.ckpt", folder)
+    out = tmp_path / "hf"
+    link = folder / "tokenizer_config.json"
+    with pytest.raises(ValueError, match=f"{link} is a symlink to {secret}, outside its folder"):
+        _export(ckpt, out)
+    assert not out.exists()
+
+    link.unlink()  # a link that stays inside the folder is its own file: copied as a regular file
+    (folder / "vocab.json").write_text("{}")
+    (folder / "special_tokens_map.json").symlink_to("vocab.json")
+    _export(ckpt, out)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: oct(p.lstat().st_mode) for p in out.iterdir()}
+    assert set(modes) == {
+        "config.json", "model.safetensors", "tokenizer.json", "vocab.json", "special_tokens_map.json"
+    }  # fmt: skip
+    assert set(modes.values()) == {oct(0o100000 | 0o666 & ~umask)}, modes
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}'

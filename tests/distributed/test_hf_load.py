@@ -302,6 +302,30 @@ def test_disagreeing_field_missing_and_misshaped_tensors_are_named(hf, tmp_path)
         TitanLM(TRAINING, init_from=str(tmp_path))
 
 
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "/abs/model.safetensors", "link"])
+def test_an_index_entry_out_of_the_folder_is_refused(hf, tmp_path, entry):
+    """weight_map entries name files inside the folder (links followed), or the load is refused."""
+    folder = tmp_path / "sharded"
+    shutil.copytree(hf[1], folder)
+    index = json.loads((folder / hf_load.INDEX_FILE).read_text())
+    name, shard = next(iter(index["weight_map"].items()))
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(folder / shard, outside)  # the right tensors, read from the wrong place
+    if entry == "/abs/model.safetensors":
+        entry = str(outside)
+    elif entry == "link":
+        (folder / "link.safetensors").symlink_to(outside)
+        entry = "link.safetensors"
+    index["weight_map"][name] = entry
+    (folder / hf_load.INDEX_FILE).write_text(json.dumps(index))
+    message = rf"{folder / hf_load.INDEX_FILE}: weight_map\['{name}'\] = '{entry}' leads out of"
+    with pytest.raises(ValueError, match=message):
+        TitanLM(TRAINING, init_from=str(folder))
+    model = StageModel(hf_load.config_from_folder(folder, TRAINING))
+    with pytest.raises(ValueError, match=message):
+        hf_load.load_stage(model, folder)
+
+
 def test_a_layout_that_does_not_divide_the_loaded_model_is_named(hf):
     lm = TitanLM(TRAINING, init_from=str(hf[0]))
     with pytest.raises(ValueError, match=r"n_experts=4 is not divisible by ep=3"):
