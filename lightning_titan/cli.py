@@ -24,6 +24,7 @@ from lightning_titan.data import TitanDataModule
 from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.lightning.module import TitanLM
 from lightning_titan.lightning.progress import StepProgressBar
+from lightning_titan.lightning.restarts import RestartingLauncher
 from lightning_titan.lightning.strategy import TitanStrategy
 from lightning_titan.model.decoder import ModelConfig, StageModel
 
@@ -142,6 +143,8 @@ class TitanCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
+        if isinstance(self.trainer.strategy.launcher, RestartingLauncher):
+            return  # this process trained no rank: its rank 0 printed the summary
         if self.trainer.is_global_zero:
             print(fit_summary(self.trainer, self.model), flush=True)
             warning = skipped_warning(self.trainer)

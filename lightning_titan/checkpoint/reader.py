@@ -169,8 +169,9 @@ def check_config(
             f"allow_config_change names {unknown}, not fields of {type(config).__name__} "
             f"({', '.join(current)})"
         )
-    if isinstance(config, ModelConfig):  # n_kv_heads=None is n_heads: the same model
-        saved, current = ModelConfig.spelled_out(saved), ModelConfig.spelled_out(current)
+    # n_kv_heads=None is n_kv_heads=n_heads: a field differs only if it differs spelled out too
+    spell = ModelConfig.spelled_out if isinstance(config, ModelConfig) else dict
+    spelled_saved, spelled_current = spell(saved), spell(current)
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     diffs = []
     for k in sorted(set(saved) | set(current)):
@@ -178,11 +179,18 @@ def check_config(
             continue
         if k not in saved and current.get(k) == defaults.get(k, dataclasses.MISSING):
             continue
-        if saved.get(k) != current.get(k):
+        if saved.get(k) != current.get(k) and spelled_saved.get(k) != spelled_current.get(k):
             diffs.append(k)
     if diffs:
+
+        def value(raw: dict, spelled: dict, k: str) -> str:
+            same = raw.get(k) == spelled.get(k)
+            return repr(raw.get(k)) if same else f"{raw.get(k)!r} (= {spelled.get(k)!r})"
+
         shown = "; ".join(
-            f"checkpoint has {k}={saved.get(k)!r}, model has {current.get(k)!r}" for k in diffs
+            f"checkpoint has {k}={value(saved, spelled_saved, k)}, "
+            f"model has {value(current, spelled_current, k)}"
+            for k in diffs
         )
         raise ValueError(
             # the same opening as a shape mismatch: ranks whose shapes fit report this one instead

@@ -13,7 +13,7 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
 )
 
-from lightning_titan.runtime.launch import cpu_threads_per_rank, rank_store
+from lightning_titan.runtime.launch import cpu_threads_per_rank, rank_store, restart_store
 from lightning_titan.train.options import TrainOptions
 
 
@@ -32,7 +32,7 @@ def connect(
     backend = backend or _get_default_process_group_backend_for_device(device)
     timeout = timedelta(minutes=options.timeout_minutes)  # the subgroups' too
     # a forked rank's store: rank 0 serves it on its launcher's socket (launch.hosted_rendezvous)
-    store = rank_store(env.global_rank(), env.world_size(), timeout)
+    store = rank_store(env.global_rank(), env.world_size(), timeout) or restart_store(timeout)
     extra: dict[str, Any] = {} if store is None else {"store": store}
     device_id = device if device.type == "cuda" else None
     _init_dist_connection(env, backend, timeout=timeout, device_id=device_id, **extra)

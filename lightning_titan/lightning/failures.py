@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_titan.lightning import supervisor
+from lightning_titan.lightning.layout import Layout
 from lightning_titan.parallel.dp.zero_grads import grad_of
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.runtime.agreement import distributed
@@ -25,17 +26,21 @@ from lightning_titan.runtime.agreement import distributed
 
 def report_failure(
     exception: BaseException,
+    layout: Layout,
+    env: Any,
     *,
-    dims: ParallelDims | None,
-    global_step: int | None,
+    trainer: Any,
     peers: list[tuple[str, int]] | None,
     grace_s: float,
 ) -> None:
-    """Print which rank failed and why (naming dead peers); a rank in a started job then leaves."""
-    if dims is not None:
+    """Print which rank failed and why (naming dead peers); a rank in a started job then leaves.
+    ``env``: the cluster environment (None, or no process group yet: the launcher failed)."""
+    started = distributed() or (env is not None and env.creates_processes_externally)
+    if started:
+        dims = layout.dims
         where = dims.label(dims.rank)
-        if global_step is not None:
-            where += f", global_step={global_step}"
+        if trainer is not None:
+            where += f", global_step={trainer.global_step}"
         who, rank = f"rank {dims.rank}/{dims.world_size} ({where})", dims.rank
     else:  # no rank started yet (popen), or the parent of fork/spawn ranks
         who, rank = "the launcher", 0

@@ -41,6 +41,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_titan.lightning.checkpoint_hooks import refuse_missing_last
+from lightning_titan.lightning.restarts import (
+    RestartingLauncher,
+    keep_logger_versions,
+    resumed_call,
+)
 from lightning_titan.lightning.supervisor import (
     LAUNCHER_WAIT_S,
     _children,
@@ -66,8 +71,22 @@ def check_call(
     refuse_missing_last(trainer, called.get("ckpt_path"))
 
 
+def launch_checks(preflight: Callable[[Any, Any, Any], None]) -> Callable[..., None]:
+    """The checks of a launch that starts ranks: the layout, model and data (``preflight``, in one
+    process with no process group: a bad layout costs one interpreter start), then the call's."""
+
+    def checks(
+        function: Callable, args: Sequence[Any], kwargs: dict[str, Any], trainer: Any
+    ) -> None:
+        preflight(*_module_and_data(args, kwargs), trainer)
+        check_call(function, args, kwargs, trainer)
+
+    return checks
+
+
 class ExternalLauncher(_Launcher):
-    """Processes started outside (torchrun, SLURM): nothing to start or kill, the checks on each rank."""
+    """Processes started outside (torchrun, SLURM, our restarting launcher): nothing to start or kill,
+    the checks on each rank; a restarted rank resumes (``restarts.resumed_call``)."""
 
     @property
     @override
@@ -76,6 +95,8 @@ class ExternalLauncher(_Launcher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        args, kwargs = resumed_call(function, args, kwargs)
+        keep_logger_versions(trainer)
         check_call(function, args, kwargs, trainer)
         return function(*args, **kwargs)
 
@@ -208,9 +229,18 @@ def launcher_for(strategy: Any, start_method: str) -> Any:
     """The launcher for a strategy: one that only checks when processes are created outside
     (torchrun, SLURM), ours for ``popen`` (checks first, watches after), Lightning's multiprocessing
     one for fork/spawn."""
-    env = strategy.cluster_environment
+    env, options = strategy.cluster_environment, strategy.options
     if env.creates_processes_externally:
         return ExternalLauncher()
+    if start_method == "popen" and options.max_restarts:
+        if strategy.num_nodes > 1:
+            raise ValueError(
+                f"max_restarts={options.max_restarts} restarts the ranks of one node; on "
+                f"num_nodes={strategy.num_nodes} use torchrun --max-restarts (every node's agent)"
+            )
+        checks, rendezvous = launch_checks(strategy.preflight), lambda: lightning_rendezvous(env)
+        n = strategy.num_processes
+        return RestartingLauncher(checks, rendezvous, env, n, options.max_restarts, options.grace_s)
     if start_method == "popen":
         return TitanLauncher(strategy.preflight, env, strategy.num_processes, strategy.num_nodes)
     return TitanForkLauncher(strategy, start_method, strategy.options.grace_s)

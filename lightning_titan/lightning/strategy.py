@@ -25,7 +25,7 @@ from lightning_titan.lightning.step_end import StepEnd
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
-from lightning_titan.runtime.agreement import SetupPhase, distributed
+from lightning_titan.runtime.agreement import SetupPhase
 from lightning_titan.train.engine import Engine, GradStats
 from lightning_titan.train.objective import StepLoss
 from lightning_titan.train.options import TrainOptions, check_precision, preflight
@@ -55,6 +55,7 @@ class TitanStrategy(ShardedStrategy):
         on_nonfinite: a NaN/inf loss or gradient norm ``"raise"`` s FloatingPointError on every rank
             (naming the step and the stages), or ``"skip"`` s that step's update (a warning says so).
         start_method: ``"popen"`` re-runs the script per rank; ``"fork"`` for notebooks.
+        max_restarts: times to restart every rank from the newest complete checkpoint if one dies.
         process_group_backend: ``nccl`` on CUDA, ``gloo`` on CPU by default.
         allow_config_change: model-config fields a resume may change (others must match the saved).
         layout: ``"auto"``: the layout and step options ``titan plan`` ranks first for this model,
@@ -83,6 +84,7 @@ class TitanStrategy(ShardedStrategy):
         timeout_minutes: float = 30.0,
         on_nonfinite: Literal["raise", "skip"] = "raise",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        max_restarts: int = 0,
         process_group_backend: str | None = None,
         allow_config_change: list[str] | None = None,
         layout: Literal["auto"] | None = None,
@@ -99,6 +101,7 @@ class TitanStrategy(ShardedStrategy):
             timeout_minutes=timeout_minutes,
             on_nonfinite=on_nonfinite,
             start_method=start_method,
+            max_restarts=max_restarts,
             zero=zero,
             virtual_stages=TrainOptions.chunks_for(schedule, virtual_stages),
             stage_layers=stage_layers,
@@ -278,11 +281,8 @@ class TitanStrategy(ShardedStrategy):
         if self.preemption.handles(exception, trainer, self, grace_s):
             return
         self._setup_phase.fail(exception)
-        env = self.cluster_environment
-        started = distributed() or (env is not None and env.creates_processes_externally)
-        step = None if trainer is None else trainer.global_step
-        dims = self.parallel_dims if started else None  # else: the launcher, no rank yet
-        report_failure(exception, dims=dims, peers=self._peers, global_step=step, grace_s=grace_s)
+        env, peers = self.cluster_environment, self._peers
+        report_failure(exception, self.layout, env, trainer=trainer, peers=peers, grace_s=grace_s)
 
     def checkpoint_layout(self) -> dict[str, Any]:
         o = self.options

@@ -16,7 +16,8 @@ injection point of that phase in that step. Actions:
 - ``nan`` / ``inf``: poison the phase's tensor (stage output, backward objective, all-to-all payload).
 
 The variable is read once, when this module is imported (by the strategy); a fault installs itself at
-``lightning_titan.runtime.probes``, the injection points' seam. Unset, nothing is installed.
+``lightning_titan.runtime.probes``, the injection points' seam. Unset, nothing is installed; nor in
+a restarted job (``launch.restart_count``), so that a test sees the restart run clean.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_titan.runtime import probes
+from lightning_titan.runtime.launch import restart_count
 
 ENV = "TITAN_FAULT"
 PHASES = ("forward", "backward", "p2p", "all_to_all", "all_reduce", "checkpoint_save")
@@ -85,7 +87,10 @@ class Fault:
 
 
 _EXAMPLE = "rank=1,step=2,phase=backward,action=raise"
-_fault: Fault | None = Fault.parse(os.environ[ENV]) if os.environ.get(ENV) else None
+# a restarted job's ranks run clean: the fault stands for a one-off failure, not one at every launch
+_fault: Fault | None = (
+    Fault.parse(os.environ[ENV]) if os.environ.get(ENV) and not restart_count() else None
+)
 _step = 0
 _fired = False
 

@@ -27,6 +27,15 @@ from lightning_titan.runtime.orphans import watch_launcher
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 STORE_FD = "TITAN_STORE_FD"  # a forking launcher's listening socket, inherited by its ranks
 STORE_LAUNCHER = "TITAN_STORE_LAUNCHER"  # the pid of that launcher
+RESTART_ENV = "TITAN_RESTART_COUNT"  # set by the restarting launcher (lightning/restarts.py)
+
+
+def restart_count() -> int:
+    """How many times this job's ranks were started again after one died: by our restarting launcher
+    or by torchrun's agent (0: the first launch)."""
+    return int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
 _SERVING: list[dist.TCPStore] = []  # hosted stores this process's world group still uses
 
 
@@ -121,6 +130,17 @@ def _listen(port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def restart_store(timeout: timedelta) -> dist.Store | None:
+    """In a restarted rank under torchrun's agent store: the store with this attempt's keys apart.
+    torchrun's static rendezvous (``--master_port``) keeps one store for every restart, and torch
+    prefixes nothing, so the new ranks would read the dead launch's gloo addresses and hang."""
+    if not restart_count() or os.environ.get(AGENT_STORE) != "True":
+        return None
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/titan/restart_{restart_count()}", store)
 
 
 def rank_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:

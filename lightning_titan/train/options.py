@@ -62,6 +62,7 @@ class TrainOptions:
     timeout_minutes: float = 30.0
     on_nonfinite: str = "raise"
     start_method: str = "popen"
+    max_restarts: int = 0
     zero: int = 0
     virtual_stages: int = 1
     stage_layers: Sequence[int] | str | None = None  # a tuple once validated, or "auto"
@@ -128,6 +129,14 @@ class TrainOptions:
         if self.start_method not in START_METHODS:
             raise ValueError(
                 f"start_method={self.start_method!r} is unknown; {_choose(START_METHODS)}"
+            )
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts!r} must be an int >= 0 (0: none)")
+        if self.max_restarts and self.start_method != "popen":
+            raise ValueError(
+                f"max_restarts={self.max_restarts} restarts ranks the popen launcher starts, not "
+                f"start_method={self.start_method!r}'s: use start_method='popen' (or torchrun "
+                "--max-restarts)"
             )
 
     def microbatches(self, local_batch: int, *, pp: int) -> int:

@@ -444,7 +444,7 @@ def test_bad_input_fails_before_any_rank_starts(tmp_path):
     results = json.loads((tmp_path / "out.json").read_text())
     for name, _, pattern in BEFORE_LAUNCH:
         result = results[name]
-        assert result["error"] == "ValueError", (name, result)
+        assert result["error"] in ("ValueError", "UsageError"), (name, result)  # UsageError is one
         assert re.search(pattern, result["message"]), (name, result["message"])
         assert result["seconds"] < 60, (name, result["seconds"])
     assert "Initializing distributed" not in job.stderr
@@ -728,6 +728,48 @@ def test_kill_9_loses_nothing(work, reference, when, fault, rank, resumes_at, la
             if same
             else float(before[s]) == pytest.approx(float(reference[s]), rel=1e-5)
         ), s
+
+
+# -- restart by itself ----------------------------------------------------------------------------------
+RESTARTERS = {
+    "launcher": lambda config: [
+        sys.executable, "-m", "lightning_titan", "fit", "--config", str(config),
+        "--trainer.strategy.init_args.max_restarts=2",
+    ],
+    "torchrun": lambda config: [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts",
+        "2", "--master_port", str(free_port()), "-m", "lightning_titan", "fit", "--config",
+        str(config),
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("restarter", list(RESTARTERS))
+def test_a_killed_rank_restarts_by_itself_and_continues_the_curve(work, reference, restarter):
+    """kill -9 of rank 1 at step 3, no `--ckpt_path`: the job restarts every rank by itself (our
+    launcher's max_restarts, or torchrun's --max-restarts), resumes from `last` (after step 1), and
+    ends with rc 0. Its one CSV holds every step, the re-run steps equal to the uninterrupted run's;
+    launch() fails the test if any process outlives the job."""
+    root, cache = work
+    run = f"restart_{restarter}"
+    config = write_config(root, run, PP2)
+    job = launch(RESTARTERS[restarter](config), root, cache, config, timeout=500,
+                 fault="rank=1,step=3,phase=forward,action=kill")  # fmt: skip
+    assert job.fault_at is not None, job.stderr[-3000:]
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert job.stderr.count("TITAN_FAULT fired") == 1  # the restart ran clean
+    if restarter == "launcher":
+        assert "[titan] rank 1 was killed by SIGKILL: restarting every rank (1 of 2)" in job.stderr
+    assert f"Restored all states from the checkpoint at {root / run / 'ckpt' / 'last.ckpt'}" in (
+        job.stdout + job.stderr
+    )
+    (steps,) = logged_steps(root, run)  # one version folder: the logs continued
+    assert steps[-4:] == [2, 3, 4, 5] and set(steps) == set(range(STEPS)), steps
+    curve = losses(root, run)
+    for step in range(STEPS):
+        assert float(curve[step]) == pytest.approx(float(reference[step]), rel=1e-5), step
 
 
 # -- a dead rank while the launcher's own collective cannot fail (NCCL's case) ---------------------------
