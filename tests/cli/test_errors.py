@@ -307,3 +307,24 @@ def test_a_configure_optimizers_returning_a_bare_optimizer_trains(tmp_path):
         os.environ.clear()
         os.environ.update(environ)
     assert trainer.global_step == 2
+
+
+@pytest.mark.parametrize(
+    "content", [b"just some notes\n", b"\xfb" + bytes(range(256)) * 4], ids=["text", "bytes"]
+)
+def test_a_ckpt_path_file_that_is_no_checkpoint_says_what_one_is(tmp_path, monkeypatch, content):
+    """Not torch's advice to retry with weights_only=False (LightningCLI reads a file ckpt_path's
+    hyper-parameters before any rank starts): the file, the cause, what a checkpoint is, the fix."""
+    from lightning_titan.checkpoint import files
+    from lightning_titan.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.ckpt").write_bytes(content)
+    config = Path(__file__).resolve().parents[2] / "configs" / "dp.yaml"
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", str(config), "--ckpt_path", "notes.ckpt"])
+    message = str(info.value)
+    assert message.startswith("--ckpt_path notes.ckpt is not a checkpoint ("), message
+    assert files.WHAT_A_CHECKPOINT_IS in message and "--ckpt_path last" in message
+    assert "weights_only" not in message
+    assert not (tmp_path / "runs").exists()
