@@ -142,17 +142,28 @@ def test_an_unknown_tokenizer_fails_fast_and_says_tokenizer(monkeypatch, offline
         _ = TitanDataModule(tokenizer="/no/such/folder").vocab_size
 
 
-def test_a_damaged_tokenizer_folder_is_named_as_such_not_as_a_network_problem(tmp_path):
+@pytest.mark.parametrize("damaged", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_damaged_tokenizer_folder_is_named_as_such_not_as_a_network_problem(tmp_path, damaged):
     pytest.importorskip("transformers")
     folder = tmp_path / "tok"
     folder.mkdir()
-    (folder / "tokenizer.json").write_text("{ not json")
+    (folder / "tokenizer.json").write_text(json.dumps(_byte_level_tokenizer()))
     (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    (folder / damaged).write_text("{ not json")
     with pytest.raises(ValueError) as info:
         _ = TitanDataModule(tokenizer=str(folder)).vocab_size
     message = str(info.value)
     assert message.startswith(f"tokenizer folder '{folder}' could not be read (")
+    assert (
+        f"{folder / damaged} is not valid JSON" in message
+    )  # the file, not a bare JSONDecodeError
     assert "damaged or missing" in message and "offline" not in message
+
+
+def _byte_level_tokenizer() -> dict:
+    from lightning_titan.hf.export import byte_tokenizer_files
+
+    return byte_tokenizer_files()["tokenizer.json"]
 
 
 def _damage(path: Path, how: str) -> None:
