@@ -4,8 +4,9 @@
   within a second, naming it; the launcher itself then leaves within ``LAUNCHER_WAIT_S``.
 - ``watch_launcher`` (``orphans``): a rank leaves within seconds of the launcher's death, before and
   after the rendezvous; the launcher, leaving, kills the ranks it started (a stopped one too).
-- ``leave_after_failure``: a failed rank leaves as soon as its traceback is printed, after the
-  ``atexit`` handlers (bounded by ``grace_s``); one whose failure handling inside Lightning does not
+- ``leave_after_failure``: a failed rank leaves as soon as its traceback is printed (none when a
+  dead or stopped peer caused the failure: the report names it), after the ``atexit`` handlers
+  (bounded by ``grace_s``); one whose failure handling inside Lightning does not
   finish within ``grace_s`` leaves then. A caller that catches the error keeps running. Without it, a
   rank that raised while an async collective of its own still waited for peers that are blocked
   elsewhere stays in gloo's destructor at exit, its sockets open, and those peers wait for it until
