@@ -20,6 +20,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
+from lightning_titan.checkpoint import files
+from lightning_titan.checkpoint.storage import short_cause
 from lightning_titan.data import TitanDataModule
 from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.lightning.module import TitanLM
@@ -120,6 +122,11 @@ class TitanCLI(LightningCLI):
             for name, line in OTHER_COMMANDS.items():
                 action.add_subcommand(name, self.init_parser(description=line), help=line)
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        config = self.config.get(self.config.get("subcommand") or "", self.config)
+        check_ckpt_file(config.get("ckpt_path") if isinstance(config, Namespace) else None)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.model", "data.seq_len", compute_fn=model_seq_len)
         parser.link_arguments("seed_everything", "model.seed", compute_fn=one_seed)
@@ -170,6 +177,25 @@ def check_strategy(trainer: Namespace) -> None:
         raise UsageError(str(err)) from None
     except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before
         return
+
+
+def check_ckpt_file(ckpt_path: Any) -> None:
+    """LightningCLI reads a ``ckpt_path`` that is a file with ``torch.load`` for its hyper-parameters;
+    on a file that is no checkpoint, torch's error advises ``weights_only=False``, wrong for a file
+    of unknown bytes. Name the file and what a checkpoint is instead."""
+    if not ckpt_path or not Path(ckpt_path).is_file():
+        return  # a directory (ours), "last", or missing: the load says what is wrong
+    try:
+        loaded = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        if isinstance(loaded, dict):
+            return  # a plain Lightning checkpoint: the strategy's load says what it is
+        cause = f"it holds a {type(loaded).__name__}"
+    except Exception as e:  # noqa: BLE001 - whatever the bytes made torch raise
+        cause = short_cause(e)
+    raise UsageError(
+        f"--ckpt_path {ckpt_path} is not a checkpoint ({cause}): {files.WHAT_A_CHECKPOINT_IS}. "
+        "Pass such a directory, or --ckpt_path last to resume from the newest"
+    )
 
 
 def check_model_config(model: Namespace | None) -> None:

@@ -27,6 +27,12 @@ MARKER = "COMPLETE"
 META_FILE = "meta.pt"
 DCP_METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator
 _SIBLING_KINDS = ("tmp", "old", "del")
+# for errors about a path that is not one
+WHAT_A_CHECKPOINT_IS = (
+    f"a TitanStrategy checkpoint is a directory holding {DCP_METADATA}, {META_FILE} and {MARKER} "
+    "(with its .distcp shards), written by TitanStrategy.save_checkpoint, e.g. "
+    "runs/<name>/checkpoints/last.ckpt"
+)
 
 
 def new_token() -> str:

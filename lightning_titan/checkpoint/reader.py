@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import warnings
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
@@ -50,8 +49,8 @@ def _check_is_checkpoint(path: Path) -> None:
         raise FileNotFoundError(f"checkpoint {path} does not exist; check the path (or ckpt_path)")
     if not path.is_dir():
         raise ValueError(
-            f"{path} is a file, not a sharded checkpoint directory (a plain Lightning checkpoint?); "
-            "TitanStrategy loads only directories written by TitanStrategy.save_checkpoint"
+            f"{path} is a file, not a sharded checkpoint directory (a plain Lightning checkpoint?): "
+            f"{files.WHAT_A_CHECKPOINT_IS}. Pass such a directory (or ckpt_path='last')"
         )
     if files.is_complete_checkpoint(path):
         return
@@ -92,15 +91,16 @@ def read_checkpoint_info(
         info = torch.load(
             path / files.META_FILE, map_location="cpu", weights_only=weights_only is not False
         )
-    except pickle.UnpicklingError as e:
-        raise UnsafeCheckpointError(
-            f"refused to load {path / files.META_FILE}: {storage.why_refused(e)} (it holds an "
-            "object a weights-only load does not allow: loading it could run code). If "
-            "you wrote this checkpoint and trust it, load it with weights_only=False, e.g. "
-            "trainer.fit(..., weights_only=False)"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - any other failure means the same thing here
-        raise ValueError(f"corrupt checkpoint {path}: cannot read {files.META_FILE}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - whatever the bytes made torch raise
+        if storage.refers_to_code(e):
+            raise UnsafeCheckpointError(
+                f"refused to load {path / files.META_FILE}: {storage.why_refused(e)} (it holds an "
+                "object a weights-only load does not allow: loading it could run code). If "
+                "you wrote this checkpoint and trust it, load it with weights_only=False, e.g. "
+                "trainer.fit(..., weights_only=False)"
+            ) from None
+        # from None: torch's error advises weights_only=False, wrong for bytes that are no pickle
+        raise ValueError(storage.not_written_here(path, files.META_FILE, e)) from None
     version = info.get("format_version") if isinstance(info, dict) else None
     if version != FORMAT_VERSION:
         raise ValueError(
@@ -121,7 +121,7 @@ def read_metadata(path: Path) -> Metadata:
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"corrupt checkpoint {path}: cannot read its shard index: {e}") from e
+        raise ValueError(storage.not_written_here(path, files.DCP_METADATA, e)) from None
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)

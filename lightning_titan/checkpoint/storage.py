@@ -4,6 +4,8 @@ DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load`` an
 reads non-tensor values with ``torch.load(weights_only=False)``: a crafted file would run code on
 resume, validation or export. Here ``.metadata`` goes through an allow-list unpickler (DCP's metadata
 classes, ``torch.Size``, dtypes, paths, containers) and non-tensor values through a weights-only load.
+A shard file that does not hold what the index says (replaced, crafted, damaged where no checksum
+caught it) fails naming the file, not with DCP's per-rank traceback and torch's weights-only advice.
 
 Writing: torch's zip writer turns a failed ``write`` (disk full, file-size limit) into "unexpected
 pos 704 vs 598"; the writer here keeps the ``OSError`` so the save can name it.
@@ -11,6 +13,7 @@ pos 704 vs 598"; the writer here keeps the ``OSError`` so the save can name it.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import os
@@ -30,6 +33,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -47,6 +52,33 @@ _DCP_CLASSES = {
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint file refers to something that can run code; it was not loaded."""
+
+
+class BadShardError(ValueError):
+    """A shard file does not hold what the checkpoint's index says it holds."""
+
+
+def refers_to_code(error: BaseException) -> bool:
+    """Whether a weights-only load refused a named global (an object whose loading could run code),
+    rather than bytes that are not a pickle torch wrote at all."""
+    return isinstance(error, pickle.UnpicklingError) and "GLOBAL" in str(error)
+
+
+def short_cause(error: BaseException) -> str:
+    """One line of why a file could not be read: torch's weights-only errors bury it in advice."""
+    if isinstance(error, pickle.UnpicklingError):
+        return why_refused(error)
+    line = (str(error).strip().splitlines() or [""])[0]
+    line = line if len(line) <= 160 else line[:157] + "..."
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def not_written_here(path: Path, name: str, error: BaseException, what: str = "file") -> str:
+    """For a file of checkpoint ``path`` that holds what its save never wrote."""
+    return (
+        f"checkpoint {path}: {name} is not a {what} this tool wrote ({short_cause(error)}); it was "
+        "replaced or damaged after the save. Use another checkpoint (an earlier one, or a copy)"
+    )
 
 
 def why_refused(error: BaseException) -> str:
@@ -92,6 +124,27 @@ class SafeReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, one shard file at a time, so that a file it cannot read is named."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
+        done: Future[None] = Future()
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except (UnsafeCheckpointError, OSError):
+                raise  # already says what it is
+            except Exception as e:  # noqa: BLE001 - whatever the bytes made torch raise
+                # from None: torch's error advises weights_only=False, wrong for bytes that are
+                # not a checkpoint's
+                raise BadShardError(
+                    not_written_here(Path(self.path), name, e, "checkpoint shard")
+                ) from None
+        done.set_result(None)
+        return done
+
 
 class SafePlanner(DefaultLoadPlanner):
     """Non-tensor values (optimizer scalars, ...) read weights-only, unless the caller trusts the files."""
@@ -105,6 +158,8 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=self.weights_only)
         except pickle.UnpicklingError as e:
+            if not refers_to_code(e):
+                raise  # not a pickle we wrote: SafeReader.read_data names the file
             raise UnsafeCheckpointError(
                 f"refused to load {fqn!r} from checkpoint {self.path}: {why_refused(e)} (loading it "
                 "could run code); if you wrote this checkpoint and trust it, load it with "
@@ -128,12 +183,24 @@ def load(
             checkpoint_id=path,
             no_dist=no_dist,
         )
-    except CheckpointException as e:  # DCP wraps each rank's failure: raise ours as itself
-        for entry in e.failures.values():
-            failure = entry[0] if isinstance(entry, tuple) else entry
-            if isinstance(failure, UnsafeCheckpointError):
-                raise UnsafeCheckpointError(str(failure)) from e
-        raise
+    except CheckpointException as e:
+        cause = unwrap(e, path)
+        if isinstance(cause, (UnsafeCheckpointError, BadShardError)):
+            raise cause from None  # it names the file and the fix; DCP's traceback adds nothing
+        raise cause from e
+
+
+def unwrap(error: CheckpointException, path: Path) -> Exception:
+    """The real cause in DCP's CheckpointException, which holds each failed rank's exception. Every
+    rank gets the same dict, so every rank raises the same error."""
+    failures = [(r, e[0] if isinstance(e, tuple) else e) for r, e in sorted(error.failures.items())]
+    for _, failure in failures:
+        if isinstance(failure, (UnsafeCheckpointError, BadShardError)):
+            return type(failure)(str(failure))
+    if not failures:
+        return ValueError(f"loading checkpoint {path} failed: {short_cause(error)}")
+    rank, failure = failures[0]
+    return ValueError(f"loading checkpoint {path} failed on rank {rank}: {short_cause(failure)}")
 
 
 class _Stream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Protocol, runtime_checkable
 
@@ -96,9 +97,9 @@ def _from_pretrained(auto: Any, name: str) -> Any:
     except Exception as err:  # a damaged file raises anything, from json to the tokenizers library
         if os.path.exists(name):
             raise ValueError(
-                f"tokenizer folder {name!r} could not be read ({_cause(err)}): its tokenizer files "
-                f"({', '.join(TOKENIZER_FILES[:2])}, ...) are damaged or missing; replace them, or "
-                "use tokenizer='byte'"
+                f"tokenizer folder {name!r} could not be read ({_bad_json(name) or _cause(err)}): "
+                f"its tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...) are damaged or "
+                "missing; replace them (re-download), or use tokenizer='byte'"
             ) from err
         if not isinstance(err, (OSError, ValueError)):
             raise
@@ -131,6 +132,20 @@ def _probe_hub(name: str) -> None:
         return  # gated, private, rate-limited: let from_pretrained try (it has the token logic)
     except Exception as err:  # httpx / requests connection errors: no network
         raise _unloadable(name, err) from err
+
+
+def _bad_json(folder: str) -> str | None:
+    """The first tokenizer JSON file of ``folder`` that is not JSON, and why: transformers' error
+    (a bare JSONDecodeError) names no file."""
+    for name in TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if name.endswith(".json") and os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                return f"{path} is not valid JSON: {str(e)[:200]}"
+    return None
 
 
 def _cause(err: BaseException) -> str:

@@ -202,18 +202,19 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     copied = tokenizer_files_of(init_from) if init_from and tokenizer in ("auto", init_from) else []
     for path in copied:
         check_copyable(path)
+    special = {}  # the folder's special tokens, as its own config.json gives them
+    if copied:  # read before anything is written: a damaged one is named first
+        assert init_from  # the files are copied from it
+        hf = hf_folder.read_json(Path(init_from) / "config.json")
+        special = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
     model = load_full_model(ckpt)
     write_hf_folder(model, out, byte_tokenizer=not copied and tokenizer in ("byte", "auto"))
     for path in copied:
         # the content only: the new file gets the mode every other file of the export gets
         shutil.copyfile(path, out / path.name)
-    if copied:  # the folder's special tokens, as its own config.json gives them
-        assert init_from  # the files were copied from it
-        hf = json.loads((Path(init_from) / "config.json").read_text())
+    if special:
         written = json.loads((out / "config.json").read_text())
-        written.update(
-            {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
-        )
+        written.update(special)
         (out / "config.json").write_text(json.dumps(written, indent=2))
     return out
 

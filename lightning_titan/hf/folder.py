@@ -4,11 +4,18 @@ An index entry like ``../../.ssh/id_rsa`` or a symlinked ``tokenizer.json`` woul
 ``init_from`` read, and ``titan export`` copy, any file the user can read. Links are followed, and
 the file they end at must be inside the folder. The one exception is the Hugging Face hub cache,
 whose ``snapshots/<revision>/`` files are links into the same repository's ``blobs/``.
+
+Its files are read here too, so that a damaged one (a cut download, an edit) is named with the fix:
+json's and safetensors' own errors name no file.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
+
+REDOWNLOAD = "re-download it (or write the folder again with save_pretrained())"
 
 
 def _roots(folder: Path) -> list[Path]:
@@ -23,3 +30,35 @@ def outside(folder: str | Path, path: str | Path) -> Path | None:
     None when it stays inside."""
     real = (Path(folder) / path).resolve()
     return None if any(real.is_relative_to(root) for root in _roots(Path(folder))) else real
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file of the folder (``config.json``, the safetensors index), which must hold an object."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): it is "
+            f"damaged or cut short; {REDOWNLOAD}"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); {REDOWNLOAD}"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object; {REDOWNLOAD}")
+    return value
+
+
+def open_safetensors(path: Path) -> Any:
+    """``safe_open`` of one tensor file (use it in a ``with``); a header it cannot read (a length
+    past the end of the file, offsets out of it, no JSON) is named with the fix."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as e:
+        raise ValueError(
+            f"{path} is not a safetensors file that can be read ({e}): it is damaged or cut short; "
+            f"{REDOWNLOAD}"
+        ) from None

@@ -13,7 +13,6 @@ The training fields (seq_len, aux_loss_coef, z_loss_coef, init_std, activation_c
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -62,7 +61,7 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
             f"init_from={str(folder)!r} has no config.json: pass a Hugging Face model folder "
             "(config.json + *.safetensors), e.g. one written by save_pretrained()"
         )
-    return json.loads(path.read_text())
+    return hf_folder.read_json(path)
 
 
 def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Architecture:
@@ -199,7 +198,12 @@ def tensor_files(folder: str | Path) -> dict[str, Path]:
     """Hugging Face tensor name -> the safetensors file holding it (sharded index or one file)."""
     folder = Path(folder)
     if (folder / INDEX_FILE).is_file():
-        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        weight_map = hf_folder.read_json(folder / INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(
+                f"{folder / INDEX_FILE} has no weight_map (tensor name -> file); "
+                f"{hf_folder.REDOWNLOAD}"
+            )
         for name, file in weight_map.items():
             escaped = hf_folder.outside(folder, file)
             if escaped is not None:
@@ -210,9 +214,7 @@ def tensor_files(folder: str | Path) -> dict[str, Path]:
                 )
         return {name: folder / file for name, file in weight_map.items()}
     if (folder / SINGLE_FILE).is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(folder / SINGLE_FILE), framework="pt") as f:
+        with hf_folder.open_safetensors(folder / SINGLE_FILE) as f:
             return dict.fromkeys(f.keys(), folder / SINGLE_FILE)
     raise FileNotFoundError(
         f"init_from={str(folder)!r} has neither {INDEX_FILE} nor {SINGLE_FILE}: only safetensors "
@@ -240,8 +242,6 @@ def check_tensors(model: StageModel, folder: str | Path) -> dict[Path, list[str]
     """Raise unless every tensor ``model`` needs is in ``folder`` with its shape (headers only are read).
 
     Returns the needed tensors' names grouped by the file that holds them."""
-    from safetensors import safe_open
-
     files = tensor_files(folder)
     needed = hf_shapes(model)
     missing = sorted(set(needed) - set(files))
@@ -257,7 +257,7 @@ def check_tensors(model: StageModel, folder: str | Path) -> dict[Path, list[str]
     for path, names in by_file.items():
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing; {INDEX_FILE} names it for {names[0]!r}")
-        with safe_open(str(path), framework="pt") as f:
+        with hf_folder.open_safetensors(path) as f:
             present = set(f.keys())
             for hf_name in names:
                 if hf_name not in present:
@@ -284,8 +284,6 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
 
     Every shape is checked before anything is copied; each file is memory-mapped, so a rank reads
     only the bytes of the tensors it holds. Returns the number of tensor bytes read."""
-    from safetensors import safe_open
-
     by_file = check_tensors(model, folder)
     targets = {}  # hf name -> the parameter (or expert row) it fills, and whether it is transposed
     arch = architecture_of(model.config)
@@ -296,7 +294,7 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
     cut = tp_shards(model)
     read = 0
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with hf_folder.open_safetensors(path) as f:
             for hf_name in names:
                 target, transposed = targets[hf_name]
                 shard = cut.get(id(target))

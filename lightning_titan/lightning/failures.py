@@ -44,9 +44,12 @@ def report_failure(
         who, rank = f"rank {dims.rank}/{dims.world_size} ({where})", dims.rank
     else:  # no rank started yet (popen), or the parent of fork/spawn ranks
         who, rank = "the launcher", 0
-    supervisor.say(supervisor.failure_report(exception, who=who, rank=rank, peers=peers))
+    blamed = supervisor.blamed_peers(exception, rank=rank, peers=peers)
+    supervisor.say(supervisor.failure_report(exception, who=who, blamed=blamed))
     if distributed():
-        supervisor.leave_after_failure(grace_s)
+        # a dead or stopped peer's fault: the report names it, and this rank's traceback (gloo's
+        # "Timed out waiting ...ms", a closed connection) would bury that line
+        supervisor.leave_after_failure(grace_s, traceback=not blamed)
 
 
 def nonfinite_message(

@@ -4,8 +4,9 @@
   within a second, naming it; the launcher itself then leaves within ``LAUNCHER_WAIT_S``.
 - ``watch_launcher`` (``orphans``): a rank leaves within seconds of the launcher's death, before and
   after the rendezvous; the launcher, leaving, kills the ranks it started (a stopped one too).
-- ``leave_after_failure``: a failed rank leaves as soon as its traceback is printed, after the
-  ``atexit`` handlers (bounded by ``grace_s``); one whose failure handling inside Lightning does not
+- ``leave_after_failure``: a failed rank leaves as soon as its traceback is printed (none when a
+  dead or stopped peer caused the failure: the report names it), after the ``atexit`` handlers
+  (bounded by ``grace_s``); one whose failure handling inside Lightning does not
   finish within ``grace_s`` leaves then. A caller that catches the error keeps running. Without it, a
   rank that raised while an async collective of its own still waited for peers that are blocked
   elsewhere stays in gloo's destructor at exit, its sockets open, and those peers wait for it until
@@ -36,11 +37,19 @@ from lightning_titan.runtime.orphans import (
     process_state,
     watch_launcher,
 )
-from lightning_titan.runtime.peers import dead_peers, failure_report, gather_peers
+from lightning_titan.runtime.peers import blamed_peers, dead_peers, failure_report, gather_peers
 
-__all__ = ["LAUNCHER_PID", "dead_peers", "failure_report", "gather_peers", "watch_launcher"]
+__all__ = [
+    "LAUNCHER_PID",
+    "blamed_peers",
+    "dead_peers",
+    "failure_report",
+    "gather_peers",
+    "watch_launcher",
+]
 LAUNCHER_WAIT_S = 3.0  # after a rank died: how long the launcher's own failure may take to start
 _failing = threading.Event()  # set once this process is in Lightning's failure handling
+_echo = threading.Event()  # set when a peer's death or stop caused this rank's failure
 preempting = threading.Event()  # the ranks agreed to stop (SIGTERM, SIGINT): 143 or 130 expected
 _children: list[tuple[int, Popen]] = []  # (rank, process) this process (the popen launcher) started
 
@@ -104,15 +113,20 @@ def is_worker() -> bool:
     )
 
 
-def leave_after_failure(grace_s: float) -> None:
+def leave_after_failure(grace_s: float, *, traceback: bool = True) -> None:
     """Once the uncaught exception's traceback is printed, leave with code 1 (``leave``: atexit
     handlers run, bounded by ``grace_s``); if Lightning's own failure handling (``on_exception``
     hooks, loggers' finalize, teardown) does not finish within ``grace_s``, leave then.
+
+    ``traceback=False``: a dead or stopped peer caused the failure, which the report names; this
+    rank's traceback (a gloo timeout, a closed connection) only echoes it, so it is not printed.
 
     Only an exception nobody catches reaches ``sys.excepthook``, and the deadline stops counting once
     the exception has left Lightning's call: a user's script that handles the failure keeps running.
     Call it from the failing call (``Strategy.on_exception``)."""
     _failing.set()
+    if not traceback:
+        _echo.set()
     call = _lightning_call_frame()
     if call is not None:
         threading.Thread(
@@ -125,7 +139,8 @@ def leave_after_failure(grace_s: float) -> None:
         return
 
     def excepthook(*exc_info: Any) -> None:
-        previous(*exc_info)
+        if not _echo.is_set():
+            previous(*exc_info)
         leave(1, grace_s)
 
     excepthook._titan = True  # type: ignore[attr-defined]

@@ -75,27 +75,44 @@ def _names(ranks: list[tuple[int, int]]) -> str:
     return ", ".join(f"rank {r} (pid {pid})" for r, pid in ranks)
 
 
+def blamed_peers(
+    exception: BaseException,
+    *,
+    rank: int | None = None,
+    peers: Sequence[tuple[str, int]] | None = None,
+) -> str:
+    """``rank 2 (pid 9) is no longer running; ``: the dead or stopped peers (of ``peers``, but
+    ``rank``), the likely cause of ``exception``; "" when every peer runs."""
+    first_line = (str(exception).strip().splitlines() or [""])[0]
+    wait_s = 3.0 if any(words in first_line for words in _PEER_GONE) else 0.0
+    blamed = ""
+    gone = [(r, pid) for r, pid in dead_peers(peers, wait_s) if r != rank]
+    if gone:
+        blamed += f"{_names(gone)} {'is' if len(gone) == 1 else 'are'} no longer running; "
+    stalled = [(r, pid) for r, pid in stopped_peers(peers) if r != rank]
+    if stalled:
+        verb = "is" if len(stalled) == 1 else "are"
+        blamed += f"{_names(stalled)} {verb} stopped (SIGSTOP) and stalled the job; "
+    return blamed
+
+
 def failure_report(
     exception: BaseException,
     *,
     who: str,
     rank: int | None = None,
     peers: Sequence[tuple[str, int]] | None = None,
+    blamed: str | None = None,
 ) -> str:
     """``[titan] rank 1/4 (dp=0 pp=0 ep=1, global_step=3) failed: [rank 2 (pid 9) is no longer
-    running; ]ValueError: ...``: the dead or stopped peers (of ``peers``, but ``rank``) first, the
-    likely cause; for a collective that failed or timed out, what this rank was waiting in."""
+    running; ]ValueError: ...``: the dead or stopped peers first (``blamed``, or ``blamed_peers``
+    of ``peers``), the likely cause; for a collective that failed or timed out, what this rank was
+    waiting in."""
     first_line = (str(exception).strip().splitlines() or [""])[0]
-    line = f"[titan] {who} failed: "
-    wait_s = 3.0 if any(words in first_line for words in _PEER_GONE) else 0.0
-    gone = [(r, pid) for r, pid in dead_peers(peers, wait_s) if r != rank]
-    if gone:
-        line += f"{_names(gone)} {'is' if len(gone) == 1 else 'are'} no longer running; "
-    stalled = [(r, pid) for r, pid in stopped_peers(peers) if r != rank]
-    if stalled:
-        verb = "is" if len(stalled) == 1 else "are"
-        line += f"{_names(stalled)} {verb} stopped (SIGSTOP) and stalled the job; "
-    where = waiting_in(exception) if gone or stalled or "imed out" in first_line else None
+    if blamed is None:
+        blamed = blamed_peers(exception, rank=rank, peers=peers)
+    line = f"[titan] {who} failed: {blamed}"
+    where = waiting_in(exception) if blamed or "imed out" in first_line else None
     if where:
         line += f"this rank was waiting in {where}; "
     return line + f"{type(exception).__name__}: {first_line}"

@@ -142,17 +142,28 @@ def test_an_unknown_tokenizer_fails_fast_and_says_tokenizer(monkeypatch, offline
         _ = TitanDataModule(tokenizer="/no/such/folder").vocab_size
 
 
-def test_a_damaged_tokenizer_folder_is_named_as_such_not_as_a_network_problem(tmp_path):
+@pytest.mark.parametrize("damaged", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_damaged_tokenizer_folder_is_named_as_such_not_as_a_network_problem(tmp_path, damaged):
     pytest.importorskip("transformers")
     folder = tmp_path / "tok"
     folder.mkdir()
-    (folder / "tokenizer.json").write_text("{ not json")
+    (folder / "tokenizer.json").write_text(json.dumps(_byte_level_tokenizer()))
     (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    (folder / damaged).write_text("{ not json")
     with pytest.raises(ValueError) as info:
         _ = TitanDataModule(tokenizer=str(folder)).vocab_size
     message = str(info.value)
     assert message.startswith(f"tokenizer folder '{folder}' could not be read (")
+    assert (
+        f"{folder / damaged} is not valid JSON" in message
+    )  # the file, not a bare JSONDecodeError
     assert "damaged or missing" in message and "offline" not in message
+
+
+def _byte_level_tokenizer() -> dict:
+    from lightning_titan.hf.export import byte_tokenizer_files
+
+    return byte_tokenizer_files()["tokenizer.json"]
 
 
 def _damage(path: Path, how: str) -> None:
@@ -307,3 +318,24 @@ def test_a_configure_optimizers_returning_a_bare_optimizer_trains(tmp_path):
         os.environ.clear()
         os.environ.update(environ)
     assert trainer.global_step == 2
+
+
+@pytest.mark.parametrize(
+    "content", [b"just some notes\n", b"\xfb" + bytes(range(256)) * 4], ids=["text", "bytes"]
+)
+def test_a_ckpt_path_file_that_is_no_checkpoint_says_what_one_is(tmp_path, monkeypatch, content):
+    """Not torch's advice to retry with weights_only=False (LightningCLI reads a file ckpt_path's
+    hyper-parameters before any rank starts): the file, the cause, what a checkpoint is, the fix."""
+    from lightning_titan.checkpoint import files
+    from lightning_titan.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.ckpt").write_bytes(content)
+    config = Path(__file__).resolve().parents[2] / "configs" / "dp.yaml"
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", str(config), "--ckpt_path", "notes.ckpt"])
+    message = str(info.value)
+    assert message.startswith("--ckpt_path notes.ckpt is not a checkpoint ("), message
+    assert files.WHAT_A_CHECKPOINT_IS in message and "--ckpt_path last" in message
+    assert "weights_only" not in message
+    assert not (tmp_path / "runs").exists()

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import random
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_titan.checkpoint import (
     consolidate,
@@ -30,11 +32,13 @@ from lightning_titan.checkpoint import (
     load_sharded,
     read_checkpoint_info,
     save_sharded,
+    storage,
 )
 from lightning_titan.checkpoint.storage import UnsafeCheckpointError
 from lightning_titan.hf import export
 from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpoints
 from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.runtime.launch import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -161,6 +165,101 @@ def test_a_flipped_byte_fails_the_load_naming_the_file(tmp_path: Path) -> None:
             attempt()
 
 
+def _as_before_checksums(ckpt: Path) -> None:
+    info = torch.load(ckpt / files.META_FILE, weights_only=True)
+    del info[integrity.CHECKSUMMED]
+    torch.save(info, ckpt / files.META_FILE)
+    (ckpt / files.MARKER).write_text('{"format_version": 1, "entries": 1}')
+
+
+def _replace_shard(ckpt: Path, how: str) -> Path:
+    """Replace a shard by bytes no save wrote, then make the checksums pass as the checkpoint's
+    owner could not tell: resealed by whoever replaced it, or absent (saved before checksums)."""
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    size = shard.stat().st_size
+    noise = bytes([0xFB]) + random.Random(0).randbytes(size)  # 0xFB: no pickle opcode
+    junk = noise if how.startswith("random") else pickle.dumps({"not": "a shard"})
+    shard.write_bytes(junk[:size].ljust(size, b"\0"))
+    _as_before_checksums(ckpt) if how.endswith("unverified") else _reseal(ckpt)
+    return shard
+
+
+@pytest.mark.parametrize("how", ["random, resealed", "pickle, resealed", "random, unverified"])
+def test_a_shard_this_tool_did_not_write_is_named(tmp_path, monkeypatch, how) -> None:
+    """Not DCP's ``CheckpointException ranks:dict_keys([0])`` with torch's advice to retry with
+    weights_only=False: that advice is never right for bytes that are not a checkpoint's."""
+    monkeypatch.setenv(integrity.ALLOW_UNVERIFIED, "1")
+    ckpt = _save(tmp_path / "last.ckpt")
+    shard = _replace_shard(ckpt, how)
+    model, opt = _model()
+    for attempt in (
+        lambda: load_sharded(ckpt, model, [opt]),
+        lambda: consolidate(ckpt),
+        lambda: consolidate_optimizers(ckpt),
+    ):
+        with pytest.raises(ValueError) as caught:
+            attempt()
+        message = str(caught.value)
+        assert message.startswith(
+            f"checkpoint {ckpt}: {shard.name} is not a checkpoint shard this tool wrote ("
+        ), message
+        assert "Use another checkpoint" in message and "weights_only" not in message
+
+
+def _shard_loads_on_rank(rank: int, world_size: int, ckpt: str) -> str:
+    model, opt = _model()
+    try:
+        load_sharded(ckpt, model, [opt])
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+@pytest.mark.timeout(120)
+def test_a_replaced_shard_is_named_on_every_rank(tmp_path: Path) -> None:
+    """DCP gathers the failed read to every rank: each raises the named error, none hangs."""
+    ckpt = _save(tmp_path / "last.ckpt")
+    shard = _replace_shard(ckpt, "random, resealed")
+    raised = run_on_ranks(_shard_loads_on_rank, 2, str(ckpt), timeout_s=90, start_method="fork")
+    want = f"BadShardError: checkpoint {ckpt}: {shard.name} is not a checkpoint shard this tool"
+    assert all(r.startswith(want) for r in raised), raised
+
+
+def test_another_rank_failure_in_dcp_is_unwrapped_to_its_cause(tmp_path: Path) -> None:
+    denied = PermissionError(13, "Permission denied", str(tmp_path / "__1_0.distcp"))
+    wrapped = CheckpointException("read", {1: (denied, None)})
+    cause = storage.unwrap(wrapped, tmp_path)
+    assert str(cause) == (
+        f"loading checkpoint {tmp_path} failed on rank 1: PermissionError: [Errno 13] "
+        f"Permission denied: '{tmp_path / '__1_0.distcp'}'"
+    )
+
+
+@pytest.mark.parametrize("name", [files.META_FILE, files.DCP_METADATA])
+def test_a_replaced_meta_or_index_is_named_without_weights_only_advice(tmp_path, name) -> None:
+    ckpt = _save(tmp_path / "last.ckpt")
+    (ckpt / name).write_bytes(bytes([0x80, 0x02, 0xFB]) + random.Random(0).randbytes(200))
+    _reseal(ckpt)
+    model, opt = _model()
+    for attempt in (lambda: load_sharded(ckpt, model, [opt]), lambda: consolidate(ckpt)):
+        with pytest.raises(ValueError) as caught:
+            attempt()
+        message = str(caught.value)
+        assert message.startswith(f"checkpoint {ckpt}: {name} is not a file this tool wrote ("), (
+            message
+        )
+        assert "weights_only" not in message and not isinstance(caught.value, pickle.PickleError)
+
+
+def test_a_file_is_not_a_checkpoint_and_what_one_is_is_said(tmp_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    model, opt = _model()
+    with pytest.raises(ValueError, match="notes.txt is a file, not a sharded checkpoint") as caught:
+        load_sharded(text, model, [opt])
+    assert files.WHAT_A_CHECKPOINT_IS in str(caught.value)
+
+
 def _flip_a_byte(ckpt: Path) -> None:
     shard = sorted(ckpt.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
@@ -196,10 +295,7 @@ def test_a_damaged_marker_does_not_switch_the_checksums_off(tmp_path, monkeypatc
 
 def test_a_checkpoint_from_before_checksums_loads_only_when_allowed(tmp_path, monkeypatch) -> None:
     ckpt = _save(tmp_path / "last.ckpt")
-    info = torch.load(ckpt / files.META_FILE, weights_only=True)
-    del info[integrity.CHECKSUMMED]
-    torch.save(info, ckpt / files.META_FILE)
-    (ckpt / files.MARKER).write_text('{"format_version": 1, "entries": 1}')  # no checksums yet
+    _as_before_checksums(ckpt)
     model, opt = _model()
     monkeypatch.delenv(integrity.ALLOW_UNVERIFIED, raising=False)
     with pytest.raises(ValueError, match=f"set {integrity.ALLOW_UNVERIFIED}=1") as caught:

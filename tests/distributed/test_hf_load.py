@@ -8,6 +8,7 @@ random, so a swapped or transposed tensor changes the logits.
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -324,6 +325,63 @@ def test_an_index_entry_out_of_the_folder_is_refused(hf, tmp_path, entry):
     model = StageModel(hf_load.config_from_folder(folder, TRAINING))
     with pytest.raises(ValueError, match=message):
         hf_load.load_stage(model, folder)
+
+
+def _header(file: Path) -> tuple[dict, bytes]:
+    """A safetensors file's JSON header and its tensor bytes."""
+    data = file.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def _with_header(file: Path, header: dict, body: bytes) -> None:
+    text = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(text)) + text + body)
+
+
+def _damage_folder(folder: Path, how: str) -> Path:
+    """Damage one file of ``folder`` as a cut download or a crafted file would; return that file."""
+    index = folder / hf_load.INDEX_FILE
+    if how == "config.json cut":
+        (folder / "config.json").write_text((folder / "config.json").read_text()[:40])
+        return folder / "config.json"
+    if how == "index cut":
+        index.write_text(index.read_text()[:30])
+        return index
+    if how == "index without weight_map":
+        index.write_text(json.dumps({"metadata": {}}))
+        return index
+    shard = folder / json.loads(index.read_text())["weight_map"]["lm_head.weight"]
+    header, body = _header(shard)
+    if how == "header length past the file":
+        shard.write_bytes(struct.pack("<Q", shard.stat().st_size + 100) + shard.read_bytes()[8:])
+    elif how == "offsets past the file":
+        entry = next(v for k, v in header.items() if k != "__metadata__")
+        entry["data_offsets"] = [0, len(body) * 100]
+        _with_header(shard, header, body)
+    return shard
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["config.json cut", "index cut", "index without weight_map", "header length past the file",
+     "offsets past the file"],
+)  # fmt: skip
+def test_a_damaged_file_of_the_folder_is_named_with_the_fix(hf, tmp_path, how):
+    """Not json's or safetensors' bare error (JSONDecodeError, SafetensorError: header too large):
+    the file, what is wrong with it, and to download it again; on the launcher and on a rank."""
+    folder = tmp_path / "sharded"
+    shutil.copytree(hf[1], folder)
+    model = StageModel(hf_load.config_from_folder(folder, TRAINING), pp_rank=1, pp=2)
+    damaged = _damage_folder(folder, how)
+    loads = [lambda: TitanLM(TRAINING, init_from=str(folder))]
+    if how != "config.json cut":  # a rank that loads directly, its config already read
+        loads.append(lambda: hf_load.load_stage(model, folder))
+    for load in loads:
+        with pytest.raises(ValueError) as caught:
+            load()
+        message = str(caught.value)
+        assert message.startswith(str(damaged)) and "re-download it" in message, message
 
 
 def test_a_layout_that_does_not_divide_the_loaded_model_is_named(hf):
