@@ -70,3 +70,11 @@ def test_the_docs_site_builds_with_every_link_and_anchor_resolved(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "site" / "benchmarks" / "index.html").exists()
+
+
+def test_the_readme_and_changelog_link_to_files_that_exist():
+    """GitHub renders these outside the site: their relative links must name files that exist."""
+    for page in (ROOT / "README.md", ROOT / "CHANGELOG.md"):
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (ROOT / target).exists(), f"{page.name} links to missing {target}"
