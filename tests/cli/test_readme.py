@@ -6,7 +6,8 @@
   holds a copy of ``configs/``: a later block may use the runs an earlier one wrote, as a reader
   following the README would. ``titan`` there is this checkout's ``python -m lightning_titan``, and
   every ``titan fit`` gets ``--trainer.max_steps=2`` (4 when it resumes with ``--ckpt_path``, so that
-  the resume trains).
+  the resume trains); a ``titan bench`` line that reproduces a table runs its cases once, one round
+  of one step (the table itself takes minutes to an hour).
 - ``pip install SPEC && COMMAND``: the install is not run (the suite runs inside that install).
   Its spec must name pyproject's package, torch at or above pyproject's floor and an extra that
   exists; ``COMMAND`` runs, except ``python -m pytest`` (this suite), which must be what ``.ci/run``
@@ -40,12 +41,18 @@ def _lines(block: str) -> list[str]:
 
 
 def _tiny(line: str) -> str:
-    """A `titan fit` line with a small max_steps, placed before any trailing comment."""
+    """A `titan fit` line with a small max_steps, a `titan bench` line with one round of one step
+    (the cases, worlds and peers as written), placed before any trailing comment."""
     command, hash_, comment = line.partition(" #")
-    if not command.lstrip().startswith("titan fit"):
+    if command.lstrip().startswith("titan fit"):
+        steps = 4 if "--ckpt_path" in command else 2
+        command = f"{command.rstrip()} --trainer.max_steps={steps}"
+    elif command.lstrip().startswith("titan bench") and "--quick" not in command:
+        command = re.sub(r" --(?:rounds|steps|warmup) \d+", "", command.rstrip())
+        command += " --rounds 1 --steps 1 --warmup 1 --out bench"
+    else:
         return line
-    steps = 4 if "--ckpt_path" in command else 2
-    return f"{command.rstrip()} --trainer.max_steps={steps}" + (f"  #{comment}" if hash_ else "")
+    return command + (f"  #{comment}" if hash_ else "")
 
 
 def _env(cache: Path) -> dict[str, str]:
