@@ -165,6 +165,12 @@ def _configs_table() -> list[str]:
             continue
         config = compose_config(path)
         strategy = config["trainer"]["strategy"]["init_args"]
+        if strategy.get("layout") == "auto":  # the degrees are the plan's, chosen at launch
+            lines.append(
+                f"| `{path.name}` | {config['trainer']['devices']} | `layout: auto`: the first row of "
+                "`titan plan` for this machine | the plan's | the plan's | - | - | - | - |"
+            )
+            continue
         dp, pp, ep, tp, cp = (strategy[axis] for axis in ("dp", "pp", "ep", "tp", "cp"))
         m = strategy.get("num_microbatches") or pp
         batch = config["data"]["global_batch_size"]

@@ -13,9 +13,12 @@
 #
 # $$\text{rank} = (\text{dp\_rank}\cdot PP + \text{pp\_rank})\cdot EP + \text{ep\_rank}$$
 #
-# This notebook builds that layout, draws the four kinds of process groups it implies, shows which
-# parameters each rank owns, and then creates the groups for real on 8 CPU processes to check them.
-# Nothing here trains; it runs in seconds.
+# (With `tp` and `cp` as well, `tp_rank` changes fastest, then `cp_rank`; here both are 1.) This notebook
+# builds that layout, draws the four kinds of process groups that carry its traffic (of the nine kinds
+# the strategy builds: `docs/concepts.md`), shows which parameters each rank owns, and then creates the
+# groups for real on 8 CPU processes to check them. Nothing here trains.
+#
+# **Time:** about 20 s on a 2-core laptop CPU (18 s measured on 2 vCPUs).
 
 # %%
 import logging

@@ -13,6 +13,8 @@
 # exchange**, compute, return — first in one process, then on 4 real EP ranks, and checks the result
 # against the single-process layer. Then it trains the default model under `ep=2` and plots how evenly
 # the router spreads tokens over the experts of each layer.
+#
+# **Time:** under a minute on a 2-core laptop CPU (39 s measured on 2 vCPUs).
 
 # %%
 import logging

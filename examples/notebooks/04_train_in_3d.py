@@ -18,6 +18,9 @@
 # one process per rank (Lightning needs fork in notebooks). After a forked `fit` the module object
 # in this notebook is *not* the trained model — the ranks built their own stage-local slices — so
 # everything we look at afterwards is read from the CSV logs and the checkpoints.
+#
+# **Time:** about 3 minutes on a 2-core laptop CPU (183 s measured on 2 vCPUs): 200 steps on 8
+# ranks (stopped halfway, resumed under another layout) and the same 200 steps in one process.
 
 # %%
 import logging

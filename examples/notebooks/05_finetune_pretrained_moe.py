@@ -14,6 +14,8 @@
 #    tokenizer (`tokenizer="auto"`), and the first step's loss is transformers' loss on that batch;
 # 3. exports the fine-tune with `titan export` (it is written as Qwen3-MoE, the tokenizer copied) and
 #    generates a few tokens with `transformers.AutoModelForCausalLM`.
+#
+# **Time:** under a minute on a 2-core laptop CPU (44 s measured on 2 vCPUs).
 
 # %%
 import json

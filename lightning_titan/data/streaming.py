@@ -1,4 +1,4 @@
-"""Streaming mode (the write-up's way): shuffle, ``split_dataset_by_node`` by data rank, pack per rank.
+"""Streaming mode (the usual Hugging Face way): shuffle, ``split_dataset_by_node`` by data rank, pack per rank.
 
 Batches here depend on the layout: each data rank packs its own shard of the stream, so a different
 dp*ep gives different sequences. Use the map-style mode when runs must match across layouts.

@@ -4,8 +4,8 @@
                         callbacks=[PipelineTimeline(steps=[20, 21]), ExpertLoad()])
 
 or from the CLI: ``titan fit ... --trainer.callbacks+=lightning_titan.lightning.callbacks.PipelineTimeline``.
-Both make the same collectives on every rank (LIGHTNING.md: the loss and the layers live on some
-stages, the loggers on rank 0), then log the same keys everywhere.
+Both make the same collectives on every rank (the loss and the layers live on some stages, the
+loggers on rank 0), then log the same keys everywhere.
 """
 
 from __future__ import annotations

@@ -273,7 +273,8 @@ class _WeightedUnpack(torch.autograd.Function):
         return grad_rows, grad_weights, None, None, None
 
 
-# Reference for the benchmark and tests: the write-up's per-expert Python loop ("Producing assignments").
+# Reference for the benchmark and tests: a per-expert Python loop, the plain way to produce
+# the assignments.
 
 
 def dispatch_loop_reference(

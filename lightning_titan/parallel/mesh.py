@@ -1,6 +1,6 @@
 """Degrees of parallelism, this rank's coordinates, and the group kinds, all named by mesh axis.
 
-The mesh convention is fixed (DESIGN.md): axes from slowest to fastest are ``AXES``; a rank's
+The mesh convention is fixed (docs/concepts.md, "The mesh"): axes from slowest to fastest are ``AXES``; a rank's
 coordinates are its mixed-radix digits in that order. With the five axes the code has today::
 
     rank = (((dp_rank * pp + pp_rank) * ep + ep_rank) * cp + cp_rank) * tp + tp_rank

@@ -1,4 +1,4 @@
-"""Collective order across groups, logged on 4 gloo ranks (issue 22, DESIGN invariant 6).
+"""Collective order across groups, logged on 4 gloo ranks.
 
 NCCL needs every rank to enqueue the collectives of different communicators in the same relative
 order (a blocked kernel of one can stop the other's progress). gloo does not care, so here every

@@ -1,4 +1,4 @@
-"""DESIGN.md invariant 5: every composition and schedule trains the same model as one process.
+"""Every composition and schedule trains the same model as one process.
 
 One spawn per world size runs all of its layouts x schedules; the parent compares each rank's per-step
 loss, aux loss and pre-clip grad norm (rtol 1e-5) and its slice of the final weights (atol 1e-5) with a

@@ -1,6 +1,6 @@
 """Train the same model on the same global batches under a layout, without Lightning.
 
-Used by the equivalence tests: every layout must reproduce the single-process run (DESIGN.md invariant 5).
+Used by the equivalence tests: every layout must reproduce the single-process run.
 """
 
 from __future__ import annotations

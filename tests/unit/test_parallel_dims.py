@@ -22,7 +22,7 @@ LAYOUTS = [  # (dp, pp, ep, tp, cp)
     (1, 2, 2, 2, 3),
 ]
 AXES = ("dp", "pp", "ep", "cp", "tp")  # slowest to fastest, stated again here
-# the axes that vary inside each group kind, stated again here (DESIGN.md's table)
+# the axes that vary inside each group kind, stated again here (docs/concepts.md's table)
 VARIES = {
     "ep": {"ep"},
     "pp": {"pp"},

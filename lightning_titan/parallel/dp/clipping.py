@@ -1,4 +1,4 @@
-"""Gradient-norm clipping composed across pipeline, expert and tensor parallelism (DESIGN invariant 4).
+"""Gradient-norm clipping composed across pipeline, expert and tensor parallelism.
 
 After the reducers, the ranks of one data-parallel replica (the ``model`` group: pp x ep x tp) hold
 each parameter of the model either as a distinct part (each stage its layers, each EP rank its

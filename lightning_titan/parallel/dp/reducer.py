@@ -4,7 +4,7 @@ Parameters are packed into flat buckets in reverse registration order (backward 
 layers' grads first). On the backward that completes gradient accumulation, each parameter's
 post-accumulate-grad hook copies its grad into its bucket's slice; a bucket whose slices are all
 filled is ready, and ready buckets launch their async all-reduce strictly in bucket order, so every
-rank of the group enters the same collectives in the same order (DESIGN invariant 6) while backward
+rank of the group enters the same collectives in the same order (NCCL needs it) while backward
 keeps computing earlier layers. ``finish()`` launches whatever is left, waits, and writes back.
 
 Order across groups. Backward also runs other groups' collectives (the EP all-to-alls), and NCCL needs
@@ -93,7 +93,7 @@ class GradReducer:
     """Bucketed, hook-driven, overlapped all-reduce of the grads of one set of parameters over one group.
 
     ``scale`` multiplies every grad before the SUM all-reduce (gloo has no AVG). ``group`` None or of
-    size 1 means no collective: ``finish()`` only scales. ``mode="per_param"`` is the write-up's seed
+    size 1 means no collective: ``finish()`` only scales. ``mode="per_param"`` is the simplest
     baseline (one all-reduce per parameter, on ``p.grad`` in place), kept for the benchmark; it obeys
     the same launch-order rule.
 

@@ -105,7 +105,7 @@ class Settings:
 
 
 def default_cases(worlds: list[int], peers: bool = True) -> list[Case]:
-    """The write-up's compositions on each world size (pp <= 4: the default model has 4 layers)."""
+    """Every composition of dp, pp and ep on each world size (pp <= 4: the default model has 4 layers)."""
     # zero=1 and 2 are ours with a flag: they stay under --no-peers, the ZeRO peer goes
     dp_peers = (
         (OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO, FSDP2) if peers else (OURS, ZERO1, ZERO2)

@@ -1,4 +1,4 @@
-"""Vectorised dispatch + combine vs the write-up's per-expert Python loop, one process (EP=1).
+"""Vectorised dispatch + combine vs a per-expert Python loop, one process (EP=1).
 
     python -m lightning_titan.tools.bench.dispatch --experts 8 64 --tokens 8192 --d-model 64 --top-k 2
 

@@ -142,7 +142,7 @@ def schedules_markdown(srows: list[dict], checks: list[dict]) -> list[str]:
         return []
     lines = [
         "",
-        "**Schedules** (issue 17): per stage, the bubble measured, in the compute-only replay "
+        "**Schedules**: per stage, the bubble measured, in the compute-only replay "
         "(recorded lengths, free send/recv), the same at each span's CPU time (*replay CPU*: "
         "without the waits of a shared core) and at median lengths (*uneven stages*), beside the "
         "schedule's ideal one (its order replayed with equal stages, F 1, B 2, zero-bubble B 1 + W "
