@@ -255,10 +255,12 @@ class TitanForkLauncher(_MultiProcessingLauncher):
     def __init__(self, strategy: Any, start_method: str, grace_s: float) -> None:
         super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
         self._grace_s, self._sigterm = grace_s, False
+        self._checks = launch_checks(strategy.preflight)
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        check_call(function, args, kwargs, trainer)  # in the parent, before any rank starts
+        # in the parent, before any rank starts (layout="auto" chooses here, so the parent knows it)
+        self._checks(function, args, kwargs, trainer)
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, self._forward_sigterm) if main else None
         try:
