@@ -41,7 +41,8 @@ TRAINER_DEFAULTS = {
 }
 # the commands that are not Trainer methods: name -> one line for `titan --help`
 OTHER_COMMANDS = {
-    "export": "Write a checkpoint as one Hugging Face Mixtral model (transformers loads it).",
+    "export": "Write a checkpoint as a Hugging Face folder of its family (transformers loads it).",
+    "plan": "Rank the layouts a model allows on N devices by their modelled step time and memory.",
     "bench": "Time every composition on 2, 4 and 8 ranks at the same tokens per step.",
 }
 
@@ -114,7 +115,9 @@ class TitanCLI(LightningCLI):
         self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict
     ) -> None:
         main_kwargs.setdefault(
-            "description", "Train Mixture-of-Experts decoders with DP x PP x EP."
+            "description",
+            "Train Mixture-of-Experts decoders with data, pipeline, expert, context and tensor "
+            "parallelism composed.",
         )
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         action = self.parser._subcommands_action

@@ -272,7 +272,7 @@ def test_help_lists_every_command_and_each_runs(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("fit", "validate", "test", "export", "bench"):
+    for command in ("fit", "validate", "test", "export", "plan", "bench"):
         assert f"    {command} " in out, f"`titan --help` does not list {command}:\n{out}"
     assert (
         "predict" not in out
