@@ -262,6 +262,16 @@ MUTATIONS = {
                                "    if info.get(CHECKSUMMED):",
                                "    if False:",
                                ["tests/distributed/test_checkpoint_security.py", "-k", "marker"]),
+    # a background save writes the live tensors, which training changes while the thread writes
+    "background_not_staged": ("lightning_titan/checkpoint/sharded.py",
+                              "            state = background.stage(state)",
+                              "            pass",
+                              ["tests/distributed/test_checkpoint.py", "-k", "kill_during_save"]),
+    # a top-k removal during a background write happens at once (a failed write leaves fewer)
+    "removal_not_deferred": ("lightning_titan/checkpoint/background.py",
+                             "            if self._writing:",
+                             "            if False:",
+                             ["tests/unit/test_checkpoint_install.py", "-k", "removes_older"]),
     # ckpt_path="last" with only an interrupted save starts a new run (Lightning's warning)
     "missing_last_accepted": ("lightning_titan/lightning/launchers.py",
                               '    refuse_missing_last(trainer, called.get("ckpt_path"))',

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_titan.checkpoint import files, integrity, lock, reader, storage
 from lightning_titan.checkpoint import state as keys
+from lightning_titan.checkpoint.background import BackgroundSaves
 from lightning_titan.checkpoint.reader import FORMAT_VERSION, read_checkpoint_info
 from lightning_titan.runtime import probes
 from lightning_titan.runtime.agreement import agree as _agree
@@ -50,6 +51,7 @@ def save_sharded(
     meta: dict[str, Any],
     *,
     layout: dict[str, Any],
+    background: BackgroundSaves | None = None,
 ) -> None:
     """Write a complete checkpoint directory at ``path``, or leave ``path`` as it was.
 
@@ -57,7 +59,12 @@ def save_sharded(
     (dp, pp, ep, global batch size, ...) go into ``meta.pt`` from rank 0. An existing ``path`` is
     replaced only after the new directory is complete. Rank 0 first takes the lock of ``path``'s
     directory (``lock``): a second job saving there is refused.
+
+    ``background``: return once the state is copied to host memory; a thread writes it
+    (``background.py``). The save in flight, if any, is waited for first and its error raised.
     """
+    if background is not None:
+        background.wait()
     path = Path(path)
     error, token, state, info_bytes = None, None, {}, b""
     try:
@@ -78,14 +85,31 @@ def save_sharded(
             buffer = io.BytesIO()
             torch.save(info, buffer)  # an unpicklable meta fails here, before any shard is written
             info_bytes = buffer.getvalue()
+        if background is not None:
+            state = background.stage(state)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it before the collective save
         error = e
     tmp = files.sibling(path, "tmp", _agree(error, token)[0])
+    if background is None:
+        _write(path, tmp, state, info_bytes, None)
+    else:
+        group = background.group()
+        background.start(lambda: _write(path, tmp, state, info_bytes, group))
 
+
+def _write(path: Path, tmp: Path, state: dict, info_bytes: bytes, group: Any) -> None:
+    """Collective over ``group`` (None: the world): the shards into ``tmp``, their checksums, then
+    ``_finish``; ``tmp`` is removed if anything fails."""
     writer = storage.RecordingWriter(tmp)
     try:
         with reader.single_process_ok():
-            dcp.save(state, storage_writer=writer, checkpoint_id=tmp, no_dist=not _distributed())
+            dcp.save(
+                state,
+                storage_writer=writer,
+                checkpoint_id=tmp,
+                process_group=group,
+                no_dist=not _distributed(),
+            )
         probes.fault("checkpoint_save")  # shards written, not yet complete: the worst moment to die
         # dcp.save returns only after its coordinator gathered every rank's write result, so all
         # shards are on disk (fsynced); each rank checksums its own while they are in its page cache.
@@ -94,7 +118,7 @@ def save_sharded(
             sums = integrity.checksums(tmp, writer.shards)
         except Exception as e:  # noqa: BLE001
             error = e
-        gathered = _agree(error, sums)
+        gathered = _agree(error, sums, group)
     except BaseException as e:
         if _rank() == 0:
             files.remove(tmp)
@@ -102,10 +126,11 @@ def save_sharded(
         if explained is None:
             raise
         raise explained from e
-    _finish(path, tmp, info_bytes, {k: v for s in gathered for k, v in s.items()}, len(state))
+    sums = {k: v for s in gathered for k, v in s.items()}
+    _finish(path, tmp, info_bytes, sums, len(state), group)
 
 
-def _finish(path: Path, tmp: Path, info_bytes: bytes, sums: dict, entries: int) -> None:
+def _finish(path: Path, tmp: Path, info_bytes: bytes, sums: dict, entries: int, group: Any) -> None:
     """Rank 0 writes ``meta.pt`` and the marker (with every file's checksum) and swaps ``tmp`` in."""
     error = None
     if _rank() == 0:
@@ -119,7 +144,7 @@ def _finish(path: Path, tmp: Path, info_bytes: bytes, sums: dict, entries: int) 
             error = storage.explain_write_error(e, path) if isinstance(e, OSError) else e
             error = error or e
             files.remove(tmp)
-    _agree(error)  # the closing barrier: no rank returns before ``path`` is complete
+    _agree(error, None, group)  # the closing barrier: no rank returns before ``path`` is complete
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_titan.checkpoint import files, lock
-from lightning_titan.checkpoint.sharded import load_sharded, save_sharded
+from lightning_titan.checkpoint.background import BackgroundSaves
+from lightning_titan.checkpoint.sharded import load_sharded, remove_checkpoint, save_sharded
 from lightning_titan.runtime.agreement import agree
 
 
@@ -19,10 +21,14 @@ class ShardedCheckpoints:
     """``save``/``load`` under the layout's record; ``claim`` locks the checkpoint directories.
 
     ``allow_config_change``: model-config fields a resume may change deliberately, e.g.
-    ``("rope_theta",)``; any other field of the saved config that differs is an error."""
+    ``("rope_theta",)``; any other field of the saved config that differs is an error.
+    ``async_save``: saves while training runs return once the state is in host memory and are
+    written in the background (``checkpoint/background.py``); any other save (the one of a stopping
+    job, ``trainer.save_checkpoint`` after fit) first waits for that and is written at once."""
 
-    def __init__(self, allow_config_change: tuple[str, ...] = ()) -> None:
+    def __init__(self, allow_config_change: tuple[str, ...] = (), async_save: bool = False) -> None:
         self.allow_config_change = allow_config_change
+        self.background = BackgroundSaves() if async_save else None
 
     def save(
         self,
@@ -38,7 +44,27 @@ class ShardedCheckpoints:
         if global_batch_size is not None:
             layout = {**layout, "global_batch_size": global_batch_size}
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(path, module, optimizers, meta, layout=layout)
+        state = getattr(getattr(module, "_trainer", None), "state", None)
+        training = state is not None and (state.fn, state.status) == (
+            TrainerFn.FITTING,
+            TrainerStatus.RUNNING,
+        )
+        background = self.background if training else None
+        if background is None:
+            self.wait()
+        save_sharded(path, module, optimizers, meta, layout=layout, background=background)
+
+    def wait(self) -> None:
+        """Until the save in flight is complete (raising its error on every rank); no-op if none."""
+        if self.background is not None:
+            self.background.wait()
+
+    def remove(self, path: str, global_rank: int) -> None:
+        """Rank 0 removes the checkpoint at ``path``; after the save in flight, and only if it succeeds."""
+        if self.background is not None and global_rank == 0:
+            self.background.remove_after(path)
+        else:
+            remove_checkpoint(path)
 
     def load(
         self,
@@ -48,6 +74,7 @@ class ShardedCheckpoints:
         weights_only: bool | None,
     ) -> dict[str, Any]:
         """Collective: the module's and the optimizers' shards for this layout, and Lightning's dict."""
+        self.wait()
         global_batch_size = _global_batch_size(module)
         expect = {} if global_batch_size is None else {"global_batch_size": global_batch_size}
         return load_sharded(

@@ -95,7 +95,7 @@ class ExternalLauncher(_Launcher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        args, kwargs = resumed_call(function, args, kwargs)
+        args, kwargs = resumed_call(function, args, kwargs, trainer)
         keep_logger_versions(trainer)
         check_call(function, args, kwargs, trainer)
         return function(*args, **kwargs)

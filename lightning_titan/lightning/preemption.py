@@ -29,12 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_titan.lightning import supervisor
 from lightning_titan.lightning.launchers import TitanForkLauncher
+from lightning_titan.lightning.sharded_strategy import ShardedStrategy
 
 EXIT_CODE = 128 + signal.SIGTERM  # 143: what a shell and a scheduler report for "terminated"
 _requested = threading.Event()  # this process got SIGTERM or SIGINT
@@ -101,7 +101,7 @@ class Preemption:
             trainer._signal_connector.received_sigterm = True  # Lightning stops after this step
 
     def handles(
-        self, exception: BaseException, trainer: Any, strategy: ParallelStrategy, grace_s: float
+        self, exception: BaseException, trainer: Any, strategy: ShardedStrategy, grace_s: float
     ) -> bool:
         """True when ``exception`` is the agreed stop (``last`` is then saved and the exit code set),
         or the interrupt of a fork launcher's parent, whose ranks have already stopped."""
@@ -114,6 +114,7 @@ class Preemption:
         if not (isinstance(exception, SIGTERMException) and self.stopped_after is not None):
             return False
         saved = save_last(trainer)
+        strategy.checkpoints.wait()  # `last` may be the save in flight (async_save): complete it
         what = f"saved {', '.join(saved)}" if saved else "no ModelCheckpoint: nothing saved"
         code, name = 128 + self.signal, signal.Signals(self.signal).name
         how = "interrupted" if self.signal == signal.SIGINT else "preempted"

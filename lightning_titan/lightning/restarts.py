@@ -6,8 +6,8 @@
 - ``torchrun --max-restarts=N``: torchrun's agent does the same.
 
 A restarted rank knows it from ``TITAN_RESTART_COUNT`` (ours) or ``TORCHELASTIC_RESTART_COUNT``
-(torchrun's). Its launch then resumes: a fit given no ``ckpt_path`` takes ``"last"`` (a first launch
-that died before any save starts over), and the loggers write on into the first launch's version
+(torchrun's). Its launch then resumes: a fit given no ``ckpt_path`` takes the newest complete
+checkpoint (a first launch that died before any save starts over), and the loggers write on into the first launch's version
 folder, so that the metrics of the job are one file.
 """
 
@@ -30,6 +30,7 @@ from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
+from lightning_titan.checkpoint import files
 from lightning_titan.lightning.supervisor import LAUNCHER_WAIT_S, describe_exit, say
 from lightning_titan.runtime.launch import RESTART_ENV, restart_count
 from lightning_titan.runtime.orphans import LAUNCHER_PID, die_with_launcher
@@ -38,15 +39,20 @@ VERSIONS_ENV = "TITAN_LOGGER_VERSIONS"  # the first launch's logger versions, fo
 
 
 def resumed_call(
-    function: Callable, args: Sequence[Any], kwargs: dict[str, Any]
+    function: Callable, args: Sequence[Any], kwargs: dict[str, Any], trainer: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The Trainer call of a restarted rank: ``ckpt_path="last"`` where none was given."""
+    """The Trainer call of a restarted rank: where no ``ckpt_path`` was given, the newest complete
+    checkpoint of the trainer's ModelCheckpoint directories (not always ``last``: with
+    ``async_save`` the write of ``last`` may have died with the rank). None there: a new run."""
     if restart_count() == 0:
         return tuple(args), kwargs
     signature = inspect.signature(function)
     bound = signature.bind_partial(*args, **kwargs)
     if "ckpt_path" in signature.parameters and bound.arguments.get("ckpt_path") is None:
-        bound.arguments["ckpt_path"] = "last"
+        dirs = [c.dirpath for c in getattr(trainer, "checkpoint_callbacks", []) if c.dirpath]
+        found = [p for p in map(files.latest_complete, dirs) if p is not None]
+        if found:
+            bound.arguments["ckpt_path"] = str(max(found, key=files.completed_at))
     return bound.args, bound.kwargs
 
 

@@ -11,13 +11,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_titan.checkpoint.sharded import remove_checkpoint
 from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpoints
 from lightning_titan.parallel.mesh import check_launched_world
 
@@ -26,12 +26,15 @@ class ShardedStrategy(ParallelStrategy):
     """A process per device, each holding its own shards, which every rank writes and reads itself
     (``ShardedCheckpoints``); the subclass says which layout a checkpoint records.
 
-    ``allow_config_change``: model-config fields a resume may change (others must match the saved)."""
+    ``allow_config_change``: model-config fields a resume may change (others must match the saved).
+    ``async_save``: write the checkpoints saved during training in the background."""
 
-    def __init__(self, allow_config_change: list[str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, allow_config_change: list[str] | None = None, async_save: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._num_nodes = 1
-        self.checkpoints = ShardedCheckpoints(tuple(allow_config_change or ()))
+        self.checkpoints = ShardedCheckpoints(tuple(allow_config_change or ()), async_save)
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """The layout a checkpoint records (it loads under any)."""
@@ -135,9 +138,18 @@ class ShardedStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        remove_checkpoint(filepath)
+        self.checkpoints.remove(filepath, self.global_rank)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         self.checkpoints.claim(self.module.trainer, self.global_rank)
+
+    @override
+    def teardown(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        try:  # a failed run does not wait (a dead peer would hold the writer): its save is not done
+            if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+                self.checkpoints.wait()
+        finally:
+            super().teardown()

@@ -58,6 +58,7 @@ class TitanStrategy(ShardedStrategy):
         max_restarts: times to restart every rank from the newest complete checkpoint if one dies.
         process_group_backend: ``nccl`` on CUDA, ``gloo`` on CPU by default.
         allow_config_change: model-config fields a resume may change (others must match the saved).
+        async_save: write the checkpoints saved in training in the background (from a host copy).
         layout: ``"auto"``: the layout and step options ``titan plan`` ranks first for this model,
             world, global batch and device (``plan/auto.py``), said on rank 0; leave the degrees,
             ``zero``, ``schedule``, ``virtual_stages`` and ``num_microbatches`` out.
@@ -87,10 +88,11 @@ class TitanStrategy(ShardedStrategy):
         max_restarts: int = 0,
         process_group_backend: str | None = None,
         allow_config_change: list[str] | None = None,
+        async_save: bool = False,
         layout: Literal["auto"] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(allow_config_change, **kwargs)
+        super().__init__(allow_config_change, async_save, **kwargs)
         self.options = TrainOptions(
             schedule=schedule,
             num_microbatches=num_microbatches,
@@ -174,9 +176,7 @@ class TitanStrategy(ShardedStrategy):
         assert self.cluster_environment is not None  # set by the accelerator connector
         env, o = self.cluster_environment, self.options
         connect(env, self.root_device, self._process_group_backend, o, self.num_processes)
-        if (
-            self.layout.auto
-        ):  # rank 0's choice (its CPU probe may differ from others'), or its error
+        if self.layout.auto:  # rank 0's choice (its CPU probe may differ), or its error
             self._use_layout(auto.agree(self.layout.choice, self, module, datamodule))
             self.preflight(module, datamodule, trainer)
         self._setup_phase.start()

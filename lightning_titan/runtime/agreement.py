@@ -32,15 +32,16 @@ def _portable(error: BaseException) -> tuple[type[BaseException], str]:
     return RuntimeError, f"{kind.__name__}: {message}"
 
 
-def agree(error: BaseException | None, payload: Any = None) -> list[Any]:
-    """Collective: if any rank has an error, raise the lowest rank's on every rank; else gather payloads."""
+def agree(error: BaseException | None, payload: Any = None, group: Any = None) -> list[Any]:
+    """Collective over ``group`` (None: the world): if any rank has an error, raise the lowest rank's
+    on every rank; else gather the payloads."""
     if not distributed():
         if error is not None:
             raise error
         return [payload]
     report = None if error is None else _portable(error)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (report, payload))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (report, payload), group=group)
     reports = [(rank, r) for rank, (r, _) in enumerate(gathered) if r is not None]
     if not reports:
         return [p for _, p in gathered]

@@ -23,6 +23,7 @@ a restarted job (``launch.restart_count``), so that a test sees the restart run 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import signal
 import sys
@@ -91,14 +92,15 @@ _EXAMPLE = "rank=1,step=2,phase=backward,action=raise"
 _fault: Fault | None = (
     Fault.parse(os.environ[ENV]) if os.environ.get(ENV) and not restart_count() else None
 )
-_step = 0
+# a context variable: a checkpoint written in the background runs in a copy of the context that
+# started it (``checkpoint/background.py``), so its save belongs to the step that saved it
+_step: contextvars.ContextVar[int] = contextvars.ContextVar("titan_fault_step", default=0)
 _fired = False
 
 
 def set_step(step: int) -> None:
     """The training step now running (the strategy calls this as each step begins)."""
-    global _step
-    _step = step
+    _step.set(step)
 
 
 @contextlib.contextmanager
@@ -123,12 +125,13 @@ def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
     fault = _fault
     assert fault is not None
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if _fired or phase != fault.phase or _step != fault.step or rank != fault.rank:
+    step = _step.get()
+    if _fired or phase != fault.phase or step != fault.step or rank != fault.rank:
         return tensor
     _fired = True
     # only the main thread can take a signal handler; elsewhere (a saving thread) note just prints
     hold = fault.action == "note" and threading.current_thread() is threading.main_thread()
-    what = f"{ENV} fired: rank {rank} (pid {os.getpid()}) {fault.action} in {phase} at step {_step}"
+    what = f"{ENV} fired: rank {rank} (pid {os.getpid()}) {fault.action} in {phase} at step {step}"
     with _held_until_sigusr1() if hold else contextlib.nullcontext():
         sys.stderr.flush()
         os.write(sys.stderr.fileno(), f"{what}\n".encode())  # one write: ranks share the stream

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_titan.checkpoint import (
+    BackgroundSaves,
     consolidate,
     consolidate_optimizers,
     files,
@@ -164,6 +165,24 @@ def _caught(fn, *args, **kwargs) -> tuple[str, str] | None:
     return None
 
 
+def save_in_background(
+    saves: BackgroundSaves, path: Path, model: nn.Module, opt: torch.optim.Optimizer, layout: dict
+) -> None:
+    """``save_sharded`` written in the background while training scribbles over every parameter and
+    optimizer-state tensor (put back after): the checkpoint must hold the state of the call."""
+    save_sharded(path, model, [opt], META, layout=layout, background=saves)
+    live = [p for p in model.parameters()]
+    live += [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+    kept = [t.detach().clone() for t in live]
+    with torch.no_grad():
+        for t in live:
+            t.fill_(float("nan"))
+    saves.wait()
+    with torch.no_grad():
+        for t, k in zip(live, kept, strict=True):
+            t.copy_(k)
+
+
 def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
     torch.set_num_threads(1)
     root_path = Path(root)
@@ -172,9 +191,10 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
     model, opt = build(dims_a, seed=1)
     train(model, opt, steps=2)
     result = {"A": snapshot(model, opt), "A_hyper": hyper(opt), "loads": {}, "errors": {}}
-    save_sharded(
-        ckpt, model, [opt], META, layout={"dp": 1, "pp": 2, "ep": 2, "global_batch_size": 8}
-    )
+    # in the background: the expert rows, a pipeline stage's own keys (what later loads compare)
+    saves = BackgroundSaves()
+    layout_a = {"dp": 1, "pp": 2, "ep": 2, "global_batch_size": 8}
+    save_in_background(saves, ckpt, model, opt, layout_a)
 
     for layout in LAYOUTS_B:
         model, opt = build(ParallelDims(*layout, rank=rank), seed=2, lr=0.5)
@@ -199,7 +219,8 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
         engine.shard_optimizers([opt])
         load_sharded(ckpt, model, [opt])
         rows = shard_rows(model, opt)
-        save_sharded(root_path / "zero.ckpt", model, [opt], META, layout={"zero": level})
+        # in the background: ZeRO's rows as DTensors over the data-parallel group
+        save_in_background(saves, root_path / "zero.ckpt", model, opt, {"zero": level})
         engine.remove()
         whole, whole_opt = build(None, seed=5)
         load_sharded(root_path / "zero.ckpt", whole, [whole_opt])
@@ -217,7 +238,8 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
         load_sharded(source, model, [opt])
         cut = {n: tp_shard(m).dim for n, m in model.named_modules() if tp_shard(m) is not None}
         source = root_path / f"tp{layout[3]}_zero{level}.ckpt"
-        save_sharded(source, model, [opt], META, layout={"tp": layout[3], "zero": level})
+        # in the background: TP-cut weights as DTensors of the full shape, and (tp, zero) blocks
+        save_in_background(saves, source, model, opt, {"tp": layout[3], "zero": level})
         engine.remove()
         tp_rows = (shard_rows(model, opt), cut, dims.tp_rank)
         result["tp"][layout] = (snapshot(model, opt), cut, dims.tp_rank, tp_rows)
@@ -474,25 +496,31 @@ def test_interrupted_replace_recovers_and_leftovers_are_ignored(tmp_path: Path) 
 _SAVE_FOREVER = """
 import sys, torch
 from torch import nn
-from lightning_titan.checkpoint import save_sharded
+from lightning_titan.checkpoint import BackgroundSaves, save_sharded
 torch.set_num_threads(1)
 model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])  # ~50 MB: a save takes a while
+saves = BackgroundSaves() if sys.argv[2] == "True" else None
 for i in range(1000):
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(i)
-    save_sharded(sys.argv[1], model, [], {"i": i}, layout={})
+    save_sharded(sys.argv[1], model, [], {"i": i}, layout={}, background=saves)
+    if saves is not None:  # training goes on while the thread writes: the save must still hold i
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(-1)
+        saves.wait()
     print(f"saved {i}", flush=True)
 """
 
 
 @pytest.mark.timeout(120)
-def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path, background: bool) -> None:
     path = tmp_path / "last.ckpt"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    child = subprocess.Popen(
-        [sys.executable, "-c", _SAVE_FOREVER, str(path)], stdout=subprocess.PIPE, text=True, env=env
-    )
+    cmd = [sys.executable, "-c", _SAVE_FOREVER, str(path), str(background)]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert child.stdout.readline().strip() == "saved 0"
         deadline = time.monotonic() + 60

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_titan.checkpoint import (
+    BackgroundSaves,
     consolidate,
     consolidate_optimizers,
     files,
@@ -67,10 +68,24 @@ def _model(**overrides) -> tuple[StageModel, torch.optim.Optimizer]:
     return model, opt
 
 
-def _save(path: Path, **overrides) -> Path:
+def _save(path: Path, background: bool = False, **overrides) -> Path:
+    """``background``: written by the background writer while the live parameters are scribbled
+    over, so that the checkpoint holds what the call saw only if the staging copied it."""
     model, opt = _model(**overrides)
-    save_sharded(path, model, [opt], {"epoch": 0}, layout={})
+    saves = BackgroundSaves() if background else None
+    save_sharded(path, model, [opt], {"epoch": 0}, layout={}, background=saves)
+    if saves is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        saves.wait()
     return path
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "background"])
+def background(request) -> bool:
+    """Checkpoints written at once, and in the background: every integrity promise holds for both."""
+    return request.param
 
 
 def _reseal(path: Path) -> None:
@@ -114,8 +129,8 @@ def _export(ckpt: Path, out: Path) -> None:
 
 
 @pytest.mark.parametrize("plant", [_plant_in_meta, _plant_in_metadata, _plant_in_shard])
-def test_crafted_files_run_no_code(tmp_path: Path, plant) -> None:
-    ckpt = _save(tmp_path / "ck" / "last.ckpt")
+def test_crafted_files_run_no_code(tmp_path: Path, plant, background) -> None:
+    ckpt = _save(tmp_path / "ck" / "last.ckpt", background)
     marker = tmp_path / "pwned"
     plant(ckpt, marker)
     file = {_plant_in_meta: "meta.pt", _plant_in_metadata: ".metadata"}.get(plant)
@@ -143,8 +158,8 @@ def test_crafted_files_run_no_code(tmp_path: Path, plant) -> None:
         assert not marker.exists(), f"{what} ran code from the checkpoint"
 
 
-def test_a_normal_checkpoint_loads_with_its_objects(tmp_path: Path) -> None:
-    ckpt = _save(tmp_path / "last.ckpt")
+def test_a_normal_checkpoint_loads_with_its_objects(tmp_path: Path, background) -> None:
+    ckpt = _save(tmp_path / "last.ckpt", background)
     model, opt = _model()
     for p in model.parameters():
         opt.state[p]["note"] = -1.0
@@ -153,8 +168,8 @@ def test_a_normal_checkpoint_loads_with_its_objects(tmp_path: Path) -> None:
     assert set(consolidate(ckpt)) == set(model.state_dict())
 
 
-def test_a_flipped_byte_fails_the_load_naming_the_file(tmp_path: Path) -> None:
-    ckpt = _save(tmp_path / "last.ckpt")
+def test_a_flipped_byte_fails_the_load_naming_the_file(tmp_path: Path, background) -> None:
+    ckpt = _save(tmp_path / "last.ckpt", background)
     shard = sorted(ckpt.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01  # inside a tensor's bytes: same size, still a valid zip
@@ -185,11 +200,11 @@ def _replace_shard(ckpt: Path, how: str) -> Path:
 
 
 @pytest.mark.parametrize("how", ["random, resealed", "pickle, resealed", "random, unverified"])
-def test_a_shard_this_tool_did_not_write_is_named(tmp_path, monkeypatch, how) -> None:
+def test_a_shard_this_tool_did_not_write_is_named(tmp_path, monkeypatch, how, background) -> None:
     """Not DCP's ``CheckpointException ranks:dict_keys([0])`` with torch's advice to retry with
     weights_only=False: that advice is never right for bytes that are not a checkpoint's."""
     monkeypatch.setenv(integrity.ALLOW_UNVERIFIED, "1")
-    ckpt = _save(tmp_path / "last.ckpt")
+    ckpt = _save(tmp_path / "last.ckpt", background)
     shard = _replace_shard(ckpt, how)
     model, opt = _model()
     for attempt in (
@@ -236,8 +251,10 @@ def test_another_rank_failure_in_dcp_is_unwrapped_to_its_cause(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("name", [files.META_FILE, files.DCP_METADATA])
-def test_a_replaced_meta_or_index_is_named_without_weights_only_advice(tmp_path, name) -> None:
-    ckpt = _save(tmp_path / "last.ckpt")
+def test_a_replaced_meta_or_index_is_named_without_weights_only_advice(
+    tmp_path, name, background
+) -> None:
+    ckpt = _save(tmp_path / "last.ckpt", background)
     (ckpt / name).write_bytes(bytes([0x80, 0x02, 0xFB]) + random.Random(0).randbytes(200))
     _reseal(ckpt)
     model, opt = _model()
@@ -268,10 +285,12 @@ def _flip_a_byte(ckpt: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["empty", "truncated", "no files"])
-def test_a_damaged_marker_does_not_switch_the_checksums_off(tmp_path, monkeypatch, damage) -> None:
+def test_a_damaged_marker_does_not_switch_the_checksums_off(
+    tmp_path, monkeypatch, damage, background
+) -> None:
     """A flipped byte under an emptied, cut or rewritten COMPLETE: refused, naming the marker, even
     where unverified checkpoints from before checksums are allowed."""
-    ckpt = _save(tmp_path / "last.ckpt")
+    ckpt = _save(tmp_path / "last.ckpt", background)
     _flip_a_byte(ckpt)
     marker = ckpt / files.MARKER
     text = marker.read_text()
@@ -293,8 +312,10 @@ def test_a_damaged_marker_does_not_switch_the_checksums_off(tmp_path, monkeypatc
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_checkpoint_from_before_checksums_loads_only_when_allowed(tmp_path, monkeypatch) -> None:
-    ckpt = _save(tmp_path / "last.ckpt")
+def test_a_checkpoint_from_before_checksums_loads_only_when_allowed(
+    tmp_path, monkeypatch, background
+) -> None:
+    ckpt = _save(tmp_path / "last.ckpt", background)
     _as_before_checksums(ckpt)
     model, opt = _model()
     monkeypatch.delenv(integrity.ALLOW_UNVERIFIED, raising=False)
@@ -351,8 +372,12 @@ def test_two_jobs_on_one_directory(tmp_path: Path) -> None:
         live.mkdir()
         dead.mkdir()
         in_use = f"{ckpts} is in use by another job \\(pid {job.pid}"
-        with pytest.raises(RuntimeError, match=in_use):
-            save_sharded(ckpts / "other.ckpt", nn.Linear(2, 2), [], {}, layout={})
+        for saves in (None, BackgroundSaves()):  # refused before anything is staged or started
+            with pytest.raises(RuntimeError, match=in_use):
+                save_sharded(
+                    ckpts / "other.ckpt", nn.Linear(2, 2), [], {}, layout={}, background=saves
+                )
+            assert saves is None or not saves.in_flight
         # the strategy claims its directories when training starts, before a step
         trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(ckpts))])
         with pytest.raises(RuntimeError, match=in_use):
@@ -371,13 +396,16 @@ def test_two_jobs_on_one_directory(tmp_path: Path) -> None:
 
 _FILL = """
 import resource, signal, sys, torch
-from lightning_titan.checkpoint import save_sharded
+from lightning_titan.checkpoint import BackgroundSaves, save_sharded
+saves = BackgroundSaves() if sys.argv[3] == "True" else None
 save_sharded(sys.argv[1], torch.nn.Linear(10, 10), [], {"i": 0}, layout={})
 if sys.argv[2] == "ulimit":
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills us instead of EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))
 try:
-    save_sharded(sys.argv[1], torch.nn.Linear(300, 300), [], {"i": 1}, layout={})
+    save_sharded(sys.argv[1], torch.nn.Linear(300, 300), [], {"i": 1}, layout={}, background=saves)
+    if saves is not None:
+        saves.wait()  # a background write's error comes back here (or at the next save)
 except OSError as e:
     print(f"OSError {e.errno}: {e}")
 """
@@ -391,14 +419,14 @@ def _mount_tmpfs(where: Path) -> bool:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["tmpfs", "ulimit"])
-def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(tmp_path: Path, how) -> None:
+def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(tmp_path, how, background):
     disk = tmp_path / "disk"
     if how == "tmpfs" and not _mount_tmpfs(disk):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     disk.mkdir(exist_ok=True)
     try:
         ckpt = disk / "last.ckpt"
-        run = subprocess.run([sys.executable, "-c", _FILL, str(ckpt), how], env=ENV,
+        run = subprocess.run([sys.executable, "-c", _FILL, str(ckpt), how, str(background)], env=ENV,
                              capture_output=True, text=True, timeout=100)  # fmt: skip
         out = run.stdout.strip()
         code, name = {"tmpfs": (28, "ENOSPC"), "ulimit": (27, "EFBIG")}[how]

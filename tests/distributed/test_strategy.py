@@ -270,3 +270,35 @@ def test_drop_in_for_ddp_gives_the_same_weights(tmp_path):
     assert not torch.equal(a["final"]["net.0.weight"], a["initial"]["net.0.weight"]), "it trained"
     # the unused layer has no grad under both (None, not zeros), so AdamW's weight decay skips it
     torch.testing.assert_close(a["final"]["unused.weight"], a["initial"]["unused.weight"])
+
+
+@pytest.mark.timeout(120)
+def test_background_saves_keep_top_k_and_last_complete_and_fit_waits_for_them(tmp_path):
+    """async_save in one process: every save during fit is written in the background (the strategy's
+    writer timed it), top-k's removals wait for the newer checkpoint, and when fit returns the
+    directory holds exactly the newest checkpoint and `last`, complete, at the last step; a save
+    after fit is written at once (complete when the call returns)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_titan import ModelConfig, TitanDataModule, TitanLM
+    from lightning_titan.checkpoint import is_complete_checkpoint, read_checkpoint_info
+
+    strategy = TitanStrategy(async_save=True)
+    every_step = ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=1, save_top_k=1, save_last=True
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
+        callbacks=[every_step], enable_progress_bar=False, limit_val_batches=0,
+        enable_model_summary=False,
+    )  # fmt: skip
+    config = ModelConfig(d_model=32, n_layers=2, n_experts=4, seq_len=16)
+    trainer.fit(TitanLM(config), datamodule=TitanDataModule(seq_len=16, global_batch_size=4))
+    background = strategy.checkpoints.background
+    assert background is not None and background.seconds > 0 and not background.in_flight
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    for name in ("epoch=0-step=4.ckpt", "last.ckpt"):
+        assert is_complete_checkpoint(tmp_path / name)
+        assert read_checkpoint_info(tmp_path / name)["meta"]["global_step"] == 4
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert is_complete_checkpoint(tmp_path / "after.ckpt")

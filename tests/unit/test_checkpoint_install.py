@@ -14,6 +14,7 @@ import errno
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,12 @@ import pytest
 import torch
 
 from lightning_titan import ModelConfig, StageModel
-from lightning_titan.checkpoint import is_complete_checkpoint, load_sharded, save_sharded
+from lightning_titan.checkpoint import (
+    BackgroundSaves,
+    is_complete_checkpoint,
+    load_sharded,
+    save_sharded,
+)
 
 CONFIG = ModelConfig(
     vocab_size=17, d_model=8, n_layers=2, n_heads=2, ffn_dim=8, n_experts=2, top_k=1
@@ -85,15 +91,19 @@ def _patch_file_ops(kill_at: int, exchange: bool) -> None:
     ctypes.CDLL = Lib
 
 
-def _save_killed_at(path: Path, kill_at: int, exchange: bool) -> bool:
+def _save_killed_at(path: Path, kill_at: int, exchange: bool, background: bool) -> bool:
     """Fork a child that saves version 2 to ``path`` and dies at operation ``kill_at``; True if the
-    save completed first (``kill_at`` is past the last operation)."""
+    save completed first (``kill_at`` is past the last operation). ``background``: the child's save
+    is written by the background thread (which then meets the kill) while its main thread waits."""
     model = model_of(2)
     pid = os.fork()
     if pid == 0:
         try:
             _patch_file_ops(kill_at, exchange)
-            save_sharded(path, model, [], {"version": 2}, layout=LAYOUT)
+            saves = BackgroundSaves() if background else None
+            save_sharded(path, model, [], {"version": 2}, layout=LAYOUT, background=saves)
+            if saves is not None:
+                saves.wait()
             os._exit(0)
         except BaseException:  # noqa: BLE001 - the child must never return into pytest
             os._exit(1)
@@ -110,23 +120,27 @@ def _save_killed_at(path: Path, kill_at: int, exchange: bool) -> bool:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename_aside"])
-def test_a_save_killed_at_any_file_operation_leaves_a_complete_last(tmp_path, exchange):
+@pytest.mark.parametrize(
+    "exchange,background",
+    [(True, False), (False, False), (True, True)],
+    ids=["exchange", "rename_aside", "exchange_background"],
+)
+def test_a_save_killed_at_any_file_operation_leaves_a_complete_last(tmp_path, exchange, background):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # nothing in a thread pool when the child forks
     try:
-        _kill_at_every_point(tmp_path, exchange)
+        _kill_at_every_point(tmp_path, exchange, background)
     finally:
         torch.set_num_threads(threads)
 
 
-def _kill_at_every_point(tmp_path: Path, exchange: bool) -> None:
+def _kill_at_every_point(tmp_path: Path, exchange: bool, background: bool) -> None:
     last = tmp_path / "ckpt" / "last.ckpt"
     points = []
     for kill_at in range(200):
         shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
         save_sharded(last, model_of(1), [], {"version": 1}, layout=LAYOUT)
-        completed = _save_killed_at(last, kill_at, exchange)
+        completed = _save_killed_at(last, kill_at, exchange, background)
         where = (
             f"killed before file operation {kill_at} ({'exchange' if exchange else 'rename aside'})"
         )
@@ -150,3 +164,38 @@ def _kill_at_every_point(tmp_path: Path, exchange: bool) -> None:
     if exchange:
         # the kill points spanned the install: before it `last` was version 1, after it version 2
         assert points[0] == 1 and points[-1] == 2, points
+
+
+def test_a_background_save_removes_older_checkpoints_only_once_it_succeeded(tmp_path):
+    """ModelCheckpoint's top-k drops the older checkpoint while the newer is still being written:
+    the removal waits for the write, and is dropped when the write fails (nothing fewer than before).
+    The next save waits for the one in flight and raises its error."""
+    old = tmp_path / "old.ckpt"
+    save_sharded(old, model_of(1), [], {}, layout=LAYOUT)
+    release, saves = threading.Event(), BackgroundSaves()
+
+    def slow_write() -> None:
+        assert release.wait(30)
+
+    saves.start(slow_write)
+    assert saves.in_flight
+    saves.remove_after(old)
+    assert is_complete_checkpoint(old)  # the newer one is not complete yet
+    release.set()
+    saves.wait()
+    assert not old.exists() and not saves.in_flight
+
+    save_sharded(old, model_of(1), [], {}, layout=LAYOUT)
+    release.clear()
+
+    def failing_write() -> None:
+        assert release.wait(30)
+        raise OSError(28, "No space left on device")
+
+    saves.start(failing_write)
+    saves.remove_after(old)
+    release.set()
+    with pytest.raises(OSError, match="No space left"):
+        save_sharded(tmp_path / "next.ckpt", model_of(2), [], {}, layout=LAYOUT, background=saves)
+    assert is_complete_checkpoint(old) and not (tmp_path / "next.ckpt").exists()
+    saves.wait()  # the error was raised once

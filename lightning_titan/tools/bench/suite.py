@@ -9,6 +9,7 @@
     titan bench --global-batch 128 --d-model 256 --device cuda   # scale up (CUDA: one rank per GPU)
     titan bench --routing   # only: grouped vs loop experts, FLOP/s vs the matmul peak, load balance
     titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1, zbv vs torch's (8 layers)
+    titan bench --checkpoint --rounds 5  # only: training blocked by a save, at once vs in the background
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
 (timeline/<case>.json: open in ui.perfetto.dev) plus a Gantt chart for pipeline cases.
@@ -36,6 +37,7 @@ from lightning_titan.parallel.pipeline.schedules import check_microbatches
 from lightning_titan.parallel.pipeline.split import AUTO
 from lightning_titan.runtime import tracing
 from lightning_titan.runtime.launch import run_on_ranks
+from lightning_titan.tools.bench import checkpoint as checkpoint_bench
 from lightning_titan.tools.bench import dispatch as dispatch_bench
 from lightning_titan.tools.bench import report, routing, schedule_report
 from lightning_titan.tools.bench.cases import (
@@ -116,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
         "--routing",
         action="store_true",
         help="run only the one-process routing benchmarks (tools/bench/routing.py) into routing.md/json",
+    )
+    p.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="run only the checkpoint benchmark (tools/bench/checkpoint.py) into checkpoint.md/json: "
+        "dp2 x pp2 x ep2, training blocked by a synchronous vs a background save",
     )
     p.add_argument("--mfu-d-models", type=int, nargs="+", default=[64, 256, 512])
     p.add_argument("--balance-steps", type=int, default=200)
@@ -279,6 +287,24 @@ def _routing_only(args: argparse.Namespace, argv: list[str], out: Path, load_bef
     return results
 
 
+def _checkpoint_only(
+    args: argparse.Namespace, argv: list[str], settings: Settings, out: Path, load_before: str
+) -> dict:
+    started = time.perf_counter()
+    command = "titan bench " + shlex.join(argv)
+    result = checkpoint_bench.run(
+        settings.config, settings.global_batch, args.rounds, args.steps, args.timeout
+    )
+    result["machine"] = _machine(settings, args.note) + f"; load {load_before} -> {_load()}"
+    table = checkpoint_bench.markdown(result, command, result["machine"])
+    (out / "checkpoint.md").write_text(table + "\n")
+    (out / "checkpoint.json").write_text(json.dumps({"command": command, **result}, indent=1))
+    print(table)
+    wall = time.perf_counter() - started
+    print(f"titan bench: {wall:.0f} s; wrote {out.resolve()}/checkpoint.md, checkpoint.json")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
@@ -306,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
     started, load_before = time.perf_counter(), _load()
     if args.routing:
         return _routing_only(args, argv, out, load_before)
+    if args.checkpoint:
+        return _checkpoint_only(args, argv, settings, out, load_before)
 
     dispatch_rows: list[dict] = []
     experts_rows: list[dict] = []
