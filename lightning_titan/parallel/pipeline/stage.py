@@ -303,26 +303,32 @@ class PipelineStage:
     def exchange_messages(
         self, done: tuple[str, int, int] | None, take: list[tuple[int, tuple[str, int, int]]]
     ) -> None:
-        """Send the output of action ``done`` where ``zbv.output`` says, then receive ``take``
-        (each (peer pp rank, message) the next of its peer's stream). On the last rank the turn of the
-        V stays local: chunk 0's output is chunk 1's input, chunk 1's input grad chunk 0's grad."""
+        """Send the output of action ``done`` where ``zbv.output`` says and receive ``take`` (each
+        (peer pp rank, message) the next of its peer's stream), all in one batch: as NCCL pairs a
+        send with its receive by the order each rank posts them on one stream, a send in a batch of
+        its own ahead of the receives deadlocks once the peer does the same (each waits for the
+        other to post the receive). On the last rank the turn of the V stays local: chunk 0's
+        output is chunk 1's input, chunk 1's input grad chunk 0's grad."""
+        y = dx = None
         if done is not None and done[0] in ("F", "B"):
             kind, chunk, i = done
             out = self._outbox.pop(("y" if kind == "F" else "dx", chunk, i))
             target = zbv.output(self.pp, self.pp_rank, done)
             if target is not None:
                 # a link's streams go by direction: its forward one to the next rank
-                to_next = target[0] == self.pp_rank + 1
-                with self._span("exchange", i, chunk):
-                    self.links.exchange(out if to_next else None, None if to_next else out)
+                y, dx = (out, None) if target[0] == self.pp_rank + 1 else (None, out)
             elif out is not None:
                 # the turn, detached as a p2p leaves it: chunk 1's split walks its own graph only
                 self._inbox[("x", 1, i) if kind == "F" else ("g", 0, i)] = out.detach()
-        for peer, (what, chunk, i) in take:
-            from_prev = peer == self.pp_rank - 1
-            with self._span("exchange", i, chunk):
-                x, g = self.links.exchange(recv_forward=from_prev, recv_backward=not from_prev)
-            self._inbox["x" if what == "act" else "g", chunk, i] = x if from_prev else g
+        from_prev = [msg for peer, msg in take if peer == self.pp_rank - 1]
+        from_next = [msg for peer, msg in take if peer != self.pp_rank - 1]
+        if y is None and dx is None and not take:
+            return
+        at = done or (take[0][1] if take else ("F", 0, 0))
+        with self._span("exchange", at[2], at[1]):
+            xs, gs = self.links.exchange_many(y, dx, len(from_prev), len(from_next))
+        for (what, chunk, i), received in zip(from_prev + from_next, xs + gs, strict=True):
+            self._inbox["x" if what == "act" else "g", chunk, i] = received
 
     def _start_zbv(self, schedule: str | None) -> Callable[[Any, int], None]:
         if schedule not in (None, "zbv"):
