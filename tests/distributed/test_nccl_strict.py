@@ -63,7 +63,11 @@ def old_run(stage, m, train):
         taken, pending[peer] = pending[peer][:upto], pending[peer][upto:]
         return [(peer, t) for t in taken]
 
-    run = {"F": stage.forward_chunk, "B": stage.backward_input_chunk, "W": stage.backward_weight_chunk}
+    run = {
+        "F": stage.forward_chunk,
+        "B": stage.backward_input_chunk,
+        "W": stage.backward_weight_chunk,
+    }
     stage.exchange_messages(None, due(actions[0]))
     for k, action in enumerate(actions):
         run[action[0]](*action[1:])
@@ -97,7 +101,9 @@ def old_zbv_waits(rank: int, world_size: int, deadline_s: float) -> str:
     dims = ParallelDims(1, 2, 1, rank)
     split = StageSplit(2, None, v_shape=True)
     try:
-        train(dims, build_process_groups(dims), "zbv", 2, steps=1, split=split, strict_p2p=deadline_s)
+        train(
+            dims, build_process_groups(dims), "zbv", 2, steps=1, split=split, strict_p2p=deadline_s
+        )
     except StrictP2PStuck as e:
         return str(e)
     return "finished"
@@ -129,7 +135,9 @@ def test_pp2_schedules_equal_one_process_and_old_zbv_deadlocks(refs):
     print("\n".join(waits))
     for rank, peer in ((0, 1), (1, 0)):
         assert f"rank {rank}'s p2p stream gave up" in waits[rank], waits
-        assert f"to rank {peer} " in waits[rank] and "post the matching receive" in waits[rank], waits
+        assert f"to rank {peer} " in waits[rank] and "post the matching receive" in waits[rank], (
+            waits
+        )
 
 
 @pytest.mark.slow

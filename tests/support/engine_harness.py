@@ -9,7 +9,6 @@ from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
-
 from nccl_strict import StrictStream, strict_links
 
 from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters

@@ -111,7 +111,9 @@ class StrictStream:
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
             work.wait(self.deadline)
-        except RuntimeError as e:  # gloo: a timeout, or the peer's stream gave up and closed the pair
+        except (
+            RuntimeError
+        ) as e:  # gloo: a timeout, or the peer's stream gave up and closed the pair
             raise StrictP2PStuck(
                 f"rank {self.rank}'s p2p stream gave up in its batch {self._current}: {what} "
                 f"(after at most {self.deadline.total_seconds():.0f} s: "
@@ -133,7 +135,9 @@ class StrictStream:
         for op in sends:
             n = self.sent[op.peer] = self.sent.get(op.peer, 0) + 1
             notice = torch.empty(2, dtype=torch.int64)
-            notices.append((dist.irecv(notice, op.peer, group=self.group, tag=NOTICE_TAG), notice, n))
+            notices.append(
+                (dist.irecv(notice, op.peer, group=self.group, tag=NOTICE_TAG), notice, n)
+            )
         for op, (work, notice, n) in zip(sends, notices, strict=True):
             what = (
                 f"its send #{n} to rank {op.peer} (tag {op.tag}, {op.tensor.numel()} elements) "
