@@ -14,8 +14,8 @@ cores). So, on CPU, the receives of a stream's next ``AHEAD`` messages are poste
 one is taken, before they are needed, and sends are not waited: the sender finds the receive already
 posted and writes from its own thread. A send holds its tensor until it is waited (gloo never reports
 a send done, so on CPU that is ``finish``); an activation is held until its backward anyway.
-NCCL runs a communicator's batches in order on one stream, where an early receive would hold up the
-send it is waiting for: there each exchange posts its sends and receives together (``batch_isend_irecv``,
+NCCL runs a communicator's batches in order on one stream (``batch_isend_irecv`` posts every batch on
+the group's communicator), where an early receive would hold up the send it is waiting for: there each exchange posts its sends and receives together (``batch_isend_irecv``,
 or the ``batch`` a test puts in its place: ``tests/support/nccl_strict.py`` runs this path on gloo with
 NCCL's ordering) and waits for the ones with a receive. A send-only batch is not waited at once (that
 would hold this rank's compute stream until the peer takes the message): the next batch with a

@@ -16,8 +16,9 @@ run, W not yet) on any rank: 1F1B's peak of P whole stages.
 A zbv stage provides ``forward_chunk(chunk, i)``, ``backward_input_chunk(chunk, i)``,
 ``backward_weight_chunk(chunk, i)`` (inputs: what ``exchange_messages`` received),
 ``exchange_messages(done, take)`` (``done``: the action just run, whose output goes where ``output``
-says; ``take``: the messages to receive, each the next of its peer's ``stream``) and ``pp``,
-``pp_rank``. Messages keep their chunk: rank r's chunk 0 feeds
+says; ``take``: the messages to receive, each the next of its peer's ``stream``: those its neighbours
+sent at the same step of ``timetable``, so that both ranks of a pair post a message in the same
+exchange, as NCCL needs) and ``pp``, ``pp_rank``. Messages keep their chunk: rank r's chunk 0 feeds
 rank r+1's chunk 0, rank r's chunk 1 feeds rank r-1's chunk 1, and grads go the other way.
 """
 
