@@ -155,7 +155,7 @@ ZERO_BUBBLE = {
         ((1, 2, 1), "zb_h1:paired", 2),
         ((1, 2, 1), "zb_h1:layers=3-1", 2),
         ((1, 2, 1), "zbv", 4),
-        ((1, 2, 1), "zbv:paired", 2),  # CUDA's transport: sends in their own batches
+        ((1, 2, 1), "zbv:paired", 2),  # the GPU path on gloo (NCCL ordering: test_nccl_strict.py)
         ((1, 2, 1), "zbv:layers=1-1-2-0", 1),  # M < 2P-1: the V never full; a headless chunk
         ((1, 2, 1), "zb_h1:auto", 2),
     ],

@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
+from nccl_strict import StrictStream, strict_links
 
 from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.model.moe.capacity import expert_capacity
@@ -51,6 +52,7 @@ FAMILY_CONFIGS = {
 GLOBAL_BATCH = 8
 STEPS = 5
 SEED = 7
+STRICT_DEADLINE_S = 60.0  # the NCCL-strict stream's wait for one message, at most
 MAX_NORM = 0.3  # small enough that clipping bites on every step (checked against the reference)
 
 
@@ -127,12 +129,15 @@ def train(
     paired_p2p: bool = False,
     zero: int = 0,
     split: StageSplit | None = None,
+    strict_p2p: float | None = None,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
     ``paired_p2p`` runs the pipeline transport CUDA gets (each exchange posts its receive with its
-    send and waits for both) on gloo, so that CPU tests cover it too. ``zero`` shards the optimizer
-    state over the data-parallel groups; ``split`` cuts the layers over stages and chunks."""
+    send and waits for both) on gloo, so that CPU tests cover it too; ``strict_p2p`` runs it under
+    NCCL's ordering (``nccl_strict``, a stream giving up after that many seconds). ``zero`` shards
+    the optimizer state over the data-parallel groups; ``split`` cuts the layers over stages and
+    chunks."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
     model = stage_model(dims, groups, config, split)
     engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb, zero=zero)
@@ -145,6 +150,10 @@ def train(
             return links
 
         engine._links = paired_links
+    stream = None
+    if strict_p2p is not None:
+        stream = StrictStream(groups.pp, strict_p2p)
+        engine._links = strict_links(engine._links, stream)
     engine.broadcast_replicated()
     rows_over_capacity = watch_rows(model, config, dims)
     # Adam divides by sqrt(v) + eps: a grad element whose last bits differ (summation order differs
@@ -183,6 +192,8 @@ def train(
     val = engine.forward_only(
         model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
     )
+    if stream is not None:
+        stream.close()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     engine.remove()
@@ -200,6 +211,8 @@ def train(
         "state": state,
         "grad_bytes": grad_bytes,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        # the most batches of sends alive (their tensors held) at once (strict_p2p only)
+        "sends_in_flight": 0 if stream is None else stream.most_live_sends,
         **record(model, dims),
     }
 
@@ -243,7 +256,7 @@ def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
 def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     """Spawned: every case (layout (dp, pp, ep), (dp, pp, ep, tp) or (dp, pp, ep, tp, cp), schedule,
     M[, config]) in turn, on the same ranks; a schedule named ``"<name>:paired"`` runs with
-    ``paired_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...), ``"<name>:v2"`` with two
+    ``paired_p2p``, ``"<name>:strict"`` with ``strict_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...), ``"<name>:v2"`` with two
     chunks per rank, ``"<name>:layers=3-1"`` with ``stage_layers=[3, 1]``, ``"<name>:auto"`` with the
     split probed on rank 0; ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
@@ -260,6 +273,7 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
         result = train(
             dims, build_process_groups(dims), name, m, config,
             paired_p2p="paired" in options, zero=zero, split=split,
+            strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
         )  # fmt: skip
         result["split"] = split
         out.append(result)

@@ -157,17 +157,28 @@ def test_p2p_sends_in_the_autocast_dtype_and_returns_the_stage_dtype(monkeypatch
             assert payloads and set(payloads) == {want}, (autocast, early, log)
 
 
-def test_paired_p2p_waits_for_a_send_only_batch_in_finish(monkeypatch):
+def test_paired_p2p_holds_at_most_two_send_only_batches(monkeypatch):
     """Under NCCL a wait makes this rank's compute stream wait for the send to complete, i.e. for
-    the peer to receive it: a send-only batch must not be waited before the stage computes on."""
+    the peer to receive it: a send-only batch is not waited at once. A later batch with a receive
+    is, and NCCL runs a communicator's batches in order, so the sends before it are done then: they
+    are dropped (waited, at no cost). More than ``SENDS_IN_FLIGHT`` send-only batches in a row wait
+    for the oldest, so a step holds O(1) sent buffers, not O(M) (issue 43)."""
+    from lightning_titan.parallel.pipeline.p2p import SENDS_IN_FLIGHT
+
     log = _fake_p2p(monkeypatch)
     links = _middle_stage_links(early=False)
     links.send_forward(torch.randn(2, 3, 4))
     assert log == [("isend", torch.float32)], log  # not waited yet
     links.recv_backward()  # a batch with a receive is waited at once (its buffer is used next)
-    assert log[-1] == ("wait", "irecv"), log
+    assert log[-2:] == [("wait", "irecv"), ("wait", "isend")], log  # and the send before it dropped
+    assert not links._sends
+    del log[:]
+    for _ in range(SENDS_IN_FLIGHT + 1):
+        links.send_forward(torch.randn(2, 3, 4))
+    assert log == [("isend", torch.float32)] * (SENDS_IN_FLIGHT + 1) + [("wait", "isend")], log
+    assert len(links._sends) == SENDS_IN_FLIGHT
     links.finish()
-    assert log[-1] == ("wait", "isend"), log
+    assert log[-SENDS_IN_FLIGHT:] == [("wait", "isend")] * SENDS_IN_FLIGHT and not links._sends
 
 
 def test_a_rank_without_grads_measures_its_norm_on_the_parameters_device():

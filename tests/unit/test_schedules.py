@@ -545,3 +545,79 @@ def test_zbv_v_placement_of_layers():
     )
     # global layer names, so a checkpoint of one layout loads in any other
     assert sorted(first.layers) == ["0", "3"] and sorted(last.layers) == ["1", "2"]
+
+
+class ZbvBatches:
+    """A zbv stage that records each exchange as the batch the GPU path posts: (sends, receives),
+    each (peer, message)."""
+
+    def __init__(self, pp, pp_rank):
+        self.pp, self.pp_rank, self.batches = pp, pp_rank, []
+
+    def forward_chunk(self, chunk, i):
+        pass
+
+    backward_input_chunk = backward_weight_chunk = forward_chunk
+
+    def exchange_messages(self, done, take):
+        out = None if done is None else zbv.output(self.pp, self.pp_rank, done)
+        if out is not None or take:
+            self.batches.append(([] if out is None else [out], list(take)))
+
+
+def nccl_replay(batches, window):
+    """Run every rank's batches as NCCL does (one stream per rank: a batch starts when the one before
+    it has finished, and ends when each of its messages met the peer's batch that takes or sends
+    it, running). The host posts batches in order, waits for each with a receive and, past
+    ``window`` send-only batches, for the oldest (``StageLinks``). Returns how far each rank got."""
+    pp = len(batches)
+    where = {}  # (src, dst, message, "send" | "recv") -> batch index on that side
+    for r, mine in enumerate(batches):
+        for k, (sends, takes) in enumerate(mine):
+            where.update({(r, dst, msg, "send"): k for dst, msg in sends})
+            where.update({(src, r, msg, "recv"): k for src, msg in takes})
+    issued, head, waits, unwaited = [0] * pp, [0] * pp, [None] * pp, [[] for _ in range(pp)]
+
+    def running(r, k):  # batch k of rank r is running or done
+        return head[r] > k or head[r] == k < issued[r]
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            while waits[r] is None and issued[r] < len(batches[r]):
+                k = issued[r]
+                issued[r], progress = k + 1, True
+                if batches[r][k][1]:
+                    waits[r] = k
+                else:
+                    unwaited[r].append(k)
+                    if len(unwaited[r]) > window:
+                        waits[r] = unwaited[r].pop(0)
+            while head[r] < issued[r]:
+                sends, takes = batches[r][head[r]]
+                peers = [(dst, where[r, dst, msg, "recv"]) for dst, msg in sends]
+                peers += [(src, where[src, r, msg, "send"]) for src, msg in takes]
+                if not all(running(peer, k) for peer, k in peers):
+                    break
+                head[r], progress = head[r] + 1, True
+            if waits[r] is not None and head[r] > waits[r]:
+                waits[r], progress = None, True
+    return head
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 5])
+def test_zbv_batches_run_under_nccl_ordering(pp):
+    """Every message of the V is posted by both ranks in the same step (``zbv.timetable``), so
+    NCCL's in-order streams never hold a send whose receive is behind the peer's own send."""
+    from lightning_titan.parallel.pipeline.p2p import SENDS_IN_FLIGHT
+
+    for m in range(1, 17):
+        for train in (True, False):
+            ranks = [ZbvBatches(pp, p) for p in range(pp)]
+            for stage in ranks:
+                (zbv.zbv if train else zbv.zbv_forward_only)(stage, m)
+            batches = [s.batches for s in ranks]
+            for window in (0, SENDS_IN_FLIGHT):
+                got = nccl_replay(batches, window)
+                assert got == [len(b) for b in batches], (pp, m, train, window, got)

@@ -12,12 +12,16 @@ On gloo a send completes only after the receiver has posted the matching receive
 when the sender's side notices that; a stage busy computing notices late (3-5 ms per message on 2 shared
 cores). So, on CPU, the receives of a stream's next ``AHEAD`` messages are posted as soon as the current
 one is taken, before they are needed, and sends are not waited: the sender finds the receive already
-posted and writes from its own thread. A send holds its tensor until it is done (the done ones are
-dropped at each send, the rest waited by ``finish``); an activation is held until its backward anyway.
-NCCL runs a pair's sends and receives on one stream, where an early receive would hold up the send it
-is waiting for: there each exchange posts its sends and receives together (``batch_isend_irecv``) and
-waits for the ones with a receive; a send-only batch is waited by ``finish`` (waiting it at once would
-hold this rank's compute stream until the peer takes the message).
+posted and writes from its own thread. A send holds its tensor until it is waited (gloo never reports
+a send done, so on CPU that is ``finish``); an activation is held until its backward anyway.
+NCCL runs a communicator's batches in order on one stream (``batch_isend_irecv`` posts every batch on
+the group's communicator), where an early receive would hold up the send it is waiting for: there each exchange posts its sends and receives together (``batch_isend_irecv``,
+or the ``batch`` a test puts in its place: ``tests/support/nccl_strict.py`` runs this path on gloo with
+NCCL's ordering) and waits for the ones with a receive. A send-only batch is not waited at once (that
+would hold this rank's compute stream until the peer takes the message): the next batch with a
+receive is, and, batches finishing in order, every send before it is done then and is dropped; at most
+``SENDS_IN_FLIGHT`` send-only batches stay in flight, an older one is waited, so a step holds O(1) sent
+buffers, not O(M).
 
 Under autocast the wire carries the autocast dtype (``lightning_titan.parallel.wire``): the receiver's matmuls
 compute in it anyway. The receiver widens what it takes back to the stage's dtype, so the residual
@@ -27,6 +31,7 @@ stream and its grads keep the dtype they have in one process, rounded once at th
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +44,7 @@ from lightning_titan.runtime import probes
 # Each stream has its own tag: with virtual stages on pp=2 both neighbours are the same rank.
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 AHEAD = 2  # receives posted ahead per stream on CPU
+SENDS_IN_FLIGHT = 2  # send-only batches not waited yet, on the paired (GPU) path
 
 
 def _started(work: dist.Work | None) -> dist.Work:
@@ -101,10 +107,12 @@ class StageLinks:
         self.group, self.dtype, self.device = group, dtype, device
         self.wire_dtype = wire_dtype(dtype, device)
         self.early = device.type == "cpu"
+        # the paired path's batches: NCCL's on GPUs; a test's transport may stand in (module doc)
+        self.batch: Callable[[list[dist.P2POp]], list[dist.Work]] = dist.batch_isend_irecv
         self.shape: tuple[int, ...] = ()
         self._from_prev = _Inbox(self, self.prev, 0, FORWARD_TAG)
         self._from_next = _Inbox(self, self.next, 0, BACKWARD_TAG)
-        self._sends: list[dist.Work] = []  # in flight; each work holds its tensor until waited
+        self._sends: deque[list[dist.Work]] = deque()  # batches in flight; each holds its tensors
 
     def start(self, shape: tuple[int, ...], forward: int, backward: int) -> None:
         """Announce the step: ``forward`` activations from the previous stage, ``backward`` grads from
@@ -118,9 +126,13 @@ class StageLinks:
 
     def finish(self) -> None:
         """Wait for the sends still in flight (the step's last call)."""
-        for work in self._sends:
-            work.wait()
-        self._sends.clear()
+        self._wait_sends(0)
+
+    def _wait_sends(self, keep: int) -> None:
+        """Wait for the oldest batches of sends until ``keep`` are in flight."""
+        while len(self._sends) > keep:
+            for work in self._sends.popleft():
+                work.wait()
 
     def new_buffer(self) -> Tensor:
         return torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
@@ -135,6 +147,19 @@ class StageLinks:
         """Send ``activation`` to the next stage and ``grad`` to the previous one (those given), and
         take the next activation from the previous stage and grad from the next (those asked for),
         all in one batch: (activation, grad) received, None where not asked or no neighbour."""
+        xs, gs = self.exchange_many(activation, grad, int(recv_forward), int(recv_backward))
+        return (xs[0] if xs else None), (gs[0] if gs else None)
+
+    def exchange_many(
+        self,
+        activation: Tensor | None = None,
+        grad: Tensor | None = None,
+        from_prev: int = 0,
+        from_next: int = 0,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """``exchange`` taking the next ``from_prev`` messages of the previous stage's stream and
+        ``from_next`` of the next one's, in the same batch as the sends: the lists received (empty
+        where there is no neighbour)."""
         sends = [
             (t.detach().to(self.wire_dtype).contiguous(), peer, tag)
             for t, peer, tag in (
@@ -143,38 +168,35 @@ class StageLinks:
             )
             if t is not None and peer is not None
         ]
-        inboxes = [
-            box if asked and box.peer is not None else None
-            for box, asked in ((self._from_prev, recv_forward), (self._from_next, recv_backward))
+        boxes = [
+            (box, count if box.peer is not None else 0)
+            for box, count in ((self._from_prev, from_prev), (self._from_next, from_next))
         ]
-        if not sends and not any(inboxes):
-            return None, None
+        if not sends and not any(count for _, count in boxes):
+            return [], []
         probes.fault("p2p")
         if self.early:
-            if sends:  # the sends in flight hold their tensors: drop the ones done
-                self._sends = [w for w in self._sends if not w.is_completed()]
-                self._sends += [
-                    _started(dist.isend(t, p, group=self.group, tag=tag)) for t, p, tag in sends
-                ]
-            x, g = (None if box is None else box.take() for box in inboxes)
-            return x, g
+            if sends:  # not waited: gloo never reports a send done, finish() waits them
+                self._sends.append(
+                    [_started(dist.isend(t, p, group=self.group, tag=tag)) for t, p, tag in sends]
+                )
+            xs, gs = ([box.take() for _ in range(count)] for box, count in boxes)
+            return xs, gs
         ops = [dist.P2POp(dist.isend, t, p, self.group, tag) for t, p, tag in sends]
-        received: list[Tensor | None] = []
-        for box in inboxes:
-            if box is None:
-                received.append(None)
-            else:
-                buffer = self.new_buffer()
-                received.append(buffer)
-                ops.append(dist.P2POp(dist.irecv, buffer, box.peer, self.group, box.tag))
-        works = dist.batch_isend_irecv(ops)
-        if not any(inboxes):
-            self._sends.extend(works)  # the sent tensors live until finish(): the step's last call
-            return None, None
+        received: list[list[Tensor]] = []
+        for box, count in boxes:
+            received.append([self.new_buffer() for _ in range(count)])
+            ops += [dist.P2POp(dist.irecv, b, box.peer, self.group, box.tag) for b in received[-1]]
+        works = self.batch(ops)
+        if not any(received):  # not waited at once: it would hold the compute stream (module doc)
+            self._sends.append(works)
+            self._wait_sends(SENDS_IN_FLIGHT)
+            return [], []
         for work in works:
             work.wait()
-        x, g = (None if t is None else t.to(self.dtype) for t in received)
-        return x, g
+        self._wait_sends(0)  # done already: the batches before this one finished before it
+        xs, gs = ([t.to(self.dtype) for t in ts] for ts in received)
+        return xs, gs
 
     def recv_forward(self) -> Tensor | None:
         return self.exchange(recv_forward=True)[0]

@@ -83,6 +83,7 @@ class PipelineStage:
         self._outbox: dict[tuple[str, int, int], Tensor | None] = {}
         self._streams: tuple[list, list] = ([], [])
         self._due = {"x": 0, "g": 0}  # receives an exchange asked for that no chunk has taken yet
+        self._pending: dict[int, list[zbv.Message]] = {}  # zbv on CPU: the same, by peer
         self._backwards_done = 0
         # zero-bubble: (chunk, microbatch) -> its W still to run (the embedding's chunk: its whole
         # objective)
@@ -231,8 +232,7 @@ class PipelineStage:
 
     def _sent(self, kind: str, chunk: int, i: int, out: Tensor | None) -> None:
         """A chunk's output ("y") or input grad ("dx"): under interleaved 1F1B on CPU sent at once
-        (``exchange``'s doc), else kept for the exchange that sends it (ZBV's sends each output
-        right after its action anyway, ``exchange_messages``)."""
+        (``exchange``'s doc), else kept for the exchange that sends it."""
         if not self.links.early or self.model.v_shape:
             self._outbox[kind, chunk, i] = out
             return
@@ -243,6 +243,11 @@ class PipelineStage:
 
     def _received(self, kind: str, chunk: int, i: int) -> Tensor | None:
         """The input ``(kind, chunk, i)``, taking due messages of its stream until it is in."""
+        msg = ("act" if kind == "x" else "grad", chunk, i)
+        for peer, due in self._pending.items():  # zbv on CPU: its peer's due messages up to it
+            if msg in due:
+                self._receive([(peer, m) for m in due[: due.index(msg) + 1]], None, None, msg)
+                del due[: due.index(msg) + 1]
         while (kind, chunk, i) not in self._inbox and self._due[kind]:
             self._take(kind)
         return self._inbox.pop((kind, chunk, i))
@@ -294,35 +299,45 @@ class PipelineStage:
 
     # zbv (zbv.py): the V's two chunks, B and W apart; inputs and outputs by (chunk, microbatch) ------
     def backward_input_chunk(self, chunk: int, i: int) -> None:
-        grad = None if self.heads(chunk) else self._inbox.pop(("g", chunk, i))
+        grad = None if self.heads(chunk) else self._received("g", chunk, i)
         self._outbox["dx", chunk, i] = self.backward_input(i, grad, chunk)
 
     def backward_weight_chunk(self, chunk: int, i: int) -> None:
         self.backward_weight(i, chunk)
 
     def exchange_messages(
-        self, done: tuple[str, int, int] | None, take: list[tuple[int, tuple[str, int, int]]]
+        self, done: tuple[str, int, int] | None, take: list[tuple[int, zbv.Message]]
     ) -> None:
-        """Send the output of action ``done`` where ``zbv.output`` says, then receive ``take``
-        (each (peer pp rank, message) the next of its peer's stream). On the last rank the turn of the
-        V stays local: chunk 0's output is chunk 1's input, chunk 1's input grad chunk 0's grad."""
+        """Send the output of action ``done`` where ``zbv.output`` says and receive ``take`` (each
+        (peer pp rank, message) the next of its peer's stream) in one batch (``zbv._run``); on CPU a
+        message is taken when an action needs it (``_received``), as in ``exchange``. The turn of
+        the V stays on the last rank: chunk 0's output is chunk 1's input, and back for the grads."""
+        y = dx = None
         if done is not None and done[0] in ("F", "B"):
             kind, chunk, i = done
             out = self._outbox.pop(("y" if kind == "F" else "dx", chunk, i))
             target = zbv.output(self.pp, self.pp_rank, done)
             if target is not None:
                 # a link's streams go by direction: its forward one to the next rank
-                to_next = target[0] == self.pp_rank + 1
-                with self._span("exchange", i, chunk):
-                    self.links.exchange(out if to_next else None, None if to_next else out)
+                y, dx = (out, None) if target[0] == self.pp_rank + 1 else (None, out)
             elif out is not None:
                 # the turn, detached as a p2p leaves it: chunk 1's split walks its own graph only
                 self._inbox[("x", 1, i) if kind == "F" else ("g", 0, i)] = out.detach()
-        for peer, (what, chunk, i) in take:
-            from_prev = peer == self.pp_rank - 1
-            with self._span("exchange", i, chunk):
-                x, g = self.links.exchange(recv_forward=from_prev, recv_backward=not from_prev)
-            self._inbox["x" if what == "act" else "g", chunk, i] = x if from_prev else g
+        if self.links.early:
+            for peer, msg in take:
+                self._pending.setdefault(peer, []).append(msg)
+            take = []
+        if y is not None or dx is not None or take:
+            self._receive(take, y, dx, done or take[0][1])
+
+    def _receive(self, take: list, y: Tensor | None, dx: Tensor | None, at: tuple) -> None:
+        """One exchange: send ``y`` / ``dx``, receive ``take`` and file each under its input."""
+        from_prev = [msg for peer, msg in take if peer == self.pp_rank - 1]
+        from_next = [msg for peer, msg in take if peer != self.pp_rank - 1]
+        with self._span("exchange", at[2], at[1]):
+            xs, gs = self.links.exchange_many(y, dx, len(from_prev), len(from_next))
+        for (what, chunk, i), received in zip(from_prev + from_next, xs + gs, strict=True):
+            self._inbox["x" if what == "act" else "g", chunk, i] = received
 
     def _start_zbv(self, schedule: str | None) -> Callable[[Any, int], None]:
         if schedule not in (None, "zbv"):
@@ -366,9 +381,10 @@ class PipelineStage:
             self.links.start(self.shape, forward=m, backward=0 if schedule is None else m)
             run = forward_only if schedule is None else get_schedule(schedule)
         run(self, m)
-        if any(self._due.values()):  # its posted receive would take a message of the next step
+        if any(self._due.values()) or any(self._pending.values()):  # a next step's message
             raise RuntimeError(
-                f"schedule {schedule!r} marked receives due that no chunk took: {self._due}"
+                f"schedule {schedule!r} marked receives due that no chunk took: "
+                f"{self._due}, {self._pending}"
             )
         with self._span("wait_sends", m - 1):
             self.links.finish()

@@ -16,8 +16,9 @@ run, W not yet) on any rank: 1F1B's peak of P whole stages.
 A zbv stage provides ``forward_chunk(chunk, i)``, ``backward_input_chunk(chunk, i)``,
 ``backward_weight_chunk(chunk, i)`` (inputs: what ``exchange_messages`` received),
 ``exchange_messages(done, take)`` (``done``: the action just run, whose output goes where ``output``
-says; ``take``: the messages to receive, each the next of its peer's ``stream``) and ``pp``,
-``pp_rank``. Messages keep their chunk: rank r's chunk 0 feeds
+says; ``take``: the messages to receive, each the next of its peer's ``stream``: those its neighbours
+sent at the same step of ``timetable``, so that both ranks of a pair post a message in the same
+exchange, as NCCL needs) and ``pp``, ``pp_rank``. Messages keep their chunk: rank r's chunk 0 feeds
 rank r+1's chunk 0, rank r's chunk 1 feeds rank r-1's chunk 1, and grads go the other way.
 """
 
@@ -139,30 +140,52 @@ def zbv_forward_only(stage: VStage, num_microbatches: int) -> None:
     _run(stage, num_microbatches, train=False)
 
 
+def timetable(pp: int, m: int, train: bool = True) -> list[list[Action | None]]:
+    """Every rank's actions on a common clock of unit steps: each rank runs ``order``, an action at
+    the first step after the one its input was sent at; None: the rank idles that step."""
+    orders = [order(pp, r, m, train) for r in range(pp)]
+    table: list[list[Action | None]] = [[] for _ in range(pp)]
+    sent_at: dict[tuple[int, Message], int] = {}  # (receiving rank, message): the step it was sent
+    step = 0
+    while any(len(o) for o in orders):
+        ran = []
+        for r, todo in enumerate(orders):
+            need = needs(pp, r, todo[0]) if todo else None
+            ready = todo and (need is None or sent_at.get((r, need[1]), step) < step)
+            table[r].append(todo.pop(0) if ready else None)
+            ran.append(table[r][-1])
+        if not any(ran):
+            raise RuntimeError(f"zbv's order stalls at step {step} (pp={pp}, M={m})")
+        for r, action in enumerate(ran):
+            out = None if action is None else output(pp, r, action)
+            if out is not None:
+                sent_at[out] = step
+        step += 1
+    return table
+
+
 def _run(stage: VStage, m: int, train: bool) -> None:
-    """After each action, one exchange sends its output (``stage`` keeps the turn of the V on the
-    last rank) and receives, in stream order, the messages up to what the next action needs: a rank
-    never waits on a message before taking the ones its peer sent earlier."""
+    """The ranks keep ``timetable``'s clock: after its action of a step (or none), each rank sends
+    the action's output and receives what its neighbours sent at that step, in one exchange. So two
+    ranks exchange their messages in the same steps, as one batch on each side: NCCL, which runs a
+    rank's batches in order and a send only with its receive, finds every pair matched. (A send in
+    a batch of its own, with the receive due later, deadlocks there once the peer does the same.)
+    Every action's input was sent at an earlier step, so it is in when the action runs."""
     pp, p = stage.pp, stage.pp_rank
     check_microbatches(pp, 2, m)
-    actions = order(pp, p, m, train)
-    pending = {peer: stream(pp, peer, p, m, train) for peer in (p - 1, p + 1)}
-
-    def due(action: Action | None) -> list[tuple[int, Message]]:
-        need = None if action is None else needs(pp, p, action)
-        if need is None or need[1] not in pending[need[0]]:
-            return []  # nothing needed, or taken already
-        peer, msg = need
-        upto = pending[peer].index(msg) + 1
-        taken, pending[peer] = pending[peer][:upto], pending[peer][upto:]
-        return [(peer, t) for t in taken]
-
+    table = timetable(pp, m, train)
     run = {
         "F": stage.forward_chunk,
         "B": stage.backward_input_chunk,
         "W": stage.backward_weight_chunk,
     }
-    stage.exchange_messages(None, due(actions[0]))
-    for k, action in enumerate(actions):
-        run[action[0]](*action[1:])
-        stage.exchange_messages(action, due(actions[k + 1] if k + 1 < len(actions) else None))
+    for step, action in enumerate(table[p]):
+        if action is not None:
+            run[action[0]](*action[1:])
+        take = []
+        for peer in (p - 1, p + 1):
+            theirs = table[peer][step] if 0 <= peer < pp and step < len(table[peer]) else None
+            out = None if theirs is None else output(pp, peer, theirs)
+            if out is not None and out[0] == p:
+                take.append((peer, out[1]))
+        stage.exchange_messages(action, take)
