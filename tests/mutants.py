@@ -274,7 +274,7 @@ MUTATIONS = {
                             ["tests/distributed/test_reliability.py", "-k", "kill_9"]),
     # issue 12.1: manual optimization may step on grads that were never reduced
     "step_unreduced": ("lightning_titan/lightning/step_end.py",
-                       "        if self.pending:\n",
+                       "        if self._unfinished:\n",
                        "        if False:\n",
                        ["tests/distributed/test_agreement.py", "-k", "unreduced"]),
     # issue 21.6: the sampler gets the DP rank instead of the data rank
