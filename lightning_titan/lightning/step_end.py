@@ -16,12 +16,24 @@ from lightning_titan.train.options import TrainOptions
 
 
 class StepEnd:
-    """Finishes each step's gradients; ``skipped`` counts the updates dropped by ``on_nonfinite="skip"``."""
+    """Finishes each step's gradients; ``skipped`` counts the updates dropped by ``on_nonfinite="skip"``.
+
+    Under manual optimization it also refuses an ``optimizer.step()`` on gradients a backward left
+    unfinished. That guard is this object's own state, not a value of the step handed on: it records
+    the order of three calls Lightning makes (``on_backward`` from ``TitanStrategy.backward``, then
+    ``finish``, then ``check_finished`` from ``TitanStrategy.optimizer_step``), and no return value
+    can carry it, since ``manual_backward`` drops what ``backward`` returns and ``optimizer.step()``
+    passes nothing from the module to the strategy. Only the methods below read or write it.
+    """
 
     def __init__(self, stop: preemption.Preemption) -> None:
         self.stop = stop
-        self.pending = False  # a backward ran and its gradients are not finished yet
+        self._unfinished = False  # a backward ran since the last finish
         self.skipped = 0
+
+    def on_backward(self) -> None:
+        """A backward accumulates into the grads: a step waits for ``finish`` now."""
+        self._unfinished = True
 
     def finish(
         self,
@@ -36,7 +48,7 @@ class StepEnd:
         ``engine.forward_backward``) is read with the norm and the SIGTERM flag in one host sync."""
         stop = preemption.start_agreement(device)  # on SIGTERM, over the world
         norm = engine.finish_gradients(options.gradient_clip_norm)
-        self.pending = False
+        self._unfinished = False
         trainer = module.trainer
         given = [] if step is None else [step.loss, step.aux, step.dropped]
         *values, stopping = torch.stack([t.double() for t in [norm, *given, stop()]]).tolist()
@@ -48,5 +60,5 @@ class StepEnd:
 
     def check_finished(self) -> None:
         """Manual optimization: the module finishes the gradients before ``optimizer.step()``."""
-        if self.pending:
+        if self._unfinished:
             raise unreduced_step_error()

@@ -219,12 +219,12 @@ class TitanStrategy(ShardedStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         # automatic optimization with accumulate_grad_batches > 1 calls this on the non-final batches
-        with self.engine.grad_sync_off():
+        with self.engine.no_sync():
             yield
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        self.step_end.pending = True
+        self.step_end.on_backward()
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def finish_gradients(self, step: StepLoss | None = None) -> GradStats:

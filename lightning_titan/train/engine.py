@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -145,18 +145,14 @@ class Engine:
                 for t in tensors:
                     dist.broadcast(t.data, src=ranks[0], group=group)
 
-    def set_grad_sync(self, sync: bool) -> None:
-        for r in self.reducers:
-            r.sync = sync
-
     @contextmanager
-    def grad_sync_off(self) -> Iterator[None]:
-        """Backwards that accumulate without reducing (Lightning's ``accumulate_grad_batches``)."""
-        self.set_grad_sync(False)
-        try:
+    def no_sync(self) -> Iterator[None]:
+        """Backwards that accumulate without reducing (every reducer's ``no_sync``): all but the last
+        of a schedule's, and Lightning's ``accumulate_grad_batches`` but the last batch."""
+        with ExitStack() as stack:
+            for r in self.reducers:
+                stack.enter_context(r.no_sync())
             yield
-        finally:
-            self.set_grad_sync(True)
 
     def forward_backward(
         self,
@@ -170,9 +166,9 @@ class Engine:
         tracer: Callable[[str, int], object] | None = None,
     ) -> StepLoss:
         """One step's forward and backward over ``num_microbatches`` with the schedule; grads are reduced
-        during the last backward (overlapped), finished by ``finish_gradients``."""
+        during the last backward (overlapped; the stage runs the others under ``no_sync``), finished
+        by ``finish_gradients``."""
         self._check_whole()
-        self.set_grad_sync(False)
         stage = PipelineStage(
             stage_model,
             self.dims,
@@ -182,14 +178,11 @@ class Engine:
             num_microbatches,
             self._objective(loss_fn, inputs),
             backward=backward,
-            on_last_backward=lambda: self.set_grad_sync(True),
+            accumulate=self.no_sync,
             tracer=tracer,
         )
-        try:
-            with counting(stage_model) as counts:  # the MoE layers' routing counts of this step
-                sums = stage.run(self.schedule)
-        finally:
-            self.set_grad_sync(True)
+        with counting(stage_model) as counts:  # the MoE layers' routing counts of this step
+            sums = stage.run(self.schedule)
         # this rank's tokens in its stage's layers (the all-reduce sums the ranks)
         dropped = counts.total_dropped()
         step = global_means(sums, inputs.shape[0], self.dims.data_world, dropped)
@@ -255,10 +248,14 @@ class Engine:
 
     def bind_shard_grads(self, drop: bool = False) -> None:
         """Under zero>0, just before the optimizer step: the shards' reduced grads (None: ``drop``, a
-        skipped step)."""
+        skipped step). zero=2's reducers set them in ``finish_gradients`` already (clipping scaled
+        them there): only a drop is left to do."""
         self._gather_due = bool(self.zero_groups)
         for g in self.zero_groups:
-            g.bind_grads(drop)
+            if drop:
+                g.drop_grads()
+            elif self.zero == 1:
+                g.bind_grads()
 
     def gather_params(self) -> None:
         """Under zero>0, just after the optimizer step: every rank's parameters whole again."""

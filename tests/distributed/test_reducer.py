@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -108,8 +109,8 @@ def _case_accumulation_and_unused(rank: int, group) -> None:
             for p in params:
                 p.grad = None
             for mb in range(3):
-                reducer.sync = mb == 2
-                _backward(params, rank, range(n), microbatch=mb, one_graph=True)
+                with reducer.no_sync() if mb < 2 else nullcontext():
+                    _backward(params, rank, range(n), microbatch=mb, one_graph=True)
                 if mb < 2:
                     assert reducer._launch_log == [], "a non-sync backward launched a collective"
             reducer.finish()
@@ -124,9 +125,8 @@ def _case_accumulation_and_unused(rank: int, group) -> None:
         for p in params:
             p.grad = None
         always = list(range(3, n))
-        reducer.sync = False
-        _backward(params, rank, [2, *always], microbatch=0)
-        reducer.sync = True
+        with reducer.no_sync():
+            _backward(params, rank, [2, *always], microbatch=0)
         _backward(params, rank, ([1] if rank % 2 == 0 else []) + always, microbatch=1)
         reducer.finish()
         if mode == "bucketed":  # no rank used it: grad None, as in one process (and DDP)
@@ -139,11 +139,11 @@ def _case_accumulation_and_unused(rank: int, group) -> None:
             torch.testing.assert_close(params[i].grad, _expected(params, i, range(WORLD), (0, 1)))
         _check_launch_log(reducer)
 
-        # sync never set: finish() alone still reduces the accumulated grads
+        # no backward outside no_sync(): finish() alone still reduces the accumulated grads
         for p in params:
             p.grad = None
-        reducer.sync = False
-        _backward(params, rank, range(n), one_graph=True)
+        with reducer.no_sync():
+            _backward(params, rank, range(n), one_graph=True)
         reducer.finish()
         for i, p in enumerate(params):
             torch.testing.assert_close(p.grad, _expected(params, i, range(WORLD)))
@@ -280,7 +280,7 @@ def _case_zero2(rank: int, group) -> None:
             for i, p in enumerate(params):
                 shard = shards.shards.get(id(p))
                 want = _expected(params, i, range(WORLD)) if i in used else None
-                got = p.grad if shard is None else shard.grad
+                got = p.grad if shard is None else shard.leaf.grad
                 if shard is not None:
                     assert p.grad is None, (cap, step, i)
                     want = None if want is None else shard.rows(want)
@@ -330,7 +330,7 @@ def _check_zero2_clipping(params, shards: ZeroGroup, reducer, group) -> None:
     torch.testing.assert_close(params[scalar].grad.double(), full[scalar] * coef)
     for i in ZERO2_EXPERTS:
         shard = shards.shards[id(params[i])]
-        torch.testing.assert_close(shard.grad.double(), shard.rows(full[i]) * coef)
+        torch.testing.assert_close(shard.leaf.grad.double(), shard.rows(full[i]) * coef)
 
 
 # ---- clipping on (dp=1, pp=2, ep=2): rank = stage * 2 + ep_rank -------------------------------

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -97,9 +98,9 @@ class GradReducer:
     baseline (one all-reduce per parameter, on ``p.grad`` in place), kept for the benchmark; it obeys
     the same launch-order rule.
 
-    Set ``sync`` False for the backwards that only accumulate (hooks then do nothing) and True before
-    the one that completes the step's accumulation; call ``finish()`` every step on every rank of the
-    group before the optimizer step.
+    Run the backwards that only accumulate inside ``with reducer.no_sync():`` (hooks then do nothing),
+    the one that completes the step's accumulation outside it; call ``finish()`` every step on every
+    rank of the group before the optimizer step.
     """
 
     def __init__(
@@ -129,7 +130,9 @@ class GradReducer:
         self.group = group
         self.scale = float(scale)
         self.mode = mode
-        self.sync = True
+        # inside no_sync(): the hooks do nothing. State of the reducer's own, set and restored by its
+        # context manager around the caller's backward: autograd, not the caller, calls the hooks
+        self._accumulating = False
         # Test/benchmark record of the last finished step: (bucket index, "hook" | "finish"), and the
         # launch order that step agreed on (see launch_order).
         self.last_launch_log: list[tuple[int, str]] = []
@@ -168,6 +171,16 @@ class GradReducer:
         bucket.reset()
         return bucket
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """The backwards run inside only accumulate ``p.grad``: no bucket fills, nothing launches (the
+        last backward of the step runs outside, or ``finish()`` reduces what was accumulated)."""
+        outer, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = outer
+
     @property
     def bucket_params(self) -> list[list[nn.Parameter]]:
         """The parameters of each bucket, in bucket order (empty when there is no collective)."""
@@ -175,14 +188,14 @@ class GradReducer:
 
     def _hook(self, b: int, slot: int) -> Callable[[Tensor], None]:
         def on_grad_accumulated(param: Tensor) -> None:
-            if not self.sync:
+            if self._accumulating:
                 return
             bucket = self._buckets[b]
             if bucket.filled[slot]:
                 raise RuntimeError(
                     f"the grad of a parameter of shape {tuple(param.shape)} (bucket {b}) became ready "
-                    "twice before finish(): set reducer.sync = False for the backwards that only "
-                    "accumulate and True just before the last one, and call finish() every step"
+                    "twice before finish(): run the backwards that only accumulate inside "
+                    "reducer.no_sync(), the last one outside it, and call finish() every step"
                 )
             self._fill(bucket, slot)
             bucket.num_hooked += 1
@@ -265,7 +278,7 @@ class GradReducer:
         grads back, and agree on which buckets may launch from hooks next step.
 
         A parameter whose hook never fired counts with its current ``p.grad`` (accumulated by
-        non-sync backwards) or zeros if it has none, so unused parameters never hang the group; one
+        backwards under ``no_sync()``) or zeros if it has none, so unused parameters never hang the group; one
         that no rank of the group used keeps ``grad = None``, exactly as in a single process.
         """
         if self._trivial:

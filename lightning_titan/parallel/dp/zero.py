@@ -18,7 +18,8 @@ gather 65 -> 39 ms per rank once the buffer was kept, after 94 -> 65 from gloo's
 Grads are all-reduced in full as before (ZeRO-1), so the clipping norm is computed as without ZeRO;
 the shard grads are views of the reduced grads, bound just before the optimizer step, after any
 clipping or non-finite skip has acted on the full grads. Under ZeRO-2 (``parallel/dp/zero_grads.py``) the
-reducer reduce-scatters straight into these rows instead and the full grads never come back.
+reducer reduce-scatters straight into these rows instead, and its ``finish()`` sets each leaf's grad
+to them (the full grads never come back), so clipping and a skip act on the leaves.
 
 Checkpoints stay layout-free: a shard's state is saved as a ``DTensor`` over the group's mesh (its
 rows of the full tensor), so DCP writes one logical tensor per parameter that loads under any zero
@@ -71,7 +72,6 @@ class ZeroShard:
     leaf: nn.Parameter
     group: dist.ProcessGroup
     n: int
-    grad: Tensor | None = None  # ZeRO-2: the reduced rows, until bind_grads hands them to the leaf
     tp: TpShard | None = None  # the weight is this TP rank's part of the full model's (tp > 1)
 
     def rows(self, tensor: Tensor, q: int | None = None) -> Tensor:
@@ -151,16 +151,17 @@ class ZeroGroup:
                 if b.dtype == like.dtype:
                     b.bind(kept[: b.slot * self.n], self.q)
 
-    def bind_grads(self, drop: bool = False) -> None:
-        """Each shard's grad: its reduced, clipped rows, or None (``drop``: a skipped step). ZeRO-1:
-        a view of the full grad's rows; ZeRO-2: the rows the reduce-scatter left (``ZeroShard.grad``)."""
+    def bind_grads(self) -> None:
+        """ZeRO-1, just before the optimizer step: each shard's grad is a view of its rows of the
+        reduced, clipped full grad (None where that is). ZeRO-2's reducer writes the shards' grads
+        itself, in ``finish()`` (``parallel/dp/zero_grads.py``)."""
         for s in self.shards.values():
-            if s.grad is not None:
-                s.leaf.grad, s.grad = s.grad, None
-            else:
-                s.leaf.grad = None if s.param.grad is None else s.rows(s.param.grad)
-            if drop:
-                s.leaf.grad = None
+            s.leaf.grad = None if s.param.grad is None else s.rows(s.param.grad)
+
+    def drop_grads(self) -> None:
+        """A skipped step (non-finite): no shard has a grad, so the optimizer updates nothing."""
+        for s in self.shards.values():
+            s.leaf.grad = None
 
     @torch.no_grad()
     def gather(self) -> None:

@@ -49,9 +49,7 @@ def grad_of(param: Tensor) -> Tensor | None:
     """The grad this rank holds of ``param``: ``param.grad``, or under ZeRO-2 its reduced rows (what a
     non-finite diagnosis reads)."""
     shard: ZeroShard | None = getattr(param, ATTR, None)
-    if param.grad is not None or shard is None:
-        return param.grad
-    return shard.grad if shard.grad is not None else shard.leaf.grad
+    return param.grad if param.grad is not None or shard is None else shard.leaf.grad
 
 
 @dataclass
@@ -74,8 +72,8 @@ class ShardedGradReducer(GradReducer):
     """GradReducer whose buckets end in this rank's rows only (see the module doc).
 
     ``zero_group`` holds the shards of ``params`` over ``zero_group.group``; after ``finish()`` a
-    sharded parameter's reduced rows are in ``ZeroShard.grad`` (its ``p.grad`` is None), a parameter
-    kept whole has its reduced ``p.grad`` as under GradReducer.
+    sharded parameter's reduced rows are the grad of its shard's leaf, the tensor the optimizer steps
+    (its ``p.grad`` is None), a parameter kept whole has its reduced ``p.grad`` as under GradReducer.
     """
 
     def __init__(
@@ -180,7 +178,7 @@ class ShardedGradReducer(GradReducer):
                 )
             else:
                 numel = shard.leaf.numel()
-                shard.grad = (
+                shard.leaf.grad = (
                     out[offset : offset + numel].view(shard.leaf.shape) if has_grad else None
                 )
         return flags[-2:]
@@ -195,7 +193,7 @@ def clip_shard_grads_(
     """The pre-clip global norm from this rank's shard grads (module doc), the same on every rank;
     scales the shards and whole grads by ``max_norm`` as ``clip_grad_norm_`` does."""
     shards = {pid: s for g in zero_groups for pid, s in g.shards.items()}
-    grads = [s.grad for s in shards.values() if s.grad is not None]
+    grads = [s.leaf.grad for s in shards.values() if s.leaf.grad is not None]
     counted = [True] * len(grads)
     for r in reducers:
         # a grad left whole is the same on every rank of its group: count it on the first one

@@ -8,7 +8,7 @@ is the gradient of the global mean, whatever the layout.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -50,7 +50,7 @@ class PipelineStage:
         objective: StageObjective,
         *,
         backward: Callable[[Tensor], None] | None = None,
-        on_last_backward: Callable[[], None] | None = None,
+        accumulate: Callable[[], AbstractContextManager[Any]] = nullcontext,
         tracer: Callable[[str, int], object] | None = None,
     ) -> None:
         local_batch = inputs.shape[0]
@@ -73,7 +73,8 @@ class PipelineStage:
             d_model,
         )
         self._backward = backward or (lambda loss: loss.backward())
-        self._on_last_backward = on_last_backward
+        # entered around every backward but the step's last (the engine's: the reducers' no_sync)
+        self._accumulate = accumulate
         self._tracer = tracer
         # (chunk, microbatch) -> (its input to get the grad of, its output to back-propagate into,
         # its objective)
@@ -112,12 +113,12 @@ class PipelineStage:
     def heads(self, chunk: int) -> bool:
         return self.model.heads(chunk)
 
-    def _count_backward(self) -> None:
-        """The last backward of the step (W, under a zero-bubble schedule) lets the reducers sync."""
+    def _accumulating(self) -> AbstractContextManager[Any]:
+        """Where a backward that accumulates weight grads runs: inside ``accumulate()`` unless it is the
+        step's last (W, under a zero-bubble schedule), during which the reducers reduce."""
         self._backwards_done += 1
         last = self._backwards_done == self.num_microbatches * self.num_chunks
-        if last and self._on_last_backward is not None:
-            self._on_last_backward()
+        return nullcontext() if last else self._accumulate()
 
     def forward(self, i: int, x: Tensor | None, chunk: int = 0) -> Tensor | None:
         with self._span("forward", i, chunk):
@@ -164,8 +165,8 @@ class PipelineStage:
     def backward(self, i: int, grad: Tensor | None, chunk: int = 0) -> Tensor | None:
         with self._span("backward", i, chunk):
             x, objective = self._take_saved(i, grad, chunk)
-            self._count_backward()
-            self._backward(probes.fault("backward", objective))
+            with self._accumulating():
+                self._backward(probes.fault("backward", objective))
             if x is None:
                 return None
             # an output that ignores x still owes the stage before a grad: it waits for one
@@ -190,11 +191,11 @@ class PipelineStage:
         """W: accumulate microbatch ``i``'s weight grads (the reducers' hooks fire here)."""
         with self._span("backward_weight", i, chunk):
             deferred = self._deferred.pop((chunk, i))
-            self._count_backward()
-            if isinstance(deferred, Tensor):
-                self._backward(deferred)
-            else:
-                deferred.run()
+            with self._accumulating():
+                if isinstance(deferred, Tensor):
+                    self._backward(deferred)
+                else:
+                    deferred.run()
 
     # communication ---------------------------------------------------------------------------------
     def recv_forward(self, i: int) -> Tensor | None:
