@@ -114,8 +114,7 @@ class PipelineStage:
         return self.model.heads(chunk)
 
     def _accumulating(self) -> AbstractContextManager[Any]:
-        """Where a backward that accumulates weight grads runs: inside ``accumulate()`` unless it is the
-        step's last (W, under a zero-bubble schedule), during which the reducers reduce."""
+        """A backward's context: ``accumulate()``, but not the step's last (W under zero-bubble)."""
         self._backwards_done += 1
         last = self._backwards_done == self.num_microbatches * self.num_chunks
         return nullcontext() if last else self._accumulate()
