@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import queue
 import threading
 import time
 import warnings
@@ -38,7 +39,12 @@ class BackgroundSaves:
     """The save in flight (at most one), its host buffers, and the removals waiting for it."""
 
     def __init__(self) -> None:
+        # one writer thread for the job, started by the first save: starting a thread per save
+        # blocks the caller until the new thread first runs (tens of ms on busy cores)
         self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._done.set()
         self._error: BaseException | None = None
         self._removals: list[Path] = []
         self._lock = threading.Lock()  # the thread's end against ``remove_after``
@@ -93,28 +99,37 @@ class BackgroundSaves:
             )
 
         def run() -> None:
-            error, started = None, time.perf_counter()
+            started = time.perf_counter()
             try:
                 write()
-            except BaseException as e:  # noqa: BLE001 - raised by wait(), on the training thread
-                error = e
-            self.seconds = time.perf_counter() - started
-            with self._lock:
-                self._error, removals, self._removals = error, self._removals, []
-                self._writing = False
-            if error is None:
+                with self._lock:
+                    removals, self._removals, self._writing = self._removals, [], False
                 for path in removals:
                     files.remove(path)
+            except BaseException as e:  # noqa: BLE001 - raised by wait(), on the training thread
+                self._error = e
+            finally:
+                with self._lock:  # a failed save's removals are dropped: keep what there was
+                    self._removals, self._writing = [], False
+                self.seconds = time.perf_counter() - started
+                self._done.set()
 
-        # a daemon: a process that stops without waiting (a failure) leaves the temporary sibling,
-        # which the next save removes, and the previous checkpoint in place
+        self._writing = True
+        self._done.clear()
         # in a copy of this context: what the training thread set there (e.g. the step) holds
         context = contextvars.copy_context()
-        thread = threading.Thread(
-            target=context.run, args=(run,), name="titan-checkpoint-writer", daemon=True
-        )
-        self._thread, self._writing = thread, True
-        thread.start()
+        self._jobs.put(lambda: context.run(run))
+        if self._thread is None:
+            # a daemon: a process that stops without waiting (a failure) leaves the temporary
+            # sibling, which the next save removes, and the previous checkpoint in place
+            self._thread = threading.Thread(
+                target=self._serve, name="titan-checkpoint-writer", daemon=True
+            )
+            self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
 
     @property
     def in_flight(self) -> bool:
@@ -123,9 +138,7 @@ class BackgroundSaves:
 
     def wait(self) -> None:
         """Block until the save in flight is complete; raise its error (every rank raises it)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._done.wait()
         error, self._error = self._error, None
         if error is not None:
             raise error
