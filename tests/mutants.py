@@ -304,13 +304,23 @@ MUTATIONS = {
                               ["tests/unit/test_balance.py"]),
     # issue 19: the grouped experts' row offsets in the wrong order (rows go to other experts)
     "grouped_offsets": ("lightning_titan/model/moe/experts.py",
-                        "ends = list(itertools.accumulate(tokens_per_expert))",
-                        "ends = list(itertools.accumulate(tokens_per_expert[::-1]))",
+                        "offsets = counts.cumsum(0, dtype=torch.int32)",
+                        "offsets = counts.flip(0).cumsum(0, dtype=torch.int32)",
                         ["tests/unit/test_experts.py"]),
+    # issue 43: the padded grouped GEMMs' output keeps the padding rows (cut at the end instead)
+    "grouped_padding_kept": ("lightning_titan/model/moe/experts.py",
+                             "return out if rows is None else out.index_select(0, rows)",
+                             "return out if rows is None else out[: rows.shape[0]]",
+                             ["tests/unit/test_experts.py"]),
+    # issue 43: under bf16-mixed (autocast) the loop runs on CUDA, as before the explicit casts
+    "grouped_not_under_autocast": ("lightning_titan/model/moe/experts.py",
+                                   "compute = autocast_dtype or dtype",
+                                   "compute = dtype",
+                                   ["tests/unit/test_experts.py"]),
     # issue 19: an expanded output grad reaches _grouped_mm's backward, which rejects it
     "grouped_strided_grad": ("lightning_titan/model/moe/experts.py",
-                             "return _ContiguousGrad.apply(torch._grouped_mm(",
-                             "return (torch._grouped_mm(",
+                             "out = _ContiguousGrad.apply(torch._grouped_mm(",
+                             "out = (torch._grouped_mm(",
                              ["tests/unit/test_experts.py"]),
     # issue 17: the backwards of the interleaved schedule run the chunks forward, not reversed
     "interleaved_bwd_order": ("lightning_titan/parallel/pipeline/interleaved.py",
