@@ -307,6 +307,17 @@ MUTATIONS = {
                         "offsets = counts.cumsum(0, dtype=torch.int32)",
                         "offsets = counts.flip(0).cumsum(0, dtype=torch.int32)",
                         ["tests/unit/test_experts.py"]),
+    # issue 43: a per-parameter flag written from a Python scalar (a host-to-device copy on CUDA)
+    "reducer_flag_host_write": ("lightning_titan/parallel/dp/reducer.py",
+                                "                view.copy_(param.grad)\n",
+                                "                view.copy_(param.grad)\n"
+                                "                bucket.buffer[self._flag_index(bucket, slot)] = 1.0\n",
+                                ["tests/distributed/test_reducer.py", "-k", "four_gloo"]),
+    # issue 43: ZeRO-2's per-parameter flag written the same way
+    "zero2_flag_host_write": ("lightning_titan/parallel/dp/zero_grads.py",
+                              "slots_N[:, flag : flag + 1].fill_(float(grad is not None))",
+                              "slots_N[:, flag] = float(grad is not None)",
+                              ["tests/distributed/test_reducer.py", "-k", "four_gloo"]),
     # issue 43: the padded grouped GEMMs' output keeps the padding rows (cut at the end instead)
     "grouped_padding_kept": ("lightning_titan/model/moe/experts.py",
                              "return out if rows is None else out.index_select(0, rows)",
