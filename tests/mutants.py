@@ -318,6 +318,21 @@ MUTATIONS = {
                               "slots_N[:, flag : flag + 1].fill_(float(grad is not None))",
                               "slots_N[:, flag] = float(grad is not None)",
                               ["tests/distributed/test_reducer.py", "-k", "four_gloo"]),
+    # issue 43: TP's sequence all-gather carries the fp32 norm output under autocast
+    "tp_gather_fp32": ("lightning_titan/parallel/tensor_parallel.py",
+                       "return gather_along(x.to(wire_dtype(x.dtype, x.device)), group, 1)",
+                       "return gather_along(x, group, 1)",
+                       ["tests/distributed/test_collective_order.py"]),
+    # issue 43: the embedding's reduce-scatter in fp32 under autocast
+    "tp_scatter_fp32": ("lightning_titan/parallel/tensor_parallel.py",
+                        "return _ReduceScatter.apply(x.to(wire_dtype(x.dtype, x.device)), group, 1).to(x.dtype)",
+                        "return _ReduceScatter.apply(x, group, 1)",
+                        ["tests/distributed/test_collective_order.py"]),
+    # issue 43: the step's token count copied from the host every step
+    "tokens_from_host": ("lightning_titan/train/objective.py",
+                         "tokens = sums.loss_sum.new_full((), float(sums.tokens), dtype=torch.float64)",
+                         "tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)",
+                         ["tests/distributed/test_collective_order.py"]),
     # issue 43: the padded grouped GEMMs' output keeps the padding rows (cut at the end instead)
     "grouped_padding_kept": ("lightning_titan/model/moe/experts.py",
                              "return out if rows is None else out.index_select(0, rows)",

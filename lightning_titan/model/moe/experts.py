@@ -69,7 +69,7 @@ def grouped_mm_supported(
         with torch.inference_mode(False), torch.enable_grad():
             x = torch.ones(2, d_model, device=device, dtype=dtype, requires_grad=True)
             w = torch.ones(2, d_model, ffn_dim, device=device, dtype=dtype, requires_grad=True)
-            offsets = torch.tensor([1, 2], device=device, dtype=torch.int32)
+            offsets = torch.arange(1, 3, device=device, dtype=torch.int32)  # rows [0, 1), [1, 2)
             out = torch._grouped_mm(x, w, offs=offsets)
             out.backward(torch.ones_like(out))
     except (RuntimeError, NotImplementedError, TypeError):
