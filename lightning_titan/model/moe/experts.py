@@ -187,7 +187,7 @@ class GroupedExperts(nn.Module):
         self, x: Tensor, tokens_per_expert: list[int], counts: Tensor, dtype: torch.dtype
     ) -> Tensor:
         align = self.align_rows or row_alignment(x.device.type)
-        counts = counts.to(torch.int32)
+        counts, x = counts.to(torch.int32), x.to(dtype)  # the explicit cast: autocast's part
         rows = None  # each row's place among the padded rows (None: no padding)
         if align > 1:
             padded = (counts + (align - 1)) // align * align
@@ -204,7 +204,7 @@ class GroupedExperts(nn.Module):
         # the end row of each local expert's block (an empty expert: the same end as the one before;
         # its weights get a zero gradient, as in the loop)
         offsets = counts.cumsum(0, dtype=torch.int32)
-        x = x.to(dtype).contiguous()
+        x = x.contiguous()
         w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
         gate = torch._grouped_mm(x, w1, offs=offsets)
         up = torch._grouped_mm(x, w3, offs=offsets)
