@@ -331,13 +331,54 @@ MUTATIONS = {
                               ["tests/unit/test_balance.py"]),
     # issue 19: the grouped experts' row offsets in the wrong order (rows go to other experts)
     "grouped_offsets": ("lightning_titan/model/moe/experts.py",
-                        "ends = list(itertools.accumulate(tokens_per_expert))",
-                        "ends = list(itertools.accumulate(tokens_per_expert[::-1]))",
+                        "offsets = counts.cumsum(0, dtype=torch.int32)",
+                        "offsets = counts.flip(0).cumsum(0, dtype=torch.int32)",
                         ["tests/unit/test_experts.py"]),
+    # issue 43: a per-parameter flag written from a Python scalar (a host-to-device copy on CUDA)
+    "reducer_flag_host_write": ("lightning_titan/parallel/dp/reducer.py",
+                                "                view.copy_(param.grad)\n",
+                                "                view.copy_(param.grad)\n"
+                                "                bucket.buffer[self._flag_index(bucket, slot)] = 1.0\n",
+                                ["tests/distributed/test_reducer.py", "-k", "four_gloo"]),
+    # issue 43: ZeRO-2's per-parameter flag written the same way
+    "zero2_flag_host_write": ("lightning_titan/parallel/dp/zero_grads.py",
+                              "slots_N[:, flag : flag + 1].fill_(float(grad is not None))",
+                              "slots_N[:, flag] = float(grad is not None)",
+                              ["tests/distributed/test_reducer.py", "-k", "four_gloo"]),
+    # issue 43: TP's sequence all-gather carries the fp32 norm output under autocast
+    "tp_gather_fp32": ("lightning_titan/parallel/tensor_parallel.py",
+                       "return gather_along(x.to(wire_dtype(x.dtype, x.device)), group, 1)",
+                       "return gather_along(x, group, 1)",
+                       ["tests/distributed/test_collective_order.py"]),
+    # issue 43: the embedding's reduce-scatter in fp32 under autocast
+    "tp_scatter_fp32": ("lightning_titan/parallel/tensor_parallel.py",
+                        "return _ReduceScatter.apply(x.to(wire_dtype(x.dtype, x.device)), group, 1).to(x.dtype)",
+                        "return _ReduceScatter.apply(x, group, 1)",
+                        ["tests/distributed/test_collective_order.py"]),
+    # issue 43: the step's token count copied from the host every step
+    "tokens_from_host": ("lightning_titan/train/objective.py",
+                         "tokens = sums.loss_sum.new_full((), float(sums.tokens), dtype=torch.float64)",
+                         "tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)",
+                         ["tests/distributed/test_collective_order.py"]),
+    # issue 43: the step's metrics logged as Python floats (Lightning copies each onto the device)
+    "log_python_floats": ("lightning_titan/lightning/module.py",
+                          "self.log(name, torch.tensor(float(value)), prog_bar=name in _PROGRESS_BAR)",
+                          "self.log(name, float(value), prog_bar=name in _PROGRESS_BAR)",
+                          ["tests/unit/test_flops.py", "-k", "titanlm"]),
+    # issue 43: the padded grouped GEMMs' output keeps the padding rows (cut at the end instead)
+    "grouped_padding_kept": ("lightning_titan/model/moe/experts.py",
+                             "return out if rows is None else out.index_select(0, rows)",
+                             "return out if rows is None else out[: rows.shape[0]]",
+                             ["tests/unit/test_experts.py"]),
+    # issue 43: under bf16-mixed (autocast) the loop runs on CUDA, as before the explicit casts
+    "grouped_not_under_autocast": ("lightning_titan/model/moe/experts.py",
+                                   "compute = autocast_dtype or dtype",
+                                   "compute = dtype",
+                                   ["tests/unit/test_experts.py"]),
     # issue 19: an expanded output grad reaches _grouped_mm's backward, which rejects it
     "grouped_strided_grad": ("lightning_titan/model/moe/experts.py",
-                             "return _ContiguousGrad.apply(torch._grouped_mm(",
-                             "return (torch._grouped_mm(",
+                             "out = _ContiguousGrad.apply(torch._grouped_mm(",
+                             "out = (torch._grouped_mm(",
                              ["tests/unit/test_experts.py"]),
     # issue 17: the backwards of the interleaved schedule run the chunks forward, not reversed
     "interleaved_bwd_order": ("lightning_titan/parallel/pipeline/interleaved.py",

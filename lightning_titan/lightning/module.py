@@ -23,6 +23,8 @@ from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.split import StageSplit
 
+_PROGRESS_BAR = ("train_loss", "tokens_per_sec")  # the metrics the progress bar shows
+
 
 class TitanLM(L.LightningModule):
     """A Mixtral-style MoE language model trained with manual optimization under TitanStrategy.
@@ -253,21 +255,28 @@ class TitanLM(L.LightningModule):
             cast(LRScheduler, scheduler).step()
 
         tokens = inputs.numel() * strategy.parallel_dims.data_world
+        seconds = time.perf_counter() - start
+        achieved = flops.step_flops(self.config, tokens) / seconds  # model FLOPs, all ranks
         # the same keys on every rank, values already global: the loggers live on rank 0, the loss
         # on the last stage
-        self.log("train_loss", stats.loss, prog_bar=True)
-        self.log("aux_loss", stats.aux)
-        self.log("grad_norm", stats.grad_norm)
-        self.log("lr", optimizer.param_groups[0]["lr"])
-        seconds = time.perf_counter() - start
-        self.log("tokens_per_sec", tokens / seconds, prog_bar=True)
-        achieved = flops.step_flops(self.config, tokens) / seconds  # model FLOPs, all ranks
-        self.log("flops_per_sec", achieved)
-        self.log("mfu", achieved / self.peak_flops_total if self.peak_flops_total else 0.0)
+        metrics = {
+            "train_loss": stats.loss,
+            "aux_loss": stats.aux,
+            "grad_norm": stats.grad_norm,
+            "lr": optimizer.param_groups[0]["lr"],
+            "tokens_per_sec": tokens / seconds,
+            "flops_per_sec": achieved,
+            "mfu": achieved / self.peak_flops_total if self.peak_flops_total else 0.0,
+        }
         if self.config.capacity_factor is not None:  # the config is the same on every rank
             assignments = tokens * self.config.top_k * self.config.n_layers
-            self.log("dropped_assignments", stats.dropped)  # over capacity, summed over layers
-            self.log("dropped_fraction", stats.dropped / assignments)
+            metrics["dropped_assignments"] = stats.dropped  # over capacity, summed over layers
+            metrics["dropped_fraction"] = stats.dropped / assignments
+        for name, value in metrics.items():
+            # host numbers (the step's one read brought the device's) as CPU tensors: Lightning
+            # copies a Python float onto the module's device (a host-to-device copy per metric per
+            # step on CUDA), which its progress bar and loggers then read back
+            self.log(name, torch.tensor(float(value)), prog_bar=name in _PROGRESS_BAR)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         inputs, targets = batch

@@ -72,7 +72,8 @@ def install(world_size: int = 1) -> None:
 def start_agreement(device: torch.device) -> Callable[[], torch.Tensor]:
     """Start the all-reduce (max over the world) of this rank's flag; the returned function waits
     for it (on CUDA: the stream waits, the host does not) and gives the agreed flag, 0-dim."""
-    flag = torch.tensor(float(_signum) if _requested.is_set() else 0.0, device=device)
+    # a fill on the device (torch.tensor would copy the number from the host: a sync on CUDA)
+    flag = torch.full((), float(_signum) if _requested.is_set() else 0.0, device=device)
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return lambda: flag
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)

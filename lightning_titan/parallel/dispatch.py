@@ -150,6 +150,7 @@ class DispatchPlan:
     local_order_inverse: Tensor | None = None
     group: ProcessGroup | None = None
     dropped: bool = False  # some assignments were over capacity: combine pads their rows with zeros
+    local_counts: Tensor | None = None  # [E_local] tokens_per_local_expert, on the device
 
 
 def dispatch(
@@ -181,7 +182,7 @@ def dispatch(
 
     ep = ep_size(group)
     if group is None or ep == 1:
-        plan.tokens_per_local_expert = counts.tolist()
+        plan.tokens_per_local_expert, plan.local_counts = counts.tolist(), counts
         if plan.dropped:
             packed = packed[: sum(plan.tokens_per_local_expert)]
         return packed, plan
@@ -201,6 +202,7 @@ def dispatch(
     ).tolist()
     plan.send_splits, plan.recv_splits = sizes[:ep], sizes[ep : 2 * ep]
     plan.tokens_per_local_expert = sizes[2 * ep :]
+    plan.local_counts = recv_matrix.sum(dim=0)
     plan.group = group
     if plan.dropped:
         packed = packed[: sum(plan.send_splits)]

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_titan.parallel.collectives import reduce_scatter
 from lightning_titan.parallel.mesh import group_mesh
+from lightning_titan.parallel.wire import wire_dtype
 from lightning_titan.runtime import probes
 
 TP_SHARD = "_titan_tp_shard"
@@ -181,14 +182,23 @@ def gather_along(x: Tensor, group: ProcessGroup | None, dim: int, kind: str = "t
 
 
 def gather_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
-    """``[b, S/tp, D]`` on each rank -> ``[b, S, D]`` on every rank (identity without TP)."""
-    return gather_along(x, group, 1)
+    """``[b, S/tp, D]`` on each rank -> ``[b, S, D]`` on every rank (identity without TP).
+
+    Under autocast it travels, and comes back, in the autocast dtype (``parallel/wire.py``): the
+    matmuls it feeds would cast it to that anyway; its grads are reduce-scattered in it too."""
+    if tp_size(group) == 1:
+        return x
+    return gather_along(x.to(wire_dtype(x.dtype, x.device)), group, 1)
 
 
 def scatter_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Partial sums ``[b, S, D]`` on each rank -> their sum's slice ``[b, S/tp, D]`` (identity
-    without TP)."""
-    return x if tp_size(group) == 1 else _ReduceScatter.apply(x, group, 1)
+    without TP), in ``x``'s dtype. Under autocast the sum travels in the autocast dtype: the
+    attention's output projection is in it already; the embedding rows (each row nonzero on one
+    rank only) are rounded to it once, as a pipeline stage boundary rounds the residual stream."""
+    if tp_size(group) == 1:
+        return x
+    return _ReduceScatter.apply(x.to(wire_dtype(x.dtype, x.device)), group, 1).to(x.dtype)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -66,7 +66,8 @@ def global_means(
 ) -> StepLoss:
     """One all-reduce over the world: the loss lives on the last stage, the loggers on rank 0; the
     dropped assignments of each layer on its stage's ranks (each counts its own tokens)."""
-    tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)
+    # a fill on the device (new_tensor would copy the number from the host: a sync on CUDA)
+    tokens = sums.loss_sum.new_full((), float(sums.tokens), dtype=torch.float64)
     if dropped is None:
         dropped = torch.zeros_like(tokens)
     totals = torch.stack([sums.loss_sum.double(), sums.aux_sum.double(), tokens, dropped.double()])

@@ -9,7 +9,8 @@ become ready from a hook there), and dp2 x ep2 at zero=2 (reduce-scatters instea
 on gloo, all-to-alls).
 
 Also, per step: the host reads (each a stream sync on CUDA) are a fixed number per MoE layer per
-microbatch and per bucket, and under CPU autocast the all-to-all and p2p payloads travel in bf16.
+microbatch and per bucket, and there are no host-to-device copies (issue 43: none per parameter,
+layer or microbatch); under CPU autocast the all-to-all, p2p and TP sequence payloads travel in bf16.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from itertools import combinations
 import pytest
 import torch
 import torch.distributed as dist
-from engine_harness import token_loss_sum
-from host_reads import HostReads
+from engine_harness import loss_fn_for
+from host_reads import HostReads, HostToDevice
 from torch import nn
 
 from lightning_titan.model.decoder import ModelConfig, StageModel
@@ -31,8 +32,8 @@ from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.engine import Engine
 
 WORLD = 4
-# (dp, pp, ep, zero): zero=2 reduce-scatters its buckets in the same launch order
-LAYOUTS = [(1, 2, 2, 0), (2, 1, 2, 0), (1, 1, 4, 0), (2, 2, 1, 0), (2, 1, 2, 2)]
+# (dp, pp, ep, zero[, tp]): zero=2 reduce-scatters its buckets in the same launch order
+LAYOUTS = [(1, 2, 2, 0), (2, 1, 2, 0), (1, 1, 4, 0), (2, 2, 1, 0), (2, 1, 2, 2), (1, 1, 2, 0, 2)]
 CONFIG = ModelConfig(
     vocab_size=31, d_model=16, n_layers=4, n_heads=2, ffn_dim=16, n_experts=4, top_k=2, seq_len=6
 )
@@ -43,8 +44,10 @@ COLLECTIVES = (
     "all_to_all_single",
     "broadcast",
     "all_gather",
+    "all_gather_single",
     "reduce_scatter_single",
 )
+PAYLOADS = ("all_to_all_single", "all_gather_single", "isend")  # whose float dtypes are logged
 
 
 class CollectiveLog:
@@ -53,8 +56,7 @@ class CollectiveLog:
     def __init__(self) -> None:
         self.entries: list[tuple[str, tuple[int, ...]]] = []
         self.dtypes: dict[str, set[tuple[torch.dtype, tuple[int, ...]]]] = {
-            "all_to_all_single": set(),
-            "isend": set(),
+            name: set() for name in PAYLOADS
         }
         self._saved: dict[str, Callable] = {}
 
@@ -76,7 +78,7 @@ class CollectiveLog:
         return logged
 
     def __enter__(self) -> CollectiveLog:
-        for name in (*COLLECTIVES, "isend"):
+        for name in {*COLLECTIVES, *PAYLOADS}:
             self._saved[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, self._saved[name]))
         return self
@@ -91,7 +93,8 @@ def _model_with_a_parameter_some_ranks_use(dims: ParallelDims, groups) -> StageM
     ranks with an even data rank only: its grad is ready there before that block's all-to-alls run
     backward, and never from a hook elsewhere. Registered last, so its bucket comes early."""
     model = StageModel(CONFIG, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
-                       ep_group=groups.ep)  # fmt: skip
+                       ep_group=groups.ep, tp_group=groups.tp,
+                       sequence_group=groups.sequence)  # fmt: skip
     model.init_weights(7)
     block = model.layers[str(model.layer_range[1] - 1)]
     block.extra = nn.Parameter(torch.zeros(CONFIG.d_model))
@@ -100,9 +103,9 @@ def _model_with_a_parameter_some_ranks_use(dims: ParallelDims, groups) -> StageM
     return model
 
 
-def _run_layout(rank: int, layout: tuple[int, int, int, int]) -> dict:
-    *degrees, zero = layout
-    dims = ParallelDims(*degrees, rank)
+def _run_layout(rank: int, layout: tuple[int, ...]) -> dict:
+    dp, pp, ep, zero, *tp = layout
+    dims = ParallelDims(dp, pp, ep, rank, *tp)
     groups = build_process_groups(dims)
     model = _model_with_a_parameter_some_ranks_use(dims, groups)
     # a bucket each
@@ -112,11 +115,12 @@ def _run_layout(rank: int, layout: tuple[int, int, int, int]) -> dict:
     b = BATCH // dims.data_world
     tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))[dims.data_rank * b:][:b]  # fmt: skip
-    logs, reads = [], []
+    logs, reads, copies = [], [], []
+    loss_fn = loss_fn_for(model, dims)
     for step in range(STEPS):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step == STEPS - 1):
-            with CollectiveLog() as log, HostReads() as step_reads:
-                engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], M, token_loss_sum)
+            with CollectiveLog() as log, HostReads() as step_reads, HostToDevice() as step_copies:
+                engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], M, loss_fn)
                 forward_backward_reads = len(step_reads.calls)
                 engine.finish_gradients(1.0)
         engine.bind_shard_grads()
@@ -125,10 +129,12 @@ def _run_layout(rank: int, layout: tuple[int, int, int, int]) -> dict:
         optimizer.zero_grad(set_to_none=True)
         logs.append(log.entries)
         reads.append((forward_backward_reads, len(step_reads.calls) - forward_backward_reads))
+        copies.append(step_copies.calls)
     engine.remove()
     return {
         "logs": logs,
         "reads": reads,
+        "copies": copies,
         "buckets": sum(len(r.bucket_params) for r in engine.reducers),
         "layers": len(model.layers),
         "dtypes": {k: sorted((str(d), g) for d, g in v) for k, v in log.dtypes.items()},
@@ -162,10 +168,11 @@ def test_collective_order_host_reads_and_payload_dtypes():
         results = [per_rank[r][i] for r in range(WORLD)]
         for step in range(STEPS):
             _check_order([r["logs"][step] for r in results], f"{layout} step {step}")
-        dp, pp, ep, zero = layout
+        dp, pp, ep, zero, *tp = layout
         # zero=2 reduce-scatters over a data-parallel group; on gloo as one all-to-all
         # (lightning_titan.parallel.collectives), which EP's token all-to-alls must not be taken for
-        dims = ParallelDims(dp, pp, ep, 0)
+        dims = ParallelDims(dp, pp, ep, 0, *tp)
+        tp_groups = {tuple(g) for g in dims.all_groups("tp") if len(g) > 1}
         ep_groups = {tuple(g) for g in dims.all_groups("ep")}
         dp_groups = {tuple(g) for g in dims.all_groups("non_expert_dp") if len(g) > 1} - ep_groups
         entries = {entry for r in results for log in r["logs"] for entry in log}
@@ -176,9 +183,17 @@ def test_collective_order_host_reads_and_payload_dtypes():
             # one per bucket to finish the gradients (its used-flags), none for clipping
             for fb, finish in r["reads"]:
                 assert fb == r["layers"] * M and finish == r["buckets"], (layout, r["reads"])
+            # and nothing copied onto the device: no flag per parameter, no offsets per layer
+            assert all(step == [] for step in r["copies"]), (layout, r["copies"])
             # the last step ran under autocast: tokens travel in bf16 (zero=2's grads stay fp32)
             tokens = {d for d, g in r["dtypes"]["all_to_all_single"] if g in ep_groups}
             if ep > 1:
                 assert tokens == {"torch.bfloat16"}, (layout, r["dtypes"])
             if pp > 1:
                 assert {d for d, _ in r["dtypes"]["isend"]} == {"torch.bfloat16"}, r["dtypes"]
+            if tp_groups:  # sequence all-gathers and reduce-scatters (on gloo: all-to-alls)
+                sequence = {
+                    d for name in ("all_gather_single", "all_to_all_single")
+                    for d, g in r["dtypes"][name] if g in tp_groups
+                }  # fmt: skip
+                assert sequence == {"torch.bfloat16"}, (layout, r["dtypes"])

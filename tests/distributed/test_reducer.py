@@ -9,6 +9,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.distributed as dist
+from host_reads import HostToDevice
 from torch import nn
 
 from lightning_titan.lightning.failures import nonfinite_message
@@ -77,11 +78,14 @@ def _case_hand_checked(rank: int, group) -> dict:
             for step in range(2):  # the first step launches from finish(), then hooks are agreed
                 for p in params:
                     p.grad = None
-                if ready == "forward":
-                    _backward(params, rank, range(n))
-                else:
-                    _backward(params, rank, range(n), one_graph=True)
-                reducer.finish()
+                with HostToDevice() as copies:  # the hooks, the flags, finish(): device ops only
+                    if ready == "forward":
+                        _backward(params, rank, range(n))
+                    else:
+                        _backward(params, rank, range(n), one_graph=True)
+                    reducer.finish()
+                # per_param's flags: one small tensor of the hook counts per step (issue 43)
+                assert copies.calls == ([] if mode == "bucketed" else ["lift_fresh"]), copies.calls
                 for i, p in enumerate(params):
                     torch.testing.assert_close(
                         p.grad, _expected(params, i, range(WORLD)), rtol=0, atol=0
@@ -125,10 +129,20 @@ def _case_accumulation_and_unused(rank: int, group) -> None:
         for p in params:
             p.grad = None
         always = list(range(3, n))
+<<<<<<< HEAD
         with reducer.no_sync():
             _backward(params, rank, [2, *always], microbatch=0)
         _backward(params, rank, ([1] if rank % 2 == 0 else []) + always, microbatch=1)
         reducer.finish()
+=======
+        reducer.sync = False
+        _backward(params, rank, [2, *always], microbatch=0)
+        reducer.sync = True
+        with HostToDevice() as copies:  # unused parameters' flags too: device fills
+            _backward(params, rank, ([1] if rank % 2 == 0 else []) + always, microbatch=1)
+            reducer.finish()
+        assert copies.calls == ([] if mode == "bucketed" else ["lift_fresh"]), copies.calls
+>>>>>>> gpupath
         if mode == "bucketed":  # no rank used it: grad None, as in one process (and DDP)
             assert params[0].grad is None
         else:  # the per-parameter baseline has no used-flags: zeros
@@ -275,8 +289,10 @@ def _case_zero2(rank: int, group) -> None:
             for p in params:
                 p.grad = None
             used = range(len(params)) if step < 2 else range(1, len(params))  # 2: params[0] unused
-            _backward(params, rank, used, one_graph=True)
-            reducer.finish()
+            with HostToDevice() as copies:
+                _backward(params, rank, used, one_graph=True)
+                reducer.finish()
+            assert copies.calls == [], (cap, step, copies.calls)
             for i, p in enumerate(params):
                 shard = shards.shards.get(id(p))
                 want = _expected(params, i, range(WORLD)) if i in used else None

@@ -1,12 +1,18 @@
 """Grouped GEMM experts (``torch._grouped_mm``) against the per-expert loop: equal outputs and grads,
-for the edge cases of the row offsets (empty experts, one token, every token on one expert)."""
+for the edge cases of the row offsets (empty experts, one token, every token on one expert), with and
+without the rows padded per expert as CUDA's kernel wants them; which path runs where (issue 43)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_titan.model.moe.experts import GroupedExperts, grouped_mm_supported
+from lightning_titan.model.moe.experts import (
+    ALIGN_ROWS,
+    GroupedExperts,
+    grouped_mm_dtype,
+    grouped_mm_supported,
+)
 
 D, F = 16, 24
 COUNTS = {
@@ -23,11 +29,14 @@ needs_grouped = pytest.mark.skipif(
 )
 
 
-def run(grouped: bool, counts: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def run(
+    grouped: bool, counts: list[int], align: int | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     experts = GroupedExperts(D, F, (4, 8), grouped_mm=grouped)
+    experts.align_rows = align
     x = torch.randn(sum(counts), D, requires_grad=True)
-    out = experts(x, counts)
+    out = experts(x, counts, torch.tensor(counts))
     # an expanded grad (stride 0 over the rows, as a sum's), which grouped_mm's own backward would
     # reject, then a dense one that tells every row apart
     out.backward(torch.linspace(-1, 1, D).expand_as(out), retain_graph=True)
@@ -38,9 +47,10 @@ def run(grouped: bool, counts: list[int]) -> tuple[torch.Tensor, dict[str, torch
 
 
 @needs_grouped
+@pytest.mark.parametrize("align", [None, ALIGN_ROWS], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("counts", list(COUNTS.values()), ids=list(COUNTS))
-def test_grouped_equals_loop(counts):
-    (out_g, grads_g), (out_l, grads_l) = run(True, counts), run(False, counts)
+def test_grouped_equals_loop(counts, align):
+    (out_g, grads_g), (out_l, grads_l) = run(True, counts, align), run(False, counts)
     torch.testing.assert_close(out_g, out_l, rtol=0, atol=1e-6)
     for name, grad in grads_l.items():
         assert grads_g[name] is not None, name  # every weight gets a (zero) gradient
@@ -50,15 +60,72 @@ def test_grouped_equals_loop(counts):
             assert grads_g["w1"][e].abs().sum() == 0
 
 
+def test_the_padded_rows_stay_out_of_the_result():
+    """The padding's outputs are dropped and it gets no gradient; no host-to-device copy when the
+    counts come on the device (the offsets are their cumsum there)."""
+    from host_reads import HostToDevice
+
+    counts = [3, 0, 17, 1]
+    experts = GroupedExperts(D, F, (0, 4), grouped_mm=True)
+    experts.align_rows = ALIGN_ROWS
+    x = torch.randn(sum(counts), D, requires_grad=True)
+    device_counts = torch.tensor(counts)
+    with HostToDevice() as copies:
+        out = experts(x, counts, device_counts)
+        out.sum().backward()
+    assert out.shape == x.shape and x.grad is not None and x.grad.shape == x.shape
+    assert copies.calls == [], copies.calls
+
+
 @needs_grouped
-def test_chosen_automatically():
+def test_chosen_automatically_also_under_autocast():
     experts = GroupedExperts(D, F, (0, 4))
     x = torch.randn(5, D)
-    assert experts.uses_grouped_mm(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's casts: the loop
-        assert not experts.uses_grouped_mm(x)
+    assert experts.grouped_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # explicit casts: the grouped GEMMs, in bf16
+        if grouped_mm_supported(x.device, torch.bfloat16, D, F):
+            assert experts.grouped_dtype(x) == torch.bfloat16
     experts.grouped_mm = False
     assert not experts.uses_grouped_mm(x)
+
+
+def test_which_path_runs_where():
+    """The decision, given the device: CUDA's grouped kernel on sm90/sm100 in bf16 with aligned rows,
+    so under bf16-mixed there; the loop where that kernel would read the offsets to the host."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for capability in ((9, 0), (10, 0)):
+        assert grouped_mm_dtype("cuda", capability, fp32, bf16, 4096, 14336) == bf16  # bf16-mixed
+        assert grouped_mm_dtype("cuda", capability, bf16, None, 4096, 14336) == bf16  # bf16-true
+        assert grouped_mm_dtype("cuda", capability, fp32, None, 4096, 14336) is None  # 32-true
+        assert grouped_mm_dtype("cuda", capability, fp32, bf16, 4096, 100) is None  # 200-byte rows
+        assert grouped_mm_dtype("cuda", capability, fp32, torch.float16, 64, 64) is None
+    for capability in ((8, 0), (8, 9), (7, 5), None):
+        assert grouped_mm_dtype("cuda", capability, fp32, bf16, 4096, 14336) is None
+    assert grouped_mm_dtype("cpu", None, fp32, None, D, F) == fp32
+    assert grouped_mm_dtype("cpu", None, fp32, bf16, D, F) == bf16
+    assert grouped_mm_dtype("mps", None, fp32, bf16, D, F) is None
+
+
+@pytest.mark.skipif(
+    not grouped_mm_supported(torch.device("cpu"), torch.bfloat16, D, F),
+    reason="this torch build has no CPU bf16 torch._grouped_mm",
+)
+def test_grouped_under_autocast_equals_the_loop_in_bf16():
+    counts = [3, 0, 7, 2]
+    results = []
+    for grouped in (True, False):
+        torch.manual_seed(0)
+        experts = GroupedExperts(D, F, (0, 4), grouped_mm=grouped)
+        experts.align_rows = ALIGN_ROWS
+        x = torch.randn(sum(counts), D, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = experts(x, counts, torch.tensor(counts))
+        out.float().square().sum().backward()
+        results.append((out, x.grad, experts.w1.grad))
+    (out_g, x_g, w_g), (out_l, x_l, w_l) = results
+    assert out_g.dtype == out_l.dtype == torch.bfloat16 and w_g.dtype == torch.float32
+    for got, want in ((out_g, out_l), (x_g, x_l), (w_g, w_l)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_counts_must_cover_the_rows():

@@ -92,6 +92,10 @@ def test_titanlm_logs_flops_mfu_and_the_dropped_assignments(tmp_path):
         limit_val_batches=0, default_root_dir=tmp_path,
     )  # fmt: skip
     module = TitanLM(config, warmup_steps=0)
+    # the step's metrics go to Lightning as CPU tensors: a Python float would be copied onto the
+    # module's device every step (a host-to-device copy each on CUDA; issue 43)
+    logged, log = [], module.log
+    module.log = lambda name, value, **kw: (logged.append((name, value)), log(name, value, **kw))
     environ = dict(os.environ)
     try:
         trainer.fit(module, loader)
@@ -100,6 +104,9 @@ def test_titanlm_logs_flops_mfu_and_the_dropped_assignments(tmp_path):
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(environ)
+    assert logged and all(
+        isinstance(v, torch.Tensor) and v.device.type == "cpu" for _, v in logged
+    ), logged
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     per_token = metrics["flops_per_sec"] / metrics["tokens_per_sec"]
     assert per_token == pytest.approx(flops.training_flops_per_token(config), rel=1e-6)

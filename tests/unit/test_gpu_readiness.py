@@ -7,7 +7,7 @@ it draws on; every device-to-host read is a stream sync; payload dtypes under au
 from __future__ import annotations
 
 import torch
-from host_reads import HostReads
+from host_reads import HostReads, HostToDevice
 from torch.overrides import TorchFunctionMode
 
 from lightning_titan.model.decoder import ModelConfig, StageModel
@@ -80,17 +80,37 @@ def test_the_host_read_counter_sees_python_reads():
     assert reads.calls == ["__bool__", "tolist", "item", "bincount", "__bool__"]
 
 
+def test_the_host_to_device_counter_sees_copies_and_not_scalar_kernels():
+    buffer, host = torch.zeros(8), torch.ones(2)
+    with HostToDevice() as copies:
+        buffer[3] = 1.0  # a Python scalar by item assignment: lifted, then copied
+        torch.tensor([1, 2], device="cpu")
+        buffer[:1].fill_(torch.tensor(2.0))
+        lifted = torch.tensor([1.0, 2.0])
+        buffer[:2].copy_(lifted)
+        lifted.to("cpu", torch.float64)
+        buffer[3:4].fill_(1.0)  # kernels whose Python scalar is an argument: no copy
+        buffer.mul_(0.5), torch.full((2,), 3.0), buffer[:2].copy_(host)
+    assert copies.calls == ["lift_fresh", "copy_", "lift_fresh", "lift_fresh", "fill_",
+                            "lift_fresh", "copy_", "_to_copy"], copies.calls  # fmt: skip
+
+
 def test_moe_layer_reads_the_host_once_per_forward_and_never_in_backward():
+    """Nor copies anything onto the device: the grouped GEMMs' offsets are the dispatch's counts,
+    summed on the device (padded as on CUDA here, the grouped path forced)."""
     from lightning_titan.model.moe.layer import MoELayer
 
     layer = MoELayer(16, 24, 8, 2)
     x = torch.randn(2, 5, 16, requires_grad=True)
-    with HostReads() as reads:
-        out, aux = layer(x)
-        forward = list(reads.calls)
-        (out.square().sum() + aux.sum()).backward()
-    assert forward == ["tolist"], forward  # the split sizes of the local experts
-    assert reads.calls == forward, reads.calls
+    for grouped in (None, True):
+        layer.experts.grouped_mm, layer.experts.align_rows = grouped, 16 if grouped else None
+        with HostReads() as reads, HostToDevice() as copies:
+            out, aux = layer(x)
+            forward = list(reads.calls)
+            (out.square().sum() + aux.sum()).backward()
+        assert forward == ["tolist"], forward  # the split sizes of the local experts
+        assert reads.calls == forward, reads.calls
+        assert copies.calls == [], copies.calls
 
 
 # ---- p2p: wire dtype under autocast, send-only batches not waited at once -------------------------

@@ -2,20 +2,58 @@
 
 Two ways to run them, equal within float rounding: one grouped GEMM per weight over all local experts
 (``torch._grouped_mm`` with the row offsets, as torchtitan and Megatron do), or a Python loop of
-per-expert matmuls. ``grouped_mm=None`` picks the grouped one where this build runs it (probed once
-per device, dtype and shape: torch 2.13 does fp32 and bf16 on CPU) and not under autocast (whose
-casts it does not take part in); the loop otherwise.
+per-expert matmuls. ``grouped_mm=None`` picks the grouped one where ``grouped_mm_dtype`` says the
+device runs it well and this build runs it (probed once per device, dtype and shape); the loop
+otherwise. Under autocast the grouped GEMMs take part in no autocast casts: they run in the autocast
+dtype by explicit casts (as torchtitan does), as the loop's matmuls do through autocast.
+
+On CUDA, torch's grouped kernel (sm90/sm100, bf16) wants int32 offsets on the device (a ``cumsum``
+of the counts already there: no host-to-device copy) and 16-byte-aligned strides; each expert's
+rows are padded to ``ALIGN_ROWS`` (as torchtitan pads its token groups), the padding kept out of the
+result and of every gradient. Its other path (fp32, older GPUs) reads the offsets back to the host
+on every call, so there the loop runs, on the split sizes the host already has.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+ALIGN_ROWS = 16  # rows per expert a multiple of this on CUDA: 16 bytes of int8/fp8, tiles of bf16
+_GROUPED_CUDA_MAJORS = (9, 10)  # torch's CUTLASS grouped GEMM: sm90 and sm100, bf16 only
+
+
+def grouped_mm_dtype(
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    autocast_dtype: torch.dtype | None,
+    d_model: int,
+    ffn_dim: int,
+) -> torch.dtype | None:
+    """The dtype the grouped GEMMs would run in on such a device, or None where the loop is better.
+
+    ``dtype``: the input's (and weights'); ``autocast_dtype``: the device's autocast dtype where
+    autocast is on; ``capability``: CUDA's compute capability. Whether this torch build has the
+    kernel at all is ``grouped_mm_supported``'s question, not this one's.
+    """
+    compute = autocast_dtype or dtype
+    if device_type == "cuda":
+        aligned = all(n * compute.itemsize % 16 == 0 for n in (d_model, ffn_dim))  # row strides
+        fast = capability is not None and capability[0] in _GROUPED_CUDA_MAJORS
+        return compute if fast and compute == torch.bfloat16 and aligned else None
+    if device_type == "cpu":  # torch 2.13 runs fp32 and bf16 there (a loop in C++, no transfers)
+        return compute if compute in (torch.float32, torch.bfloat16) else None
+    return None
+
+
+def row_alignment(device_type: str) -> int:
+    """Rows per expert a multiple of this (padding) before the grouped GEMMs on this device."""
+    return ALIGN_ROWS if device_type == "cuda" else 1
 
 
 @functools.cache
@@ -31,7 +69,7 @@ def grouped_mm_supported(
         with torch.inference_mode(False), torch.enable_grad():
             x = torch.ones(2, d_model, device=device, dtype=dtype, requires_grad=True)
             w = torch.ones(2, d_model, ffn_dim, device=device, dtype=dtype, requires_grad=True)
-            offsets = torch.tensor([1, 2], device=device, dtype=torch.int32)
+            offsets = torch.arange(1, 3, device=device, dtype=torch.int32)  # rows [0, 1), [1, 2)
             out = torch._grouped_mm(x, w, offs=offsets)
             out.backward(torch.ones_like(out))
     except (RuntimeError, NotImplementedError, TypeError):
@@ -77,6 +115,9 @@ class GroupedExperts(nn.Module):
     ) -> None:
         super().__init__()
         self.grouped_mm = grouped_mm  # None: where supported (see the module doc); False: the loop
+        self.align_rows: int | None = (
+            None  # rows per expert padded to a multiple (None: the device's)
+        )
         start, end = expert_range
         if not 0 <= start < end:
             raise ValueError(f"expert_range={expert_range} must satisfy 0 <= start < end")
@@ -96,8 +137,12 @@ class GroupedExperts(nn.Module):
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, std=std)
 
-    def forward(self, x: Tensor, tokens_per_expert: list[int]) -> Tensor:
-        """``x`` [N, D] holds the rows of local expert 0, then 1, ... with the given counts."""
+    def forward(
+        self, x: Tensor, tokens_per_expert: list[int], counts: Tensor | None = None
+    ) -> Tensor:
+        """``x`` [N, D] holds the rows of local expert 0, then 1, ... with the given counts; ``counts``
+        [E_local] the same counts on ``x``'s device (the grouped GEMMs' offsets come from it; without
+        it they cost a host-to-device copy)."""
         if len(tokens_per_expert) != self.n_local:
             raise ValueError(
                 f"got {len(tokens_per_expert)} row counts for {self.n_local} local experts"
@@ -107,8 +152,11 @@ class GroupedExperts(nn.Module):
                 f"the row counts {tokens_per_expert} sum to {sum(tokens_per_expert)}, not to the "
                 f"{x.shape[0]} rows of x"
             )
-        if self.uses_grouped_mm(x):
-            return self._grouped(x, tokens_per_expert)
+        dtype = self.grouped_dtype(x)
+        if dtype is not None:
+            if counts is None:
+                counts = torch.tensor(tokens_per_expert, device=x.device)
+            return self._grouped(x, tokens_per_expert, counts, dtype)
         # Empty slices still run, so every expert weight gets a (zero) gradient on every rank.
         outputs = [
             (F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])) @ self.w2[e]
@@ -118,19 +166,48 @@ class GroupedExperts(nn.Module):
 
     def uses_grouped_mm(self, x: Tensor) -> bool:
         """Whether ``forward(x, ...)`` takes the grouped GEMMs."""
-        if self.grouped_mm is not None:
-            return self.grouped_mm
-        if torch.is_autocast_enabled(x.device.type) or x.dtype != self.w1.dtype:
-            return False
-        d_model, ffn_dim = self.w1.shape[1:]
-        return grouped_mm_supported(x.device, x.dtype, d_model, ffn_dim)
+        return self.grouped_dtype(x) is not None
 
-    def _grouped(self, x: Tensor, tokens_per_expert: list[int]) -> Tensor:
+    def grouped_dtype(self, x: Tensor) -> torch.dtype | None:
+        """The dtype ``forward(x, ...)`` runs the grouped GEMMs in, or None for the loop."""
+        device = x.device.type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        if self.grouped_mm is not None:
+            return (autocast or x.dtype) if self.grouped_mm else None
+        if x.dtype != self.w1.dtype:
+            return None
+        capability = torch.cuda.get_device_capability(x.device) if device == "cuda" else None
+        d_model, ffn_dim = self.w1.shape[1:]
+        dtype = grouped_mm_dtype(device, capability, x.dtype, autocast, d_model, ffn_dim)
+        if dtype is None or not grouped_mm_supported(x.device, dtype, d_model, ffn_dim):
+            return None
+        return dtype
+
+    def _grouped(
+        self, x: Tensor, tokens_per_expert: list[int], counts: Tensor, dtype: torch.dtype
+    ) -> Tensor:
+        align = self.align_rows or row_alignment(x.device.type)
+        counts, x = counts.to(torch.int32), x.to(dtype)  # the explicit cast: autocast's part
+        rows = None  # each row's place among the padded rows (None: no padding)
+        if align > 1:
+            padded = (counts + (align - 1)) // align * align
+            # per expert, how far its first row moves down: its padded start minus its start
+            shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)
+            rows = torch.arange(x.shape[0], device=x.device) + shift.repeat_interleave(
+                counts,
+                output_size=x.shape[0],  # a known size: no device sync
+            )
+            n_padded = sum(-(-n // align) * align for n in tokens_per_expert)
+            # zero rows between the experts' blocks; index_copy's grad skips them
+            x = x.new_zeros(n_padded, x.shape[1]).index_copy(0, rows, x)
+            counts = padded
         # the end row of each local expert's block (an empty expert: the same end as the one before;
         # its weights get a zero gradient, as in the loop)
-        ends = list(itertools.accumulate(tokens_per_expert))
-        offsets = torch.tensor(ends, dtype=torch.int32, device=x.device)
+        offsets = counts.cumsum(0, dtype=torch.int32)
         x = x.contiguous()
-        gate = torch._grouped_mm(x, self.w1, offs=offsets)
-        up = torch._grouped_mm(x, self.w3, offs=offsets)
-        return _ContiguousGrad.apply(torch._grouped_mm(F.silu(gate) * up, self.w2, offs=offsets))
+        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        gate = torch._grouped_mm(x, w1, offs=offsets)
+        up = torch._grouped_mm(x, w3, offs=offsets)
+        out = _ContiguousGrad.apply(torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets))
+        # the padding rows' outputs are zeros, left out here, so they get no gradient either
+        return out if rows is None else out.index_select(0, rows)

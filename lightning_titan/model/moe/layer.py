@@ -116,7 +116,7 @@ class MoELayer(nn.Module):
         tokens = x.reshape(b * s, d)
         keep = self._keep(routing.expert_ids, b, s)
         expert_in, plan = dispatch(tokens, routing.expert_ids, self.n_experts, self.ep_group, keep)
-        expert_out = self.experts(expert_in, plan.tokens_per_local_expert)
+        expert_out = self.experts(expert_in, plan.tokens_per_local_expert, plan.local_counts)
         out = combine(expert_out, routing.weights, plan)
         self.rows_per_local_expert = plan.tokens_per_local_expert
         selected = plan.tokens_per_expert

@@ -79,6 +79,8 @@ class _Bucket:
         self.num_filled = self.num_hooked = 0
         self.hooked_launch = False
         self.work = None
+        if self.buffer is not None:  # every parameter has a grad until _fill finds none
+            self.buffer[self.numel :].fill_(1.0)  # a device fill (see _start)
 
     @property
     def numel(self) -> int:
@@ -211,9 +213,10 @@ class GradReducer:
             view = self._slice(bucket, slot)
             if param.grad is None:
                 view.zero_()
+                flag = self._flag_index(bucket, slot)
+                bucket.buffer[flag : flag + 1].fill_(0.0)
             else:
                 view.copy_(param.grad)
-            bucket.buffer[self._flag_index(bucket, slot)] = float(param.grad is not None)
         elif param.grad is None:
             param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
         elif not param.grad.is_contiguous():
@@ -262,9 +265,10 @@ class GradReducer:
             flat = bucket.params[0].grad
             assert flat is not None  # _fill gave every filled slot a grad
         else:
-            # Python scalars: a fill on the device, where a host tensor would be a synced copy
-            bucket.buffer[-2] = float(bucket.all_hooked)
-            bucket.buffer[-1] = float(where == "hook")
+            # device fills, whose Python scalar is a kernel argument (an item assignment of it
+            # would be a copy from the host: lift_fresh + copy_, a sync on CUDA)
+            bucket.buffer[-2:-1].fill_(float(bucket.all_hooked))
+            bucket.buffer[-1:].fill_(float(where == "hook"))
             flat = bucket.buffer[: bucket.numel]  # the flags stay unscaled counts
         if self.scale != 1.0:
             flat.mul_(self.scale)

@@ -145,7 +145,8 @@ class ShardedGradReducer(GradReducer):
                 rows = shard.rows(grad, q)
                 dst_N[q, : rows.numel()].view(rows.shape).copy_(rows)
                 dst_N[q, rows.numel() :].zero_()  # past the last row: padding
-        slots_N[:, bucket.grads_numel + slot] = float(grad is not None)
+        flag = bucket.grads_numel + slot  # a device fill: an item assignment copies from the host
+        slots_N[:, flag : flag + 1].fill_(float(grad is not None))
         param.grad = None  # ZeRO-2: the bucket holds it now; only this rank's rows come back
         bucket.filled[slot] = True
         bucket.num_filled += 1
@@ -154,8 +155,8 @@ class ShardedGradReducer(GradReducer):
         assert isinstance(bucket, _ShardBucket)
         assert bucket.buffer is not None and bucket.output is not None
         slots_N = bucket.buffer.view(self._world, bucket.slot_numel)
-        slots_N[:, -2] = float(bucket.all_hooked)
-        slots_N[:, -1] = float(where == "hook")
+        slots_N[:, -2:-1].fill_(float(bucket.all_hooked))
+        slots_N[:, -1:].fill_(float(where == "hook"))
         with probes.span("all_reduce", "grad bucket reduce-scatter", bucket=b):
             return reduce_scatter(bucket.output, bucket.buffer, self.group, async_op=True)
 
