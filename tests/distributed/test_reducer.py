@@ -129,20 +129,12 @@ def _case_accumulation_and_unused(rank: int, group) -> None:
         for p in params:
             p.grad = None
         always = list(range(3, n))
-<<<<<<< HEAD
         with reducer.no_sync():
             _backward(params, rank, [2, *always], microbatch=0)
-        _backward(params, rank, ([1] if rank % 2 == 0 else []) + always, microbatch=1)
-        reducer.finish()
-=======
-        reducer.sync = False
-        _backward(params, rank, [2, *always], microbatch=0)
-        reducer.sync = True
         with HostToDevice() as copies:  # unused parameters' flags too: device fills
             _backward(params, rank, ([1] if rank % 2 == 0 else []) + always, microbatch=1)
             reducer.finish()
         assert copies.calls == ([] if mode == "bucketed" else ["lift_fresh"]), copies.calls
->>>>>>> gpupath
         if mode == "bucketed":  # no rank used it: grad None, as in one process (and DDP)
             assert params[0].grad is None
         else:  # the per-parameter baseline has no used-flags: zeros
