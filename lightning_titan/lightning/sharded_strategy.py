@@ -148,8 +148,11 @@ class ShardedStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         trainer = getattr(self.lightning_module, "_trainer", None)
-        try:  # a failed run does not wait (a dead peer would hold the writer): its save is not done
-            if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
-                self.checkpoints.wait()
+        failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        try:  # a failed run completes a healthy save in flight too (the failure watch bounds this)
+            self.checkpoints.wait()
+        except Exception:
+            if not failed:
+                raise  # else the failure that stopped the run is the one to report
         finally:
             super().teardown()

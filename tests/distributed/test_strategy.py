@@ -272,33 +272,47 @@ def test_drop_in_for_ddp_gives_the_same_weights(tmp_path):
     torch.testing.assert_close(a["final"]["unused.weight"], a["initial"]["unused.weight"])
 
 
-@pytest.mark.timeout(120)
+_BACKGROUND_SAVES = """
+import sys
+from pathlib import Path
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_titan import ModelConfig, TitanDataModule, TitanLM, TitanStrategy
+from lightning_titan.checkpoint import is_complete_checkpoint, read_checkpoint_info
+
+out = Path(sys.argv[1])
+strategy = TitanStrategy(async_save=True)
+every_step = ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=1, save_last=True)
+trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
+                    callbacks=[every_step], enable_progress_bar=False, limit_val_batches=0,
+                    enable_model_summary=False)
+config = ModelConfig(d_model=32, n_layers=2, n_experts=4, seq_len=16)
+trainer.fit(TitanLM(config), datamodule=TitanDataModule(seq_len=16, global_batch_size=4))
+background = strategy.checkpoints.background
+print("written in the background", background.seconds > 0, "in flight", background.in_flight)
+names = sorted(p.name for p in out.iterdir())
+steps = [read_checkpoint_info(out / n)["meta"]["global_step"] for n in names]
+print("after fit", names, [is_complete_checkpoint(out / n) for n in names], steps)
+trainer.save_checkpoint(out / "after.ckpt")
+print("after save_checkpoint", is_complete_checkpoint(out / "after.ckpt"))
+"""
+
+
+@pytest.mark.timeout(150)
 def test_background_saves_keep_top_k_and_last_complete_and_fit_waits_for_them(tmp_path):
     """async_save in one process: every save during fit is written in the background (the strategy's
     writer timed it), top-k's removals wait for the newer checkpoint, and when fit returns the
     directory holds exactly the newest checkpoint and `last`, complete, at the last step; a save
-    after fit is written at once (complete when the call returns)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from lightning_titan import ModelConfig, TitanDataModule, TitanLM
-    from lightning_titan.checkpoint import is_complete_checkpoint, read_checkpoint_info
-
-    strategy = TitanStrategy(async_save=True)
-    every_step = ModelCheckpoint(
-        dirpath=tmp_path, every_n_train_steps=1, save_top_k=1, save_last=True
-    )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
-        callbacks=[every_step], enable_progress_bar=False, limit_val_batches=0,
-        enable_model_summary=False,
-    )  # fmt: skip
-    config = ModelConfig(d_model=32, n_layers=2, n_experts=4, seq_len=16)
-    trainer.fit(TitanLM(config), datamodule=TitanDataModule(seq_len=16, global_batch_size=4))
-    background = strategy.checkpoints.background
-    assert background is not None and background.seconds > 0 and not background.in_flight
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
-    for name in ("epoch=0-step=4.ckpt", "last.ckpt"):
-        assert is_complete_checkpoint(tmp_path / name)
-        assert read_checkpoint_info(tmp_path / name)["meta"]["global_step"] == 4
-    trainer.save_checkpoint(tmp_path / "after.ckpt")
-    assert is_complete_checkpoint(tmp_path / "after.ckpt")
+    after fit is written at once (complete when the call returns). In a process of its own: a fit
+    leaves its process group behind, which forked ranks of later tests would inherit."""
+    script = tmp_path / "background_saves.py"
+    script.write_text(_BACKGROUND_SAVES)
+    out = tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, env=env,
+                          timeout=140, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "written in the background True in flight False" in done.stdout, done.stdout
+    want = "after fit ['epoch=0-step=4.ckpt', 'last.ckpt'] [True, True] [4, 4]"
+    assert want in done.stdout, done.stdout
+    assert "after save_checkpoint True" in done.stdout, done.stdout
