@@ -218,7 +218,8 @@ def watch_peers(num_nodes: int, trainer: Any, grace_s: float) -> list[tuple[str,
     peers = gather_peers()
     stop_watching()
     ours = os.environ.get(LAUNCHER_PID) is not None or multiprocessing.parent_process() is not None
-    if len(peers) > 1 and (num_nodes > 1 or not ours):
+    # the store the rendezvous used, which the ranks reach as MASTER_ADDR:MASTER_PORT
+    if len(peers) > 1 and (num_nodes > 1 or not ours) and "MASTER_PORT" in os.environ:
         who = f"rank {dist.get_rank()}/{len(peers)}"
 
         def gone(reason: str) -> None:

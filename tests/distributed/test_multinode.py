@@ -7,12 +7,15 @@ seconds, not ``timeout_minutes``, and ``--ckpt_path last`` continues the uninter
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 import sys
 import time
 
 import pytest
+import torch.distributed as dist
 from test_reliability import (  # noqa: F401 - reference, work: fixtures
     SCRIPTS,
     STEPS,
@@ -26,6 +29,8 @@ from test_reliability import (  # noqa: F401 - reference, work: fixtures
 )
 
 from lightning_titan.runtime.launch import free_port
+from lightning_titan.runtime.peer_watch import PeerWatch, next_remote
+from lightning_titan.runtime.peers import HOST_ENV
 
 DP2_PP2 = {"dp": 2, "pp": 2, "ep": 1}  # 4 ranks; the reference (pp=2) within float tolerance
 DOWN_WITHIN_S = 60.0  # death to the last process of both nodes gone
@@ -109,3 +114,54 @@ def test_a_killed_rank_under_torchrun_takes_both_nodes_down_and_last_resumes(
     assert sorted(curve) == list(range(STEPS))
     for step, loss in curve.items():
         assert float(loss) == pytest.approx(float(reference[step]), rel=1e-5), step
+
+
+# -- the watch itself, in this process (a store of its own, peers made up) ------------------------------
+@pytest.fixture
+def store(monkeypatch):
+    """A store on a free port, as MASTER_ADDR:MASTER_PORT; this process on host "a"."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv(HOST_ENV, "a")
+    yield server
+    del server
+
+
+def _watch(peers, rank, found, **kwargs) -> PeerWatch:
+    """Rank ``rank``'s watch; every watch of a test on the same keys, as the ranks of one call."""
+    watch = PeerWatch(peers, rank, found.append, interval_s=0.05, **kwargs)
+    watch.prefix = "/test/"
+    watch.start()
+    return watch
+
+
+def test_the_watch_announces_a_dead_peer_of_its_host_to_every_rank(store):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    peers = [("a", os.getpid()), ("a", dead.pid), ("b", os.getpid())]
+    seen, heard = [], []
+    finder = _watch(peers, 0, seen)
+    other = _watch([(h, os.getpid() if h == "a" else p) for h, p in peers], 2, heard)  # host "b"
+    for w in (finder, other):
+        w.join(timeout=30)
+    reason = f"rank 1 (pid {dead.pid}, host a) is no longer running"
+    assert seen == [reason] and heard == [reason]
+    assert next_remote(peers, 0) == 2 and next_remote(peers, 2) == 0
+    assert next_remote([("a", 1), ("a", 2)], 0) is None
+
+
+def test_a_silent_peer_on_another_host_is_gone_and_a_finished_one_is_not(store):
+    peers = [("a", os.getpid()), ("b", 1)]  # rank 1 never beats
+    seen = []
+    _watch(peers, 0, seen, silent_s=0.5).join(timeout=30)
+    assert seen == ["rank 1 (pid 1, host b) is silent for 0.5 s"]
+    seen.clear()
+    store.delete_key("/test/gone")  # a new call: a peer that finishes
+    finished = _watch(peers, 1, seen)
+    watch = _watch(peers, 0, seen, silent_s=2.0)
+    time.sleep(0.5)
+    finished.stop(finished=True)
+    watch.join(timeout=30)
+    assert not watch.is_alive() and seen == []
