@@ -32,7 +32,7 @@ import torch.distributed as dist
 from lightning_titan.runtime.launch import restart_count
 from lightning_titan.runtime.peers import dead_peers, stopped_peers
 
-INTERVAL_S = 0.5
+INTERVAL_S = 0.5  # how often a rank looks at its peers and the store
 SILENT_S = 20.0  # a peer on another host unheard for this long (or the store) is gone
 HEARD_S = 5.0  # how long the rank that announces a death waits for the others to read it
 UNREACHABLE_INTERVAL_S = 5.0  # between tries of a store that did not answer (each one logs)
