@@ -44,7 +44,9 @@ def report_failure(
         who, rank = f"rank {dims.rank}/{dims.world_size} ({where})", dims.rank
     else:  # no rank started yet (popen), or the parent of fork/spawn ranks
         who, rank = "the launcher", 0
+    # this host's dead peers, shared with the other nodes; or what another node's rank found
     blamed = supervisor.blamed_peers(exception, rank=rank, peers=peers)
+    blamed = supervisor.watched_blame(exception, blamed)
     supervisor.say(supervisor.failure_report(exception, who=who, blamed=blamed))
     if distributed():
         # a dead or stopped peer's fault: the report names it, and this rank's traceback (gloo's

@@ -232,6 +232,13 @@ def launcher_for(strategy: Any, start_method: str) -> Any:
     env, options = strategy.cluster_environment, strategy.options
     if env.creates_processes_externally:
         return ExternalLauncher()
+    if strategy.num_nodes > 1 and "MASTER_PORT" not in os.environ:
+        # a port picked here would be this node's alone: the nodes would never meet
+        raise ValueError(
+            f"num_nodes={strategy.num_nodes}: set MASTER_PORT (a free port on node 0) and "
+            "MASTER_ADDR (node 0's address) to the same values on every node, and NODE_RANK to "
+            "each node's index; or start the ranks with torchrun or srun"
+        )
     if start_method == "popen" and options.max_restarts:
         if strategy.num_nodes > 1:
             raise ValueError(

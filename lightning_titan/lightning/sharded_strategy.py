@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_titan.lightning import supervisor
 from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpoints
 from lightning_titan.parallel.mesh import check_launched_world
 
@@ -155,4 +156,5 @@ class ShardedStrategy(ParallelStrategy):
             if not failed:
                 raise  # else the failure that stopped the run is the one to report
         finally:
+            supervisor.stop_watching()  # the peers' exits from here on are no deaths
             super().teardown()

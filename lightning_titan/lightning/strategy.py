@@ -182,7 +182,7 @@ class TitanStrategy(ShardedStrategy):
         self._setup_phase.start()
         timeout = timedelta(minutes=self.options.timeout_minutes)
         self._groups = build_process_groups(self.parallel_dims, timeout, self.root_device.type)
-        self._peers = supervisor.gather_peers()
+        self._peers = supervisor.watch_peers(self.num_nodes, trainer, o.grace_s)
         self.options = self.options.resolved(
             self.module, trainer, self.parallel_dims, self.root_device
         )

@@ -11,6 +11,9 @@
   rank that raised while an async collective of its own still waited for peers that are blocked
   elsewhere stays in gloo's destructor at exit, its sockets open, and those peers wait for it until
   the collective timeout.
+- ``watch_peers``: where no launcher of ours watches every rank (torchrun, srun, several nodes), the
+  ranks watch each other (``peer_watch``): a rank's death on any node makes every rank leave within
+  seconds, naming it, also where NCCL would wait for the collective timeout.
 - ``failure_report`` (``peers``): the one line every rank prints, naming itself, the step, any peer
   that died or is stopped (a stall), and the collective it was waiting in.
 """
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 from subprocess import Popen
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
 )
@@ -37,7 +41,14 @@ from lightning_titan.runtime.orphans import (
     process_state,
     watch_launcher,
 )
-from lightning_titan.runtime.peers import blamed_peers, dead_peers, failure_report, gather_peers
+from lightning_titan.runtime.peer_watch import PeerWatch
+from lightning_titan.runtime.peers import (
+    PEER_GONE,
+    blamed_peers,
+    dead_peers,
+    failure_report,
+    gather_peers,
+)
 
 __all__ = [
     "LAUNCHER_PID",
@@ -52,6 +63,7 @@ _failing = threading.Event()  # set once this process is in Lightning's failure 
 _echo = threading.Event()  # set when a peer's death or stop caused this rank's failure
 preempting = threading.Event()  # the ranks agreed to stop (SIGTERM, SIGINT): 143 or 130 expected
 _children: list[tuple[int, Popen]] = []  # (rank, process) this process (the popen launcher) started
+_watch: list[PeerWatch] = []  # this rank's watch of its peers, while a Trainer call runs
 
 
 def say(line: str) -> None:
@@ -198,3 +210,46 @@ def wait_for(procs: Sequence[Popen], grace_s: float) -> None:
             say(f"[titan] rank pid {p.pid} did not leave within {grace_s:g} s: killing it")
             p.kill()
             p.wait()
+
+
+def watch_peers(num_nodes: int, trainer: Any, grace_s: float) -> list[tuple[str, int]]:
+    """``gather_peers``; and where no launcher of ours watches every rank (torchrun, srun, several
+    nodes), a ``PeerWatch``: a peer dead on any node makes this rank leave (``leave``), naming it."""
+    peers = gather_peers()
+    stop_watching()
+    ours = os.environ.get(LAUNCHER_PID) is not None or multiprocessing.parent_process() is not None
+    # the store the rendezvous used, which the ranks reach as MASTER_ADDR:MASTER_PORT
+    if len(peers) > 1 and (num_nodes > 1 or not ours) and "MASTER_PORT" in os.environ:
+        who = f"rank {dist.get_rank()}/{len(peers)}"
+
+        def gone(reason: str) -> None:
+            say(f"[titan] {who}: {reason}: leaving")
+            if not _failing.is_set():  # this rank's own failure handling leaves, bounded
+                leave(1, grace_s, list(getattr(trainer, "loggers", None) or []))
+
+        _watch[:] = [PeerWatch(peers, dist.get_rank(), gone)]
+        _watch[0].start()
+    return peers
+
+
+def stop_watching() -> None:
+    """At the end of a Trainer call: one that did not fail tells the peers it finished (they then
+    stop watching, and do not take this rank's exit for a death)."""
+    for watch in _watch:
+        watch.stop(finished=not _failing.is_set())
+    _watch.clear()
+
+
+def watched_blame(exception: BaseException, blamed: str) -> str:
+    """A failing rank's blame (``blamed_peers``: this host's dead peers) shared with the other nodes
+    through the watch, or, with none here, what another rank announced (waiting up to 3 s for it
+    when the error says a peer's connection closed)."""
+    if not _watch:
+        return blamed
+    first_line = (str(exception).strip().splitlines() or [""])[0]
+    wait_s = 3.0 if any(words in first_line for words in PEER_GONE) else 0.0
+    try:
+        found = _watch[0].share(0.0 if blamed else wait_s)
+    except Exception:  # noqa: BLE001 - the store is gone with its host: this host's view stands
+        found = None
+    return blamed or (f"{found}; " if found else "")

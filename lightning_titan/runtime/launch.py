@@ -193,9 +193,9 @@ def _entry(
     # a launcher killed (kill -9, a test runner's timeout) must not leave its ranks waiting in a
     # collective for timeout_s: each leaves within seconds (orphans.watch_launcher)
     watch_launcher()
-    os.environ["MASTER_ADDR"] = (
-        "127.0.0.1"  # MASTER_PORT and the agent-store flag: hosted_rendezvous
-    )
+    # the launcher's MASTER_ADDR, else this machine; MASTER_PORT and the agent-store flag:
+    # hosted_rendezvous
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     torch.set_num_threads(cpu_threads_per_rank(world_size, forked=forked))
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -16,16 +16,22 @@ import torch.distributed as dist
 
 from lightning_titan.runtime.orphans import process_state, running
 
+HOST_ENV = "TITAN_HOST"  # the host name the ranks compare (a test's two "nodes" on one machine)
+
+
+def host_name() -> str:
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
 
 def gather_peers() -> list[tuple[str, int]]:
     """(host, pid) of every rank, from one gather while the group is healthy."""
     peers: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    dist.all_gather_object(peers, (host_name(), os.getpid()))
     return peers
 
 
 # gloo's words for "the peer's sockets closed": the peer is dying, maybe not yet marked dead
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def dead_peers(
@@ -35,7 +41,7 @@ def dead_peers(
     for one (a killed process closes its sockets before the kernel marks it dead)."""
     if not peers:
         return []
-    host = socket.gethostname()
+    host = host_name()
     deadline = time.monotonic() + wait_s
     while True:
         dead = [(r, pid) for r, (h, pid) in enumerate(peers) if h == host and not running(pid)]
@@ -47,7 +53,7 @@ def dead_peers(
 def stopped_peers(peers: Sequence[tuple[str, int]] | None) -> list[tuple[int, int]]:
     """(rank, pid) of the ranks on this host that are stopped (SIGSTOP, a job-control stop): alive,
     their sockets open, so their peers wait for them until the collective timeout."""
-    host = socket.gethostname()
+    host = host_name()
     ranks = enumerate(peers or ())
     return [(r, pid) for r, (h, pid) in ranks if h == host and process_state(pid) == "T"]
 
@@ -84,7 +90,7 @@ def blamed_peers(
     """``rank 2 (pid 9) is no longer running; ``: the dead or stopped peers (of ``peers``, but
     ``rank``), the likely cause of ``exception``; "" when every peer runs."""
     first_line = (str(exception).strip().splitlines() or [""])[0]
-    wait_s = 3.0 if any(words in first_line for words in _PEER_GONE) else 0.0
+    wait_s = 3.0 if any(words in first_line for words in PEER_GONE) else 0.0
     blamed = ""
     gone = [(r, pid) for r, pid in dead_peers(peers, wait_s) if r != rank]
     if gone:

@@ -188,6 +188,26 @@ def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def test_several_nodes_need_an_agreed_master_port_and_run_on_ranks_takes_master_addr(monkeypatch):
+    """popen on num_nodes=2 without MASTER_PORT: each node's launcher would pick a port of its own,
+    so the Trainer refuses, saying what to set. run_on_ranks takes MASTER_ADDR from the environment
+    (127.0.0.1 when unset)."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match=r"num_nodes=2: set MASTER_PORT .* on every node"):
+        L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=TitanStrategy())
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=TitanStrategy())
+    monkeypatch.delenv("MASTER_PORT")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert launch.run_on_ranks(_master_addr, 2, start_method="fork") == ["127.0.0.1"] * 2
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    assert launch.run_on_ranks(_master_addr, 2, start_method="fork") == ["localhost"] * 2
+
+
+def _master_addr(rank: int, world_size: int) -> str:
+    return os.environ["MASTER_ADDR"]
+
+
 _FIT_VALIDATE_FIT = """
 import os
 import lightning as L

@@ -6,6 +6,8 @@ python tests/support/scripts/dead_rank.py caught OUT   # both ranks raise, catch
                                                # grace period and write OUT/survived_<rank>
 python tests/support/scripts/dead_rank.py stop OUT     # rank 1 stops itself (SIGSTOP); collective timeout 5 s
 python tests/support/scripts/dead_rank.py plain OUT    # no failure (the test breaks the launcher itself)
+
+A third argument, NODES, runs it on that many nodes of 2 ranks (started by torchrun, one per node).
 """
 
 import os
@@ -66,13 +68,14 @@ class Regressor(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-2)
 
 
-def main(mode: str, out: str) -> None:
+def main(mode: str, out: str, num_nodes: int = 1) -> None:
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=TitanStrategy(dp=2, timeout_minutes=TIMEOUT_MINUTES),
+        num_nodes=num_nodes,
+        strategy=TitanStrategy(dp=2 * num_nodes, timeout_minutes=TIMEOUT_MINUTES),
         max_steps=20,
         log_every_n_steps=1,
         logger=CSVLogger(out, name="run"),
@@ -93,4 +96,4 @@ def main(mode: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:3], *map(int, sys.argv[3:]))
