@@ -84,6 +84,8 @@ def test_notebook_runs_top_to_bottom(source, tmp_path, shared_cache, monkeypatch
 
 FAKE_SRUN = """#!/usr/bin/env bash
 # srun on one node: SLURM_NTASKS copies of the command, each with the variables srun gives a task
+# (srun's own options, such as --kill-on-bad-exit=1, are passed over: every task here succeeds)
+while [[ "$1" == -* ]]; do shift; done
 pids=()
 for ((i = 0; i < SLURM_NTASKS; i++)); do
     SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_NODEID=0 "$@" &
