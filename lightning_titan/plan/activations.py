@@ -56,18 +56,23 @@ def _scale(config: ModelConfig) -> int:
     return best
 
 
+# the nodes between a parameter and autocast's copy of it as a matmul reads it
+_CAST_OR_VIEW = ("ToCopyBackward", "SelectBackward", "TBackward", "TransposeBackward", "View")
+
+
 def _from_weight(node: object, depth: int = 4) -> bool:
     """Whether a saved tensor with grad_fn ``node`` is a parameter through casts and views only
-    (autocast's copy of a weight, ``w[e]``, a transpose): no other input on the way."""
+    (autocast's copy of a weight, of ``w[e]``, transposed): not an activation such as the
+    embedding's output, which also has one parameter as its only input."""
     for _ in range(depth):
-        if node is None:
+        if node is None or not type(node).__name__.startswith(_CAST_OR_VIEW):
             return False
-        if type(node).__name__ == "AccumulateGrad":
-            return True
         inputs = [f for f, _ in getattr(node, "next_functions", ()) if f is not None]
         if len(inputs) != 1:
             return False
         node = inputs[0]
+        if type(node).__name__ == "AccumulateGrad":
+            return True
     return False
 
 
