@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-PRECISIONS = ("32-true", "bf16-mixed")  # what TitanStrategy accepts (train/options.py)
+from lightning_titan.train.options import PRECISIONS  # what TitanStrategy accepts
+
 STATE_BYTES = 4  # fp32 weights, grads and AdamW moments, under either precision
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_titan.cli import TitanCLI, cli_components
 from lightning_titan.model.decoder import ModelConfig
@@ -263,7 +264,7 @@ def test_layout_auto_plans_in_the_trainers_precision():
 
     from lightning_titan.plan import auto
 
-    strategy = SimpleNamespace(num_nodes=1, num_processes=2, root_device=__import__("torch").device("cpu"),
+    strategy = SimpleNamespace(num_nodes=1, num_processes=2, root_device=torch.device("cpu"),
                                precision_plugin=SimpleNamespace(precision="bf16-mixed"))  # fmt: skip
     seen = []
     original = auto.choose
