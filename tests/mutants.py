@@ -72,6 +72,19 @@ MUTATIONS = {
     # issue 20: 1F1B's activations counted like GPipe's (every microbatch held)
     "plan_1f1b_holds_all": ("lightning_titan/plan/activations.py", "return min(m, pp - pp_rank)",
                             "return m", ["tests/cli/test_plan.py", "-k", "activation_peaks", "-m", "slow"]),
+    # the planner meters bf16-mixed activations as fp32 (no autocast in its probe)
+    "plan_bf16_as_fp32": ("lightning_titan/plan/precision.py",
+                          'return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.mixed)',
+                          'return torch.autocast("cpu", dtype=torch.bfloat16, enabled=False)',
+                          ["tests/cli/test_plan.py", "-k", "bf16_activation"]),
+    # the planner prices bf16-mixed payloads (EP, PP, CP, TP's reduce-scatter) as fp32
+    "plan_bf16_wire_fp32": ("lightning_titan/plan/precision.py", "return 2 if self.mixed else 4",
+                            "return 4", ["tests/cli/test_plan.py", "-k", "bf16_prices"]),
+    # the planner keeps one copy of each expert's bf16 weights per step, not per held microbatch
+    "plan_expert_copies_once": ("lightning_titan/plan/activations.py",
+                                "held(options, pp, p) * layers * (block * m / share + expert_copies)",
+                                "held(options, pp, p) * layers * block * m / share + layers * expert_copies",
+                                ["tests/cli/test_plan.py", "-k", "bf16_activation"]),
     # issue 16: ZeRO-1 without its all-gather (other ranks' rows never arrive), through the strategy
     "zero_no_gather": ("lightning_titan/lightning/module.py",
                        "        strategy.engine.gather_params()\n",

@@ -14,19 +14,29 @@ scores, not scaled, are a rounding error). Then, in microbatches held at the pea
 (each the count of live microbatches in the schedule's own order, ``parallel/pipeline/theory.py``: a test
 holds them equal). Under zbv the embedding, head and loss are on rank 0, the V's turn.
 
-Activation checkpointing keeps only each block's input (``m * S * D`` floats) and, during one block's
-backward, that block's full activations again.
+Activation checkpointing keeps only each block's input (``m * S * D`` floats: the residual stream, fp32
+under either precision) and, during one block's backward, that block's full activations again.
+
+Under ``bf16-mixed`` the probe runs under the run's autocast (``plan/precision.py``), so each saved
+tensor has the run's dtype. Autocast's bf16 copies of the weights, which autograd saves too, do not
+scale with the tokens: the meter leaves them out, and they are counted from the stage's parameters
+(the non-expert matrices once, autocast caches their copies for the step; each local expert's
+``w1``, ``w2``, ``w3`` once per layer and held microbatch, a ``w[e]`` view is copied on every call).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
 
-from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.decoder import EXPERT, ModelConfig, StageModel
+from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.theory import live_peak
-from lightning_titan.plan.cost import BYTES, StepOptions
+from lightning_titan.plan.cost import StepOptions
+from lightning_titan.plan.memory import local_shape, stage_tensors
+from lightning_titan.plan.precision import FP32, STATE_BYTES, Precision
 from lightning_titan.runtime.saved_tensors import SavedTensorMeter
 
 PROBE_WIDTH = 512  # the widest d_model measured as it is
@@ -46,12 +56,41 @@ def _scale(config: ModelConfig) -> int:
     return best
 
 
-def _saved(config: ModelConfig) -> int:
+# the nodes between a parameter and autocast's copy of it as a matmul reads it
+_CAST_OR_VIEW = ("ToCopyBackward", "SelectBackward", "TBackward", "TransposeBackward", "View")
+
+
+def _from_weight(node: object, depth: int = 4) -> bool:
+    """Whether a saved tensor with grad_fn ``node`` is a parameter through casts and views only
+    (autocast's copy of a weight, of ``w[e]``, transposed): not an activation such as the
+    embedding's output, which also has one parameter as its only input."""
+    for _ in range(depth):
+        if node is None or not type(node).__name__.startswith(_CAST_OR_VIEW):
+            return False
+        inputs = [f for f, _ in getattr(node, "next_functions", ()) if f is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+        if type(node).__name__ == "AccumulateGrad":
+            return True
+    return False
+
+
+class _ActivationMeter(SavedTensorMeter):
+    """The meter, without autocast's weight copies (``weight_copy_bytes`` prices those)."""
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        if _from_weight(tensor.grad_fn):
+            return tensor
+        return super()._pack(tensor)
+
+
+def _saved(config: ModelConfig, precision: Precision) -> int:
     torch.manual_seed(0)
     model = StageModel(config)
     x = torch.randint(0, config.vocab_size, (1, config.seq_len))
-    meter = SavedTensorMeter(exclude=list(model.parameters()))
-    with meter:
+    meter = _ActivationMeter(exclude=list(model.parameters()))
+    with meter, precision.autocast():
         logits, aux = model(x)
         loss = model.token_loss_sum(logits, x) + aux.sum()
     del loss, logits, aux
@@ -61,9 +100,10 @@ def _saved(config: ModelConfig) -> int:
 _PER_SEQUENCE: dict[str, tuple[float, float]] = {}
 
 
-def per_sequence(config: ModelConfig) -> tuple[float, float]:
-    """(bytes one block saves for one sequence, bytes of the embedding, head and loss)."""
-    key = repr(config)
+def per_sequence(config: ModelConfig, precision: Precision = FP32) -> tuple[float, float]:
+    """(bytes one block saves for one sequence, bytes of the embedding, head and loss), in the
+    dtypes ``precision`` computes in, weight copies aside."""
+    key = repr(config) + precision.name
     if key not in _PER_SEQUENCE:
         s = _scale(config)
         narrow = replace(
@@ -76,7 +116,8 @@ def per_sequence(config: ModelConfig) -> tuple[float, float]:
             attn_head_dim=config.head_dim,
             activation_checkpointing=False,
         )
-        one, two = _saved(replace(narrow, n_layers=1)), _saved(replace(narrow, n_layers=2))
+        one = _saved(replace(narrow, n_layers=1), precision)
+        two = _saved(replace(narrow, n_layers=2), precision)
         _PER_SEQUENCE[key] = ((two - one) * s, one - (two - one))
     return _PER_SEQUENCE[key]
 
@@ -97,21 +138,53 @@ def held(options: StepOptions, pp: int, pp_rank: int) -> float:
     return m  # gpipe
 
 
+def weight_copy_bytes(
+    config: ModelConfig, degrees: dict[str, int], precision: Precision
+) -> tuple[float, float, float]:
+    """Bytes of autocast's weight copies on one rank: (the non-expert ones of one block, kept once
+    per step; the expert ones of one block, per microbatch; the LM head's). All 0 in fp32."""
+    per_element = precision.weight_copy
+    if not per_element:
+        return 0.0, 0.0, 0.0
+    dims = ParallelDims(**degrees)
+    block, experts, head = 0, 0, 0
+    for t in stage_tensors(config, 1, 0):
+        numel = math.prod(local_shape(t, dims))
+        if t.kind == EXPERT:
+            experts += numel if t.name.startswith("layers.0.") else 0
+        elif t.name.startswith("lm_head."):
+            head += numel
+        elif t.name.startswith("layers.0.") and len(t.shape) == 2:  # matmul weights, not norms
+            block += numel
+    return block * per_element, experts * per_element, head * per_element
+
+
 def peak_bytes(
-    config: ModelConfig, degrees: dict[str, int], options: StepOptions, global_batch: int
+    config: ModelConfig,
+    degrees: dict[str, int],
+    options: StepOptions,
+    global_batch: int,
+    precision: Precision = FP32,
 ) -> float:
     """Peak activation bytes of the fullest stage (one rank; tp and cp divide the positions)."""
     pp = degrees["pp"]
-    block, ends = per_sequence(config)
+    block, ends = per_sequence(config, precision)
+    copies, expert_copies, head_copies = weight_copy_bytes(config, degrees, precision)
     share = degrees["tp"] * degrees["cp"]  # positions per rank (the head's logits: V/tp of them)
     m = global_batch // (degrees["dp"] * degrees["ep"]) / options.microbatches
     layers = config.n_layers / pp
     head = 0 if options.schedule == "zbv" else pp - 1  # the rank with the embedding, head and loss
     if options.recompute:  # inputs kept, one block's activations live again during its backward
-        kept = config.seq_len * config.d_model * BYTES
-        peaks = [held(options, pp, p) * layers * kept + block for p in range(pp)]
-        peaks[head] += ends
-        return max(peaks) * m / share
-    peaks = [held(options, pp, p) * layers * block for p in range(pp)]
-    peaks[head] += held(options, pp, head) * ends
-    return max(peaks) * m / share
+        kept = config.seq_len * config.d_model * STATE_BYTES
+        peaks = [
+            (held(options, pp, p) * layers * kept + block) * m / share + copies + expert_copies
+            for p in range(pp)
+        ]
+        peaks[head] += ends * m / share + head_copies
+        return max(peaks)
+    peaks = [
+        held(options, pp, p) * layers * (block * m / share + expert_copies) + layers * copies
+        for p in range(pp)
+    ]
+    peaks[head] += held(options, pp, head) * ends * m / share + head_copies
+    return max(peaks)

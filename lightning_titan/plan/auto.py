@@ -3,7 +3,7 @@
 The choice is ``titan plan``'s: every layout the strategy accepts for this model, world and global
 batch, with every step option (schedule, microbatches, virtual stages; the model's own activation
 checkpointing setting is kept), whose model state and activations fit this device's memory, ranked
-by predicted step time. On the CPU the cost model times this machine (a probe of about a second),
+by predicted step time, priced in the Trainer's precision (``plan/precision.py``). On the CPU the cost model times this machine (a probe of about a second),
 so ranks could disagree: the strategy takes global rank 0's choice and broadcasts it.
 """
 
@@ -18,6 +18,7 @@ import torch
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.plan.devices import GPUS, Device, cpu_device, on_nodes
 from lightning_titan.plan.layouts import DEVICES, GB, candidates, shortfall
+from lightning_titan.plan.precision import FP32, Precision, precision_of
 from lightning_titan.plan.rank import Ranked, ranked
 from lightning_titan.train.options import TrainOptions
 
@@ -105,7 +106,13 @@ def this_device(device: torch.device, world: int, nodes: int, config: ModelConfi
     return cost_device(key, memory, world, nodes, config)
 
 
-def choose(config: ModelConfig, batch: int, world: int, device: Device) -> Choice:
+def choose(
+    config: ModelConfig,
+    batch: int,
+    world: int,
+    device: Device,
+    precision: Precision = FP32,
+) -> Choice:
     """The first row ``titan plan`` would print, as the strategy's arguments; a clear error where
     nothing is accepted or nothing fits."""
     found, _ = candidates(config, world, batch)
@@ -118,7 +125,8 @@ def choose(config: ModelConfig, batch: int, world: int, device: Device) -> Choic
     if not fits:
         smallest = min(found, key=lambda c: c.state_bytes)
         raise ValueError(f"layout='auto': nothing fits: {shortfall(smallest, device.memory)}")
-    rows = ranked(config, fits, batch, device, recompute=(config.activation_checkpointing,))
+    recompute = (config.activation_checkpointing,)
+    rows = ranked(config, fits, batch, device, recompute, precision)
     if not rows:
         raise ValueError(
             "layout='auto': the model state fits but no step option's activations do; use "
@@ -144,11 +152,13 @@ def _as_choice(r: Ranked) -> Choice:
 
 
 def choose_for(strategy: Any, module: Any, datamodule: Any) -> Choice:
-    """``choose`` for the strategy's world, nodes and device, the module's model and the data's batch."""
+    """``choose`` for the strategy's world, nodes, device and precision, the module's model and the
+    data's batch."""
     config = model_config(module)
     world = strategy.num_nodes * strategy.num_processes
     device = this_device(strategy.root_device, world, strategy.num_nodes, config)
-    return choose(config, global_batch(datamodule), world, device)
+    precision = precision_of(getattr(strategy.precision_plugin, "precision", "32-true"))
+    return choose(config, global_batch(datamodule), world, device, precision)
 
 
 def agree(mine: Choice | None, strategy: Any, module: Any, datamodule: Any) -> Choice:

@@ -14,6 +14,9 @@ communication, so a reader sees why one layout wins.
   send/recv, TP's sequence all-gather / reduce-scatter, CP's key/value all-gather;
 - **optimizer**: AdamW streaming the state the rank owns.
 
+Each payload is priced in the dtype the run sends it in (``plan/precision.py``): under ``bf16-mixed``
+the EP, PP and CP payloads and TP's reduce-scatter in bf16, TP's all-gather and the gradients fp32.
+
 On a CPU the ranks share the cores: a step takes at least the busy time of all ranks over the cores.
 """
 
@@ -27,8 +30,9 @@ from lightning_titan.model.flops import forward_flops_per_token
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD
 from lightning_titan.parallel.pipeline.theory import ideal_bubble
 from lightning_titan.plan.devices import Device, Link
+from lightning_titan.plan.precision import FP32, Precision
+from lightning_titan.plan.precision import STATE_BYTES as BYTES
 
-BYTES = 4  # fp32 activations, grads and state
 BUCKET = 25 * 2**20  # the reducer's default bucket_cap_mb
 ZERO_FACTOR = {0: (2.0, 0.0), 1: (2.0, 1.0), 2: (1.0, 1.0)}  # (grad reduction, weight all-gather)
 # in units of (n-1)/n * bytes: a ring all-reduce is 2, a reduce-scatter or an all-gather 1
@@ -105,9 +109,11 @@ def predict(
     global_batch: int,
     device: Device,
     params: tuple[int, int],
+    precision: Precision = FP32,
 ) -> StepCost:
     """The step time of ``degrees`` (dp, pp, ep, cp, tp) with ``options``; ``params`` is the
-    (non-expert, expert) parameter count of the fullest rank (``plan/memory.py``)."""
+    (non-expert, expert) parameter count of the fullest rank (``plan/memory.py``); payloads in the
+    dtypes ``precision`` sends."""
     dp, pp, ep, cp, tp = (degrees[a] for a in ("dp", "pp", "ep", "cp", "tp"))
     world = math.prod(degrees.values())
     m_count, v = options.microbatches, options.virtual_stages
@@ -125,20 +131,26 @@ def predict(
     bubble = compute * idle / (1 - idle)
 
     comm = {}
-    act = mb_tokens * config.d_model * BYTES  # one microbatch's activations between blocks
+    wire = precision.wire
+    act = mb_tokens * config.d_model  # one microbatch's activations between blocks, in elements
     # pp: a stage receives and sends one activation forward, one grad backward, per microbatch and chunk
     comm["pp"] = (
-        0.0 if pp == 1 else 2 * collective(_link(device, degrees, "pp"), act, 2, 2, m_count * v)
+        0.0
+        if pp == 1
+        else 2 * collective(_link(device, degrees, "pp"), act * wire, 2, 2, m_count * v)
     )
     # ep: dispatch and combine forward, both again backward, plus the count exchange, per MoE layer
-    a2a = mb_tokens * config.top_k * config.d_model * BYTES
+    a2a = mb_tokens * config.top_k * config.d_model * wire
     calls = int(layers * m_count)
     ep_link = _link(device, degrees, "ep")
     comm["ep"] = 4 * collective(ep_link, a2a, ep, 1, calls) + collective(ep_link, 0, ep, 1, calls)
-    # tp: sequence all-gather in, reduce-scatter out, around each block's attention; and backward
-    comm["tp"] = 4 * collective(_link(device, degrees, "tp"), act * tp, tp, 1, calls)
+    # tp: sequence all-gather in (the norm's output), reduce-scatter out (the o-projection's), around
+    # each block's attention; and each again backward
+    tp_link = _link(device, degrees, "tp")
+    comm["tp"] = 2 * collective(tp_link, act * tp * precision.tp_gather, tp, 1, calls)
+    comm["tp"] += 2 * collective(tp_link, act * tp * wire, tp, 1, calls)
     # cp: the keys and values of every position, gathered forward and their grads scattered back
-    kv = 2 * mb_tokens * cp * config.kv_heads * config.head_dim * BYTES
+    kv = 2 * mb_tokens * cp * config.kv_heads * config.head_dim * wire
     comm["cp"] = 2 * collective(_link(device, degrees, "cp"), kv, cp, 1, calls)
     comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count)
     optimizer = _optimizer(degrees, zero, params, device)

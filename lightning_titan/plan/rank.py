@@ -21,6 +21,7 @@ from lightning_titan.plan.activations import peak_bytes
 from lightning_titan.plan.cost import StepCost, StepOptions, predict
 from lightning_titan.plan.devices import Device
 from lightning_titan.plan.layouts import Candidate, divisors
+from lightning_titan.plan.precision import FP32, Precision
 from lightning_titan.train.options import TrainOptions
 
 VIRTUAL_STAGES = 2  # interleaved 1F1B is offered with two chunks per rank (zbv has exactly two)
@@ -82,18 +83,21 @@ def ranked(
     global_batch: int,
     device: Device,
     recompute: tuple[bool, ...] = (False, True),
+    precision: Precision = FP32,
 ) -> list[Ranked]:
     """Every candidate with every step option whose state and activations fit the device's
-    memory, fastest predicted first."""
+    memory, fastest predicted first; activations and payloads in ``precision``'s dtypes."""
     rows = []
     for c in found:
         params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
         local = global_batch // (c.degrees["dp"] * c.degrees["ep"])
         for options in step_options(config, c.degrees["pp"], local, recompute):
-            activations = peak_bytes(config, c.degrees, options, global_batch)
+            activations = peak_bytes(config, c.degrees, options, global_batch, precision)
             if c.state_bytes + activations > device.memory:
                 continue
-            cost = predict(config, c.degrees, c.zero, options, global_batch, device, params)
+            cost = predict(
+                config, c.degrees, c.zero, options, global_batch, device, params, precision
+            )
             rows.append(Ranked(c, options, cost, activations))
     rows.sort(key=lambda r: (r.cost.step, r.candidate.state_bytes))
     return rows

@@ -6,7 +6,9 @@ can run are predicted for this machine's CPU ranks; the fastest and the slowest 
 are printed beside the measured ones, with the Spearman rank correlation of the step times.
 
 Only what the bench's runner sets is checked: zero=0, every schedule with the bench's microbatch
-count (interleaved 1F1B and ZBV with two chunks per rank), no recompute (not a bench case).
+count (interleaved 1F1B and ZBV with two chunks per rank), no recompute (not a bench case). Under
+``--precision bf16-mixed`` the planner prices bf16 and every step runs under CPU autocast, one region
+per step as Lightning's (``bench/worker.py``), so the activations are compared in the run's dtypes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.plan.devices import cpu_device
 from lightning_titan.plan.layouts import candidates
+from lightning_titan.plan.precision import FP32, Precision
 from lightning_titan.plan.rank import Ranked, ranked
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.tools.bench.cases import OURS, Case, Settings
@@ -64,14 +67,20 @@ def _case(r: Ranked) -> Case:
 
 
 def chosen(
-    config: ModelConfig, batch: int, world: int, settings: Settings, memory: float, per_end: int
+    config: ModelConfig,
+    batch: int,
+    world: int,
+    settings: Settings,
+    memory: float,
+    per_end: int,
+    precision: Precision = FP32,
 ) -> list[Ranked]:
     """The fastest and slowest ``per_end`` runnable layouts of ``world`` ranks, as predicted."""
     device = cpu_device(world, config.n_experts, config.top_k, memory)
     found = [c for c in candidates(config, world, batch)[0] if c.zero == 0]
     rows = [
         r
-        for r in ranked(config, found, batch, device, recompute=(False,))
+        for r in ranked(config, found, batch, device, (False,), precision)
         if r.options.schedule in SCHEDULES
         and r.options.microbatches == settings.num_microbatches(_case(r))
         and r.candidate.state_bytes <= memory
@@ -82,7 +91,13 @@ def chosen(
 
 
 def check(
-    config: ModelConfig, batch: int, devices: int, memory: float, steps: int = 2, rounds: int = 3
+    config: ModelConfig,
+    batch: int,
+    devices: int,
+    memory: float,
+    steps: int = 2,
+    rounds: int = 3,
+    precision: Precision = FP32,
 ) -> float:
     """Run, print the table, return the Spearman correlation of predicted and measured step time."""
     settings = Settings(
@@ -93,15 +108,19 @@ def check(
         rounds=rounds,
         traced_steps=0,
         timeout_s=600.0,
+        precision=precision.name,
     )
     worlds = [w for w in (1, 2, 4, 8, 16) if w <= devices and devices % w == 0]
     rows: list[tuple[int, Ranked, dict]] = []
     start = time.perf_counter()
     for world in worlds:
-        picked = chosen(config, batch, world, settings, memory, PER_END.get(world, 3))
+        picked = chosen(config, batch, world, settings, memory, PER_END.get(world, 3), precision)
         if not picked:
             continue
-        print(f"titan plan --check: {world} rank(s), {len(picked)} layouts ...", flush=True)
+        print(
+            f"titan plan --check: {world} rank(s), {len(picked)} layouts, {precision.name} ...",
+            flush=True,
+        )
         per_rank = run_on_ranks(
             run_world, world, [_case(r) for r in picked], settings, timeout_s=settings.timeout_s
         )
@@ -132,13 +151,14 @@ def _table(rows: list[tuple[int, Ranked, dict]]) -> list[str]:
     lines = [
         "| ranks | layout | step options | predicted ms | measured ms | predicted state MB | "
         "measured state MB | predicted activations MB | measured activations MB | "
-        "measured CPU s (all ranks) |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "predicted / measured activations | measured CPU s (all ranks) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for world, r, m in rows:
         lines.append(
             f"| {world} | {r.label} | {r.options_label} | {r.cost.step * 1e3:,.1f} | "
             f"{m['step_s'] * 1e3:,.1f} | {r.candidate.state_bytes / 1e6:,.3f} | "
-            f"{m['state'] / 1e6:,.3f} | {r.activation_bytes / 1e6:,.2f} | {m['saved_peak'] / 1e6:,.2f} | {m['cpu_s']:,.3f} |"
+            f"{m['state'] / 1e6:,.3f} | {r.activation_bytes / 1e6:,.2f} | {m['saved_peak'] / 1e6:,.2f} | "
+            f"{r.activation_bytes / m['saved_peak']:.3f} | {m['cpu_s']:,.3f} |"
         )
     return lines

@@ -4,12 +4,14 @@
     titan plan --config configs/dp_pp_ep.yaml --devices 8 --out layout.yaml   # then:
     titan fit --config configs/dp_pp_ep.yaml --config layout.yaml
     titan plan --config configs/base.yaml --devices 8 --check   # predicted against measured
+    titan plan --config configs/dp_pp_ep.yaml --devices 8 --device h100-80gb --precision bf16-mixed
 
 Each layout (dp, pp, ep, cp, tp, zero) with each step option (schedule, microbatches, virtual stages,
 activation checkpointing) gets the model state of its fullest rank, exactly as ``titan bench``
 measures it (``plan/memory.py``), and a predicted step time with its terms (``plan/cost.py``):
 compute, bubble, and each collective kind, in ms. Rows whose model state and activations fit
-are ranked fastest first.
+are ranked fastest first. Activations and payloads are priced in the dtypes of ``--precision``
+(default: the config's ``trainer.precision``; ``plan/precision.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from lightning_titan.plan.layouts import (
     total_params,
 )
 from lightning_titan.plan.memory import PARTS
+from lightning_titan.plan.precision import PRECISIONS, Precision, precision_of
 from lightning_titan.plan.rank import Ranked, ranked
 
 TERMS = ("dp", "ep", "pp", "tp", "cp")
@@ -48,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
         "--global-batch", type=int, help="sequences per step (default: the config's)"
     )
     parser.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="the dtypes activations and payloads are priced in (default: the config's "
+        "trainer.precision, else 32-true); state is fp32 under either",
+    )
     parser.add_argument("--top", type=int, default=20, help="rows to print")
     parser.add_argument(
         "--only",
@@ -64,8 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def model_and_batch(path: str) -> tuple[ModelConfig, int]:
-    """The ModelConfig and global batch a titan config trains (defaults where it sets none)."""
+def model_and_batch(path: str) -> tuple[ModelConfig, int, Precision]:
+    """The ModelConfig, global batch and precision a titan config trains (defaults where it sets
+    none)."""
     composed = compose_config(path)
     model = (composed.get("model") or {}).get("model") or {}
     model = model.get("init_args", model)
@@ -74,7 +84,9 @@ def model_and_batch(path: str) -> tuple[ModelConfig, int]:
     if unknown:
         raise ValueError(f"{path}: model.model has unknown fields {unknown}")
     data = composed.get("data") or {}
-    return ModelConfig(**model), int(data.get("global_batch_size", 16))
+    trainer = composed.get("trainer") or {}
+    precision = precision_of(trainer.get("precision", "32-true"))
+    return ModelConfig(**model), int(data.get("global_batch_size", 16)), precision
 
 
 def describe(device: Device, nodes: int) -> str:
@@ -134,8 +146,9 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        config, batch = model_and_batch(args.config)
+        config, batch, precision = model_and_batch(args.config)
         batch = args.global_batch if args.global_batch is not None else batch
+        precision = Precision(args.precision) if args.precision else precision
         check_request(args.devices, batch, args.device)
         if args.check and args.device != "cpu":
             raise ValueError(
@@ -148,14 +161,15 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     if args.check:
         from lightning_titan.tools.plan_check import check
 
-        check(config, batch, args.devices, memory)
+        check(config, batch, args.devices, memory, precision=precision)
         return []
     found, rejected = candidates(config, args.devices, batch)
     found.sort(key=lambda c: (c.state_bytes, c.zero, -c.degrees["dp"]))
     fits = [c for c in found if c.state_bytes <= memory]
     print(
         f"titan plan: {total_params(config):,} parameters on {args.devices} x {args.device} "
-        f"({memory / GB:.2f} GB each) on {args.nodes} node(s), global batch {batch}: {len(found)} "
+        f"({memory / GB:.2f} GB each) on {args.nodes} node(s), global batch {batch}, "
+        f"{precision.name}: {len(found)} "
         f"layouts the strategy accepts, {len(fits)} whose model state fits"
     )
     print(describe(device, args.nodes))
@@ -165,7 +179,7 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
         sys.exit("titan plan: no layout of these devices splits this model and batch evenly")
     if not fits:
         sys.exit(f"titan plan: nothing fits: {shortfall(found[0], memory)}")
-    rows = ranked(config, fits, batch, device)
+    rows = ranked(config, fits, batch, device, precision=precision)
     if not rows:
         sys.exit(
             "titan plan: the model state fits but no step option's activations do: use more "
@@ -178,7 +192,7 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
         print(f"titan plan: none of {args.only} fits (or is accepted) here")
     print(
         "(ms per step; comm columns are the collectives' exposed time; of memory: model state and "
-        "peak activations, fp32, of the fullest rank)"
+        f"peak activations of the fullest rank; priced as {precision.label()})"
     )
     if args.out:
         Path(args.out).write_text(overlay(rows[0]))

@@ -88,6 +88,7 @@ class Settings:
     device: str = "cpu"
     bucket_cap_mb: float = 25.0  # ours; the DDP peer keeps its own defaults
     threads_per_rank: int | None = None  # None: the launcher's split of the cores between the ranks
+    precision: str = "32-true"  # "bf16-mixed": every step under autocast, as Lightning runs it
     timeout_s: float = 1800.0
 
     @property

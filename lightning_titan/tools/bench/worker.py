@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -130,13 +131,20 @@ def _make(
     raise ValueError(f"impl={impl!r} is unknown; choose one of {list(IMPL_LABELS)}")
 
 
+def autocast(settings: Settings, device: torch.device) -> AbstractContextManager:
+    """One step's autocast under ``bf16-mixed`` (a region per step, as Lightning enters one per
+    ``training_step``: autocast's cached weight copies must not outlive the optimizer step)."""
+    mixed = settings.precision == "bf16-mixed"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _timed_block(
-    runner: Any, batches: list, steps: int, device: torch.device
+    runner: Any, batches: list, settings: Settings, device: torch.device
 ) -> tuple[float, float]:
     """(wall seconds per step, the slowest rank's; CPU seconds per step, all ranks together).
 
@@ -146,8 +154,10 @@ def _timed_block(
     _sync(device)
     dist.barrier()
     start, cpu = time.perf_counter(), time.process_time()
+    steps = settings.steps
     for k in range(steps):
-        runner.step(*batches[k % len(batches)])
+        with autocast(settings, device):
+            runner.step(*batches[k % len(batches)])
     _sync(device)
     cpu = time.process_time() - cpu
     dist.barrier()
@@ -171,7 +181,8 @@ def run_case(
         reset_peak(device)
         runners[impl] = _make(impl, case, settings, dims, groups, device, split)
         for k in range(settings.warmup):
-            runners[impl].step(*batches[k % len(batches)])
+            with autocast(settings, device):
+                runners[impl].step(*batches[k % len(batches)])
         _sync(device)
         out[impl] = {
             "rank": dims.rank,
@@ -183,7 +194,7 @@ def run_case(
     for r in range(settings.rounds):
         order = case.impls[r % len(case.impls) :] + case.impls[: r % len(case.impls)]
         for impl in order:
-            wall, cpu = _timed_block(runners[impl], batches, settings.steps, device)
+            wall, cpu = _timed_block(runners[impl], batches, settings, device)
             out[impl]["step_s"].append(wall)
             out[impl]["cpu_s"].append(cpu)
     for result in out.values():
@@ -200,12 +211,14 @@ def run_case(
         )
         out[impl]["tp_cut_param_bytes"] = tp_cut_bytes(runner.model)
     # activations saved for backward, every case: the pipeline's per stage, CP's against one rank
-    out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
+    with autocast(settings, device):
+        out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
     if dims.pp > 1:
         out[OURS]["stage_layers"] = split.counts(settings.config.n_layers, dims.pp)
     if dims.pp > 1 and dims.tp == dims.cp == 1:  # the schedules theory's unit: what one microbatch
         # of each chunk saves (run outside the engine, which alone splits a TP/CP sequence)
-        out[OURS]["microbatch_saved_bytes"] = _microbatch_saved(ours, batches[0])
+        with autocast(settings, device):
+            out[OURS]["microbatch_saved_bytes"] = _microbatch_saved(ours, batches[0])
     for runner in runners.values():
         runner.close()
     return out
@@ -219,7 +232,8 @@ def _traced(
         dist.barrier()
         tracing.start(dims.rank, step=k, synchronize=device.type == "cuda")
         try:
-            runner.step(*batches[k % len(batches)])
+            with autocast(settings, device):
+                runner.step(*batches[k % len(batches)])
         finally:
             spans += tracing.stop()
     return spans
