@@ -15,7 +15,7 @@ communication, so a reader sees why one layout wins.
 - **optimizer**: AdamW streaming the state the rank owns.
 
 Each payload is priced in the dtype the run sends it in (``plan/precision.py``): under ``bf16-mixed``
-the EP, PP and CP payloads and TP's reduce-scatter in bf16, TP's all-gather and the gradients fp32.
+the EP, PP, CP and TP payloads in bf16, the gradients fp32.
 
 On a CPU the ranks share the cores: a step takes at least the busy time of all ranks over the cores.
 """
@@ -147,8 +147,7 @@ def predict(
     # tp: sequence all-gather in (the norm's output), reduce-scatter out (the o-projection's), around
     # each block's attention; and each again backward
     tp_link = _link(device, degrees, "tp")
-    comm["tp"] = 2 * collective(tp_link, act * tp * precision.tp_gather, tp, 1, calls)
-    comm["tp"] += 2 * collective(tp_link, act * tp * wire, tp, 1, calls)
+    comm["tp"] = 4 * collective(tp_link, act * tp * wire, tp, 1, calls)
     # cp: the keys and values of every position, gathered forward and their grads scattered back
     kv = 2 * mb_tokens * cp * config.kv_heads * config.head_dim * wire
     comm["cp"] = 2 * collective(_link(device, degrees, "cp"), kv, cp, 1, calls)

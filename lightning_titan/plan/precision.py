@@ -12,8 +12,7 @@ under ``torch.autocast("cpu", dtype=torch.bfloat16)``):
 | autocast's bf16 copies of the weights the matmuls read (saved for backward: the non-expert ones once per step, autocast caches them; an expert's ``w[e]`` view once per microbatch) | none | bf16 |
 | RMSNorm outputs, the residual stream (a checkpointed block's input), router softmax and weights, the aux and z losses, the cross-entropy | fp32 | fp32 |
 | EP all-to-alls, PP send/recv, CP key/value all-gathers (each way) | fp32 | bf16 |
-| TP all-gather of the attention norm's output (and its backward reduce-scatter) | fp32 | fp32 |
-| TP reduce-scatter of the o-projection (and its backward all-gather) | fp32 | bf16 |
+| TP's sequence all-gathers (the norms' outputs) and reduce-scatters (the o-projection's, the embedding's), each way | fp32 | bf16 |
 
 The activations themselves are not restated here: ``plan/activations.py`` meters the model under
 the run's autocast, so every saved tensor has the dtype the run gives it.
@@ -47,13 +46,8 @@ class Precision:
 
     @property
     def wire(self) -> int:
-        """Bytes per element of the EP, PP and CP payloads and TP's o-projection reduce-scatter."""
+        """Bytes per element of the EP, PP, CP and TP payloads (``parallel/wire.py``)."""
         return 2 if self.mixed else 4
-
-    @property
-    def tp_gather(self) -> int:
-        """Bytes per element of TP's sequence all-gather: the norm's output, fp32 under autocast."""
-        return 4
 
     @property
     def weight_copy(self) -> int:
@@ -70,8 +64,8 @@ class Precision:
             return "32-true: activations, wire and state fp32"
         return (
             "bf16-mixed: activations as autocast saves them (matmul outputs and weight copies "
-            "bf16; norms, residual, router scores, losses fp32), EP/PP/CP wire and TP's "
-            "reduce-scatter bf16, TP's all-gather fp32, weights/grads/AdamW fp32"
+            "bf16; norms, residual, router scores, losses fp32), EP/PP/CP/TP wire bf16, "
+            "weights/grads/AdamW fp32"
         )
 
 
