@@ -493,7 +493,10 @@ def test_bad_layout_fails_on_every_rank_under_torchrun(work):
     job = launch(cmd, root, cache, config)
     assert job.returncode != 0
     lines = failure_lines(job)
-    assert sorted(lines) == [0, 1], job.stderr[-3000:]
+    # each rank names the error, unless torchrun's agent stopped a slower one first (after the
+    # other's failure, before its own checks ran): it never hangs either way
+    stopped = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\s+exitcode\s+: -15", job.stderr)
+    assert sorted({*lines, *map(int, stopped)}) == [0, 1] and lines, job.stderr[-3000:]
     assert all("n_layers=3 is not divisible by pp=2" in line for line in lines.values())
     assert job.seconds < 60
     assert not (root / "torchrun_bad" / "ckpt").exists()
