@@ -248,6 +248,7 @@ def test_model_optimizer_is_built_on_the_weight_decay_groups(tmp_path, monkeypat
         main(["fit", "--config", str(config("single")), "--optimizer=torch.optim.SGD"])
 
 
+@pytest.mark.slow  # several `titan` processes (about 35 s)
 def test_a_bad_value_on_the_command_line_is_the_message_alone(tmp_path):
     """The `titan` command prints a bad strategy or model value as one line, no traceback, exit 2."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

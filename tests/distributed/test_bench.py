@@ -560,6 +560,7 @@ def test_the_zero_peer_is_timed_against_ours_at_zero_1():
     assert z["peer_step_ratio"] == pytest.approx(13 / 12) and z["peer_met"]
 
 
+@pytest.mark.slow  # a tool's end-to-end run (about 30 s); the fast tier keeps its parts' tests
 @pytest.mark.timeout(300)
 def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     import subprocess
@@ -875,6 +876,7 @@ def test_the_torch_pipelining_peers_train_the_one_process_model(schedule, v):
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # as the quick run above
 def test_bench_schedules_runs_end_to_end_and_reports_each_schedule(tmp_path):
     """``titan bench --schedules --quick``: pp2 under 1F1B, interleaved 1F1B (v=2), ZB-H1, ZBV (each
     beside torch's) and the auto split, 8 layers; the table's columns, the checks and the timelines.

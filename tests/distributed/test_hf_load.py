@@ -185,6 +185,7 @@ def _fit(hf_dir: Path, out: Path, run: str) -> list[dict]:
     return [torch.load(out / f"{run}_rank{r}.pt") for r in range(4)]
 
 
+@pytest.mark.slow  # a Trainer fit and a resume (about 25 s); the loads are tested in-process above
 @pytest.mark.timeout(420)
 def test_trainer_starts_from_the_folder_and_a_resume_from_the_checkpoint(hf, tmp_path):
     """Under Trainer + TitanStrategy(pp2 x ep2): the broadcast of replicated parameters keeps the

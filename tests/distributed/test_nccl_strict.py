@@ -140,6 +140,7 @@ def test_pp2_schedules_equal_one_process_and_old_zbv_deadlocks(refs):
         )
 
 
+@pytest.mark.slow  # the fast tier keeps pp2 and the deadlock; CI runs these too
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [4, 8])
 def test_pp4_and_ep_schedules_equal_one_process(refs, world):
