@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_titan.runtime.tracing import KINDS, Span
+from lightning_titan.runtime.tracing import BACKGROUND_KINDS, KINDS, Span
 
 COLORS = {
     "forward": "#4C72B0",
@@ -24,6 +24,7 @@ COLORS = {
     "all_gather": "#DA8BC3",
     "tp": "#8C8C3C",
     "cp": "#64B5CD",
+    "in_flight": "#F2C5A0",  # an all-to-all travelling under compute: a strip under the rank's row
 }
 _HEIGHT = {"forward": 0.8, "backward": 0.8, "optimizer": 0.8}  # others: drawn thinner, on top
 
@@ -65,6 +66,8 @@ def plot_gantt(
     # compute first, then the spans nested inside it, so the short ones stay visible
     for s in sorted(spans, key=lambda s: (s.kind not in _HEIGHT, s.start_ns)):
         y, h = ranks.index(s.rank), _HEIGHT.get(s.kind, 0.4)
+        if s.kind in BACKGROUND_KINDS:
+            y, h = y + 0.47, 0.12
         start, dur = (s.start_ns - t0) / 1e6, s.duration_ns / 1e6
         ax.barh(y, dur, left=start, height=h, color=COLORS.get(s.kind, "black"), linewidth=0)
         if s.kind in ("forward", "backward") and "mb" in s.args and dur > width_ms / 60:
@@ -77,7 +80,7 @@ def plot_gantt(
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(title)
-    kinds = [k for k in KINDS if any(s.kind == k for s in spans)]
+    kinds = [k for k in (*KINDS, *BACKGROUND_KINDS) if any(s.kind == k for s in spans)]
     ax.legend(
         handles=[Patch(color=COLORS[k], label=k) for k in kinds],
         loc="upper center",

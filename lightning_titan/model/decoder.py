@@ -85,9 +85,7 @@ class Block(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         h = self.moe_norm(x)
-        moe_out, aux = self.moe(h)
-        if self.shared_expert is not None:
-            moe_out = moe_out + self.shared_expert(h)
+        moe_out, aux = self.moe(h, self.shared_expert)  # the shared expert runs under its exchanges
         return x + moe_out, aux
 
 

@@ -12,6 +12,11 @@ token's K expert outputs, [T, D]. Steps, each undone in reverse by ``combine``:
 
 With one EP rank (no group, or a group of size 1) steps 2-4 are skipped: no collective at all.
 Every rank of the EP group must call ``dispatch``/``combine`` in the same order, also with zero rows.
+
+``start_dispatch`` / ``start_combine`` start step 3's exchange and return at once: ``wait()`` gives the
+rows, so work that does not need them (the shared expert, ``model/moe/layer.py``) runs while they
+travel, in the forward and in the backward (``parallel/all_to_all.py``). ``dispatch`` / ``combine``
+wait at once.
 """
 
 from __future__ import annotations
@@ -25,49 +30,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_titan.parallel.all_to_all import Pending, all_to_all, done, start_all_to_all
 from lightning_titan.parallel.wire import wire_dtype
 from lightning_titan.runtime import probes
 
 
 def ep_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
-
-
-def _all_to_all(
-    x: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
-) -> Tensor:
-    out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    with probes.span("all_to_all", "tokens"):
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """Row all-to-all with split sizes; the gradient travels back along the reverse exchange.
-
-    Ours because ``torch.distributed.nn.functional.all_to_all_single`` (which does work on gloo) is
-    deprecated as of torch 2.13 in favour of the private ``_functional_collectives``.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
-    ) -> Tensor:
-        ctx.splits = (output_splits, input_splits)
-        ctx.group = group
-        return _all_to_all(x, output_splits, input_splits, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        output_splits, input_splits = ctx.splits
-        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
-
-
-def all_to_all(
-    x: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
-) -> Tensor:
-    """Send rows ``x[sum(input_splits[:i]) : ...]`` to rank i of ``group``; differentiable."""
-    return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -166,6 +135,21 @@ def dispatch(
     Expert ``e`` lives on EP rank ``e // (n_experts // ep)``. ``keep`` [T, K] bool (capacity,
     ``model/moe/capacity.py``): only those assignments are sent; ``tokens_per_expert`` counts them.
     """
+    rows, plan = start_dispatch(x, expert_ids, n_experts, group, keep, overlap=False)
+    return rows.wait(), plan
+
+
+def start_dispatch(
+    x: Tensor,
+    expert_ids: Tensor,
+    n_experts: int,
+    group: ProcessGroup | None = None,
+    keep: Tensor | None = None,
+    *,
+    overlap: bool = True,
+) -> tuple[Pending[Tensor], DispatchPlan]:
+    """``dispatch`` with the rows' exchange started, not waited for (``overlap=False``: waited for
+    at once, also in the backward). The plan is complete on return; the rows come with ``wait()``."""
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
     if keep is None:
@@ -185,7 +169,7 @@ def dispatch(
         plan.tokens_per_local_expert, plan.local_counts = counts.tolist(), counts
         if plan.dropped:
             packed = packed[: sum(plan.tokens_per_local_expert)]
-        return packed, plan
+        return done(packed), plan
 
     # under autocast the experts compute in the autocast dtype: send that, half the bytes of fp32,
     # the same values (an autograd cast: the grads travel back narrow too, and widen here)
@@ -206,29 +190,46 @@ def dispatch(
     plan.group = group
     if plan.dropped:
         packed = packed[: sum(plan.send_splits)]
-    received = all_to_all(packed, plan.recv_splits, plan.send_splits, group)
+    if overlap:
+        pending = start_all_to_all(packed, plan.recv_splits, plan.send_splits, group, "dispatch")
+    else:
+        pending = done(all_to_all(packed, plan.recv_splits, plan.send_splits, group, "dispatch"))
 
-    # The received rows are (source rank, local expert) blocks, source-major; a stable sort by local
-    # expert keeps sources in rank order inside each expert, which is the layout combine reverses.
+    # While the rows travel: the received rows are (source rank, local expert) blocks, source-major;
+    # a stable sort by local expert keeps sources in rank order inside each expert, which is the
+    # layout combine reverses.
     local_expert_of_row = torch.arange(n_local, device=x.device).repeat(ep)
     local_expert_of_row = local_expert_of_row.repeat_interleave(
         recv_matrix.reshape(-1),
         output_size=sum(plan.recv_splits),  # known size: no device sync
     )
-    plan.local_order = sort_by_expert(local_expert_of_row, n_local)
-    plan.local_order_inverse = _inverse_permutation(plan.local_order)
-    return _PermuteRows.apply(received, plan.local_order, plan.local_order_inverse), plan
+    plan.local_order = local_order = sort_by_expert(local_expert_of_row, n_local)
+    plan.local_order_inverse = inverse = _inverse_permutation(local_order)
+    return Pending(lambda: _PermuteRows.apply(pending.wait(), local_order, inverse)), plan
 
 
 def combine(expert_out: Tensor, weights: Tensor, plan: DispatchPlan) -> Tensor:
     """Return each token's router-weighted sum of its K expert outputs, [T, D] (reverse of dispatch)."""
-    if plan.local_order is not None:
-        # dispatch sets the splits and the group with local_order (more than one EP rank)
-        assert (
-            plan.send_splits is not None and plan.recv_splits is not None and plan.group is not None
-        )
-        source_major = _PermuteRows.apply(expert_out, plan.local_order_inverse, plan.local_order)
-        expert_out = all_to_all(source_major, plan.send_splits, plan.recv_splits, plan.group)
+    return start_combine(expert_out, weights, plan, overlap=False).wait()
+
+
+def start_combine(
+    expert_out: Tensor, weights: Tensor, plan: DispatchPlan, *, overlap: bool = True
+) -> Pending[Tensor]:
+    """``combine`` with the rows' way back started, not waited for (``overlap``: as ``start_dispatch``)."""
+    if plan.local_order is None:
+        return done(_unpack(expert_out, weights, plan))
+    # dispatch sets the splits and the group with local_order (more than one EP rank)
+    assert plan.send_splits is not None and plan.recv_splits is not None and plan.group is not None
+    source_major = _PermuteRows.apply(expert_out, plan.local_order_inverse, plan.local_order)
+    splits = (plan.send_splits, plan.recv_splits)
+    if not overlap:
+        return done(_unpack(all_to_all(source_major, *splits, plan.group, "combine"), weights, plan))
+    pending = start_all_to_all(source_major, *splits, plan.group, "combine")
+    return Pending(lambda: _unpack(pending.wait(), weights, plan))
+
+
+def _unpack(expert_out: Tensor, weights: Tensor, plan: DispatchPlan) -> Tensor:
     if plan.dropped:  # zero rows for the dropped assignments: they add nothing, get no gradient
         expert_out = F.pad(expert_out, (0, 0, 0, plan.order.numel() - expert_out.shape[0]))
     return _WeightedUnpack.apply(

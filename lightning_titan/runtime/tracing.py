@@ -30,6 +30,9 @@ COMM_KINDS = ("p2p", "all_to_all", "all_reduce", "wait", "all_gather", "tp", "cp
 # all_gather: ZeRO's params; tp: the sequence-parallel collectives and the vocab-parallel loss's
 # all-reduces; cp: the key / value all-gather (and its grads' reduce-scatter)
 KINDS = (*COMPUTE_KINDS, *COMM_KINDS, "optimizer")
+# in_flight: an all-to-all from its start to the end of its wait, while the rank computes on
+# (``parallel/all_to_all.py``); it holds no time of its own: the waited part is its all_to_all span
+BACKGROUND_KINDS = ("in_flight",)
 OTHER = "other"  # time inside a step covered by no span (Python, scheduler, logging)
 
 
@@ -150,9 +153,10 @@ def exclusive_ns(spans: Iterable[Span], window: tuple[int, int] | None = None) -
     """Time of one rank by kind, each instant counted once, for the innermost span covering it.
 
     A forward that contains an all-to-all gives the all-to-all's time to ``all_to_all`` and the rest to
-    ``forward``. Instants of ``window`` covered by no span go to ``OTHER``.
+    ``forward``. Instants of ``window`` covered by no span go to ``OTHER``. ``BACKGROUND_KINDS``
+    spans are left out: the compute under them keeps its kind.
     """
-    spans = [s for s in spans if s.end_ns > s.start_ns]
+    spans = [s for s in spans if s.end_ns > s.start_ns and s.kind not in BACKGROUND_KINDS]
     edges = sorted({t for s in spans for t in (s.start_ns, s.end_ns)} | set(window or ()))
     if window is not None:
         edges = [t for t in edges if window[0] <= t <= window[1]]

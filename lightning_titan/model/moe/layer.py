@@ -12,7 +12,8 @@ from torch.distributed import ProcessGroup
 from lightning_titan.model.moe import capacity
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.router import route
-from lightning_titan.parallel.dispatch import combine, dispatch, ep_size
+from lightning_titan.model.moe.shared import SharedExpert
+from lightning_titan.parallel.dispatch import ep_size, start_combine, start_dispatch
 
 
 class MoELayer(nn.Module):
@@ -36,6 +37,12 @@ class MoELayer(nn.Module):
     a step's counts come back from the call that ran the step.
     With the bias on, ``unbiased_tokens_per_expert`` [E] holds the last forward's counts of the
     top-K the unbiased scores would have chosen (what the bias changed: ``timeline.ExpertLoad``).
+
+    With ``overlap_all_to_all`` (the default) the tokens' exchanges run under work that does not need
+    them: the shared expert's first half and the unbiased counts while the tokens go to their
+    experts, its second half and the routing bookkeeping while they come back; in the backward the
+    halves' gradients run while the tokens' gradients travel (``parallel/all_to_all.py``). False
+    waits for each exchange at once (what ``titan bench --ep-overlap`` times against).
     """
 
     expert_bias: Tensor | None
@@ -93,9 +100,11 @@ class MoELayer(nn.Module):
         self.counts: StepCounts | None = None  # set inside counting()
         self.rows_per_local_expert: list[int] = []
         self.unbiased_tokens_per_expert: Tensor | None = None
+        self.overlap_all_to_all = True
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``x`` [b, S, D] -> (output [b, S, D], aux [b] fp32 already weighted by the coefficients)."""
+    def forward(self, x: Tensor, shared: SharedExpert | None = None) -> tuple[Tensor, Tensor]:
+        """``x`` [b, S, D] -> (output [b, S, D], aux [b] fp32 already weighted by the coefficients).
+        ``shared``: the block's shared expert, added to the output (run under the exchanges)."""
         b, s, d = x.shape
         if self.ep_group is None and self.experts.n_local != self.n_experts:
             raise ValueError(
@@ -111,13 +120,21 @@ class MoELayer(nn.Module):
             score=self.router_score,
             norm_topk=self.norm_topk,
         )
-        if self.expert_bias is not None:
-            self.unbiased_tokens_per_expert = self._unbiased_counts(logits)
         tokens = x.reshape(b * s, d)
         keep = self._keep(routing.expert_ids, b, s)
-        expert_in, plan = dispatch(tokens, routing.expert_ids, self.n_experts, self.ep_group, keep)
+        overlap = self.overlap_all_to_all
+        pending_in, plan = start_dispatch(
+            tokens, routing.expert_ids, self.n_experts, self.ep_group, keep, overlap=overlap
+        )
+        # while the tokens travel to their experts
+        hidden = None if shared is None else shared.up(x)
+        if self.expert_bias is not None:
+            self.unbiased_tokens_per_expert = self._unbiased_counts(logits)
+        expert_in = pending_in.wait()
         expert_out = self.experts(expert_in, plan.tokens_per_local_expert, plan.local_counts)
-        out = combine(expert_out, routing.weights, plan)
+        pending_out = start_combine(expert_out, routing.weights, plan, overlap=overlap)
+        # while the expert outputs travel back
+        shared_out = None if shared is None or hidden is None else shared.down(x, hidden)
         self.rows_per_local_expert = plan.tokens_per_local_expert
         selected = plan.tokens_per_expert
         if keep is not None:  # the router's load is its selections, the dropped ones included
@@ -128,7 +145,8 @@ class MoELayer(nn.Module):
         if counts is not None and self.training and torch.is_grad_enabled() and not recomputing():
             counts.add(self, selected, None if keep is None else keep.numel() - keep.sum())
         aux = self.aux_loss_coef * routing.load_balance + self.z_loss_coef * routing.z_loss
-        return out.view(b, s, d), aux
+        out = pending_out.wait().view(b, s, d)
+        return (out if shared_out is None else out + shared_out), aux
 
     @torch.no_grad()
     def _unbiased_counts(self, logits: Tensor) -> Tensor:

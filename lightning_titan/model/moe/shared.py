@@ -4,6 +4,9 @@ scaled per token by a sigmoid gate, ``y = sigmoid(x @ g) * (silu(x @ w1) * (x @ 
 It runs where the MoE layer runs, on this rank's tokens (under TP its sequence slice), and is held
 whole on every rank of a stage: its grads sum over dp x ep x tp like the router's (``model.SEQUENCE``).
 The weights are ``nn.Linear`` in Hugging Face orientation (``w1.weight`` is ``gate_proj.weight``).
+
+``up`` and ``down`` are its two halves, for the MoE layer to run one under each all-to-all
+(``model/moe/layer.py``); ``forward`` is ``down(x, up(x))``, the same operations.
 """
 
 from __future__ import annotations
@@ -22,5 +25,11 @@ class SharedExpert(nn.Module):
         self.gate = nn.Linear(d_model, 1, bias=False)  # shared_expert_gate
 
     def forward(self, x_BSD: Tensor) -> Tensor:
-        out_BSD = self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
-        return torch.sigmoid(self.gate(x_BSD)) * out_BSD
+        return self.down(x_BSD, self.up(x_BSD))
+
+    def up(self, x_BSD: Tensor) -> Tensor:
+        """The SwiGLU's hidden [B, S, ffn]."""
+        return F.silu(self.w1(x_BSD)) * self.w3(x_BSD)
+
+    def down(self, x_BSD: Tensor, hidden_BSF: Tensor) -> Tensor:
+        return torch.sigmoid(self.gate(x_BSD)) * self.w2(hidden_BSF)
