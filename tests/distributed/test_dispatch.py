@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_titan.model.moe.layer import MoELayer
+from lightning_titan.model.moe.shared import SharedExpert
 from lightning_titan.parallel.dispatch import (
     combine,
     combine_loop_reference,
@@ -14,6 +17,7 @@ from lightning_titan.parallel.dispatch import (
     dispatch_loop_reference,
     sort_by_expert,
 )
+from lightning_titan.runtime import tracing
 from lightning_titan.runtime.launch import run_on_ranks
 
 D, F, E, K = 16, 24, 8, 2
@@ -213,11 +217,51 @@ def _check_moe_matches_local(group: dist.ProcessGroup, rank: int, forced: bool) 
             assert torch.equal(shard.experts.w1.grad, torch.zeros_like(shard.experts.w1.grad))
 
 
+def _check_overlap(group: dist.ProcessGroup, rank: int) -> None:
+    """The shared expert's halves run while the tokens travel: each half's forward inside the
+    in-flight span of its exchange (up: dispatch, down: combine), each half's weight gradient inside
+    that of the exchange's gradient. Waiting at once (``overlap_all_to_all=False``) gives the same
+    numbers bit for bit."""
+    ep_rank = dist.get_rank(group)
+    n_local = E // dist.get_world_size(group)
+    layer = MoELayer(D, F, E, K, expert_range=(ep_rank * n_local, (ep_rank + 1) * n_local),
+                     ep_group=group, aux_loss_coef=0.01)  # fmt: skip
+    torch.manual_seed(1)
+    shared = SharedExpert(D, 12)
+    stamps: dict[str, int] = {}
+
+    def stamp(name: str):
+        return lambda *_: stamps.setdefault(name, time.perf_counter_ns()) and None
+
+    shared.w1.register_forward_hook(stamp("dispatch"))
+    shared.w2.register_forward_hook(stamp("combine"))
+    shared.w1.weight.register_post_accumulate_grad_hook(stamp("dispatch_grad"))
+    shared.w2.weight.register_post_accumulate_grad_hook(stamp("combine_grad"))
+    x = torch.randn(2, 5 + rank, D, generator=torch.Generator().manual_seed(rank))
+    results = []
+    for overlap in (True, False):
+        layer.overlap_all_to_all = overlap
+        layer.zero_grad(), shared.zero_grad()
+        xi = x.clone().requires_grad_()
+        tracing.start(rank)
+        out, aux = layer(xi, shared)
+        (out.square().sum() + aux.sum()).backward()
+        spans = {s.name: s for s in tracing.stop() if s.kind == "in_flight"}
+        if overlap:
+            for name, t in stamps.items():
+                assert spans[name].start_ns < t < spans[name].end_ns, (name, spans[name], t)
+        stamps.clear()
+        results.append([out, xi.grad, shared.w1.weight.grad, shared.w2.weight.grad, layer.experts.w2.grad])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+
 def _ep_cases(rank: int, world_size: int) -> str:
     torch.set_num_threads(1)
     # new_group is collective: every rank creates every group, in the same order.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     everyone = dist.new_group(list(range(world_size)))
+    _check_overlap(pairs[rank // 2], rank)
     for group in (pairs[rank // 2], everyone):
         _check_layout(group, rank)
         _check_moe_matches_local(group, rank, forced=False)
