@@ -65,7 +65,8 @@ def plot_gantt(
     ax = fig.add_subplot()
     # compute first, then the spans nested inside it, so the short ones stay visible
     for s in sorted(spans, key=lambda s: (s.kind not in _HEIGHT, s.start_ns)):
-        y, h = ranks.index(s.rank), _HEIGHT.get(s.kind, 0.4)
+        y: float = ranks.index(s.rank)
+        h = _HEIGHT.get(s.kind, 0.4)
         if s.kind in BACKGROUND_KINDS:
             y, h = y + 0.47, 0.12
         start, dur = (s.start_ns - t0) / 1e6, s.duration_ns / 1e6

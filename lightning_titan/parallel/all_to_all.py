@@ -13,8 +13,8 @@ nodes) runs while the gradient travels: the overlap of the forward carries over 
 On NCCL ``work.wait()`` makes the current stream wait for the collective (no host sync); on gloo it
 blocks the host until this rank's transfer is done. Traced, each exchange records two spans: kind
 ``in_flight`` from start to the end of its wait (``tracing.BACKGROUND_KINDS``: time that overlaps
-compute), and kind ``all_to_all`` around the wait alone (the exposed time, which the step's time
-breakdown counts).
+compute), and kind ``all_to_all`` around its launch and around its wait (the exposed time, which the
+step's time breakdown counts).
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ class _Exchange:
         self.sent: Tensor | None = x.contiguous()  # alive until the transfer ends
         self.flight: AbstractContextManager[Any] = probes.span("in_flight", name)
         self.flight.__enter__()
-        self.work = dist.all_to_all_single(
-            self.rows, self.sent, output_splits, input_splits, group=group, async_op=True
-        )
+        with probes.span("all_to_all", name):  # the launch: on a busy CPU box it can take a while
+            self.work = dist.all_to_all_single(
+                self.rows, self.sent, output_splits, input_splits, group=group, async_op=True
+            )
 
     def wait(self) -> Tensor:
         with probes.span("all_to_all", self.name):

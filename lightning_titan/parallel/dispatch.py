@@ -224,7 +224,9 @@ def start_combine(
     source_major = _PermuteRows.apply(expert_out, plan.local_order_inverse, plan.local_order)
     splits = (plan.send_splits, plan.recv_splits)
     if not overlap:
-        return done(_unpack(all_to_all(source_major, *splits, plan.group, "combine"), weights, plan))
+        return done(
+            _unpack(all_to_all(source_major, *splits, plan.group, "combine"), weights, plan)
+        )
     pending = start_all_to_all(source_major, *splits, plan.group, "combine")
     return Pending(lambda: _unpack(pending.wait(), weights, plan))
 

@@ -17,6 +17,8 @@ from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.memory import layout_state
 from lightning_titan.runtime import tracing
 from lightning_titan.runtime.saved_tensors import SavedTensorMeter
+from lightning_titan.tools.bench.cases import A2A_BLOCKING, OURS
+from lightning_titan.tools.bench.overlap_report import exposure, overlap_markdown, overlap_rows
 from lightning_titan.tools.bench.paired import Ratio, all_of, median_interval
 from lightning_titan.tools.bench.runners import token_loss_sum
 from lightning_titan.train.engine import Engine
@@ -333,6 +335,36 @@ def test_exclusive_time_goes_to_the_innermost_span():
     assert per_kind["forward"] == pytest.approx(70e-6) and per_kind["all_to_all"] == pytest.approx(
         30e-6
     )
+
+
+def _exchange(name, start, launched, waited, end, cpu, step=0):
+    """An all-to-all's spans: in flight [start, end] (``cpu`` ns of work under it), its launch
+    [start, launched] and its wait [waited, end], the last two at 1 ns of CPU each."""
+    return [
+        tracing.Span("in_flight", name, 0, start, end, step, cpu_ns=cpu + 2),
+        tracing.Span("all_to_all", name, 0, start, launched, step, cpu_ns=1),
+        tracing.Span("all_to_all", name, 0, waited, end, step, cpu_ns=1),
+    ]
+
+
+def test_overlap_exposure_measured_and_replayed():
+    """Exposed = launch + wait, not the time in flight (compute under it keeps its kind); the replay
+    gives each overlapped exchange its blocking length less the CPU work between launch and wait."""
+    forward = [tracing.Span("forward", "f", 0, 0, 100, cpu_ns=100)]
+    counts = [tracing.Span("all_to_all", "counts", 0, 2, 4, cpu_ns=0)]
+    blocking = forward + counts + _exchange("dispatch", 10, 11, 12, 40, 0)  # 30 ns, waited at once
+    overlapped = forward + counts + _exchange("dispatch", 10, 11, 30, 40, cpu=19)
+    assert tracing.exclusive_ns(overlapped, (0, 100)) == {"forward": 87, "all_to_all": 13}
+    e = exposure(overlapped, blocking)
+    assert e["blocking"] == [{"step_ms": 100e-6, "in_flight_ms": 32e-6, "exposed_ms": 31e-6}]
+    assert e["overlapped"] == [{"step_ms": 100e-6, "in_flight_ms": 32e-6, "exposed_ms": 13e-6}]
+    # dispatch: 30 ns in flight waited at once, 19 ns of work under it -> 11; counts: its 2 ns
+    assert e["replay"] == [{"exposed_ms": pytest.approx(13e-6), "step_ms": pytest.approx(100e-6)}]
+    row = {"case": "ep2", "ep_overlap": e, "impls": {OURS: {"step_ms": 1.0},
+                                                     A2A_BLOCKING: {"step_ms": 1.2}}}  # fmt: skip
+    (got,) = overlap_rows([row])
+    assert got["ratio"] == pytest.approx(1.2) and got["replay_met"] is True  # 13 of 100
+    assert "| ep2 | 0 |" in overlap_markdown([got])
 
 
 def test_time_split_counts_the_zero_parameter_gather():

@@ -251,7 +251,9 @@ def _check_overlap(group: dist.ProcessGroup, rank: int) -> None:
             for name, t in stamps.items():
                 assert spans[name].start_ns < t < spans[name].end_ns, (name, spans[name], t)
         stamps.clear()
-        results.append([out, xi.grad, shared.w1.weight.grad, shared.w2.weight.grad, layer.experts.w2.grad])
+        results.append(
+            [out, xi.grad, shared.w1.weight.grad, shared.w2.weight.grad, layer.experts.w2.grad]
+        )
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
 

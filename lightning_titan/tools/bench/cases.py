@@ -11,6 +11,7 @@ from lightning_titan.parallel.pipeline.split import AUTO, StageSplit
 OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
 ZERO1, ZERO2, DDP_ZERO, TORCH_TP = "titan_zero1", "titan_zero2", "ddp_zero", "torch_tp"
 FSDP2 = "fsdp2"
+A2A_BLOCKING = "titan_a2a_blocking"  # ours with every EP all-to-all waited for at once
 ZERO_LEVELS = {ZERO1: 1, ZERO2: 2}  # ours with a zero flag
 IMPL_LABELS = {
     OURS: "ours",
@@ -22,9 +23,10 @@ IMPL_LABELS = {
     TORCH_PP: "torch.distributed.pipelining",
     TORCH_TP: "torch parallelize_module (TP + SP)",
     FSDP2: "torch FSDP2 (fully_shard, ZeRO-2)",
+    A2A_BLOCKING: "ours, all-to-alls waited for at once",
 }
 # what a peer is timed against (default: OURS): the sharded-state peer against our sharded state
-BASELINES = {DDP_ZERO: ZERO1, FSDP2: ZERO2}
+BASELINES = {DDP_ZERO: ZERO1, FSDP2: ZERO2, A2A_BLOCKING: OURS}
 
 
 @dataclass(frozen=True)
@@ -167,3 +169,11 @@ def schedule_cases(peers: bool = True) -> list[Case]:
             Case(pp=pp, schedule="zbv", virtual_stages=2, impls=impls),
         ]
     return cases + [Case(pp=2, stage_layers=AUTO)]
+
+
+def ep_overlap_cases(quick: bool = False) -> list[Case]:
+    """``titan bench --ep-overlap``: ours (all-to-alls overlapped) beside the same stack waiting for
+    each all-to-all at once, on ep2, pp2 x ep2 and dp2 x pp2 x ep2 (with --quick: ep2 only)."""
+    impls = (OURS, A2A_BLOCKING)
+    cases = [Case(ep=2, impls=impls), Case(pp=2, ep=2, impls=impls)]
+    return cases[:1] if quick else cases + [Case(dp=2, pp=2, ep=2, impls=impls)]

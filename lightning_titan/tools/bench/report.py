@@ -11,6 +11,7 @@ from lightning_titan.parallel.pipeline.split import AUTO
 from lightning_titan.parallel.tensor_parallel import tp_shards
 from lightning_titan.runtime import tracing
 from lightning_titan.tools.bench.cases import (
+    A2A_BLOCKING,
     BASELINES,
     DDP,
     DDP_ZERO,
@@ -23,6 +24,7 @@ from lightning_titan.tools.bench.cases import (
     Settings,
 )
 from lightning_titan.tools.bench.cp_report import cp_markdown, cp_rows  # noqa: F401 (suite)
+from lightning_titan.tools.bench.overlap_report import exposure
 from lightning_titan.tools.bench.paired import INTERVAL, mark, step_and_cpu
 from lightning_titan.tools.bench.schedule_report import schedules_markdown
 from lightning_titan.tools.bench.tp_report import expected_tp_shares, span, tp_markdown, tp_rows
@@ -103,6 +105,8 @@ def summarize(
                 [b / _MB for b in by_stage[p]] for p in range(case.pp)
             ]
     row["state"] = _state_shares(case, settings, per_rank, full)
+    if A2A_BLOCKING in case.impls:  # titan bench --ep-overlap
+        row["ep_overlap"] = exposure(spans, [s for r in per_rank for s in r[A2A_BLOCKING]["spans"]])
     return row, spans
 
 

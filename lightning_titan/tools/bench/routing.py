@@ -28,6 +28,8 @@ from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
+from lightning_titan.tools.bench import dispatch as dispatch_bench
+from lightning_titan.tools.bench.cases import Settings
 from lightning_titan.tools.bench.dispatch import _best_ms
 from lightning_titan.train.engine import Engine
 
@@ -212,3 +214,26 @@ def run_all(args: argparse.Namespace) -> tuple[str, dict]:
     )
     results = {"settings": settings, "experts": experts, "mfu": mfu, "balance": balance}
     return markdown(experts, mfu, balance, settings), results
+
+
+def micro_benchmarks(
+    args: argparse.Namespace, settings: Settings
+) -> tuple[list[dict], str, list[dict]]:
+    """One process: vectorised vs loop dispatch, grouped vs loop experts, at E = 8 and 64."""
+    tokens = 1024 if args.quick else args.dispatch_tokens
+    repeats = 5 if args.quick else 20
+    device = torch.device(settings.device)
+    # one thread: on a shared box a second thread mostly waits for a preempted core
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.dispatch_threads)
+    dispatch_settings = f"tokens={tokens}, d_model=64, top_k=2, best of {repeats}, {args.dispatch_threads} thread(s)"
+    dispatch_rows = []
+    for experts in (8, 64):
+        row = dispatch_bench.bench_case(experts, tokens, 64, 2, repeats, device)
+        row["experts"] = experts
+        row["ratio_fwd"] = row["loop_fwd_ms"] / row["vectorised_fwd_ms"]
+        row["ratio_fwd_bwd"] = row["loop_fwd_bwd_ms"] / row["vectorised_fwd_bwd_ms"]
+        dispatch_rows.append(row)
+    experts_rows = [experts_case(e, tokens, 64, 128, 2, repeats, device) for e in (8, 64)]
+    torch.set_num_threads(threads)
+    return dispatch_rows, dispatch_settings, experts_rows

@@ -10,9 +10,10 @@
     titan bench --routing   # only: grouped vs loop experts, FLOP/s vs the matmul peak, load balance
     titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1, zbv vs torch's (8 layers)
     titan bench --checkpoint --rounds 5  # only: training blocked by a save, at once vs in the background
+    titan bench --ep-overlap --shared-expert-dim 128 --rounds 7  # all-to-all exposed, overlapped or not
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
-(timeline/<case>.json: open in ui.perfetto.dev) plus a Gantt chart for pipeline cases.
+(timeline/<case>.json: open in ui.perfetto.dev) plus a Gantt chart for pipeline and EP cases.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from lightning_titan.parallel.pipeline.split import AUTO
 from lightning_titan.runtime import tracing
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.tools.bench import checkpoint as checkpoint_bench
-from lightning_titan.tools.bench import dispatch as dispatch_bench
-from lightning_titan.tools.bench import report, routing, schedule_report
+from lightning_titan.tools.bench import overlap_report, report, routing, schedule_report
 from lightning_titan.tools.bench.cases import (
     SCHEDULES_N_LAYERS,
     Case,
     Settings,
     default_cases,
+    ep_overlap_cases,
     quick_cases,
     schedule_cases,
 )
@@ -59,6 +60,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the pipeline schedules table: pp2 and pp4 under 1f1b, interleaved_1f1b (v=2), zb_h1 and "
         "zbv beside torch's, and pp2 with stage_layers='auto' (with --quick: pp2 only)",
+    )
+    p.add_argument(
+        "--ep-overlap",
+        action="store_true",
+        help="ep2, pp2xep2, dp2xpp2xep2 with the all-to-alls overlapped beside waited for at once: "
+        "exposed all-to-all per rank, measured and replayed with free cores (with --quick: ep2)",
+    )
+    p.add_argument(
+        "--shared-expert-dim", type=int, default=0, help="a shared expert this wide (0: none)"
     )
     p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument(
@@ -142,6 +152,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         n_layers=n_layers,
         n_experts=args.n_experts,
         seq_len=args.seq_len,
+        shared_expert_dim=args.shared_expert_dim,
     )
     settings = Settings(
         config=config,
@@ -225,7 +236,7 @@ def _write_timeline(
     slug = case.name.replace(" ", "_")
     (out / "timeline").mkdir(parents=True, exist_ok=True)
     (out / "timeline" / f"{slug}.json").write_text(json.dumps(plots.chrome_trace(spans, labels)))
-    if case.pp > 1 and spans and plots.available():
+    if (case.pp > 1 or case.ep > 1) and spans and plots.available():
         last = max(s.step for s in spans)  # the steadiest recorded step
         plots.plot_gantt(
             [s for s in spans if s.step == last],
@@ -249,29 +260,6 @@ def _check_device(settings: Settings, cases: list[Case]) -> None:
             f"world sizes {worlds} need that many GPUs (NCCL takes one rank per GPU) and this machine "
             f"has {gpus}; pass --worlds up to {gpus}, or --device cpu"
         )
-
-
-def _micro_benchmarks(
-    args: argparse.Namespace, settings: Settings
-) -> tuple[list[dict], str, list[dict]]:
-    """One process: vectorised vs loop dispatch, grouped vs loop experts, at E = 8 and 64."""
-    tokens = 1024 if args.quick else args.dispatch_tokens
-    repeats = 5 if args.quick else 20
-    device = torch.device(settings.device)
-    # one thread: on a shared box a second thread mostly waits for a preempted core
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.dispatch_threads)
-    dispatch_settings = f"tokens={tokens}, d_model=64, top_k=2, best of {repeats}, {args.dispatch_threads} thread(s)"
-    dispatch_rows = []
-    for experts in (8, 64):
-        row = dispatch_bench.bench_case(experts, tokens, 64, 2, repeats, device)
-        row["experts"] = experts
-        row["ratio_fwd"] = row["loop_fwd_ms"] / row["vectorised_fwd_ms"]
-        row["ratio_fwd_bwd"] = row["loop_fwd_bwd_ms"] / row["vectorised_fwd_bwd_ms"]
-        dispatch_rows.append(row)
-    experts_rows = [routing.experts_case(e, tokens, 64, 128, 2, repeats, device) for e in (8, 64)]
-    torch.set_num_threads(threads)
-    return dispatch_rows, dispatch_settings, experts_rows
 
 
 def _routing_only(args: argparse.Namespace, argv: list[str], out: Path, load_before: str) -> dict:
@@ -314,6 +302,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.schedules:
             cases = schedule_cases(not args.no_peers)
             cases = [c for c in cases if c.pp == 2] if args.quick else cases
+        elif args.ep_overlap:
+            cases = ep_overlap_cases(args.quick)
         elif args.quick:
             cases = quick_cases(not args.no_peers)
         else:
@@ -338,8 +328,10 @@ def main(argv: list[str] | None = None) -> dict:
     dispatch_rows: list[dict] = []
     experts_rows: list[dict] = []
     dispatch_settings = ""
-    if not (args.no_dispatch or args.schedules):  # the schedules table is about pipelines only
-        dispatch_rows, dispatch_settings, experts_rows = _micro_benchmarks(args, settings)
+    if not (
+        args.no_dispatch or args.schedules or args.ep_overlap
+    ):  # the schedules table is about pipelines only
+        dispatch_rows, dispatch_settings, experts_rows = routing.micro_benchmarks(args, settings)
 
     full = report.full_model_params(settings)
     rows = []
@@ -370,9 +362,12 @@ def main(argv: list[str] | None = None) -> dict:
         "dispatch_settings": dispatch_settings,
         "dispatch_checks": report.dispatch_check(dispatch_rows),
         "experts": experts_rows,
+        "ep_overlap": overlap_report.overlap_rows(rows),
         "wall_s": time.perf_counter() - started,
     }
     table = report.markdown(results)
+    if results["ep_overlap"]:
+        table += "\n\n" + overlap_report.overlap_markdown(results["ep_overlap"])
     if experts_rows:
         table += "\n\n" + routing.markdown(experts_rows, [], [], dispatch_settings)
     (out / "bench.md").write_text(f"`{results['command']}`\n\n{table}")

@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.parallel.pipeline.split import AUTO, StageSplit
 from lightning_titan.runtime import tracing
 from lightning_titan.runtime.saved_tensors import SavedTensorMeter
 from lightning_titan.tools.bench.cases import (
+    A2A_BLOCKING,
     DDP,
     DDP_ZERO,
     FSDP2,
@@ -94,9 +96,9 @@ def _make(
     split: StageSplit,
 ) -> Any:
     m = settings.num_microbatches(case)
-    if impl in (OURS, ZERO1, ZERO2, PER_PARAM):
+    if impl in (OURS, ZERO1, ZERO2, PER_PARAM, A2A_BLOCKING):
         reducer = "per_param" if impl == PER_PARAM else "bucketed"
-        return TitanRunner(
+        runner = TitanRunner(
             settings.config,
             dims,
             groups,
@@ -108,6 +110,10 @@ def _make(
             bucket_cap_mb=settings.bucket_cap_mb,
             split=split,
         )
+        for module in runner.model.modules():  # the baseline of the all-to-alls' overlap
+            if isinstance(module, MoELayer):
+                module.overlap_all_to_all = impl != A2A_BLOCKING
+        return runner
     if impl == DDP:
         return DDPRunner(settings.config, dims, groups, device)
     if impl == DDP_ZERO:
@@ -201,7 +207,12 @@ def run_case(
         result["median_step_s"] = statistics.median(result["step_s"])
         result["median_cpu_s"] = statistics.median(result["cpu_s"])
 
-    for impl in (OURS, ZERO1, ZERO2):  # zero>0's time split: where its gather and smaller step go
+    for impl in (
+        OURS,
+        ZERO1,
+        ZERO2,
+        A2A_BLOCKING,
+    ):  # zero>0's time split: where its gather and smaller step go
         if impl in runners:
             out[impl]["spans"] = _traced(runners[impl], batches, settings, dims, device)
     ours = runners[OURS]
