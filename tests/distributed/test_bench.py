@@ -337,13 +337,13 @@ def test_exclusive_time_goes_to_the_innermost_span():
     )
 
 
-def _exchange(name, start, launched, waited, end, cpu, step=0):
+def _exchange(name, start, launched, waited, end, cpu, rank=0):
     """An all-to-all's spans: in flight [start, end] (``cpu`` ns of work under it), its launch
     [start, launched] and its wait [waited, end], the last two at 1 ns of CPU each."""
     return [
-        tracing.Span("in_flight", name, 0, start, end, step, cpu_ns=cpu + 2),
-        tracing.Span("all_to_all", name, 0, start, launched, step, cpu_ns=1),
-        tracing.Span("all_to_all", name, 0, waited, end, step, cpu_ns=1),
+        tracing.Span("in_flight", name, rank, start, end, cpu_ns=cpu + 2),
+        tracing.Span("all_to_all", name, rank, start, launched, cpu_ns=1),
+        tracing.Span("all_to_all", name, rank, waited, end, cpu_ns=1),
     ]
 
 
@@ -365,6 +365,10 @@ def test_overlap_exposure_measured_and_replayed():
     (got,) = overlap_rows([row])
     assert got["ratio"] == pytest.approx(1.2) and got["replay_met"] is True  # 13 of 100
     assert "| ep2 | 0 |" in overlap_markdown([got])
+    # its EP peer waited 20 ns for the same exchange: the transfer's length, without lateness
+    peer = _exchange("dispatch", 15, 16, 16, 35, 0, rank=1)
+    e = exposure(overlapped, blocking + peer, groups=[[0, 1]])
+    assert e["replay"][0]["exposed_ms"] == pytest.approx(3e-6)  # 20 - 19 + counts' 2
 
 
 def test_time_split_counts_the_zero_parameter_gather():

@@ -10,12 +10,13 @@ Per rank and step (means over the traced steps):
 
 Measured on a CPU box, compute and gloo's transport threads share the cores, so an exchange under
 compute is slowed by it and slows it. The *replay* says what overlap buys where they do not: each
-overlapped exchange takes as long as the same exchange (same rank, name and place in the step) took
-waited for at once, its median over the blocking run's steps, and the rank's compute between its
-start and its wait takes that work's CPU time (the ``in_flight`` span's CPU time less its wait's):
-exposed = max(0, transfer - work) per exchange, the counts' exchange whole; the replayed step is the
-measured step less its measured exposed time plus the replayed one. A blocking transfer's length
-holds the peer's lateness too (a rank waits for the slowest), so the replay does not flatter overlap.
+overlapped exchange takes as long as the same exchange (same name and place in the step) took
+waited for at once on the EP rank that waited least for it (the last to arrive, which waited for the
+transfer alone, not for a late peer), the median over the blocking run's steps; the rank's compute
+between launch and wait takes that work's CPU time (the ``in_flight`` span's CPU time less its
+launch's and its wait's): exposed = max(0, transfer - work) per exchange, the counts' exchange
+whole; the replayed step is the measured step less its measured exposed time plus the replayed one.
+It keeps each rank's measured lateness out of the transfers, not out of the step.
 """
 
 from __future__ import annotations
@@ -90,12 +91,23 @@ def _measured(spans: Sequence[Span]) -> dict[int, dict[str, float]]:
     }
 
 
-def _replayed(overlapped: Sequence[Span], blocking: Sequence[Span]) -> dict[int, float] | None:
+def _replayed(
+    overlapped: Sequence[Span], blocking: Sequence[Span], groups: Sequence[Sequence[int]]
+) -> dict[int, float] | None:
     """rank -> mean replayed exposed ms per step (None without CPU times: CUDA-timed spans)."""
-    transfer: dict[tuple[int, str, int], list[int]] = defaultdict(list)
-    for (rank, _), exchanges in _exchanges(blocking).items():
+    lengths: dict[tuple[int, str, int, int], int] = {}  # (rank, name, k, step) -> ns, at once
+    for (rank, step), exchanges in _exchanges(blocking).items():
         for (name, k), (flight, _) in _keyed(exchanges).items():
-            transfer[(rank, name, k)].append(flight.duration_ns)
+            lengths[(rank, name, k, step)] = flight.duration_ns
+    group_of = {r: tuple(g) for g in groups for r in g}
+    shortest: dict[tuple[int, str, int, int], int] = {}  # over the ranks that exchanged it
+    for (rank, name, k, step), ns in lengths.items():
+        shortest[(rank, name, k, step)] = min(
+            lengths.get((r, name, k, step), ns) for r in group_of.get(rank, (rank,))
+        )
+    transfer: dict[tuple[int, str, int], list[int]] = defaultdict(list)
+    for (rank, name, k, _), ns in shortest.items():
+        transfer[(rank, name, k)].append(ns)
     per_rank: dict[int, list[float]] = defaultdict(list)
     for (rank, _), exchanges in _exchanges(overlapped).items():
         exposed = 0.0
@@ -110,10 +122,13 @@ def _replayed(overlapped: Sequence[Span], blocking: Sequence[Span]) -> dict[int,
     return {rank: statistics.mean(v) for rank, v in per_rank.items()}
 
 
-def exposure(overlapped: Sequence[Span], blocking: Sequence[Span]) -> dict:
-    """Per rank, measured for both and replayed for the overlapped run (module docstring)."""
+def exposure(
+    overlapped: Sequence[Span], blocking: Sequence[Span], groups: Sequence[Sequence[int]] = ()
+) -> dict:
+    """Per rank, measured for both and replayed for the overlapped run (module docstring);
+    ``groups``: the EP groups' ranks (``ParallelDims.all_groups("ep")``)."""
     ours, base = _measured(overlapped), _measured(blocking)
-    replay = _replayed(overlapped, blocking)
+    replay = _replayed(overlapped, blocking, groups)
     ranks = sorted(ours)
     out: dict = {"ranks": ranks, "overlapped": [ours[r] for r in ranks]}
     out["blocking"] = [base[r] for r in ranks]

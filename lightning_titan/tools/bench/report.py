@@ -106,7 +106,8 @@ def summarize(
             ]
     row["state"] = _state_shares(case, settings, per_rank, full)
     if A2A_BLOCKING in case.impls:  # titan bench --ep-overlap
-        row["ep_overlap"] = exposure(spans, [s for r in per_rank for s in r[A2A_BLOCKING]["spans"]])
+        blocking = [s for r in per_rank for s in r[A2A_BLOCKING]["spans"]]
+        row["ep_overlap"] = exposure(spans, blocking, dims.all_groups("ep"))
     return row, spans
 
 
