@@ -231,7 +231,10 @@ def _check_overlap(group: dist.ProcessGroup, rank: int) -> None:
     stamps: dict[str, int] = {}
 
     def stamp(name: str):
-        return lambda *_: stamps.setdefault(name, time.perf_counter_ns()) and None
+        def hook(*_) -> None:  # the first call: recompute or a second use would come later
+            stamps.setdefault(name, time.perf_counter_ns())
+
+        return hook
 
     shared.w1.register_forward_hook(stamp("dispatch"))
     shared.w2.register_forward_hook(stamp("combine"))
