@@ -187,8 +187,16 @@ FAMILY = {
         ((1, 1, 1, 1, 2), "1f1b", 1, "qk_head"),
         ((1, 1, 1, 2), "1f1b", 1, "qk_head"),
     ],
-    4: [((1, 2, 1, 2), "gpipe", 2, "qk_full"), ((2, 1, 2), "1f1b:zero1", 2, "qk_head")],
-    8: [((2, 2, 2), "1f1b", 2, "qk_head"), ((1, 2, 2, 2), "1f1b", 2, "qk_full")],
+    4: [
+        ((1, 2, 1, 2), "gpipe", 2, "qk_full"),
+        ((2, 1, 2), "1f1b:zero1", 2, "qk_head"),
+        ((1, 2, 2), "1f1b", 2, "qk_full"),  # the shared expert under the all-to-alls, pipelined
+    ],
+    8: [
+        ((2, 2, 2), "1f1b", 2, "qk_head"),
+        ((1, 2, 2, 2), "1f1b", 2, "qk_full"),
+        ((2, 2, 2), "1f1b", 2, "qk_full"),
+    ],
 }
 
 
