@@ -226,11 +226,13 @@ def gpt_oss_options(hf: dict[str, Any]) -> dict[str, Any]:
             yarn_beta_fast=(float(rope.get("beta_fast") or 32.0), "rope_parameters"),
             yarn_beta_slow=(float(rope.get("beta_slow") or 1.0), "rope_parameters"),
             yarn_original_max_positions=(
-                int(rope["original_max_position_embeddings"]), "rope_parameters"
+                int(rope["original_max_position_embeddings"]),
+                "rope_parameters",
             ),
             yarn_truncate=(bool(rope.get("truncate", True)), "rope_parameters"),
             yarn_attention_factor=(
-                None if attention_factor is None else float(attention_factor), "rope_parameters"
+                None if attention_factor is None else float(attention_factor),
+                "rope_parameters",
             ),
         )
     return out

@@ -38,7 +38,8 @@ FUSED = {
     "b2": ("down_proj_bias", slice(None)),
 }
 QUANTIZED = ("gate_up_proj", "down_proj")  # the tensors an MXFP4 checkpoint stores as blocks/scales
-FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+# the e2m1 value of each 4-bit code: sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
+FP4_VALUES = [sign * v for sign in (1.0, -1.0) for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)]
 
 
 def expert_name(layer: str, ours: str) -> str:

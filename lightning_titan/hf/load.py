@@ -118,7 +118,9 @@ def _check_gpt_oss_yarn(
     if unknown:
         refuse(field, f"is not supported: of YaRN's keys we apply {list(YARN_KEYS)}, not {unknown}")
     if "factor" not in rope or "original_max_position_embeddings" not in rope:
-        refuse(field, "is not supported: YaRN needs 'factor' and 'original_max_position_embeddings'")
+        refuse(
+            field, "is not supported: YaRN needs 'factor' and 'original_max_position_embeddings'"
+        )
 
 
 YARN_KEYS = (

@@ -4,7 +4,6 @@ training step of the whole model, and the peak it is a share of."""
 from __future__ import annotations
 
 import dataclasses
-
 import os
 
 import pytest

@@ -55,7 +55,7 @@ def test_mxfp4_experts_import_as_transformers_dequantizes_them(mxfp4_folder, ep_
         name = f"model.layers.{layer}.mlp.experts."
         experts = model.layers[str(layer)].moe.experts
 
-        def theirs(fused: str) -> torch.Tensor:
+        def theirs(fused: str, name: str = name) -> torch.Tensor:
             blocks, scales = tensors[f"{name}{fused}_blocks"], tensors[f"{name}{fused}_scales"]
             return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[start:end]
 
