@@ -295,6 +295,12 @@ REFUSED = [
     ("qwen3_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2 is not supported"),
     ("olmoe", {"clip_qkv": 8.0}, r"clip_qkv=8.0 is not supported"),
     ("olmoe", {"model_type": "deepseek_v3"}, r"model_type='deepseek_v3' is not supported"),
+    (
+        "gpt_oss",
+        {"layer_types": ["full_attention", "sliding_attention"] * 2},
+        r"layer_types=.*alternate",
+    ),
+    ("gpt_oss", {"quantization_config": {"quant_method": "fp8"}}, r"quantization_config=.*MXFP4"),
     ("olmoe", {"architectures": ["Qwen3MoeForCausalLM"]}, r"architectures=.*'OlmoeForCausalLM'"),
 ]
 
@@ -373,6 +379,8 @@ def test_a_model_no_family_holds_is_refused_before_anything_is_written(tmp_path)
         ({"qk_norm": "head", "shared_expert_dim": 8}, "qk_norm='head' with shared_expert_dim=8"),
         ({"router_norm_topk": False}, "router_norm_topk=False without"),
         ({"attn_head_dim": 8, "n_heads": 4}, "attn_head_dim=8 without QK-norm"),
+        ({"sliding_window": 8}, "sliding_window=8 without attn_sinks"),
+        ({"attn_sinks": True}, "attn_sinks=True with expert_proj_bias=False"),
     ]:
         model = StageModel(ModelConfig(n_layers=2, **options))
         with pytest.raises(ValueError, match=match):
@@ -387,6 +395,17 @@ def test_our_own_family_exports_load_back(tmp_path):
         {"qk_norm": "head", "attn_head_dim": 6, "router_norm_topk": False},
         {"qk_norm": "full", "router_norm_topk": False},
         {"shared_expert_dim": 16, "qkv_bias": True},
+        {
+            "attn_sinks": True,
+            "qkv_bias": True,
+            "attn_out_bias": True,
+            "sliding_window": 4,
+            "expert_proj_bias": True,
+            "router_bias": True,
+            "swiglu_limit": 7.0,
+            "yarn_factor": 8.0,
+            "yarn_original_max_positions": 8,
+        },
     ):
         config = ModelConfig(n_kv_heads=2, seq_len=SEQ_LEN, n_layers=2, **options)
         model = StageModel(config)
