@@ -408,6 +408,16 @@ MUTATIONS = {
                             '"w1": ("gate_up_proj", slice(0, None, 2)),',
                             '"w1": ("gate_up_proj", slice(1, None, 2)),',
                             ["tests/distributed/test_hf_archs.py", "-k", "one_process_equals"]),
+    # gpt-oss under CP: the window masks keys by position order, not the rank order they arrive in
+    "oss_cp_window_key_order": ("lightning_titan/model/decoder.py",
+                                "                keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)\n            window_mask",
+                                "            window_mask",
+                                ["tests/distributed/test_equivalence.py", "-k", "8]"]),
+    # gpt-oss under TP: the o-projection's bias added by every TP rank before the reduction
+    "oss_o_bias_per_tp_rank": ("lightning_titan/model/attention.py",
+                               "reshape(b, s, -1), self.wo.weight)\n        out = scatter_sequence(out, self.tp_group)\n        return out if self.wo.bias is None else out + self.wo.bias",
+                               "reshape(b, s, -1), self.wo.weight, self.wo.bias)\n        return scatter_sequence(out, self.tp_group)",
+                               ["tests/distributed/test_hf_archs.py", "-k", "eight_ranks"]),
     # gpt-oss: MXFP4's high nibble read as the even value
     "oss_mxfp4_nibbles": ("lightning_titan/hf/gpt_oss.py",
                           "out[..., 0::2] = lut[(blocks & 0x0F).to(torch.int)]",
