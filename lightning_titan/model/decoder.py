@@ -7,7 +7,8 @@ multiple of tp); ``tensor_parallel.TP_SHARD`` on a module says which dim of its 
 
 Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))`` (+ a shared expert, Qwen2-MoE). The
 options of the pretrained families (model/attention.py, model/config.py) make it Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE or gpt-oss (sinks and window layers: model/sinks.py); names map to theirs (``hf/arch.py``) and logits match transformers' models.
+Qwen3-MoE, OLMoE or gpt-oss (sinks and window layers: model/sinks.py); names map to theirs
+(``hf/arch.py``) and logits match transformers' models.
 """
 
 from __future__ import annotations
