@@ -395,9 +395,34 @@ MUTATIONS = {
                                    ["tests/unit/test_experts.py"]),
     # issue 19: an expanded output grad reaches _grouped_mm's backward, which rejects it
     "grouped_strided_grad": ("lightning_titan/model/moe/experts.py",
-                             "out = _ContiguousGrad.apply(torch._grouped_mm(",
-                             "out = (torch._grouped_mm(",
+                             "out = _ContiguousGrad.apply(self._add_bias(",
+                             "out = (self._add_bias(",
                              ["tests/unit/test_experts.py"]),
+    # gpt-oss: the window lets a query see one key too many (transformers: k > q - window)
+    "oss_window_off_by_one": ("lightning_titan/model/sinks.py",
+                              "(k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window)",
+                              "(k_pos.unsqueeze(0) >= q_pos.unsqueeze(1) - window)",
+                              ["tests/distributed/test_hf_archs.py", "-k", "one_process_equals"]),
+    # gpt-oss: gate taken from the odd columns of the interleaved gate_up_proj
+    "oss_gate_up_swapped": ("lightning_titan/hf/gpt_oss.py",
+                            '"w1": ("gate_up_proj", slice(0, None, 2)),',
+                            '"w1": ("gate_up_proj", slice(1, None, 2)),',
+                            ["tests/distributed/test_hf_archs.py", "-k", "one_process_equals"]),
+    # gpt-oss under CP: the window masks keys by position order, not the rank order they arrive in
+    "oss_cp_window_key_order": ("lightning_titan/model/decoder.py",
+                                "                keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)\n            window_mask",
+                                "            window_mask",
+                                ["tests/distributed/test_equivalence.py", "-k", "8]"]),
+    # gpt-oss under TP: the o-projection's bias added by every TP rank before the reduction
+    "oss_o_bias_per_tp_rank": ("lightning_titan/model/attention.py",
+                               "reshape(b, s, -1), self.wo.weight)\n        out = scatter_sequence(out, self.tp_group)\n        return out if self.wo.bias is None else out + self.wo.bias",
+                               "reshape(b, s, -1), self.wo.weight, self.wo.bias)\n        return scatter_sequence(out, self.tp_group)",
+                               ["tests/distributed/test_hf_archs.py", "-k", "eight_ranks"]),
+    # gpt-oss: MXFP4's high nibble read as the even value
+    "oss_mxfp4_nibbles": ("lightning_titan/hf/gpt_oss.py",
+                          "out[..., 0::2] = lut[(blocks & 0x0F).to(torch.int)]",
+                          "out[..., 0::2] = lut[(blocks >> 4).to(torch.int)]",
+                          ["tests/unit/test_gpt_oss_mxfp4.py"]),
     # issue 17: the backwards of the interleaved schedule run the chunks forward, not reversed
     "interleaved_bwd_order": ("lightning_titan/parallel/pipeline/interleaved.py",
                               "chunk = r // pp if forward else v - 1 - r // pp",

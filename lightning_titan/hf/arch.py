@@ -1,4 +1,5 @@
-"""The Hugging Face MoE families we load and export: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+"""The Hugging Face MoE families we load and export: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and
+gpt-oss (its fused expert tensors and MXFP4 weights: hf/gpt_oss.py).
 
 Each is our decoder with some ModelConfig options on (model/config.py). ``architecture_of`` reads the
 family off those options, so a model loaded from a folder exports as the family it came from and a
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_titan.hf import gpt_oss
+from lightning_titan.hf.gpt_oss import GPT_OSS
 from lightning_titan.model.decoder import ModelConfig
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE = "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
@@ -37,6 +40,8 @@ ARCHITECTURES = {
                             "moe_intermediate_size", ("num_experts", "num_local_experts")),
     OLMOE: Architecture(OLMOE, "OlmoeForCausalLM", "mlp", SWIGLU, "intermediate_size",
                         ("num_experts", "num_local_experts")),
+    GPT_OSS: Architecture(GPT_OSS, "GptOssForCausalLM", "mlp", {}, "intermediate_size",
+                          ("num_local_experts", "num_experts")),
 }  # fmt: skip
 
 # our name inside layer {i} -> the Hugging Face name ("{moe}" is the family's MoE block)
@@ -68,6 +73,14 @@ TOP_NAMES = {
 def architecture_of(config: ModelConfig) -> Architecture:
     """The one Hugging Face family that holds ``config``'s options; ValueError naming the option if
     none does."""
+    if config.attn_sinks:
+        return _gpt_oss(config)
+    if set_options := [f for f in GPT_OSS_OPTIONS if getattr(config, f) != GPT_OSS_OPTIONS[f]]:
+        raise ValueError(
+            f"{set_options[0]}={getattr(config, set_options[0])!r} without attn_sinks: only "
+            "gpt-oss has it, and gpt-oss has attention sinks; set attn_sinks=True or "
+            f"{set_options[0]}={GPT_OSS_OPTIONS[set_options[0]]!r}"
+        )
     if config.router_score != "softmax":
         raise ValueError(
             f"router_score={config.router_score!r}: none of {sorted(ARCHITECTURES)} routes with it; "
@@ -111,6 +124,33 @@ def architecture_of(config: ModelConfig) -> Architecture:
     return ARCHITECTURES[MIXTRAL]
 
 
+# gpt-oss's options other than attn_sinks, at their values of the other families
+GPT_OSS_OPTIONS: dict[str, Any] = {
+    "attn_out_bias": False, "sliding_window": 0, "expert_proj_bias": False, "router_bias": False,
+    "swiglu_limit": None, "yarn_factor": 0.0,
+}  # fmt: skip
+
+
+def _gpt_oss(config: ModelConfig) -> Architecture:
+    need = {
+        "router_score": "softmax", "router_norm_topk": True, "qk_norm": "none",
+        "shared_expert_dim": 0, "expert_proj_bias": True, "router_bias": True,
+        "qkv_bias": config.attn_out_bias,
+    }  # fmt: skip
+    for field, value in need.items():
+        if getattr(config, field) != value:
+            raise ValueError(
+                f"attn_sinks=True with {field}={getattr(config, field)!r}: gpt-oss, the family with "
+                f"attention sinks, has {field}={value!r}"
+            )
+    if config.swiglu_limit is None:
+        raise ValueError(
+            "attn_sinks=True with swiglu_limit=None: gpt-oss clamps its SwiGLU; set swiglu_limit "
+            "(gpt-oss: 7.0)"
+        )
+    return ARCHITECTURES[GPT_OSS]
+
+
 def hf_names(name: str, expert_range: tuple[int, int], arch: Architecture) -> list[str]:
     """The Hugging Face tensors that hold our parameter ``name``: one name, or for stacked experts one
     per row (row r is global expert ``expert_range[0] + r``; each the row's transpose)."""
@@ -119,6 +159,10 @@ def hf_names(name: str, expert_range: tuple[int, int], arch: Architecture) -> li
         return [TOP_NAMES[name]]
     layer, rest = parts[1], ".".join(parts[2:])
     prefix = f"model.layers.{layer}."
+    if arch.model_type == GPT_OSS and rest.startswith("moe.experts."):
+        return [gpt_oss.expert_name(layer, parts[-1])]  # one fused tensor of every expert
+    if arch.model_type == GPT_OSS and rest in gpt_oss.LAYER_NAMES:
+        return [prefix + gpt_oss.LAYER_NAMES[rest]]
     if rest.startswith("moe.experts."):
         w = arch.experts[parts[-1]]
         return [f"{prefix}{arch.moe}.experts.{e}.{w}.weight" for e in range(*expert_range)]
@@ -135,7 +179,7 @@ def rope_theta_of(hf: dict[str, Any]) -> float | None:
 def options_from(hf: dict[str, Any], arch: Architecture) -> dict[str, Any]:
     """The ModelConfig options the family's config.json sets: field -> (value, the key it came from)."""
     heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
-    head_dim = hf.get("head_dim") if arch.model_type == QWEN3_MOE else None
+    head_dim = hf.get("head_dim") if arch.model_type in (QWEN3_MOE, GPT_OSS) else None
     out: dict[str, Any] = {
         "qk_norm": ({QWEN3_MOE: "head", OLMOE: "full"}.get(arch.model_type, "none"), "model_type"),
         "router_norm_topk": (
@@ -153,12 +197,52 @@ def options_from(hf: dict[str, Any], arch: Architecture) -> dict[str, Any]:
             "head_dim",
         ),
     }
+    if arch.model_type == GPT_OSS:
+        out.update(gpt_oss_options(hf))
+    return out
+
+
+def gpt_oss_options(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's ModelConfig options from its config.json: field -> (value, the key it came from)."""
+    bias = bool(hf.get("attention_bias", True))
+    sliding = "sliding_attention" in (hf.get("layer_types") or [])
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    yarn = rope.get("rope_type", rope.get("type")) == "yarn"
+    out: dict[str, Any] = {
+        "attn_sinks": (True, "model_type"),
+        "qkv_bias": (bias, "attention_bias"),
+        "attn_out_bias": (bias, "attention_bias"),
+        "sliding_window": (int(hf.get("sliding_window") or 0) if sliding else 0, "sliding_window"),
+        "expert_proj_bias": (True, "model_type"),
+        "router_bias": (True, "model_type"),
+        "swiglu_limit": (float(hf.get("swiglu_limit", 7.0)), "swiglu_limit"),
+        "swiglu_alpha": (float(hf.get("swiglu_alpha", 1.702)), "swiglu_alpha"),
+        "router_norm_topk": (True, "model_type"),  # softmax over the top-K = renormalised top-K
+    }
+    if yarn:
+        attention_factor = rope.get("attention_factor")
+        out.update(
+            yarn_factor=(float(rope["factor"]), "rope_parameters"),
+            yarn_beta_fast=(float(rope.get("beta_fast") or 32.0), "rope_parameters"),
+            yarn_beta_slow=(float(rope.get("beta_slow") or 1.0), "rope_parameters"),
+            yarn_original_max_positions=(
+                int(rope["original_max_position_embeddings"]),
+                "rope_parameters",
+            ),
+            yarn_truncate=(bool(rope.get("truncate", True)), "rope_parameters"),
+            yarn_attention_factor=(
+                None if attention_factor is None else float(attention_factor),
+                "rope_parameters",
+            ),
+        )
     return out
 
 
 def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
     """config.json for ``config`` in the family ``architecture_of`` picks."""
     arch = architecture_of(config)
+    if arch.model_type == GPT_OSS:
+        return gpt_oss_config(config, eos_token_id)
     out = {
         "architectures": [arch.class_name],
         "model_type": arch.model_type,
@@ -206,3 +290,50 @@ def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
     if arch.model_type == OLMOE:
         out.update(clip_qkv=None, pad_token_id=None)
     return out
+
+
+def gpt_oss_config(config: ModelConfig, eos_token_id: int | None) -> dict:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.yarn_factor:
+        rope.update(
+            rope_type="yarn", factor=config.yarn_factor, beta_fast=config.yarn_beta_fast,
+            beta_slow=config.yarn_beta_slow, truncate=config.yarn_truncate,
+            original_max_position_embeddings=config.yarn_original_max_positions,
+        )  # fmt: skip
+        if config.yarn_attention_factor is not None:
+            rope["attention_factor"] = config.yarn_attention_factor
+    window = config.sliding_window
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": GPT_OSS,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "num_local_experts": config.n_experts,
+        "num_experts_per_tok": config.top_k,
+        "max_position_embeddings": config.seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_parameters": rope,
+        "sliding_window": window or None,
+        "layer_types": [
+            "sliding_attention" if window and i % 2 == 0 else "full_attention"
+            for i in range(config.n_layers)
+        ],
+        "attention_bias": config.qkv_bias,
+        "swiglu_limit": config.swiglu_limit,
+        "swiglu_alpha": config.swiglu_alpha,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "router_aux_loss_coef": config.aux_loss_coef,
+        "output_router_logits": False,
+        "attention_dropout": 0.0,
+        "initializer_range": config.init_std,
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+    }

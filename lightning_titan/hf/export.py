@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_titan.checkpoint import consolidate, files, read_checkpoint_info
 from lightning_titan.data.tokenizer import tokenizer_files_of
 from lightning_titan.hf import folder as hf_folder
+from lightning_titan.hf import gpt_oss
 from lightning_titan.hf.arch import ARCHITECTURES, MIXTRAL, architecture_of, hf_config, hf_names
 from lightning_titan.model.decoder import ModelConfig, StageModel
 
@@ -41,13 +42,20 @@ def hf_state_dict(model: StageModel) -> dict[str, Tensor]:
     experts split per global id)."""
     out = {}
     arch = architecture_of(model.config)
+    fused: dict[str, dict[str, Tensor]] = {}  # gpt-oss: layer -> its stacked expert tensors
     for name, p in model.named_parameters():
         names = hf_names(name, model.expert_range, arch)
+        if arch.model_type == gpt_oss.GPT_OSS and is_stacked_experts(name):
+            fused.setdefault(name.split(".")[1], {})[name.rsplit(".", 1)[-1]] = p.detach()
+            continue
         if not is_stacked_experts(name):
             out[names[0]] = p.detach()
             continue
         for row, hf_name in enumerate(names):
             out[hf_name] = p[row].detach().t().contiguous()
+    for layer, tensors in fused.items():
+        for short, tensor in gpt_oss.fuse(tensors).items():
+            out[f"model.layers.{layer}.mlp.experts.{short}"] = tensor.contiguous()
     return out
 
 

@@ -1,4 +1,5 @@
-"""Start from a pretrained Hugging Face MoE folder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; hf/arch.py):
+"""Start from a pretrained Hugging Face MoE folder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss;
+hf/arch.py):
 its config becomes our ModelConfig, and each rank reads only its own stage's tensors and its own
 experts, memory-mapped from the safetensors files.
 
@@ -21,8 +22,10 @@ from typing import Any, NoReturn
 import torch
 
 from lightning_titan.hf import folder as hf_folder
+from lightning_titan.hf import gpt_oss
 from lightning_titan.hf.arch import (
     ARCHITECTURES,
+    GPT_OSS,
     OLMOE,
     QWEN2_MOE,
     QWEN3_MOE,
@@ -88,14 +91,17 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Arc
         refuse("hidden_act", "is not supported: our experts are SwiGLU with silu")
     head_dim, heads = hf.get("head_dim"), hf.get("num_attention_heads", 0)
     if (
-        arch.model_type != QWEN3_MOE
+        arch.model_type not in (QWEN3_MOE, GPT_OSS)
         and head_dim is not None
         and head_dim * heads != hf.get("hidden_size")
     ):
         refuse("head_dim", "is not supported: ours is hidden_size / num_attention_heads")
     for field in ("rope_scaling", "rope_parameters"):  # transformers 4 / 5 spell it differently
         rope = hf.get(field) or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if arch.model_type == GPT_OSS and kind == "yarn":
+            _check_gpt_oss_yarn(rope, field, refuse)
+        elif kind != "default":
             refuse(field, "is not supported: we apply plain RoPE (rope_type 'default')")
     for field in ("router_jitter_noise", "attention_dropout"):
         if hf.get(field, 0.0):
@@ -105,9 +111,46 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Arc
     return arch
 
 
+def _check_gpt_oss_yarn(
+    rope: dict[str, Any], field: str, refuse: Callable[[str, str], NoReturn]
+) -> None:
+    unknown = sorted(set(rope) - set(YARN_KEYS))
+    if unknown:
+        refuse(field, f"is not supported: of YaRN's keys we apply {list(YARN_KEYS)}, not {unknown}")
+    if "factor" not in rope or "original_max_position_embeddings" not in rope:
+        refuse(
+            field, "is not supported: YaRN needs 'factor' and 'original_max_position_embeddings'"
+        )
+
+
+YARN_KEYS = (
+    "rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow", "truncate",
+    "original_max_position_embeddings", "attention_factor",
+)  # fmt: skip
+
+
+def _check_gpt_oss(hf: dict[str, Any], refuse: Callable[[str, str], NoReturn]) -> None:
+    """gpt-oss's window layers are the even ones (transformers' default ``layer_types``)."""
+    n, types = hf.get("num_hidden_layers", 0), hf.get("layer_types")
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if types is not None and types not in (alternating, ["full_attention"] * n):
+        refuse(
+            "layer_types",
+            "is not supported: gpt-oss layers here alternate sliding_attention (even layers) and "
+            "full_attention, or are all full_attention",
+        )
+    if "sliding_attention" in (types or alternating) and not (hf.get("sliding_window") or 0) > 0:
+        refuse("sliding_window", "is not supported: sliding_attention layers need a window > 0")
+    quant = hf.get("quantization_config")
+    if quant is not None and quant.get("quant_method") != "mxfp4":
+        refuse("quantization_config", "is not supported: of quantized experts only MXFP4 loads")
+
+
 def _check_attention(
     hf: dict[str, Any], arch: Architecture, seq_len: int, refuse: Callable[[str, str], NoReturn]
 ) -> None:
+    if arch.model_type == GPT_OSS:
+        return _check_gpt_oss(hf, refuse)
     window = hf.get("sliding_window")
     if arch.model_type in (QWEN2_MOE, QWEN3_MOE):  # the window applies only when this is on
         window = window if hf.get("use_sliding_window", False) else None
@@ -222,12 +265,24 @@ def tensor_files(folder: str | Path) -> dict[str, Path]:
     )
 
 
-def hf_shapes(model: StageModel) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every Hugging Face tensor ``model`` holds -> (our parameter name, the shape it must have)."""
+def hf_shapes(
+    model: StageModel, files: dict[str, Path] | None = None
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every Hugging Face tensor ``model`` holds -> (our parameter name, the shape it must have);
+    ``files``: the folder's tensors (gpt-oss's experts may be stored as MXFP4 blocks and scales)."""
     out, cut = {}, tp_shards(model)
     arch = architecture_of(model.config)
+    c = model.config
     for name, p in model.named_parameters():
         names = hf_names(name, model.expert_range, arch)
+        if arch.model_type == GPT_OSS and is_stacked_experts(name):  # whole fused tensors
+            fused, short = names[0], names[0].rsplit(".", 1)[-1]
+            shapes = {fused: gpt_oss.fused_shape(short, c.n_experts, c.d_model, c.ffn_dim)}
+            if gpt_oss.stored_names(fused, files or {}) != [fused]:
+                shapes = gpt_oss.mxfp4_shapes(short, c.n_experts, c.d_model, c.ffn_dim)
+                shapes = {f"{fused.rsplit('.', 1)[0]}.{k}": v for k, v in shapes.items()}
+            out.update({k: (name, v) for k, v in shapes.items()})
+            continue
         shape = tuple(p.shape[1:])[::-1] if is_stacked_experts(name) else tuple(p.shape)
         if id(p) in cut:  # a TP rank's part of a weight: the file holds the whole of it
             shape = tuple(
@@ -243,7 +298,7 @@ def check_tensors(model: StageModel, folder: str | Path) -> dict[Path, list[str]
 
     Returns the needed tensors' names grouped by the file that holds them."""
     files = tensor_files(folder)
-    needed = hf_shapes(model)
+    needed = hf_shapes(model, files)
     missing = sorted(set(needed) - set(files))
     if missing:
         raise ValueError(
@@ -287,15 +342,20 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
     by_file = check_tensors(model, folder)
     targets = {}  # hf name -> the parameter (or expert row) it fills, and whether it is transposed
     arch = architecture_of(model.config)
+    read, files = 0, tensor_files(folder)
     for name, p in model.named_parameters():
         stacked = is_stacked_experts(name)
+        if arch.model_type == GPT_OSS and stacked:
+            read += _load_gpt_oss_experts(name, p, model, files)
+            continue
         for row, hf_name in enumerate(hf_names(name, model.expert_range, arch)):
             targets[hf_name] = (p[row], True) if stacked else (p, False)
     cut = tp_shards(model)
-    read = 0
     for path, names in by_file.items():
         with hf_folder.open_safetensors(path) as f:
             for hf_name in names:
+                if hf_name not in targets:  # gpt-oss's fused experts, read above
+                    continue
                 target, transposed = targets[hf_name]
                 shard = cut.get(id(target))
                 if shard is None:
@@ -310,3 +370,20 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
                     target.zero_().narrow(shard.dim, 0, real).copy_(tensor)
                 read += tensor.numel() * tensor.element_size()
     return read
+
+
+def _load_gpt_oss_experts(
+    name: str, p: torch.Tensor, model: StageModel, files: dict[str, Path]
+) -> int:
+    """Fill our stacked expert tensor ``name`` from rows ``model.expert_range`` of gpt-oss's fused
+    tensor (its even, odd or all columns); returns the bytes read. The fused tensor is read once for
+    each of its two halves: gate and up share it."""
+    arch = architecture_of(model.config)
+    fused = hf_names(name, model.expert_range, arch)[0]
+    rows, read = gpt_oss.read_fused(
+        hf_folder.open_safetensors, files, fused, model.expert_range, p.dtype
+    )
+    columns = gpt_oss.FUSED[name.rsplit(".", 1)[-1]][1]
+    p.copy_(rows[..., columns])
+    shared = name.rsplit(".", 1)[-1] in ("w1", "w3", "b1", "b3")
+    return read // 2 if shared else read

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_titan.model.sinks import AttentionSinks, sink_attention
 from lightning_titan.parallel.context_parallel import gather_keys
 from lightning_titan.parallel.tensor_parallel import (
     gather_sequence,
@@ -38,6 +39,8 @@ class _AttentionConfig(Protocol):
     qkv_bias: bool
     qk_norm: str
     norm_eps: float
+    attn_sinks: bool
+    attn_out_bias: bool
 
     @property
     def kv_heads(self) -> int: ...
@@ -118,7 +121,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class Attention(nn.Module):
     """Causal self-attention with RoPE and grouped-query heads (Mixtral), optionally with q/k/v biases
-    (Qwen2-MoE) and QK-norm (Qwen3-MoE per head, OLMoE over the whole projection).
+    (Qwen2-MoE) and QK-norm (Qwen3-MoE per head, OLMoE over the whole projection), or gpt-oss's
+    sinks (``model/sinks.py``) and o-projection bias.
 
     With a ``tp_group`` of n ranks it holds heads ``[r * H/n, (r + 1) * H/n)`` (and the KV heads they
     read), takes and returns the rank's sequence slice, and gathers the sequence inside."""
@@ -145,6 +149,11 @@ class Attention(nn.Module):
         for column_parallel in (self.wq, self.wk, self.wv):  # a bias is cut with the rows
             mark_tp_shard(column_parallel, 0, column_parallel.out_features * tp, tp_group)
         mark_tp_shard(self.wo, 1, self.wo.in_features * tp, tp_group)  # row-parallel
+        if config.attn_out_bias:  # added after the TP reduction (once), not by wo on every rank
+            self.wo.bias = nn.Parameter(torch.zeros(d))
+        self.sinks = (
+            AttentionSinks(self.n_heads, config.n_heads, tp_group) if config.attn_sinks else None
+        )
         self.qk_norm = config.qk_norm
         if self.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
@@ -174,9 +183,15 @@ class Attention(nn.Module):
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is None:
+        if self.sinks is not None:
+            if mask is None:
+                mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            out = sink_attention(q, k, v, self.sinks.weight, mask)
+        elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # each rank's o-projection of its heads is a partial sum of the output
-        return scatter_sequence(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.tp_group)
+        out = F.linear(out.transpose(1, 2).reshape(b, s, -1), self.wo.weight)
+        out = scatter_sequence(out, self.tp_group)
+        return out if self.wo.bias is None else out + self.wo.bias

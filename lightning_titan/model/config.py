@@ -44,6 +44,20 @@ class ModelConfig:
     router_score: str = "softmax"  # or "sigmoid": independent per-expert scores (DeepSeek-V3)
     router_norm_topk: bool = True  # renormalise the top-K scores to sum to 1 (Mixtral)
     shared_expert_dim: int = 0  # hidden size of a sigmoid-gated shared expert (Qwen2-MoE); 0 = none
+    # gpt-oss (model/sinks.py, model/yarn.py, model/moe/activation.py)
+    attn_sinks: bool = False  # a learned per-head sink logit in the attention softmax
+    attn_out_bias: bool = False  # a bias on the o projection (added once under TP)
+    sliding_window: int = 0  # > 0: the even layers (0, 2, ...) see only this many positions back
+    expert_proj_bias: bool = False  # biases on the experts' gate, up and down projections
+    router_bias: bool = False  # a bias on the router's logits
+    swiglu_limit: float | None = None  # clamp of gpt-oss's SwiGLU; None: plain SwiGLU
+    swiglu_alpha: float = 1.702  # gpt-oss's sigmoid gain (used with swiglu_limit)
+    yarn_factor: float = 0.0  # > 0: YaRN RoPE with this scaling factor; 0: plain RoPE
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_original_max_positions: int = 4096
+    yarn_truncate: bool = True
+    yarn_attention_factor: float | None = None  # None: 0.1 * ln(yarn_factor) + 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -72,6 +86,7 @@ class ModelConfig:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 (0 turns it off)")
         check_options(self)
+        check_gpt_oss_options(self)
         if self.attn_head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -192,4 +207,23 @@ def check_capacity(config: ModelConfig) -> None:
             f"capacity_factor={factor!r} >= n_experts / top_k = {config.n_experts / config.top_k:g}: "
             "an expert could take a whole sequence, so nothing is ever dropped; use "
             "capacity_factor=None (dropless) or a smaller factor"
+        )
+
+
+def check_gpt_oss_options(config: ModelConfig) -> None:
+    """Raise ValueError naming the gpt-oss field whose value is not allowed."""
+    for name in ("attn_sinks", "attn_out_bias", "expert_proj_bias", "router_bias", "yarn_truncate"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name}={getattr(config, name)!r} must be True or False")
+    window = config.sliding_window
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"sliding_window={window!r} must be an int >= 0 (0: every layer sees all)")
+    limit = config.swiglu_limit
+    if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
+        raise ValueError(f"swiglu_limit={limit!r} must be a number > 0, or None for plain SwiGLU")
+    if not config.yarn_factor >= 0:
+        raise ValueError(f"yarn_factor={config.yarn_factor!r} must be >= 0 (0: plain RoPE)")
+    if config.yarn_factor and not config.yarn_original_max_positions >= 1:
+        raise ValueError(
+            f"yarn_original_max_positions={config.yarn_original_max_positions!r} must be >= 1"
         )

@@ -7,7 +7,8 @@ multiple of tp); ``tensor_parallel.TP_SHARD`` on a module says which dim of its 
 
 Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))`` (+ a shared expert, Qwen2-MoE). The
 options of the pretrained families (model/attention.py, model/config.py) make it Mixtral, Qwen2-MoE,
-Qwen3-MoE or OLMoE; names map to theirs (``hf/arch.py``) and logits match transformers' models.
+Qwen3-MoE, OLMoE or gpt-oss (sinks and window layers: model/sinks.py); names map to theirs
+(``hf/arch.py``) and logits match transformers' models.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.model.moe.shared import SharedExpert
+from lightning_titan.model.sinks import AttentionSinks, attend_mask
+from lightning_titan.model.yarn import yarn_attention_factor, yarn_cos_sin, yarn_inv_freq
 from lightning_titan.parallel import context_parallel
 from lightning_titan.parallel.dispatch import ep_size
 from lightning_titan.parallel.pipeline.split import StageSplit
@@ -53,8 +56,10 @@ class Block(nn.Module):
         tp_group: ProcessGroup | None = None,
         cp_group: ProcessGroup | None = None,
         sequence_group: ProcessGroup | None = None,
+        layer: int = 0,
     ) -> None:
         super().__init__()
+        self.sliding = bool(config.sliding_window) and layer % 2 == 0  # gpt-oss: even layers
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config, tp_group, cp_group)
         self.moe_norm = RMSNorm(config.d_model, config.norm_eps)
@@ -73,6 +78,9 @@ class Block(nn.Module):
             sequence_split=(tp_size(cp_group), tp_size(tp_group)),
             router_score=config.router_score,
             norm_topk=config.router_norm_topk,
+            router_bias=config.router_bias,
+            expert_bias=config.expert_proj_bias,
+            swiglu=(config.swiglu_limit, config.swiglu_alpha),
         )
         self.shared_expert = (
             SharedExpert(config.d_model, config.shared_expert_dim)
@@ -171,7 +179,7 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleDict(
             {
                 str(i): Block(
-                    config, self.expert_range, ep_group, tp_group, cp_group, sequence_group
+                    config, self.expert_range, ep_group, tp_group, cp_group, sequence_group, i
                 )
                 for start, end in self.chunk_ranges
                 for i in range(start, end)
@@ -206,17 +214,24 @@ class StageModel(nn.Module):
         else:
             seq_len = x.shape[1] * tp_size(self.tp_group) * tp_size(self.cp_group)
         cos, sin = self._rope(seq_len, x.device)
-        mask = None
+        mask = window_mask = None
         if tp_size(self.cp_group) > 1:  # RoPE and the causal mask by the tokens' global positions
             mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)
             keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
-            cos, sin, mask = cos[mine], sin[mine], keys.unsqueeze(0) <= mine.unsqueeze(1)
+            cos, sin, mask = cos[mine], sin[mine], attend_mask(mine, keys, 0)
+        if self.config.sliding_window:  # gpt-oss's window layers, by global positions too
+            mine = keys = torch.arange(seq_len, device=x.device)
+            if tp_size(self.cp_group) > 1:
+                mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)
+                keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
+            window_mask = attend_mask(mine, keys, self.config.sliding_window)
         aux = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         for block in (self.layers[str(i)] for i in range(*self.chunk_ranges[chunk])):
+            layer_mask = window_mask if block.sliding else mask
             if self.config.activation_checkpointing and torch.is_grad_enabled():
-                x, block_aux = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+                x, block_aux = checkpoint(block, x, cos, sin, layer_mask, use_reentrant=False)
             else:
-                x, block_aux = block(x, cos, sin, mask)
+                x, block_aux = block(x, cos, sin, layer_mask)
             aux = aux + block_aux
         if self.heads(chunk):
             x = self.lm_head(gather_sequence(self.norm(x), self.tp_group))
@@ -249,10 +264,16 @@ class StageModel(nn.Module):
     def _rope(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         # A plain cache, not a buffer: a buffer would be garbage after meta-device init + to_empty.
         key = (seq_len, device)
+        c = self.config
+        if key not in self._rope_cache and c.yarn_factor:
+            inv_freq = yarn_inv_freq(
+                c.head_dim, c.rope_theta, c.yarn_factor, c.yarn_beta_fast, c.yarn_beta_slow,
+                c.yarn_original_max_positions, c.yarn_truncate,
+            )  # fmt: skip
+            scale = yarn_attention_factor(c.yarn_factor, c.yarn_attention_factor)
+            self._rope_cache[key] = yarn_cos_sin(seq_len, inv_freq, scale, device)
         if key not in self._rope_cache:
-            self._rope_cache[key] = rope_cos_sin(
-                seq_len, self.config.head_dim, self.config.rope_theta, device
-            )
+            self._rope_cache[key] = rope_cos_sin(seq_len, c.head_dim, c.rope_theta, device)
         return self._rope_cache[key]
 
     @torch.no_grad()
@@ -269,9 +290,14 @@ class StageModel(nn.Module):
             prefix = f"{module_name}." if module_name else ""
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif isinstance(module, AttentionSinks):
+                module.weight.zero_()  # exp(0): one key's worth of weight on nothing
             elif isinstance(module, GroupedExperts):
                 start = module.expert_range[0]
                 for pname, p in module.named_parameters(recurse=False):
+                    if pname.startswith("b"):  # the biases b1, b3, b2
+                        p.zero_()
+                        continue
                     param_std = out_std if pname == "w2" else std
                     for e in range(module.n_local):
                         p[e].copy_(

@@ -3,7 +3,8 @@
 The count is that of the matmuls (2 FLOPs per multiply-add), as ``torch.utils.flop_counter
 .FlopCounterMode`` counts them (tests/unit/test_flops.py checks the formula against it): per token and
 layer the q/k/v/o projections, the attention scores and their weighted sum over the whole sequence
-(like FlopCounterMode and PaLM's formula, not halved for the causal mask), the router, and K SwiGLU
+(like FlopCounterMode and PaLM's formula, not halved for the causal mask; a sliding-window layer,
+gpt-oss's even ones, over the ``min(window, S)`` keys a query may see), the router, and K SwiGLU
 experts; once per token the LM head. Training is 3x the forward (the backward computes the grads of
 both operands of every matmul). Norms, softmax, dispatch and the optimizer are left out; so is the
 recompute of activation checkpointing (a cost of the method, not of the model), and the experts are
@@ -49,7 +50,11 @@ def forward_flops_per_token(config: ModelConfig) -> int:
     router = 2 * d * config.n_experts
     experts = config.top_k * 3 * 2 * d * config.ffn_dim  # gate, up, down per chosen expert
     head = 2 * d * config.vocab_size
-    return config.n_layers * (projections + attention + router + experts) + head
+    layers = config.n_layers * (projections + attention + router + experts) + head
+    if config.sliding_window:  # the window layers (the even ones) see min(window, S) keys
+        window_layers = (config.n_layers + 1) // 2
+        layers -= window_layers * 2 * 2 * (s - min(config.sliding_window, s)) * q_width
+    return layers
 
 
 def training_flops_per_token(config: ModelConfig) -> int:

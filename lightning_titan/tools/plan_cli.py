@@ -5,6 +5,7 @@
     titan fit --config configs/dp_pp_ep.yaml --config layout.yaml
     titan plan --config configs/base.yaml --devices 8 --check   # predicted against measured
     titan plan --config configs/dp_pp_ep.yaml --devices 8 --device h100-80gb --precision bf16-mixed
+    titan plan --config path/to/gpt-oss-20b/config.json --seq-len 4096 --devices 64 --device h100-80gb
 
 Each layout (dp, pp, ep, cp, tp, zero) with each step option (schedule, microbatches, virtual stages,
 activation checkpointing) gets the model state of its fullest rank, exactly as ``titan bench``
@@ -22,6 +23,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from lightning_titan.hf.load import config_from_folder
 from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.plan.auto import cost_device, device_memory
@@ -35,15 +37,26 @@ from lightning_titan.plan.layouts import (
     total_params,
 )
 from lightning_titan.plan.memory import PARTS
-from lightning_titan.plan.precision import PRECISIONS, Precision, precision_of
+from lightning_titan.plan.precision import FP32, PRECISIONS, Precision, precision_of
 from lightning_titan.plan.rank import Ranked, ranked
 
 TERMS = ("dp", "ep", "pp", "tp", "cp")
+HF_SEQ_LEN = 4096  # a Hugging Face config.json says the longest sequence, not the one trained on
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="titan plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="a titan config (its model and data)")
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="a titan config (its model and data; its init_from folder's model where it has one), "
+        "or a Hugging Face model's config.json (or its folder)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"sequence length for a Hugging Face config.json (default {HF_SEQ_LEN})",
+    )
     parser.add_argument("--devices", type=int, required=True, help="devices in all (every node)")
     parser.add_argument("--device", default="cpu", help=f"cpu or one of {sorted(DEVICES)}")
     parser.add_argument("--memory-gb", type=float, help="memory per device (default: the device's)")
@@ -73,10 +86,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def model_and_batch(path: str) -> tuple[ModelConfig, int, Precision]:
+def model_and_batch(path: str, seq_len: int | None = None) -> tuple[ModelConfig, int, Precision]:
     """The ModelConfig, global batch and precision a titan config trains (defaults where it sets
-    none)."""
+    none), or those of a Hugging Face config.json (``seq_len``, a global batch of 16, fp32)."""
+    hf = Path(path)
+    if hf.name == "config.json" or hf.is_dir():
+        folder = hf.parent if hf.name == "config.json" else hf
+        return config_from_folder(folder, ModelConfig(seq_len=seq_len or HF_SEQ_LEN)), 16, FP32
     composed = compose_config(path)
+    init_from = (composed.get("model") or {}).get("init_from")
     model = (composed.get("model") or {}).get("model") or {}
     model = model.get("init_args", model)
     known = {f.name for f in fields(ModelConfig)}
@@ -86,7 +104,10 @@ def model_and_batch(path: str) -> tuple[ModelConfig, int, Precision]:
     data = composed.get("data") or {}
     trainer = composed.get("trainer") or {}
     precision = precision_of(trainer.get("precision", "32-true"))
-    return ModelConfig(**model), int(data.get("global_batch_size", 16)), precision
+    config = ModelConfig(**model)
+    if init_from:  # the folder's model, as TitanLM takes it
+        config = config_from_folder(init_from, config)
+    return config, int(data.get("global_batch_size", 16)), precision
 
 
 def describe(device: Device, nodes: int) -> str:
@@ -146,7 +167,7 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        config, batch, precision = model_and_batch(args.config)
+        config, batch, precision = model_and_batch(args.config, args.seq_len)
         batch = args.global_batch if args.global_batch is not None else batch
         precision = Precision(args.precision) if args.precision else precision
         check_request(args.devices, batch, args.device)

@@ -85,6 +85,18 @@ def test_mixtral_8x7b_has_its_published_parameter_count():
     assert total_params(mixtral) == 46_702_792_704
 
 
+def test_a_hugging_face_config_json_is_planned(tmp_path, capsys):
+    """gpt-oss's config.json: its parameters (sinks, biases) counted as transformers has them."""
+    from hf_tiny import build
+
+    theirs = build("gpt_oss", tmp_path, shard=False)
+    rows = plan_main(["--config", str(tmp_path / "config.json"), "--seq-len", "16",
+                      "--devices", "4", "--top", "1"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert f"{sum(p.numel() for p in theirs.parameters()):,} parameters" in printed
+    assert rows and "| 1 | " in printed
+
+
 def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsys):
     overlay = tmp_path / "layout.yaml"
     config = str(CONFIGS / "dp_pp_ep.yaml")

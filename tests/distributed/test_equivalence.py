@@ -18,7 +18,8 @@ Every case also checks a forward-only pass (validation) of the trained model aga
 CAPACITY cases cap each expert's share of a sequence: the same assignments are dropped on every step
 (counts equal to one process's) and no local expert receives more rows than the capacity allows.
 FAMILY cases turn on the options of the pretrained families (QK-norm per head or over the whole
-projection, q/k/v biases, a shared expert, sigmoid routing without renormalisation).
+projection, q/k/v biases, a shared expert, sigmoid routing without renormalisation; gpt-oss's sinks,
+window layers, biases, clamped SwiGLU and YaRN).
 """
 
 import pytest
@@ -196,6 +197,7 @@ FAMILY = {
         ((2, 2, 2), "1f1b", 2, "qk_head"),
         ((1, 2, 2, 2), "1f1b", 2, "qk_full"),
         ((2, 2, 2), "1f1b", 2, "qk_full"),
+        ((1, 2, 2, 1, 2), "1f1b", 2, "gpt_oss"),  # the aux losses and clipping on, under cp
     ],
 }
 

@@ -48,6 +48,12 @@ FAMILY_CONFIGS = {
     "qk_head": replace(
         CONFIG, qk_norm="head", attn_head_dim=6, router_norm_topk=False, init_std=0.1
     ),
+    # gpt-oss: sinks, window layers (5 back), biases, the clamped SwiGLU and YaRN
+    "gpt_oss": replace(
+        CONFIG, attn_sinks=True, qkv_bias=True, attn_out_bias=True, sliding_window=5,
+        expert_proj_bias=True, router_bias=True, swiglu_limit=1.0, yarn_factor=4.0,
+        yarn_original_max_positions=16, attn_head_dim=6, init_std=0.1,
+    ),
 }  # fmt: skip
 GLOBAL_BATCH = 8
 STEPS = 5

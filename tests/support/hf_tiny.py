@@ -28,6 +28,14 @@ FAMILIES = {
         shared_expert_intermediate_size=20, num_attention_heads=4, num_key_value_heads=2,
         norm_topk_prob=False, qkv_bias=True,
     )),
+    # head_dim 12 != 32 / 4; even layers see 5 positions back; YaRN whose ramp crosses the dims
+    "gpt_oss": ("GptOssConfig", dict(
+        hidden_size=32, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, sliding_window=5, swiglu_limit=1.5, num_local_experts=4,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+                         "beta_fast": 8.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16},
+    )),
 }  # fmt: skip
 
 

@@ -3,6 +3,7 @@ training step of the whole model, and the peak it is a share of."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -60,6 +61,17 @@ def test_formula_terms_scale_as_they_should():
     two_layers = flops.forward_flops_per_token(ModelConfig(n_layers=2))
     assert two_layers - one_layer == one_layer - 2 * base.d_model * base.vocab_size
     assert flops.training_flops_per_token(base) == 3 * flops.forward_flops_per_token(base)
+
+
+def test_window_layers_count_the_keys_they_see():
+    """gpt-oss: the even layers of 3 attend to 4 of 16 keys (the odd one to all 16)."""
+    full = ModelConfig(n_layers=3, seq_len=16)
+    window = dataclasses.replace(full, sliding_window=4)
+    q_width = full.n_heads * full.head_dim
+    saved = 2 * 2 * (16 - 4) * q_width  # scores and weighted sum over the 12 keys out of reach
+    assert flops.forward_flops_per_token(full) - flops.forward_flops_per_token(window) == 2 * saved
+    wide = dataclasses.replace(full, sliding_window=64)  # wider than the sequence: nothing saved
+    assert flops.forward_flops_per_token(wide) == flops.forward_flops_per_token(full)
 
 
 def test_peak_is_a_probe_on_cpu_and_the_catalogue_on_a_known_gpu(monkeypatch):

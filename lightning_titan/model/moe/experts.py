@@ -20,8 +20,9 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lightning_titan.model.moe.activation import gated
 
 ALIGN_ROWS = 16  # rows per expert a multiple of this on CUDA: 16 bytes of int8/fp8, tiles of bf16
 _GROUPED_CUDA_MAJORS = (9, 10)  # torch's CUTLASS grouped GEMM: sm90 and sm100, bf16 only
@@ -104,6 +105,9 @@ class GroupedExperts(nn.Module):
     - ``w1`` (gate) [E_local, D, F]  -> ``block_sparse_moe.experts.{start+e}.w1.weight = w1[e].T``
     - ``w3`` (up)   [E_local, D, F]  -> ``... .w3.weight = w3[e].T``
     - ``w2`` (down) [E_local, F, D]  -> ``... .w2.weight = w2[e].T``
+
+    With ``bias`` (gpt-oss) each projection adds its expert's bias ``b1``, ``b3`` [E_local, F] and
+    ``b2`` [E_local, D]; ``swiglu_limit`` (gpt-oss) clamps the SwiGLU (``activation.gated``).
     """
 
     def __init__(
@@ -112,8 +116,13 @@ class GroupedExperts(nn.Module):
         ffn_dim: int,
         expert_range: tuple[int, int],
         grouped_mm: bool | None = None,
+        *,
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
     ) -> None:
         super().__init__()
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.grouped_mm = grouped_mm  # None: where supported (see the module doc); False: the loop
         self.align_rows: int | None = (
             None  # rows per expert padded to a multiple (None: the device's)
@@ -126,6 +135,9 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_local, d_model, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(n_local, d_model, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(n_local, ffn_dim, d_model))
+        self.b1 = nn.Parameter(torch.zeros(n_local, ffn_dim)) if bias else None
+        self.b3 = nn.Parameter(torch.zeros(n_local, ffn_dim)) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(n_local, d_model)) if bias else None
         self.reset_parameters()
 
     @property
@@ -158,11 +170,17 @@ class GroupedExperts(nn.Module):
                 counts = torch.tensor(tokens_per_expert, device=x.device)
             return self._grouped(x, tokens_per_expert, counts, dtype)
         # Empty slices still run, so every expert weight gets a (zero) gradient on every rank.
-        outputs = [
-            (F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])) @ self.w2[e]
-            for e, rows in enumerate(torch.split(x, tokens_per_expert))
-        ]
+        outputs = []
+        for e, rows in enumerate(torch.split(x, tokens_per_expert)):
+            gate, up = rows @ self.w1[e], rows @ self.w3[e]
+            if self.b1 is not None and self.b3 is not None:
+                gate, up = gate + self.b1[e], up + self.b3[e]
+            out = self._act(gate, up) @ self.w2[e]
+            outputs.append(out if self.b2 is None else out + self.b2[e])
         return torch.cat(outputs)
+
+    def _act(self, gate: Tensor, up: Tensor) -> Tensor:
+        return gated(gate, up, self.swiglu_limit, self.swiglu_alpha)
 
     def uses_grouped_mm(self, x: Tensor) -> bool:
         """Whether ``forward(x, ...)`` takes the grouped GEMMs."""
@@ -206,8 +224,18 @@ class GroupedExperts(nn.Module):
         offsets = counts.cumsum(0, dtype=torch.int32)
         x = x.contiguous()
         w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
-        gate = torch._grouped_mm(x, w1, offs=offsets)
-        up = torch._grouped_mm(x, w3, offs=offsets)
-        out = _ContiguousGrad.apply(torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets))
+        gate = self._add_bias(torch._grouped_mm(x, w1, offs=offsets), self.b1, counts)
+        up = self._add_bias(torch._grouped_mm(x, w3, offs=offsets), self.b3, counts)
+        out = torch._grouped_mm(self._act(gate, up), w2, offs=offsets)
+        out = _ContiguousGrad.apply(self._add_bias(out, self.b2, counts))
         # the padding rows' outputs are zeros, left out here, so they get no gradient either
         return out if rows is None else out.index_select(0, rows)
+
+    @staticmethod
+    def _add_bias(y: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
+        """``y`` [N, C] (expert e's rows in the e-th block of ``counts`` [E_local] rows) plus each row's
+        expert's ``bias`` [E_local, C]; padding rows get one too, but are left out of the result."""
+        if bias is None:
+            return y
+        rows = bias.to(y.dtype).repeat_interleave(counts, dim=0, output_size=y.shape[0])
+        return y + rows

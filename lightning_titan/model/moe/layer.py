@@ -64,6 +64,9 @@ class MoELayer(nn.Module):
         sequence_split: tuple[int, int] = (1, 1),
         router_score: str = "softmax",
         norm_topk: bool = True,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        swiglu: tuple[float | None, float] = (None, 1.702),
     ) -> None:
         super().__init__()
         expert_range = expert_range or (0, n_experts)
@@ -83,9 +86,13 @@ class MoELayer(nn.Module):
         self.sequence_group = sequence_group
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
-        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.router = nn.Linear(d_model, n_experts, bias=router_bias)  # gpt-oss: a bias
         self.router_score, self.norm_topk = router_score, norm_topk  # model/moe/router.py
-        self.experts = GroupedExperts(d_model, ffn_dim, expert_range)
+        # gpt-oss: biased projections and the clamped SwiGLU (limit, alpha) (model/moe/activation.py)
+        self.experts = GroupedExperts(
+            d_model, ffn_dim, expert_range, bias=expert_bias, swiglu_limit=swiglu[0],
+            swiglu_alpha=swiglu[1],
+        )  # fmt: skip
         self.register_buffer(
             "tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
         )
