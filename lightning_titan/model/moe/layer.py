@@ -78,6 +78,7 @@ class MoELayer(nn.Module):
         self.z_loss_coef = z_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.router_score, self.norm_topk = router_score, norm_topk  # model/moe/router.py
+        self.route = route  # or its compiled form (model/compiled.py)
         self.experts = GroupedExperts(d_model, ffn_dim, expert_range)
         self.register_buffer(
             "tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
@@ -103,7 +104,7 @@ class MoELayer(nn.Module):
                 "ep_group to reach the others; pass the EP process group"
             )
         logits = self.router(x)
-        routing = route(
+        routing = self.route(
             logits,
             self.top_k,
             self.sequence_group,
