@@ -88,6 +88,8 @@ class TitanLM(L.LightningModule):
                 f"peak_flops={peak_flops!r} must be > 0 (one device's FLOP/s, e.g. 989e12), or None "
                 "to take it from the device catalogue or a matmul probe"
             )
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile={compile!r} must be True or False")
         if lr_decay_steps is not None and lr_decay_steps < 1:
             raise ValueError(
                 f"lr_decay_steps={lr_decay_steps!r} must be >= 1, or None for the whole run"
@@ -151,8 +153,10 @@ class TitanLM(L.LightningModule):
         else:
             self.model.init_weights(self.hparams["seed"])
         if self.hparams.get("compile"):  # older checkpoints' hparams lack it
-            split_backward = self.strategy.options.schedule in SPLIT_BACKWARD
-            compiled.compile_stage(self.model, split_backward=split_backward)
+            schedule = self.strategy.options.schedule
+            if schedule in SPLIT_BACKWARD:  # model/compiled.py: the B/W split needs them eager
+                rank_zero_info(f"compile: schedule={schedule!r} compiles the routers only")
+            compiled.compile_stage(self.model, split_backward=schedule in SPLIT_BACKWARD)
 
     @property
     def stage(self) -> StageModel:

@@ -58,5 +58,5 @@ def compile_report(first_step_s: float) -> str:
     """One line for the log after the step that compiled."""
     return (
         f"compile: the first step took {first_step_s:.1f} s, compiling {graphs_compiled()} graphs "
-        "(forward and backward of each region); later steps reuse them"
+        "(each with its backward); later steps reuse them"
     )

@@ -7,7 +7,8 @@ in paired rounds and its model FLOP/s as a share of the one-thread matmul peak.
 Both runs are the same model (same weights, same batches) stepped in turn: round ``i`` times one
 eager step and one compiled step back to back (the order alternating), so load from elsewhere falls
 on both members of a pair (``paired.py``). The first compiled step compiles; its time is reported
-apart and the rounds start after ``warmup`` steps of each. FLOPs are ``flops.step_flops`` (the
+apart and the rounds start after ``warmup`` steps of each. The peak is a 2048^2 matmul probed in
+every round, its best reading kept, as each run's best step is. FLOPs are ``flops.step_flops`` (the
 matmuls by formula, forward and backward) for both: the same numerator, whatever the kernels.
 """
 
@@ -17,6 +18,7 @@ import itertools
 import json
 import shlex
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,20 +43,34 @@ def compile_case(d_model: int, rounds: int, batch: int = 32, warmup: int = 2) ->
         for _ in itertools.islice(run, warmup):
             pass
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    peak = 0.0  # probed in every round, the best kept: a busy box lowers a single probe's reading
     for i in range(rounds):
         order = ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")
         for name in order:
             seconds, _ = next(runs[name])
             times[name].append(seconds)
-    peak = flops.matmul_peak(torch.device("cpu"), torch.float32, n=2048, seconds=1.0)
+        peak = max(peak, flops.matmul_peak(torch.device("cpu"), torch.float32, n=2048, seconds=0.2))
+    ops = {name: top_ops(run) for name, run in runs.items()}
     step_flops = flops.step_flops(config, batch * config.seq_len)
     row: dict = {"d_model": d_model, "tokens": batch * config.seq_len, "compile_s": compile_s}
+    row["ops"] = ops
     for name, steps_s in times.items():
         row[name] = {"rounds_ms": [1e3 * s for s in steps_s], "step_ms": 1e3 * min(steps_s)}
         row[f"{name}_share"] = step_flops / min(steps_s) / peak
     row["peak_gflops_per_s"] = peak / 1e9
     row["speedup"] = Ratio.of(row["eager"], row["compiled"])  # eager's time / compiled's
     return row
+
+
+def top_ops(run: Iterator[tuple[float, Any]], n: int = 6) -> list[tuple[str, float]]:
+    """One more step of ``run`` under the profiler: its ``n`` largest ops by own CPU time, each with
+    its share of the step (what bounds it, op by op; a compiled region shows as its kernels)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        next(run)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    return [(e.key, e.self_cpu_time_total / total) for e in events[:n]]
 
 
 def run(d_models: list[int], rounds: int) -> list[dict]:
@@ -82,6 +98,10 @@ def markdown(rows: list[dict]) -> str:
             f"{100 * r['eager_share']:.0f}% | {100 * r['compiled_share']:.0f}% | "
             f"{r['peak_gflops_per_s']:.1f} |"
         )
+    for r in rows:
+        for name, ops in r.get("ops", {}).items():
+            cells = ", ".join(f"`{op}` {100 * share:.0f}%" for op, share in ops)
+            lines.append(f"\nd_model {r['d_model']}, {name}, own CPU time by op: {cells}")
     return "\n".join(lines)
 
 
