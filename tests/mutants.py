@@ -23,6 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # name: (file, old, new, pytest arguments)
 MUTATIONS = {
+    # compile=True leaves the blocks' attention regions eager
+    "compile_attention_eager": ("lightning_titan/model/compiled.py",
+                                "                module.attend = torch.compile(module.attend, **options)  # type: ignore[method-assign]\n",
+                                "                pass\n",
+                                ["tests/distributed/test_compile.py", "-k", "one_process"]),
     # issue 20: the planner's state model cuts the vocabulary without Megatron's padding
     "plan_vocab_unpadded": ("lightning_titan/plan/memory.py",
                             "shape[t.tp_dim] = padded_vocab(shape[t.tp_dim], dims.tp) // dims.tp",

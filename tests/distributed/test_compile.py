@@ -33,11 +33,11 @@ def ref():
 
 
 def test_one_process_compiled_equals_eager_and_compiles_once(ref):
-    before = compiled.graphs_compiled()
+    torch._dynamo.reset()  # nothing cached from an earlier test: the first step compiles
     result = train(ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None), "gpipe", 1,
                    compile=BACKEND)  # fmt: skip
-    # the attention region's and the router's forward and backward graphs (the blocks share them)
-    assert compiled.graphs_compiled() - before >= 2
+    # the attention region's graph and the router's, each shared by the four blocks
+    assert result["graphs"] == 2
     assert result["recompiled"] == 0
     assert_matches_reference(ref, [result], "one process compiled")
     # and the stage, once compiled, runs more steps under torch's own no-recompile stance

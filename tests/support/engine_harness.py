@@ -140,7 +140,7 @@ def train(
     NCCL's ordering (``nccl_strict``, a stream giving up after that many seconds). ``zero`` shards
     the optimizer state over the data-parallel groups; ``split`` cuts the layers over stages and
     chunks; ``compile`` names a ``torch.compile`` backend to compile the stage with (the result's
-    ``recompiled``: graphs compiled after the first step)."""
+    ``graphs``: the graphs the first step compiled, ``recompiled``: those compiled after it)."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
     model = stage_model(dims, groups, config, split)
     if compile is not None:  # the torch.compile backend
@@ -171,6 +171,7 @@ def train(
     engine.shard_optimizers([optimizer])
     b = GLOBAL_BATCH // dims.data_world
     losses, auxes, norms, dropped = [], [], [], []
+    graphs_at_start = compiled.graphs_compiled()
     for step in range(steps):
         inputs, targets = global_batch(step, config)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
@@ -221,6 +222,7 @@ def train(
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         # the most batches of sends alive (their tensors held) at once (strict_p2p only)
         "sends_in_flight": 0 if stream is None else stream.most_live_sends,
+        "graphs": graphs_after_first - graphs_at_start,  # those the first step compiled
         "recompiled": recompiled,
         **record(model, dims),
     }
