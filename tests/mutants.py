@@ -23,6 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # name: (file, old, new, pytest arguments)
 MUTATIONS = {
+    # compile under a B/W split schedule keeps the compiled backwards' buffers donated
+    "compile_donated_buffers": ("lightning_titan/model/compiled.py",
+                                "        torch._functorch.config.donated_buffer = False\n",
+                                "        pass\n",
+                                ["tests/distributed/test_compile.py", "-k", "layouts"]),
     # compile=True leaves the blocks' attention regions eager
     "compile_attention_eager": ("lightning_titan/model/compiled.py",
                                 "                module.attend = torch.compile(module.attend, **options)  # type: ignore[method-assign]\n",
