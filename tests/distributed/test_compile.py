@@ -5,16 +5,21 @@ The regions are compiled with the ``aot_eager`` backend: Dynamo's capture, its g
 collectives and AOTAutograd's compiled backward (one autograd node per region, what the zero-bubble
 split sees) are all exercised, without inductor's C++ compile, which takes minutes on a 2-core box.
 Inductor's own rounding is measured by ``titan bench --compile`` and stated in docs/concepts.md.
-One process against eager, then one spawn of 8 ranks running dp2 x pp2 x ep2, tp2 x pp2 x ep2,
+One process against eager (also under activation checkpointing), then one spawn of 8 ranks running dp2 x pp2 x ep2, tp2 x pp2 x ep2,
 cp2 x pp2 x ep2 and zbv against the eager single process, at the equivalence suite's tolerances;
 no rank compiles a graph after the first step.
 """
 
 import pytest
 import torch
-from engine_harness import assert_matches_reference, reference, run_layouts, train
+from engine_harness import (
+    ACKPT_CONFIG,
+    assert_matches_reference,
+    reference,
+    run_layouts,
+    train,
+)
 
-from lightning_titan.model import compiled
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
 from lightning_titan.runtime.launch import run_on_ranks
 
@@ -47,6 +52,11 @@ def test_one_process_compiled_equals_eager_and_compiles_once(ref):
         again = train(ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None), "gpipe", 1,
                       compile=BACKEND, steps=3)  # fmt: skip
     assert again["loss"] == pytest.approx(ref["loss"][:3], rel=1e-5)
+    # activation checkpointing runs the compiled regions again in the backward: the same numbers
+    recomputed = train(ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None), "gpipe", 1,
+                       ACKPT_CONFIG, compile=BACKEND)  # fmt: skip
+    assert recomputed["recompiled"] == 0
+    assert_matches_reference(ref, [recomputed], "one process compiled, activation checkpointing")
 
 
 @pytest.mark.slow
