@@ -171,7 +171,7 @@ def train(
     engine.shard_optimizers([optimizer])
     b = GLOBAL_BATCH // dims.data_world
     losses, auxes, norms, dropped = [], [], [], []
-    graphs_at_start = compiled.graphs_compiled()
+    graphs_at_start = graphs_after_first = compiled.graphs_compiled()
     for step in range(steps):
         inputs, targets = global_batch(step, config)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
