@@ -23,6 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # name: (file, old, new, pytest arguments)
 MUTATIONS = {
+    # compile under a B/W split schedule keeps the compiled backwards' buffers donated
+    "compile_donated_buffers": ("lightning_titan/model/compiled.py",
+                                "        torch._functorch.config.donated_buffer = False\n",
+                                "        pass\n",
+                                ["tests/distributed/test_compile.py", "-k", "layouts"]),
+    # compile=True leaves the blocks' attention regions eager
+    "compile_attention_eager": ("lightning_titan/model/compiled.py",
+                                "                module.attend = torch.compile(module.attend, **options)  # type: ignore[method-assign]\n",
+                                "                pass\n",
+                                ["tests/distributed/test_compile.py", "-k", "one_process"]),
     # issue 20: the planner's state model cuts the vocabulary without Megatron's padding
     "plan_vocab_unpadded": ("lightning_titan/plan/memory.py",
                             "shape[t.tp_dim] = padded_vocab(shape[t.tp_dim], dims.tp) // dims.tp",
@@ -224,7 +234,7 @@ MUTATIONS = {
                            ["tests/distributed/test_reference.py", "-k", "tp2"]),
     # issue 14: the aux loss's expert counts not summed over the sequence slices
     "tp_aux_local_counts": ("lightning_titan/model/moe/router.py",
-                            "        dist.all_reduce(assignments, group=sequence_group)\n",
+                            "        _sum_over(assignments, sequence_group)\n",
                             "        pass\n",
                             ["tests/distributed/test_reference.py", "-k", "tp2"]),
     # issue 14: the padded vocabulary rows take part in the softmax

@@ -18,9 +18,10 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightning_titan.hf import load as hf_load
 from lightning_titan.lightning.strategy import TitanStrategy
-from lightning_titan.model import flops
+from lightning_titan.model import compiled, flops
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD
 from lightning_titan.parallel.pipeline.split import StageSplit
 
 _PROGRESS_BAR = ("train_loss", "tokens_per_sec")  # the metrics the progress bar shows
@@ -52,6 +53,10 @@ class TitanLM(L.LightningModule):
             --model.optimizer.lr=0.1``. ``learning_rate``, ``betas`` and ``weight_decay`` are then
             unused; the warmup and cosine schedule still scale its learning rate. Under zero>0 it
             must update each element on its own (checked by a probe step).
+        compile: ``torch.compile`` each block's attention and router regions (``model/compiled.py``;
+            the MoE's dispatch and experts stay eager). The first step compiles (rank 0 prints how
+            long); later steps reuse the graphs. Losses agree with eager within float rounding, not
+            bit for bit (docs/concepts.md); under zb_h1 and zbv only the routers are compiled.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class TitanLM(L.LightningModule):
         init_from: str | None = None,
         peak_flops: float | None = None,
         optimizer: OptimizerCallable | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if not learning_rate > 0:
@@ -82,6 +88,8 @@ class TitanLM(L.LightningModule):
                 f"peak_flops={peak_flops!r} must be > 0 (one device's FLOP/s, e.g. 989e12), or None "
                 "to take it from the device catalogue or a matmul probe"
             )
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile={compile!r} must be True or False")
         if lr_decay_steps is not None and lr_decay_steps < 1:
             raise ValueError(
                 f"lr_decay_steps={lr_decay_steps!r} must be >= 1, or None for the whole run"
@@ -144,6 +152,11 @@ class TitanLM(L.LightningModule):
             hf_load.load_stage(self.model, self.hparams["init_from"])
         else:
             self.model.init_weights(self.hparams["seed"])
+        if self.hparams.get("compile"):  # older checkpoints' hparams lack it
+            schedule = self.strategy.options.schedule
+            if schedule in SPLIT_BACKWARD:  # model/compiled.py: the B/W split needs them eager
+                rank_zero_info(f"compile: schedule={schedule!r} compiles the routers only")
+            compiled.compile_stage(self.model, split_backward=schedule in SPLIT_BACKWARD)
 
     @property
     def stage(self) -> StageModel:
@@ -256,6 +269,8 @@ class TitanLM(L.LightningModule):
 
         tokens = inputs.numel() * strategy.parallel_dims.data_world
         seconds = time.perf_counter() - start
+        if self.hparams.get("compile") and self.global_step == 1:  # the step that compiled
+            rank_zero_info(compiled.compile_report(seconds))
         achieved = flops.step_flops(self.config, tokens) / seconds  # model FLOPs, all ranks
         # the same keys on every rank, values already global: the loggers live on rank 0, the loss
         # on the last stage

@@ -91,10 +91,17 @@ class Block(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
-        h = self.moe_norm(x)
+        x, h = self.attend(x, cos, sin, mask)
         moe_out, aux = self.moe(h, self.shared_expert)  # the shared expert runs under its exchanges
         return x + moe_out, aux
+
+    def attend(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The residual stream after attention, and its MoE-normed copy: the block's part without
+        data-dependent shapes (``model/compiled.py`` compiles it)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x, self.moe_norm(x)
 
 
 class StageModel(nn.Module):

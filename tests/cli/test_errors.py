@@ -37,6 +37,11 @@ def test_weight_decay_must_not_be_negative():
     TitanLM(weight_decay=0.0)  # 0 turns it off: allowed
 
 
+def test_compile_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"compile='yes' must be True or False"):
+        TitanLM(compile="yes")  # type: ignore[arg-type]
+
+
 def _trainer(skipped: int | None, steps: int) -> SimpleNamespace:
     strategy = SimpleNamespace(
         step_end=None if skipped is None else SimpleNamespace(skipped=skipped)

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from nccl_strict import StrictStream, strict_links
 
+from lightning_titan.model import compiled
 from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.model.moe.capacity import expert_capacity
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
-from lightning_titan.parallel.pipeline.schedules import V_SHAPED
+from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.parallel.tensor_parallel import local_slice, tp_shards
 from lightning_titan.tools.bench.memory import state_bytes, zero2_grad_bytes
@@ -136,6 +137,7 @@ def train(
     zero: int = 0,
     split: StageSplit | None = None,
     strict_p2p: float | None = None,
+    compile: str | None = None,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
@@ -143,9 +145,12 @@ def train(
     send and waits for both) on gloo, so that CPU tests cover it too; ``strict_p2p`` runs it under
     NCCL's ordering (``nccl_strict``, a stream giving up after that many seconds). ``zero`` shards
     the optimizer state over the data-parallel groups; ``split`` cuts the layers over stages and
-    chunks."""
+    chunks; ``compile`` names a ``torch.compile`` backend to compile the stage with (the result's
+    ``graphs``: the graphs the first step compiled, ``recompiled``: those compiled after it)."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
     model = stage_model(dims, groups, config, split)
+    if compile is not None:  # the torch.compile backend
+        compiled.compile_stage(model, split_backward=schedule in SPLIT_BACKWARD, backend=compile)
     engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb, zero=zero)
     if paired_p2p:
         make_links = engine._links
@@ -172,6 +177,7 @@ def train(
     engine.shard_optimizers([optimizer])
     b = GLOBAL_BATCH // dims.data_world
     losses, auxes, norms, dropped = [], [], [], []
+    graphs_at_start = graphs_after_first = compiled.graphs_compiled()
     for step in range(steps):
         inputs, targets = global_batch(step, config)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
@@ -192,6 +198,9 @@ def train(
         losses.append(loss)
         auxes.append(aux)
         dropped.append(step_loss.dropped.item())
+        if step == 0:
+            graphs_after_first = compiled.graphs_compiled()
+    recompiled = compiled.graphs_compiled() - graphs_after_first  # before the eval's own graphs
     # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
     inputs, targets = global_batch(0, config)
     rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
@@ -219,6 +228,8 @@ def train(
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         # the most batches of sends alive (their tensors held) at once (strict_p2p only)
         "sends_in_flight": 0 if stream is None else stream.most_live_sends,
+        "graphs": graphs_after_first - graphs_at_start,  # those the first step compiled
+        "recompiled": recompiled,
         **record(model, dims),
     }
 
@@ -264,7 +275,7 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     M[, config]) in turn, on the same ranks; a schedule named ``"<name>:paired"`` runs with
     ``paired_p2p``, ``"<name>:strict"`` with ``strict_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...), ``"<name>:v2"`` with two
     chunks per rank, ``"<name>:layers=3-1"`` with ``stage_layers=[3, 1]``, ``"<name>:auto"`` with the
-    split probed on rank 0; ``config`` replaces CONFIG."""
+    split probed on rank 0, ``"<name>:compile=aot_eager"`` compiled with that backend; ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
@@ -280,6 +291,7 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
             dims, build_process_groups(dims), name, m, config,
             paired_p2p="paired" in options, zero=zero, split=split,
             strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
+            compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
         )  # fmt: skip
         result["split"] = split
         out.append(result)

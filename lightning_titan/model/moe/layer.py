@@ -88,6 +88,7 @@ class MoELayer(nn.Module):
         self.z_loss_coef = z_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=router_bias)  # gpt-oss: a bias
         self.router_score, self.norm_topk = router_score, norm_topk  # model/moe/router.py
+        self.route = route  # or its compiled form (model/compiled.py)
         # gpt-oss: biased projections and the clamped SwiGLU (limit, alpha) (model/moe/activation.py)
         self.experts = GroupedExperts(
             d_model, ffn_dim, expert_range, bias=expert_bias, swiglu_limit=swiglu[0],
@@ -119,7 +120,7 @@ class MoELayer(nn.Module):
                 "ep_group to reach the others; pass the EP process group"
             )
         logits = self.router(x)
-        routing = route(
+        routing = self.route(
             logits,
             self.top_k,
             self.sequence_group,

@@ -72,7 +72,7 @@ def route(
         torch.ones(b, s * top_k, device=logits.device, dtype=torch.float32),
     )
     if parts > 1:
-        dist.all_reduce(assignments, group=sequence_group)
+        _sum_over(assignments, sequence_group)
     fraction = assignments / (seq_len * top_k)
     shares = probs if score == "softmax" else probs / probs.sum(dim=-1, keepdim=True)
     mean_prob = shares.sum(dim=1) / seq_len
@@ -84,6 +84,11 @@ def route(
         load_balance=load_balance,
         z_loss=z_loss,
     )
+
+
+@torch.compiler.disable  # a graph break in a compiled route: the collective runs eagerly
+def _sum_over(counts: Tensor, group: ProcessGroup) -> None:
+    dist.all_reduce(counts, group=group)
 
 
 ROUTER_SCORES = ("softmax", "sigmoid")

@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from lightning_titan.model import flops
+from lightning_titan.model import compiled, flops
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.layer import MoELayer
@@ -72,11 +72,17 @@ def mfu_config(d_model: int) -> ModelConfig:
 
 
 def _train_steps(
-    config: ModelConfig, batches: Iterator[tuple[Tensor, Tensor]], seed: int = 0
+    config: ModelConfig,
+    batches: Iterator[tuple[Tensor, Tensor]],
+    seed: int = 0,
+    compile: bool = False,
 ) -> Iterator[tuple[float, StageModel]]:
-    """A generator: one training step of one rank per batch, yielding (seconds, the model)."""
+    """A generator: one training step of one rank per batch, yielding (seconds, the model);
+    ``compile``: the stage compiled as ``TitanLM(compile=True)`` compiles it."""
     model = StageModel(config)
     model.init_weights(seed)
+    if compile:
+        compiled.compile_stage(model)
     engine = Engine(model, ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     for inputs, targets in batches:

@@ -11,6 +11,7 @@
     titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1, zbv vs torch's (8 layers)
     titan bench --checkpoint --rounds 5  # only: training blocked by a save, at once vs in the background
     titan bench --ep-overlap --shared-expert-dim 128 --rounds 7  # all-to-all exposed, overlapped or not
+    titan bench --compile --rounds 9  # only: eager vs compiled, one rank, d_model 64/256/512
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
 (timeline/<case>.json: open in ui.perfetto.dev) plus a Gantt chart for pipeline and EP cases.
@@ -39,7 +40,13 @@ from lightning_titan.parallel.pipeline.split import AUTO
 from lightning_titan.runtime import tracing
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.tools.bench import checkpoint as checkpoint_bench
-from lightning_titan.tools.bench import overlap_report, report, routing, schedule_report
+from lightning_titan.tools.bench import (
+    compile_cmp,
+    overlap_report,
+    report,
+    routing,
+    schedule_report,
+)
 from lightning_titan.tools.bench.cases import (
     SCHEDULES_N_LAYERS,
     Case,
@@ -135,6 +142,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run only the checkpoint benchmark (tools/bench/checkpoint.py) into checkpoint.md/json: "
         "dp2 x pp2 x ep2, training blocked by a synchronous vs a background save",
     )
+    p.add_argument("--compile", action="store_true", help="only: eager vs compiled, one rank")
     p.add_argument("--mfu-d-models", type=int, nargs="+", default=[64, 256, 512])
     p.add_argument("--balance-steps", type=int, default=200)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
@@ -324,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
         return _routing_only(args, argv, out, load_before)
     if args.checkpoint:
         return _checkpoint_only(args, argv, settings, out, load_before)
+    if args.compile:  # tools/bench/compile_cmp.py
+        return compile_cmp.write(args, argv, out, _machine(settings, args.note))
 
     dispatch_rows: list[dict] = []
     experts_rows: list[dict] = []

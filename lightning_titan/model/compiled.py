@@ -1,0 +1,62 @@
+"""``torch.compile`` of a stage, region by region (``TitanLM(compile=True)``).
+
+Each block compiles in two regions, as torchtitan compiles its blocks with the MoE's token counts
+kept out of the graph:
+
+- ``Block.attend``: RMSNorm, q/k/v, RoPE, attention, the output projection, the residual add and the
+  MoE's RMSNorm; one graph per block shape, shared by the blocks (the parameters are its inputs).
+- ``route`` (``model/moe/router.py``): the router's scores, the top-K and the auxiliary losses.
+
+Between them the MoE's dispatch, experts and combine run eagerly: their row counts depend on the
+routing (a shape that changes every step would recompile), and the all-to-all moves them. Graph
+breaks on purpose: every collective inside a region (the TP sequence gather and reduce-scatter, the
+CP key gather, OLMoE's QK-norm sum, the routing counts' all-reduce) runs eagerly between two
+graphs (``torch.compiler.disable`` at the collective), so a region works under any TP x CP layout.
+
+Backward: each region is one autograd node that computes its input's and its weights' grads
+together, which the zero-bubble schedules' split (``parallel/pipeline/backward_split.py``) cannot
+take apart; under those schedules (``SPLIT_BACKWARD``) only ``route``, which holds no weight,
+is compiled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_titan.model.decoder import Block, StageModel
+from lightning_titan.model.moe.router import route
+
+# Dynamo's per-code cache: one entry per region and per distinct input shape (the first stage's
+# blocks, a V's two chunks and forward-only evaluation see the same shapes; TP/CP change them)
+_CACHE_SIZE = 16
+
+
+def compile_stage(model: StageModel, *, split_backward: bool = False, **options: Any) -> None:
+    """Replace the regions of ``model``'s blocks by their compiled forms, in place (module doc).
+    ``split_backward``: the schedule defers the weight grads (the blocks' attention then stays eager).
+    ``options`` go to ``torch.compile`` (e.g. ``backend="aot_eager"`` in tests)."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _CACHE_SIZE)
+    if split_backward:  # B keeps the graph for W (retain_graph): a compiled backward may not
+        # reuse ("donate") its saved buffers then; read when a region compiles, so set for the process
+        torch._functorch.config.donated_buffer = False
+    compiled_route = torch.compile(route, **options)
+    for module in model.modules():
+        if isinstance(module, Block):
+            if not split_backward:
+                module.attend = torch.compile(module.attend, **options)  # type: ignore[method-assign]
+            module.moe.route = compiled_route
+
+
+def graphs_compiled() -> int:
+    """How many graphs Dynamo has compiled in this process so far (a recompile adds one)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def compile_report(first_step_s: float) -> str:
+    """One line for the log after the step that compiled."""
+    return (
+        f"compile: the first step took {first_step_s:.1f} s, compiling {graphs_compiled()} graphs "
+        "(each with its backward); later steps reuse them"
+    )
