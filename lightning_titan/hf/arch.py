@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_titan.hf import deepseek
+from lightning_titan.hf.deepseek import DEEPSEEK_V3
 from lightning_titan.model.decoder import ModelConfig
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE = "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
@@ -37,7 +39,11 @@ ARCHITECTURES = {
                             "moe_intermediate_size", ("num_experts", "num_local_experts")),
     OLMOE: Architecture(OLMOE, "OlmoeForCausalLM", "mlp", SWIGLU, "intermediate_size",
                         ("num_experts", "num_local_experts")),
+    DEEPSEEK_V3: Architecture(DEEPSEEK_V3, "DeepseekV3ForCausalLM", "mlp", SWIGLU,
+                              "moe_intermediate_size", ("n_routed_experts", "num_local_experts")),
 }  # fmt: skip
+# a family's own names, where they differ from LAYER_NAMES
+FAMILY_NAMES = {DEEPSEEK_V3: deepseek.LAYER_NAMES}
 
 # our name inside layer {i} -> the Hugging Face name ("{moe}" is the family's MoE block)
 LAYER_NAMES = {
@@ -68,6 +74,10 @@ TOP_NAMES = {
 def architecture_of(config: ModelConfig) -> Architecture:
     """The one Hugging Face family that holds ``config``'s options; ValueError naming the option if
     none does."""
+    if config.mla:
+        deepseek.check_exportable(config)
+        return ARCHITECTURES[DEEPSEEK_V3]
+    deepseek.refuse_unless_deepseek(config)
     if config.router_score != "softmax":
         raise ValueError(
             f"router_score={config.router_score!r}: none of {sorted(ARCHITECTURES)} routes with it; "
@@ -122,7 +132,17 @@ def hf_names(name: str, expert_range: tuple[int, int], arch: Architecture) -> li
     if rest.startswith("moe.experts."):
         w = arch.experts[parts[-1]]
         return [f"{prefix}{arch.moe}.experts.{e}.{w}.weight" for e in range(*expert_range)]
-    return [prefix + LAYER_NAMES[rest].format(moe=arch.moe)]
+    names = FAMILY_NAMES.get(arch.model_type, {})
+    return [prefix + (names[rest] if rest in names else LAYER_NAMES[rest]).format(moe=arch.moe)]
+
+
+def hf_tensors(model: Any) -> list[tuple[str, Any]]:
+    """(our name, tensor) of every tensor of ``model`` a Hugging Face folder of its family holds: the
+    parameters, and the expert biases where the family keeps them (DeepSeek-V3)."""
+    out = list(model.named_parameters())
+    if architecture_of(model.config).model_type in FAMILY_NAMES:
+        out += [(n, b) for n, b in model.named_buffers() if n.endswith("moe.expert_bias")]
+    return out
 
 
 def rope_theta_of(hf: dict[str, Any]) -> float | None:
@@ -134,6 +154,8 @@ def rope_theta_of(hf: dict[str, Any]) -> float | None:
 
 def options_from(hf: dict[str, Any], arch: Architecture) -> dict[str, Any]:
     """The ModelConfig options the family's config.json sets: field -> (value, the key it came from)."""
+    if arch.model_type == DEEPSEEK_V3:
+        return deepseek.options_from(hf)
     heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
     head_dim = hf.get("head_dim") if arch.model_type == QWEN3_MOE else None
     out: dict[str, Any] = {
@@ -186,6 +208,8 @@ def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
     }
+    if arch.model_type == DEEPSEEK_V3:
+        return deepseek.hf_config(config, out)
     if arch.model_type == MIXTRAL:
         out.pop("rope_parameters")  # as the Mixtral export has always written it
         return out

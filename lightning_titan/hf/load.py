@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from lightning_titan.hf import deepseek
 from lightning_titan.hf import folder as hf_folder
 from lightning_titan.hf.arch import (
     ARCHITECTURES,
@@ -29,6 +30,7 @@ from lightning_titan.hf.arch import (
     Architecture,
     architecture_of,
     hf_names,
+    hf_tensors,
     options_from,
     rope_theta_of,
 )
@@ -87,7 +89,9 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Arc
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "is not supported: our experts are SwiGLU with silu")
     head_dim, heads = hf.get("head_dim"), hf.get("num_attention_heads", 0)
-    if (
+    if arch.model_type == deepseek.DEEPSEEK_V3:  # head_dim there is qk_rope_head_dim
+        deepseek.check_supported(hf, refuse)
+    elif (
         arch.model_type != QWEN3_MOE
         and head_dim is not None
         and head_dim * heads != hf.get("hidden_size")
@@ -226,7 +230,7 @@ def hf_shapes(model: StageModel) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every Hugging Face tensor ``model`` holds -> (our parameter name, the shape it must have)."""
     out, cut = {}, tp_shards(model)
     arch = architecture_of(model.config)
-    for name, p in model.named_parameters():
+    for name, p in hf_tensors(model):
         names = hf_names(name, model.expert_range, arch)
         shape = tuple(p.shape[1:])[::-1] if is_stacked_experts(name) else tuple(p.shape)
         if id(p) in cut:  # a TP rank's part of a weight: the file holds the whole of it
@@ -287,7 +291,7 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
     by_file = check_tensors(model, folder)
     targets = {}  # hf name -> the parameter (or expert row) it fills, and whether it is transposed
     arch = architecture_of(model.config)
-    for name, p in model.named_parameters():
+    for name, p in hf_tensors(model):
         stacked = is_stacked_experts(name)
         for row, hf_name in enumerate(hf_names(name, model.expert_range, arch)):
             targets[hf_name] = (p[row], True) if stacked else (p, False)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_titan.model.attention import Attention, RMSNorm, apply_rope, rope_cos_sin
 from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.mla import MLAttention
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.model.moe.shared import SharedExpert
@@ -45,6 +46,11 @@ __all__ = ["Attention", "ModelConfig", "RMSNorm", "StageModel", "apply_rope", "r
 
 
 class Block(nn.Module):
+    """One layer. ``dense``: a plain SwiGLU ``mlp`` instead of the MoE layer (DeepSeek-V3's first
+    layers): no router, no experts, no dispatch; it runs on this rank's tokens like a shared expert."""
+
+    moe: MoELayer | None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -53,11 +59,21 @@ class Block(nn.Module):
         tp_group: ProcessGroup | None = None,
         cp_group: ProcessGroup | None = None,
         sequence_group: ProcessGroup | None = None,
+        dense: bool = False,
     ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config, tp_group, cp_group)
+        self.attn: nn.Module = (
+            MLAttention(config, tp_group, cp_group)
+            if config.mla
+            else Attention(config, tp_group, cp_group)
+        )
         self.moe_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.shared_expert = None
+        if dense:
+            self.moe = None
+            self.mlp = SharedExpert(config.d_model, config.dense_ffn_dim, gated=False)
+            return
         self.moe = MoELayer(
             config.d_model,
             config.ffn_dim,
@@ -73,18 +89,22 @@ class Block(nn.Module):
             sequence_split=(tp_size(cp_group), tp_size(tp_group)),
             router_score=config.router_score,
             norm_topk=config.router_norm_topk,
+            groups=(config.router_groups, config.router_topk_groups),
+            scaling=config.routed_scaling,
+            expert_bias=config.router_expert_bias,
         )
-        self.shared_expert = (
-            SharedExpert(config.d_model, config.shared_expert_dim)
-            if config.shared_expert_dim
-            else None
-        )
+        if config.shared_expert_dim:
+            self.shared_expert = SharedExpert(
+                config.d_model, config.shared_expert_dim, config.shared_expert_gated
+            )
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         h = self.moe_norm(x)
+        if self.moe is None:  # a dense layer: no aux loss
+            return x + self.mlp(h), torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         moe_out, aux = self.moe(h)
         if self.shared_expert is not None:
             moe_out = moe_out + self.shared_expert(h)
@@ -173,7 +193,13 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleDict(
             {
                 str(i): Block(
-                    config, self.expert_range, ep_group, tp_group, cp_group, sequence_group
+                    config,
+                    self.expert_range,
+                    ep_group,
+                    tp_group,
+                    cp_group,
+                    sequence_group,
+                    dense=config.is_dense(i),
                 )
                 for start, end in self.chunk_ranges
                 for i in range(start, end)
@@ -253,7 +279,7 @@ class StageModel(nn.Module):
         key = (seq_len, device)
         if key not in self._rope_cache:
             self._rope_cache[key] = rope_cos_sin(
-                seq_len, self.config.head_dim, self.config.rope_theta, device
+                seq_len, self.config.rope_dim, self.config.rope_theta, device
             )
         return self._rope_cache[key]
 
@@ -281,7 +307,9 @@ class StageModel(nn.Module):
                         )
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 param_std = (
-                    out_std if module_name.endswith(("attn.wo", "shared_expert.w2")) else std
+                    out_std
+                    if module_name.endswith(("attn.wo", "shared_expert.w2", "mlp.w2"))
+                    else std
                 )
                 if isinstance(bias := getattr(module, "bias", None), Tensor):
                     bias.zero_()

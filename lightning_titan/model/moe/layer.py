@@ -57,6 +57,9 @@ class MoELayer(nn.Module):
         sequence_split: tuple[int, int] = (1, 1),
         router_score: str = "softmax",
         norm_topk: bool = True,
+        groups: tuple[int, int] = (1, 1),
+        scaling: float = 1.0,
+        expert_bias: bool = False,
     ) -> None:
         super().__init__()
         expert_range = expert_range or (0, n_experts)
@@ -78,12 +81,14 @@ class MoELayer(nn.Module):
         self.z_loss_coef = z_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.router_score, self.norm_topk = router_score, norm_topk  # model/moe/router.py
+        self.groups, self.scaling = groups, scaling
         self.experts = GroupedExperts(d_model, ffn_dim, expert_range)
         self.register_buffer(
             "tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
         )
         self.bias_update_rate = bias_update_rate
-        balancing = bias_update_rate > 0
+        # expert_bias: a loaded model's bias (DeepSeek-V3) is kept even when training leaves it still
+        balancing = bias_update_rate > 0 or expert_bias
         # None when off: no key in the state dict, so checkpoints without balancing load as before
         self.register_buffer(
             "expert_bias", torch.zeros(n_experts, dtype=torch.float32) if balancing else None
@@ -110,6 +115,8 @@ class MoELayer(nn.Module):
             self.expert_bias,
             score=self.router_score,
             norm_topk=self.norm_topk,
+            groups=self.groups,
+            scaling=self.scaling,
         )
         if self.expert_bias is not None:
             self.unbiased_tokens_per_expert = self._unbiased_counts(logits)
