@@ -3,8 +3,10 @@
 The count is that of the matmuls (2 FLOPs per multiply-add), as ``torch.utils.flop_counter
 .FlopCounterMode`` counts them (tests/unit/test_flops.py checks the formula against it): per token and
 layer the q/k/v/o projections, the attention scores and their weighted sum over the whole sequence
-(like FlopCounterMode and PaLM's formula, not halved for the causal mask), the router, and K SwiGLU
-experts; once per token the LM head. Training is 3x the forward (the backward computes the grads of
+(like FlopCounterMode and PaLM's formula, not halved for the causal mask), the router, K SwiGLU
+experts and a shared expert; once per token the LM head. DeepSeek-V3's latent attention counts its
+down- and up-projections (the keys and values expanded from the latent once per token), and its dense
+first layers one SwiGLU in place of the router and experts. Training is 3x the forward (the backward computes the grads of
 both operands of every matmul). Norms, softmax, dispatch and the optimizer are left out; so is the
 recompute of activation checkpointing (a cost of the method, not of the model), and the experts are
 counted dropless (capacity drops save some; MFU then reads low by that share).
@@ -46,10 +48,28 @@ def forward_flops_per_token(config: ModelConfig) -> int:
     q_width, kv_width = config.n_heads * hd, config.kv_heads * hd
     projections = 2 * d * (2 * q_width + 2 * kv_width)  # q and o; k and v
     attention = 2 * 2 * s * q_width  # scores q.k over S keys, then the weighted sum of S values
+    if config.mla:
+        projections, attention = _latent_attention(config)
     router = 2 * d * config.n_experts
     experts = config.top_k * 3 * 2 * d * config.ffn_dim  # gate, up, down per chosen expert
+    shared = 3 * 2 * d * config.shared_expert_dim
+    shared += 2 * d if config.shared_expert_dim and config.shared_expert_gated else 0
     head = 2 * d * config.vocab_size
-    return config.n_layers * (projections + attention + router + experts) + head
+    dense = config.dense_layers
+    moe_layer = projections + attention + router + experts + shared
+    dense_layer = projections + attention + 3 * 2 * d * config.dense_ffn_dim
+    return (config.n_layers - dense) * moe_layer + dense * dense_layer + head
+
+
+def _latent_attention(config: ModelConfig) -> tuple[int, int]:
+    """(projections, attention) FLOPs per token of one multi-head latent attention (model/mla.py)."""
+    d, h, rank = config.d_model, config.n_heads, config.kv_lora_rank
+    qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    q = 2 * d * h * qk
+    if config.q_lora_rank:
+        q = 2 * config.q_lora_rank * (d + h * qk)
+    kv = 2 * d * (rank + config.qk_rope_head_dim) + 2 * rank * h * (config.qk_nope_head_dim + v)
+    return q + kv + 2 * h * v * d, 2 * config.seq_len * h * (qk + v)
 
 
 def training_flops_per_token(config: ModelConfig) -> int:

@@ -18,7 +18,8 @@ Every case also checks a forward-only pass (validation) of the trained model aga
 CAPACITY cases cap each expert's share of a sequence: the same assignments are dropped on every step
 (counts equal to one process's) and no local expert receives more rows than the capacity allows.
 FAMILY cases turn on the options of the pretrained families (QK-norm per head or over the whole
-projection, q/k/v biases, a shared expert, sigmoid routing without renormalisation).
+projection, q/k/v biases, a shared expert, sigmoid routing without renormalisation; DeepSeek-V3's
+latent attention, group-limited routing and dense first layer).
 """
 
 import pytest
@@ -188,7 +189,14 @@ FAMILY = {
         ((1, 1, 1, 2), "1f1b", 1, "qk_head"),
     ],
     4: [((1, 2, 1, 2), "gpipe", 2, "qk_full"), ((2, 1, 2), "1f1b:zero1", 2, "qk_head")],
-    8: [((2, 2, 2), "1f1b", 2, "qk_head"), ((1, 2, 2, 2), "1f1b", 2, "qk_full")],
+    8: [
+        ((2, 2, 2), "1f1b", 2, "qk_head"),
+        ((1, 2, 2, 2), "1f1b", 2, "qk_full"),
+        ((2, 2, 2), "1f1b", 2, "deepseek"),
+        ((1, 2, 2, 2), "1f1b", 2, "deepseek"),  # MLA's heads split, its down-projections whole
+        ((1, 2, 2, 1, 2), "1f1b", 2, "deepseek"),  # the latent gathered over CP
+        ((2, 2, 2), "1f1b:layers=1-3:zero2", 2, "deepseek"),  # the dense layer alone on stage 0
+    ],
 }
 
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_titan.hf import load as hf_load
-from lightning_titan.hf.arch import architecture_of
+from lightning_titan.hf.arch import architecture_of, hf_names
 from lightning_titan.hf.export import hf_state_dict, write_hf_folder
 from lightning_titan.lightning.module import TitanLM
 from lightning_titan.model.decoder import ModelConfig, StageModel
@@ -81,12 +81,22 @@ def test_the_family_options_come_from_the_folder(folders):
         "qwen3_moe": ("head", 12, True, False, 0),
         "olmoe": ("full", None, False, False, 0),
         "qwen2_moe": ("none", None, False, True, 20),
+        "deepseek_v3": ("none", None, True, False, 24),
+        "deepseek_v3-qproj": ("none", None, False, False, 48),
+    }
+    deepseek = ("q_lora_rank", "kv_lora_rank", "router_groups", "router_topk_groups")
+    deepseek += ("routed_scaling", "dense_layers", "dense_ffn_dim", "rope_interleave")
+    want_deepseek = {
+        "deepseek_v3": (16, 12, 2, 1, 2.5, 1, 40, True),
+        "deepseek_v3-qproj": (0, 12, 1, 1, 1.5, 0, 0, False),
     }
     for family, (folder, _) in folders.items():
         config = hf_load.config_from_folder(folder, TRAINING)
         assert tuple(getattr(config, o) for o in options) == want[family], family
         assert (config.d_model, config.ffn_dim, config.n_experts, config.top_k) == (32, 24, 4, 2)
-        assert architecture_of(config).model_type == family
+        assert architecture_of(config).model_type == family.split("-")[0]
+        if family in want_deepseek:
+            assert tuple(getattr(config, o) for o in deepseek) == want_deepseek[family], family
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -103,10 +113,30 @@ def test_one_process_equals_transformers_and_exports_the_folder_back(folders, fa
     step = engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 2, token_loss_sum)
     engine.remove()
     assert step.loss.item() == pytest.approx(their_loss, rel=1e-5)
+    if family.startswith("deepseek_v3"):
+        assert_grads_equal(model, theirs, tokens)
     exported, original = hf_state_dict(model), originals(folder)
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def assert_grads_equal(model: StageModel, theirs: torch.nn.Module, tokens: torch.Tensor) -> None:
+    """Every weight's grad of one step equals transformers' (``model`` holds its step's grads): the
+    experts against transformers' fused ``gate_up_proj`` / ``down_proj``."""
+    theirs.zero_grad()
+    theirs(input_ids=tokens, labels=tokens).loss.backward()
+    their_grads = {n: p.grad for n, p in theirs.named_parameters()}
+    arch = architecture_of(model.config)
+    for name, p in model.named_parameters():
+        if ".moe.experts." in name:
+            block = hf_names(name, (0, 1), arch)[0].rsplit(".experts.", 1)[0] + ".experts."
+            gate, up = their_grads[block + "gate_up_proj"].chunk(2, dim=1)
+            want = {"w1": gate, "w3": up, "w2": their_grads[block + "down_proj"]}[name[-2:]]
+            want = want.transpose(1, 2)
+        else:
+            want = their_grads[hf_names(name, (0, 1), arch)[0]]
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def finetune(model: StageModel, engine: Engine, dims: ParallelDims) -> list[float]:
@@ -274,7 +304,7 @@ REFUSED = [
     ("qwen3_moe", {"attention_bias": True}, r"attention_bias=True is not supported"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2 is not supported"),
     ("olmoe", {"clip_qkv": 8.0}, r"clip_qkv=8.0 is not supported"),
-    ("olmoe", {"model_type": "deepseek_v3"}, r"model_type='deepseek_v3' is not supported"),
+    ("olmoe", {"model_type": "deepseek_v2"}, r"model_type='deepseek_v2' is not supported"),
     ("olmoe", {"architectures": ["Qwen3MoeForCausalLM"]}, r"architectures=.*'OlmoeForCausalLM'"),
 ]
 

@@ -48,6 +48,15 @@ FAMILY_CONFIGS = {
     "qk_head": replace(
         CONFIG, qk_norm="head", attn_head_dim=6, router_norm_topk=False, init_std=0.1
     ),
+    # DeepSeek-V3: latent attention with a low-rank query, group-limited sigmoid routing with a
+    # moving expert bias, scaled combine weights, an ungated shared expert, a dense first layer
+    "deepseek": replace(
+        CONFIG, n_kv_heads=None, kv_lora_rank=12, q_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True, router_score="sigmoid",
+        router_expert_bias=True, router_bias_update_rate=1e-3, router_groups=2,
+        router_topk_groups=1, routed_scaling=2.5, dense_layers=1, dense_ffn_dim=40,
+        shared_expert_dim=24, shared_expert_gated=False,
+    ),
 }  # fmt: skip
 GLOBAL_BATCH = 8
 STEPS = 5

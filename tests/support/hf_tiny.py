@@ -34,6 +34,7 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_shared_experts=1, n_group=2,
         topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rms_norm_eps=1e-2,  # apart from the latent norms' fixed 1e-6
     )),
     # one q projection (q_lora_rank null, as DeepSeek-V2-Lite), plain RoPE halves, no groups
     "deepseek_v3-qproj": ("DeepseekV3Config", dict(
