@@ -47,7 +47,9 @@ class ModelConfig:
     # DeepSeek-V3 (Kimi K2, Moonlight): multi-head latent attention (model/mla.py), group-limited
     # routing (model/moe/groups.py), dense first layers, an ungated shared expert
     kv_lora_rank: int = 0  # rank of the joint KV compression; 0 = plain attention, > 0 = MLA
-    q_lora_rank: int = 0  # rank of the low-rank query (MLA); 0 = one q projection (DeepSeek-V2-Lite)
+    q_lora_rank: int = (
+        0  # rank of the low-rank query (MLA); 0 = one q projection (DeepSeek-V2-Lite)
+    )
     qk_nope_head_dim: int = 0  # MLA: per-head q/k channels without RoPE
     qk_rope_head_dim: int = 0  # MLA: per-head q channels with RoPE (the key's are shared by heads)
     v_head_dim: int = 0  # MLA: per-head value channels
@@ -212,7 +214,9 @@ def check_deepseek(config: ModelConfig) -> None:
     if config.mla:
         for name in ("qk_rope_head_dim", "v_head_dim"):
             if getattr(config, name) < 1:
-                raise ValueError(f"{name}=0 with kv_lora_rank={config.kv_lora_rank} (MLA): give it > 0")
+                raise ValueError(
+                    f"{name}=0 with kv_lora_rank={config.kv_lora_rank} (MLA): give it > 0"
+                )
         if config.qk_rope_head_dim % 2:
             raise ValueError(
                 f"qk_rope_head_dim={config.qk_rope_head_dim} is odd; RoPE rotates pairs of channels"

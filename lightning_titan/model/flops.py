@@ -42,8 +42,8 @@ GPU_BF16_PEAK: dict[str, float] = {
 }
 
 
-def forward_flops_per_token(config: ModelConfig) -> int:
-    """Matmul FLOPs of one token's forward through the whole model (see the module doc)."""
+def layer_flops_per_token(config: ModelConfig) -> tuple[int, int]:
+    """Matmul FLOPs of one token's forward through (an MoE layer, a dense layer)."""
     d, hd, s = config.d_model, config.head_dim, config.seq_len
     q_width, kv_width = config.n_heads * hd, config.kv_heads * hd
     projections = 2 * d * (2 * q_width + 2 * kv_width)  # q and o; k and v
@@ -54,10 +54,15 @@ def forward_flops_per_token(config: ModelConfig) -> int:
     experts = config.top_k * 3 * 2 * d * config.ffn_dim  # gate, up, down per chosen expert
     shared = 3 * 2 * d * config.shared_expert_dim
     shared += 2 * d if config.shared_expert_dim and config.shared_expert_gated else 0
-    head = 2 * d * config.vocab_size
-    dense = config.dense_layers
-    moe_layer = projections + attention + router + experts + shared
     dense_layer = projections + attention + 3 * 2 * d * config.dense_ffn_dim
+    return projections + attention + router + experts + shared, dense_layer
+
+
+def forward_flops_per_token(config: ModelConfig) -> int:
+    """Matmul FLOPs of one token's forward through the whole model (see the module doc)."""
+    moe_layer, dense_layer = layer_flops_per_token(config)
+    dense = config.dense_layers
+    head = 2 * config.d_model * config.vocab_size
     return (config.n_layers - dense) * moe_layer + dense * dense_layer + head
 
 

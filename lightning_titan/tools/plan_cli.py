@@ -5,6 +5,7 @@
     titan fit --config configs/dp_pp_ep.yaml --config layout.yaml
     titan plan --config configs/base.yaml --devices 8 --check   # predicted against measured
     titan plan --config configs/dp_pp_ep.yaml --devices 8 --device h100-80gb --precision bf16-mixed
+    titan plan --config path/to/DeepSeek-V3/config.json --devices 64 --device h100-80gb  # a HF model
 
 Each layout (dp, pp, ep, cp, tp, zero) with each step option (schedule, microbatches, virtual stages,
 activation checkpointing) gets the model state of its fullest rank, exactly as ``titan bench``
@@ -43,7 +44,11 @@ TERMS = ("dp", "ep", "pp", "tp", "cp")
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="titan plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="a titan config (its model and data)")
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="a titan config (its model and data), or a Hugging Face model's config.json",
+    )
     parser.add_argument("--devices", type=int, required=True, help="devices in all (every node)")
     parser.add_argument("--device", default="cpu", help=f"cpu or one of {sorted(DEVICES)}")
     parser.add_argument("--memory-gb", type=float, help="memory per device (default: the device's)")
@@ -76,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
 def model_and_batch(path: str) -> tuple[ModelConfig, int, Precision]:
     """The ModelConfig, global batch and precision a titan config trains (defaults where it sets
     none)."""
+    if path.endswith(".json"):  # a Hugging Face config.json: its model, our training defaults
+        from lightning_titan.hf.load import config_from_folder
+
+        return config_from_folder(Path(path).parent), 16, precision_of("32-true")
     composed = compose_config(path)
     model = (composed.get("model") or {}).get("model") or {}
     model = model.get("init_args", model)

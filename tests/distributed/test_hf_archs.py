@@ -33,8 +33,9 @@ STEPS = 3
 TRAINING = ModelConfig(seq_len=SEQ_LEN, aux_loss_coef=0.0, z_loss_coef=0.0)
 # (family, (dp, pp, ep, tp[, cp]), zero): every family under dp2 x pp2 x ep2 (ZeRO-1, Qwen2-MoE
 # ZeRO-2) and tp2 x pp2 x ep2; OLMoE's whole-projection QK-norm also under ep2 x tp2 x cp2
-LAYOUTS = [(f, (2, 2, 2, 1), 2 if f == "qwen2_moe" else 1) for f in FAMILIES]
-LAYOUTS += [(f, (1, 2, 2, 2), 0) for f in FAMILIES]
+# (DeepSeek-V3 trains under its layouts in test_equivalence.py; here its slices load under TP)
+LAYOUTS = [(f, (2, 2, 2, 1), 2 if f == "qwen2_moe" else 1) for f in FAMILIES if "deepseek" not in f]
+LAYOUTS += [(f, (1, 2, 2, 2), 0) for f in FAMILIES if f != "deepseek_v3-qproj"]
 LAYOUTS += [("olmoe", (1, 1, 2, 2, 2), 0)]
 
 
@@ -100,7 +101,7 @@ def test_the_family_options_come_from_the_folder(folders):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_process_equals_transformers_and_exports_the_folder_back(folders, family):
+def test_one_process_equals_transformers_and_exports_the_folder_back(folders, family, tmp_path):
     folder, theirs = folders[family]
     model = full_model(folder).eval()
     tokens = global_tokens()
@@ -119,6 +120,15 @@ def test_one_process_equals_transformers_and_exports_the_folder_back(folders, fa
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+    if family.startswith("deepseek_v3"):  # the folder we write: transformers' logits are ours
+        import transformers
+
+        out = write_hf_folder(model, tmp_path / family)
+        assert hf_load.config_from_folder(out, TRAINING) == model.config
+        exported_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            logits = exported_model(input_ids=tokens[:, :-1]).logits
+        torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
 
 
 def assert_grads_equal(model: StageModel, theirs: torch.nn.Module, tokens: torch.Tensor) -> None:
@@ -136,7 +146,9 @@ def assert_grads_equal(model: StageModel, theirs: torch.nn.Module, tokens: torch
             want = want.transpose(1, 2)
         else:
             want = their_grads[hf_names(name, (0, 1), arch)[0]]
-        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def finetune(model: StageModel, engine: Engine, dims: ParallelDims) -> list[float]:
@@ -206,6 +218,7 @@ def _on_ranks(rank: int, world_size: int, folders: dict[str, str], cases: list) 
             "expert_range": model.expert_range, "tp": (dims.tp, dims.tp_rank),
             "cut": {names[i]: s.dim for i, s in tp_shards(model).items()},
             "rows": dims.data_rank, "data_world": dims.data_world,
+            "bias_bytes": sum(b.numel() * 4 for n, b in model.named_buffers() if "expert_bias" in n),
         })  # fmt: skip
     return results
 
@@ -235,6 +248,8 @@ def test_eight_ranks_load_their_slice_match_transformers_and_train_as_one_proces
     per_rank = run_on_ranks(_on_ranks, 8, paths, LAYOUTS, timeout_s=400, start_method="fork")
     tokens = global_tokens()
     for family, (folder, theirs) in folders.items():
+        if family not in {f for f, _, _ in LAYOUTS}:
+            continue
         full = {n: p.detach() for n, p in full_model(folder).named_parameters()}
         with torch.no_grad():
             their_logits = theirs(input_ids=tokens[:, :-1]).logits
@@ -268,6 +283,7 @@ def test_eight_ranks_load_their_slice_match_transformers_and_train_as_one_proces
                 share = (0.15, 0.4) if layout[1] == 2 else (0.3, 0.6)  # pp1: ep2 x tp2 only
                 assert share[0] < r["read"] / total < share[1], (*where, r["read"], total)
                 held_bytes = sum(t.numel() * t.element_size() for t in r["loaded"].values())
+                held_bytes += r["bias_bytes"]  # DeepSeek-V3's expert biases are read too
                 assert r["read"] == held_bytes if layout[3] == 1 else r["read"] <= held_bytes
             assert held == set(full), (family, layout)
         # the fine-tune exports to its family: transformers loads it and gives our logits
@@ -397,14 +413,34 @@ def test_our_own_family_exports_load_back(tmp_path):
         {"qk_norm": "head", "attn_head_dim": 6, "router_norm_topk": False},
         {"qk_norm": "full", "router_norm_topk": False},
         {"shared_expert_dim": 16, "qkv_bias": True},
+        {  # DeepSeek-V3 with a moved expert bias (exported as e_score_correction_bias)
+            "kv_lora_rank": 8,
+            "q_lora_rank": 12,
+            "qk_nope_head_dim": 4,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 6,
+            "router_score": "sigmoid",
+            "router_expert_bias": True,
+            "shared_expert_dim": 256,
+            "shared_expert_gated": False,
+            "router_groups": 2,
+            "dense_layers": 1,
+            "dense_ffn_dim": 40,
+            "routed_scaling": 2.0,
+            "n_kv_heads": 4,
+        },
     ):
-        config = ModelConfig(n_kv_heads=2, seq_len=SEQ_LEN, n_layers=2, **options)
+        config = ModelConfig(**{"n_kv_heads": 2, "seq_len": SEQ_LEN, "n_layers": 2, **options})
         model = StageModel(config)
         model.init_weights(3)
+        for name, bias in model.named_buffers():
+            if name.endswith("expert_bias"):
+                bias.copy_(torch.randn(bias.shape))
         out = write_hf_folder(model, tmp_path / str(len(list(tmp_path.iterdir()))))
         loaded = TitanLM(ModelConfig(seq_len=SEQ_LEN), init_from=str(out)).config
         assert loaded == config
         again = full_model(out)
-        for name, p in model.named_parameters():
-            assert torch.equal(dict(again.named_parameters())[name], p), name
+        held = again.state_dict()
+        for name, tensor in model.state_dict().items():  # the expert biases too
+            assert torch.equal(held[name], tensor), name
         shutil.rmtree(out)
