@@ -202,9 +202,15 @@ def check_options(config: Any) -> None:
 
 def check_deepseek(config: ModelConfig) -> None:
     """Raise ValueError naming the DeepSeek-V3 field whose value is not allowed."""
-    ints = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    ints += ("dense_layers", "dense_ffn_dim")
-    for name in ints:
+    for name in (
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "dense_layers",
+        "dense_ffn_dim",
+    ):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name}={value!r} must be an int >= 0")
