@@ -28,8 +28,9 @@ from lightning_titan.parallel.pipeline.split import StageCosts, balance
 def probe_costs(
     config: ModelConfig, microbatch: int, device: torch.device, repeats: int = 3
 ) -> StageCosts:
-    """Median forward + backward times of the parts of a one-layer model (after one warm-up run)."""
-    model = StageModel(replace(config, n_layers=1)).to(device)
+    """Median forward + backward times of the parts of a one-layer model (after one warm-up run);
+    a model with dense first layers (DeepSeek-V3) has its dense block timed apart."""
+    model = StageModel(replace(config, n_layers=1, dense_layers=0)).to(device)
     model.init_weights(0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (microbatch, config.seq_len), generator=g).to(device)
@@ -38,10 +39,16 @@ def probe_costs(
     def embed() -> torch.Tensor:
         return model.embed(ids).sum()
 
-    def one_block() -> torch.Tensor:
+    def one_block(block: torch.nn.Module = block) -> torch.Tensor:
         x = torch.randn(microbatch, config.seq_len, config.d_model, device=device)
         out, aux = block(x.requires_grad_(), *cos_sin)
         return out.sum() + aux.sum()
+
+    dense = 0.0
+    if config.dense_layers:
+        dense_model = StageModel(replace(config, n_layers=1, dense_layers=1)).to(device)
+        dense_model.init_weights(0)
+        dense_block = dense_model.layers["0"]
 
     def head() -> torch.Tensor:
         x = torch.randn(microbatch, config.seq_len, config.d_model, device=device)
@@ -58,7 +65,9 @@ def probe_costs(
             times.append(time.perf_counter() - start)
         return statistics.median(times[1:])
 
-    return StageCosts(seconds(embed), seconds(one_block), seconds(head))
+    if config.dense_layers:
+        dense = seconds(lambda: one_block(dense_block))
+    return StageCosts(seconds(embed), seconds(one_block), seconds(head), dense)
 
 
 def agree(
@@ -68,7 +77,9 @@ def agree(
     payload: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         probed = probe_costs(config, microbatch, device)
-        payload = [(tuple(balance(probed, config.n_layers, pp * virtual_stages)), probed)]
+        stages = pp * virtual_stages
+        counts = balance(probed, config.n_layers, stages, config.dense_layers)
+        payload = [(tuple(counts), probed)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
     counts: tuple[int, ...] = payload[0][0]
