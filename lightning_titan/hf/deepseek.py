@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.yarn import YARN_KEYS
 
 DEEPSEEK_V3 = "deepseek_v3"
 
@@ -104,11 +105,33 @@ def options_from(hf: dict[str, Any]) -> dict[str, Any]:
         "routed_scaling": (float(hf.get("routed_scaling_factor", 1.0)), "routed_scaling_factor"),
         "dense_layers": (dense, "first_k_dense_replace"),
         "dense_ffn_dim": (hf.get("intermediate_size") if dense else 0, "intermediate_size"),
+        "rope_yarn": (rope_yarn_of(hf), "rope_scaling"),
     }
+
+
+def rope_yarn_of(hf: dict[str, Any]) -> dict[str, float] | None:
+    """Our ``rope_yarn`` from config.json's ``rope_parameters`` (transformers 5) or ``rope_scaling``
+    (4, and DeepSeek's own files); None without YaRN."""
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(field) or {}
+        if rope.get("rope_type", rope.get("type")) == "yarn":
+            out = {k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}
+            if "factor" not in out and out.get("original_max_position_embeddings"):
+                out["factor"] = (
+                    hf["max_position_embeddings"] / out["original_max_position_embeddings"]
+                )
+            return out
+    return None
 
 
 def check_supported(hf: dict[str, Any], refuse: Callable[[str, str], NoReturn]) -> None:
     """Refuse what our DeepSeek-V3 does not model (``refuse(field, why)``)."""
+    yarn = rope_yarn_of(hf)
+    if yarn is not None and not yarn.get("original_max_position_embeddings"):
+        refuse("rope_scaling", "is not supported: YaRN needs original_max_position_embeddings")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("truncate", True) is not True:
+        refuse("rope_scaling", "is not supported: YaRN with truncate=false is not modelled")
     if hf.get("attention_bias", False):
         refuse("attention_bias", "is not supported: DeepSeek-V3's projections have no biases here")
     if hf.get("quantization_config"):
@@ -152,4 +175,7 @@ def hf_config(config: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
         num_key_value_heads=config.n_heads,
         pad_token_id=None,
     )
+    if config.rope_yarn:
+        yarn = {"rope_type": "yarn", "rope_theta": config.rope_theta, **config.rope_yarn}
+        out["rope_parameters"] = yarn
     return out

@@ -99,7 +99,10 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Arc
         refuse("head_dim", "is not supported: ours is hidden_size / num_attention_heads")
     for field in ("rope_scaling", "rope_parameters"):  # transformers 4 / 5 spell it differently
         rope = hf.get(field) or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind == "yarn" and arch.model_type == deepseek.DEEPSEEK_V3:
+            continue  # its YaRN is modelled (deepseek.rope_yarn_of)
+        if kind != "default":
             refuse(field, "is not supported: we apply plain RoPE (rope_type 'default')")
     for field in ("router_jitter_noise", "attention_dropout"):
         if hf.get(field, 0.0):

@@ -12,6 +12,7 @@ from typing import Any
 from lightning_titan.model.attention import QK_NORMS
 from lightning_titan.model.moe.capacity import expert_capacity
 from lightning_titan.model.moe.router import ROUTER_SCORES
+from lightning_titan.model.yarn import YARN_KEYS
 from lightning_titan.parallel.pipeline.split import StageSplit
 
 
@@ -61,6 +62,7 @@ class ModelConfig:
     dense_ffn_dim: int = 0  # the dense layers' hidden size
     shared_expert_gated: bool = True  # False: the shared expert is added ungated (DeepSeek-V3)
     router_expert_bias: bool = False  # keep expert_bias even with router_bias_update_rate=0
+    rope_yarn: dict[str, float] | None = None  # MLA: YaRN RoPE scaling (model/yarn.py); None: off
 
     def __post_init__(self) -> None:
         for name in (
@@ -227,6 +229,17 @@ def check_deepseek(config: ModelConfig) -> None:
             raise ValueError(
                 f"qk_rope_head_dim={config.qk_rope_head_dim} is odd; RoPE rotates pairs of channels"
             )
+    yarn = config.rope_yarn
+    if yarn is not None:
+        unknown = sorted(set(yarn) - set(YARN_KEYS)) if isinstance(yarn, dict) else []
+        if not isinstance(yarn, dict) or unknown or not config.mla:
+            raise ValueError(
+                f"rope_yarn={yarn!r} must be None or a dict of {YARN_KEYS} (DeepSeek-V3's "
+                "rope_scaling), with kv_lora_rank > 0: only multi-head latent attention applies it"
+            )
+        for key in ("factor", "original_max_position_embeddings"):
+            if not isinstance(yarn.get(key), (int, float)) or not yarn[key] > 0:
+                raise ValueError(f"rope_yarn[{key!r}]={yarn.get(key)!r} must be a number > 0")
     groups, topk = config.router_groups, config.router_topk_groups
     if not isinstance(groups, int) or groups < 1 or config.n_experts % groups:
         raise ValueError(

@@ -27,6 +27,7 @@ from lightning_titan.model.mla import MLAttention
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.model.moe.shared import SharedExpert
+from lightning_titan.model.yarn import rope_cos_sin_yarn
 from lightning_titan.parallel import context_parallel
 from lightning_titan.parallel.dispatch import ep_size
 from lightning_titan.parallel.pipeline.split import StageSplit
@@ -278,9 +279,15 @@ class StageModel(nn.Module):
         # A plain cache, not a buffer: a buffer would be garbage after meta-device init + to_empty.
         key = (seq_len, device)
         if key not in self._rope_cache:
-            self._rope_cache[key] = rope_cos_sin(
-                seq_len, self.config.rope_dim, self.config.rope_theta, device
-            )
+            config = self.config
+            if config.rope_yarn:
+                self._rope_cache[key] = rope_cos_sin_yarn(
+                    seq_len, config.rope_dim, config.rope_theta, config.rope_yarn, device
+                )
+            else:
+                self._rope_cache[key] = rope_cos_sin(
+                    seq_len, config.rope_dim, config.rope_theta, device
+                )
         return self._rope_cache[key]
 
     @torch.no_grad()

@@ -5,7 +5,8 @@ The keys and values of all heads come from one compressed latent per token: ``kv
 a RoPE key shared by every head; ``kv_b_proj`` expands the latent to each head's un-rotated key
 (``qk_nope_head_dim``) and value (``v_head_dim``). The query is ``q_proj(x)``, or low-rank
 ``q_b_proj(q_a_norm(q_a_proj(x)))`` when ``q_lora_rank`` > 0; its last ``qk_rope_head_dim`` channels
-per head are rotated. Softmax scale: ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
+per head are rotated. Softmax scale: ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``, times YaRN's
+``mscale**2`` under ``rope_yarn`` (model/yarn.py).
 
 With ``rope_interleave`` (transformers' default for DeepSeek-V3) RoPE pairs channels (2i, 2i+1):
 the same as taking the even channels then the odd ones and rotating halves, which is what we do
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_titan.model.attention import RMSNorm, apply_rope
+from lightning_titan.model.yarn import softmax_scale_factor
 from lightning_titan.parallel.context_parallel import gather_keys
 from lightning_titan.parallel.tensor_parallel import (
     gather_sequence,
@@ -53,6 +55,7 @@ class _MLAConfig(Protocol):
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool
+    rope_yarn: dict[str, float] | None
 
 
 class MLAttention(nn.Module):
@@ -71,7 +74,7 @@ class MLAttention(nn.Module):
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
         self.interleave = config.rope_interleave
-        self.scale = (self.nope + self.rope) ** -0.5
+        self.scale = (self.nope + self.rope) ** -0.5 * softmax_scale_factor(config.rope_yarn)
         d, q_dim = config.d_model, self.n_heads * (self.nope + self.rope)
         if config.q_lora_rank:
             self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)

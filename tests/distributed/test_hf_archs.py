@@ -321,6 +321,17 @@ REFUSED = [
     ("qwen3_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2 is not supported"),
     ("olmoe", {"clip_qkv": 8.0}, r"clip_qkv=8.0 is not supported"),
     ("olmoe", {"model_type": "deepseek_v2"}, r"model_type='deepseek_v2' is not supported"),
+    (
+        "deepseek_v3",
+        {"quantization_config": {"quant_method": "fp8"}},
+        r"quantization_config=.*bf16",
+    ),
+    ("deepseek_v3", {"num_key_value_heads": 2}, r"num_key_value_heads=2 is not supported"),
+    (
+        "deepseek_v3",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+        r"rope_parameters=",
+    ),
     ("olmoe", {"architectures": ["Qwen3MoeForCausalLM"]}, r"architectures=.*'OlmoeForCausalLM'"),
 ]
 
@@ -344,6 +355,8 @@ def test_unsupported_family_configs_are_refused(folders, tmp_path, family, field
         ("qwen3_moe", {"router_norm_topk": False}, r"router_norm_topk=False .*norm_topk_prob=True"),
         ("qwen3_moe", {"attn_head_dim": 8}, r"attn_head_dim=8 .*head_dim=12"),
         ("qwen2_moe", {"ffn_dim": 40}, r"ffn_dim=40 .*moe_intermediate_size=24"),
+        ("deepseek_v3", {"routed_scaling": 3.0}, r"routed_scaling=3.0 .*routed_scaling_factor=2.5"),
+        ("deepseek_v3", {"router_groups": 4}, r"router_groups=4 .*n_group=2"),
     ],
 )
 def test_a_given_field_that_disagrees_with_the_folder_is_named(folders, family, given, match):
@@ -399,6 +412,11 @@ def test_a_model_no_family_holds_is_refused_before_anything_is_written(tmp_path)
         ({"qk_norm": "head", "shared_expert_dim": 8}, "qk_norm='head' with shared_expert_dim=8"),
         ({"router_norm_topk": False}, "router_norm_topk=False without"),
         ({"attn_head_dim": 8, "n_heads": 4}, "attn_head_dim=8 without QK-norm"),
+        ({"dense_layers": 1, "dense_ffn_dim": 8}, "dense_layers=1 without multi-head latent"),
+        (
+            {"kv_lora_rank": 8, "qk_rope_head_dim": 4, "v_head_dim": 4, "router_score": "sigmoid"},
+            "router_expert_bias=False with kv_lora_rank=8",
+        ),
     ]:
         model = StageModel(ModelConfig(n_layers=2, **options))
         with pytest.raises(ValueError, match=match):

@@ -36,13 +36,16 @@ FAMILIES = {
         topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         rms_norm_eps=1e-2,  # apart from the latent norms' fixed 1e-6
     )),
-    # one q projection (q_lora_rank null, as DeepSeek-V2-Lite), plain RoPE halves, no groups
+    # one q projection (q_lora_rank null, as DeepSeek-V2-Lite), plain RoPE halves, no groups, YaRN
     "deepseek_v3-qproj": ("DeepseekV3Config", dict(
         hidden_size=32, intermediate_size=40, moe_intermediate_size=24, n_routed_experts=4,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=12,
         qk_nope_head_dim=6, qk_rope_head_dim=6, v_head_dim=8, n_shared_experts=2, n_group=1,
         topk_group=1, first_k_dense_replace=0, routed_scaling_factor=1.5, norm_topk_prob=False,
-        rope_interleave=False,
+        rope_interleave=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 0.7, "original_max_position_embeddings": 16,
+        },  # YaRN: the frequencies, cos/sin and the softmax scale stretched
     )),
 }  # fmt: skip
 
