@@ -13,7 +13,7 @@ from engine_harness import CONFIG, FAMILY_CONFIGS, SEED
 
 from lightning_titan.model.decoder import StageModel
 from lightning_titan.parallel.pipeline.split import StageCosts, StageSplit, balance
-from lightning_titan.train.auto_split import agree, probe_costs
+from lightning_titan.train.auto_split import agree, probe_costs, probe_models
 from lightning_titan.train.options import TrainOptions
 
 
@@ -193,6 +193,8 @@ def test_auto_balance_costs_dense_layers_apart(stages, dense):
 
 def test_the_probe_times_a_dense_block_apart():
     config = FAMILY_CONFIGS["deepseek"]
+    moe, dense = probe_models(config)
+    assert moe.layers["0"].moe is not None and dense is not None and dense.layers["0"].moe is None
     costs = probe_costs(config, 2, torch.device("cpu"), repeats=1)
     assert costs.block > 0 and costs.dense_block > 0
     assert probe_costs(CONFIG, 2, torch.device("cpu"), repeats=1).dense_block == 0.0
