@@ -220,6 +220,12 @@ def check_deepseek(config: ModelConfig) -> None:
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name}={getattr(config, name)!r} must be True or False")
     if config.mla:
+        for name, off in (("qk_norm", "none"), ("qkv_bias", False), ("attn_head_dim", None)):
+            if getattr(config, name) != off:
+                raise ValueError(
+                    f"{name}={getattr(config, name)!r} with kv_lora_rank={config.kv_lora_rank}: "
+                    f"multi-head latent attention has no such option; set {name}={off!r}"
+                )
         for name in ("qk_rope_head_dim", "v_head_dim"):
             if getattr(config, name) < 1:
                 raise ValueError(
