@@ -84,9 +84,8 @@ def agree(
     payload: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         probed = probe_costs(config, microbatch, device)
-        stages = pp * virtual_stages
-        counts = balance(probed, config.n_layers, stages, config.dense_layers)
-        payload = [(tuple(counts), probed)]
+        split = balance(probed, config.n_layers, pp * virtual_stages, config.dense_layers)
+        payload = [(tuple(split), probed)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
     counts: tuple[int, ...] = payload[0][0]
