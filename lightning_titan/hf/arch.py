@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_titan.hf import gpt_oss
+from lightning_titan.hf import deepseek, gpt_oss
+from lightning_titan.hf.deepseek import DEEPSEEK_V3
 from lightning_titan.hf.gpt_oss import GPT_OSS
 from lightning_titan.model.decoder import ModelConfig
 
@@ -42,7 +43,11 @@ ARCHITECTURES = {
                         ("num_experts", "num_local_experts")),
     GPT_OSS: Architecture(GPT_OSS, "GptOssForCausalLM", "mlp", {}, "intermediate_size",
                           ("num_local_experts", "num_experts")),
+    DEEPSEEK_V3: Architecture(DEEPSEEK_V3, "DeepseekV3ForCausalLM", "mlp", SWIGLU,
+                              "moe_intermediate_size", ("n_routed_experts", "num_local_experts")),
 }  # fmt: skip
+# a family's own names, where they differ from LAYER_NAMES
+FAMILY_NAMES = {DEEPSEEK_V3: deepseek.LAYER_NAMES}
 
 # our name inside layer {i} -> the Hugging Face name ("{moe}" is the family's MoE block)
 LAYER_NAMES = {
@@ -75,12 +80,16 @@ def architecture_of(config: ModelConfig) -> Architecture:
     none does."""
     if config.attn_sinks:
         return _gpt_oss(config)
+    if config.mla:
+        deepseek.check_exportable(config)
+        return ARCHITECTURES[DEEPSEEK_V3]
     if set_options := [f for f in GPT_OSS_OPTIONS if getattr(config, f) != GPT_OSS_OPTIONS[f]]:
         raise ValueError(
             f"{set_options[0]}={getattr(config, set_options[0])!r} without attn_sinks: only "
             "gpt-oss has it, and gpt-oss has attention sinks; set attn_sinks=True or "
             f"{set_options[0]}={GPT_OSS_OPTIONS[set_options[0]]!r}"
         )
+    deepseek.refuse_unless_deepseek(config)
     if config.router_score != "softmax":
         raise ValueError(
             f"router_score={config.router_score!r}: none of {sorted(ARCHITECTURES)} routes with it; "
@@ -127,7 +136,7 @@ def architecture_of(config: ModelConfig) -> Architecture:
 # gpt-oss's options other than attn_sinks, at their values of the other families
 GPT_OSS_OPTIONS: dict[str, Any] = {
     "attn_out_bias": False, "sliding_window": 0, "expert_proj_bias": False, "router_bias": False,
-    "swiglu_limit": None, "yarn_factor": 0.0,
+    "swiglu_limit": None, "rope_yarn": None,  # (DeepSeek-V3's YaRN goes with its latent attention)
 }  # fmt: skip
 
 
@@ -166,7 +175,17 @@ def hf_names(name: str, expert_range: tuple[int, int], arch: Architecture) -> li
     if rest.startswith("moe.experts."):
         w = arch.experts[parts[-1]]
         return [f"{prefix}{arch.moe}.experts.{e}.{w}.weight" for e in range(*expert_range)]
-    return [prefix + LAYER_NAMES[rest].format(moe=arch.moe)]
+    names = FAMILY_NAMES.get(arch.model_type, {})
+    return [prefix + (names[rest] if rest in names else LAYER_NAMES[rest]).format(moe=arch.moe)]
+
+
+def hf_tensors(model: Any) -> list[tuple[str, Any]]:
+    """(our name, tensor) of every tensor of ``model`` a Hugging Face folder of its family holds: the
+    parameters, and the expert biases where the family keeps them (DeepSeek-V3)."""
+    out = list(model.named_parameters())
+    if architecture_of(model.config).model_type in FAMILY_NAMES:
+        out += [(n, b) for n, b in model.named_buffers() if n.endswith("moe.expert_bias")]
+    return out
 
 
 def rope_theta_of(hf: dict[str, Any]) -> float | None:
@@ -178,6 +197,8 @@ def rope_theta_of(hf: dict[str, Any]) -> float | None:
 
 def options_from(hf: dict[str, Any], arch: Architecture) -> dict[str, Any]:
     """The ModelConfig options the family's config.json sets: field -> (value, the key it came from)."""
+    if arch.model_type == DEEPSEEK_V3:
+        return deepseek.options_from(hf)
     heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
     head_dim = hf.get("head_dim") if arch.model_type in (QWEN3_MOE, GPT_OSS) else None
     out: dict[str, Any] = {
@@ -206,8 +227,6 @@ def gpt_oss_options(hf: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss's ModelConfig options from its config.json: field -> (value, the key it came from)."""
     bias = bool(hf.get("attention_bias", True))
     sliding = "sliding_attention" in (hf.get("layer_types") or [])
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    yarn = rope.get("rope_type", rope.get("type")) == "yarn"
     out: dict[str, Any] = {
         "attn_sinks": (True, "model_type"),
         "qkv_bias": (bias, "attention_bias"),
@@ -219,22 +238,8 @@ def gpt_oss_options(hf: dict[str, Any]) -> dict[str, Any]:
         "swiglu_alpha": (float(hf.get("swiglu_alpha", 1.702)), "swiglu_alpha"),
         "router_norm_topk": (True, "model_type"),  # softmax over the top-K = renormalised top-K
     }
-    if yarn:
-        attention_factor = rope.get("attention_factor")
-        out.update(
-            yarn_factor=(float(rope["factor"]), "rope_parameters"),
-            yarn_beta_fast=(float(rope.get("beta_fast") or 32.0), "rope_parameters"),
-            yarn_beta_slow=(float(rope.get("beta_slow") or 1.0), "rope_parameters"),
-            yarn_original_max_positions=(
-                int(rope["original_max_position_embeddings"]),
-                "rope_parameters",
-            ),
-            yarn_truncate=(bool(rope.get("truncate", True)), "rope_parameters"),
-            yarn_attention_factor=(
-                None if attention_factor is None else float(attention_factor),
-                "rope_parameters",
-            ),
-        )
+    if yarn := deepseek.rope_yarn_of(hf):
+        out["rope_yarn"] = (yarn, "rope_parameters")
     return out
 
 
@@ -270,6 +275,8 @@ def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
     }
+    if arch.model_type == DEEPSEEK_V3:
+        return deepseek.hf_config(config, out)
     if arch.model_type == MIXTRAL:
         out.pop("rope_parameters")  # as the Mixtral export has always written it
         return out
@@ -294,14 +301,8 @@ def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
 
 def gpt_oss_config(config: ModelConfig, eos_token_id: int | None) -> dict:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.yarn_factor:
-        rope.update(
-            rope_type="yarn", factor=config.yarn_factor, beta_fast=config.yarn_beta_fast,
-            beta_slow=config.yarn_beta_slow, truncate=config.yarn_truncate,
-            original_max_position_embeddings=config.yarn_original_max_positions,
-        )  # fmt: skip
-        if config.yarn_attention_factor is not None:
-            rope["attention_factor"] = config.yarn_attention_factor
+    if config.rope_yarn:
+        rope.update(rope_type="yarn", **config.rope_yarn)
     window = config.sliding_window
     return {
         "architectures": ["GptOssForCausalLM"],

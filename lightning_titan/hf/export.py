@@ -21,7 +21,15 @@ from lightning_titan.checkpoint import consolidate, files, read_checkpoint_info
 from lightning_titan.data.tokenizer import tokenizer_files_of
 from lightning_titan.hf import folder as hf_folder
 from lightning_titan.hf import gpt_oss
-from lightning_titan.hf.arch import ARCHITECTURES, MIXTRAL, architecture_of, hf_config, hf_names
+from lightning_titan.hf.arch import (
+    ARCHITECTURES,
+    FAMILY_NAMES,
+    MIXTRAL,
+    architecture_of,
+    hf_config,
+    hf_names,
+    hf_tensors,
+)
 from lightning_titan.model.decoder import ModelConfig, StageModel
 
 __all__ = ["export_hf", "hf_config", "hf_state_dict", "load_full_model", "write_hf_folder"]
@@ -43,7 +51,7 @@ def hf_state_dict(model: StageModel) -> dict[str, Tensor]:
     out = {}
     arch = architecture_of(model.config)
     fused: dict[str, dict[str, Tensor]] = {}  # gpt-oss: layer -> its stacked expert tensors
-    for name, p in model.named_parameters():
+    for name, p in hf_tensors(model):
         names = hf_names(name, model.expert_range, arch)
         if arch.model_type == gpt_oss.GPT_OSS and is_stacked_experts(name):
             fused.setdefault(name.split(".")[1], {})[name.rsplit(".", 1)[-1]] = p.detach()
@@ -238,7 +246,7 @@ def write_hf_folder(model: StageModel, out: str | Path, byte_tokenizer: bool = F
         ) from e
     arch = architecture_of(model.config)
     biased = [n for n, b in model.named_buffers() if n.endswith("expert_bias") and b.any()]
-    if biased:
+    if biased and arch.model_type not in FAMILY_NAMES:  # DeepSeek-V3 keeps it
         warnings.warn(
             f"{len(biased)} MoE layers carry an expert bias (router_bias_update_rate, e.g. "
             f"{biased[0]}): {arch.class_name} has no place for it, so the export leaves it out and "

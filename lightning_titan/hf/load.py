@@ -21,8 +21,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from lightning_titan.hf import deepseek, gpt_oss
 from lightning_titan.hf import folder as hf_folder
-from lightning_titan.hf import gpt_oss
 from lightning_titan.hf.arch import (
     ARCHITECTURES,
     GPT_OSS,
@@ -32,6 +32,7 @@ from lightning_titan.hf.arch import (
     Architecture,
     architecture_of,
     hf_names,
+    hf_tensors,
     options_from,
     rope_theta_of,
 )
@@ -90,7 +91,9 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Arc
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "is not supported: our experts are SwiGLU with silu")
     head_dim, heads = hf.get("head_dim"), hf.get("num_attention_heads", 0)
-    if (
+    if arch.model_type == deepseek.DEEPSEEK_V3:  # head_dim there is qk_rope_head_dim
+        deepseek.check_supported(hf, refuse)
+    elif (
         arch.model_type not in (QWEN3_MOE, GPT_OSS)
         and head_dim is not None
         and head_dim * heads != hf.get("hidden_size")
@@ -99,6 +102,8 @@ def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Arc
     for field in ("rope_scaling", "rope_parameters"):  # transformers 4 / 5 spell it differently
         rope = hf.get(field) or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind == "yarn" and arch.model_type == deepseek.DEEPSEEK_V3:
+            continue  # its YaRN is modelled (deepseek.rope_yarn_of)
         if arch.model_type == GPT_OSS and kind == "yarn":
             _check_gpt_oss_yarn(rope, field, refuse)
         elif kind != "default":
@@ -273,7 +278,7 @@ def hf_shapes(
     out, cut = {}, tp_shards(model)
     arch = architecture_of(model.config)
     c = model.config
-    for name, p in model.named_parameters():
+    for name, p in hf_tensors(model):
         names = hf_names(name, model.expert_range, arch)
         if arch.model_type == GPT_OSS and is_stacked_experts(name):  # whole fused tensors
             fused, short = names[0], names[0].rsplit(".", 1)[-1]
@@ -343,7 +348,7 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
     targets = {}  # hf name -> the parameter (or expert row) it fills, and whether it is transposed
     arch = architecture_of(model.config)
     read, files = 0, tensor_files(folder)
-    for name, p in model.named_parameters():
+    for name, p in hf_tensors(model):
         stacked = is_stacked_experts(name)
         if arch.model_type == GPT_OSS and stacked:
             read += _load_gpt_oss_experts(name, p, model, files)

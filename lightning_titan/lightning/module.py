@@ -40,8 +40,8 @@ class TitanLM(L.LightningModule):
         weight_decay: AdamW weight decay for matrices (not for norms).
         betas: AdamW betas.
         seed: initial weights depend on this seed and the global parameter names only.
-        init_from: a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or gpt-oss folder (config.json +
-            safetensors) to start from instead: the model's shape and options are read from it (a
+        init_from: a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss or DeepSeek-V3 folder
+            (config.json + safetensors) to start from instead: the model's shape and options are read from it (a
             ``model`` field set away from its default must agree) and each rank loads only its own
             layers and experts. A resumed checkpoint still wins. A data module with tokenizer="auto"
             uses the folder's tokenizer when it has one.

@@ -46,7 +46,8 @@ def compile_stage(model: StageModel, *, split_backward: bool = False, **options:
         if isinstance(module, Block):
             if not split_backward:
                 module.attend = torch.compile(module.attend, **options)  # type: ignore[method-assign]
-            module.moe.route = compiled_route
+            if module.moe is not None:  # not a dense layer (DeepSeek-V3's first ones)
+                module.moe.route = compiled_route
 
 
 def graphs_compiled() -> int:

@@ -12,6 +12,7 @@ from typing import Any
 from lightning_titan.model.attention import QK_NORMS
 from lightning_titan.model.moe.capacity import expert_capacity
 from lightning_titan.model.moe.router import ROUTER_SCORES
+from lightning_titan.model.yarn import YARN_KEYS
 from lightning_titan.parallel.pipeline.split import StageSplit
 
 
@@ -44,7 +45,7 @@ class ModelConfig:
     router_score: str = "softmax"  # or "sigmoid": independent per-expert scores (DeepSeek-V3)
     router_norm_topk: bool = True  # renormalise the top-K scores to sum to 1 (Mixtral)
     shared_expert_dim: int = 0  # hidden size of a sigmoid-gated shared expert (Qwen2-MoE); 0 = none
-    # gpt-oss (model/sinks.py, model/yarn.py, model/moe/activation.py)
+    # gpt-oss (model/sinks.py, model/moe/activation.py; its YaRN RoPE is rope_yarn below)
     attn_sinks: bool = False  # a learned per-head sink logit in the attention softmax
     attn_out_bias: bool = False  # a bias on the o projection (added once under TP)
     sliding_window: int = 0  # > 0: the even layers (0, 2, ...) see only this many positions back
@@ -52,12 +53,26 @@ class ModelConfig:
     router_bias: bool = False  # a bias on the router's logits
     swiglu_limit: float | None = None  # clamp of gpt-oss's SwiGLU; None: plain SwiGLU
     swiglu_alpha: float = 1.702  # gpt-oss's sigmoid gain (used with swiglu_limit)
-    yarn_factor: float = 0.0  # > 0: YaRN RoPE with this scaling factor; 0: plain RoPE
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_original_max_positions: int = 4096
-    yarn_truncate: bool = True
-    yarn_attention_factor: float | None = None  # None: 0.1 * ln(yarn_factor) + 1
+    # DeepSeek-V3 (Kimi K2, Moonlight): multi-head latent attention (model/mla.py), group-limited
+    # routing (model/moe/groups.py), dense first layers, an ungated shared expert
+    kv_lora_rank: int = 0  # rank of the joint KV compression; 0 = plain attention, > 0 = MLA
+    q_lora_rank: int = (
+        0  # rank of the low-rank query (MLA); 0 = one q projection (DeepSeek-V2-Lite)
+    )
+    qk_nope_head_dim: int = 0  # MLA: per-head q/k channels without RoPE
+    qk_rope_head_dim: int = 0  # MLA: per-head q channels with RoPE (the key's are shared by heads)
+    v_head_dim: int = 0  # MLA: per-head value channels
+    rope_interleave: bool = False  # MLA: RoPE pairs channels (2i, 2i+1), not (i, i + half)
+    router_groups: int = 1  # experts in this many groups; a token picks from router_topk_groups
+    router_topk_groups: int = 1  # ... groups, ranked by the sum of their top-2 biased scores
+    routed_scaling: float = 1.0  # multiplies the routed experts' combine weights
+    dense_layers: int = 0  # the first this many layers are a dense SwiGLU, no router or experts
+    dense_ffn_dim: int = 0  # the dense layers' hidden size
+    shared_expert_gated: bool = True  # False: the shared expert is added ungated (DeepSeek-V3)
+    router_expert_bias: bool = False  # keep expert_bias even with router_bias_update_rate=0
+    # YaRN RoPE scaling (model/yarn.py): the keys of Hugging Face's rope_scaling / rope_parameters
+    # (DeepSeek-V3, gpt-oss); None: plain RoPE
+    rope_yarn: dict[str, float | bool] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -87,7 +102,8 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 (0 turns it off)")
         check_options(self)
         check_gpt_oss_options(self)
-        if self.attn_head_dim is None and self.d_model % self.n_heads:
+        check_deepseek(self)
+        if not self.mla and self.attn_head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 "pick n_heads dividing d_model"
@@ -101,7 +117,7 @@ class ModelConfig:
             raise ValueError(
                 f"top_k={self.top_k} > n_experts={self.n_experts}; use top_k <= n_experts"
             )
-        if self.head_dim % 2:
+        if not self.mla and self.head_dim % 2:
             which = "attn_head_dim" if self.attn_head_dim else "head_dim = d_model / n_heads = "
             which += "" if self.attn_head_dim else f"{self.d_model} / {self.n_heads}"
             raise ValueError(
@@ -124,6 +140,20 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.d_model // self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3, model/mla.py) instead of model/attention.py."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels RoPE rotates per head."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    def is_dense(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a dense SwiGLU (the first ``dense_layers``), not an MoE layer."""
+        return layer < self.dense_layers
 
     @property
     def kv_heads(self) -> int:
@@ -183,6 +213,78 @@ def check_options(config: Any) -> None:
         )
 
 
+def check_deepseek(config: ModelConfig) -> None:
+    """Raise ValueError naming the DeepSeek-V3 field whose value is not allowed."""
+    for name in (
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "dense_layers",
+        "dense_ffn_dim",
+    ):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}={value!r} must be an int >= 0")
+    for name in ("rope_interleave", "shared_expert_gated", "router_expert_bias"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name}={getattr(config, name)!r} must be True or False")
+    if config.mla:
+        for name, off in (("qk_norm", "none"), ("qkv_bias", False), ("attn_head_dim", None)):
+            if getattr(config, name) != off:
+                raise ValueError(
+                    f"{name}={getattr(config, name)!r} with kv_lora_rank={config.kv_lora_rank}: "
+                    f"multi-head latent attention has no such option; set {name}={off!r}"
+                )
+        for name in ("qk_rope_head_dim", "v_head_dim"):
+            if getattr(config, name) < 1:
+                raise ValueError(
+                    f"{name}=0 with kv_lora_rank={config.kv_lora_rank} (MLA): give it > 0"
+                )
+        if config.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim={config.qk_rope_head_dim} is odd; RoPE rotates pairs of channels"
+            )
+    yarn = config.rope_yarn
+    if yarn is not None:
+        unknown = sorted(set(yarn) - set(YARN_KEYS)) if isinstance(yarn, dict) else []
+        if not isinstance(yarn, dict) or unknown:
+            raise ValueError(
+                f"rope_yarn={yarn!r} must be None or a dict of {YARN_KEYS} (Hugging Face's "
+                "rope_scaling / rope_parameters of rope_type 'yarn')"
+            )
+        for key in ("factor", "original_max_position_embeddings"):
+            if not isinstance(yarn.get(key), (int, float)) or not yarn[key] > 0:
+                raise ValueError(f"rope_yarn[{key!r}]={yarn.get(key)!r} must be a number > 0")
+    groups, topk = config.router_groups, config.router_topk_groups
+    if not isinstance(groups, int) or groups < 1 or config.n_experts % groups:
+        raise ValueError(
+            f"router_groups={groups!r} must be a positive int dividing n_experts={config.n_experts}"
+        )
+    if not isinstance(topk, int) or not 1 <= topk <= groups:
+        raise ValueError(f"router_topk_groups={topk!r} must be an int in 1..router_groups={groups}")
+    if groups > 1 and config.n_experts // groups < 2:
+        raise ValueError(
+            f"router_groups={groups} leaves {config.n_experts // groups} expert per group: a group "
+            "is ranked by its top-2 scores; use router_groups <= n_experts / 2"
+        )
+    if groups > 1 and topk * config.n_experts // groups < config.top_k:
+        raise ValueError(
+            f"router_topk_groups={topk} groups of {config.n_experts // groups} experts hold fewer "
+            f"than top_k={config.top_k}; raise router_topk_groups"
+        )
+    if not config.routed_scaling > 0:
+        raise ValueError(f"routed_scaling={config.routed_scaling!r} must be > 0 (1.0: unscaled)")
+    if config.dense_layers > config.n_layers:
+        raise ValueError(f"dense_layers={config.dense_layers} > n_layers={config.n_layers}")
+    if config.dense_layers and config.dense_ffn_dim < 1:
+        raise ValueError(
+            f"dense_layers={config.dense_layers} with dense_ffn_dim=0: give the dense layers' "
+            "hidden size"
+        )
+
+
 def check_capacity(config: ModelConfig) -> None:
     """Raise ValueError for a capacity factor that is not a positive number, that leaves an expert
     no room at all, or that could never drop anything (an expert already takes a whole sequence)."""
@@ -212,7 +314,7 @@ def check_capacity(config: ModelConfig) -> None:
 
 def check_gpt_oss_options(config: ModelConfig) -> None:
     """Raise ValueError naming the gpt-oss field whose value is not allowed."""
-    for name in ("attn_sinks", "attn_out_bias", "expert_proj_bias", "router_bias", "yarn_truncate"):
+    for name in ("attn_sinks", "attn_out_bias", "expert_proj_bias", "router_bias"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name}={getattr(config, name)!r} must be True or False")
     window = config.sliding_window
@@ -221,9 +323,3 @@ def check_gpt_oss_options(config: ModelConfig) -> None:
     limit = config.swiglu_limit
     if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
         raise ValueError(f"swiglu_limit={limit!r} must be a number > 0, or None for plain SwiGLU")
-    if not config.yarn_factor >= 0:
-        raise ValueError(f"yarn_factor={config.yarn_factor!r} must be >= 0 (0: plain RoPE)")
-    if config.yarn_factor and not config.yarn_original_max_positions >= 1:
-        raise ValueError(
-            f"yarn_original_max_positions={config.yarn_original_max_positions!r} must be >= 1"
-        )

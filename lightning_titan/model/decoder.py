@@ -24,11 +24,12 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_titan.model.attention import Attention, RMSNorm, apply_rope, rope_cos_sin
 from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.mla import MLAttention
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.model.moe.shared import SharedExpert
 from lightning_titan.model.sinks import AttentionSinks, attend_mask
-from lightning_titan.model.yarn import yarn_attention_factor, yarn_cos_sin, yarn_inv_freq
+from lightning_titan.model.yarn import rope_cos_sin_yarn
 from lightning_titan.parallel import context_parallel
 from lightning_titan.parallel.dispatch import ep_size
 from lightning_titan.parallel.pipeline.split import StageSplit
@@ -48,6 +49,11 @@ __all__ = ["Attention", "ModelConfig", "RMSNorm", "StageModel", "apply_rope", "r
 
 
 class Block(nn.Module):
+    """One layer. ``dense``: a plain SwiGLU ``mlp`` instead of the MoE layer (DeepSeek-V3's first
+    layers): no router, no experts, no dispatch; it runs on this rank's tokens like a shared expert."""
+
+    moe: MoELayer | None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -57,12 +63,22 @@ class Block(nn.Module):
         cp_group: ProcessGroup | None = None,
         sequence_group: ProcessGroup | None = None,
         layer: int = 0,
+        dense: bool = False,
     ) -> None:
         super().__init__()
         self.sliding = bool(config.sliding_window) and layer % 2 == 0  # gpt-oss: even layers
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config, tp_group, cp_group)
+        self.attn: nn.Module = (
+            MLAttention(config, tp_group, cp_group)
+            if config.mla
+            else Attention(config, tp_group, cp_group)
+        )
         self.moe_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.shared_expert = None
+        if dense:
+            self.moe = None
+            self.mlp = SharedExpert(config.d_model, config.dense_ffn_dim, gated=False)
+            return
         self.moe = MoELayer(
             config.d_model,
             config.ffn_dim,
@@ -79,19 +95,23 @@ class Block(nn.Module):
             router_score=config.router_score,
             norm_topk=config.router_norm_topk,
             router_bias=config.router_bias,
-            expert_bias=config.expert_proj_bias,
+            expert_proj_bias=config.expert_proj_bias,
             swiglu=(config.swiglu_limit, config.swiglu_alpha),
+            groups=(config.router_groups, config.router_topk_groups),
+            scaling=config.routed_scaling,
+            expert_bias=config.router_expert_bias,
         )
-        self.shared_expert = (
-            SharedExpert(config.d_model, config.shared_expert_dim)
-            if config.shared_expert_dim
-            else None
-        )
+        if config.shared_expert_dim:
+            self.shared_expert = SharedExpert(
+                config.d_model, config.shared_expert_dim, config.shared_expert_gated
+            )
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         x, h = self.attend(x, cos, sin, mask)
+        if self.moe is None:  # a dense layer: no aux loss
+            return x + self.mlp(h), torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         moe_out, aux = self.moe(h, self.shared_expert)  # the shared expert runs under its exchanges
         return x + moe_out, aux
 
@@ -186,7 +206,14 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleDict(
             {
                 str(i): Block(
-                    config, self.expert_range, ep_group, tp_group, cp_group, sequence_group, i
+                    config,
+                    self.expert_range,
+                    ep_group,
+                    tp_group,
+                    cp_group,
+                    sequence_group,
+                    layer=i,
+                    dense=config.is_dense(i),
                 )
                 for start, end in self.chunk_ranges
                 for i in range(start, end)
@@ -271,16 +298,14 @@ class StageModel(nn.Module):
     def _rope(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         # A plain cache, not a buffer: a buffer would be garbage after meta-device init + to_empty.
         key = (seq_len, device)
-        c = self.config
-        if key not in self._rope_cache and c.yarn_factor:
-            inv_freq = yarn_inv_freq(
-                c.head_dim, c.rope_theta, c.yarn_factor, c.yarn_beta_fast, c.yarn_beta_slow,
-                c.yarn_original_max_positions, c.yarn_truncate,
-            )  # fmt: skip
-            scale = yarn_attention_factor(c.yarn_factor, c.yarn_attention_factor)
-            self._rope_cache[key] = yarn_cos_sin(seq_len, inv_freq, scale, device)
         if key not in self._rope_cache:
-            self._rope_cache[key] = rope_cos_sin(seq_len, c.head_dim, c.rope_theta, device)
+            c = self.config
+            if c.rope_yarn:
+                self._rope_cache[key] = rope_cos_sin_yarn(
+                    seq_len, c.rope_dim, c.rope_theta, c.rope_yarn, device
+                )
+            else:
+                self._rope_cache[key] = rope_cos_sin(seq_len, c.rope_dim, c.rope_theta, device)
         return self._rope_cache[key]
 
     @torch.no_grad()
@@ -312,7 +337,9 @@ class StageModel(nn.Module):
                         )
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 param_std = (
-                    out_std if module_name.endswith(("attn.wo", "shared_expert.w2")) else std
+                    out_std
+                    if module_name.endswith(("attn.wo", "shared_expert.w2", "mlp.w2"))
+                    else std
                 )
                 if isinstance(bias := getattr(module, "bias", None), Tensor):
                     bias.zero_()

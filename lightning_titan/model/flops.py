@@ -4,8 +4,10 @@ The count is that of the matmuls (2 FLOPs per multiply-add), as ``torch.utils.fl
 .FlopCounterMode`` counts them (tests/unit/test_flops.py checks the formula against it): per token and
 layer the q/k/v/o projections, the attention scores and their weighted sum over the whole sequence
 (like FlopCounterMode and PaLM's formula, not halved for the causal mask; a sliding-window layer,
-gpt-oss's even ones, over the ``min(window, S)`` keys a query may see), the router, and K SwiGLU
-experts; once per token the LM head. Training is 3x the forward (the backward computes the grads of
+gpt-oss's even ones, over the ``min(window, S)`` keys a query may see), the router, K SwiGLU experts
+and a shared expert; once per token the LM head. DeepSeek-V3's latent attention counts its down- and
+up-projections (the keys and values expanded from the latent once per token), and its dense first
+layers one SwiGLU in place of the router and experts. Training is 3x the forward (the backward computes the grads of
 both operands of every matmul). Norms, softmax, dispatch and the optimizer are left out; so is the
 recompute of activation checkpointing (a cost of the method, not of the model), and the experts are
 counted dropless (capacity drops save some; MFU then reads low by that share).
@@ -41,20 +43,44 @@ GPU_BF16_PEAK: dict[str, float] = {
 }
 
 
-def forward_flops_per_token(config: ModelConfig) -> int:
-    """Matmul FLOPs of one token's forward through the whole model (see the module doc)."""
+def layer_flops_per_token(config: ModelConfig) -> tuple[int, int]:
+    """Matmul FLOPs of one token's forward through (an MoE layer, a dense layer)."""
     d, hd, s = config.d_model, config.head_dim, config.seq_len
     q_width, kv_width = config.n_heads * hd, config.kv_heads * hd
     projections = 2 * d * (2 * q_width + 2 * kv_width)  # q and o; k and v
     attention = 2 * 2 * s * q_width  # scores q.k over S keys, then the weighted sum of S values
+    if config.mla:
+        projections, attention = _latent_attention(config)
     router = 2 * d * config.n_experts
     experts = config.top_k * 3 * 2 * d * config.ffn_dim  # gate, up, down per chosen expert
-    head = 2 * d * config.vocab_size
-    layers = config.n_layers * (projections + attention + router + experts) + head
+    shared = 3 * 2 * d * config.shared_expert_dim
+    shared += 2 * d if config.shared_expert_dim and config.shared_expert_gated else 0
+    dense_layer = projections + attention + 3 * 2 * d * config.dense_ffn_dim
+    return projections + attention + router + experts + shared, dense_layer
+
+
+def forward_flops_per_token(config: ModelConfig) -> int:
+    """Matmul FLOPs of one token's forward through the whole model (see the module doc)."""
+    moe_layer, dense_layer = layer_flops_per_token(config)
+    dense = config.dense_layers
+    head = 2 * config.d_model * config.vocab_size
+    total = (config.n_layers - dense) * moe_layer + dense * dense_layer + head
     if config.sliding_window:  # the window layers (the even ones) see min(window, S) keys
+        s, q_width = config.seq_len, config.n_heads * config.head_dim
         window_layers = (config.n_layers + 1) // 2
-        layers -= window_layers * 2 * 2 * (s - min(config.sliding_window, s)) * q_width
-    return layers
+        total -= window_layers * 2 * 2 * (s - min(config.sliding_window, s)) * q_width
+    return total
+
+
+def _latent_attention(config: ModelConfig) -> tuple[int, int]:
+    """(projections, attention) FLOPs per token of one multi-head latent attention (model/mla.py)."""
+    d, h, rank = config.d_model, config.n_heads, config.kv_lora_rank
+    qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    q = 2 * d * h * qk
+    if config.q_lora_rank:
+        q = 2 * config.q_lora_rank * (d + h * qk)
+    kv = 2 * d * (rank + config.qk_rope_head_dim) + 2 * rank * h * (config.qk_nope_head_dim + v)
+    return q + kv + 2 * h * v * d, 2 * config.seq_len * h * (qk + v)
 
 
 def training_flops_per_token(config: ModelConfig) -> int:

@@ -1,9 +1,12 @@
-"""YaRN RoPE (gpt-oss): the rotary frequencies interpolated by ``factor`` below a band of dimensions
-and kept above it, with a linear ramp between, and cos/sin scaled by an attention factor.
+"""YaRN RoPE scaling as DeepSeek-V3 and gpt-oss use it (transformers' ``_compute_yarn_parameters``
+and ``yarn_apply_mscale``), from ``ModelConfig.rope_yarn`` (the keys of Hugging Face's
+``rope_scaling`` / ``rope_parameters``).
 
-Follows transformers' ``_compute_yarn_parameters`` (``modeling_rope_utils.py``) for the keys gpt-oss
-uses: ``factor``, ``beta_fast``, ``beta_slow``, ``original_max_position_embeddings``, ``truncate``
-and ``attention_factor`` (None: ``0.1 * ln(factor) + 1``).
+The rotation frequencies blend interpolated (``1 / factor``) and original ones across a ramp between
+the channels that turn ``beta_fast`` and ``beta_slow`` times over ``original_max_position_embeddings``;
+the ramp's ends are rounded outwards unless ``truncate`` is false (gpt-oss); cos and sin are
+multiplied by ``attention_factor``; and multi-head latent attention multiplies its
+softmax scale by ``mscale(factor, mscale_all_dim)**2`` (all channels, not only the rotated ones).
 """
 
 from __future__ import annotations
@@ -13,46 +16,60 @@ import math
 import torch
 from torch import Tensor
 
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+)
 
-def yarn_inv_freq(
-    head_dim: int,
-    theta: float,
-    factor: float,
-    beta_fast: float,
-    beta_slow: float,
-    original_max_positions: int,
-    truncate: bool,
-) -> Tensor:
-    """[head_dim / 2] fp32 inverse frequencies."""
 
-    def correction_dim(rotations: float) -> float:
-        # the dimension whose wavelength turns ``rotations`` times over the original context
-        return (head_dim * math.log(original_max_positions / (rotations * 2 * math.pi))) / (
-            2 * math.log(theta)
-        )
+def mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's ``0.1 * m * ln(scale) + 1`` (1 when the context is not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if truncate:
+
+def softmax_scale_factor(yarn: dict[str, float | bool] | None) -> float:
+    """What the softmax scale is multiplied by (``yarn_apply_mscale``)."""
+    if not yarn or not yarn.get("mscale_all_dim"):
+        return 1.0
+    return mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+
+
+def inv_freq_and_factor(
+    dim: int, theta: float, yarn: dict[str, float | bool]
+) -> tuple[Tensor, float]:
+    """([dim / 2] inverse frequencies, the factor cos and sin are multiplied by)."""
+    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
+    attention = yarn.get("attention_factor")
+    if attention is None:
+        m, m_all = yarn.get("mscale"), yarn.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
+
+    def channel(rotations: float) -> float:  # the channel that turns ``rotations`` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = channel(beta_fast), channel(beta_slow)
+    if yarn.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001  # no zero-width ramp
-    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: divided by factor
-    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    low, high = max(low, 0), min(high, dim - 1)
+    powers = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)
+    keep = 1 - ramp.clamp(0, 1)  # 1: the original frequency (fast channels), 0: interpolated
+    inv_freq = (1.0 / (factor * powers)) * (1 - keep) + (1.0 / powers) * keep
+    return inv_freq, float(attention)
 
 
-def yarn_attention_factor(factor: float, attention_factor: float | None) -> float:
-    if attention_factor is not None:
-        return attention_factor
-    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
-
-
-def yarn_cos_sin(
-    seq_len: int, inv_freq: Tensor, scale: float, device: torch.device
+def rope_cos_sin_yarn(
+    seq_len: int, dim: int, theta: float, yarn: dict[str, float | bool], device: torch.device
 ) -> tuple[Tensor, Tensor]:
-    """[S, head_dim] fp32 tables (halves duplicated, as ``attention.rope_cos_sin``) times ``scale``."""
+    """[S, dim] fp32 tables like ``attention.rope_cos_sin``, with YaRN's frequencies and factor."""
+    inv_freq, attention = inv_freq_and_factor(dim, theta, yarn)
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1).to(device)
-    return emb.cos() * scale, emb.sin() * scale
+    return emb.cos() * attention, emb.sin() * attention

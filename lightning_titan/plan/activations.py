@@ -49,6 +49,7 @@ def _scale(config: ModelConfig) -> int:
         widths = [config.n_heads, config.kv_heads, config.ffn_dim, config.d_model]
         if config.shared_expert_dim:
             widths.append(config.shared_expert_dim)
+        widths += [w for w in (config.kv_lora_rank, config.q_lora_rank) if w]  # MLA's latents
         if all(w % s == 0 for w in widths) and config.d_model // s >= 64:
             best = s
         if config.d_model // best <= PROBE_WIDTH:
@@ -113,7 +114,11 @@ def per_sequence(config: ModelConfig, precision: Precision = FP32) -> tuple[floa
             n_kv_heads=None if config.n_kv_heads is None else config.n_kv_heads // s,
             ffn_dim=config.ffn_dim // s,
             shared_expert_dim=config.shared_expert_dim // s,
-            attn_head_dim=config.head_dim,
+            attn_head_dim=None if config.mla else config.head_dim,
+            kv_lora_rank=config.kv_lora_rank // s,
+            q_lora_rank=config.q_lora_rank // s,
+            # every block priced as an MoE block (DeepSeek-V3's few dense first layers save less)
+            dense_layers=0,
             activation_checkpointing=False,
         )
         one = _saved(replace(narrow, n_layers=1), precision)

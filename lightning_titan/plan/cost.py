@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_titan.model.decoder import ModelConfig
-from lightning_titan.model.flops import forward_flops_per_token
+from lightning_titan.model.flops import layer_flops_per_token
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD
 from lightning_titan.parallel.pipeline.theory import ideal_bubble
 from lightning_titan.plan.devices import Device, Link
@@ -121,7 +121,9 @@ def predict(
     tokens = b * config.seq_len / (tp * cp)  # positions this rank computes per step
     mb_tokens = tokens / m_count
     head = 2 * config.d_model * config.vocab_size
-    layer = (forward_flops_per_token(config) - head) / config.n_layers
+    # the slowest stage's layers: MoE layers wherever there are any (dense ones are the first few)
+    moe_layer, dense_layer = layer_flops_per_token(config)
+    layer = moe_layer if config.dense_layers < config.n_layers else dense_layer
     layers = config.n_layers / pp
     passes = 4 if options.recompute else 3  # forward, backward (2x), and a recomputed forward
     flops = tokens * passes * (layers * layer + head)  # the last stage: it holds the head
@@ -150,6 +152,8 @@ def predict(
     comm["tp"] = 4 * collective(tp_link, act * tp * wire, tp, 1, calls)
     # cp: the keys and values of every position, gathered forward and their grads scattered back
     kv = 2 * mb_tokens * cp * config.kv_heads * config.head_dim * wire
+    if config.mla:  # the latent and the shared RoPE key, not the heads (model/mla.py)
+        kv = mb_tokens * cp * (config.kv_lora_rank + config.qk_rope_head_dim) * wire
     comm["cp"] = 2 * collective(_link(device, degrees, "cp"), kv, cp, 1, calls)
     comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count)
     optimizer = _optimizer(degrees, zero, params, device)

@@ -6,6 +6,7 @@
     titan plan --config configs/base.yaml --devices 8 --check   # predicted against measured
     titan plan --config configs/dp_pp_ep.yaml --devices 8 --device h100-80gb --precision bf16-mixed
     titan plan --config path/to/gpt-oss-20b/config.json --seq-len 4096 --devices 64 --device h100-80gb
+    titan plan --config path/to/DeepSeek-V3 --devices 64 --device h100-80gb  # a HF model's folder
 
 Each layout (dp, pp, ep, cp, tp, zero) with each step option (schedule, microbatches, virtual stages,
 activation checkpointing) gets the model state of its fullest rank, exactly as ``titan bench``

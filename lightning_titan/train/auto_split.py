@@ -25,12 +25,25 @@ from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.parallel.pipeline.split import StageCosts, balance
 
 
+def probe_models(config: ModelConfig) -> tuple[StageModel, StageModel | None]:
+    """One-layer models whose block is an MoE block, and a dense one when the model has dense
+    layers (None otherwise)."""
+    model = StageModel(replace(config, n_layers=1, dense_layers=0))
+    model.init_weights(0)
+    if not config.dense_layers:
+        return model, None
+    dense = StageModel(replace(config, n_layers=1, dense_layers=1))
+    dense.init_weights(0)
+    return model, dense
+
+
 def probe_costs(
     config: ModelConfig, microbatch: int, device: torch.device, repeats: int = 3
 ) -> StageCosts:
-    """Median forward + backward times of the parts of a one-layer model (after one warm-up run)."""
-    model = StageModel(replace(config, n_layers=1)).to(device)
-    model.init_weights(0)
+    """Median forward + backward times of the parts of a one-layer model (after one warm-up run);
+    a model with dense first layers (DeepSeek-V3) has its dense block timed apart."""
+    model, dense_model = probe_models(config)
+    model.to(device)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (microbatch, config.seq_len), generator=g).to(device)
     block, cos_sin = model.layers["0"], model._rope(config.seq_len, device)
@@ -38,7 +51,7 @@ def probe_costs(
     def embed() -> torch.Tensor:
         return model.embed(ids).sum()
 
-    def one_block() -> torch.Tensor:
+    def one_block(block: torch.nn.Module = block) -> torch.Tensor:
         x = torch.randn(microbatch, config.seq_len, config.d_model, device=device)
         out, aux = block(x.requires_grad_(), *cos_sin)
         return out.sum() + aux.sum()
@@ -58,7 +71,10 @@ def probe_costs(
             times.append(time.perf_counter() - start)
         return statistics.median(times[1:])
 
-    return StageCosts(seconds(embed), seconds(one_block), seconds(head))
+    dense = 0.0
+    if dense_model is not None:
+        dense = seconds(lambda: one_block(dense_model.to(device).layers["0"]))
+    return StageCosts(seconds(embed), seconds(one_block), seconds(head), dense)
 
 
 def agree(
@@ -68,7 +84,8 @@ def agree(
     payload: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         probed = probe_costs(config, microbatch, device)
-        payload = [(tuple(balance(probed, config.n_layers, pp * virtual_stages)), probed)]
+        split = balance(probed, config.n_layers, pp * virtual_stages, config.dense_layers)
+        payload = [(tuple(split), probed)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
     counts: tuple[int, ...] = payload[0][0]

@@ -97,6 +97,36 @@ def test_a_hugging_face_config_json_is_planned(tmp_path, capsys):
     assert rows and "| 1 | " in printed
 
 
+DEEPSEEK_V3 = ModelConfig(
+    vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, ffn_dim=2048, n_experts=256, top_k=8,
+    seq_len=4096, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, rope_interleave=True, router_score="sigmoid", router_expert_bias=True,
+    router_groups=8, router_topk_groups=4, routed_scaling=2.5, dense_layers=3, dense_ffn_dim=18432,
+    shared_expert_dim=2048, shared_expert_gated=False, norm_eps=1e-6,
+)  # fmt: skip
+
+
+def test_deepseek_v3_has_its_published_parameter_count():
+    """671 B without the multi-token-prediction layer (HF's DeepseekV3ForCausalLM: 671,026,419,200
+    with the 58 x 256 expert biases, which are buffers here), built on meta."""
+    assert total_params(DEEPSEEK_V3) == 671_026_419_200 - 58 * 256
+
+
+def test_a_deepseek_v3_config_json_is_planned_with_the_latent_priced(tmp_path, capsys):
+    from hf_tiny import hf_config
+
+    (tmp_path / "config.json").write_text(hf_config("deepseek_v3").to_json_string())
+    rows = plan_main(["--config", str(tmp_path / "config.json"), "--devices", "2"])
+    assert rows and "| 1 | " in capsys.readouterr().out
+    # context parallelism sends the latent and the shared RoPE key (512 + 64 a token), not 128
+    # heads' keys and values
+    degrees = {"dp": 1, "pp": 1, "ep": 1, "cp": 2, "tp": 1}
+    cp_bytes = predict(DEEPSEEK_V3, degrees, 0, StepOptions(), 64, GPUS["h100-80gb"], (1, 1)).comm
+    mha = dataclasses.replace(DEEPSEEK_V3, kv_lora_rank=0, n_kv_heads=128, attn_head_dim=192)
+    mha_bytes = predict(mha, degrees, 0, StepOptions(), 64, GPUS["h100-80gb"], (1, 1)).comm
+    assert 10 * cp_bytes["cp"] < mha_bytes["cp"]
+
+
 def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsys):
     overlay = tmp_path / "layout.yaml"
     config = str(CONFIGS / "dp_pp_ep.yaml")

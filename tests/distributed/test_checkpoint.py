@@ -409,6 +409,23 @@ def test_save_under_one_layout_load_under_others(tmp_path: Path) -> None:
     _assert_equal_states(snapshot(model, opt), reference, "loaded in one process")
 
 
+def test_deepseek_v3_tensors_save_and_load_by_their_global_names(tmp_path: Path) -> None:
+    """Latent attention, a dense layer, an ungated shared expert and a kept expert bias: every
+    tensor and its optimizer state comes back (one process; the names are the layout-free ones)."""
+    deepseek = dict(
+        qk_norm="none", qkv_bias=False, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=4,
+        qk_rope_head_dim=4, v_head_dim=4, router_score="sigmoid", router_expert_bias=True,
+        router_groups=2, dense_layers=1, dense_ffn_dim=24, shared_expert_gated=False,
+        rope_yarn={"factor": 2.0, "original_max_position_embeddings": 8},
+    )  # fmt: skip
+    path, _, saved = _saved(tmp_path, **deepseek)
+    assert ("param", "layers.1.attn.kv_b_proj.weight", None, None) in saved
+    assert ("param", "layers.0.mlp.w2.weight", None, None) in saved
+    model, opt = build(None, seed=5, **deepseek)
+    load_sharded(path, model, [opt])
+    _assert_equal_states(snapshot(model, opt), saved, "deepseek-v3 loaded")
+
+
 def _saved(tmp_path: Path, name: str = "a.ckpt", **overrides) -> tuple[Path, StageModel, dict]:
     model, opt = build(None, seed=1, **overrides)
     train(model, opt, steps=1)

@@ -19,7 +19,8 @@ CAPACITY cases cap each expert's share of a sequence: the same assignments are d
 (counts equal to one process's) and no local expert receives more rows than the capacity allows.
 FAMILY cases turn on the options of the pretrained families (QK-norm per head or over the whole
 projection, q/k/v biases, a shared expert, sigmoid routing without renormalisation; gpt-oss's sinks,
-window layers, biases, clamped SwiGLU and YaRN).
+window layers, biases, clamped SwiGLU and YaRN; DeepSeek-V3's latent attention, group-limited routing
+and dense first layer).
 """
 
 import pytest
@@ -196,8 +197,11 @@ FAMILY = {
     8: [
         ((2, 2, 2), "1f1b", 2, "qk_head"),
         ((1, 2, 2, 2), "1f1b", 2, "qk_full"),
-        ((2, 2, 2), "1f1b", 2, "qk_full"),
         ((1, 2, 2, 1, 2), "1f1b", 2, "gpt_oss"),  # the aux losses and clipping on, under cp
+        ((1, 2, 2, 2), "1f1b", 2, "deepseek"),  # MLA's heads split, its down-projections whole
+        ((1, 2, 2, 1, 2), "1f1b", 2, "deepseek"),  # the latent gathered over CP
+        # the dense layer alone on stage 0; the ungated shared expert under the all-to-alls
+        ((2, 2, 2), "1f1b:layers=1-3:zero2", 2, "deepseek"),
     ],
 }
 

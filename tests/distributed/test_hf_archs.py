@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_titan.hf import load as hf_load
-from lightning_titan.hf.arch import architecture_of
+from lightning_titan.hf.arch import architecture_of, hf_names
 from lightning_titan.hf.export import hf_state_dict, write_hf_folder
 from lightning_titan.lightning.module import TitanLM
 from lightning_titan.model.decoder import ModelConfig, StageModel
@@ -33,8 +33,9 @@ STEPS = 3
 TRAINING = ModelConfig(seq_len=SEQ_LEN, aux_loss_coef=0.0, z_loss_coef=0.0)
 # (family, (dp, pp, ep, tp[, cp]), zero): every family under dp2 x pp2 x ep2 (ZeRO-1, Qwen2-MoE
 # ZeRO-2) and tp2 x pp2 x ep2; OLMoE's whole-projection QK-norm also under ep2 x tp2 x cp2
-LAYOUTS = [(f, (2, 2, 2, 1), 2 if f == "qwen2_moe" else 1) for f in FAMILIES]
-LAYOUTS += [(f, (1, 2, 2, 2), 0) for f in FAMILIES]
+# (DeepSeek-V3 trains under its layouts in test_equivalence.py; here its slices load under TP)
+LAYOUTS = [(f, (2, 2, 2, 1), 2 if f == "qwen2_moe" else 1) for f in FAMILIES if "deepseek" not in f]
+LAYOUTS += [(f, (1, 2, 2, 2), 0) for f in FAMILIES if f != "deepseek_v3-qproj"]
 LAYOUTS += [("olmoe", (1, 1, 2, 2, 2), 0)]
 # gpt-oss: ZeRO-2 on its dp2 x pp2 x ep2 above; its window layers and sinks under cp2 x pp2 x ep2
 LAYOUTS = [(f, lay, 2 if f == "gpt_oss" and lay[0] == 2 else z) for f, lay, z in LAYOUTS]
@@ -85,16 +86,26 @@ def test_the_family_options_come_from_the_folder(folders):
         "olmoe": ("full", None, False, False, 0),
         "qwen2_moe": ("none", None, False, True, 20),
         "gpt_oss": ("none", 12, True, True, 0),
+        "deepseek_v3": ("none", None, True, False, 24),
+        "deepseek_v3-qproj": ("none", None, False, False, 48),
+    }
+    deepseek = ("q_lora_rank", "kv_lora_rank", "router_groups", "router_topk_groups")
+    deepseek += ("routed_scaling", "dense_layers", "dense_ffn_dim", "rope_interleave")
+    want_deepseek = {
+        "deepseek_v3": (16, 12, 2, 1, 2.5, 1, 40, True),
+        "deepseek_v3-qproj": (0, 12, 1, 1, 1.5, 0, 0, False),
     }
     for family, (folder, _) in folders.items():
         config = hf_load.config_from_folder(folder, TRAINING)
         assert tuple(getattr(config, o) for o in options) == want[family], family
         assert (config.d_model, config.ffn_dim, config.n_experts, config.top_k) == (32, 24, 4, 2)
-        assert architecture_of(config).model_type == family
+        assert architecture_of(config).model_type == family.split("-")[0]
+        if family in want_deepseek:
+            assert tuple(getattr(config, o) for o in deepseek) == want_deepseek[family], family
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_process_equals_transformers_and_exports_the_folder_back(folders, family):
+def test_one_process_equals_transformers_and_exports_the_folder_back(folders, family, tmp_path):
     folder, theirs = folders[family]
     model = full_model(folder).eval()
     tokens = global_tokens()
@@ -107,14 +118,27 @@ def test_one_process_equals_transformers_and_exports_the_folder_back(folders, fa
     step = engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 2, token_loss_sum)
     engine.remove()
     assert step.loss.item() == pytest.approx(their_loss, rel=1e-5)
+    if family.startswith("deepseek_v3"):
+        assert_grads_equal(model, theirs, tokens)
     exported, original = hf_state_dict(model), originals(folder)
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+    if family.startswith("deepseek_v3"):  # the folder we write: transformers' logits are ours
+        import transformers
+
+        out = write_hf_folder(model, tmp_path / family)
+        assert hf_load.config_from_folder(out, TRAINING) == model.config
+        exported_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            logits = exported_model(input_ids=tokens[:, :-1]).logits
+        torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
+        return  # its grads were checked above, the fused experts' included
     # one step's grads: ours (of the same mean loss), laid out as theirs by the export's mapping
     model.zero_grad(set_to_none=True)
     got, _ = model(tokens[:, :-1])
     token_loss_sum(got, tokens[:, 1:]).div(tokens[:, 1:].numel()).backward()
+    theirs.zero_grad(set_to_none=True)
     theirs(input_ids=tokens, labels=tokens).loss.backward()
     their_grads = {n: p.grad for n, p in theirs.named_parameters()}
     theirs.zero_grad(set_to_none=True)
@@ -127,6 +151,26 @@ def test_one_process_equals_transformers_and_exports_the_folder_back(folders, fa
     assert all(".experts." in n for n in unmatched) and (family != "gpt_oss" or not unmatched)
     for name in common:
         torch.testing.assert_close(ours[name], their_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def assert_grads_equal(model: StageModel, theirs: torch.nn.Module, tokens: torch.Tensor) -> None:
+    """Every weight's grad of one step equals transformers' (``model`` holds its step's grads): the
+    experts against transformers' fused ``gate_up_proj`` / ``down_proj``."""
+    theirs.zero_grad()
+    theirs(input_ids=tokens, labels=tokens).loss.backward()
+    their_grads = {n: p.grad for n, p in theirs.named_parameters()}
+    arch = architecture_of(model.config)
+    for name, p in model.named_parameters():
+        if ".moe.experts." in name:
+            block = hf_names(name, (0, 1), arch)[0].rsplit(".experts.", 1)[0] + ".experts."
+            gate, up = their_grads[block + "gate_up_proj"].chunk(2, dim=1)
+            want = {"w1": gate, "w3": up, "w2": their_grads[block + "down_proj"]}[name[-2:]]
+            want = want.transpose(1, 2)
+        else:
+            want = their_grads[hf_names(name, (0, 1), arch)[0]]
+        torch.testing.assert_close(
+            p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def finetune(model: StageModel, engine: Engine, dims: ParallelDims) -> list[float]:
@@ -196,6 +240,7 @@ def _on_ranks(rank: int, world_size: int, folders: dict[str, str], cases: list) 
             "expert_range": model.expert_range, "tp": (dims.tp, dims.tp_rank),
             "cut": {names[i]: s.dim for i, s in tp_shards(model).items()},
             "rows": dims.data_rank, "data_world": dims.data_world,
+            "bias_bytes": sum(b.numel() * 4 for n, b in model.named_buffers() if "expert_bias" in n),
         })  # fmt: skip
     return results
 
@@ -225,6 +270,8 @@ def test_eight_ranks_load_their_slice_match_transformers_and_train_as_one_proces
     per_rank = run_on_ranks(_on_ranks, 8, paths, LAYOUTS, timeout_s=400, start_method="fork")
     tokens = global_tokens()
     for family, (folder, theirs) in folders.items():
+        if family not in {f for f, _, _ in LAYOUTS}:
+            continue
         full = {n: p.detach() for n, p in full_model(folder).named_parameters()}
         with torch.no_grad():
             their_logits = theirs(input_ids=tokens[:, :-1]).logits
@@ -258,6 +305,7 @@ def test_eight_ranks_load_their_slice_match_transformers_and_train_as_one_proces
                 share = (0.15, 0.4) if layout[1] == 2 else (0.3, 0.6)  # pp1: ep2 x tp2 only
                 assert share[0] < r["read"] / total < share[1], (*where, r["read"], total)
                 held_bytes = sum(t.numel() * t.element_size() for t in r["loaded"].values())
+                held_bytes += r["bias_bytes"]  # DeepSeek-V3's expert biases are read too
                 assert r["read"] == held_bytes if layout[3] == 1 else r["read"] <= held_bytes
             assert held == set(full), (family, layout)
         # the fine-tune exports to its family: transformers loads it and gives our logits
@@ -294,13 +342,24 @@ REFUSED = [
     ("qwen3_moe", {"attention_bias": True}, r"attention_bias=True is not supported"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2 is not supported"),
     ("olmoe", {"clip_qkv": 8.0}, r"clip_qkv=8.0 is not supported"),
-    ("olmoe", {"model_type": "deepseek_v3"}, r"model_type='deepseek_v3' is not supported"),
     (
         "gpt_oss",
         {"layer_types": ["full_attention", "sliding_attention"] * 2},
         r"layer_types=.*alternate",
     ),
     ("gpt_oss", {"quantization_config": {"quant_method": "fp8"}}, r"quantization_config=.*MXFP4"),
+    ("olmoe", {"model_type": "deepseek_v2"}, r"model_type='deepseek_v2' is not supported"),
+    (
+        "deepseek_v3",
+        {"quantization_config": {"quant_method": "fp8"}},
+        r"quantization_config=.*bf16",
+    ),
+    ("deepseek_v3", {"num_key_value_heads": 2}, r"num_key_value_heads=2 is not supported"),
+    (
+        "deepseek_v3",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+        r"rope_parameters=",
+    ),
     ("olmoe", {"architectures": ["Qwen3MoeForCausalLM"]}, r"architectures=.*'OlmoeForCausalLM'"),
 ]
 
@@ -324,6 +383,8 @@ def test_unsupported_family_configs_are_refused(folders, tmp_path, family, field
         ("qwen3_moe", {"router_norm_topk": False}, r"router_norm_topk=False .*norm_topk_prob=True"),
         ("qwen3_moe", {"attn_head_dim": 8}, r"attn_head_dim=8 .*head_dim=12"),
         ("qwen2_moe", {"ffn_dim": 40}, r"ffn_dim=40 .*moe_intermediate_size=24"),
+        ("deepseek_v3", {"routed_scaling": 3.0}, r"routed_scaling=3.0 .*routed_scaling_factor=2.5"),
+        ("deepseek_v3", {"router_groups": 4}, r"router_groups=4 .*n_group=2"),
     ],
 )
 def test_a_given_field_that_disagrees_with_the_folder_is_named(folders, family, given, match):
@@ -381,6 +442,11 @@ def test_a_model_no_family_holds_is_refused_before_anything_is_written(tmp_path)
         ({"attn_head_dim": 8, "n_heads": 4}, "attn_head_dim=8 without QK-norm"),
         ({"sliding_window": 8}, "sliding_window=8 without attn_sinks"),
         ({"attn_sinks": True}, "attn_sinks=True with expert_proj_bias=False"),
+        ({"dense_layers": 1, "dense_ffn_dim": 8}, "dense_layers=1 without multi-head latent"),
+        (
+            {"kv_lora_rank": 8, "qk_rope_head_dim": 4, "v_head_dim": 4, "router_score": "sigmoid"},
+            "router_expert_bias=False with kv_lora_rank=8",
+        ),
     ]:
         model = StageModel(ModelConfig(n_layers=2, **options))
         with pytest.raises(ValueError, match=match):
@@ -403,17 +469,36 @@ def test_our_own_family_exports_load_back(tmp_path):
             "expert_proj_bias": True,
             "router_bias": True,
             "swiglu_limit": 7.0,
-            "yarn_factor": 8.0,
-            "yarn_original_max_positions": 8,
+            "rope_yarn": {"factor": 8.0, "original_max_position_embeddings": 8},
+        },
+        {  # DeepSeek-V3 with a moved expert bias (exported as e_score_correction_bias)
+            "kv_lora_rank": 8,
+            "q_lora_rank": 12,
+            "qk_nope_head_dim": 4,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 6,
+            "router_score": "sigmoid",
+            "router_expert_bias": True,
+            "shared_expert_dim": 256,
+            "shared_expert_gated": False,
+            "router_groups": 2,
+            "dense_layers": 1,
+            "dense_ffn_dim": 40,
+            "routed_scaling": 2.0,
+            "n_kv_heads": 4,
         },
     ):
-        config = ModelConfig(n_kv_heads=2, seq_len=SEQ_LEN, n_layers=2, **options)
+        config = ModelConfig(**{"n_kv_heads": 2, "seq_len": SEQ_LEN, "n_layers": 2, **options})
         model = StageModel(config)
         model.init_weights(3)
+        for name, bias in model.named_buffers():
+            if name.endswith("expert_bias"):
+                bias.copy_(torch.randn(bias.shape))
         out = write_hf_folder(model, tmp_path / str(len(list(tmp_path.iterdir()))))
         loaded = TitanLM(ModelConfig(seq_len=SEQ_LEN), init_from=str(out)).config
         assert loaded == config
         again = full_model(out)
-        for name, p in model.named_parameters():
-            assert torch.equal(dict(again.named_parameters())[name], p), name
+        held = again.state_dict()
+        for name, tensor in model.state_dict().items():  # the expert biases too
+            assert torch.equal(held[name], tensor), name
         shutil.rmtree(out)

@@ -52,8 +52,18 @@ FAMILY_CONFIGS = {
     # gpt-oss: sinks, window layers (5 back), biases, the clamped SwiGLU and YaRN
     "gpt_oss": replace(
         CONFIG, attn_sinks=True, qkv_bias=True, attn_out_bias=True, sliding_window=5,
-        expert_proj_bias=True, router_bias=True, swiglu_limit=1.0, yarn_factor=4.0,
-        yarn_original_max_positions=16, attn_head_dim=6, init_std=0.1,
+        expert_proj_bias=True, router_bias=True, swiglu_limit=1.0,
+        rope_yarn={"factor": 4.0, "original_max_position_embeddings": 16}, attn_head_dim=6,
+        init_std=0.1,
+    ),
+    # DeepSeek-V3: latent attention with a low-rank query, group-limited sigmoid routing with a
+    # moving expert bias, scaled combine weights, an ungated shared expert, a dense first layer
+    "deepseek": replace(
+        CONFIG, n_kv_heads=None, kv_lora_rank=12, q_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True, router_score="sigmoid",
+        router_expert_bias=True, router_bias_update_rate=1e-3, router_groups=2,
+        router_topk_groups=1, routed_scaling=2.5, dense_layers=1, dense_ffn_dim=40,
+        shared_expert_dim=24, shared_expert_gated=False,
     ),
 }  # fmt: skip
 GLOBAL_BATCH = 8

@@ -36,6 +36,25 @@ FAMILIES = {
                          "beta_fast": 8.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 16},
     )),
+    # low-rank query, group-limited routing (2 groups of 2, the best 1 kept), a dense first layer
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        hidden_size=32, intermediate_size=40, moe_intermediate_size=24, n_routed_experts=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_shared_experts=1, n_group=2,
+        topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rms_norm_eps=1e-2,  # apart from the latent norms' fixed 1e-6
+    )),
+    # one q projection (q_lora_rank null, as DeepSeek-V2-Lite), plain RoPE halves, no groups, YaRN
+    "deepseek_v3-qproj": ("DeepseekV3Config", dict(
+        hidden_size=32, intermediate_size=40, moe_intermediate_size=24, n_routed_experts=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=12,
+        qk_nope_head_dim=6, qk_rope_head_dim=6, v_head_dim=8, n_shared_experts=2, n_group=1,
+        topk_group=1, first_k_dense_replace=0, routed_scaling_factor=1.5, norm_topk_prob=False,
+        rope_interleave=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 0.7, "original_max_position_embeddings": 16,
+        },  # YaRN: the frequencies, cos/sin and the softmax scale stretched
+    )),
 }  # fmt: skip
 
 
@@ -61,6 +80,9 @@ def build(family: str, folder: Path, seed: int = 0, shard: bool = True, **overri
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert bias
+                b.copy_(torch.randn_like(b) * 0.3)
     model.save_pretrained(folder, **({"max_shard_size": "20KB"} if shard else {}))
     return model
 

@@ -25,6 +25,26 @@ CONFIGS = {
     "many experts, top-4": ModelConfig(
         d_model=32, n_layers=2, n_heads=2, ffn_dim=24, n_experts=16, top_k=4, seq_len=32
     ),
+    "deepseek-v3: latent attention, a dense layer, shared expert": ModelConfig(
+        d_model=48,
+        n_layers=3,
+        n_heads=4,
+        ffn_dim=24,
+        n_experts=4,
+        seq_len=32,
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        router_score="sigmoid",
+        router_expert_bias=True,
+        shared_expert_dim=48,
+        shared_expert_gated=False,
+        dense_layers=1,
+        dense_ffn_dim=96,
+    ),
+    "qwen2-moe: gated shared expert": ModelConfig(d_model=32, shared_expert_dim=64, qkv_bias=True),
 }
 
 

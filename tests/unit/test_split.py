@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from engine_harness import CONFIG, SEED
+from engine_harness import CONFIG, FAMILY_CONFIGS, SEED
 
 from lightning_titan.model.decoder import StageModel
 from lightning_titan.parallel.pipeline.split import StageCosts, StageSplit, balance
-from lightning_titan.train.auto_split import agree, probe_costs
+from lightning_titan.train.auto_split import agree, probe_costs, probe_models
 from lightning_titan.train.options import TrainOptions
 
 
@@ -164,3 +164,37 @@ def test_auto_gives_the_head_stage_fewer_layers_and_says_why():
     assert costs.block > 0 and costs.head > 0 and "head + loss" in costs.describe()
     counts, probed = agree(CONFIG, 2, 1, 2, torch.device("cpu"))  # one process: no broadcast
     assert sum(counts) == CONFIG.n_layers and probed.block > 0
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("dense", [1, 3])
+def test_auto_balance_costs_dense_layers_apart(stages, dense):
+    """DeepSeek-V3's cheaper dense first layers: against every split by brute force."""
+    costs = StageCosts(embed=0.3, block=1.0, head=0.7, dense_block=0.2)
+    layers = [costs.dense_block] * dense + [costs.block] * (8 - dense)
+
+    def slowest(c: tuple[int, ...]) -> float:
+        starts = list(itertools.accumulate(c, initial=0))
+        per = [sum(layers[starts[s] : starts[s + 1]]) for s in range(stages)]
+        per[0] += costs.embed
+        per[-1] += costs.head
+        return max(per)
+
+    counts = balance(costs, 8, stages, dense)
+    assert sum(counts) == 8 and all(n >= 1 for n in counts[1:-1])
+    best = min(
+        slowest(c)
+        for c in itertools.product(range(9), repeat=stages)
+        if sum(c) == 8 and all(n >= 1 for n in c[1:-1])
+    )
+    assert slowest(tuple(counts)) == pytest.approx(best)
+    assert balance(StageCosts(0.0, 1.0, 0.0, 0.2), 8, 2, 3) == [5, 3]  # the dense ones weigh less
+
+
+def test_the_probe_times_a_dense_block_apart():
+    config = FAMILY_CONFIGS["deepseek"]
+    moe, dense = probe_models(config)
+    assert moe.layers["0"].moe is not None and dense is not None and dense.layers["0"].moe is None
+    costs = probe_costs(config, 2, torch.device("cpu"), repeats=1)
+    assert costs.block > 0 and costs.dense_block > 0
+    assert probe_costs(CONFIG, 2, torch.device("cpu"), repeats=1).dense_block == 0.0

@@ -23,9 +23,14 @@ from lightning_titan.runtime import probes
 
 
 def balanced_layers(module: nn.Module) -> list[MoELayer]:
-    """The MoE layers of ``module`` that carry a selection bias, in ``modules()`` order (the same on
-    every rank of a stage, hence the same rows of the all-reduced table)."""
-    return [m for m in module.modules() if isinstance(m, MoELayer) and m.expert_bias is not None]
+    """The MoE layers of ``module`` whose selection bias moves (a loaded bias with rate 0 stays), in
+    ``modules()`` order (the same on every rank of a stage, hence the same rows of the all-reduced
+    table)."""
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, MoELayer) and m.expert_bias is not None and m.bias_update_rate > 0
+    ]
 
 
 def bias_step(tokens_per_expert_LE: Tensor, rate: float) -> Tensor:

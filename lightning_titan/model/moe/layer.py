@@ -65,8 +65,11 @@ class MoELayer(nn.Module):
         router_score: str = "softmax",
         norm_topk: bool = True,
         router_bias: bool = False,
-        expert_bias: bool = False,
+        expert_proj_bias: bool = False,
         swiglu: tuple[float | None, float] = (None, 1.702),
+        groups: tuple[int, int] = (1, 1),
+        scaling: float = 1.0,
+        expert_bias: bool = False,
     ) -> None:
         super().__init__()
         expert_range = expert_range or (0, n_experts)
@@ -89,16 +92,18 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(d_model, n_experts, bias=router_bias)  # gpt-oss: a bias
         self.router_score, self.norm_topk = router_score, norm_topk  # model/moe/router.py
         self.route = route  # or its compiled form (model/compiled.py)
+        self.groups, self.scaling = groups, scaling  # DeepSeek-V3: group-limited, scaled
         # gpt-oss: biased projections and the clamped SwiGLU (limit, alpha) (model/moe/activation.py)
         self.experts = GroupedExperts(
-            d_model, ffn_dim, expert_range, bias=expert_bias, swiglu_limit=swiglu[0],
+            d_model, ffn_dim, expert_range, bias=expert_proj_bias, swiglu_limit=swiglu[0],
             swiglu_alpha=swiglu[1],
         )  # fmt: skip
         self.register_buffer(
             "tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False
         )
         self.bias_update_rate = bias_update_rate
-        balancing = bias_update_rate > 0
+        # expert_bias: a loaded model's bias (DeepSeek-V3) is kept even when training leaves it still
+        balancing = bias_update_rate > 0 or expert_bias
         # None when off: no key in the state dict, so checkpoints without balancing load as before
         self.register_buffer(
             "expert_bias", torch.zeros(n_experts, dtype=torch.float32) if balancing else None
@@ -127,6 +132,8 @@ class MoELayer(nn.Module):
             self.expert_bias,
             score=self.router_score,
             norm_topk=self.norm_topk,
+            groups=self.groups,
+            scaling=self.scaling,
         )
         tokens = x.reshape(b * s, d)
         keep = self._keep(routing.expert_ids, b, s)

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_titan.model.moe.groups import group_limited
+
 
 @dataclass
 class Routing:
@@ -44,25 +46,33 @@ def route(
     selection_bias: Tensor | None = None,
     score: str = "softmax",
     norm_topk: bool = True,
+    groups: tuple[int, int] = (1, 1),
+    scaling: float = 1.0,
 ) -> Routing:
     """Route tokens given router ``logits`` [b, S, E] (any dtype; the softmax runs in fp32 as in Mixtral).
 
     ``sequence_group``: the ranks that hold the other slices of these sequences (sequence
     parallelism); the losses are then this slice's share (see the module doc).
     ``selection_bias`` [E] fp32: added to the probabilities for choosing the experts only.
-    ``score``: "softmax" or "sigmoid"; ``norm_topk``: renormalise the chosen scores (module doc)."""
+    ``score``: "softmax" or "sigmoid"; ``norm_topk``: renormalise the chosen scores (module doc).
+    ``groups`` (n_groups, topk_groups): group-limited choice (``groups.py``; (1, 1): off);
+    ``scaling`` multiplies the combine weights (DeepSeek-V3's ``routed_scaling_factor``)."""
     b, s, n_experts = logits.shape
     parts = 1 if sequence_group is None else dist.get_world_size(sequence_group)
     seq_len = s * parts
     logits = logits.float()
     probs = scores(logits, score)
-    if selection_bias is None:
+    if selection_bias is None and groups[0] == 1:
         weights, expert_ids = torch.topk(probs, top_k, dim=-1)
     else:
-        expert_ids = torch.topk(probs + selection_bias, top_k, dim=-1).indices
+        choice = probs if selection_bias is None else probs + selection_bias
+        choice = group_limited(choice, *groups)
+        expert_ids = torch.topk(choice, top_k, dim=-1).indices
         weights = probs.gather(-1, expert_ids)  # unbiased: the bias picks, it does not weigh
     if norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        weights = weights * scaling
 
     # f_e is a count, so it carries no gradient; P_e carries the gradient towards balance.
     assignments = torch.zeros(b, n_experts, device=logits.device, dtype=torch.float32)

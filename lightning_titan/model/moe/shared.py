@@ -1,5 +1,7 @@
 """Qwen2-MoE's shared expert: a dense SwiGLU that every token goes through beside the routed experts,
 scaled per token by a sigmoid gate, ``y = sigmoid(x @ g) * (silu(x @ w1) * (x @ w3)) @ w2``.
+``gated=False``: DeepSeek-V3's shared experts (one SwiGLU of ``n_shared_experts`` x their hidden
+size), added as they are; the same module is DeepSeek-V3's dense MLP of its first layers.
 
 It runs where the MoE layer runs, on this rank's tokens (under TP its sequence slice), and is held
 whole on every rank of a stage: its grads sum over dp x ep x tp like the router's (``model.SEQUENCE``).
@@ -17,12 +19,14 @@ from torch import Tensor, nn
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, d_model: int, ffn_dim: int) -> None:
+    gate: nn.Linear | None
+
+    def __init__(self, d_model: int, ffn_dim: int, gated: bool = True) -> None:
         super().__init__()
         self.w1 = nn.Linear(d_model, ffn_dim, bias=False)  # gate_proj
         self.w3 = nn.Linear(d_model, ffn_dim, bias=False)  # up_proj
         self.w2 = nn.Linear(ffn_dim, d_model, bias=False)  # down_proj
-        self.gate = nn.Linear(d_model, 1, bias=False)  # shared_expert_gate
+        self.gate = nn.Linear(d_model, 1, bias=False) if gated else None  # shared_expert_gate
 
     def forward(self, x_BSD: Tensor) -> Tensor:
         return self.down(x_BSD, self.up(x_BSD))
@@ -32,4 +36,5 @@ class SharedExpert(nn.Module):
         return F.silu(self.w1(x_BSD)) * self.w3(x_BSD)
 
     def down(self, x_BSD: Tensor, hidden_BSF: Tensor) -> Tensor:
-        return torch.sigmoid(self.gate(x_BSD)) * self.w2(hidden_BSF)
+        out_BSD = self.w2(hidden_BSF)
+        return out_BSD if self.gate is None else torch.sigmoid(self.gate(x_BSD)) * out_BSD

@@ -120,8 +120,9 @@ class StageCosts:
     """Seconds for one microbatch's forward + backward through each part."""
 
     embed: float
-    block: float
+    block: float  # an MoE block
     head: float  # final norm, LM head and the loss
+    dense_block: float = 0.0  # a dense block (DeepSeek-V3's first layers), when the model has any
 
     def describe(self) -> str:
         return (
@@ -130,12 +131,13 @@ class StageCosts:
         )
 
 
-def balance(costs: StageCosts, n_layers: int, stages: int) -> list[int]:
+def balance(costs: StageCosts, n_layers: int, stages: int, dense_layers: int = 0) -> list[int]:
     """Layers per virtual stage (model order) minimising the slowest stage; middle stages hold >= 1.
 
     The bottleneck ``T`` is found by bisection on ``T / block``: stage s holds
     ``floor((T - extra_s) / block)`` layers, and the least ``T`` whose capacities cover ``n_layers``
-    wins; the layers left over go to the stages with the most room (the middle ones first)."""
+    wins; the layers left over go to the stages with the most room (the middle ones first).
+    ``dense_layers``: the first layers cost ``costs.dense_block`` each instead (``_balance_costs``)."""
     if stages == 1:
         return [n_layers]
     if n_layers < stages - 2:
@@ -143,6 +145,9 @@ def balance(costs: StageCosts, n_layers: int, stages: int) -> list[int]:
             f"stage_layers='auto' cannot split n_layers={n_layers} over {stages} stages: every stage "
             f"but the first and the last needs a layer; use at most {n_layers + 2} (virtual) stages"
         )
+    if dense_layers and costs.dense_block > 0:
+        layers = [costs.dense_block] * dense_layers + [costs.block] * (n_layers - dense_layers)
+        return _balance_costs(costs, layers, stages)
     block = max(costs.block, 1e-12)
     extra = [0.0] * stages
     extra[0] += costs.embed / block
@@ -162,4 +167,35 @@ def balance(costs: StageCosts, n_layers: int, stages: int) -> list[int]:
         over = [s for s in range(stages) if counts[s] > floor[s]]
         s = max(over, key=lambda s: (counts[s] + extra[s], -abs(s - stages / 2)))
         counts[s] -= 1
+    return counts
+
+
+def _balance_costs(costs: StageCosts, layers: list[float], stages: int) -> list[int]:
+    """``balance`` for layers of different costs (``layers[i]``: layer i's seconds): the least
+    bottleneck ``T`` (bisection) at which filling the stages in order, each as far as ``T`` allows
+    and leaving every later middle stage its layer, places every layer."""
+    floor = [0 if s in (0, stages - 1) else 1 for s in range(stages)]
+    extra = [0.0] * stages
+    extra[0] += costs.embed
+    extra[-1] += costs.head
+
+    def fill(t: float) -> list[int] | None:
+        counts, i = [], 0
+        for s in range(stages):
+            keep = sum(floor[s + 1 :])  # layers the later stages need
+            used, n = extra[s], 0
+            while i + n < len(layers) - keep and (n < floor[s] or used + layers[i + n] <= t):
+                used, n = used + layers[i + n], n + 1
+            if used > t + 1e-12:
+                return None
+            counts.append(n)
+            i += n
+        return counts if i == len(layers) else None
+
+    low, high = 0.0, sum(layers) + sum(extra)
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (low, mid) if fill(mid) is not None else (mid, high)
+    counts = fill(high)
+    assert counts is not None  # T = every cost at once always fits
     return counts

@@ -1,0 +1,126 @@
+"""DeepSeek-V3's multi-head latent attention (MLA), as transformers' ``DeepseekV3Attention``.
+
+The keys and values of all heads come from one compressed latent per token: ``kv_a_proj`` maps x to
+``kv_lora_rank`` latent channels (normalised by ``kv_a_norm``) plus ``qk_rope_head_dim`` channels of
+a RoPE key shared by every head; ``kv_b_proj`` expands the latent to each head's un-rotated key
+(``qk_nope_head_dim``) and value (``v_head_dim``). The query is ``q_proj(x)``, or low-rank
+``q_b_proj(q_a_norm(q_a_proj(x)))`` when ``q_lora_rank`` > 0; its last ``qk_rope_head_dim`` channels
+per head are rotated. Softmax scale: ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``, times YaRN's
+``mscale**2`` under ``rope_yarn`` (model/yarn.py).
+
+With ``rope_interleave`` (transformers' default for DeepSeek-V3) RoPE pairs channels (2i, 2i+1):
+the same as taking the even channels then the odd ones and rotating halves, which is what we do
+(q and k are permuted alike, so their dot products are transformers').
+
+Tensor parallelism splits the heads: ``q_proj``/``q_b_proj`` and ``kv_b_proj`` rows, ``wo`` columns.
+The down-projections ``q_a_proj``, ``kv_a_proj`` and their norms stay whole on every TP rank (as in
+Megatron): they are small, and every head needs their whole output. They run on the gathered
+sequence, so each rank's grad holds its heads' part of it, and the sum over the TP group that the
+sequence-parallel weights get (``model.SEQUENCE``) completes it.
+
+Context parallelism gathers the latent (and the rotated shared key), ``kv_lora_rank +
+qk_rope_head_dim`` channels a token, not the expanded heads; each rank expands all keys itself.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_titan.model.attention import RMSNorm, apply_rope
+from lightning_titan.model.yarn import softmax_scale_factor
+from lightning_titan.parallel.context_parallel import gather_keys
+from lightning_titan.parallel.tensor_parallel import (
+    gather_sequence,
+    mark_tp_shard,
+    scatter_sequence,
+    tp_size,
+)
+
+# transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps, not
+# rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+class _MLAConfig(Protocol):
+    d_model: int
+    n_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    rope_yarn: dict[str, float] | None
+
+
+class MLAttention(nn.Module):
+    """Causal multi-head latent attention over ``x`` [b, S/tp, D] (this rank's sequence slice)."""
+
+    def __init__(
+        self,
+        config: _MLAConfig,
+        tp_group: ProcessGroup | None = None,
+        cp_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        tp = tp_size(tp_group)
+        self.tp_group, self.cp_group = tp_group, cp_group
+        self.n_heads = config.n_heads // tp
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
+        self.interleave = config.rope_interleave
+        self.scale = (self.nope + self.rope) ** -0.5 * softmax_scale_factor(config.rope_yarn)
+        d, q_dim = config.d_model, self.n_heads * (self.nope + self.rope)
+        if config.q_lora_rank:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, q_dim, bias=False)
+            q_heads = self.q_b_proj
+        else:
+            self.q_proj = nn.Linear(d, q_dim, bias=False)
+            q_heads = self.q_proj
+        self.kv_a_proj = nn.Linear(d, self.rank + self.rope, bias=False)
+        self.kv_a_norm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(self.n_heads * self.v_dim, d, bias=False)
+        for per_head_rows in (q_heads, self.kv_b_proj):
+            mark_tp_shard(per_head_rows, 0, per_head_rows.out_features * tp, tp_group)
+        mark_tp_shard(self.wo, 1, self.wo.in_features * tp, tp_group)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.interleave:
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``cos``/``sin`` [S, qk_rope_head_dim] of this rank's positions; ``mask`` [S_q, S_k] (True:
+        attend) under context parallelism, else causal by order."""
+        x = gather_sequence(x, self.tp_group)
+        b, s, _ = x.shape
+        if hasattr(self, "q_proj"):
+            q_BSC = self.q_proj(x)
+        else:
+            q_BSC = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = q_BSC.view(b, s, self.n_heads, self.nope + self.rope).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
+        q = torch.cat((q_nope, self._rotate(q_rot, cos, sin)), dim=-1)
+
+        latent_BSR, k_rot_BSC = self.kv_a_proj(x).split([self.rank, self.rope], dim=-1)
+        latent = self.kv_a_norm(latent_BSR).unsqueeze(1)  # [b, 1, S, rank]
+        k_rot = self._rotate(k_rot_BSC.unsqueeze(1), cos, sin)  # [b, 1, S, rope]
+        # every CP rank's latent and shared RoPE key: rank + rope channels a token
+        latent, k_rot = gather_keys(latent, self.cp_group), gather_keys(k_rot, self.cp_group)
+        s_k = latent.shape[2]
+        kv = self.kv_b_proj(latent.squeeze(1)).view(b, s_k, self.n_heads, self.nope + self.v_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, self.n_heads, -1, -1)), dim=-1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return scatter_sequence(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.tp_group)
