@@ -240,7 +240,7 @@ def _set(**fields):
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (_set(model_type="deepseek_v3"), r"model_type='deepseek_v3' is not supported"),
+        (_set(model_type="deepseek_v2"), r"model_type='deepseek_v2' is not supported"),
         (
             _set(architectures=["OlmoeForCausalLM"]),
             r"architectures=\['OlmoeForCausalLM'\].*'mixtral'",
