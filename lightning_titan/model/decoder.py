@@ -13,9 +13,6 @@ Qwen3-MoE, OLMoE or gpt-oss (sinks and window layers: model/sinks.py); names map
 
 from __future__ import annotations
 
-import math
-import zlib
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -24,22 +21,21 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_titan.model.attention import Attention, RMSNorm, apply_rope, rope_cos_sin
 from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.init import init_weights
 from lightning_titan.model.mla import MLAttention
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.model.moe.shared import SharedExpert
-from lightning_titan.model.sinks import AttentionSinks, attend_mask
+from lightning_titan.model.sinks import attend_mask
 from lightning_titan.model.yarn import rope_cos_sin_yarn
 from lightning_titan.parallel import context_parallel
 from lightning_titan.parallel.dispatch import ep_size
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.parallel.tensor_parallel import (
     gather_sequence,
-    local_slice,
     mark_tp_shard,
     padded_vocab,
     scatter_sequence,
-    tp_shard,
     tp_shards,
     tp_size,
     vocab_parallel_cross_entropy,
@@ -308,58 +304,10 @@ class StageModel(nn.Module):
                 self._rope_cache[key] = rope_cos_sin(seq_len, c.rope_dim, c.rope_theta, device)
         return self._rope_cache[key]
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Layout-free init: each value depends on (seed, global name, global expert) only.
-
-        Norm weights are 1, biases 0; every other matrix is Normal(0, init_std), output projections
-        (``wo``, experts' and the shared expert's ``w2``) scaled by 1/sqrt(2 * n_layers) so the residual
-        stream does not grow with depth.
-        """
-        std = self.config.init_std
-        out_std = std / math.sqrt(2 * self.config.n_layers)
-        for module_name, module in self.named_modules():
-            prefix = f"{module_name}." if module_name else ""
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, AttentionSinks):
-                module.weight.zero_()  # exp(0): one key's worth of weight on nothing
-            elif isinstance(module, GroupedExperts):
-                start = module.expert_range[0]
-                for pname, p in module.named_parameters(recurse=False):
-                    if pname.startswith("b"):  # the biases b1, b3, b2
-                        p.zero_()
-                        continue
-                    param_std = out_std if pname == "w2" else std
-                    for e in range(module.n_local):
-                        p[e].copy_(
-                            _seeded_normal(p.shape[1:], param_std, seed, prefix + pname, start + e)
-                        )
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                param_std = (
-                    out_std
-                    if module_name.endswith(("attn.wo", "shared_expert.w2", "mlp.w2"))
-                    else std
-                )
-                if isinstance(bias := getattr(module, "bias", None), Tensor):
-                    bias.zero_()
-                shard = tp_shard(module)
-                shape = list(module.weight.shape)
-                if shard is not None:
-                    shape[shard.dim] = shard.full_size  # draw the whole tensor, keep the slice
-                weight = _seeded_normal(torch.Size(shape), param_std, seed, prefix + "weight")
-                if shard is not None:
-                    weight = local_slice(weight, shard.dim, tp_size(self.tp_group), self.tp_rank)
-                module.weight.copy_(weight)
-
-
-def _seeded_normal(shape: torch.Size, std: float, seed: int, name: str, expert: int = -1) -> Tensor:
-    # crc32, not hash(): Python's string hash is salted per process, so ranks would disagree.
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}|{name}|{expert}".encode()))
-    # Drawn on CPU whatever the ambient device: Lightning builds the model under ``with root_device:``,
-    # where a CUDA randn would reject this CPU generator (and a CUDA one would give other values).
-    # The caller's copy_ moves the values to the parameter's device.
-    return torch.randn(shape, generator=generator, device="cpu") * std
+        """Layout-free init (``model/init.py``): each value depends on (seed, global name, global
+        expert) only, so every layout starts from the same model."""
+        init_weights(self, self.config, seed, (tp_size(self.tp_group), self.tp_rank))
 
 
 def split_expert_parameters(
