@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from lightning_titan.model.decoder import Block, StageModel
+from lightning_titan.model.moe.activation import gated
+from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.router import route
 
 # Dynamo's per-code cache: one entry per region and per distinct input shape (the first stage's
@@ -42,12 +44,20 @@ def compile_stage(model: StageModel, *, split_backward: bool = False, **options:
         # reuse ("donate") its saved buffers then; read when a region compiles, so set for the process
         torch._functorch.config.donated_buffer = False
     compiled_route = torch.compile(route, **options)
+    # the row count changes with the routing every step: traced as a symbol from the first call on
+    compiled_gated = torch.compile(gated, dynamic=True, **options)
     for module in model.modules():
         if isinstance(module, Block):
             if not split_backward:
                 module.attend = torch.compile(module.attend, **options)  # type: ignore[method-assign]
             if module.moe is not None:  # not a dense layer (DeepSeek-V3's first ones)
                 module.moe.route = compiled_route
+        if isinstance(module, GroupedExperts):
+            module.gated = compiled_gated
+    if model.is_last_stage:
+        if not split_backward:  # the LM head holds a weight: the split needs it eager
+            model.head = torch.compile(model.head, **options)  # type: ignore[method-assign]
+        model.token_loss_sum = torch.compile(model.token_loss_sum, **options)  # type: ignore[method-assign]
 
 
 def graphs_compiled() -> int:

@@ -123,6 +123,7 @@ class GroupedExperts(nn.Module):
     ) -> None:
         super().__init__()
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        self.gated = gated  # the activation; ``model/compiled.py`` puts its compiled form here
         self.grouped_mm = grouped_mm  # None: where supported (see the module doc); False: the loop
         self.align_rows: int | None = (
             None  # rows per expert padded to a multiple (None: the device's)
@@ -180,7 +181,7 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs)
 
     def _act(self, gate: Tensor, up: Tensor) -> Tensor:
-        return gated(gate, up, self.swiglu_limit, self.swiglu_alpha)
+        return self.gated(gate, up, self.swiglu_limit, self.swiglu_alpha)
 
     def uses_grouped_mm(self, x: Tensor) -> bool:
         """Whether ``forward(x, ...)`` takes the grouped GEMMs."""
