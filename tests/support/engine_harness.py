@@ -187,7 +187,8 @@ def train(
     engine.shard_optimizers([optimizer])
     b = GLOBAL_BATCH // dims.data_world
     losses, auxes, norms, dropped = [], [], [], []
-    # compiled: the model's own loss, a compiled region (what TitanLM runs; eager is checked above)
+    # compiled: the model's own loss, a compiled region, as TitanLM runs it (the eager runs check
+    # the vocab-parallel one against the plain one)
     loss_fn = model.token_loss_sum if compile is not None else loss_fn_for(model, dims)
     graphs_at_start = graphs_after_first = compiled.graphs_compiled()
     for step in range(steps):
@@ -383,7 +384,7 @@ def grads_of_one_step(
     out = {"grads": [], "norm": []}
     for max_norm in max_norms:
         step = engine.forward_backward(
-            model, inputs[rows], targets[rows], num_microbatches, loss_fn
+            model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
         )
         out["norm"].append(engine.finish_gradients(max_norm).item())
         out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
