@@ -33,6 +33,11 @@ MUTATIONS = {
                                 "                module.attend = torch.compile(module.attend, **options)  # type: ignore[method-assign]\n",
                                 "                pass\n",
                                 ["tests/distributed/test_compile.py", "-k", "one_process"]),
+    # the experts' activation compiled with a fixed row count: a new count compiles another graph
+    "compile_gated_static": ("lightning_titan/model/compiled.py",
+                             "    compiled_gated = torch.compile(gated, dynamic=True, **options)\n",
+                             "    compiled_gated = torch.compile(gated, **options)\n",
+                             ["tests/distributed/test_compile.py", "-k", "one_process"]),
     # issue 20: the planner's state model cuts the vocabulary without Megatron's padding
     "plan_vocab_unpadded": ("lightning_titan/plan/memory.py",
                             "shape[t.tp_dim] = padded_vocab(shape[t.tp_dim], dims.tp) // dims.tp",

@@ -53,10 +53,11 @@ class TitanLM(L.LightningModule):
             --model.optimizer.lr=0.1``. ``learning_rate``, ``betas`` and ``weight_decay`` are then
             unused; the warmup and cosine schedule still scale its learning rate. Under zero>0 it
             must update each element on its own (checked by a probe step).
-        compile: ``torch.compile`` each block's attention and router regions (``model/compiled.py``;
-            the MoE's dispatch and experts stay eager). The first step compiles (rank 0 prints how
-            long); later steps reuse the graphs. Losses agree with eager within float rounding, not
-            bit for bit (docs/concepts.md); under zb_h1 and zbv only the routers are compiled.
+        compile: ``torch.compile`` each block's attention, router and experts' activation, and the
+            last stage's head and loss (``model/compiled.py``; the MoE's dispatch and the expert
+            GEMMs stay eager). The first step compiles (rank 0 prints how long); later steps reuse
+            the graphs. Losses agree with eager within float rounding, not bit for bit
+            (docs/concepts.md); under zb_h1 and zbv the attention and the head stay eager.
     """
 
     def __init__(

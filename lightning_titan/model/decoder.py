@@ -264,8 +264,13 @@ class StageModel(nn.Module):
                 x, block_aux = block(x, cos, sin, layer_mask)
             aux = aux + block_aux
         if self.heads(chunk):
-            x = self.lm_head(gather_sequence(self.norm(x), self.tp_group))
+            x = self.head(x)
         return x, aux
+
+    def head(self, x: Tensor) -> Tensor:
+        """The last stage's final norm and LM head: hidden states [b, S/(cp*tp), D] -> this rank's
+        vocabulary shard of the logits [b, S/cp, V/tp]."""
+        return self.lm_head(gather_sequence(self.norm(x), self.tp_group))
 
     def _embed(self, ids: Tensor) -> Tensor:
         """Token ids [b, S] -> this rank's sequence slice of the embeddings [b, S/tp, D]: each rank

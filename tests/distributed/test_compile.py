@@ -5,7 +5,8 @@ The regions are compiled with the ``aot_eager`` backend: Dynamo's capture, its g
 collectives and AOTAutograd's compiled backward (one autograd node per region, what the zero-bubble
 split sees) are all exercised, without inductor's C++ compile, which takes minutes on a 2-core box.
 Inductor's own rounding is measured by ``titan bench --compile`` and stated in docs/concepts.md.
-One process against eager (also under activation checkpointing), then one spawn of 8 ranks running dp2 x pp2 x ep2, tp2 x pp2 x ep2,
+One process against eager (also under activation checkpointing, and with expert capacity,
+whose changing row counts must not recompile), then one spawn of 8 ranks running dp2 x pp2 x ep2, tp2 x pp2 x ep2,
 cp2 x pp2 x ep2 and zbv against the eager single process, at the equivalence suite's tolerances;
 no rank compiles a graph after the first step.
 """
@@ -14,6 +15,7 @@ import pytest
 import torch
 from engine_harness import (
     ACKPT_CONFIG,
+    CAPACITY_CONFIG,
     assert_matches_reference,
     reference,
     run_layouts,
@@ -43,8 +45,9 @@ def test_one_process_compiled_equals_eager_and_compiles_once(ref):
     torch._dynamo.reset()  # nothing cached from an earlier test: the first step compiles
     result = train(ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None), "gpipe", 1,
                    compile=BACKEND)  # fmt: skip
-    # the attention region's graph and the router's, each shared by the four blocks
-    assert result["graphs"] == 2
+    # the attention region's graph, the router's and the experts' activation's, each shared by the
+    # four blocks, and the last stage's head and loss
+    assert result["graphs"] == 5
     assert result["recompiled"] == 0
     assert_matches_reference(ref, [result], "one process compiled")
     # and the stage, once compiled, runs more steps under torch's own no-recompile stance
@@ -57,6 +60,14 @@ def test_one_process_compiled_equals_eager_and_compiles_once(ref):
                        ACKPT_CONFIG, compile=BACKEND)  # fmt: skip
     assert recomputed["recompiled"] == 0
     assert_matches_reference(ref, [recomputed], "one process compiled, activation checkpointing")
+    # expert capacity drops a different number of rows in every block and step: the experts'
+    # activation sees a new row count each time, a symbol from its first trace, so it compiles once
+    torch._dynamo.reset()
+    capped = train(ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None), "gpipe", 1,
+                   CAPACITY_CONFIG, compile=BACKEND)  # fmt: skip
+    assert len(set(capped["dropped"])) > 1, "the test needs the dropped rows to change"
+    assert (capped["graphs"], capped["recompiled"]) == (5, 0)
+    assert_matches_reference(reference(CAPACITY_CONFIG), [capped], "one process compiled, capacity")
 
 
 @pytest.mark.slow

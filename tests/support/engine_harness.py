@@ -187,12 +187,15 @@ def train(
     engine.shard_optimizers([optimizer])
     b = GLOBAL_BATCH // dims.data_world
     losses, auxes, norms, dropped = [], [], [], []
+    # compiled: the model's own loss, a compiled region, as TitanLM runs it (the eager runs check
+    # the vocab-parallel one against the plain one)
+    loss_fn = model.token_loss_sum if compile is not None else loss_fn_for(model, dims)
     graphs_at_start = graphs_after_first = compiled.graphs_compiled()
     for step in range(steps):
         inputs, targets = global_batch(step, config)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
         step_loss = engine.forward_backward(
-            model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
+            model, inputs[rows], targets[rows], num_microbatches, loss_fn
         )
         norms.append(engine.finish_gradients(MAX_NORM).item())
         engine.bind_shard_grads()

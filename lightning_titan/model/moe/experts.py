@@ -123,6 +123,9 @@ class GroupedExperts(nn.Module):
     ) -> None:
         super().__init__()
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        # the grouped path's activation: ``model/compiled.py`` puts its compiled form here (the loop's
+        # per-expert slices of 0 or 1 rows would each compile a graph of their own)
+        self.gated = gated
         self.grouped_mm = grouped_mm  # None: where supported (see the module doc); False: the loop
         self.align_rows: int | None = (
             None  # rows per expert padded to a multiple (None: the device's)
@@ -175,12 +178,9 @@ class GroupedExperts(nn.Module):
             gate, up = rows @ self.w1[e], rows @ self.w3[e]
             if self.b1 is not None and self.b3 is not None:
                 gate, up = gate + self.b1[e], up + self.b3[e]
-            out = self._act(gate, up) @ self.w2[e]
+            out = gated(gate, up, self.swiglu_limit, self.swiglu_alpha) @ self.w2[e]
             outputs.append(out if self.b2 is None else out + self.b2[e])
         return torch.cat(outputs)
-
-    def _act(self, gate: Tensor, up: Tensor) -> Tensor:
-        return gated(gate, up, self.swiglu_limit, self.swiglu_alpha)
 
     def uses_grouped_mm(self, x: Tensor) -> bool:
         """Whether ``forward(x, ...)`` takes the grouped GEMMs."""
@@ -226,7 +226,9 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
         gate = self._add_bias(torch._grouped_mm(x, w1, offs=offsets), self.b1, counts)
         up = self._add_bias(torch._grouped_mm(x, w3, offs=offsets), self.b3, counts)
-        out = torch._grouped_mm(self._act(gate, up), w2, offs=offsets)
+        out = torch._grouped_mm(
+            self.gated(gate, up, self.swiglu_limit, self.swiglu_alpha), w2, offs=offsets
+        )
         out = _ContiguousGrad.apply(self._add_bias(out, self.b2, counts))
         # the padding rows' outputs are zeros, left out here, so they get no gradient either
         return out if rows is None else out.index_select(0, rows)
