@@ -430,8 +430,8 @@ MUTATIONS = {
                                 ["tests/distributed/test_equivalence.py", "-k", "8]"]),
     # gpt-oss under TP: the o-projection's bias added by every TP rank before the reduction
     "oss_o_bias_per_tp_rank": ("lightning_titan/model/attention.py",
-                               "reshape(b, s, -1), self.wo.weight)\n        out = scatter_sequence(out, self.tp_group)\n        return out if self.wo.bias is None else out + self.wo.bias",
-                               "reshape(b, s, -1), self.wo.weight, self.wo.bias)\n        return scatter_sequence(out, self.tp_group)",
+                               "out = F.linear(heads_out, self.wo.weight)\n        out = scatter_sequence(out, self.tp_group)\n        return out if self.wo.bias is None else out + self.wo.bias",
+                               "out = F.linear(heads_out, self.wo.weight, self.wo.bias)\n        return scatter_sequence(out, self.tp_group)",
                                ["tests/distributed/test_hf_archs.py", "-k", "eight_ranks"]),
     # gpt-oss: MXFP4's high nibble read as the even value
     "oss_mxfp4_nibbles": ("lightning_titan/hf/gpt_oss.py",

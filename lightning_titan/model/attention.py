@@ -192,6 +192,10 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # each rank's o-projection of its heads is a partial sum of the output
-        out = F.linear(out.transpose(1, 2).reshape(b, s, -1), self.wo.weight)
+        heads_out = out.transpose(1, 2).reshape(b, s, -1)
+        if self.wo.bias is None:
+            out = self.wo(heads_out)  # called as a module: torch's TP (the bench's peer) hooks it
+        else:  # gpt-oss's bias goes on after the TP reduction, once, not by wo on every rank
+            out = F.linear(heads_out, self.wo.weight)
         out = scatter_sequence(out, self.tp_group)
         return out if self.wo.bias is None else out + self.wo.bias
