@@ -205,6 +205,9 @@ def _entry(
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timeout, store=store
         )
+        # every rank through gloo's connection handshake before any may leave: a rank whose fn
+        # ran no collective could otherwise exit while a slower peer was still connecting to it
+        dist.barrier()
         # plain pickle bytes: torch's queue pickler would share tensors through file descriptors that
         # vanish when this process exits, before the parent reads them
         queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
