@@ -246,8 +246,6 @@ def gpt_oss_options(hf: dict[str, Any]) -> dict[str, Any]:
 def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
     """config.json for ``config`` in the family ``architecture_of`` picks."""
     arch = architecture_of(config)
-    if arch.model_type == GPT_OSS:
-        return gpt_oss_config(config, eos_token_id)
     out = {
         "architectures": [arch.class_name],
         "model_type": arch.model_type,
@@ -277,6 +275,8 @@ def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
     }
     if arch.model_type == DEEPSEEK_V3:
         return deepseek.hf_config(config, out)
+    if arch.model_type == GPT_OSS:
+        return gpt_oss_config(config, out)
     if arch.model_type == MIXTRAL:
         out.pop("rope_parameters")  # as the Mixtral export has always written it
         return out
@@ -299,42 +299,21 @@ def hf_config(config: ModelConfig, eos_token_id: int | None = None) -> dict:
     return out
 
 
-def gpt_oss_config(config: ModelConfig, eos_token_id: int | None) -> dict:
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+def gpt_oss_config(config: ModelConfig, out: dict[str, Any]) -> dict:
+    """gpt-oss's config.json: ``out`` (the keys every family writes) and its own."""
+    out.pop("rope_theta")  # transformers 5 reads rope_parameters
     if config.rope_yarn:
-        rope.update(rope_type="yarn", **config.rope_yarn)
+        out["rope_parameters"].update(rope_type="yarn", **config.rope_yarn)
     window = config.sliding_window
-    return {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": GPT_OSS,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.d_model,
-        "intermediate_size": config.ffn_dim,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim,
-        "num_local_experts": config.n_experts,
-        "num_experts_per_tok": config.top_k,
-        "max_position_embeddings": config.seq_len,
-        "rms_norm_eps": config.norm_eps,
-        "rope_parameters": rope,
-        "sliding_window": window or None,
-        "layer_types": [
+    out.update(
+        sliding_window=window or None,
+        layer_types=[
             "sliding_attention" if window and i % 2 == 0 else "full_attention"
             for i in range(config.n_layers)
         ],
-        "attention_bias": config.qkv_bias,
-        "swiglu_limit": config.swiglu_limit,
-        "swiglu_alpha": config.swiglu_alpha,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "router_aux_loss_coef": config.aux_loss_coef,
-        "output_router_logits": False,
-        "attention_dropout": 0.0,
-        "initializer_range": config.init_std,
-        "torch_dtype": "float32",
-        "bos_token_id": None,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": None,
-    }
+        attention_bias=config.qkv_bias,
+        swiglu_limit=config.swiglu_limit,
+        swiglu_alpha=config.swiglu_alpha,
+        pad_token_id=None,
+    )
+    return out
