@@ -696,9 +696,9 @@ MUTATIONS = {
     # issue 43: ZBV sends an action's output in a batch of its own, ahead of the receives of the
     # step (the old exchange): NCCL, one stream per rank, deadlocks (the strict transport's wait)
     "zbv_send_alone": ("lightning_titan/parallel/pipeline/stage.py",
-                       "xs, gs = self.links.exchange_many(y, dx, len(from_prev), len(from_next))",
-                       "self.links.exchange_many(y, dx); xs, gs = self.links.exchange_many("
-                       "None, None, len(from_prev), len(from_next))",
+                       "xs, gs = self.links.exchange_many(to_next, to_prev, len(from_prev), len(from_next))",
+                       "self.links.exchange_many(to_next, to_prev); xs, gs = self.links.exchange_many("
+                       "[], [], len(from_prev), len(from_next))",
                        ["tests/distributed/test_nccl_strict.py", "-k", "pp2"]),
     # issue 43: the GPU path holds every send-only batch to the step's end (O(M) sent buffers)
     "sends_held_to_finish": ("lightning_titan/parallel/pipeline/p2p.py",

@@ -6,7 +6,11 @@ from __future__ import annotations
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_titan.parallel.mesh import ParallelDims, check_degrees, resolve_degrees
-from lightning_titan.parallel.pipeline.schedules import V_SHAPED, check_microbatches
+from lightning_titan.parallel.pipeline.schedules import (
+    V_SHAPED,
+    check_microbatches,
+    default_microbatches,
+)
 from lightning_titan.plan.auto import Choice, check_auto_arguments
 from lightning_titan.train.options import TrainOptions
 
@@ -25,8 +29,9 @@ class Layout:
         self.degrees = check_degrees(**degrees)  # -1 is resolved once the world size is known
         self.auto = layout == "auto"
         pp = degrees["pp"]
-        if o.schedule in V_SHAPED:  # pp is known here: say now, not on the ranks, what zbv needs
-            check_microbatches(o.schedule, o.num_microbatches or pp, pp, o.virtual_stages)
+        if o.schedule in (*V_SHAPED, "1f1b_overlap"):  # pp is known: say now what they need
+            m = o.num_microbatches or default_microbatches(o.schedule, pp)
+            check_microbatches(o.schedule, m, pp, o.virtual_stages)
         self.choice: Choice | None = None
         self._dims: ParallelDims | None = None
 

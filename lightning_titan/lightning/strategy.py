@@ -40,12 +40,15 @@ class TitanStrategy(ShardedStrategy):
         ep: expert-parallel ranks per stage; the experts split evenly across them.
         tp: tensor-parallel ranks (with sequence parallelism): heads, vocabulary and sequence split.
         cp: context-parallel ranks: each sequence's positions split (load-balanced causal chunks).
-        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zb_h1"`` (zero-bubble 1F1B) or
-            ``"zbv"`` (zero-bubble V: rank r holds virtual stages r and 2*pp-1-r; loss on rank 0).
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zb_h1"`` (zero-bubble 1F1B),
+            ``"zbv"`` (zero-bubble V: rank r holds virtual stages r and 2*pp-1-r; loss on rank 0), or
+            one that hides the EP all-to-alls under another microbatch's compute: ``"1f1b_overlap"``
+            (pp=1) or ``"dualpipev"`` (the V; M >= 2*pp).
         virtual_stages: model chunks per rank (>= 2 for interleaved 1F1B, layers round-robin; 2 for
-            zbv). None: 2 for zbv, else 1.
+            the V). None: 2 for the V, else 1.
         stage_layers: layers per (virtual) stage, e.g. ``[3, 1]``, or ``"auto"`` (probed); None: even.
-        num_microbatches: microbatches per step on every rank (default: ``pp``).
+        num_microbatches: microbatches per step on every rank (default: ``pp``; 2 for
+            1f1b_overlap, 2*pp for dualpipev).
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
         bucket_cap_mb: size of a gradient all-reduce bucket.
         reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
@@ -73,7 +76,9 @@ class TitanStrategy(ShardedStrategy):
         ep: int = 1,
         tp: int = 1,
         cp: int = 1,
-        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv"] = "1f1b",
+        schedule: Literal[
+            "1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv", "1f1b_overlap", "dualpipev"
+        ] = "1f1b",
         virtual_stages: int | None = None,
         stage_layers: list[int] | Literal["auto"] | None = None,
         num_microbatches: int | None = None,

@@ -15,6 +15,9 @@ blocks the host until this rank's transfer is done. Traced, each exchange record
 ``in_flight`` from start to the end of its wait (``tracing.BACKGROUND_KINDS``: time that overlaps
 compute), and kind ``all_to_all`` around its launch and around its wait (the exposed time, which the
 step's time breakdown counts).
+
+Inside a forward-backward pair (``parallel/overlap.py``) every started exchange hands the rank to the
+other microbatch, whose work then runs under it, the blocking exchange's included.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_titan.parallel import overlap
 from lightning_titan.runtime import probes
 
 T = TypeVar("T")
@@ -71,6 +75,7 @@ class _Exchange:
             self.work = dist.all_to_all_single(
                 self.rows, self.sent, output_splits, input_splits, group=group, async_op=True
             )
+        overlap.hand_over()  # in a forward-backward pair the other microbatch computes meanwhile
 
     def wait(self) -> Tensor:
         with probes.span("all_to_all", self.name):

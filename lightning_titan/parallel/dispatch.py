@@ -22,7 +22,7 @@ wait at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_titan.parallel.all_to_all import Pending, all_to_all, done, start_all_to_all
+from lightning_titan.parallel.overlap import hand_over
 from lightning_titan.parallel.wire import wire_dtype
 from lightning_titan.runtime import probes
 
@@ -179,7 +180,10 @@ def start_dispatch(
     send_matrix = counts.view(ep, n_local)
     recv_matrix = torch.empty_like(send_matrix)
     with probes.span("all_to_all", "counts"):
-        dist.all_to_all_single(recv_matrix, send_matrix, group=group)
+        work = dist.all_to_all_single(recv_matrix, send_matrix, group=group, async_op=True)
+    hand_over()  # in a forward-backward pair the other microbatch computes while the counts travel
+    with probes.span("all_to_all", "counts"):
+        cast(dist.Work, work).wait()
     # one device-to-host read for all three lists (each read is a stream sync on CUDA)
     sizes: list[int] = torch.cat(
         [send_matrix.sum(dim=1), recv_matrix.sum(dim=1), recv_matrix.sum(dim=0)]

@@ -20,9 +20,11 @@ from lightning_titan.parallel.dp.zero import LEVELS as ZERO_LEVELS
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import (
     CHUNKED,
+    OVERLAPPED,
     SCHEDULES,
     V_SHAPED,
     check_microbatches,
+    default_microbatches,
 )
 from lightning_titan.parallel.pipeline.split import AUTO, StageSplit
 from lightning_titan.train import auto_split
@@ -145,7 +147,7 @@ class TrainOptions:
             local_batch,
             num_microbatches=self.num_microbatches,
             microbatch_size=self.microbatch_size,
-            pp=pp,
+            pp=default_microbatches(self.schedule, pp),
         )
         check_microbatches(self.schedule, m, pp, self.virtual_stages)
         return m
@@ -186,6 +188,7 @@ def preflight(
     any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
     mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
     check_trainer_clipping(dims, options, trainer)
+    check_overlap(dims, options, module)
     check_layout = getattr(module, "check_layout", None)
     if callable(check_layout):
         # TitanLM: layers/experts split, data fits the model
@@ -194,6 +197,29 @@ def preflight(
     if isinstance(batch, int) and batch > 0:
         local = local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")
         options.microbatches(local, pp=dims.pp)
+
+
+def check_overlap(dims: ParallelDims, options: TrainOptions, module: Any) -> None:
+    """An overlapped schedule hides the expert-parallel all-to-alls: it needs some (ep > 1), and it
+    runs the forward and the backward of two microbatches on two threads, which activation
+    checkpointing's recompute (a forward inside the backward) and compiled regions are not built
+    for."""
+    if options.schedule not in OVERLAPPED:
+        return
+    if dims.ep == 1:
+        raise ValueError(
+            f"schedule={options.schedule!r} overlaps the expert-parallel all-to-alls, and ep=1 has "
+            "none; use schedule='1f1b' (or 'zbv' with pp > 1), or ep > 1"
+        )
+    recompute = getattr(getattr(module, "config", None), "activation_checkpointing", False)
+    compiled = getattr(module, "hparams", {}).get("compile", False)
+    for field, on in (("activation_checkpointing", recompute), ("compile", compiled)):
+        if on:
+            raise ValueError(
+                f"schedule={options.schedule!r} does not run with {field}=true (the forward of one "
+                f"microbatch and the backward of another share the rank on two threads); set "
+                f"{field}=false or use schedule='1f1b' / 'zbv'"
+            )
 
 
 def check_trainer_clipping(dims: ParallelDims, options: TrainOptions, trainer: Any) -> None:

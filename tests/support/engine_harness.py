@@ -129,9 +129,11 @@ def token_loss_sum(logits_MSV: torch.Tensor, targets_MS: torch.Tensor) -> torch.
     return F.cross_entropy(logits_MSV.float().flatten(0, 1), targets_MS.flatten(), reduction="sum")
 
 
-def global_batch(step: int, config: ModelConfig = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(
+    step: int, config: ModelConfig = CONFIG, batch: int = GLOBAL_BATCH
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, config.seq_len + 1), generator=g)
+    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -148,6 +150,7 @@ def train(
     split: StageSplit | None = None,
     strict_p2p: float | None = None,
     compile: str | None = None,
+    batch: int = GLOBAL_BATCH,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
@@ -185,14 +188,14 @@ def train(
     # and 1.2e-7. The grads (~1e-3 an element after clipping) still get Adam's per-element scaling.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-3)
     engine.shard_optimizers([optimizer])
-    b = GLOBAL_BATCH // dims.data_world
+    b = batch // dims.data_world
     losses, auxes, norms, dropped = [], [], [], []
     # compiled: the model's own loss, a compiled region, as TitanLM runs it (the eager runs check
     # the vocab-parallel one against the plain one)
     loss_fn = model.token_loss_sum if compile is not None else loss_fn_for(model, dims)
     graphs_at_start = graphs_after_first = compiled.graphs_compiled()
     for step in range(steps):
-        inputs, targets = global_batch(step, config)
+        inputs, targets = global_batch(step, config, batch)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
         step_loss = engine.forward_backward(
             model, inputs[rows], targets[rows], num_microbatches, loss_fn
@@ -215,7 +218,7 @@ def train(
             graphs_after_first = compiled.graphs_compiled()
     recompiled = compiled.graphs_compiled() - graphs_after_first  # before the eval's own graphs
     # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
-    inputs, targets = global_batch(0, config)
+    inputs, targets = global_batch(0, config, batch)
     rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
     val = engine.forward_only(
         model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
@@ -277,10 +280,11 @@ def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return sum(storages.values())
 
 
-def reference(config: ModelConfig = CONFIG, steps: int = STEPS) -> dict:
+def reference(config: ModelConfig = CONFIG, steps: int = STEPS, batch: int = GLOBAL_BATCH) -> dict:
     """The single-process run: one rank, whole batch, one microbatch, no process group."""
     dims = ParallelDims(1, 1, 1, 0)
-    return train(dims, ProcessGroups(None, None, None, None), "gpipe", 1, config, steps)
+    groups = ProcessGroups(None, None, None, None)
+    return train(dims, groups, "gpipe", 1, config, steps, batch=batch)
 
 
 def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
@@ -288,16 +292,18 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     M[, config]) in turn, on the same ranks; a schedule named ``"<name>:paired"`` runs with
     ``paired_p2p``, ``"<name>:strict"`` with ``strict_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...), ``"<name>:v2"`` with two
     chunks per rank, ``"<name>:layers=3-1"`` with ``stage_layers=[3, 1]``, ``"<name>:auto"`` with the
-    split probed on rank 0, ``"<name>:compile=aot_eager"`` compiled with that backend; ``config`` replaces CONFIG."""
+    split probed on rank 0, ``"<name>:compile=aot_eager"`` compiled with that backend, ``"<name>:batch=16"``
+    on global batches of 16 sequences (``reference(batch=16)``); ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
         dims = ParallelDims(*layout[:3], rank, *layout[3:])
         name, *options = schedule.split(":")
         zero = next((int(o[-1]) for o in options if o.startswith("zero")), 0)
+        batch = next((int(o[6:]) for o in options if o.startswith("batch=")), GLOBAL_BATCH)
         split = split_of(options, name)
         if split.stage_layers == "auto":  # probed on rank 0, the same counts everywhere
-            microbatch = GLOBAL_BATCH // dims.data_world // m
+            microbatch = batch // dims.data_world // m
             counts, _ = auto_split.agree(config, dims.pp, split.virtual_stages, microbatch, cpu)
             split = StageSplit(split.virtual_stages, counts, split.v_shape)
         result = train(
@@ -305,6 +311,7 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
             paired_p2p="paired" in options, zero=zero, split=split,
             strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
             compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
+            batch=batch,
         )  # fmt: skip
         result["split"] = split
         out.append(result)

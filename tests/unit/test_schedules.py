@@ -434,12 +434,25 @@ class ZbvFakeStage:
         assert ("W", chunk, i) not in self.order, f"{self.pp_rank}: W{chunk},{i} twice"
         self.order.append(("W", chunk, i))
 
+    def backward_chunk(self, chunk, i):  # dualpipev's BW: B and W at once
+        self.backward_input_chunk(chunk, i)
+        self.backward_weight_chunk(chunk, i)
+
+    def overlap_chunks(self, f, b):
+        """dualpipev's pair: both inputs are in before either half runs (they run interleaved)."""
+        self._ready(("F", *f))
+        self._ready(("B", *b))
+        assert f[0] != b[0], f"{self.pp_rank}: a pair within one chunk {f} {b}"
+        self.forward_chunk(*f)
+        self.backward_chunk(*b)
+
     def exchange_messages(self, done, take):
         """As ``StageLinks`` on CPU: a send waits for the one before it, then goes out; the receives
         are taken after it."""
         p = self.pp_rank
-        out = None if done is None else zbv.output(self.pp, p, done)
-        if out is not None:
+        for out in (zbv.output(self.pp, p, a) for a in done or ()):
+            if out is None:
+                continue
             self.finish()
             self.in_flight = (out, self.net.post_send(p, *out))
         for peer, want in take:
@@ -480,6 +493,59 @@ def test_zbv_order_messages_and_live_activations(pp, m):
         assert live_peak(order) <= 2 * pp, (p, live_peak(order))  # 1F1B's: P whole stages
     if m >= 2 * pp - 1:  # the V full: rank 0 holds the bound, as 1F1B's stage 0 does
         assert live_peak(zbv.order(pp, 0, m)) == 2 * pp
+
+
+@pytest.mark.parametrize("pp,m", [(p, m) for p in (2, 3, 4) for m in range(2 * p, 2 * p + 7)])
+def test_dualpipev_order_messages_and_live_activations(pp, m):
+    """DualPipeV over the fake network: every input in before its tick, each pair a forward of one
+    chunk with the whole backward of the other, and 2P+1 chunk-microbatches live on every rank
+    (zbv: 2P on rank 0): the second microbatch each pair keeps, spread evenly over the ranks."""
+
+    def make(net, pp_, p):
+        return ZbvFakeStage(net, pp_, p, m)
+
+    def step(stage, m_):
+        zbv.dualpipev(stage, m_)
+        stage.finish()
+
+    for p, order in enumerate(run_pipeline(step, pp, m, make, PostedNetwork)):
+        for kind in "FBW":
+            for chunk in (0, 1):
+                assert [i for k, c, i in order if (k, c) == (kind, chunk)] == list(range(m))
+        assert live_peak(order) == 2 * pp + 1, (p, live_peak(order))
+        ticks = zbv.dualpipev_order(pp, p, m)
+        pairs = [t for t in ticks if len(t) == 2]
+        assert all(f[0] == "F" and b[0] == "BW" and f[1] != b[1] for f, b in pairs)
+        # the steady state: two pairs per microbatch beyond the V's fill, fewer on the last rank
+        assert len(pairs) == 2 * (m - 2 * pp + p + 1) + (pp - p - 1) - (p == pp - 1)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_dualpipev_order_is_torchs(pp):
+    """The same ticks as torch's ScheduleDualPipeV (its OVERLAP_F_B a pair; its stage r our chunk
+    0, its stage 2P-1-r our chunk 1; FULL_BACKWARD our BW, BACKWARD_INPUT our B)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    t = torch_schedules
+    kinds = {t.FORWARD: "F", t.BACKWARD_INPUT: "B", t.BACKWARD_WEIGHT: "W", t.FULL_BACKWARD: "BW"}
+    for m in range(2 * pp, 2 * pp + 6):
+        plan = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp)
+        for rank in range(pp):
+            theirs = t.ScheduleDualPipeV._calculate_single_rank_operations(plan, rank)
+
+            def ours_of(a, rank=rank):
+                return (kinds[a.computation_type], int(a.stage_index != rank), a.microbatch_index)
+
+            expected = [
+                tuple(ours_of(s) for s in a.sub_actions)
+                if a.computation_type == t.OVERLAP_F_B
+                else (ours_of(a),)
+                for a in theirs
+                if a is not None
+            ]
+            assert zbv.dualpipev_order(pp, rank, m) == expected, (pp, m, rank)
 
 
 @pytest.mark.parametrize("pp,m", [(p, m) for p in (2, 3, 4) for m in (1, 2, 5, 8, 13)])
@@ -557,12 +623,15 @@ class ZbvBatches:
     def forward_chunk(self, chunk, i):
         pass
 
-    backward_input_chunk = backward_weight_chunk = forward_chunk
+    backward_input_chunk = backward_weight_chunk = backward_chunk = forward_chunk
+
+    def overlap_chunks(self, f, b):
+        pass
 
     def exchange_messages(self, done, take):
-        out = None if done is None else zbv.output(self.pp, self.pp_rank, done)
-        if out is not None or take:
-            self.batches.append(([] if out is None else [out], list(take)))
+        outs = [out for a in done or () if (out := zbv.output(self.pp, self.pp_rank, a))]
+        if outs or take:
+            self.batches.append((outs, list(take)))
 
 
 def nccl_replay(batches, window):
@@ -612,11 +681,13 @@ def test_zbv_batches_run_under_nccl_ordering(pp):
     NCCL's in-order streams never hold a send whose receive is behind the peer's own send."""
     from lightning_titan.parallel.pipeline.p2p import SENDS_IN_FLIGHT
 
-    for m in range(1, 17):
-        for train in (True, False):
+    runs = [(zbv.zbv, m) for m in range(1, 17)] + [(zbv.zbv_forward_only, m) for m in range(1, 17)]
+    runs += [(zbv.dualpipev, m) for m in range(2 * pp, 2 * pp + 9)]
+    for schedule, m in runs:
+        for train in (schedule is not zbv.zbv_forward_only,):
             ranks = [ZbvBatches(pp, p) for p in range(pp)]
             for stage in ranks:
-                (zbv.zbv if train else zbv.zbv_forward_only)(stage, m)
+                schedule(stage, m)
             batches = [s.batches for s in ranks]
             for window in (0, SENDS_IN_FLIGHT):
                 got = nccl_replay(batches, window)

@@ -106,7 +106,8 @@ def test_a_split_that_does_not_fit_is_named_with_the_fix(pp, v, layers, match):
                                    r"\(virtual\) stage, 'auto'"),
         ({"schedule": "interleaved_1f1b"}, r"needs virtual_stages >= 2 .*got 1"),
         ({"virtual_stages": 2}, r"virtual_stages=2 needs a schedule over several chunks per "
-                                r"rank, not schedule='1f1b'; choose 'interleaved_1f1b' or 'zbv'"),
+                                r"rank, not schedule='1f1b'; choose one of 'dualpipev', "
+                                    r"'interleaved_1f1b', 'zbv'"),
         ({"schedule": "zbv"}, r"schedule='zbv' places exactly two chunks .* virtual_stages=1 "
                               r"does not work; use TitanStrategy\(schedule='zbv', "
                               r"virtual_stages=2\)"),

@@ -147,26 +147,29 @@ class StageLinks:
         """Send ``activation`` to the next stage and ``grad`` to the previous one (those given), and
         take the next activation from the previous stage and grad from the next (those asked for),
         all in one batch: (activation, grad) received, None where not asked or no neighbour."""
-        xs, gs = self.exchange_many(activation, grad, int(recv_forward), int(recv_backward))
+        xs, gs = self.exchange_many(
+            [] if activation is None else [activation],
+            [] if grad is None else [grad],
+            int(recv_forward),
+            int(recv_backward),
+        )
         return (xs[0] if xs else None), (gs[0] if gs else None)
 
     def exchange_many(
-        self,
-        activation: Tensor | None = None,
-        grad: Tensor | None = None,
-        from_prev: int = 0,
-        from_next: int = 0,
+        self, to_next: list[Tensor], to_prev: list[Tensor], from_prev: int = 0, from_next: int = 0
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """``exchange`` taking the next ``from_prev`` messages of the previous stage's stream and
-        ``from_next`` of the next one's, in the same batch as the sends: the lists received (empty
+        """``exchange`` sending the tensors ``to_next`` (on the forward stream) and ``to_prev`` (the
+        backward one), in order, and taking the next ``from_prev`` messages of the previous stage's
+        stream and ``from_next`` of the next one's, in the same batch: the lists received (empty
         where there is no neighbour)."""
         sends = [
             (t.detach().to(self.wire_dtype).contiguous(), peer, tag)
-            for t, peer, tag in (
-                (activation, self.next, FORWARD_TAG),
-                (grad, self.prev, BACKWARD_TAG),
+            for ts, peer, tag in (
+                (to_next, self.next, FORWARD_TAG),
+                (to_prev, self.prev, BACKWARD_TAG),
             )
-            if t is not None and peer is not None
+            for t in ts
+            if peer is not None
         ]
         boxes = [
             (box, count if box.peer is not None else 0)

@@ -22,7 +22,7 @@ from lightning_titan.parallel.pipeline.interleaved import check_microbatches as 
 from lightning_titan.parallel.pipeline.interleaved import interleaved_1f1b
 from lightning_titan.parallel.pipeline.protocols import Stage
 from lightning_titan.parallel.pipeline.zbv import check_microbatches as check_zbv
-from lightning_titan.parallel.pipeline.zbv import zbv
+from lightning_titan.parallel.pipeline.zbv import dualpipev, zbv
 
 
 def gpipe(stage: Stage, num_microbatches: int) -> None:
@@ -59,6 +59,19 @@ def one_f_one_b(stage: Stage, num_microbatches: int) -> None:
 
     for j in range(steady, m):
         stage.send_backward(j, stage.backward(j, stage.recv_backward(j)))
+
+
+def one_f_one_b_overlap(stage: Stage, num_microbatches: int) -> None:
+    """1F1B with its steady state overlapped, on one stage (pp=1): the forward of microbatch i+1
+    runs with the backward of i (``stage.forward_backward``, ``parallel/overlap.py``), each one's
+    expert-parallel all-to-alls under the other's compute. Two microbatches live, where 1F1B holds
+    one. (With pp > 1 a stage's backward waits for the next stage's grad of the same tick, which
+    would run the stages one after another: there the V's ``dualpipev`` pairs its two chunks.)"""
+    m = num_microbatches
+    stage.forward(0, None)
+    for i in range(1, m):
+        stage.forward_backward(i, None, i - 1, None)
+    stage.backward(m - 1, None)
 
 
 def zb_h1(stage: Stage, num_microbatches: int) -> None:
@@ -107,12 +120,15 @@ def forward_only(stage: Stage, num_microbatches: int) -> None:
 # schedules over several chunks per rank (virtual stages); their stage interface is interleaved.py's
 CHUNKED: dict[str, Callable[[Any, int], None]] = {"interleaved_1f1b": interleaved_1f1b}
 # two chunks per rank in a V (rank r: virtual stages r and 2P-1-r); their stage interface is zbv.py's
-V_SHAPED: dict[str, Callable[[Any, int], None]] = {"zbv": zbv}
+V_SHAPED: dict[str, Callable[[Any, int], None]] = {"zbv": zbv, "dualpipev": dualpipev}
+# the schedules that overlap one microbatch's forward with another's backward (parallel/overlap.py)
+OVERLAPPED = ("1f1b_overlap", "dualpipev")
 # the schedules whose backward is B then W (parallel/pipeline/backward_split.py)
 SPLIT_BACKWARD = ("zb_h1", *V_SHAPED)
 SCHEDULES: dict[str, Callable[[Any, int], None]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "1f1b_overlap": one_f_one_b_overlap,
     "zb_h1": zb_h1,
     **CHUNKED,
     **V_SHAPED,
@@ -124,13 +140,25 @@ def check_microbatches(schedule: str, m: int, pp: int, virtual_stages: int) -> N
     if schedule in CHUNKED:
         check_interleaved(pp, virtual_stages, m)
     elif schedule in V_SHAPED:
-        check_zbv(pp, virtual_stages, m)
+        check_zbv(pp, virtual_stages, m, schedule)
+    elif schedule == "1f1b_overlap" and pp > 1:
+        raise ValueError(
+            f"schedule='1f1b_overlap' overlaps microbatches on one stage (pp=1), got pp={pp}: "
+            "across stages a backward waits for the next stage's grad of the same tick, so the "
+            "stages would run one after another; use schedule='dualpipev' (the V, virtual_stages=2)"
+        )
     elif virtual_stages > 1:
         raise ValueError(
             f"virtual_stages={virtual_stages} needs a schedule over several chunks per rank, not "
             f"schedule={schedule!r}: use one of {sorted({**CHUNKED, **V_SHAPED})} (or "
             "virtual_stages=1)"
         )
+
+
+def default_microbatches(schedule: str, pp: int) -> int:
+    """The fewest microbatches that keep every stage busy: one per stage; the overlapped schedules
+    need a second microbatch in flight to pair with (1f1b_overlap: 2, dualpipev: 2P)."""
+    return {"1f1b_overlap": 2, "dualpipev": 2 * pp}.get(schedule, pp)
 
 
 def get_schedule(name: str) -> Callable[[Any, int], None]:

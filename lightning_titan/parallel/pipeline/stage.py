@@ -18,10 +18,16 @@ from torch import Tensor
 from lightning_titan.parallel.batching import split_microbatches
 from lightning_titan.parallel.context_parallel import take_local
 from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.parallel.overlap import run_pair
 from lightning_titan.parallel.pipeline import backward_split, interleaved, zbv
 from lightning_titan.parallel.pipeline.p2p import StageLinks
 from lightning_titan.parallel.pipeline.protocols import ChunkedStage, Stage, StageModule, VStage
-from lightning_titan.parallel.pipeline.schedules import CHUNKED, forward_only, get_schedule
+from lightning_titan.parallel.pipeline.schedules import (
+    CHUNKED,
+    V_SHAPED,
+    forward_only,
+    get_schedule,
+)
 from lightning_titan.runtime import probes
 
 # (aux, logits, targets) -> (this rank's share to back-propagate, the token-loss sum or None);
@@ -246,7 +252,7 @@ class PipelineStage:
         msg = ("act" if kind == "x" else "grad", chunk, i)
         for peer, due in self._pending.items():  # zbv on CPU: its peer's due messages up to it
             if msg in due:
-                self._receive([(peer, m) for m in due[: due.index(msg) + 1]], None, None, msg)
+                self._receive([(peer, m) for m in due[: due.index(msg) + 1]], [], [], msg)
                 del due[: due.index(msg) + 1]
         while (kind, chunk, i) not in self._inbox and self._due[kind]:
             self._take(kind)
@@ -305,21 +311,37 @@ class PipelineStage:
     def backward_weight_chunk(self, chunk: int, i: int) -> None:
         self.backward_weight(i, chunk)
 
-    def exchange_messages(
-        self, done: tuple[str, int, int] | None, take: list[tuple[int, zbv.Message]]
-    ) -> None:
-        """Send the output of action ``done`` where ``zbv.output`` says and receive ``take`` (each
+    def overlap_chunks(self, f: tuple[int, int], b: tuple[int, int]) -> None:
+        """DualPipeV's pair: chunk ``f[0]``'s forward of microbatch ``f[1]`` with chunk ``b[0]``'s
+        whole backward of ``b[1]``, overlapped (``parallel/overlap.py``); inputs taken first."""
+        (cf, i), (cb, j) = f, b
+        x = None if self.embeds(cf) else self._received("x", cf, i)
+        g = None if self.heads(cb) else self._received("g", cb, j)
+        y, dx = run_pair(lambda: self.forward(i, x, cf), lambda: self.backward(j, g, cb))
+        self._sent("y", cf, i, y)
+        self._sent("dx", cb, j, dx)
+
+    def forward_backward(
+        self, i: int, x: Tensor | None, j: int, grad: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Microbatch ``i``'s forward with ``j``'s backward, overlapped (``parallel/overlap.py``)."""
+        return run_pair(lambda: self.forward(i, x), lambda: self.backward(j, grad))
+
+    def exchange_messages(self, done: zbv.Step | None, take: list[tuple[int, zbv.Message]]) -> None:
+        """Send the outputs of tick ``done`` where ``zbv.output`` says and receive ``take`` (each
         (peer pp rank, message) the next of its peer's stream) in one batch (``zbv._run``); on CPU a
         message is taken when an action needs it (``_received``), as in ``exchange``. The turn of
         the V stays on the last rank: chunk 0's output is chunk 1's input, and back for the grads."""
-        y = dx = None
-        if done is not None and done[0] in ("F", "B"):
-            kind, chunk, i = done
+        to_next: list[Tensor] = []
+        to_prev: list[Tensor] = []
+        for kind, chunk, i in done or ():
+            if kind == "W":
+                continue
             out = self._outbox.pop(("y" if kind == "F" else "dx", chunk, i))
-            target = zbv.output(self.pp, self.pp_rank, done)
-            if target is not None:
+            target = zbv.output(self.pp, self.pp_rank, (kind, chunk, i))
+            if target is not None and out is not None:
                 # a link's streams go by direction: its forward one to the next rank
-                y, dx = (out, None) if target[0] == self.pp_rank + 1 else (None, out)
+                (to_next if target[0] == self.pp_rank + 1 else to_prev).append(out)
             elif out is not None:
                 # the turn, detached as a p2p leaves it: chunk 1's split walks its own graph only
                 self._inbox[("x", 1, i) if kind == "F" else ("g", 0, i)] = out.detach()
@@ -327,41 +349,42 @@ class PipelineStage:
             for peer, msg in take:
                 self._pending.setdefault(peer, []).append(msg)
             take = []
-        if y is not None or dx is not None or take:
-            self._receive(take, y, dx, done or take[0][1])
+        if to_next or to_prev or take:
+            at = done[0] if done else take[0][1]
+            self._receive(take, to_next, to_prev, at)
 
-    def _receive(self, take: list, y: Tensor | None, dx: Tensor | None, at: tuple) -> None:
-        """One exchange: send ``y`` / ``dx``, receive ``take`` and file each under its input."""
+    def _receive(self, take: list, to_next: list, to_prev: list, at: tuple) -> None:
+        """One exchange: send ``to_next`` / ``to_prev``, receive ``take``, file each under its input."""
         from_prev = [msg for peer, msg in take if peer == self.pp_rank - 1]
         from_next = [msg for peer, msg in take if peer != self.pp_rank - 1]
         with self._span("exchange", at[2], at[1]):
-            xs, gs = self.links.exchange_many(y, dx, len(from_prev), len(from_next))
+            xs, gs = self.links.exchange_many(to_next, to_prev, len(from_prev), len(from_next))
         for (what, chunk, i), received in zip(from_prev + from_next, xs + gs, strict=True):
             self._inbox["x" if what == "act" else "g", chunk, i] = received
 
-    def _start_zbv(self, schedule: str | None) -> Callable[[Any, int], None]:
-        if schedule not in (None, "zbv"):
+    def _start_v(self, schedule: str | None) -> Callable[[Any, int], None]:
+        if schedule is not None and schedule not in V_SHAPED:
             raise ValueError(
                 f"schedule={schedule!r} cannot run the V placement this stage was built with "
-                "(StageSplit(v_shape=True)); use schedule='zbv'"
+                f"(StageSplit(v_shape=True)); use one of {sorted(V_SHAPED)}"
             )
-        train, m, p = schedule is not None, self.num_microbatches, self.pp_rank
-        from_prev = zbv.stream(self.pp, p - 1, p, m, train)
-        from_next = zbv.stream(self.pp, p + 1, p, m, train)
+        m, p, name = self.num_microbatches, self.pp_rank, schedule or "zbv"
+        from_prev = zbv.stream(self.pp, p - 1, p, m, schedule is not None, name)
+        from_next = zbv.stream(self.pp, p + 1, p, m, schedule is not None, name)
         self.links.start(self.shape, forward=len(from_prev), backward=len(from_next))
-        return zbv.zbv if train else zbv.zbv_forward_only
+        return zbv.zbv_forward_only if schedule is None else V_SHAPED[schedule]
 
     # driving ---------------------------------------------------------------------------------------
     def run(self, schedule: str | None) -> StepSums:
         """Run a training schedule by name, or forward only when ``schedule`` is None."""
         m = self.num_microbatches
-        if schedule == "zbv" and not self.model.v_shape:
+        if schedule in V_SHAPED and not self.model.v_shape:
             raise ValueError(
-                "schedule='zbv' needs the V placement: build the model with "
+                f"schedule={schedule!r} needs the V placement: build the model with "
                 "StageSplit(virtual_stages=2, v_shape=True)"
             )
         if self.model.v_shape:
-            run = self._start_zbv(schedule)
+            run = self._start_v(schedule)
         elif self.num_chunks > 1:
             if schedule is not None and schedule not in CHUNKED:
                 raise ValueError(

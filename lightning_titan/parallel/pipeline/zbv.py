@@ -26,23 +26,34 @@ from __future__ import annotations
 
 from lightning_titan.parallel.pipeline.protocols import VStage
 
-Action = tuple[str, int, int]  # ("F" | "B" | "W", chunk 0 | 1, microbatch)
+Action = tuple[str, int, int]  # ("F" | "B" | "W" | "BW": B and W at once, chunk 0 | 1, microbatch)
 Message = tuple[str, int, int]  # ("act" | "grad", chunk it is for, microbatch)
+# one tick of a rank's clock: an action, or (DualPipeV) a forward and a backward overlapped
+Step = tuple[Action, ...]
 
 
-def check_microbatches(pp: int, virtual_stages: int, m: int) -> None:
+def check_microbatches(pp: int, virtual_stages: int, m: int, schedule: str = "zbv") -> None:
     if virtual_stages != 2:
         raise ValueError(
-            f"schedule='zbv' places exactly two chunks on every rank (the V): virtual_stages="
+            f"schedule={schedule!r} places exactly two chunks on every rank (the V): virtual_stages="
             f"{virtual_stages} does not work; use virtual_stages=2"
         )
     if pp < 2:
+        fix = "'1f1b_overlap'" if schedule == "dualpipev" else "'1f1b'"
         raise ValueError(
-            f"schedule='zbv' needs pp >= 2 (got pp={pp}): with one stage there is no V; use "
-            "schedule='1f1b'"
+            f"schedule={schedule!r} needs pp >= 2 (got pp={pp}): with one stage there is no V; use "
+            f"schedule={fix}"
         )
-    if m < 1:
-        raise ValueError(f"schedule='zbv' needs num_microbatches >= 1, got {m}")
+    least = 2 * pp if schedule == "dualpipev" else 1
+    if m < least:
+        raise ValueError(
+            f"schedule={schedule!r} needs num_microbatches >= {least} on pp={pp}, got {m}"
+            + (
+                ": the V's two chunks per rank, each with a microbatch in flight"
+                if least > 1
+                else ""
+            )
+        )
 
 
 def order(pp: int, rank: int, m: int, train: bool = True) -> list[Action]:
@@ -92,6 +103,64 @@ def order(pp: int, rank: int, m: int, train: bool = True) -> list[Action]:
     return [a for a in ops if a[2] < m]
 
 
+def dualpipev_order(pp: int, rank: int, m: int) -> list[Step]:
+    """DualPipeV (DeepSeek-V3's DualPipe folded into the V; torch's ``ScheduleDualPipeV``): rank
+    ``rank``'s ticks. Its steady state pairs the forward of one chunk with the whole backward (B and
+    W, "BW") of the other, overlapped (``parallel/overlap.py``): each one's all-to-alls run under
+    the other's compute. The warmup and cooldown are zbv's shapes, with B and W apart where a W can
+    wait for a bubble. Needs M >= 2P."""
+    ticks: list[Step] = []
+    f, b = [0, 0], [0, 0]  # next microbatch to forward / to back-propagate, per chunk
+    weights: list[Action] = []  # W's owed, oldest first
+
+    def act(kind: str, chunk: int) -> Action:
+        count = f if kind == "F" else b
+        count[chunk] += 1
+        if kind == "B":
+            weights.append(("W", chunk, count[chunk] - 1))
+        return (kind, chunk, count[chunk] - 1)
+
+    def run(*kinds: tuple[str, int]) -> None:
+        ticks.append(tuple(act(kind, chunk) for kind, chunk in kinds))
+
+    def owed_weight() -> None:
+        if weights:
+            ticks.append((weights.pop(0),))
+
+    later = pp - rank - 1  # ticks this rank starts its V later than the last rank
+    for _ in range(2 * later):
+        run(("F", 0))
+    for _ in range(rank + 1):
+        run(("F", 0))
+        run(("F", 1))
+    for _ in range(later):
+        run(("B", 1))
+        owed_weight()
+        run(("F", 1))
+    for k in range(m - 2 * pp + rank + 1):
+        if k == 0 and rank == pp - 1:  # the turn's first pair run apart: a shorter bubble
+            run(("F", 0))
+            run(("BW", 1))
+        else:
+            run(("F", 0), ("BW", 1))
+        run(("F", 1), ("BW", 0))
+    for _ in range(later):
+        run(("BW", 1))
+        run(("F", 1), ("BW", 0))
+    split = False  # the cooldown's second half splits B from W, whose W's fill the gaps
+    for k in range(rank + 1):
+        split = split or (k == (rank + 1) // 2 and rank % 2 == 1)
+        run(("B" if split else "BW", 1))
+        split = split or (k == (rank + 1) // 2 and rank % 2 == 0)
+        run(("B" if split else "BW", 0))
+    for _ in range(later):
+        owed_weight()
+        run(("B" if split else "BW", 0))
+    while weights:
+        owed_weight()
+    return ticks
+
+
 def output(pp: int, rank: int, action: Action) -> tuple[int, Message] | None:
     """Where an action's output goes: (peer pp rank, the message), or None (kept on the rank: the
     turn on the last rank; or nothing to send: the head's output, a W, the embedding's input grad)."""
@@ -101,7 +170,7 @@ def output(pp: int, rank: int, action: Action) -> tuple[int, Message] | None:
         if chunk == 0:
             return None if last else (rank + 1, ("act", 0, i))
         return None if rank == 0 else (rank - 1, ("act", 1, i))
-    if kind == "B":
+    if kind in ("B", "BW"):
         if chunk == 1:
             return None if last else (rank + 1, ("grad", 1, i))
         return None if rank == 0 else (rank - 1, ("grad", 0, i))
@@ -116,18 +185,29 @@ def needs(pp: int, rank: int, action: Action) -> tuple[int, Message] | None:
         if chunk == 0:
             return None if rank == 0 else (rank - 1, ("act", 0, i))
         return None if last else (rank + 1, ("act", 1, i))
-    if kind == "B":
+    if kind in ("B", "BW"):
         if chunk == 1:
             return None if rank == 0 else (rank - 1, ("grad", 1, i))
         return None if last else (rank + 1, ("grad", 0, i))
     return None
 
 
-def stream(pp: int, src: int, dst: int, m: int, train: bool = True) -> list[Message]:
+def stream(
+    pp: int, src: int, dst: int, m: int, train: bool = True, schedule: str = "zbv"
+) -> list[Message]:
     """The messages rank ``src`` sends rank ``dst`` in one step, in the order it sends them: one
     ordered stream per pair of ranks (NCCL matches by order)."""
-    sent = (output(pp, src, a) for a in order(pp, src, m, train)) if 0 <= src < pp else iter(())
+    if not 0 <= src < pp:
+        return []
+    sent = (output(pp, src, a) for step in steps(schedule, pp, src, m, train) for a in step)
     return [msg for out in sent if out is not None and out[0] == dst for msg in [out[1]]]
+
+
+def steps(schedule: str, pp: int, rank: int, m: int, train: bool = True) -> list[Step]:
+    """Rank ``rank``'s ticks under ``schedule`` ("zbv" or "dualpipev")."""
+    if schedule == "dualpipev" and train:
+        return dualpipev_order(pp, rank, m)
+    return [(a,) for a in order(pp, rank, m, train)]
 
 
 def zbv(stage: VStage, num_microbatches: int) -> None:
@@ -135,57 +215,69 @@ def zbv(stage: VStage, num_microbatches: int) -> None:
     _run(stage, num_microbatches, train=True)
 
 
+def dualpipev(stage: VStage, num_microbatches: int) -> None:
+    """Train: this rank's ticks (``dualpipev_order``) with their messages."""
+    _run(stage, num_microbatches, train=True, schedule="dualpipev")
+
+
 def zbv_forward_only(stage: VStage, num_microbatches: int) -> None:
     """Evaluation: the forwards down the V, then back up."""
     _run(stage, num_microbatches, train=False)
 
 
-def timetable(pp: int, m: int, train: bool = True) -> list[list[Action | None]]:
-    """Every rank's actions on a common clock of unit steps: each rank runs ``order``, an action at
-    the first step after the one its input was sent at; None: the rank idles that step."""
-    orders = [order(pp, r, m, train) for r in range(pp)]
-    table: list[list[Action | None]] = [[] for _ in range(pp)]
+def timetable(
+    pp: int, m: int, train: bool = True, schedule: str = "zbv"
+) -> list[list[Step | None]]:
+    """Every rank's ticks on a common clock of unit steps: each rank runs its ``steps``, a tick at
+    the first step after the one its inputs were sent at; None: the rank idles that step."""
+    todo = [steps(schedule, pp, r, m, train) for r in range(pp)]
+    table: list[list[Step | None]] = [[] for _ in range(pp)]
     sent_at: dict[tuple[int, Message], int] = {}  # (receiving rank, message): the step it was sent
     step = 0
-    while any(len(o) for o in orders):
-        ran = []
-        for r, todo in enumerate(orders):
-            need = needs(pp, r, todo[0]) if todo else None
-            ready = todo and (need is None or sent_at.get((r, need[1]), step) < step)
-            table[r].append(todo.pop(0) if ready else None)
+    while any(todo):
+        ran: list[Step | None] = []
+        for r, left in enumerate(todo):
+            needed = [need for a in left[0] if (need := needs(pp, r, a))] if left else []
+            ready = left and all(sent_at.get((r, need[1]), step) < step for need in needed)
+            table[r].append(left.pop(0) if ready else None)
             ran.append(table[r][-1])
         if not any(ran):
-            raise RuntimeError(f"zbv's order stalls at step {step} (pp={pp}, M={m})")
-        for r, action in enumerate(ran):
-            out = None if action is None else output(pp, r, action)
-            if out is not None:
-                sent_at[out] = step
+            raise RuntimeError(f"{schedule}'s order stalls at step {step} (pp={pp}, M={m})")
+        for r, tick in enumerate(ran):
+            for action in tick or ():
+                out = output(pp, r, action)
+                if out is not None:
+                    sent_at[out] = step
         step += 1
     return table
 
 
-def _run(stage: VStage, m: int, train: bool) -> None:
-    """The ranks keep ``timetable``'s clock: after its action of a step (or none), each rank sends
-    the action's output and receives what its neighbours sent at that step, in one exchange. So two
+def _run(stage: VStage, m: int, train: bool, schedule: str = "zbv") -> None:
+    """The ranks keep ``timetable``'s clock: after its tick of a step (or none), each rank sends
+    the tick's outputs and receives what its neighbours sent at that step, in one exchange. So two
     ranks exchange their messages in the same steps, as one batch on each side: NCCL, which runs a
     rank's batches in order and a send only with its receive, finds every pair matched. (A send in
     a batch of its own, with the receive due later, deadlocks there once the peer does the same.)
-    Every action's input was sent at an earlier step, so it is in when the action runs."""
+    Every tick's inputs were sent at an earlier step, so they are in when it runs."""
     pp, p = stage.pp, stage.pp_rank
-    check_microbatches(pp, 2, m)
-    table = timetable(pp, m, train)
+    check_microbatches(pp, 2, m, schedule if train else "zbv")
+    table = timetable(pp, m, train, schedule)
     run = {
         "F": stage.forward_chunk,
         "B": stage.backward_input_chunk,
         "W": stage.backward_weight_chunk,
+        "BW": stage.backward_chunk,
     }
-    for step, action in enumerate(table[p]):
-        if action is not None:
-            run[action[0]](*action[1:])
+    for step, tick in enumerate(table[p]):
+        if tick is not None and len(tick) == 2:
+            stage.overlap_chunks(tick[0][1:], tick[1][1:])
+        elif tick is not None:
+            kind, chunk, i = tick[0]
+            run[kind](chunk, i)
         take = []
         for peer in (p - 1, p + 1):
             theirs = table[peer][step] if 0 <= peer < pp and step < len(table[peer]) else None
-            out = None if theirs is None else output(pp, peer, theirs)
-            if out is not None and out[0] == p:
-                take.append((peer, out[1]))
-        stage.exchange_messages(action, take)
+            for out in (output(pp, peer, a) for a in theirs or ()):
+                if out is not None and out[0] == p:
+                    take.append((peer, out[1]))
+        stage.exchange_messages(tick, take)
