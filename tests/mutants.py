@@ -602,6 +602,27 @@ MUTATIONS = {
                     "            self.work.wait()",
                     "            pass",
                     ["tests/distributed/test_dispatch.py", "-k", "expert_parallel"]),
+    # an overlapped pair whose halves never hand the rank over: the forward runs whole, then the
+    # backward (the same numbers; nothing overlaps)
+    "pair_never_hands_over": ("lightning_titan/parallel/overlap.py",
+                              "            if other not in self.running:  # the other half is done: go on alone",
+                              "            if True:",
+                              ["tests/distributed/test_dispatch.py", "-k", "expert_parallel"]),
+    # DualPipeV's pair sends its forward's output as its backward's input grad
+    "pair_swaps_outputs": ("lightning_titan/parallel/pipeline/stage.py",
+                           '        self._sent("dx", cb, j, dx)',
+                           '        self._sent("dx", cb, j, y if y is not None else dx)',
+                           ["tests/distributed/test_equivalence.py", "-k", "every_layout and 4"]),
+    # DualPipeV's fill one forward short: another order than torch's (and a stalled V)
+    "dualpipev_short_fill": ("lightning_titan/parallel/pipeline/zbv.py",
+                             "    for _ in range(2 * later):",
+                             "    for _ in range(max(0, 2 * later - 1)):",
+                             ["tests/unit/test_schedules.py", "-k", "dualpipev"]),
+    # the counts' exchange started and never waited for: the splits read before they arrive
+    "counts_not_waited": ("lightning_titan/parallel/dispatch.py",
+                          "        cast(dist.Work, work).wait()",
+                          "        pass",
+                          ["tests/distributed/test_dispatch.py", "-k", "expert_parallel"]),
     # the time an all-to-all is in flight counted as exposed, the compute under it lost
     "in_flight_exclusive": ("lightning_titan/runtime/tracing.py",
                             "s.end_ns > s.start_ns and s.kind not in BACKGROUND_KINDS]",

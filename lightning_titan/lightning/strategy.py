@@ -28,7 +28,7 @@ from lightning_titan.runtime import faults
 from lightning_titan.runtime.agreement import SetupPhase
 from lightning_titan.train.engine import Engine, GradStats
 from lightning_titan.train.objective import StepLoss
-from lightning_titan.train.options import TrainOptions, check_precision, preflight
+from lightning_titan.train.options import Schedule, TrainOptions, check_precision, preflight
 
 
 class TitanStrategy(ShardedStrategy):
@@ -41,14 +41,11 @@ class TitanStrategy(ShardedStrategy):
         tp: tensor-parallel ranks (with sequence parallelism): heads, vocabulary and sequence split.
         cp: context-parallel ranks: each sequence's positions split (load-balanced causal chunks).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zb_h1"`` (zero-bubble 1F1B),
-            ``"zbv"`` (zero-bubble V: rank r holds virtual stages r and 2*pp-1-r; loss on rank 0), or
-            one that hides the EP all-to-alls under another microbatch's compute: ``"1f1b_overlap"``
-            (pp=1) or ``"dualpipev"`` (the V; M >= 2*pp).
-        virtual_stages: model chunks per rank (>= 2 for interleaved 1F1B, layers round-robin; 2 for
-            the V). None: 2 for the V, else 1.
+            ``"zbv"`` (the V: rank r holds virtual stages r and 2*pp-1-r), ``"1f1b_overlap"`` (pp=1)
+            or ``"dualpipev"`` (the V), the last two hiding the EP all-to-alls (docs/concepts.md).
+        virtual_stages: chunks per rank: >= 2 for interleaved 1F1B (round-robin), 2 for the V (None).
         stage_layers: layers per (virtual) stage, e.g. ``[3, 1]``, or ``"auto"`` (probed); None: even.
-        num_microbatches: microbatches per step on every rank (default: ``pp``; 2 for
-            1f1b_overlap, 2*pp for dualpipev).
+        num_microbatches: per step on every rank (default: ``pp``; 1f1b_overlap 2, dualpipev 2*pp).
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
         bucket_cap_mb: size of a gradient all-reduce bucket.
         reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
@@ -60,7 +57,7 @@ class TitanStrategy(ShardedStrategy):
         start_method: ``"popen"`` re-runs the script per rank; ``"fork"`` for notebooks.
         max_restarts: times to restart every rank from the newest complete checkpoint if one dies.
         process_group_backend: ``nccl`` on CUDA, ``gloo`` on CPU by default.
-        allow_config_change: model-config fields a resume may change (others must match the saved).
+        allow_config_change: model-config fields a resume may change (others must match).
         async_save: write the checkpoints saved in training in the background (from a host copy).
         layout: ``"auto"``: the layout and step options ``titan plan`` ranks first for this model,
             world, global batch and device (``plan/auto.py``), said on rank 0; leave the degrees,
@@ -76,9 +73,7 @@ class TitanStrategy(ShardedStrategy):
         ep: int = 1,
         tp: int = 1,
         cp: int = 1,
-        schedule: Literal[
-            "1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv", "1f1b_overlap", "dualpipev"
-        ] = "1f1b",
+        schedule: Schedule = "1f1b",
         virtual_stages: int | None = None,
         stage_layers: list[int] | Literal["auto"] | None = None,
         num_microbatches: int | None = None,
@@ -188,9 +183,8 @@ class TitanStrategy(ShardedStrategy):
         timeout = timedelta(minutes=self.options.timeout_minutes)
         self._groups = build_process_groups(self.parallel_dims, timeout, self.root_device.type)
         self._peers = supervisor.watch_peers(self.num_nodes, trainer, o.grace_s)
-        self.options = self.options.resolved(
-            self.module, trainer, self.parallel_dims, self.root_device
-        )
+        dims, device = self.parallel_dims, self.root_device
+        self.options = self.options.resolved(self.module, trainer, dims, device)
 
     @override
     def setup(self, trainer: Any) -> None:

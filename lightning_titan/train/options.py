@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from lightning_titan.parallel.batching import (
     check_microbatch_args,
@@ -29,6 +29,8 @@ from lightning_titan.parallel.pipeline.schedules import (
 from lightning_titan.parallel.pipeline.split import AUTO, StageSplit
 from lightning_titan.train import auto_split
 
+# the names of parallel/pipeline/schedules.py's SCHEDULES, for the CLI's help and type checks
+Schedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv", "1f1b_overlap", "dualpipev"]
 REDUCERS = ("bucketed", "per_param")
 ON_NONFINITE = ("raise", "skip")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")

@@ -41,6 +41,8 @@ COMMON = [
 FORK = "--trainer.strategy.init_args.start_method=fork"
 ZERO1 = "--trainer.strategy.init_args.zero=1"
 ZERO2 = "--trainer.strategy.init_args.zero=2"
+DUALPIPEV = "--trainer.strategy.init_args.schedule=dualpipev"
+OVERLAP_1F1B = "--trainer.strategy.init_args.schedule=1f1b_overlap"
 
 
 def config(name: str) -> Path:
@@ -129,7 +131,10 @@ def runs(tmp_path_factory):
                               *mid_epoch_checkpoint(cwd, "single"), steps=RESUMED_STEPS)  # fmt: skip
     out["dp_pp_ep"] = titan_fit(cwd, config("dp_pp_ep"), "dp_pp_ep", ZERO1,
                                 *mid_epoch_checkpoint(cwd, "dp_pp_ep"))  # fmt: skip
-    out["tp_pp_ep"] = titan_fit(cwd, config("tp_pp_ep"), "tp_pp_ep", FORK, ZERO1,
+    # tp x pp x ep under DualPipeV (forward and backward of two microbatches overlapped): its
+    # checkpoints resume below under other layouts and schedules
+    out["tp_pp_ep"] = titan_fit(cwd, config("tp_pp_ep"), "tp_pp_ep", FORK, ZERO1, DUALPIPEV,
+                                "--trainer.strategy.init_args.num_microbatches=4",
                                 *mid_epoch_checkpoint(cwd, "tp_pp_ep"))  # fmt: skip
     out["cp_pp_ep"] = titan_fit(cwd, config("cp_pp_ep"), "cp_pp_ep", FORK,
                                 *mid_epoch_checkpoint(cwd, "cp_pp_ep"))  # fmt: skip
@@ -419,7 +424,7 @@ RESUMES = [  # (written by, config to resume with, layout overrides); dp_pp_ep s
         layout(1, 2, 4, GPIPE, "--trainer.strategy.init_args.stage_layers=[3,1]"),
     ),
     ("dp_pp_ep", "single", []),
-    ("single", "dp_pp_ep", layout(4, 1, 2, ZERO1)),
+    ("single", "dp_pp_ep", layout(4, 1, 2, ZERO1, OVERLAP_1F1B)),  # into an overlapped schedule
     # across tp, cp and zero: the tp=2 zero=1 checkpoint under tp=1 x cp=2 (zero=0) and under
     # tp=4 x ep=2 at zero=2 (the vocabulary padded 258 -> 260 rows; the TP-cut weights' state and
     # grads over ep, the norms' over ep x tp), and a cp=2 one (256-token sequences) on one process

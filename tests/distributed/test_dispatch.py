@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.model.moe.shared import SharedExpert
+from lightning_titan.parallel import overlap
 from lightning_titan.parallel.dispatch import (
     combine,
     combine_loop_reference,
@@ -242,15 +243,15 @@ def _check_overlap(group: dist.ProcessGroup, rank: int) -> None:
     shared.w2.weight.register_post_accumulate_grad_hook(stamp("combine_grad"))
     x = torch.randn(2, 5 + rank, D, generator=torch.Generator().manual_seed(rank))
     results = []
-    for overlap in (True, False):
-        layer.overlap_all_to_all = overlap
+    for overlapped in (True, False):
+        layer.overlap_all_to_all = overlapped
         layer.zero_grad(), shared.zero_grad()
         xi = x.clone().requires_grad_()
         tracing.start(rank)
         out, aux = layer(xi, shared)
         (out.square().sum() + aux.sum()).backward()
         spans = {s.name: s for s in tracing.stop() if s.kind == "in_flight"}
-        if overlap:
+        if overlapped:
             for name, t in stamps.items():
                 assert spans[name].start_ns < t < spans[name].end_ns, (name, spans[name], t)
         stamps.clear()
@@ -261,12 +262,60 @@ def _check_overlap(group: dist.ProcessGroup, rank: int) -> None:
         assert torch.equal(got, want)
 
 
+def _check_pair(group: dist.ProcessGroup, rank: int) -> None:
+    """``run_pair``: microbatch 2's forward with microbatch 1's backward, interleaved at their
+    exchanges (each exchange one half starts begins while one of the other half's is in flight), with the numbers of running them in turn, bit for bit. An error in the
+    backward half reaches the caller after both halves stopped, and the next pair runs."""
+    ep_rank = dist.get_rank(group)
+    n_local = E // dist.get_world_size(group)
+    layer = MoELayer(D, F, E, K, expert_range=(ep_rank * n_local, (ep_rank + 1) * n_local),
+                     ep_group=group, aux_loss_coef=0.01)  # fmt: skip
+    shared = SharedExpert(D, 12)
+    xs = [torch.randn(2, 6 + rank, D, generator=torch.Generator().manual_seed(10 * rank + k))
+          for k in range(2)]  # fmt: skip
+    results = []
+    for paired in (True, False):
+        layer.zero_grad(), shared.zero_grad()
+        first, second = (x.clone().requires_grad_() for x in xs)
+        out1, aux1 = layer(first, shared)
+        loss1 = out1.square().sum() + aux1.sum()
+        before = overlap.handovers
+        tracing.start(rank)
+        if paired:
+            (out2, aux2), _ = overlap.run_pair(lambda s=second: layer(s, shared), loss1.backward)
+        else:
+            out2, aux2 = layer(second, shared)
+            loss1.backward()
+        spans = [s for s in tracing.stop() if s.kind == "in_flight"]
+        if paired:
+            assert overlap.handovers - before >= 4, overlap.handovers - before
+            fwd = [s for s in spans if not s.name.endswith("_grad")]
+            bwd = [s for s in spans if s.name.endswith("_grad")]
+            assert len(fwd) == len(bwd) == 2 and len({s.thread for s in fwd + bwd}) == 2
+            # the first starts under the counts' exchange (not an in-flight span); each later one
+            # while the other half's exchange travels
+            for s in sorted(fwd + bwd, key=lambda s: s.start_ns)[1:]:
+                theirs = bwd if s in fwd else fwd
+                assert any(t.start_ns < s.start_ns < t.end_ns for t in theirs), (s, theirs)
+        results.append([out2, aux2, first.grad, layer.experts.w1.grad, shared.w2.weight.grad])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+    def boom() -> None:
+        raise RuntimeError("backward half failed")
+
+    with pytest.raises(RuntimeError, match="backward half failed"):
+        overlap.run_pair(lambda: layer(xs[0], shared), boom)
+    overlap.run_pair(lambda: layer(xs[0], shared), lambda: None)  # the pair is reusable
+
+
 def _ep_cases(rank: int, world_size: int) -> str:
     torch.set_num_threads(1)
     # new_group is collective: every rank creates every group, in the same order.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     everyone = dist.new_group(list(range(world_size)))
     _check_overlap(pairs[rank // 2], rank)
+    _check_pair(pairs[rank // 2], rank)
     for group in (pairs[rank // 2], everyone):
         _check_layout(group, rank)
         _check_moe_matches_local(group, rank, forced=False)

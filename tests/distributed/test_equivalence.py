@@ -21,6 +21,9 @@ FAMILY cases turn on the options of the pretrained families (QK-norm per head or
 projection, q/k/v biases, a shared expert, sigmoid routing without renormalisation; gpt-oss's sinks,
 window layers, biases, clamped SwiGLU and YaRN; DeepSeek-V3's latent attention, group-limited routing
 and dense first layer).
+OVERLAP cases run the schedules that overlap one microbatch's forward with another's backward
+(1f1b_overlap on one stage, DualPipeV on the V), each rank's two halves handing the rank over at every
+all-to-all they start (checked: they did, and no other schedule did).
 """
 
 import pytest
@@ -38,6 +41,7 @@ from engine_harness import (
 )
 
 from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.parallel.pipeline.schedules import OVERLAPPED
 from lightning_titan.plan.memory import rank_state
 from lightning_titan.runtime.launch import run_on_ranks
 
@@ -204,6 +208,31 @@ FAMILY = {
         ((2, 2, 2), "1f1b:layers=1-3:zero2", 2, "deepseek"),
     ],
 }
+# The overlapped schedules: one microbatch's forward with another's whole backward on two threads,
+# handing the rank over at every started all-to-all (parallel/overlap.py). dualpipev needs M >= 2P:
+# under dp x ep (2 sequences a rank) its cases take global batches of 16 (``:batch=16``)
+OVERLAP = {
+    2: [((1, 1, 2), "1f1b_overlap", 4)],
+    4: [
+        ((1, 2, 2), "dualpipev", 4),
+        ((1, 2, 2), "dualpipev:paired", 8),  # the GPU path's batches: two messages to one peer
+        ((2, 1, 2), "1f1b_overlap:zero1", 2),
+        ((1, 1, 4), "1f1b_overlap", 2),
+        ((1, 1, 2, 2), "1f1b_overlap", 2),  # tp2 x ep2: TP's collectives inside both halves
+    ],
+    8: [
+        ((2, 2, 2), "dualpipev:batch=16", 4),
+        ((2, 2, 2), "dualpipev:batch=16:zero2", 4),  # the sharded reducer's hooks in the pairs
+        ((1, 2, 2, 2), "dualpipev", 4),
+        ((1, 2, 2, 1, 2), "dualpipev", 4),
+    ],
+}
+# and with a shared expert (its halves under the exchanges too), and DeepSeek-V3's blocks
+OVERLAP_FAMILY = {
+    2: [((1, 1, 2), "1f1b_overlap", 2, "qk_full")],
+    4: [],
+    8: [((1, 2, 2, 2), "dualpipev", 4, "deepseek")],
+}
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +257,11 @@ def bias_ref(ref):
 
 
 @pytest.fixture(scope="module")
+def wide_ref():
+    return reference(batch=16)
+
+
+@pytest.fixture(scope="module")
 def deep_ref():
     return reference(DEEP_CONFIG)
 
@@ -243,7 +277,9 @@ def capacity_ref(ref):
 @pytest.mark.slow
 @pytest.mark.timeout(620)
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, capacity_ref, family_refs, world):
+def test_every_layout_equals_one_process(
+    ref, bias_ref, deep_ref, capacity_ref, family_refs, wide_ref, world
+):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
@@ -252,6 +288,8 @@ def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, capacity_ref, 
     cases += SPLIT[world] + ZERO_BUBBLE[world]
     cases += [(layout, schedule, m, CAPACITY_CONFIG) for layout, schedule, m in CAPACITY[world]]
     cases += [(lay, s, m, FAMILY_CONFIGS[name]) for lay, s, m, name in FAMILY[world]]
+    cases += OVERLAP[world]
+    cases += [(lay, s, m, FAMILY_CONFIGS[name]) for lay, s, m, name in OVERLAP_FAMILY[world]]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=600, start_method="fork")
     refs = {id(BIAS_CONFIG): (bias_ref, " expert bias"), id(DEEP_CONFIG): (deep_ref, " 8 layers")}
     refs[id(ACKPT_CONFIG)] = (ref, " activation checkpointing")
@@ -260,7 +298,12 @@ def test_every_layout_equals_one_process(ref, bias_ref, deep_ref, capacity_ref, 
     for i, (layout, schedule, m, *config) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
         case_ref, what = refs[id(config[0])] if config else (ref, "")
+        if "batch=16" in schedule:
+            case_ref = wide_ref
         assert_matches_reference(case_ref, results, f"{layout} {schedule} M={m}{what}")
+        # the overlapped schedules did interleave their halves (and nothing else did)
+        paired = schedule.split(":")[0] in OVERLAPPED
+        assert all((r["handovers"] > 0) == paired for r in results), (layout, schedule)
         assert len({r["split"] for r in results}) == 1, "the ranks built different splits"
         # titan plan's state model: every rank's params, grads and optimizer bytes, exactly
         zero = int(schedule[-1]) if ":zero" in schedule else 0

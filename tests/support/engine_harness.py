@@ -15,6 +15,7 @@ from lightning_titan.model import compiled
 from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.model.moe.capacity import expert_capacity
 from lightning_titan.model.moe.layer import MoELayer
+from lightning_titan.parallel import overlap
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 from lightning_titan.parallel.pipeline.split import StageSplit
@@ -189,6 +190,7 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-3)
     engine.shard_optimizers([optimizer])
     b = batch // dims.data_world
+    handovers = overlap.handovers
     losses, auxes, norms, dropped = [], [], [], []
     # compiled: the model's own loss, a compiled region, as TitanLM runs it (the eager runs check
     # the vocab-parallel one against the plain one)
@@ -246,6 +248,7 @@ def train(
         "sends_in_flight": 0 if stream is None else stream.most_live_sends,
         "graphs": graphs_after_first - graphs_at_start,  # those the first step compiled
         "recompiled": recompiled,
+        "handovers": overlap.handovers - handovers,  # an overlapped pair's switches (overlap.py)
         **record(model, dims),
     }
 

@@ -692,3 +692,48 @@ def test_zbv_batches_run_under_nccl_ordering(pp):
             for window in (0, SENDS_IN_FLIGHT):
                 got = nccl_replay(batches, window)
                 assert got == [len(b) for b in batches], (pp, m, train, window, got)
+
+
+def test_overlapped_schedules_name_the_fix():
+    """Each overlapped schedule says what it needs where it is given: one stage for 1f1b_overlap,
+    the V and M >= 2P for dualpipev, ep > 1 for both, and neither activation checkpointing nor
+    compile (checked before any rank starts, with the model); by default they get the microbatches
+    their pairs need."""
+    from dataclasses import replace
+
+    from lightning_titan.lightning.module import TitanLM
+    from lightning_titan.lightning.strategy import TitanStrategy
+    from lightning_titan.model.config import ModelConfig
+    from lightning_titan.parallel.mesh import ParallelDims
+    from lightning_titan.train.options import TrainOptions, check_overlap
+
+    with pytest.raises(ValueError, match=r"one stage \(pp=1\), got pp=2.*use schedule='dualpipev'"):
+        TitanStrategy(pp=2, ep=2, schedule="1f1b_overlap")
+    with pytest.raises(ValueError, match=r"needs num_microbatches >= 4 on pp=2, got 2"):
+        TitanStrategy(pp=2, ep=2, schedule="dualpipev", num_microbatches=2)
+    with pytest.raises(ValueError, match=r"needs pp >= 2 \(got pp=1\).*schedule='1f1b_overlap'"):
+        TitanStrategy(pp=1, ep=2, schedule="dualpipev")
+    assert TrainOptions(schedule="dualpipev", virtual_stages=2).microbatches(8, pp=2) == 4
+    assert TrainOptions(schedule="1f1b_overlap").microbatches(8, pp=1) == 2
+    assert TitanStrategy(pp=2, ep=2, schedule="dualpipev").options.virtual_stages == 2
+    from typing import get_args
+
+    from lightning_titan.parallel.pipeline.schedules import SCHEDULES
+    from lightning_titan.train.options import Schedule
+
+    assert set(get_args(Schedule)) == set(SCHEDULES)  # the CLI's choices are every schedule
+
+    config = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_experts=4, vocab_size=64, seq_len=16)
+    plain = TitanLM(config)
+    options = TrainOptions(schedule="1f1b_overlap")
+    check_overlap(ParallelDims(1, 1, 2, 0), options, plain)  # ep=2, eager, no recompute: fine
+    with pytest.raises(ValueError, match=r"ep=1 has none; use schedule='1f1b'"):
+        check_overlap(ParallelDims(2, 1, 1, 0), options, plain)
+    recompute = TitanLM(replace(config, activation_checkpointing=True))
+    for module, field in (
+        (recompute, "activation_checkpointing"),
+        (TitanLM(config, compile=True), "compile"),
+    ):
+        with pytest.raises(ValueError, match=rf"does not run with {field}=true.*set {field}=false"):
+            check_overlap(ParallelDims(1, 1, 2, 0), options, module)
+    check_overlap(ParallelDims(2, 1, 1, 0), TrainOptions(), recompute)  # other schedules: no check

@@ -155,6 +155,29 @@ def check_microbatches(schedule: str, m: int, pp: int, virtual_stages: int) -> N
         )
 
 
+def check_placement(schedule: str | None, num_chunks: int, v_shape: bool) -> None:
+    """Raise unless ``schedule`` (None: forward only, which runs on any placement) runs on a stage
+    built with ``num_chunks`` chunks, in a V or not."""
+    if schedule is None:
+        return
+    if v_shape != (schedule in V_SHAPED):
+        raise ValueError(
+            f"schedule={schedule!r} needs the V placement: build the model with "
+            "StageSplit(virtual_stages=2, v_shape=True)"
+            if not v_shape
+            else f"schedule={schedule!r} cannot run the V placement this stage was built with "
+            f"(StageSplit(v_shape=True)); use one of {sorted(V_SHAPED)}"
+        )
+    if not v_shape and (num_chunks > 1) != (schedule in CHUNKED):
+        raise ValueError(
+            f"schedule={schedule!r} runs one chunk per rank but this stage holds {num_chunks} "
+            f"(virtual_stages): use one of {sorted(CHUNKED)}"
+            if num_chunks > 1
+            else f"schedule={schedule!r} needs virtual_stages >= 2 (this stage holds one chunk); "
+            "build the model with StageSplit(virtual_stages=...) or use schedule='1f1b'"
+        )
+
+
 def default_microbatches(schedule: str, pp: int) -> int:
     """The fewest microbatches that keep every stage busy: one per stage; the overlapped schedules
     need a second microbatch in flight to pair with (1f1b_overlap: 2, dualpipev: 2P)."""
