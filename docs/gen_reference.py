@@ -15,6 +15,7 @@ import inspect
 import re
 import sys
 import textwrap
+import typing
 from pathlib import Path
 
 import docstring_parser
@@ -108,6 +109,10 @@ def _signature_rows(cls: type, flag_prefix: str, skip: tuple[str, ...] = ()) -> 
             if isinstance(param.annotation, str)
             else inspect.formatannotation(param.annotation)
         )
+        # a named alias (e.g. ``Schedule``): the values it allows, as the CLI's help shows them
+        alias = getattr(sys.modules[cls.__module__], kind, None)
+        if typing.get_origin(alias) is typing.Literal:
+            kind = f"Literal{list(typing.get_args(alias))}"
         default = "required" if param.default is param.empty else repr(param.default)
         rows.append((name, kind, default, f"{flag_prefix}{name}", docs.get(name, "")))
     return rows
