@@ -215,7 +215,7 @@ OVERLAP = {
     2: [((1, 1, 2), "1f1b_overlap", 4)],
     4: [
         ((1, 2, 2), "dualpipev", 4),
-        ((1, 2, 2), "dualpipev:paired", 8),  # the GPU path's batches: two messages to one peer
+        ((1, 2, 2), "dualpipev:paired", 4),  # the GPU path's batches: two messages to one peer
         ((2, 1, 2), "1f1b_overlap:zero1", 2),
         ((1, 1, 4), "1f1b_overlap", 2),
         ((1, 1, 2, 2), "1f1b_overlap", 2),  # tp2 x ep2: TP's collectives inside both halves

@@ -4,7 +4,8 @@ On CPU ``StageLinks`` takes another path than on GPUs (receives posted ahead, se
 buffers sends anyway, so a schedule that deadlocks on NCCL passes there. Here the links take the GPU
 path (``batch_isend_irecv`` pairs) over ``nccl_strict.StrictStream``: one stream per rank running its
 batches in order, a send done only once the peer's receive is posted, messages matched by order.
-gpipe, 1f1b, zb_h1, interleaved_1f1b and zbv train on pp2 and pp4, with and without ep; every case's
+gpipe, 1f1b, zb_h1, interleaved_1f1b and zbv train on pp2 and pp4, with and without ep (dualpipev on
+pp2 x ep2 and pp4); every case's
 validation pass runs its forward-only order; all compared with one process as test_equivalence does.
 The sends in flight stay bounded (``p2p.SENDS_IN_FLIGHT`` batches, whatever M). And ZBV's old exchange
 (each output sent in a batch of its own, the receives after it) deadlocks under the strict transport,
@@ -39,12 +40,24 @@ LAYOUTS = {
 }
 
 
+# DualPipeV (M >= 2P), whose pairs send two messages to one peer in one batch: on pp2 x ep2, and
+# on pp4 with its middle ranks (pp4 x ep2 would need M = 8 of a per-rank batch of 4)
+DUALPIPEV = {
+    2: [],
+    4: [
+        ((1, 2, 2), "dualpipev:strict", 4, CONFIG),
+        ((1, 4, 1), "dualpipev:strict", 8, DEEP_CONFIG),
+    ],
+    8: [],
+}
+
+
 def strict_cases(world: int) -> list[tuple]:
     return [
         (layout, f"{schedule}:strict", m, config)
         for layout, m, config in LAYOUTS[world]
         for schedule in SCHEDULES
-    ]
+    ] + DUALPIPEV[world]
 
 
 def old_run(stage, m, train):
