@@ -179,11 +179,12 @@ def start_dispatch(
     n_local = n_experts // ep
     send_matrix = counts.view(ep, n_local)
     recv_matrix = torch.empty_like(send_matrix)
-    with probes.span("all_to_all", "counts"):
-        work = dist.all_to_all_single(recv_matrix, send_matrix, group=group, async_op=True)
-    hand_over()  # in a forward-backward pair the other microbatch computes while the counts travel
-    with probes.span("all_to_all", "counts"):
-        cast(dist.Work, work).wait()
+    with probes.span("in_flight", "counts"):
+        with probes.span("all_to_all", "counts"):
+            work = dist.all_to_all_single(recv_matrix, send_matrix, group=group, async_op=True)
+        hand_over()  # in a forward-backward pair the other microbatch computes while they travel
+        with probes.span("all_to_all", "counts"):
+            cast(dist.Work, work).wait()
     # one device-to-host read for all three lists (each read is a stream sync on CUDA)
     sizes: list[int] = torch.cat(
         [send_matrix.sum(dim=1), recv_matrix.sum(dim=1), recv_matrix.sum(dim=0)]

@@ -3,7 +3,7 @@
     y, dx = run_pair(lambda: stage.forward(i, x), lambda: stage.backward(j, grad))
 
 runs the backward on a helper thread and the forward on the caller's, one at a time: a baton says
-which. Whoever holds it computes; every started expert-parallel exchange (``hand_over``, called by
+which, the backward first. Whoever holds it computes; every started expert-parallel exchange (``hand_over``, called by
 ``parallel/all_to_all.py`` and the counts' exchange of ``parallel/dispatch.py``) passes it to the
 other, whose compute then runs while the tokens travel: the forward's attention and experts under
 the backward's dispatch and combine, and the other way round (DeepSeek-V3's overlap of two
@@ -41,7 +41,10 @@ class _Baton:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.caller = threading.get_ident()
-        self.holder = "forward"  # the forward computes first
+        # the backward computes first: it frees the activations it is done with at least as fast as
+        # the forward saves new ones (two exchanges a layer to the forward's three), so the pair
+        # never holds more than it held when it started, or holds when it ends (plus a sub-step)
+        self.holder = "backward"
         self.running = {"forward", "backward"}
 
     def _role(self) -> str:
@@ -101,6 +104,7 @@ def run_pair(forward: Callable[[], A], backward: Callable[[], B]) -> tuple[A, B]
     thread = threading.Thread(target=helper, name="titan-backward", daemon=True)
     thread.start()
     try:
+        baton.take()
         y = forward()
     finally:
         baton.leave()  # the backward finishes alone (an error here: it ends before we raise)

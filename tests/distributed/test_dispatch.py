@@ -264,7 +264,7 @@ def _check_overlap(group: dist.ProcessGroup, rank: int) -> None:
 
 def _check_pair(group: dist.ProcessGroup, rank: int) -> None:
     """``run_pair``: microbatch 2's forward with microbatch 1's backward, interleaved at their
-    exchanges (each exchange one half starts begins while one of the other half's is in flight), with the numbers of running them in turn, bit for bit. An error in the
+    exchanges (the backward first; each half starts an exchange while one of the other's travels), with the numbers of running them in turn, bit for bit. An error in the
     backward half reaches the caller after both halves stopped, and the next pair runs."""
     ep_rank = dist.get_rank(group)
     n_local = E // dist.get_world_size(group)
@@ -291,12 +291,14 @@ def _check_pair(group: dist.ProcessGroup, rank: int) -> None:
             assert overlap.handovers - before >= 4, overlap.handovers - before
             fwd = [s for s in spans if not s.name.endswith("_grad")]
             bwd = [s for s in spans if s.name.endswith("_grad")]
-            assert len(fwd) == len(bwd) == 2 and len({s.thread for s in fwd + bwd}) == 2
-            # the first starts under the counts' exchange (not an in-flight span); each later one
-            # while the other half's exchange travels
-            for s in sorted(fwd + bwd, key=lambda s: s.start_ns)[1:]:
-                theirs = bwd if s in fwd else fwd
-                assert any(t.start_ns < s.start_ns < t.end_ns for t in theirs), (s, theirs)
+            assert len(fwd) == 3 and len(bwd) == 2 and len({s.thread for s in fwd + bwd}) == 2
+            # the backward goes first; each half starts an exchange while the other's travels
+            assert min(bwd, key=lambda s: s.start_ns).start_ns < min(s.start_ns for s in fwd)
+            for mine, theirs in ((fwd, bwd), (bwd, fwd)):
+                inside = [
+                    s for s in mine if any(t.start_ns < s.start_ns < t.end_ns for t in theirs)
+                ]
+                assert inside, (mine, theirs)
         results.append([out2, aux2, first.grad, layer.experts.w1.grad, shared.w2.weight.grad])
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)

@@ -439,12 +439,13 @@ class ZbvFakeStage:
         self.backward_weight_chunk(chunk, i)
 
     def overlap_chunks(self, f, b):
-        """dualpipev's pair: both inputs are in before either half runs (they run interleaved)."""
+        """dualpipev's pair: both inputs are in before either half runs (they run interleaved, the
+        backward first: it frees faster than the forward saves, so it counts first)."""
         self._ready(("F", *f))
         self._ready(("B", *b))
         assert f[0] != b[0], f"{self.pp_rank}: a pair within one chunk {f} {b}"
-        self.forward_chunk(*f)
         self.backward_chunk(*b)
+        self.forward_chunk(*f)
 
     def exchange_messages(self, done, take):
         """As ``StageLinks`` on CPU: a send waits for the one before it, then goes out; the receives
@@ -498,8 +499,9 @@ def test_zbv_order_messages_and_live_activations(pp, m):
 @pytest.mark.parametrize("pp,m", [(p, m) for p in (2, 3, 4) for m in range(2 * p, 2 * p + 7)])
 def test_dualpipev_order_messages_and_live_activations(pp, m):
     """DualPipeV over the fake network: every input in before its tick, each pair a forward of one
-    chunk with the whole backward of the other, and 2P+1 chunk-microbatches live on every rank
-    (zbv: 2P on rank 0): the second microbatch each pair keeps, spread evenly over the ranks."""
+    chunk with the whole backward of the other, and 2P chunk-microbatches live on every rank but
+    the last, which holds 2P+1 (its first forward of chunk 0 and backward of chunk 1 run apart);
+    zbv holds 2P on rank 0."""
 
     def make(net, pp_, p):
         return ZbvFakeStage(net, pp_, p, m)
@@ -512,7 +514,7 @@ def test_dualpipev_order_messages_and_live_activations(pp, m):
         for kind in "FBW":
             for chunk in (0, 1):
                 assert [i for k, c, i in order if (k, c) == (kind, chunk)] == list(range(m))
-        assert live_peak(order) == 2 * pp + 1, (p, live_peak(order))
+        assert live_peak(order) == 2 * pp + (p == pp - 1), (p, live_peak(order))
         ticks = zbv.dualpipev_order(pp, p, m)
         pairs = [t for t in ticks if len(t) == 2]
         assert all(f[0] == "F" and b[0] == "BW" and f[1] != b[1] for f, b in pairs)
@@ -715,6 +717,10 @@ def test_overlapped_schedules_name_the_fix():
         TitanStrategy(pp=1, ep=2, schedule="dualpipev")
     assert TrainOptions(schedule="dualpipev", virtual_stages=2).microbatches(8, pp=2) == 4
     assert TrainOptions(schedule="1f1b_overlap").microbatches(8, pp=1) == 2
+    # the pair's backward runs first and frees faster than its forward saves: 1F1B's one microbatch
+    from lightning_titan.parallel.pipeline import theory
+
+    assert theory.live_peak("1f1b_overlap", 1, 0, 1, 4, [1]) == (1, 1)
     assert TitanStrategy(pp=2, ep=2, schedule="dualpipev").options.virtual_stages == 2
     from typing import get_args
 

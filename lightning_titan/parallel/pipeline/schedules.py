@@ -64,8 +64,8 @@ def one_f_one_b(stage: Stage, num_microbatches: int) -> None:
 def one_f_one_b_overlap(stage: Stage, num_microbatches: int) -> None:
     """1F1B with its steady state overlapped, on one stage (pp=1): the forward of microbatch i+1
     runs with the backward of i (``stage.forward_backward``, ``parallel/overlap.py``), each one's
-    expert-parallel all-to-alls under the other's compute. Two microbatches live, where 1F1B holds
-    one. (With pp > 1 a stage's backward waits for the next stage's grad of the same tick, which
+    expert-parallel all-to-alls under the other's compute. One microbatch live, as 1F1B: the pair's
+    backward frees faster than its forward saves. (With pp > 1 a stage's backward waits for the next stage's grad of the same tick, which
     would run the stages one after another: there the V's ``dualpipev`` pairs its two chunks.)"""
     m = num_microbatches
     stage.forward(0, None)

@@ -49,13 +49,14 @@ class _Order:
     def backward_weight_chunk(self, chunk: int, i: int) -> None:
         self.ops.append(("W", chunk, i))
 
-    # an overlapped pair: its forward's activations are live while its backward runs
+    # an overlapped pair (parallel/overlap.py): its backward starts first and frees what it is done
+    # with faster than its forward saves (it also ends first), so the pair counts as B then F
     def forward_backward(self, i: int, x: Any, j: int, grad: Any) -> tuple[None, None]:
-        self.ops += [("F", 0, i), ("B", 0, j)]
+        self.ops += [("B", 0, j), ("F", 0, i)]
         return None, None
 
     def overlap_chunks(self, f: tuple[int, int], b: tuple[int, int]) -> None:
-        self.ops += [("F", *f), ("B", *b)]
+        self.ops += [("B", *b), ("F", *f)]
 
     def __getattr__(self, name: str) -> Any:  # every send, receive and exchange: nothing to move
         return lambda *args, **kwargs: None

@@ -108,7 +108,7 @@ def dualpipev_order(pp: int, rank: int, m: int) -> list[Step]:
     ``rank``'s ticks. Its steady state pairs the forward of one chunk with the whole backward (B and
     W, "BW") of the other, overlapped (``parallel/overlap.py``): each one's all-to-alls run under
     the other's compute. The warmup and cooldown are zbv's shapes, with B and W apart where a W can
-    wait for a bubble. Needs M >= 2P."""
+    wait for a bubble. Needs M >= 2P. Holds 2P chunk-microbatches (2P+1 on the last rank)."""
     ticks: list[Step] = []
     f, b = [0, 0], [0, 0]  # next microbatch to forward / to back-propagate, per chunk
     weights: list[Action] = []  # W's owed, oldest first
