@@ -310,13 +310,13 @@ def overlap_markdown(rows: list[dict]) -> str:
         "time a thread waited for an exchange holding the rank, ms and share of the step, measured "
         "on this machine; *replay*: the same run with free cores, each transfer as long as waited "
         "for at once, the work under it at its CPU time, a pair's partner included; *activations*: "
-        "peak MB saved for backward, measured / the schedule's live microbatch-chunks times what "
-        f"one saves; blocking / this: step time ratio, {INTERVAL}; target: replayed exposed share "
+        "peak MB saved for backward, measured (in brackets: the schedule's live microbatch-chunks "
+        f"times what one saves); blocking / this: step time ratio, {INTERVAL}; target: replayed exposed share "
         f"<= {EXPOSED_TARGET:.0%})",
         "",
         "| case | schedule | M | step ms | blocking / this | exposed ms (measured) "
         "| exposed share (measured) | exposed share (replay) | replay <= target "
-        "| activations MB (measured / theory) |",
+        "| activations MB, measured (theory) |",
         "|---|---|---:|---:|---:|---|---|---|---|---|",
     ]
     for row in rows:
@@ -329,7 +329,7 @@ def overlap_markdown(rows: list[dict]) -> str:
         act = "-"
         if acts:
             act = " / ".join(
-                f"{m:.2f}/{t:.2f}"
+                f"{m:.2f} ({t:.2f})"
                 for m, t in zip(acts["measured_mb"], acts["theory_mb"], strict=True)
             )
         label = row["schedule"] + (" (waited at once)" if row["impl"] == A2A_BLOCKING else "")
