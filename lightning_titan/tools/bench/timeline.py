@@ -20,7 +20,7 @@ def write(
     where its thread held the rank (``runtime/holders.py``), the exchanges in flight whole."""
     dims = ParallelDims(case.dp, case.pp, case.ep, tp=case.tp, cp=case.cp)
     labels = {r: f"rank {r} ({dims.label(r)})" for r in range(case.world)}
-    name = case.name if impl == OURS else f"{case.name} {SCHEDULE_IMPLS.get(impl) or impl}"
+    name = case.name if impl == OURS else f"{case.layout} {SCHEDULE_IMPLS.get(impl) or impl}"
     slug = name.replace(" ", "_")
     (out / "timeline").mkdir(parents=True, exist_ok=True)
     (out / "timeline" / f"{slug}.json").write_text(json.dumps(plots.chrome_trace(spans, labels)))
