@@ -10,7 +10,7 @@
     titan bench --routing   # only: grouped vs loop experts, FLOP/s vs the matmul peak, load balance
     titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1, zbv vs torch's (8 layers)
     titan bench --checkpoint --rounds 5  # only: training blocked by a save, at once vs in the background
-    titan bench --ep-overlap --shared-expert-dim 128 --rounds 7  # all-to-all exposed, overlapped or not
+    titan bench --ep-overlap --shared-expert-dim 128 --rounds 5  # all-to-all exposed, before/after pairs
     titan bench --compile --rounds 9  # only: eager vs compiled, one rank, d_model 64/256/512
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
@@ -71,8 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ep-overlap",
         action="store_true",
-        help="ep2, pp2xep2, dp2xpp2xep2 with the all-to-alls overlapped beside waited for at once: "
-        "exposed all-to-all per rank, measured and replayed with free cores (with --quick: ep2)",
+        help="ep2, ep4, pp2xep2, dp2xpp2xep2: 1f1b with the all-to-alls waited for at once, 1f1b "
+        "and zbv with the in-layer overlap, and 1f1b_overlap / dualpipev in the same rounds: exposed "
+        "all-to-all per rank, measured and replayed with free cores, activations against the "
+        "theory (with --quick: ep2)",
     )
     p.add_argument(
         "--shared-expert-dim", type=int, default=0, help="a shared expert this wide (0: none)"
