@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_titan.parallel.mesh import ParallelDims
@@ -217,7 +217,9 @@ def _replayed(
 
 
 def exposure(
-    runs: dict[str, Sequence[Span]], blocking: Sequence[Span], groups: Sequence[Sequence[int]] = ()
+    runs: Mapping[str, Sequence[Span]],
+    blocking: Sequence[Span],
+    groups: Sequence[Sequence[int]] = (),
 ) -> dict:
     """Per rank, measured for the blocking run and each of ``runs`` (impl -> its spans), and
     replayed for each of ``runs`` (module docstring); ``groups``: the EP groups' ranks
