@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lightning_titan.runtime import probes
+from lightning_titan.runtime import holders, probes
 
 COMPUTE_KINDS = ("forward", "backward")
 COMM_KINDS = ("p2p", "all_to_all", "all_reduce", "wait", "all_gather", "tp", "cp")
@@ -154,9 +154,12 @@ def exclusive_ns(spans: Iterable[Span], window: tuple[int, int] | None = None) -
 
     A forward that contains an all-to-all gives the all-to-all's time to ``all_to_all`` and the rest to
     ``forward``. Instants of ``window`` covered by no span go to ``OTHER``. ``BACKGROUND_KINDS``
-    spans are left out: the compute under them keeps its kind.
+    spans are left out: the compute under them keeps its kind. Where two threads' spans overlap (a
+    forward-backward pair), an instant goes to the innermost span of the thread holding the rank
+    (``holders.py``), not to the other's, which waits for it.
     """
     spans = [s for s in spans if s.end_ns > s.start_ns and s.kind not in BACKGROUND_KINDS]
+    events = holders.next_events(spans)
     edges = sorted({t for s in spans for t in (s.start_ns, s.end_ns)} | set(window or ()))
     if window is not None:
         edges = [t for t in edges if window[0] <= t <= window[1]]
@@ -170,8 +173,11 @@ def exclusive_ns(spans: Iterable[Span], window: tuple[int, int] | None = None) -
             nxt += 1
         active = [s for s in active if s.end_ns > left]
         if active:
+            thread = holders.holder({s.thread for s in active}, right, events)
             # innermost: started last; among equal starts, the one ending first
-            inner = max(active, key=lambda s: (s.start_ns, -s.end_ns))
+            inner = max(
+                (s for s in active if s.thread == thread), key=lambda s: (s.start_ns, -s.end_ns)
+            )
             out[inner.kind] += right - left
         elif window is not None:
             out[OTHER] += right - left
@@ -179,18 +185,11 @@ def exclusive_ns(spans: Iterable[Span], window: tuple[int, int] | None = None) -
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:
-    if not intervals:
-        return 0
-    total = 0
-    ordered = sorted(intervals)
-    cur_start, cur_end = ordered[0]
-    for a, b in ordered[1:]:
-        if a > cur_end:
-            total += cur_end - cur_start
-            cur_start, cur_end = a, b
-        else:
-            cur_end = max(cur_end, b)
-    return total + cur_end - cur_start
+    total, reach = 0, -(2**63)
+    for a, b in sorted(intervals):
+        total += max(0, b - max(a, reach))
+        reach = max(reach, b)
+    return total
 
 
 def theory_bubble(

@@ -15,7 +15,7 @@ from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
 from lightning_titan.parallel.pipeline.schedules import get_schedule
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.memory import layout_state
-from lightning_titan.runtime import tracing
+from lightning_titan.runtime import holders, tracing
 from lightning_titan.runtime.saved_tensors import SavedTensorMeter
 from lightning_titan.tools.bench.cases import A2A_BLOCKING, OURS
 from lightning_titan.tools.bench.overlap_report import exposure, overlap_markdown, overlap_rows
@@ -337,13 +337,13 @@ def test_exclusive_time_goes_to_the_innermost_span():
     )
 
 
-def _exchange(name, start, launched, waited, end, cpu, rank=0):
+def _exchange(name, start, launched, waited, end, cpu, rank=0, thread=0):
     """An all-to-all's spans: in flight [start, end] (``cpu`` ns of work under it), its launch
     [start, launched] and its wait [waited, end], the last two at 1 ns of CPU each."""
     return [
-        tracing.Span("in_flight", name, rank, start, end, cpu_ns=cpu + 2),
-        tracing.Span("all_to_all", name, rank, start, launched, cpu_ns=1),
-        tracing.Span("all_to_all", name, rank, waited, end, cpu_ns=1),
+        tracing.Span("in_flight", name, rank, start, end, thread=thread, cpu_ns=cpu + 2),
+        tracing.Span("all_to_all", name, rank, start, launched, thread=thread, cpu_ns=1),
+        tracing.Span("all_to_all", name, rank, waited, end, thread=thread, cpu_ns=1),
     ]
 
 
@@ -355,20 +355,52 @@ def test_overlap_exposure_measured_and_replayed():
     blocking = forward + counts + _exchange("dispatch", 10, 11, 12, 40, 0)  # 30 ns, waited at once
     overlapped = forward + counts + _exchange("dispatch", 10, 11, 30, 40, cpu=19)
     assert tracing.exclusive_ns(overlapped, (0, 100)) == {"forward": 87, "all_to_all": 13}
-    e = exposure(overlapped, blocking)
+    e = exposure({OURS: overlapped}, blocking)
     assert e["blocking"] == [{"step_ms": 100e-6, "in_flight_ms": 32e-6, "exposed_ms": 31e-6}]
-    assert e["overlapped"] == [{"step_ms": 100e-6, "in_flight_ms": 32e-6, "exposed_ms": 13e-6}]
+    ours = e["impls"][OURS]
+    assert ours["measured"] == [{"step_ms": 100e-6, "in_flight_ms": 32e-6, "exposed_ms": 13e-6}]
     # dispatch: 30 ns in flight waited at once, 19 ns of work under it -> 11; counts: its 2 ns
-    assert e["replay"] == [{"exposed_ms": pytest.approx(13e-6), "step_ms": pytest.approx(100e-6)}]
-    row = {"case": "ep2", "ep_overlap": e, "impls": {OURS: {"step_ms": 1.0},
-                                                     A2A_BLOCKING: {"step_ms": 1.2}}}  # fmt: skip
-    (got,) = overlap_rows([row])
+    assert ours["replay"] == [
+        {"exposed_ms": pytest.approx(13e-6), "step_ms": pytest.approx(100e-6)}
+    ]
+    e |= {"schedules": {A2A_BLOCKING: "1f1b", OURS: "1f1b"}, "activations": {}}
+    row = {"case": "ep2", "ep_overlap": e, "microbatches": 2,
+           "impls": {OURS: {"step_ms": 1.0}, A2A_BLOCKING: {"step_ms": 1.2}}}  # fmt: skip
+    blocked, got = overlap_rows([row])
+    assert blocked["impl"] == A2A_BLOCKING and "replay" not in blocked
     assert got["ratio"] == pytest.approx(1.2) and got["replay_met"] is True  # 13 of 100
-    assert "| ep2 | 0 |" in overlap_markdown([got])
+    assert "| ep2 | 1f1b | 2 | 1.0 | 1.20x |" in overlap_markdown([blocked, got])
     # its EP peer waited 20 ns for the same exchange: the transfer's length, without lateness
-    peer = _exchange("dispatch", 15, 16, 16, 35, 0, rank=1)
-    e = exposure(overlapped, blocking + peer, groups=[[0, 1]])
-    assert e["replay"][0]["exposed_ms"] == pytest.approx(3e-6)  # 20 - 19 + counts' 2
+    peer = [tracing.Span("forward", "f", 1, 0, 100)] + _exchange("dispatch", 15, 16, 16, 35, 0, 1)
+    e = exposure({OURS: overlapped}, blocking + peer, groups=[[0, 1]])
+    assert e["impls"][OURS]["replay"][0]["exposed_ms"] == pytest.approx(3e-6)  # 20 - 19 + 2
+
+
+def test_a_pairs_two_threads_count_each_instant_once_for_the_thread_holding_the_rank():
+    """1f1b_overlap / dualpipev: the forward (thread 1) and the backward (thread 2) overlap in wall
+    time; one computes at a time and hands over at each launch. The time split gives each instant
+    to the holder (the forward's own compute is not the backward's because the backward started
+    later), exposure counts only waits, and the replay lets the partner's compute between the
+    hand-overs hide an exchange."""
+    f = tracing.Span("forward", "f", 0, 0, 70, thread=1, cpu_ns=41)  # holds [0,13), [42,70)
+    b = tracing.Span("backward", "b", 0, 13, 90, thread=2, cpu_ns=49)  # [13,42), [70,90)
+    pair = [f, b, *_exchange("dispatch", 10, 12, 50, 60, 8, thread=1),
+            *_exchange("dispatch", 40, 42, 71, 80, 1, thread=2)]  # fmt: skip
+    got = tracing.exclusive_ns(pair, (0, 90))
+    assert got == {"forward": 29, "backward": 38, "all_to_all": 23}
+    blocking = [tracing.Span("forward", "f", 0, 0, 50), tracing.Span("backward", "b", 0, 50, 100),
+                *_exchange("dispatch", 10, 11, 11, 40, 0),  # forward's: 30 ns
+                *_exchange("dispatch", 60, 61, 61, 85, 0)]  # backward's: 25 ns  # fmt: skip
+    e = exposure({OURS: pair}, blocking)["impls"][OURS]
+    assert e["measured"] == [{"step_ms": 90e-6, "in_flight_ms": 70e-6, "exposed_ms": 23e-6}]
+    # forward's: 8 own + 27 of the backward's compute >= 30; backward's: 25 - (1 + 18) = 6
+    assert e["replay"][0]["exposed_ms"] == pytest.approx(6e-6)
+    # the chart draws each thread where it held the rank: the forward in two pieces
+    pieces = holders.held(pair, tracing.BACKGROUND_KINDS)
+    assert sorted((s.start_ns, s.end_ns) for s in pieces if s.kind == "forward") == [
+        (0, 13),
+        (42, 70),
+    ]
 
 
 def test_time_split_counts_the_zero_parameter_gather():

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_titan.model.decoder import ModelConfig
-from lightning_titan.parallel.pipeline.schedules import V_SHAPED
+from lightning_titan.parallel.pipeline.schedules import V_SHAPED, default_microbatches
 from lightning_titan.parallel.pipeline.split import AUTO, StageSplit
 
 OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
 ZERO1, ZERO2, DDP_ZERO, TORCH_TP = "titan_zero1", "titan_zero2", "ddp_zero", "torch_tp"
 FSDP2 = "fsdp2"
 A2A_BLOCKING = "titan_a2a_blocking"  # ours with every EP all-to-all waited for at once
+# ours under another schedule than the case's (titan bench --ep-overlap): zbv with the in-layer
+# overlap, and the schedules that overlap one microbatch's forward with another's backward
+ZBV, OVERLAP_1F1B, DUALPIPEV = "titan_zbv", "titan_1f1b_overlap", "titan_dualpipev"
+SCHEDULE_IMPLS = {ZBV: "zbv", OVERLAP_1F1B: "1f1b_overlap", DUALPIPEV: "dualpipev"}
+PAIRED = (OVERLAP_1F1B, DUALPIPEV)  # a rank runs two threads (parallel/overlap.py)
 ZERO_LEVELS = {ZERO1: 1, ZERO2: 2}  # ours with a zero flag
 IMPL_LABELS = {
     OURS: "ours",
@@ -24,9 +29,13 @@ IMPL_LABELS = {
     TORCH_TP: "torch parallelize_module (TP + SP)",
     FSDP2: "torch FSDP2 (fully_shard, ZeRO-2)",
     A2A_BLOCKING: "ours, all-to-alls waited for at once",
+    ZBV: "ours, zbv",
+    OVERLAP_1F1B: "ours, 1f1b_overlap",
+    DUALPIPEV: "ours, dualpipev",
 }
 # what a peer is timed against (default: OURS): the sharded-state peer against our sharded state
 BASELINES = {DDP_ZERO: ZERO1, FSDP2: ZERO2, A2A_BLOCKING: OURS}
+OVERLAP_IMPLS = (OURS, ZBV, *PAIRED)  # --ep-overlap: each timed against A2A_BLOCKING
 
 
 @dataclass(frozen=True)
@@ -42,11 +51,19 @@ class Case:
     cp: int = 1
     virtual_stages: int = 1  # chunks per rank (interleaved_1f1b; zbv: 2, in a V)
     stage_layers: tuple[int, ...] | str | None = None  # layers per (virtual) stage, or "auto"
+    microbatches: int | None = None  # M for every impl (None: Settings.num_microbatches's)
 
     @property
     def split(self) -> StageSplit:
         v_shape = self.schedule in V_SHAPED  # as TrainOptions.split: zbv's chunks go in a V
         return StageSplit(self.virtual_stages, self.stage_layers, v_shape)
+
+    def of(self, impl: str) -> Case:
+        """The case as ``impl`` runs it: under its own schedule where it has one (V-shaped: v=2)."""
+        schedule = SCHEDULE_IMPLS.get(impl)
+        if schedule is None:
+            return self
+        return replace(self, schedule=schedule, virtual_stages=2 if schedule in V_SHAPED else 1)
 
     @property
     def world(self) -> int:
@@ -98,6 +115,8 @@ class Settings:
         return self.global_batch * self.config.seq_len
 
     def num_microbatches(self, case: Case) -> int:
+        if case.microbatches is not None:
+            return case.microbatches
         if case.pp == 1:
             return 1
         local = self.global_batch // (case.dp * case.ep)  # TP ranks read the same sequences
@@ -172,8 +191,17 @@ def schedule_cases(peers: bool = True) -> list[Case]:
 
 
 def ep_overlap_cases(quick: bool = False) -> list[Case]:
-    """``titan bench --ep-overlap``: ours (all-to-alls overlapped) beside the same stack waiting for
-    each all-to-all at once, on ep2, pp2 x ep2 and dp2 x pp2 x ep2 (with --quick: ep2 only)."""
-    impls = (OURS, A2A_BLOCKING)
-    cases = [Case(ep=2, impls=impls), Case(pp=2, ep=2, impls=impls)]
-    return cases[:1] if quick else cases + [Case(dp=2, pp=2, ep=2, impls=impls)]
+    """``titan bench --ep-overlap``: before, ours under 1F1B with each all-to-all waited for at once
+    and with the in-layer overlap (and under zbv where pp > 1); after, the schedules that overlap two
+    microbatches (1f1b_overlap at pp=1, dualpipev), all in the same rounds, on ep2, ep4, pp2 x ep2
+    and dp2 x pp2 x ep2 (with --quick: ep2 only). At pp=1 every impl runs 1f1b_overlap's M (2)."""
+    flat = (OURS, A2A_BLOCKING, OVERLAP_1F1B)
+    piped = (OURS, A2A_BLOCKING, ZBV, DUALPIPEV)
+    m = default_microbatches("1f1b_overlap", 1)
+    cases = [
+        Case(ep=2, impls=flat, microbatches=m),
+        Case(ep=4, impls=flat, microbatches=m),
+        Case(pp=2, ep=2, impls=piped),
+        Case(dp=2, pp=2, ep=2, impls=piped),
+    ]
+    return cases[:1] if quick else cases

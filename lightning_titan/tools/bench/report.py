@@ -24,7 +24,7 @@ from lightning_titan.tools.bench.cases import (
     Settings,
 )
 from lightning_titan.tools.bench.cp_report import cp_markdown, cp_rows  # noqa: F401 (suite)
-from lightning_titan.tools.bench.overlap_report import exposure
+from lightning_titan.tools.bench.overlap_report import ep_overlap
 from lightning_titan.tools.bench.paired import INTERVAL, mark, step_and_cpu
 from lightning_titan.tools.bench.schedule_report import schedules_markdown
 from lightning_titan.tools.bench.tp_report import expected_tp_shares, span, tp_markdown, tp_rows
@@ -106,8 +106,7 @@ def summarize(
             ]
     row["state"] = _state_shares(case, settings, per_rank, full)
     if A2A_BLOCKING in case.impls:  # titan bench --ep-overlap
-        blocking = [s for r in per_rank for s in r[A2A_BLOCKING]["spans"]]
-        row["ep_overlap"] = exposure(spans, blocking, dims.all_groups("ep"))
+        row["ep_overlap"] = ep_overlap(case, settings, per_rank, dims)
     return row, spans
 
 

@@ -10,7 +10,7 @@
     titan bench --routing   # only: grouped vs loop experts, FLOP/s vs the matmul peak, load balance
     titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1, zbv vs torch's (8 layers)
     titan bench --checkpoint --rounds 5  # only: training blocked by a save, at once vs in the background
-    titan bench --ep-overlap --shared-expert-dim 128 --rounds 7  # all-to-all exposed, overlapped or not
+    titan bench --ep-overlap --shared-expert-dim 128 --rounds 5  # all-to-all exposed, before/after pairs
     titan bench --compile --rounds 9  # only: eager vs compiled, one rank, d_model 64/256/512
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
@@ -34,10 +34,8 @@ import torch
 
 from lightning_titan.lightning import plots
 from lightning_titan.model.decoder import ModelConfig
-from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import check_microbatches
 from lightning_titan.parallel.pipeline.split import AUTO
-from lightning_titan.runtime import tracing
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.tools.bench import checkpoint as checkpoint_bench
 from lightning_titan.tools.bench import (
@@ -46,8 +44,10 @@ from lightning_titan.tools.bench import (
     report,
     routing,
     schedule_report,
+    timeline,
 )
 from lightning_titan.tools.bench.cases import (
+    PAIRED,
     SCHEDULES_N_LAYERS,
     Case,
     Settings,
@@ -71,8 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ep-overlap",
         action="store_true",
-        help="ep2, pp2xep2, dp2xpp2xep2 with the all-to-alls overlapped beside waited for at once: "
-        "exposed all-to-all per rank, measured and replayed with free cores (with --quick: ep2)",
+        help="ep2, ep4, pp2xep2, dp2xpp2xep2: 1f1b with the all-to-alls waited for at once, 1f1b "
+        "and zbv with the in-layer overlap, and 1f1b_overlap / dualpipev in the same rounds: exposed "
+        "all-to-all per rank, measured and replayed with free cores, activations against the "
+        "theory (with --quick: ep2)",
     )
     p.add_argument(
         "--shared-expert-dim", type=int, default=0, help="a shared expert this wide (0: none)"
@@ -207,7 +209,8 @@ def _check_case(case: Case, settings: Settings) -> None:
         )
     split = None if case.stage_layers == AUTO else case.split  # auto: chosen on the ranks
     settings.config.validate_layout(case.pp, case.ep, case.tp, case.cp, split)
-    check_microbatches(case.schedule, settings.num_microbatches(case), case.pp, case.virtual_stages)
+    for c in {case.of(impl) for impl in case.impls}:  # --ep-overlap: each impl's own schedule
+        check_microbatches(c.schedule, settings.num_microbatches(c), c.pp, c.virtual_stages)
 
 
 def _machine(settings: Settings, note: str) -> str:
@@ -234,24 +237,6 @@ def _launch(cases: list[Case], settings: Settings, world: int) -> list[list[dict
     if settings.device == "cuda":
         kwargs["backend"] = "cpu:gloo,cuda:nccl"
     return run_on_ranks(run_world, world, cases, settings, timeout_s=settings.timeout_s, **kwargs)
-
-
-def _write_timeline(
-    out: Path, case: Case, spans: list[tracing.Span], num_microbatches: int
-) -> None:
-    dims = ParallelDims(case.dp, case.pp, case.ep, tp=case.tp, cp=case.cp)
-    labels = {r: f"rank {r} ({dims.label(r)})" for r in range(case.world)}
-    slug = case.name.replace(" ", "_")
-    (out / "timeline").mkdir(parents=True, exist_ok=True)
-    (out / "timeline" / f"{slug}.json").write_text(json.dumps(plots.chrome_trace(spans, labels)))
-    if (case.pp > 1 or case.ep > 1) and spans and plots.available():
-        last = max(s.step for s in spans)  # the steadiest recorded step
-        plots.plot_gantt(
-            [s for s in spans if s.step == last],
-            out / "timeline" / f"{slug}.png",
-            labels,
-            title=f"{case.name}, M={num_microbatches}: measured timeline (F/B/W microbatch.chunk)",
-        )
 
 
 def _check_device(settings: Settings, cases: list[Case]) -> None:
@@ -352,7 +337,11 @@ def main(argv: list[str] | None = None) -> dict:
         for i, case in enumerate(world_cases):
             row, spans = report.summarize(case, settings, [r[i] for r in per_rank], full)
             rows.append(row)
-            _write_timeline(out, case, spans, settings.num_microbatches(case))
+            timeline.write(out, case, spans, settings.num_microbatches(case))
+            for impl in PAIRED:  # their two threads' timelines
+                if impl in case.impls:
+                    own = [s for r in per_rank for s in r[i][impl]["spans"]]
+                    timeline.write(out, case, own, settings.num_microbatches(case), impl)
     schedules = schedule_report.schedule_rows(rows)
 
     results: dict[str, Any] = {

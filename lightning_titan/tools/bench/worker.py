@@ -31,6 +31,7 @@ from lightning_titan.tools.bench.cases import (
     IMPL_LABELS,
     OURS,
     PER_PARAM,
+    SCHEDULE_IMPLS,
     TORCH_PP,
     TORCH_TP,
     ZERO1,
@@ -96,14 +97,14 @@ def _make(
     split: StageSplit,
 ) -> Any:
     m = settings.num_microbatches(case)
-    if impl in (OURS, ZERO1, ZERO2, PER_PARAM, A2A_BLOCKING):
+    if impl in (OURS, ZERO1, ZERO2, PER_PARAM, A2A_BLOCKING, *SCHEDULE_IMPLS):
         reducer = "per_param" if impl == PER_PARAM else "bucketed"
         runner = TitanRunner(
             settings.config,
             dims,
             groups,
             device,
-            schedule=case.schedule,
+            schedule=case.of(impl).schedule,
             num_microbatches=m,
             reducer=reducer,
             zero=ZERO_LEVELS.get(impl, 0),
@@ -185,7 +186,8 @@ def run_case(
     for impl in case.impls:
         torch.manual_seed(dims.rank)
         reset_peak(device)
-        runners[impl] = _make(impl, case, settings, dims, groups, device, split)
+        own = split if impl not in SCHEDULE_IMPLS else case.of(impl).split  # zbv's: the V
+        runners[impl] = _make(impl, case, settings, dims, groups, device, own)
         for k in range(settings.warmup):
             with autocast(settings, device):
                 runners[impl].step(*batches[k % len(batches)])
@@ -207,29 +209,28 @@ def run_case(
         result["median_step_s"] = statistics.median(result["step_s"])
         result["median_cpu_s"] = statistics.median(result["cpu_s"])
 
-    for impl in (
-        OURS,
-        ZERO1,
-        ZERO2,
-        A2A_BLOCKING,
-    ):  # zero>0's time split: where its gather and smaller step go
+    # zero>0's time split: where its gather and smaller step go; --ep-overlap's exposure
+    for impl in (OURS, ZERO1, ZERO2, A2A_BLOCKING, *SCHEDULE_IMPLS):
         if impl in runners:
             out[impl]["spans"] = _traced(runners[impl], batches, settings, dims, device)
-    ours = runners[OURS]
     for impl, runner in runners.items():  # after steps: the optimizers hold their state
         out[impl]["state_bytes"] = state_bytes(
             runner.model, runner.optimizer, zero2_grad_bytes(getattr(runner, "engine", None))
         )
         out[impl]["tp_cut_param_bytes"] = tp_cut_bytes(runner.model)
-    # activations saved for backward, every case: the pipeline's per stage, CP's against one rank
-    with autocast(settings, device):
-        out[OURS]["saved_peak_bytes"] = _saved_peak(ours, batches[0])
+    # activations saved for backward, every case: the pipeline's per stage, CP's against one rank;
+    # under --ep-overlap every schedule's
     if dims.pp > 1:
         out[OURS]["stage_layers"] = split.counts(settings.config.n_layers, dims.pp)
-    if dims.pp > 1 and dims.tp == dims.cp == 1:  # the schedules theory's unit: what one microbatch
-        # of each chunk saves (run outside the engine, which alone splits a TP/CP sequence)
+    overlap = A2A_BLOCKING in case.impls
+    for impl in [i for i in (OURS, *SCHEDULE_IMPLS) if i in runners]:
         with autocast(settings, device):
-            out[OURS]["microbatch_saved_bytes"] = _microbatch_saved(ours, batches[0])
+            out[impl]["saved_peak_bytes"] = _saved_peak(runners[impl], batches[0])
+        if (dims.pp > 1 or overlap) and dims.tp == dims.cp == 1:  # the schedules theory's unit:
+            # what one microbatch of each chunk saves (outside the engine, which alone splits a
+            # TP/CP sequence)
+            with autocast(settings, device):
+                out[impl]["microbatch_saved_bytes"] = _microbatch_saved(runners[impl], batches[0])
     for runner in runners.values():
         runner.close()
     return out
