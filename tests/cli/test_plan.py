@@ -202,7 +202,7 @@ def test_bubble_and_held_activations_are_the_schedules_own_order():
     order (parallel/pipeline/theory.py): the closed forms where the pipeline fills, the replay before."""
     for schedule in SCHEDULES:
         v = 2 if schedule in {**CHUNKED, **V_SHAPED} else 1
-        for pp in (2, 3, 4):
+        for pp in (1, 2, 3, 4) if schedule in ("1f1b", "1f1b_overlap") else (2, 3, 4):
             for m in range(1, 17):
                 try:
                     check_microbatches(schedule, m, pp, v)
@@ -219,9 +219,14 @@ def test_bubble_and_held_activations_are_the_schedules_own_order():
 
 
 def test_every_schedule_is_offered_with_its_chunks():
-    offered = {(o.schedule, o.virtual_stages) for o in step_options(DEFAULT, 2, 16)}
-    assert {s for s, _ in offered} == set(SCHEDULES)
+    offered = {
+        (o.schedule, o.virtual_stages) for o in step_options(DEFAULT, _layout(pp=2, ep=2), 16)
+    }
+    assert {s for s, _ in offered} == set(SCHEDULES) - {"1f1b_overlap"}  # that one: pp=1 only
     assert ("zbv", 2) in offered and ("interleaved_1f1b", 2) in offered and ("zb_h1", 1) in offered
+    assert ("dualpipev", 2) in offered
+    alone = {o.schedule for o in step_options(DEFAULT, _layout(ep=2), 16)}
+    assert alone == {"1f1b", "1f1b_overlap"}
 
 
 def test_collectives_move_the_ring_bytes():
@@ -310,17 +315,17 @@ def test_layout_auto_plans_in_the_trainers_precision():
     seen = []
     original = auto.choose
 
-    def spy(config, batch, world, device, precision=auto.FP32):
-        seen.append(precision.name)
-        return original(config, batch, world, device, precision)
+    def spy(config, batch, world, device, precision=auto.FP32, compiled=False):
+        seen.append((precision.name, compiled))
+        return original(config, batch, world, device, precision, compiled)
 
     auto.choose = spy
     try:
-        auto.choose_for(strategy, SimpleNamespace(config=DEFAULT),
+        auto.choose_for(strategy, SimpleNamespace(config=DEFAULT, hparams={"compile": True}),
                         SimpleNamespace(global_batch_size=16))  # fmt: skip
     finally:
         auto.choose = original
-    assert seen == ["bf16-mixed"]
+    assert seen == [("bf16-mixed", True)]  # compiled: no overlapped schedule to choose
 
 
 def test_rows_are_ranked_by_predicted_step_time(capsys):
