@@ -10,9 +10,11 @@ scores, not scaled, are a rounding error). Then, in microbatches held at the pea
     gpipe: M          1f1b: min(M, pp - p)          interleaved (v chunks): the doc's bound / v
     zb_h1: min(M, pp) (a forward's activations live until its W, which every stage defers)
     zbv: pp on every rank once the V is full (M >= 2 pp - 1), the replayed order before
+    1f1b_overlap (pp=1): min(M, 2) (a forward runs while the previous microbatch's backward holds it)
+    dualpipev: (2 pp + 1) / 2 on every rank (its M >= 2 pp: zbv's 2 pp chunks and the paired forward's)
 
 (each the count of live microbatches in the schedule's own order, ``parallel/pipeline/theory.py``: a test
-holds them equal). Under zbv the embedding, head and loss are on rank 0, the V's turn.
+holds them equal). Under zbv and dualpipev the embedding, head and loss are on rank 0, the V's turn.
 
 Activation checkpointing keeps only each block's input (``m * S * D`` floats: the residual stream, fp32
 under either precision) and, during one block's backward, that block's full activations again.
@@ -33,6 +35,7 @@ import torch
 
 from lightning_titan.model.decoder import EXPERT, ModelConfig, StageModel
 from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.parallel.pipeline.schedules import V_SHAPED
 from lightning_titan.parallel.pipeline.theory import live_peak
 from lightning_titan.plan.cost import StepOptions
 from lightning_titan.plan.memory import local_shape, stage_tensors
@@ -132,6 +135,8 @@ def held(options: StepOptions, pp: int, pp_rank: int) -> float:
     m, v = options.microbatches, options.virtual_stages
     if options.schedule == "1f1b":
         return min(m, pp - pp_rank)
+    if options.schedule == "1f1b_overlap":
+        return min(m, 2)
     if options.schedule == "interleaved_1f1b":
         return min(v * m, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1) / v
     if options.schedule == "zb_h1":
@@ -140,6 +145,8 @@ def held(options: StepOptions, pp: int, pp_rank: int) -> float:
         if m >= 2 * pp - 1:
             return pp
         return live_peak("zbv", pp, pp_rank, 2, m, [1, 1])[1] / 2
+    if options.schedule == "dualpipev":
+        return (2 * pp + 1) / 2
     return m  # gpipe
 
 
@@ -178,7 +185,9 @@ def peak_bytes(
     share = degrees["tp"] * degrees["cp"]  # positions per rank (the head's logits: V/tp of them)
     m = global_batch // (degrees["dp"] * degrees["ep"]) / options.microbatches
     layers = config.n_layers / pp
-    head = 0 if options.schedule == "zbv" else pp - 1  # the rank with the embedding, head and loss
+    head = (
+        0 if options.schedule in V_SHAPED else pp - 1
+    )  # the rank with the embedding, head and loss
     if options.recompute:  # inputs kept, one block's activations live again during its backward
         kept = config.seq_len * config.d_model * STATE_BYTES
         peaks = [

@@ -112,9 +112,11 @@ def choose(
     world: int,
     device: Device,
     precision: Precision = FP32,
+    compiled: bool = False,
 ) -> Choice:
     """The first row ``titan plan`` would print, as the strategy's arguments; a clear error where
-    nothing is accepted or nothing fits."""
+    nothing is accepted or nothing fits (``compiled``: the model is, which rules out the overlapped
+    schedules)."""
     found, _ = candidates(config, world, batch)
     if not found:
         raise ValueError(
@@ -126,7 +128,7 @@ def choose(
         smallest = min(found, key=lambda c: c.state_bytes)
         raise ValueError(f"layout='auto': nothing fits: {shortfall(smallest, device.memory)}")
     recompute = (config.activation_checkpointing,)
-    rows = ranked(config, fits, batch, device, recompute, precision)
+    rows = ranked(config, fits, batch, device, recompute, precision, compiled)
     if not rows:
         raise ValueError(
             "layout='auto': the model state fits but no step option's activations do; use "
@@ -158,7 +160,8 @@ def choose_for(strategy: Any, module: Any, datamodule: Any) -> Choice:
     world = strategy.num_nodes * strategy.num_processes
     device = this_device(strategy.root_device, world, strategy.num_nodes, config)
     precision = precision_of(getattr(strategy.precision_plugin, "precision", "32-true"))
-    return choose(config, global_batch(datamodule), world, device, precision)
+    compiled = bool(getattr(module, "hparams", {}).get("compile", False))
+    return choose(config, global_batch(datamodule), world, device, precision, compiled)
 
 
 def agree(mine: Choice | None, strategy: Any, module: Any, datamodule: Any) -> Choice:

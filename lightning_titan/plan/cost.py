@@ -7,11 +7,18 @@ communication, so a reader sees why one layout wins.
   schedule splits the backward into B and W (``Device.split_s``);
 - **bubble**: the schedule's idle time, ``(pp-1)/M`` of a stage's compute for GPipe and 1F1B, that
   over ``v`` for interleaved 1F1B, over 3 for ZB-H1 (its cooldown runs the deferred weight grads),
-  over 6 for ZBV (two chunks per rank in a V); the replayed order while the pipeline never fills;
+  over 6 for ZBV and DualPipeV (two chunks per rank in a V); the replayed order while the pipeline
+  never fills;
 - **communication**: bytes per collective per step and rank at the link's bandwidth, plus its
   latency per message step: the data-parallel all-reduce (or ZeRO's reduce-scatter and all-gather;
   only what outlasts the last microbatch's backward is exposed), the EP all-to-alls, PP
   send/recv, TP's sequence all-gather / reduce-scatter, CP's key/value all-gather;
+- **overlapped schedules** (``1f1b_overlap``, ``dualpipev``): a paired tick runs one microbatch's
+  forward with another's backward, each one's EP all-to-alls under the other's compute. For the
+  paired share of the forwards (and as many backwards: ``paired_fraction``), the forward's
+  all-to-alls cost ``max(0, a2a - backward compute)`` and the backward's ``max(0, a2a - forward
+  compute)`` (backward 2/3 of a microbatch's compute, forward 1/3); the unpaired ones are exposed
+  whole. The pairs share the rank's compute: the compute and the bubble are 1F1B's and ZBV's;
 - **optimizer**: AdamW streaming the state the rank owns.
 
 Each payload is priced in the dtype the run sends it in (``plan/precision.py``): under ``bf16-mixed``
@@ -22,13 +29,15 @@ On a CPU the ranks share the cores: a step takes at least the busy time of all r
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.flops import layer_flops_per_token
-from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD
+from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 from lightning_titan.parallel.pipeline.theory import ideal_bubble
+from lightning_titan.parallel.pipeline.zbv import dualpipev_order
 from lightning_titan.plan.devices import Device, Link
 from lightning_titan.plan.precision import FP32, Precision
 from lightning_titan.plan.precision import STATE_BYTES as BYTES
@@ -49,7 +58,8 @@ class StepOptions:
 
     def label(self, pp: int = 2) -> str:
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        schedule = f"{self.schedule}{v} " if pp > 1 else ""  # no pipeline: no schedule to name
+        # no pipeline: no schedule to name but the overlapped one
+        schedule = f"{self.schedule}{v} " if pp > 1 or self.schedule != "1f1b" else ""
         return f"{schedule}M{self.microbatches}" + (" ckpt" if self.recompute else "")
 
 
@@ -78,11 +88,36 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: i
         if m < pp:  # the W's cannot fill a warm-up that is never complete
             return ideal_bubble(schedule, pp, 1, m)
         fill /= 3  # F, B and W equal: 1F1B idles (pp-1)(F+B+W), ZB-H1 (pp-1)(F+B-W)
-    elif schedule == "zbv":
+    elif schedule in V_SHAPED:  # zbv, dualpipev (its M >= 2P fills the V)
         if m < 2 * pp - 1:  # the V is never full
             return ideal_bubble(schedule, pp, 2, m)
         fill = (pp - 1) / 6  # the V's two chunks each idle ZB-H1's third of a chunk
     return fill / (m + fill)
+
+
+@functools.cache
+def paired_fraction(schedule: str, pp: int, microbatches: int) -> float:
+    """The share of a rank's forwards (and as many backwards) an overlapped schedule runs paired with
+    another microbatch's backward (forward): M-1 of M for 1f1b_overlap; for dualpipev the two-action
+    ticks of ``dualpipev_order`` over its 2M chunk forwards, on the rank with the fewest; else 0."""
+    m = microbatches
+    if schedule == "1f1b_overlap":
+        return (m - 1) / m
+    if schedule == "dualpipev":
+        ticks = (dualpipev_order(pp, rank, m) for rank in range(pp))
+        return min(sum(len(tick) == 2 for tick in t) for t in ticks) / (2 * m)
+    return 0.0
+
+
+def exposed_all_to_all(
+    schedule: str, pp: int, microbatches: int, forward_s: float, backward_s: float, compute_s: float
+) -> float:
+    """Seconds of the step's EP all-to-alls (``forward_s`` the forwards', ``backward_s`` the
+    backwards') the rank waits for, ``compute_s`` its compute: all of them, but the paired share under
+    an overlapped schedule hides under the partner's compute (module docstring)."""
+    paired = paired_fraction(schedule, pp, microbatches)
+    hidden = max(0.0, forward_s - 2 / 3 * compute_s) + max(0.0, backward_s - compute_s / 3)
+    return paired * hidden + (1 - paired) * (forward_s + backward_s)
 
 
 def collective(link: Link, nbytes: float, n: int, units: float, calls: int = 1) -> float:
@@ -141,11 +176,13 @@ def predict(
         if pp == 1
         else 2 * collective(_link(device, degrees, "pp"), act * wire, 2, 2, m_count * v)
     )
-    # ep: dispatch and combine forward, both again backward, plus the count exchange, per MoE layer
+    # ep: dispatch, combine and the count exchange forward, dispatch and combine backward, per MoE layer
     a2a = mb_tokens * config.top_k * config.d_model * wire
     calls = int(layers * m_count)
     ep_link = _link(device, degrees, "ep")
-    comm["ep"] = 4 * collective(ep_link, a2a, ep, 1, calls) + collective(ep_link, 0, ep, 1, calls)
+    backward = 2 * collective(ep_link, a2a, ep, 1, calls)
+    forward = backward + collective(ep_link, 0, ep, 1, calls)
+    comm["ep"] = exposed_all_to_all(options.schedule, pp, m_count, forward, backward, compute)
     # tp: sequence all-gather in (the norm's output), reduce-scatter out (the o-projection's), around
     # each block's attention; and each again backward
     tp_link = _link(device, degrees, "tp")

@@ -2,14 +2,18 @@
 predicted (``plan/cost.py``), ranked by predicted step time.
 
 The options pass the strategy's own checks (``TrainOptions``, ``check_microbatches``, the layer
-split), like the layouts do (``plan/layouts.py``).
+split, ``check_overlap``), like the layouts do (``plan/layouts.py``): so the overlapped schedules
+(``1f1b_overlap`` on pp=1, ``dualpipev`` on pp >= 2 with M >= 2 pp) are offered only with ep > 1,
+without activation checkpointing and without ``compile``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import (
     CHUNKED,
     SCHEDULES,
@@ -22,7 +26,7 @@ from lightning_titan.plan.cost import StepCost, StepOptions, predict
 from lightning_titan.plan.devices import Device
 from lightning_titan.plan.layouts import Candidate, divisors
 from lightning_titan.plan.precision import FP32, Precision
-from lightning_titan.train.options import TrainOptions
+from lightning_titan.train.options import TrainOptions, check_overlap
 
 VIRTUAL_STAGES = 2  # interleaved 1F1B is offered with two chunks per rank (zbv has exactly two)
 
@@ -47,32 +51,46 @@ class Ranked:
         return self.options.label(self.candidate.degrees["pp"])
 
 
-def _accepted(config: ModelConfig, pp: int, options: StepOptions) -> bool:
-    v = options.virtual_stages
+def _accepted(
+    config: ModelConfig, degrees: dict[str, int], options: StepOptions, compiled: bool
+) -> bool:
+    pp, v = degrees["pp"], options.virtual_stages
+    # what check_overlap reads of the LightningModule
+    module = SimpleNamespace(
+        config=SimpleNamespace(activation_checkpointing=options.recompute),
+        hparams={"compile": compiled},
+    )
     try:
-        TrainOptions(schedule=options.schedule, virtual_stages=v)
+        train = TrainOptions(schedule=options.schedule, virtual_stages=v)
         check_microbatches(options.schedule, options.microbatches, pp, v)
         StageSplit(v).counts(config.n_layers, pp)
+        check_overlap(ParallelDims(**degrees), train, module)
     except ValueError:
         return False
     return True
 
 
 def step_options(
-    config: ModelConfig, pp: int, local_batch: int, recompute: tuple[bool, ...] = (False, True)
+    config: ModelConfig,
+    degrees: dict[str, int],
+    local_batch: int,
+    recompute: tuple[bool, ...] = (False, True),
+    compiled: bool = False,
 ) -> list[StepOptions]:
-    """Schedules x microbatch counts (divisors of the per-rank batch) x recompute; pp = 1: no
-    schedule to choose, the microbatches are gradient accumulation (less activation memory)."""
+    """Schedules x microbatch counts (divisors of the per-rank batch) x recompute that ``degrees``
+    accept (``compiled``: the model is compiled); pp = 1: 1F1B (the microbatches are gradient
+    accumulation: less activation memory) or, with ep > 1, 1f1b_overlap from two microbatches."""
+    pp = degrees["pp"]
+    schedules = ["1f1b", "1f1b_overlap"] if pp == 1 else sorted(SCHEDULES)
     out = []
     for ckpt in recompute:
-        if pp == 1:
-            out += [StepOptions("1f1b", m, 1, ckpt) for m in divisors(local_batch)]
-            continue
-        for schedule in sorted(SCHEDULES):
+        for schedule in schedules:
             v = VIRTUAL_STAGES if schedule in {**CHUNKED, **V_SHAPED} else 1
             for m in divisors(local_batch):
                 options = StepOptions(schedule, m, v, ckpt)
-                if _accepted(config, pp, options):
+                if schedule == "1f1b_overlap" and m == 1:
+                    continue  # nothing to pair with: 1F1B itself
+                if _accepted(config, degrees, options, compiled):
                     out.append(options)
     return out
 
@@ -84,14 +102,16 @@ def ranked(
     device: Device,
     recompute: tuple[bool, ...] = (False, True),
     precision: Precision = FP32,
+    compiled: bool = False,
 ) -> list[Ranked]:
     """Every candidate with every step option whose state and activations fit the device's
-    memory, fastest predicted first; activations and payloads in ``precision``'s dtypes."""
+    memory, fastest predicted first; activations and payloads in ``precision``'s dtypes
+    (``compiled``: the model is compiled, which the overlapped schedules refuse)."""
     rows = []
     for c in found:
         params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
         local = global_batch // (c.degrees["dp"] * c.degrees["ep"])
-        for options in step_options(config, c.degrees["pp"], local, recompute):
+        for options in step_options(config, c.degrees, local, recompute, compiled):
             activations = peak_bytes(config, c.degrees, options, global_batch, precision)
             if c.state_bytes + activations > device.memory:
                 continue

@@ -26,13 +26,20 @@ from lightning_titan.parallel.dp.zero import LEVELS
 from lightning_titan.parallel.mesh import AXES
 from lightning_titan.parallel.pipeline.schedules import (
     CHUNKED,
+    OVERLAPPED,
     SCHEDULES,
     V_SHAPED,
     check_microbatches,
 )
 from lightning_titan.parallel.pipeline.theory import ideal_bubble, live_peak
 from lightning_titan.plan.activations import held, peak_bytes
-from lightning_titan.plan.cost import StepOptions, bubble_fraction, collective, predict
+from lightning_titan.plan.cost import (
+    StepOptions,
+    bubble_fraction,
+    collective,
+    paired_fraction,
+    predict,
+)
 from lightning_titan.plan.devices import GPUS, Link
 from lightning_titan.plan.layouts import candidates, factorizations, total_params
 from lightning_titan.plan.memory import layout_state
@@ -43,6 +50,7 @@ from lightning_titan.tools.bench.cases import OURS, Case, Settings
 from lightning_titan.tools.bench.worker import run_world
 from lightning_titan.tools.plan_check import check, spearman
 from lightning_titan.tools.plan_cli import main as plan_main
+from lightning_titan.tools.plan_cli import table
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT = ModelConfig(vocab_size=257, d_model=64, n_layers=4, n_heads=4, ffn_dim=128, n_experts=8)
@@ -202,7 +210,7 @@ def test_bubble_and_held_activations_are_the_schedules_own_order():
     order (parallel/pipeline/theory.py): the closed forms where the pipeline fills, the replay before."""
     for schedule in SCHEDULES:
         v = 2 if schedule in {**CHUNKED, **V_SHAPED} else 1
-        for pp in (2, 3, 4):
+        for pp in (1, 2, 3, 4) if schedule in ("1f1b", "1f1b_overlap") else (2, 3, 4):
             for m in range(1, 17):
                 try:
                     check_microbatches(schedule, m, pp, v)
@@ -219,9 +227,70 @@ def test_bubble_and_held_activations_are_the_schedules_own_order():
 
 
 def test_every_schedule_is_offered_with_its_chunks():
-    offered = {(o.schedule, o.virtual_stages) for o in step_options(DEFAULT, 2, 16)}
-    assert {s for s, _ in offered} == set(SCHEDULES)
+    offered = {
+        (o.schedule, o.virtual_stages) for o in step_options(DEFAULT, _layout(pp=2, ep=2), 16)
+    }
+    assert {s for s, _ in offered} == set(SCHEDULES) - {"1f1b_overlap"}  # that one: pp=1 only
     assert ("zbv", 2) in offered and ("interleaved_1f1b", 2) in offered and ("zb_h1", 1) in offered
+    assert ("dualpipev", 2) in offered
+    alone = {o.schedule for o in step_options(DEFAULT, _layout(ep=2), 16)}
+    assert alone == {"1f1b", "1f1b_overlap"}
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_dualpipev_holds_2p_plus_1_chunks_on_every_rank(pp):
+    """The planner's count is the replay's of DualPipeV's own order, for M from 2P: ZBV's 2P
+    chunk-microbatches of the full V and the paired forward's, on every rank."""
+    for m in (2 * pp, 2 * pp + 1, 3 * pp, 4 * pp):
+        options = StepOptions("dualpipev", m, 2)
+        for p in range(pp):
+            live = live_peak("dualpipev", pp, p, 2, m, [1, 1])[1]
+            assert live == 2 * pp + 1 and held(options, pp, p) * 2 == live, (m, p)
+
+
+def test_an_overlapped_schedule_hides_the_all_to_alls_it_pairs():
+    """Against its twin (1F1B on pp=1, ZBV on the V): where the all-to-alls outlast the compute (a
+    slow link), the step is shorter by the partner's compute under each paired pass; where the
+    compute outlasts them, only the unpaired passes' all-to-alls are left. The price: one more
+    microbatch held (pp=1), one more chunk-microbatch on the V."""
+    params = (10**9, 10**10)
+    slow = dataclasses.replace(H100, intra=Link(latency_s=1e-5, bandwidth=1e8), inter=None)
+    busy = dataclasses.replace(H100, flops=1e10)
+    twins = [(_layout(ep=8), "1f1b", "1f1b_overlap", 1, 4, 3 / 4),
+             (_layout(pp=2, ep=4), "zbv", "dualpipev", 2, 8, 11 / 16)]  # fmt: skip
+    for layout, plain, overlapped, v, m, paired in twins:
+        assert paired_fraction(overlapped, layout["pp"], m) == paired  # 11 pairs of 16 chunk passes
+        for device in (slow, busy):
+            base, over = (
+                predict(DEFAULT, layout, 0, StepOptions(s, m, v), 64, device, params)
+                for s in (plain, overlapped)
+            )
+            assert (over.compute, over.bubble) == (base.compute, base.bubble)
+            if device is slow:
+                assert base.comm["ep"] > 2 * base.compute  # each pass's a2a outlasts its partner
+                expected = base.comm["ep"] - paired * base.compute
+            else:
+                assert base.comm["ep"] < base.compute / 3  # each partner outlasts the a2a
+                expected = (1 - paired) * base.comm["ep"]
+            assert over.comm["ep"] == pytest.approx(expected), (overlapped, device.name)
+            assert over.step == pytest.approx(base.step - (base.comm["ep"] - expected))
+            assert over.step < base.step
+        twin, more = (
+            peak_bytes(DEFAULT, layout, StepOptions(s, m, v), 64) for s in (plain, overlapped)
+        )
+        extra = 1 if v == 1 else 1 / (2 * layout["pp"])  # fp32: no weight copies
+        assert more == pytest.approx(twin * (1 + extra)), overlapped
+
+
+def test_the_overlapped_schedules_need_ep_and_no_recompute_or_compile():
+    """Offered only where the strategy runs them (``check_overlap``, ``check_microbatches``)."""
+    for pp, ep, compiled in itertools.product((1, 2), (1, 2), (False, True)):  # 4 layers
+        for o in step_options(DEFAULT, _layout(pp=pp, ep=ep), 16, compiled=compiled):
+            if o.schedule in OVERLAPPED:
+                assert ep > 1 and not compiled and not o.recompute, (pp, ep, o)
+                assert (pp == 1) == (o.schedule == "1f1b_overlap") and o.microbatches >= 2 * pp
+        offered = {o.schedule for o in step_options(DEFAULT, _layout(pp=pp, ep=ep), 16, (False,))}
+        assert bool(offered & set(OVERLAPPED)) == (ep > 1), (pp, ep)
 
 
 def test_collectives_move_the_ring_bytes():
@@ -310,17 +379,17 @@ def test_layout_auto_plans_in_the_trainers_precision():
     seen = []
     original = auto.choose
 
-    def spy(config, batch, world, device, precision=auto.FP32):
-        seen.append(precision.name)
-        return original(config, batch, world, device, precision)
+    def spy(config, batch, world, device, precision=auto.FP32, compiled=False):
+        seen.append((precision.name, compiled))
+        return original(config, batch, world, device, precision, compiled)
 
     auto.choose = spy
     try:
-        auto.choose_for(strategy, SimpleNamespace(config=DEFAULT),
+        auto.choose_for(strategy, SimpleNamespace(config=DEFAULT, hparams={"compile": True}),
                         SimpleNamespace(global_batch_size=16))  # fmt: skip
     finally:
         auto.choose = original
-    assert seen == ["bf16-mixed"]
+    assert seen == [("bf16-mixed", True)]  # compiled: no overlapped schedule to choose
 
 
 def test_rows_are_ranked_by_predicted_step_time(capsys):
@@ -329,6 +398,11 @@ def test_rows_are_ranked_by_predicted_step_time(capsys):
     printed = capsys.readouterr().out
     assert [r.cost.step for r in rows] == sorted(r.cost.step for r in rows)
     assert len({(r.options.schedule, r.options.recompute) for r in rows}) >= 6
+    overlapped = [r for r in rows if r.options.schedule in OVERLAPPED]
+    assert {r.options.schedule for r in overlapped} == set(OVERLAPPED)
+    assert all(r.candidate.degrees["ep"] > 1 and not r.options.recompute for r in overlapped)
+    shown = "\n".join(table(overlapped, H100.memory))  # named like the others, pp=1's too
+    assert "| 1f1b_overlap M2 |" in shown and "| dualpipev v2 M4 |" in shown
     assert f"**{rows[0].cost.step * 1e3:,.3g}**" in printed.split("| 1 |")[1].split("\n")[0]
     assert "inter-node 50 GB/s" in printed
 
