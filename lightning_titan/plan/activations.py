@@ -10,8 +10,8 @@ scores, not scaled, are a rounding error). Then, in microbatches held at the pea
     gpipe: M          1f1b: min(M, pp - p)          interleaved (v chunks): the doc's bound / v
     zb_h1: min(M, pp) (a forward's activations live until its W, which every stage defers)
     zbv: pp on every rank once the V is full (M >= 2 pp - 1), the replayed order before
-    1f1b_overlap (pp=1): min(M, 2) (a forward runs while the previous microbatch's backward holds it)
-    dualpipev: (2 pp + 1) / 2 on every rank (its M >= 2 pp: zbv's 2 pp chunks and the paired forward's)
+    1f1b_overlap (pp=1): 1, as 1F1B (a pair's backward frees faster than its forward saves)
+    dualpipev: pp on every rank, pp + 1/2 on the last (its first pair of the turn runs apart)
 
 (each the count of live microbatches in the schedule's own order, ``parallel/pipeline/theory.py``: a test
 holds them equal). Under zbv and dualpipev the embedding, head and loss are on rank 0, the V's turn.
@@ -133,10 +133,8 @@ def per_sequence(config: ModelConfig, precision: Precision = FP32) -> tuple[floa
 def held(options: StepOptions, pp: int, pp_rank: int) -> float:
     """Microbatches (of the whole stage) whose activations stage ``pp_rank`` holds at its peak."""
     m, v = options.microbatches, options.virtual_stages
-    if options.schedule == "1f1b":
+    if options.schedule in ("1f1b", "1f1b_overlap"):
         return min(m, pp - pp_rank)
-    if options.schedule == "1f1b_overlap":
-        return min(m, 2)
     if options.schedule == "interleaved_1f1b":
         return min(v * m, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1) / v
     if options.schedule == "zb_h1":
@@ -146,7 +144,7 @@ def held(options: StepOptions, pp: int, pp_rank: int) -> float:
             return pp
         return live_peak("zbv", pp, pp_rank, 2, m, [1, 1])[1] / 2
     if options.schedule == "dualpipev":
-        return (2 * pp + 1) / 2
+        return pp + (pp_rank == pp - 1) / 2
     return m  # gpipe
 
 

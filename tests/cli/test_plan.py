@@ -238,21 +238,22 @@ def test_every_schedule_is_offered_with_its_chunks():
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
-def test_dualpipev_holds_2p_plus_1_chunks_on_every_rank(pp):
+def test_dualpipev_holds_2p_chunks_and_2p_plus_1_on_the_last_rank(pp):
     """The planner's count is the replay's of DualPipeV's own order, for M from 2P: ZBV's 2P
-    chunk-microbatches of the full V and the paired forward's, on every rank."""
+    chunk-microbatches of the full V (a pair holds its backward's microbatch), and on the last rank
+    one more, where the turn's first forward and backward run apart."""
     for m in (2 * pp, 2 * pp + 1, 3 * pp, 4 * pp):
         options = StepOptions("dualpipev", m, 2)
         for p in range(pp):
             live = live_peak("dualpipev", pp, p, 2, m, [1, 1])[1]
-            assert live == 2 * pp + 1 and held(options, pp, p) * 2 == live, (m, p)
+            assert live == 2 * pp + (p == pp - 1) and held(options, pp, p) * 2 == live, (m, p)
 
 
 def test_an_overlapped_schedule_hides_the_all_to_alls_it_pairs():
     """Against its twin (1F1B on pp=1, ZBV on the V): where the all-to-alls outlast the compute (a
     slow link), the step is shorter by the partner's compute under each paired pass; where the
-    compute outlasts them, only the unpaired passes' all-to-alls are left. The price: one more
-    microbatch held (pp=1), one more chunk-microbatch on the V."""
+    compute outlasts them, only the unpaired passes' all-to-alls are left. The price: nothing on one
+    stage (the pair holds one microbatch), one more chunk-microbatch on the V's last rank."""
     params = (10**9, 10**10)
     slow = dataclasses.replace(H100, intra=Link(latency_s=1e-5, bandwidth=1e8), inter=None)
     busy = dataclasses.replace(H100, flops=1e10)
@@ -278,8 +279,10 @@ def test_an_overlapped_schedule_hides_the_all_to_alls_it_pairs():
         twin, more = (
             peak_bytes(DEFAULT, layout, StepOptions(s, m, v), 64) for s in (plain, overlapped)
         )
-        extra = 1 if v == 1 else 1 / (2 * layout["pp"])  # fp32: no weight copies
-        assert more == pytest.approx(twin * (1 + extra)), overlapped
+        if v == 1:  # the pair's backward frees faster than its forward saves: 1F1B's microbatch
+            assert more == pytest.approx(twin), overlapped
+        else:  # half a stage more on the last rank (fp32: no weight copies)
+            assert twin <= more <= twin * (1 + 1 / (2 * layout["pp"])), overlapped
 
 
 def test_the_overlapped_schedules_need_ep_and_no_recompute_or_compile():
