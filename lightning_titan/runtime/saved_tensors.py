@@ -38,6 +38,7 @@ class SavedTensorMeter:
         self._live: dict[int, list[int]] = {}  # storage ptr -> [nbytes, references]
         self.current = 0
         self.peak = 0
+        self.added = 0  # every new storage's bytes, never decreased: what a stretch of code saved
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: Tensor) -> object:
@@ -49,6 +50,7 @@ class SavedTensorMeter:
         if entry is None:
             self._live[key] = [storage.nbytes(), 1]
             self.current += storage.nbytes()
+            self.added += storage.nbytes()
             self.peak = max(self.peak, self.current)
         else:
             entry[1] += 1

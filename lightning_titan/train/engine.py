@@ -163,7 +163,7 @@ class Engine:
         loss_fn: LossFn,
         *,
         backward: Callable[[Tensor], None] | None = None,
-        tracer: Callable[[str, int], object] | None = None,
+        tracer: Callable[[str, int, int], object] | None = None,
     ) -> StepLoss:
         """One step's forward and backward over ``num_microbatches`` with the schedule; grads are reduced
         during the last backward (overlapped; the stage runs the others under ``no_sync``), finished

@@ -58,7 +58,7 @@ class PipelineStage:
         *,
         backward: Callable[[Tensor], None] | None = None,
         accumulate: Callable[[], AbstractContextManager[Any]] = nullcontext,
-        tracer: Callable[[str, int], object] | None = None,
+        tracer: Callable[[str, int, int], object] | None = None,
     ) -> None:
         local_batch = inputs.shape[0]
         self.model, self.links, self.objective = model, links, objective
@@ -104,7 +104,7 @@ class PipelineStage:
     def _span(self, name: str, i: int, chunk: int = 0) -> AbstractContextManager[Any]:
         if self._tracer is not None:
             # a context manager (runtime/tracing.py), which the tracer's signature calls object
-            return cast(AbstractContextManager[Any], self._tracer(name, i))
+            return cast(AbstractContextManager[Any], self._tracer(name, i, chunk))
         kind = name if name in ("forward", "backward") else "p2p"
         kind = "backward" if name == "backward_weight" else kind  # zero-bubble W: compute too
         if self.model.v_shape:  # the chunk's virtual stage: the V is not chunk * P + rank

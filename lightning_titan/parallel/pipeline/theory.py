@@ -10,6 +10,7 @@ checks its closed forms against them (``plan/cost.py``, ``plan/activations.py``)
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_titan.parallel.pipeline.schedules import V_SHAPED, get_schedule
@@ -110,10 +111,20 @@ def ideal_bubble(schedule: str, pp: int, v: int, m: int) -> float:
 
 
 def live_peak(
-    schedule: str, pp: int, pp_rank: int, v: int, m: int, chunk_bytes: list[int]
+    schedule: str,
+    pp: int,
+    pp_rank: int,
+    v: int,
+    m: int,
+    chunk_bytes: Sequence[int] | Mapping[tuple[int, int], int],
 ) -> tuple[int, int]:
     """(peak bytes, peak microbatch-chunks) of activations stage ``pp_rank`` holds under the schedule's
-    order: a forward saves ``chunk_bytes[chunk]`` until its backward (zero-bubble: until its W)."""
+    order: a forward saves ``chunk_bytes[chunk]`` (or, a mapping, ``chunk_bytes[chunk, microbatch]``:
+    each forward's own) until its backward (zero-bubble: until its W)."""
+    if isinstance(chunk_bytes, Mapping):
+        size = dict(chunk_bytes)
+    else:
+        size = {(c, i): chunk_bytes[c] for c in range(v) for i in range(m)}
     live: set[tuple[int, int]] = set()
     peak = peak_count = 0
     for kind, chunk, i in orders(schedule, pp, v, m)[pp_rank]:
@@ -121,6 +132,6 @@ def live_peak(
             live.add((chunk, i))
         elif kind in ("B", "W"):
             live.discard((chunk, i))
-        peak = max(peak, sum(chunk_bytes[c] for c, _ in live))
+        peak = max(peak, sum(size[key] for key in live))
         peak_count = max(peak_count, len(live))
     return peak, peak_count

@@ -242,7 +242,7 @@ def exposure(
 
 def ep_overlap(case: Case, settings: Settings, per_rank: list[dict], dims: ParallelDims) -> dict:
     """Exposure per rank of each impl against the blocking run, and each one's activations against
-    its schedule's theory (``live_peak`` times what one microbatch of each chunk saved)."""
+    its schedule's theory (``live_peak`` over what each forward of the step saved)."""
     blocking = [s for r in per_rank for s in r[A2A_BLOCKING]["spans"]]
     impls = [i for i in OVERLAP_IMPLS if i in case.impls]
     runs = {i: [s for r in per_rank for s in r[i]["spans"]] for i in impls}
@@ -251,12 +251,12 @@ def ep_overlap(case: Case, settings: Settings, per_rank: list[dict], dims: Paral
     m = settings.num_microbatches(case)
     out["activations"] = {}
     for impl in impls:
-        if "microbatch_saved_bytes" not in per_rank[0][impl]:
+        if "forward_saved_bytes" not in per_rank[0][impl]:
             continue
         c = case.of(impl)
         theory = [
             live_peak(c.schedule, c.pp, r[impl]["coords"][1], c.virtual_stages, m,
-                      r[impl]["microbatch_saved_bytes"])
+                      r[impl]["forward_saved_bytes"])
             for r in per_rank
         ]  # fmt: skip
         out["activations"][impl] = {

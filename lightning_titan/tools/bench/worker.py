@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -225,7 +226,8 @@ def run_case(
     overlap = A2A_BLOCKING in case.impls
     for impl in [i for i in (OURS, *SCHEDULE_IMPLS) if i in runners]:
         with autocast(settings, device):
-            out[impl]["saved_peak_bytes"] = _saved_peak(runners[impl], batches[0])
+            peak, saved = _saved_peak(runners[impl], batches[0])
+            out[impl]["saved_peak_bytes"], out[impl]["forward_saved_bytes"] = peak, saved
         if (dims.pp > 1 or overlap) and dims.tp == dims.cp == 1:  # the schedules theory's unit:
             # what one microbatch of each chunk saves (outside the engine, which alone splits a
             # TP/CP sequence)
@@ -251,16 +253,30 @@ def _traced(
     return spans
 
 
-def _saved_peak(runner: TitanRunner, batch: tuple[Tensor, Tensor]) -> int:
-    """Peak bytes saved for backward during one step's schedule (activations only)."""
+def _saved_peak(
+    runner: TitanRunner, batch: tuple[Tensor, Tensor]
+) -> tuple[int, dict[tuple[int, int], int]]:
+    """Peak bytes saved for backward during one step's schedule (activations only), and what each
+    (chunk, microbatch)'s forward and loss saved in it: the theory's units, routing and all. Only
+    forwards save (a pair's backward frees), so a forward's share is what was added while it ran."""
     meter = SavedTensorMeter(exclude=list(runner.model.parameters()))
+    saved: dict[tuple[int, int], int] = {}
+
+    @contextmanager
+    def tracer(name: str, i: int, chunk: int) -> Iterator[None]:
+        before = meter.added
+        yield
+        if name == "forward":
+            saved[chunk, i] = meter.added - before
+
     with meter:
         runner.engine.forward_backward(
-            runner.model, *batch, runner.num_microbatches, runner.model.token_loss_sum
-        )
+            runner.model, *batch, runner.num_microbatches, runner.model.token_loss_sum,
+            tracer=tracer,
+        )  # fmt: skip
     runner.engine.finish_gradients(None)
     runner.optimizer.zero_grad(set_to_none=True)
-    return meter.peak
+    return meter.peak, saved
 
 
 def _resolve_split(
