@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_titan.runtime import holders
 from lightning_titan.runtime.tracing import BACKGROUND_KINDS, KINDS, Span
 
 COLORS = {
@@ -53,11 +54,18 @@ def plot_gantt(
     rank_labels: dict[int, str] | None = None,
     title: str = "",
 ) -> None:
-    """One row per rank, time in ms from the first span; compute full height, communication thin on top."""
+    """One row per rank, time in ms from the first span; compute full height, communication thin on top.
+    An overlapped pair's two threads share their rank's row: each span is drawn where its thread
+    held the rank (``runtime/holders.py``), the exchanges in flight whole."""
     from matplotlib.patches import Patch
 
     if not spans:
         raise ValueError("no spans to plot: record at least one step (tracing.start / stop)")
+    spans = [
+        piece
+        for rank in sorted({s.rank for s in spans})
+        for piece in holders.held([s for s in spans if s.rank == rank], BACKGROUND_KINDS)
+    ]
     t0 = min(s.start_ns for s in spans)
     width_ms = (max(s.end_ns for s in spans) - t0) / 1e6
     ranks = sorted({s.rank for s in spans})
