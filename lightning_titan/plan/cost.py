@@ -121,8 +121,9 @@ def exposed_all_to_all(
 
 
 def collective(link: Link, nbytes: float, n: int, units: float, calls: int = 1) -> float:
-    """Seconds for ``calls`` ring collectives over ``n`` ranks that each move ``units * (n-1)/n``
-    times ``nbytes`` per rank (all-reduce 2, all-gather / reduce-scatter / all-to-all 1)."""
+    """Seconds for ``calls`` ring collectives over ``n`` ranks that together move ``units * (n-1)/n``
+    times ``nbytes`` per rank (``nbytes``: all the calls' bytes; all-reduce 2, all-gather /
+    reduce-scatter / all-to-all 1); each call pays the ring's latency."""
     if n == 1 or calls == 0:
         return 0.0
     steps = units * (n - 1)  # message steps of the ring, each paying the latency
@@ -174,24 +175,25 @@ def predict(
     comm["pp"] = (
         0.0
         if pp == 1
-        else 2 * collective(_link(device, degrees, "pp"), act * wire, 2, 2, m_count * v)
+        else 2
+        * collective(_link(device, degrees, "pp"), act * wire * m_count * v, 2, 2, m_count * v)
     )
     # ep: dispatch, combine and the count exchange forward, dispatch and combine backward, per MoE layer
     a2a = mb_tokens * config.top_k * config.d_model * wire
     calls = int(layers * m_count)
     ep_link = _link(device, degrees, "ep")
-    backward = 2 * collective(ep_link, a2a, ep, 1, calls)
+    backward = 2 * collective(ep_link, a2a * calls, ep, 1, calls)
     forward = backward + collective(ep_link, 0, ep, 1, calls)
     comm["ep"] = exposed_all_to_all(options.schedule, pp, m_count, forward, backward, compute)
     # tp: sequence all-gather in (the norm's output), reduce-scatter out (the o-projection's), around
     # each block's attention; and each again backward
     tp_link = _link(device, degrees, "tp")
-    comm["tp"] = 4 * collective(tp_link, act * tp * wire, tp, 1, calls)
+    comm["tp"] = 4 * collective(tp_link, act * tp * wire * calls, tp, 1, calls)
     # cp: the keys and values of every position, gathered forward and their grads scattered back
     kv = 2 * mb_tokens * cp * config.kv_heads * config.head_dim * wire
     if config.mla:  # the latent and the shared RoPE key, not the heads (model/mla.py)
         kv = mb_tokens * cp * (config.kv_lora_rank + config.qk_rope_head_dim) * wire
-    comm["cp"] = 2 * collective(_link(device, degrees, "cp"), kv, cp, 1, calls)
+    comm["cp"] = 2 * collective(_link(device, degrees, "cp"), kv * calls, cp, 1, calls)
     comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count)
     optimizer = _optimizer(degrees, zero, params, device)
 

@@ -204,6 +204,26 @@ def test_bubble_is_the_schedule_formula(pp, m):
     assert cost.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
 
 
+def test_traffic_is_the_steps_bytes_whatever_the_microbatches():
+    """On a link without latency the PP, EP, TP and CP terms are the step's bytes over the
+    bandwidth: the same for M = 2 and M = 8 of one global batch (each call's bytes times the calls),
+    and for EP the all-to-alls' four passes of every token's K rows per MoE layer."""
+    link = Link(latency_s=0.0, bandwidth=1e9)
+    flat = dataclasses.replace(H100, intra=link, inter=None)
+    layout = _layout(pp=2, ep=2, tp=2, cp=2)
+    costs = [
+        predict(MIXTRAL, layout, 0, StepOptions("1f1b", m), 64, flat, (10**9, 10**10))
+        for m in (2, 8)
+    ]
+    for axis in ("pp", "ep", "tp", "cp"):
+        assert costs[0].comm[axis] > 0 and costs[0].comm[axis] == pytest.approx(
+            costs[1].comm[axis]
+        ), axis
+    tokens = 64 * MIXTRAL.seq_len // (layout["dp"] * layout["ep"] * layout["tp"] * layout["cp"])
+    rows = tokens * MIXTRAL.top_k * MIXTRAL.d_model * 4 * MIXTRAL.n_layers // layout["pp"]
+    assert costs[0].comm["ep"] == pytest.approx(4 * rows * (1 / 2) / link.bandwidth)
+
+
 def test_bubble_and_held_activations_are_the_schedules_own_order():
     """For every schedule the planner offers, over P in {2, 3, 4} and every M the schedule takes, the
     predicted bubble and live microbatches per stage equal the replay of the schedule functions' own
