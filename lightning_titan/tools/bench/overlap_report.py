@@ -313,8 +313,8 @@ def overlap_markdown(rows: list[dict]) -> str:
         "on this machine; *replay*: the same run with free cores, each transfer as long as waited "
         "for at once, the work under it at its CPU time, a pair's partner included; *activations*: "
         "peak MB saved for backward, measured (in brackets: the schedule's theory, the most its "
-        "order holds live, each forward at what it saved in the step); blocking / this: step time ratio, {INTERVAL}; target: replayed exposed share "
-        f"<= {EXPOSED_TARGET:.0%})",
+        "order holds live, each forward at what it saved in the step); blocking / this: step time "
+        f"ratio, {INTERVAL}; target: replayed exposed share <= {EXPOSED_TARGET:.0%})",
         "",
         "| case | schedule | M | step ms | blocking / this | exposed ms (measured) "
         "| exposed share (measured) | exposed share (replay) | replay <= target "
