@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Protocol, TypeVar
 
@@ -47,23 +47,32 @@ def holder(threads: Iterable[int], at: int, events: dict[int, list[int]]) -> int
     return min(threads, key=lambda t: (next_at(t), t))
 
 
-def segments(spans: Sequence[Timed]) -> list[tuple[int, int, int]]:
-    """One rank's ``(start, end, thread)`` stretches, in time order, each held by one thread (time
-    inside no span is left out)."""
+def sweep(spans: Sequence[T], extra: Iterable[int] = ()) -> Iterator[tuple[int, int, list[T]]]:
+    """One rank's stretches between consecutive span edges (and the ``extra`` times), in time order:
+    ``(start, end, the spans covering it of the thread that held the rank)``, empty where no span
+    covers it."""
     events = next_events(spans)
-    edges = sorted({t for s in spans for t in (s.start_ns, s.end_ns)})
+    edges = sorted({t for s in spans for t in (s.start_ns, s.end_ns)} | set(extra))
     by_start = sorted(spans, key=lambda s: s.start_ns)
-    out: list[tuple[int, int, int]] = []
-    active: list[Timed] = []
+    active: list[T] = []
     nxt = 0
     for left, right in zip(edges, edges[1:], strict=False):
         while nxt < len(by_start) and by_start[nxt].start_ns <= left:
             active.append(by_start[nxt])
             nxt += 1
         active = [s for s in active if s.end_ns > left]
-        if not active:
+        thread = holder({s.thread for s in active}, right, events) if active else None
+        yield left, right, [s for s in active if s.thread == thread]
+
+
+def segments(spans: Sequence[Timed]) -> list[tuple[int, int, int]]:
+    """One rank's ``(start, end, thread)`` stretches, in time order, each held by one thread (time
+    inside no span is left out)."""
+    out: list[tuple[int, int, int]] = []
+    for left, right, mine in sweep(spans):
+        if not mine:
             continue
-        thread = holder({s.thread for s in active}, right, events)
+        thread = mine[0].thread
         if out and out[-1][1] == left and out[-1][2] == thread:
             out[-1] = (out[-1][0], right, thread)
         else:

@@ -159,26 +159,12 @@ def exclusive_ns(spans: Iterable[Span], window: tuple[int, int] | None = None) -
     (``holders.py``), not to the other's, which waits for it.
     """
     spans = [s for s in spans if s.end_ns > s.start_ns and s.kind not in BACKGROUND_KINDS]
-    events = holders.next_events(spans)
-    edges = sorted({t for s in spans for t in (s.start_ns, s.end_ns)} | set(window or ()))
-    if window is not None:
-        edges = [t for t in edges if window[0] <= t <= window[1]]
-    by_start = sorted(spans, key=lambda s: s.start_ns)
     out: dict[str, int] = defaultdict(int)
-    active: list[Span] = []
-    nxt = 0
-    for left, right in zip(edges, edges[1:], strict=False):
-        while nxt < len(by_start) and by_start[nxt].start_ns <= left:
-            active.append(by_start[nxt])
-            nxt += 1
-        active = [s for s in active if s.end_ns > left]
-        if active:
-            thread = holders.holder({s.thread for s in active}, right, events)
-            # innermost: started last; among equal starts, the one ending first
-            inner = max(
-                (s for s in active if s.thread == thread), key=lambda s: (s.start_ns, -s.end_ns)
-            )
-            out[inner.kind] += right - left
+    for left, right, mine in holders.sweep(spans, window or ()):
+        if window is not None and not window[0] <= left < right <= window[1]:
+            continue
+        if mine:  # innermost: started last; among equal starts, the one ending first
+            out[max(mine, key=lambda s: (s.start_ns, -s.end_ns)).kind] += right - left
         elif window is not None:
             out[OTHER] += right - left
     return dict(out)
