@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from lightning_titan.model.decoder import ModelConfig
-from lightning_titan.parallel.pipeline.schedules import V_SHAPED, default_microbatches
+from lightning_titan.parallel.pipeline.schedules import V_SHAPED
 from lightning_titan.parallel.pipeline.split import AUTO, StageSplit
 
 OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
@@ -194,10 +194,11 @@ def ep_overlap_cases(quick: bool = False) -> list[Case]:
     """``titan bench --ep-overlap``: before, ours under 1F1B with each all-to-all waited for at once
     and with the in-layer overlap (and under zbv where pp > 1); after, the schedules that overlap two
     microbatches (1f1b_overlap at pp=1, dualpipev), all in the same rounds, on ep2, ep4, pp2 x ep2
-    and dp2 x pp2 x ep2 (with --quick: ep2 only). At pp=1 every impl runs 1f1b_overlap's M (2)."""
+    and dp2 x pp2 x ep2 (with --quick: ep2 only). At pp=1 every impl runs M=4, three of whose four
+    forwards 1f1b_overlap pairs (the pipelines run 4 per stage too)."""
     flat = (OURS, A2A_BLOCKING, OVERLAP_1F1B)
     piped = (OURS, A2A_BLOCKING, ZBV, DUALPIPEV)
-    m = default_microbatches("1f1b_overlap", 1)
+    m = 4
     cases = [
         Case(ep=2, impls=flat, microbatches=m),
         Case(ep=4, impls=flat, microbatches=m),
