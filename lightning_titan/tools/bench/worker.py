@@ -223,16 +223,14 @@ def run_case(
     # under --ep-overlap every schedule's
     if dims.pp > 1:
         out[OURS]["stage_layers"] = split.counts(settings.config.n_layers, dims.pp)
-    overlap = A2A_BLOCKING in case.impls
     for impl in [i for i in (OURS, *SCHEDULE_IMPLS) if i in runners]:
         with autocast(settings, device):
             peak, saved = _saved_peak(runners[impl], batches[0])
             out[impl]["saved_peak_bytes"], out[impl]["forward_saved_bytes"] = peak, saved
-        if (dims.pp > 1 or overlap) and dims.tp == dims.cp == 1:  # the schedules theory's unit:
-            # what one microbatch of each chunk saves (outside the engine, which alone splits a
-            # TP/CP sequence)
-            with autocast(settings, device):
-                out[impl]["microbatch_saved_bytes"] = _microbatch_saved(runners[impl], batches[0])
+    if dims.pp > 1 and dims.tp == dims.cp == 1:  # --schedules' theory unit: what one microbatch
+        # of each chunk saves (outside the engine, which alone splits a TP/CP sequence)
+        with autocast(settings, device):
+            out[OURS]["microbatch_saved_bytes"] = _microbatch_saved(runners[OURS], batches[0])
     for runner in runners.values():
         runner.close()
     return out
