@@ -246,8 +246,8 @@ class FitCounts(Callback):
 
 def skipped_steps(strategy: Any) -> int | None:
     """Updates dropped by ``on_nonfinite="skip"`` (None: not a TitanStrategy)."""
-    step_end = getattr(strategy, "step_end", None)
-    return None if step_end is None else step_end.skipped
+    skipped: int | None = getattr(strategy, "skipped_steps", None)
+    return skipped
 
 
 def fit_counts(trainer: Any) -> tuple[int, int | None]:

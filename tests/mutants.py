@@ -101,10 +101,22 @@ MUTATIONS = {
                                 "held(options, pp, p) * layers * block * m / share + layers * expert_copies",
                                 ["tests/cli/test_plan.py", "-k", "bf16_activation"]),
     # issue 16: ZeRO-1 without its all-gather (other ranks' rows never arrive), through the strategy
-    "zero_no_gather": ("lightning_titan/lightning/module.py",
-                       "        strategy.engine.gather_params()\n",
+    "zero_no_gather": ("lightning_titan/train/step.py",
+                       "        self.engine.gather_params()\n",
                        "",
                        ["tests/distributed/test_strategy_step.py"]),
+    # automatic optimization: the step forgets the MoE layers' counts of Lightning's closure, so the
+    # expert bias never moves
+    "auto_bias_uncounted": ("lightning_titan/train/step.py",
+                            "                counts = take_step_counts(self.engine.module)",
+                            "                counts = StepCounts()",
+                            ["tests/distributed/test_strategy.py", "-k", "automatic_optimization"]),
+    # the step's order: ZeRO's gather before the optimizer step (the update's rows never reach the
+    # other ranks), caught by the equivalence suite, which runs the step users run
+    "step_gather_before_update": ("lightning_titan/train/step.py",
+                                  "            backward_and_finish()\n",
+                                  "            backward_and_finish()\n            self.engine.gather_params()\n",
+                                  ["tests/distributed/test_equivalence.py", "-k", "zero"]),
     # ZeRO-1: the gather puts each rank's updated rows in another rank's place (engine layouts)
     "zero_gather_misplaced": ("lightning_titan/parallel/dp/zero.py",
                               "rows = s.rows(s.param.detach(), q)",
@@ -197,9 +209,9 @@ MUTATIONS = {
     # ZeRO: the all-gather deferred to the next step's start (as an overlapped parameter gather
     # would be): every step trains right, but the checkpoint between steps holds other ranks' stale
     # rows, so a zero=2 run killed and resumed from `last` leaves the uninterrupted curve
-    "zero_gather_deferred": ("lightning_titan/lightning/module.py",
-                             "        strategy, start = self.strategy, time.perf_counter()\n        # 1. every microbatch forward and backward, in the schedule's order; the reducers all-reduce\n        #    the grads while the last backward runs. The global loss and aux come back on every rank.\n        step = strategy.engine.forward_backward(\n            self.stage,\n            inputs,\n            targets,\n            self._microbatches(inputs),\n            self.loss_fn,\n            backward=self.manual_backward,\n        )\n        # 2. wait for the reducers, stop (or skip) on a non-finite loss or norm, clip by the norm\n        #    composed across stages and expert shards; the numbers come back in one host read\n        stats = strategy.finish_gradients(step)\n        # 3. the update, then what follows it: under zero>0 each rank updated its own rows of the\n        #    parameters, which every rank then gathers; the routers' expert biases move by the\n        #    step's global expert loads (not on a skipped step)\n        optimizer = self.optimizers()\n        if not isinstance(optimizer, LightningOptimizer):\n            raise TypeError(\n                f\"TitanLM steps one optimizer; configure_optimizers gave {len(optimizer)}: return \"\n                \"one (with an optional lr_scheduler)\"\n            )\n        optimizer.step()\n        optimizer.zero_grad(set_to_none=True)\n        strategy.engine.gather_params()\n",
-                             "        strategy, start = self.strategy, time.perf_counter()\n        strategy.engine.gather_params()\n        # 1. every microbatch forward and backward, in the schedule's order; the reducers all-reduce\n        #    the grads while the last backward runs. The global loss and aux come back on every rank.\n        step = strategy.engine.forward_backward(\n            self.stage,\n            inputs,\n            targets,\n            self._microbatches(inputs),\n            self.loss_fn,\n            backward=self.manual_backward,\n        )\n        # 2. wait for the reducers, stop (or skip) on a non-finite loss or norm, clip by the norm\n        #    composed across stages and expert shards; the numbers come back in one host read\n        stats = strategy.finish_gradients(step)\n        # 3. the update, then what follows it: under zero>0 each rank updated its own rows of the\n        #    parameters, which every rank then gathers; the routers' expert biases move by the\n        #    step's global expert loads (not on a skipped step)\n        optimizer = self.optimizers()\n        if not isinstance(optimizer, LightningOptimizer):\n            raise TypeError(\n                f\"TitanLM steps one optimizer; configure_optimizers gave {len(optimizer)}: return \"\n                \"one (with an optional lr_scheduler)\"\n            )\n        optimizer.step()\n        optimizer.zero_grad(set_to_none=True)\n",
+    "zero_gather_deferred": ("lightning_titan/train/step.py",
+                             "        finished: list[tuple[StepResult, StepCounts]] = []\n",
+                             "        finished: list[tuple[StepResult, StepCounts]] = []\n        self.engine.gather_params()\n",
                              ["tests/distributed/test_reliability.py", "-k", "kill_9_loses_nothing and training"]),
     # the same bug through the CLI: a zero=1 checkpoint resumed under tp=4 x ep=2 at zero=2
     "zero_tp_local_keys_cli": ("lightning_titan/train/engine.py",
@@ -283,8 +295,8 @@ MUTATIONS = {
                        "        if False:\n",
                        ["tests/distributed/test_strategy.py", "-k", "whole_tensor"]),
     # issue 21.2: the strategy does not clip
-    "clip_none": ("lightning_titan/lightning/step_end.py",
-                  "engine.finish_gradients(options.gradient_clip_norm)",
+    "clip_none": ("lightning_titan/train/step.py",
+                  "engine.finish_gradients(self.max_norm)",
                   "engine.finish_gradients(None)",
                   ["tests/distributed/test_strategy_step.py"]),
     # issue 21.3: the broadcast of replicated parameters does nothing / is not called
@@ -333,9 +345,9 @@ MUTATIONS = {
                             "job = titan_fit(config, root, cache, fork)",
                             ["tests/distributed/test_reliability.py", "-k", "kill_9"]),
     # issue 12.1: manual optimization may step on grads that were never reduced
-    "step_unreduced": ("lightning_titan/lightning/step_end.py",
-                       "        if self._unfinished:\n",
-                       "        if False:\n",
+    "step_unreduced": ("lightning_titan/lightning/strategy.py",
+                       "                if self.engine.unfinished:\n",
+                       "                if False:\n",
                        ["tests/distributed/test_agreement.py", "-k", "unreduced"]),
     # issue 21.6: the sampler gets the DP rank instead of the data rank
     "sampler_dp_rank": ("lightning_titan/lightning/strategy.py",
@@ -354,8 +366,8 @@ MUTATIONS = {
                         ["tests/unit/test_balance.py"]),
     # issue 19: the expert loads summed over the sequence's CP/TP ranks only, not the data ranks
     "bias_counts_not_over_data": ("lightning_titan/train/engine.py",
-                                  "self.balanced_layers, step.counts, self.groups.sequence_dp,",
-                                  "self.balanced_layers, step.counts, self.groups.sequence,",
+                                  "self.balanced_layers, counts, self.groups.sequence_dp,",
+                                  "self.balanced_layers, counts, self.groups.sequence,",
                                   ["tests/distributed/test_equivalence.py", "-k", "2"]),
     # issue 19: activation checkpointing's recompute counts the tokens a second time
     "bias_counts_recompute": ("lightning_titan/model/moe/layer.py",

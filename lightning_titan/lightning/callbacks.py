@@ -61,24 +61,7 @@ class PipelineTimeline(Callback):
         self.spans: list[tracing.Span] = []  # all ranks' spans once written
         self.bubbles: list[dict] = []  # tracing.bubble_breakdown, per stage
         self._mine: list[tracing.Span] = []
-        self._hooks: list[Any] = []
-        self._optimizer_span: Any = None
         self._done = False
-
-    @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for optimizer in trainer.optimizers:
-            self._hooks.append(optimizer.register_step_pre_hook(self._optimizer_begins))
-            self._hooks.append(optimizer.register_step_post_hook(self._optimizer_ends))
-
-    def _optimizer_begins(self, *_: Any) -> None:
-        self._optimizer_span = tracing.span("optimizer", "optimizer.step")
-        self._optimizer_span.__enter__()
-
-    def _optimizer_ends(self, *_: Any) -> None:
-        if self._optimizer_span is not None:
-            self._optimizer_span.__exit__(None, None, None)
-            self._optimizer_span = None
 
     @override
     def on_train_batch_start(
@@ -107,9 +90,6 @@ class PipelineTimeline(Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         tracing.stop()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
         if self._mine and not self._done:  # training ended before the last chosen step
             self._write(trainer, None)
 

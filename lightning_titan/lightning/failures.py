@@ -1,26 +1,17 @@
-"""Failing together during training: reports that name the rank, and non-finite steps.
+"""Failing together during training: reports that name the rank.
 
 - a rank that raises reports who it is and leaves; the supervisor brings the rest down
   (:func:`report_failure`); during setup, barriers and broadcasts are agreements so that a failing
   rank can join the one its peers wait in (``TitanStrategy.barrier``, ``runtime/agreement.py``);
-- a non-finite loss or gradient norm is global, so every rank takes the same branch: stop, naming the
-  stage and parameter where it began, or skip the update (:func:`check_finite`).
+- a non-finite loss or gradient norm is the training step's to handle (``train/nonfinite.py``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
-
-import torch
-import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
 
 from lightning_titan.lightning import supervisor
 from lightning_titan.lightning.layout import Layout
-from lightning_titan.parallel.dp.zero_grads import grad_of
-from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.runtime.agreement import distributed
 
 
@@ -54,57 +45,10 @@ def report_failure(
         supervisor.leave_after_failure(grace_s, traceback=not blamed)
 
 
-def nonfinite_message(
-    module: nn.Module, dims: ParallelDims, step: int, norm: float, loss: float | None
-) -> str:
-    """Where the non-finite values are: one gather of every rank's verdict on its own grads."""
-    grads = ((n, grad_of(p)) for n, p in module.named_parameters())  # zero=2: this rank's rows
-    first_bad = next((n for n, g in grads if g is not None and not torch.isfinite(g).all()), None)
-    verdicts: list[Any] = [(dims.pp_rank, first_bad)]
-    if distributed():
-        verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, (dims.pp_rank, first_bad))
-    bad = sorted({(pp, rank, name) for rank, (pp, name) in enumerate(verdicts) if name})
-    parts = [f"non-finite values at step {step}"]
-    if loss is not None and not math.isfinite(loss):
-        parts.append(f"the loss is {loss} (computed on the last stage, pp_rank={dims.pp - 1})")
-    parts.append(f"the gradient norm is {norm}")
-    if bad:
-        stages = sorted({pp for pp, _, _ in bad})
-        # backward runs the last stage first: the latest stage with bad grads is the origin
-        pp, rank, name = bad[-1]
-        parts.append(
-            f"non-finite gradients on stage(s) pp_rank={stages}, first (in backward order) on "
-            f"stage {pp} (e.g. {name!r} on rank {rank})"
-        )
-    return "; ".join(parts) + f" (layout {dims.label()})"
-
-
-def check_finite(
-    module: nn.Module, dims: ParallelDims, step: int, norm_and_loss: list[float], action: str
-) -> bool:
-    """True when the step's gradient norm and loss (global, so every rank takes the same branch) are
-    finite. Otherwise raise FloatingPointError naming where it began (``action="raise"``), or drop every
-    gradient so that the optimizer step changes nothing and return False (``"skip"``)."""
-    if all(math.isfinite(v) for v in norm_and_loss):
-        return True
-    norm, *loss = norm_and_loss
-    message = nonfinite_message(module, dims, step, norm, loss[0] if loss else None)
-    if action == "raise":
-        raise FloatingPointError(
-            f"{message}; no optimizer step was taken. Lower the learning rate, set "
-            "gradient_clip_norm, use precision='32-true' to find the cause, or "
-            "TitanStrategy(on_nonfinite='skip') to skip such steps"
-        )
-    rank_zero_warn(f"{message}; this step's update is skipped (on_nonfinite='skip')")
-    for p in module.parameters():  # the optimizer skips parameters without a grad: no update
-        p.grad = None
-    return False
-
-
 def unreduced_step_error() -> RuntimeError:
     return RuntimeError(
         "optimizer.step() was called on gradients that are not reduced yet: under manual "
-        "optimization call `self.trainer.strategy.finish_gradients(loss)` after the backward "
-        "and before optimizer.step() (TitanLM.training_step shows the order)"
+        "optimization let the strategy's step finish them before the update, with "
+        "`self.trainer.strategy.train_step.run(...)` (TitanLM.training_step) or "
+        "`.update(your_backward)` around a backward of your own"
     )

@@ -5,15 +5,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from torch.optim.lr_scheduler import LRScheduler
 from torchmetrics.aggregation import MeanMetric
 
 from lightning_titan.hf import load as hf_load
@@ -238,35 +236,19 @@ class TitanLM(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         inputs, targets = batch
         strategy, start = self.strategy, time.perf_counter()
-        # 1. every microbatch forward and backward, in the schedule's order; the reducers all-reduce
-        #    the grads while the last backward runs. The global loss and aux come back on every rank.
-        step = strategy.engine.forward_backward(
+        # the whole step (train/step.py): every microbatch's forward and backward in the schedule's
+        # order, the grads reduced (overlapped with the last backward), checked and clipped, the
+        # update (ZeRO: each rank its rows, then gathered), the routers' expert biases, the LR step;
+        # the global numbers come back in one host read
+        step = strategy.train_step.run(
             self.stage,
             inputs,
             targets,
             self._microbatches(inputs),
             self.loss_fn,
             backward=self.manual_backward,
+            index=self.global_step,
         )
-        # 2. wait for the reducers, stop (or skip) on a non-finite loss or norm, clip by the norm
-        #    composed across stages and expert shards; the numbers come back in one host read
-        stats = strategy.finish_gradients(step)
-        # 3. the update, then what follows it: under zero>0 each rank updated its own rows of the
-        #    parameters, which every rank then gathers; the routers' expert biases move by the
-        #    step's global expert loads (not on a skipped step)
-        optimizer = self.optimizers()
-        if not isinstance(optimizer, LightningOptimizer):
-            raise TypeError(
-                f"TitanLM steps one optimizer; configure_optimizers gave {len(optimizer)}: return "
-                "one (with an optional lr_scheduler)"
-            )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        strategy.engine.gather_params()
-        strategy.engine.update_router_bias(step, skip=not stats.finite)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:  # an overridden configure_optimizers may return no schedule
-            cast(LRScheduler, scheduler).step()
 
         tokens = inputs.numel() * strategy.parallel_dims.data_world
         seconds = time.perf_counter() - start
@@ -276,18 +258,18 @@ class TitanLM(L.LightningModule):
         # the same keys on every rank, values already global: the loggers live on rank 0, the loss
         # on the last stage
         metrics = {
-            "train_loss": stats.loss,
-            "aux_loss": stats.aux,
-            "grad_norm": stats.grad_norm,
-            "lr": optimizer.param_groups[0]["lr"],
+            "train_loss": step.loss,
+            "aux_loss": step.aux,
+            "grad_norm": step.grad_norm,
+            "lr": strategy.train_step.optimizer.param_groups[0]["lr"],
             "tokens_per_sec": tokens / seconds,
             "flops_per_sec": achieved,
             "mfu": achieved / self.peak_flops_total if self.peak_flops_total else 0.0,
         }
         if self.config.capacity_factor is not None:  # the config is the same on every rank
             assignments = tokens * self.config.top_k * self.config.n_layers
-            metrics["dropped_assignments"] = stats.dropped  # over capacity, summed over layers
-            metrics["dropped_fraction"] = stats.dropped / assignments
+            metrics["dropped_assignments"] = step.dropped  # over capacity, summed over layers
+            metrics["dropped_fraction"] = step.dropped / assignments
         for name, value in metrics.items():
             # host numbers (the step's one read brought the device's) as CPU tensors: Lightning
             # copies a Python float onto the module's device (a host-to-device copy per metric per

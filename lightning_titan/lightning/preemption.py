@@ -1,18 +1,19 @@
 """Preemption: SIGTERM (what SLURM and Kubernetes send) stops the job after the same step on every
 rank, with ``last`` saved through the normal checkpoint path, and exit code 143.
 
-- ``on_signal``: the handler only sets a flag. Lightning's own handler is replaced once training
-  starts: it runs a broadcast inside the handler and stops only the rank that got the signal. (A fork
-  launcher's parent, no rank, forwards the signal to the ranks: ``launchers.TitanForkLauncher``.)
+- ``Preemption.on_signal``: the handler only sets the object's flag. Lightning's own handler is
+  replaced once training starts: it runs a broadcast inside the handler and stops only the rank that
+  got the signal. (A fork launcher's parent, no rank, forwards the signal to the ranks:
+  ``launchers.TitanForkLauncher``.)
 - SIGINT (Ctrl+C) in a job of several processes (the ``popen`` launcher, which is rank 0, or a rank)
   stops the same way, with exit code 130: Lightning's own handling of the KeyboardInterrupt saves
   nothing and kills the ranks wherever they are. A second Ctrl+C stops at once (the launcher kills
   its ranks). A single process keeps Lightning's handling (a notebook's interrupt stays immediate);
   fork ranks ignore SIGINT (their parent decides).
-- ``start_agreement``/``Preemption.decide``: the ranks agree on the flag (the signal's number) once per step, in one tiny all-reduce whose
-  result rides on the step's one host read (``TitanStrategy.finish_gradients``). Once they agree,
-  ``trainer.received_sigterm`` is set on every rank, so Lightning's loop raises ``SIGTERMException``
-  on every rank at the end of the same step.
+- ``Preemption.requested``/``agreed``: the ranks agree on the flag (the signal's number) once per
+  step, in one tiny all-reduce whose result rides on the step's one host read (``TrainStep``,
+  ``train/step.py``). Once they agree, ``trainer.received_sigterm`` is set on every rank, so
+  Lightning's loop raises ``SIGTERMException`` on every rank at the end of the same step.
 - ``Preemption.handles`` (from ``on_exception``): every rank then saves ``last`` (``save_sharded`` is collective and
   atomic) and the exception's exit code becomes 143 (130 when SIGINT was the only signal).
 - ``stop_at_once_outside_fit``: in ``validate``/``test``/``predict`` a SIGTERM stops at once (nothing to save).
@@ -23,10 +24,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
@@ -37,69 +36,64 @@ from lightning_titan.lightning.launchers import TitanForkLauncher
 from lightning_titan.lightning.sharded_strategy import ShardedStrategy
 
 EXIT_CODE = 128 + signal.SIGTERM  # 143: what a shell and a scheduler report for "terminated"
-_requested = threading.Event()  # this process got SIGTERM or SIGINT
-_signum = 0  # the first of them it got; the ranks agree on the largest: SIGTERM wins over SIGINT
-
-
-def on_signal(signum: int, frame: Any) -> None:
-    """Set the flag; nothing else (a handler may run between any two bytecodes of a collective).
-    A second SIGINT (Ctrl+C again) ends this process at once, and the ranks it started."""
-    global _signum
-    if signum == signal.SIGINT and _requested.is_set():
-        os.write(2, f"[titan] pid {os.getpid()} got SIGINT again: stopping now\n".encode())
-        supervisor.kill_ranks()
-        os._exit(128 + signal.SIGINT)
-    if _requested.is_set():
-        return
-    _signum = signum
-    _requested.set()
-    again = " (Ctrl+C again: stop at once)" if signum == signal.SIGINT else ""
-    name = signal.Signals(signum).name
-    line = f"[titan] pid {os.getpid()} got {name}: stopping after this step, saving last{again}\n"
-    os.write(2, line.encode())  # one raw write: the stream's buffer may be in use
-
-
-def install(world_size: int = 1) -> None:
-    """SIGTERM always; SIGINT in a job of several processes, unless ignored here (a fork rank).
-    ``Trainer._teardown`` restores both handlers (Lightning's signal connector saved them)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGTERM, on_signal)
-    if world_size > 1 and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, on_signal)
-
-
-def start_agreement(device: torch.device) -> Callable[[], torch.Tensor]:
-    """Start the all-reduce (max over the world) of this rank's flag; the returned function waits
-    for it (on CUDA: the stream waits, the host does not) and gives the agreed flag, 0-dim."""
-    # a fill on the device (torch.tensor would copy the number from the host: a sync on CUDA)
-    flag = torch.full((), float(_signum) if _requested.is_set() else 0.0, device=device)
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return lambda: flag
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-
-    def agreed() -> torch.Tensor:
-        work.wait()
-        return flag
-
-    return agreed
 
 
 class Preemption:
-    """What a TitanStrategy does about SIGTERM and Ctrl+C: install the handler once training starts, act
-    on the ranks' agreement, and save ``last`` when the agreed stop arrives as an exception."""
+    """What a TitanStrategy does about SIGTERM and Ctrl+C: install the handler once training starts,
+    hand the step this rank's request (``requested``, a ``train.step.StopRequest``), act on the
+    ranks' agreement (``agreed``), and save ``last`` when the agreed stop arrives as an exception."""
 
     def __init__(self) -> None:
+        self._got = threading.Event()  # this process got SIGTERM or SIGINT
+        self._signum = 0  # the first of them; the ranks agree on the largest: SIGTERM wins over 2
+        self._trainer: Any = None  # the Trainer to stop, from install()
         self.stopped_after: int | None = None  # the global step after which every rank stops
         self.signal: int = signal.SIGTERM  # the signal the ranks agreed on
 
-    def decide(self, agreed: float, trainer: Any) -> None:
-        """``agreed``: the all-reduced flag (a signal's number, or 0), read with the step's numbers."""
-        if agreed > 0 and self.stopped_after is None:
-            self.signal = int(agreed)
-            self.stopped_after = trainer.global_step
+    def on_signal(self, signum: int, frame: Any) -> None:
+        """Set the flag; nothing else (a handler may run between any two bytecodes of a
+        collective). A second SIGINT (Ctrl+C again) ends this process at once, and its ranks."""
+        if signum == signal.SIGINT and self._got.is_set():
+            os.write(2, f"[titan] pid {os.getpid()} got SIGINT again: stopping now\n".encode())
+            supervisor.kill_ranks()
+            os._exit(128 + signal.SIGINT)
+        if self._got.is_set():
+            return
+        self._signum = signum
+        self._got.set()
+        again = " (Ctrl+C again: stop at once)" if signum == signal.SIGINT else ""
+        name = signal.Signals(signum).name
+        line = (
+            f"[titan] pid {os.getpid()} got {name}: stopping after this step, saving last{again}\n"
+        )
+        os.write(2, line.encode())  # one raw write: the stream's buffer may be in use
+
+    def install(self, trainer: Any, world_size: int = 1) -> None:
+        """SIGTERM always; SIGINT in a job of several processes, unless ignored here (a fork rank).
+        ``Trainer._teardown`` restores both handlers (Lightning's signal connector saved them)."""
+        self._trainer = trainer
+        if threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGTERM, self.on_signal)
+        if world_size > 1 and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, self.on_signal)
+
+    def requested(self) -> int:
+        """The signal this process got (0: none), for the step's agreement."""
+        return self._signum if self._got.is_set() else 0
+
+    def agreed(self, signal_number: int, step: int) -> None:
+        """Every rank heard ``signal_number`` (0: no request) in the agreement of step ``step``:
+        Lightning stops after this step, on every rank."""
+        if signal_number > 0 and self.stopped_after is None:
+            self.signal = signal_number
+            self.stopped_after = step
             supervisor.preempting.set()  # the launcher's watcher: a rank's exit 143 is no failure
-            trainer._signal_connector.received_sigterm = True  # Lightning stops after this step
+            # Lightning's loop raises SIGTERMException at the end of a step once this is set, and
+            # only then (its own SIGTERM handler sets it; no public setter exists). The end of the
+            # step is the place: this step's metrics are logged and no further batch is fetched,
+            # so the saved data position is this step's.
+            self._trainer._signal_connector.received_sigterm = True
 
     def handles(
         self, exception: BaseException, trainer: Any, strategy: ShardedStrategy, grace_s: float

@@ -9,26 +9,26 @@ from typing import Any, Literal
 
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
 from lightning_titan.lightning import preemption, supervisor
 from lightning_titan.lightning.connect import connect
-from lightning_titan.lightning.failures import report_failure
+from lightning_titan.lightning.failures import report_failure, unreduced_step_error
 from lightning_titan.lightning.launchers import launcher_for
 from lightning_titan.lightning.layout import Layout
 from lightning_titan.lightning.sharded_strategy import ShardedStrategy
-from lightning_titan.lightning.step_end import StepEnd
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
 from lightning_titan.runtime.agreement import SetupPhase
-from lightning_titan.train.engine import Engine, GradStats
-from lightning_titan.train.objective import StepLoss
+from lightning_titan.train.engine import Engine
 from lightning_titan.train.options import Schedule, TrainOptions, check_precision, preflight
+from lightning_titan.train.step import TrainStep
 
 
 class TitanStrategy(ShardedStrategy):
@@ -111,9 +111,9 @@ class TitanStrategy(ShardedStrategy):
         self.layout = Layout(dict(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp), layout, self.options)
         self._process_group_backend = process_group_backend
         self.preemption = preemption.Preemption()
-        self.step_end = StepEnd(self.preemption)
         self._groups: ProcessGroups | None = None
         self._engine: Engine | None = None
+        self._train_step: TrainStep | None = None
         self._setup_phase = SetupPhase()
         self._peers: list[tuple[str, int]] | None = None  # hosts and pids, for failure reports
 
@@ -133,6 +133,46 @@ class TitanStrategy(ShardedStrategy):
         if self._engine is None:
             raise RuntimeError("the engine exists only after the strategy's setup()")
         return self._engine
+
+    @property
+    def train_step(self) -> TrainStep:
+        """The training step (``train/step.py``) of the module's one optimizer and LR scheduler,
+        with this strategy's clipping, non-finite policy and preemption; built on first use in fit.
+        Under automatic optimization Lightning steps the scheduler itself, and the step leaves it."""
+        if self._train_step is None:
+            o = self.options
+            optimizer: Any = self.optimizers[0]  # Lightning steps its scheduler (automatic)
+            scheduler: LRScheduler | None = None
+            if not self.module.automatic_optimization:
+                optimizer, scheduler = self._stepped_by_the_module()
+            self._train_step = TrainStep(
+                self.engine, optimizer, scheduler, max_norm=o.gradient_clip_norm,
+                on_nonfinite=o.on_nonfinite, stop=self.preemption,
+            )  # fmt: skip
+        return self._train_step
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates dropped by ``on_nonfinite="skip"`` in this fit."""
+        return 0 if self._train_step is None else self._train_step.skipped
+
+    def _stepped_by_the_module(self) -> tuple[LightningOptimizer, LRScheduler | None]:
+        """Manual optimization: the module's one optimizer (Lightning's wrapper: its ``step``
+        counts ``global_step``) and LR scheduler, if any."""
+        optimizer, scheduler = self.module.optimizers(), self.module.lr_schedulers()
+        if not isinstance(optimizer, LightningOptimizer) or isinstance(scheduler, list):
+            raise TypeError(
+                "TitanStrategy's training step takes one optimizer and at most one LR scheduler; "
+                f"configure_optimizers gave {len(self.optimizers)} optimizers: return one (with "
+                "an optional lr_scheduler)"
+            )
+        if isinstance(scheduler, ReduceLROnPlateau):  # its step() needs a metric
+            raise TypeError(
+                "TitanStrategy's training step steps the LR scheduler after every optimizer step; "
+                "ReduceLROnPlateau needs a metric: step it yourself in a hook, and return no "
+                "lr_scheduler from configure_optimizers"
+            )
+        return optimizer, scheduler
 
     def preflight(self, module: Any, datamodule: Any, trainer: Any = None) -> None:
         """The checks that need no process group, in the launcher and on every rank before it (with
@@ -195,6 +235,7 @@ class TitanStrategy(ShardedStrategy):
         self.model_to_device()
         if self._engine is not None:
             self._engine.remove()
+        self._train_step = None  # of the engine and the optimizers built here
         self._engine = Engine(
             self.module, self.parallel_dims, self.groups, **self.options.engine_args
         )
@@ -211,9 +252,9 @@ class TitanStrategy(ShardedStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()  # claims the checkpoint directories
         # after Lightning registered its signal handlers (Trainer._run)
-        preemption.install(self.world_size)
+        self.preemption.install(self.module.trainer, self.world_size)
 
-    # -- the end of a step: reduce, check, clip ----------------------------------------------------------
+    # -- the training step (train/step.py) under manual and automatic optimization --------------------
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -222,41 +263,30 @@ class TitanStrategy(ShardedStrategy):
             yield
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        self.step_end.on_backward()
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def finish_gradients(self, step: StepLoss | None = None) -> GradStats:
-        """Wait for the reducers, check for non-finite values, clip by the composed global norm.
-
-        ``step``: the step's global loss (``engine.forward_backward``), read with the norm and the
-        ranks' agreement on a SIGTERM (``preemption``) in one host sync. A non-finite norm or loss
-        raises FloatingPointError on every rank, or with ``on_nonfinite="skip"`` drops every gradient
-        so that the optimizer step changes nothing (``GradStats.finite`` is then False)."""
-        dims, o = self.parallel_dims, self.options
-        return self.step_end.finish(self.engine, self.module, dims, o, self.root_device, step)
-
-    @override
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
         if not self.module.automatic_optimization:
-            # the module's training_step finishes the grads before and does the post-step work
-            # after (TitanLM.training_step shows the order)
-            self.step_end.check_finished()
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # drop-in for DDP: Lightning's loop owns the step, so the strategy does what TitanLM names
-        stats: list[GradStats] = []
+            # the module's step (TitanLM.training_step: self.train_step.run) finished the grads
+            # before: refuse an update by grads a backward left unreduced since
+            def closure_then_check() -> Any:
+                output = closure()
+                if self.engine.unfinished:
+                    raise unreduced_step_error()
+                return output
 
-        def closure_then_finish(user_closure: Callable[[], Any] = closure) -> Any:
-            output = user_closure()  # the backward
-            stats.append(self.finish_gradients())
-            return output
+            return super().optimizer_step(optimizer, closure_then_check, model, **kwargs)
 
-        output = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
-        self.engine.gather_params()  # zero>0; the expert bias needs TitanLM's counted step
-        self.engine.update_router_bias(None, skip=not stats[-1].finite)
-        return output
+        # drop-in for DDP: Lightning's loop runs the backward (its closure) and steps the scheduler;
+        # the training step runs around them
+        def lightning_backward() -> None:
+            closure()  # zero_grad, the module's training_step, its backward
+
+        def update(finishing: Callable[[], None]) -> Any:
+            return super(TitanStrategy, self).optimizer_step(optimizer, finishing, model, **kwargs)
+
+        index = self.module.trainer.global_step
+        return self.train_step.update(lightning_backward, update, index=index)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,22 +1,21 @@
-"""The parallel machinery of one rank, without Lightning: what TitanStrategy drives and the tests check.
+"""The parallel machinery of one rank, without Lightning: the reducers, ZeRO's shards, the composed
+clipping and the schedules, as the parts a training step is made of.
 
 engine = Engine(module, dims, groups, schedule="1f1b")
 engine.broadcast_replicated()
-step = engine.forward_backward(stage_model, inputs, targets, 4, loss_fn)  # global loss and aux
-norm = engine.finish_gradients(max_norm=1.0)  # reduced, clipped; the pre-clip norm
-optimizer.step(); optimizer.zero_grad()
-engine.after_optimizer_step()  # zero>0: gather the updated shards; the routers' expert bias
-# zero=1 or 2: engine.shard_optimizer(optimizer) once, and the step between
-# engine.bind_shard_grads() and engine.after_optimizer_step()
+engine.shard_optimizers([optimizer])  # zero > 0: each rank's optimizer updates its own rows
+step = TrainStep(engine, optimizer, max_norm=1.0)  # the parts in their order (train/step.py)
+result = step.run(stage_model, inputs, targets, 4, loss_fn)
+
+``TrainStep`` is the one place that calls the parts below in the order a step needs.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_titan.model.decoder import COPIED_OVER, EXPERT, StageModel, grad_group_kinds
 from lightning_titan.model.moe import balance
-from lightning_titan.model.moe.layer import counting
+from lightning_titan.model.moe.layer import StepCounts, take_step_counts
 from lightning_titan.parallel.dp import zero as zero_levels
 from lightning_titan.parallel.dp import zero_grads
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
@@ -36,18 +35,6 @@ from lightning_titan.parallel.pipeline.stage import PipelineStage
 from lightning_titan.parallel.tensor_parallel import tp_shards
 from lightning_titan.runtime import probes
 from lightning_titan.train.objective import LossFn, Objective, StepLoss, global_means
-
-
-@dataclass(frozen=True)
-class GradStats:
-    """What finishing a step's gradients found (``TitanStrategy.finish_gradients``): global values,
-    the same on every rank, read from the device in the step's one host sync."""
-
-    grad_norm: float  # before clipping, composed over every axis
-    finite: bool  # False: on_nonfinite="skip" dropped every grad, and the update changes nothing
-    loss: float = math.nan  # the step's StepLoss, where one was given
-    aux: float = math.nan
-    dropped: float = 0.0
 
 
 class Engine:
@@ -120,7 +107,6 @@ class Engine:
         ]
         self.params = [p for _, p, _ in kinds]
         self.balanced_layers = balance.balanced_layers(module)  # MoE layers with an expert bias
-        self._gather_due = False  # zero>0: an optimizer step updated only this rank's rows
         if zero and not self.zero_groups:
             warnings.warn(
                 f"zero={zero} changes nothing here: this layout (dp={dims.dp}, ep={dims.ep}) has no "
@@ -167,8 +153,9 @@ class Engine:
     ) -> StepLoss:
         """One step's forward and backward over ``num_microbatches`` with the schedule; grads are reduced
         during the last backward (overlapped; the stage runs the others under ``no_sync``), finished
-        by ``finish_gradients``."""
-        self._check_whole()
+        by ``finish_gradients``. The result carries the MoE layers' routing counts of these
+        forwards (a count left by a forward outside a step is dropped first)."""
+        take_step_counts(stage_model)
         stage = PipelineStage(
             stage_model,
             self.dims,
@@ -181,8 +168,8 @@ class Engine:
             accumulate=self.no_sync,
             tracer=tracer,
         )
-        with counting(stage_model) as counts:  # the MoE layers' routing counts of this step
-            sums = stage.run(self.schedule)
+        sums = stage.run(self.schedule)
+        counts = take_step_counts(stage_model)
         # this rank's tokens in its stage's layers (the all-reduce sums the ranks)
         dropped = counts.total_dropped()
         step = global_means(sums, inputs.shape[0], self.dims.data_world, dropped)
@@ -197,7 +184,6 @@ class Engine:
         num_microbatches: int,
         loss_fn: LossFn,
     ) -> StepLoss:
-        self._check_whole()
         links = self._links(stage_model, inputs.device)
         objective = self._objective(loss_fn, inputs)
         stage = PipelineStage(
@@ -208,14 +194,6 @@ class Engine:
     @staticmethod
     def _objective(loss_fn: LossFn, inputs: Tensor) -> Objective:
         return Objective(loss_fn, local_tokens=inputs.numel(), local_sequences=inputs.shape[0])
-
-    def _check_whole(self) -> None:
-        if self._gather_due:  # a silent divergence otherwise: each rank trains its own rows only
-            raise RuntimeError(
-                "the parameters are not whole: under zero>0 an optimizer step updates each rank's "
-                "own rows; call strategy.engine.gather_params() after optimizer.step() (as "
-                "TitanLM.training_step does)"
-            )
 
     def _links(self, stage_model: StageModel, device: torch.device) -> StageLinks:
         dtype = next(stage_model.parameters()).dtype
@@ -241,6 +219,12 @@ class Engine:
                 self.params, max_norm, counted=self.norm_params, group=self.groups.model
             )
 
+    @property
+    def unfinished(self) -> bool:
+        """A backward filled a reducer's bucket that ``finish_gradients`` has not reduced yet: an
+        optimizer step now would update by unreduced grads (each rank its own)."""
+        return any(r.unfinished for r in self.reducers)
+
     def shard_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Under zero>0, make each optimizer update only this rank's shards (see ``zero``)."""
         for optimizer in optimizers:
@@ -250,7 +234,6 @@ class Engine:
         """Under zero>0, just before the optimizer step: the shards' reduced grads (None: ``drop``, a
         skipped step). zero=2's reducers set them in ``finish_gradients`` already (clipping scaled
         them there): only a drop is left to do."""
-        self._gather_due = bool(self.zero_groups)
         for g in self.zero_groups:
             if drop:
                 g.drop_grads()
@@ -259,33 +242,16 @@ class Engine:
 
     def gather_params(self) -> None:
         """Under zero>0, just after the optimizer step: every rank's parameters whole again."""
-        self._gather_due = False
         for g in self.zero_groups:
             g.gather()
 
-    def update_router_bias(self, step: StepLoss | None, skip: bool = False) -> None:
+    def update_router_bias(self, counts: StepCounts, skip: bool = False) -> None:
         """Just after the optimizer step: move the MoE layers' expert biases by the step's global
-        expert loads (``step.counts``, from ``forward_backward``; one all-reduce over the stage's
+        expert loads (``counts``: the step's, of this rank's forwards; one all-reduce over the stage's
         ``sequence_dp`` ranks; ``model/moe/balance.py``). ``skip``: the step's update was dropped
         (non-finite), so the bias stays too; every rank of the group passes the same (it decides
         whether there is an all-reduce)."""
-        if not self.balanced_layers:
-            return
-        if step is None or step.counts is None:
-            raise RuntimeError(
-                "aux-loss-free balancing (router_bias_update_rate > 0) moves the bias by the counts "
-                "of Engine.forward_backward's step: pass that step (TitanLM does); a loop of its "
-                "own, such as Lightning's automatic optimization, does not count them"
-            )
-        balance.update_expert_bias(
-            self.balanced_layers, step.counts, self.groups.sequence_dp, skip=skip
-        )
-
-    def after_optimizer_step(self, step: StepLoss | None = None, skip: bool = False) -> None:
-        """``gather_params`` then ``update_router_bias(step, skip)``: for loops that do not name them
-        (the engine-level harnesses, Lightning's automatic optimization)."""
-        self.gather_params()
-        self.update_router_bias(step, skip)
+        balance.update_expert_bias(self.balanced_layers, counts, self.groups.sequence_dp, skip=skip)
 
     def remove(self) -> None:
         for r in self.reducers:

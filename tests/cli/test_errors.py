@@ -43,9 +43,7 @@ def test_compile_must_be_a_bool():
 
 
 def _trainer(skipped: int | None, steps: int) -> SimpleNamespace:
-    strategy = SimpleNamespace(
-        step_end=None if skipped is None else SimpleNamespace(skipped=skipped)
-    )
+    strategy = SimpleNamespace() if skipped is None else SimpleNamespace(skipped_steps=skipped)
     return SimpleNamespace(
         callback_metrics={}, global_step=steps, strategy=strategy, logger=None,
         checkpoint_callback=None,

@@ -59,6 +59,6 @@ def test_manual_optimization_cannot_step_on_unreduced_gradients():
     skipped = run("skip")
     assert skipped.returncode != 0
     assert "optimizer.step() was called on gradients that are not reduced yet" in skipped.stderr
-    finished = run("finish")
+    finished = run("step")
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert "TRAINED 2" in finished.stdout

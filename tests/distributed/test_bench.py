@@ -22,6 +22,7 @@ from lightning_titan.tools.bench.overlap_report import exposure, overlap_markdow
 from lightning_titan.tools.bench.paired import Ratio, all_of, median_interval
 from lightning_titan.tools.bench.runners import token_loss_sum
 from lightning_titan.train.engine import Engine
+from lightning_titan.train.step import TrainStep
 
 
 class _OrderOnly:
@@ -471,11 +472,14 @@ def test_recording_is_off_by_default_and_the_stack_reports_its_spans():
     engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 2, token_loss_sum)
     assert not tracing.is_recording() and tracing.stop() == []
     tracing.start(rank=3, step=9)
-    engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 2, token_loss_sum)
-    engine.finish_gradients(1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    TrainStep(engine, optimizer, max_norm=1.0).run(
+        model, tokens[:, :-1], tokens[:, 1:], 2, token_loss_sum
+    )
     spans = tracing.stop()
     kinds = [s.kind for s in spans]
     assert kinds.count("forward") == 2 and kinds.count("backward") == 2
+    assert kinds.count("optimizer") == 1
     assert {s.rank for s in spans} == {3} and {s.step for s in spans} == {9}
     assert all(s.end_ns >= s.start_ns for s in spans)
     assert sorted(s.args["mb"] for s in spans if s.kind == "forward") == [0, 1]

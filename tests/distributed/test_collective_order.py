@@ -30,6 +30,7 @@ from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.parallel.mesh import ParallelDims, build_process_groups
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.engine import Engine
+from lightning_titan.train.step import TrainStep
 
 WORLD = 4
 # (dp, pp, ep, zero[, tp]): zero=2 reduce-scatters its buckets in the same launch order
@@ -112,6 +113,7 @@ def _run_layout(rank: int, layout: tuple[int, ...]) -> dict:
     engine = Engine(model, dims, groups, schedule="1f1b", bucket_cap_mb=1e-9, zero=zero)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine.shard_optimizers([optimizer])
+    train_step = TrainStep(engine, optimizer, max_norm=1.0)
     b = BATCH // dims.data_world
     tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))[dims.data_rank * b:][:b]  # fmt: skip
@@ -120,15 +122,17 @@ def _run_layout(rank: int, layout: tuple[int, ...]) -> dict:
     for step in range(STEPS):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step == STEPS - 1):
             with CollectiveLog() as log, HostReads() as step_reads, HostToDevice() as step_copies:
-                engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], M, loss_fn)
-                forward_backward_reads = len(step_reads.calls)
-                engine.finish_gradients(1.0)
-        engine.bind_shard_grads()
-        optimizer.step()
-        engine.gather_params()
-        optimizer.zero_grad(set_to_none=True)
+                marks: list[int] = []
+
+                def forward_backward(marks=marks, reads=step_reads):
+                    loss = engine.forward_backward(model, tokens[:, :-1], tokens[:, 1:], M, loss_fn)
+                    marks.append(len(reads.calls))  # the reads of the forwards and backwards
+                    return loss
+
+                train_step.update(forward_backward, index=step)  # the step TitanLM runs
         logs.append(log.entries)
-        reads.append((forward_backward_reads, len(step_reads.calls) - forward_backward_reads))
+        fb_reads = marks[0]
+        reads.append((fb_reads, len(step_reads.calls) - fb_reads))
         copies.append(step_copies.calls)
     engine.remove()
     return {
@@ -180,9 +184,10 @@ def test_collective_order_host_reads_and_payload_dtypes():
         assert bool(scattered) == (zero == 2), (layout, entries)
         for r in results:
             # one read per MoE layer per microbatch (the dispatch split sizes), none in backward;
-            # one per bucket to finish the gradients (its used-flags), none for clipping
-            for fb, finish in r["reads"]:
-                assert fb == r["layers"] * M and finish == r["buckets"], (layout, r["reads"])
+            # one per bucket to finish the gradients (its used-flags), none for clipping, and the
+            # step's one read of its numbers (norm, loss, aux, drops); none in the update
+            for fb, rest in r["reads"]:
+                assert fb == r["layers"] * M and rest == r["buckets"] + 1, (layout, r["reads"])
             # and nothing copied onto the device: no flag per parameter, no offsets per layer
             assert all(step == [] for step in r["copies"]), (layout, r["copies"])
             # the last step ran under autocast: tokens travel in bf16 (zero=2's grads stay fp32)

@@ -26,6 +26,7 @@ from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_pro
 from lightning_titan.parallel.tensor_parallel import local_slice, tp_shards
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.engine import Engine
+from lightning_titan.train.step import TrainStep
 
 SEQ_LEN = 16
 GLOBAL_BATCH = 8
@@ -182,16 +183,12 @@ def finetune(model: StageModel, engine: Engine, dims: ParallelDims) -> list[floa
     b = GLOBAL_BATCH // dims.data_world
     rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
     loss_fn = model.token_loss_sum if dims.tp > 1 else token_loss_sum
+    train_step = TrainStep(engine, optimizer, max_norm=1.0)
     losses = []
     for step in range(STEPS):
         tokens = global_tokens(step)
-        out = engine.forward_backward(model, tokens[rows, :-1], tokens[rows, 1:], 2, loss_fn)
-        engine.finish_gradients(1.0)
-        engine.bind_shard_grads()
-        optimizer.step()
-        engine.after_optimizer_step(out)
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(out.loss.item())
+        result = train_step.run(model, tokens[rows, :-1], tokens[rows, 1:], 2, loss_fn, index=step)
+        losses.append(result.loss)
     return losses
 
 

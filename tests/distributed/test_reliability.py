@@ -279,31 +279,28 @@ def reference(work) -> dict[int, str]:
 
 
 # -- unit checks (no processes) ------------------------------------------------------------------------
-def test_ctrl_c_is_taken_over_only_in_a_job_of_several_processes_and_not_where_ignored(
-    monkeypatch,
-):
+def test_ctrl_c_is_taken_over_only_in_a_job_of_several_processes_and_not_where_ignored():
     """SIGINT becomes the agreed stop in a rank of a multi-process job; a single process keeps
     Lightning's KeyboardInterrupt (a notebook's interrupt), and a fork rank keeps ignoring it (its
     parent decides). The flag the ranks agree on is the signal's number: SIGTERM (15) wins over 2."""
-    from lightning_titan.lightning import preemption
+    from lightning_titan.lightning.preemption import Preemption
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    monkeypatch.setattr(preemption, "_requested", threading.Event())
-    monkeypatch.setattr(preemption, "_signum", 0)
+    stop = Preemption()
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        preemption.install(1)
+        stop.install(None, 1)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        assert signal.getsignal(signal.SIGTERM) is preemption.on_signal
-        preemption.install(2)
-        assert signal.getsignal(signal.SIGINT) is preemption.on_signal
+        assert signal.getsignal(signal.SIGTERM) == stop.on_signal
+        stop.install(None, 2)
+        assert signal.getsignal(signal.SIGINT) == stop.on_signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        preemption.install(2)
+        stop.install(None, 2)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        assert preemption.start_agreement(torch.device("cpu"))().item() == 0
-        preemption.on_signal(signal.SIGINT, None)
-        preemption.on_signal(signal.SIGTERM, None)  # a later signal changes nothing
-        assert preemption.start_agreement(torch.device("cpu"))().item() == signal.SIGINT
+        assert stop.requested() == 0
+        stop.on_signal(signal.SIGINT, None)
+        stop.on_signal(signal.SIGTERM, None)  # a later signal changes nothing
+        assert stop.requested() == signal.SIGINT
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)

@@ -336,3 +336,39 @@ def test_background_saves_keep_top_k_and_last_complete_and_fit_waits_for_them(tm
     want = "after fit ['epoch=0-step=4.ckpt', 'last.ckpt'] [True, True] [4, 4]"
     assert want in done.stdout, done.stdout
     assert "after save_checkpoint True" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_automatic_optimization_moves_the_expert_bias_as_one_process(tmp_path):
+    """An ordinary module (automatic optimization) around a model with aux-loss-free balancing,
+    under TitanStrategy(dp=2): the training step moves the expert biases by the global loads of the
+    forwards of Lightning's closure, so weights and biases end as one process training on the
+    global batches (each step: both ranks' rows) with the bias update written out here."""
+    from scripts.auto_bias import PER_RANK, STEPS, loss_of, new_model, tokens
+    from torch.utils.data import DistributedSampler
+
+    from lightning_titan.model.moe.balance import balanced_layers, update_expert_bias
+    from lightning_titan.model.moe.layer import take_step_counts
+
+    out = tmp_path / "auto.pt"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "auto_bias.py"), str(out)],
+        capture_output=True, text=True, timeout=220, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = torch.load(out)
+    model, data = new_model(), tokens()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # the rows Lightning's DistributedSampler gives each rank (shuffled, seed 0, epoch 0)
+    order = [list(DistributedSampler(data, 2, r, shuffle=True, seed=0)) for r in range(2)]
+    for step in range(STEPS):
+        rows = [data[order[r][step * PER_RANK : (step + 1) * PER_RANK]] for r in range(2)]
+        loss_of(model, torch.cat(rows)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        update_expert_bias(balanced_layers(model), take_step_counts(model), None)
+    biases = [k for k in ours if k.endswith("expert_bias")]
+    assert len(biases) == 2 and all(ours[k].abs().sum() > 0 for k in biases), "the bias moved"
+    for name, want in model.state_dict().items():
+        torch.testing.assert_close(ours[name], want, rtol=1e-5, atol=1e-6, msg=name)

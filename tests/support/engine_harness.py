@@ -23,6 +23,7 @@ from lightning_titan.parallel.tensor_parallel import local_slice, tp_shards
 from lightning_titan.tools.bench.memory import state_bytes, zero2_grad_bytes
 from lightning_titan.train import auto_split
 from lightning_titan.train.engine import Engine
+from lightning_titan.train.step import TrainStep
 
 CONFIG = ModelConfig(
     vocab_size=61, d_model=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=24, n_experts=4, top_k=2,
@@ -189,6 +190,21 @@ def train(
     # and 1.2e-7. The grads (~1e-3 an element after clipping) still get Adam's per-element scaling.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-3)
     engine.shard_optimizers([optimizer])
+    train_step = TrainStep(engine, optimizer, max_norm=MAX_NORM)  # the step TitanLM runs
+    # what `titan bench` measures (and `titan plan` predicts), read around the optimizer's update:
+    # the grads it reads, the most held (before the update or after it, before zero_grad), and
+    # the state bytes by part after it
+    measured = {"grad_bytes": 0, "state": None}
+
+    def before_update(*_) -> None:
+        measured["grad_bytes"] = held_grad_bytes(model, optimizer)
+
+    def after_update(*_) -> None:
+        measured["grad_bytes"] = max(measured["grad_bytes"], held_grad_bytes(model, optimizer))
+        measured["state"] = state_bytes(model, optimizer, zero2_grad_bytes(engine))
+
+    optimizer.register_step_pre_hook(before_update)
+    optimizer.register_step_post_hook(after_update)
     b = batch // dims.data_world
     handovers = overlap.handovers
     losses, auxes, norms, dropped = [], [], [], []
@@ -199,23 +215,13 @@ def train(
     for step in range(steps):
         inputs, targets = global_batch(step, config, batch)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
-        step_loss = engine.forward_backward(
-            model, inputs[rows], targets[rows], num_microbatches, loss_fn
+        result = train_step.run(
+            model, inputs[rows], targets[rows], num_microbatches, loss_fn, index=step
         )
-        norms.append(engine.finish_gradients(MAX_NORM).item())
-        engine.bind_shard_grads()
-        grad_bytes = held_grad_bytes(model, optimizer)  # the grads the step reads
-        optimizer.step()
-        engine.after_optimizer_step(step_loss)
-        # after the step, before zero_grad: the larger of the two
-        grad_bytes = max(grad_bytes, held_grad_bytes(model, optimizer))
-        # what `titan bench` measures (and `titan plan` predicts): state bytes by part after the step
-        state = state_bytes(model, optimizer, zero2_grad_bytes(engine))
-        optimizer.zero_grad(set_to_none=True)
-        loss, aux = step_loss.loss.item(), step_loss.aux.item()
-        losses.append(loss)
-        auxes.append(aux)
-        dropped.append(step_loss.dropped.item())
+        losses.append(result.loss)
+        auxes.append(result.aux)
+        norms.append(result.grad_norm)
+        dropped.append(result.dropped)
         if step == 0:
             graphs_after_first = compiled.graphs_compiled()
     recompiled = compiled.graphs_compiled() - graphs_after_first  # before the eval's own graphs
@@ -241,8 +247,8 @@ def train(
         "weights": weights,
         "biases": biases,
         "state_numel": sum(v.numel() for v in moments),
-        "state": state,
-        "grad_bytes": grad_bytes,
+        "state": measured["state"],
+        "grad_bytes": measured["grad_bytes"],
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         # the most batches of sends alive (their tensors held) at once (strict_p2p only)
         "sends_in_flight": 0 if stream is None else stream.most_live_sends,
@@ -389,17 +395,22 @@ def grads_of_one_step(
     model = stage_model(dims, groups, CONFIG)
     engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=0.01)
     engine.broadcast_replicated()
+    # the production step, with an update that changes nothing (lr 0): the grads it would apply
+    # are read just before it
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    grads = []
+    optimizer.register_step_pre_hook(
+        lambda *_: grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    )
     b = inputs.shape[0] // dims.data_world
     rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
-    out = {"grads": [], "norm": []}
+    out = {"grads": grads, "norm": []}
     for max_norm in max_norms:
-        step = engine.forward_backward(
+        step = TrainStep(engine, optimizer, max_norm=max_norm).run(
             model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
         )
-        out["norm"].append(engine.finish_gradients(max_norm).item())
-        out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        model.zero_grad(set_to_none=True)
-    out["loss"], out["aux"] = step.loss.item(), step.aux.item()
+        out["norm"].append(step.grad_norm)
+    out["loss"], out["aux"] = step.loss, step.aux
     engine.remove()
     out.update(record(model, dims))
     return out

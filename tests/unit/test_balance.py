@@ -18,10 +18,11 @@ from engine_harness import BIAS_CONFIG, reference
 from lightning_titan.checkpoint.state import MODEL, model_entries
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.moe.balance import bias_step, update_expert_bias
-from lightning_titan.model.moe.layer import MoELayer, counting
+from lightning_titan.model.moe.layer import MoELayer, take_step_counts
 from lightning_titan.model.moe.router import route
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
 from lightning_titan.train.engine import Engine
+from lightning_titan.train.step import TrainStep
 
 CONFIG = ModelConfig(
     d_model=32, n_layers=2, n_heads=4, ffn_dim=24, n_experts=4, seq_len=8,
@@ -79,19 +80,17 @@ def test_counts_once_per_training_token():
         # torch stops a recompute once it has the saved tensors it needs, which may be before the
         # layer counts; without that early stop the recompute runs the whole block
         layer = model.layers["1"].moe
-        with counting(model) as counts:
-            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-                logits, aux = model(ids)
-                (logits.square().mean() + aux.sum()).backward()
-            assert counts.selected[layer].sum() == 3 * 8 * CONFIG.top_k
-            counted.append(counts.selected[layer].clone())
-            with torch.no_grad():
-                model(ids)
-            model.eval()
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            logits, aux = model(ids)
+            (logits.square().mean() + aux.sum()).backward()
+        with torch.no_grad():
             model(ids)
-        assert torch.equal(counts.selected[layer], counted[-1])
-        model(ids)  # outside counting: nobody counts
-        assert layer.counts is None and torch.equal(counts.selected[layer], counted[-1])
+        model.eval()
+        model(ids)
+        counts = take_step_counts(model)
+        assert counts.selected[layer].sum() == 3 * 8 * CONFIG.top_k
+        counted.append(counts.selected[layer].clone())
+        assert take_step_counts(model).selected == {}  # taken: the count starts again
         update_expert_bias([layer], counts, None)
         assert torch.equal(
             layer.expert_bias, bias_step(counted[-1], CONFIG.router_bias_update_rate)
@@ -104,19 +103,21 @@ def test_skipped_step_keeps_the_bias():
     model.init_weights(0)
     engine = Engine(model, ParallelDims(1, 1, 1), ProcessGroups(None, None, None, None))
     assert len(engine.balanced_layers) == 2
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = TrainStep(engine, optimizer, on_nonfinite="skip")
     ids = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(2))
-    step = engine.forward_backward(model, ids[:, :-1], ids[:, 1:], 1, model.token_loss_sum)
-    assert step.counts is not None and set(step.counts.selected) == set(engine.balanced_layers)
-    engine.bind_shard_grads(drop=True)  # a non-finite step: its update is dropped
-    engine.after_optimizer_step(step, skip=True)
+
+    def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return model.token_loss_sum(logits, targets) * poison
+
+    poison = float("nan")  # a non-finite loss: the step's update is dropped, and the bias stays
+    with warnings.catch_warnings(record=True):
+        result = step.run(model, ids[:, :-1], ids[:, 1:], 1, loss_sum)
+    assert not result.finite and step.skipped == 1
     assert all(layer.expert_bias.abs().sum() == 0 for layer in engine.balanced_layers)
-    engine.bind_shard_grads()
-    engine.after_optimizer_step(step)
+    poison = 1.0
+    assert step.run(model, ids[:, :-1], ids[:, 1:], 1, loss_sum).finite
     assert all(layer.expert_bias.abs().sum() > 0 for layer in engine.balanced_layers)
-    with pytest.raises(
-        RuntimeError, match="moves the bias by the counts of Engine.forward_backward"
-    ):
-        engine.update_router_bias(None)  # a loop that did not count its step
     engine.remove()
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.moe.capacity import expert_capacity, queue_position, sequence_positions
-from lightning_titan.model.moe.layer import MoELayer, counting
+from lightning_titan.model.moe.layer import MoELayer, take_step_counts
 from lightning_titan.parallel.context_parallel import positions
 
 
@@ -80,8 +80,8 @@ def test_layer_drops_over_capacity_outputs_and_grads(grouped):
     layer = MoELayer(16, 8, 4, 2, capacity_factor=0.5)  # 10 * 2 / 4 * 0.5 -> 2 per expert
     layer.experts.grouped_mm = grouped
     x = torch.randn(3, 10, 16, requires_grad=True)
-    with counting(layer) as counts:
-        out, _ = layer(x)
+    out, _ = layer(x)
+    counts = take_step_counts(layer)
     capacity = expert_capacity(0.5, 10, 2, 4)
     assert capacity == 2 and counts.dropped[layer] > 0
     assert max(layer.rows_per_local_expert) <= capacity * 3  # 3 sequences
@@ -103,8 +103,8 @@ def test_all_tokens_to_one_expert_it_takes_exactly_capacity():
         layer.router.weight.zero_()
         layer.router.weight[2] = 1.0
     x = torch.rand(5, 6, 8) + 0.1  # positive: expert 2 wins every token
-    with counting(layer) as counts:
-        layer(x)
+    layer(x)
+    counts = take_step_counts(layer)
     assert layer.rows_per_local_expert == [0, 0, 5, 0]
     assert int(counts.dropped[layer]) == 5 * 6 - 5
     assert layer.tokens_per_expert.tolist() == [0, 0, 30, 0]  # selections, before the drops
@@ -118,8 +118,8 @@ def test_capacity_with_room_for_all_equals_dropless():
     x = torch.randn(2, 10, 16)
     ids = dropless.router(x.reshape(20, 16)).topk(2).indices.view(2, 10, 2)
     assert (queue_position(ids, 8) < 9).all(), "no expert should get 10 assignments of one sequence"
-    with counting(roomy) as counts:
-        torch.testing.assert_close(roomy(x)[0], dropless(x)[0], rtol=0, atol=1e-7)
+    torch.testing.assert_close(roomy(x)[0], dropless(x)[0], rtol=0, atol=1e-7)
+    counts = take_step_counts(roomy)
     assert int(counts.dropped[roomy]) == 0
 
 
@@ -156,18 +156,19 @@ def test_export_warns_that_the_capacity_is_left_out(tmp_path, monkeypatch):
 
 
 def test_a_steps_drops_sum_over_its_microbatches_and_layers():
-    """``counting`` adds each training forward's drops to its layer's, and the step's total is the
-    sum over the layers (what TitanLM logs as dropped_assignments)."""
+    """Each training forward adds its drops to its layer's count, and the step's total is the sum
+    over the layers (what TitanLM logs as dropped_assignments); taking the counts starts again."""
     layers = nn.ModuleList([MoELayer(8, 4, 4, 1, capacity_factor=1.0) for _ in range(2)])
     with torch.no_grad():
         for layer in layers:
             layer.router.weight.zero_()
             layer.router.weight[2] = 1.0  # expert 2 wins every token: 6 - 1 dropped per sequence
     x = torch.rand(5, 6, 8) + 0.1
-    with counting(layers) as counts:
-        layers[0](x)
-        layers[0](x)  # a second microbatch
-        layers[1](x)
+    layers[0](x)
+    layers[0](x)  # a second microbatch
+    layers[1](x)
+    counts = take_step_counts(layers)
     assert [int(counts.dropped[m]) for m in layers] == [2 * 25, 25]
     total = counts.total_dropped()
     assert total is not None and int(total) == 75
+    assert take_step_counts(layers).total_dropped() is None

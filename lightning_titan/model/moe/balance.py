@@ -45,7 +45,7 @@ def bias_step(tokens_per_expert_LE: Tensor, rate: float) -> Tensor:
 def update_expert_bias(
     layers: list[MoELayer], counts: StepCounts, group: ProcessGroup | None, *, skip: bool = False
 ) -> None:
-    """Move each layer's bias by its step's global load (``counts``: the step's, ``counting``).
+    """Move each layer's bias by its step's global load (``counts``: the step's, ``take_step_counts``).
 
     ``group``: the stage's ranks that saw other tokens (``sequence_dp``). ``skip``: the step's update
     was dropped (a non-finite step), so the bias stays too. Every rank of ``group`` must call this

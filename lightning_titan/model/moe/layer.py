@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -32,9 +29,10 @@ class MoELayer(nn.Module):
     says how ``sequence_group`` cuts each sequence. The counts above are the router's selections,
     before the drops; ``rows_per_local_expert`` holds the last forward's received rows.
 
-    Inside ``counting(module)`` the training forwards add their selections and drops to the
-    ``StepCounts`` it yields (not activation checkpointing's recompute, which saw the same tokens):
-    a step's counts come back from the call that ran the step.
+    The training forwards (grad enabled, not activation checkpointing's recompute, which saw the
+    same tokens) add their selections and drops to the layer's own running counts, which the step
+    takes once its forwards ran (``take_counts``; ``take_step_counts`` for every layer of a model):
+    what the expert-bias update spends and the logged drops.
     With the bias on, ``unbiased_tokens_per_expert`` [E] holds the last forward's counts of the
     top-K the unbiased scores would have chosen (what the bias changed: ``timeline.ExpertLoad``).
 
@@ -110,7 +108,9 @@ class MoELayer(nn.Module):
         )
         self.capacity_factor = capacity_factor
         self.sequence_split = sequence_split
-        self.counts: StepCounts | None = None  # set inside counting()
+        # the running counts of the training forwards since the last take_counts(): [E] and 0-dim
+        self._selected: Tensor | None = None
+        self._dropped: Tensor | None = None
         self.rows_per_local_expert: list[int] = []
         self.unbiased_tokens_per_expert: Tensor | None = None
         self.overlap_all_to_all = True
@@ -156,12 +156,24 @@ class MoELayer(nn.Module):
             ids = routing.expert_ids.reshape(-1)
             selected = torch.zeros_like(selected).scatter_add_(0, ids, torch.ones_like(ids))
         self.tokens_per_expert = selected.detach()
-        counts = self.counts
-        if counts is not None and self.training and torch.is_grad_enabled() and not recomputing():
-            counts.add(self, selected, None if keep is None else keep.numel() - keep.sum())
+        if self.training and torch.is_grad_enabled() and not recomputing():
+            self._count(selected, None if keep is None else keep.numel() - keep.sum())
         aux = self.aux_loss_coef * routing.load_balance + self.z_loss_coef * routing.z_loss
         out = pending_out.wait().view(b, s, d)
         return (out if shared_out is None else out + shared_out), aux
+
+    def _count(self, selected: Tensor, dropped: Tensor | None) -> None:
+        selected = selected.detach()
+        self._selected = selected.clone() if self._selected is None else self._selected + selected
+        if dropped is not None:
+            self._dropped = dropped if self._dropped is None else self._dropped + dropped
+
+    def take_counts(self) -> tuple[Tensor | None, Tensor | None]:
+        """The [E] selections and the 0-dim drops (None: no capacity) of the training forwards since
+        the last take, which starts the count again. None, None: no training forward ran."""
+        counts = self._selected, self._dropped
+        self._selected = self._dropped = None
+        return counts
 
     @torch.no_grad()
     def _unbiased_counts(self, logits: Tensor) -> Tensor:
@@ -192,36 +204,26 @@ def recomputing() -> bool:
 
 
 class StepCounts:
-    """A step's routing counts, per MoE layer, summed over its training forwards (``counting``):
-    ``selected`` [E] the assignments the router chose (what the expert-bias update spends),
-    ``dropped`` the assignments over capacity (capacity layers only)."""
+    """A step's routing counts per MoE layer (``take_step_counts``): ``selected`` [E] the
+    assignments the router chose (what the expert-bias update spends), ``dropped`` the assignments
+    over capacity (capacity layers only). A layer no training forward ran through is absent."""
 
     def __init__(self) -> None:
         self.selected: dict[MoELayer, Tensor] = {}
         self.dropped: dict[MoELayer, Tensor] = {}
 
-    def add(self, layer: MoELayer, selected: Tensor, dropped: Tensor | None) -> None:
-        selected = selected.detach()
-        self.selected[layer] = (
-            self.selected[layer] + selected if layer in self.selected else selected.clone()
-        )
-        if dropped is not None:
-            self.dropped[layer] = (
-                self.dropped[layer] + dropped if layer in self.dropped else dropped
-            )
-
     def total_dropped(self) -> Tensor | None:
         return torch.stack(list(self.dropped.values())).sum() if self.dropped else None
 
 
-@contextmanager
-def counting(module: nn.Module) -> Iterator[StepCounts]:
-    """The routing counts of the training forwards of ``module``'s MoE layers inside the block."""
-    counts, layers = StepCounts(), [m for m in module.modules() if isinstance(m, MoELayer)]
-    for layer in layers:
-        layer.counts = counts
-    try:
-        yield counts
-    finally:
-        for layer in layers:
-            layer.counts = None
+def take_step_counts(module: nn.Module) -> StepCounts:
+    """Every MoE layer's counts under ``module`` since their last take (``MoELayer.take_counts``)."""
+    counts = StepCounts()
+    for layer in module.modules():
+        if isinstance(layer, MoELayer):
+            selected, dropped = layer.take_counts()
+            if selected is not None:
+                counts.selected[layer] = selected
+            if dropped is not None:
+                counts.dropped[layer] = dropped
+    return counts

@@ -235,6 +235,11 @@ class GradReducer:
         return bucket.numel + slot
 
     @property
+    def unfinished(self) -> bool:
+        """A backward outside ``no_sync()`` filled a slot since the last ``finish()``."""
+        return any(b.num_filled for b in self._buckets)
+
+    @property
     def launch_order(self) -> list[int]:
         """This step's bucket order: the hook buckets, then the others, each in bucket order. Built
         from reduced values only, so every rank of the group has the same list, and launching strictly

@@ -32,6 +32,7 @@ from lightning_titan.tools.bench import dispatch as dispatch_bench
 from lightning_titan.tools.bench.cases import Settings
 from lightning_titan.tools.bench.dispatch import _best_ms
 from lightning_titan.train.engine import Engine
+from lightning_titan.train.step import TrainStep
 
 
 def experts_case(
@@ -85,13 +86,10 @@ def _train_steps(
         compiled.compile_stage(model)
     engine = Engine(model, ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    step = TrainStep(engine, optimizer, max_norm=1.0)
     for inputs, targets in batches:
         start = time.perf_counter()
-        step = engine.forward_backward(model, inputs, targets, 1, model.token_loss_sum)
-        engine.finish_gradients(1.0)
-        optimizer.step()
-        engine.after_optimizer_step(step)
-        optimizer.zero_grad(set_to_none=True)
+        step.run(model, inputs, targets, 1, model.token_loss_sum)
         yield time.perf_counter() - start, model
 
 

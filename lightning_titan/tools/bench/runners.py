@@ -1,4 +1,4 @@
-"""One training step of the same model, six ways: ours (Engine, zero=0, 1 or 2), torch DDP (with
+"""One training step of the same model, six ways: ours (TrainStep, zero=0, 1 or 2), torch DDP (with
 AdamW or with ``ZeroRedundancyOptimizer`` over AdamW), torch FSDP2, torch.distributed.pipelining,
 and torch's ``parallelize_module`` tensor parallelism (``torch_tp.py``).
 
@@ -19,8 +19,8 @@ from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
 from lightning_titan.parallel.pipeline.split import StageSplit
-from lightning_titan.runtime.tracing import span
 from lightning_titan.train.engine import Engine
+from lightning_titan.train.step import TrainStep
 
 SEED = 1234
 MAX_NORM = 1.0
@@ -80,19 +80,14 @@ class TitanRunner:
         self.engine.broadcast_replicated()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.engine.shard_optimizers([self.optimizer])  # zero=0: changes nothing
+        self.train_step = TrainStep(self.engine, self.optimizer, max_norm=MAX_NORM)
         self.num_microbatches = num_microbatches
 
     def step(self, inputs: Tensor, targets: Tensor) -> None:
         # the model's loss, as TitanLM.loss_fn: under tp > 1 the logits are this rank's vocabulary shard
-        self.engine.forward_backward(
+        self.train_step.run(
             self.model, inputs, targets, self.num_microbatches, self.model.token_loss_sum
         )
-        self.engine.finish_gradients(MAX_NORM)
-        self.engine.bind_shard_grads()
-        with span("optimizer", "AdamW"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.engine.gather_params()
 
     def close(self) -> None:
         self.engine.remove()
