@@ -36,7 +36,7 @@ class MoELayer(nn.Module):
     ``StepCounts`` it yields (not activation checkpointing's recompute, which saw the same tokens):
     a step's counts come back from the call that ran the step.
     With the bias on, ``unbiased_tokens_per_expert`` [E] holds the last forward's counts of the
-    top-K the unbiased scores would have chosen (what the bias changed: ``timeline.ExpertLoad``).
+    top-K the unbiased scores would have chosen (what the bias changed: ``ExpertLoad``, ``lightning/callbacks.py``).
 
     With ``overlap_all_to_all`` (the default) the tokens' exchanges run under work that does not need
     them: the shared expert's first half and the unbiased counts while the tokens go to their
