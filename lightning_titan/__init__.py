@@ -22,7 +22,7 @@ __all__ = [
 _LAZY = {
     "TitanLM": "lightning_titan.lightning.module",
     "TitanStrategy": "lightning_titan.lightning.strategy",
-    "TitanDataModule": "lightning_titan.data",
+    "TitanDataModule": "lightning_titan.lightning.datamodule",
 }
 
 

@@ -22,8 +22,8 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lightning_titan.checkpoint import files
 from lightning_titan.checkpoint.storage import short_cause
-from lightning_titan.data import TitanDataModule
 from lightning_titan.lightning.config_files import compose_config
+from lightning_titan.lightning.datamodule import TitanDataModule
 from lightning_titan.lightning.module import TitanLM
 from lightning_titan.lightning.progress import StepProgressBar
 from lightning_titan.lightning.restarts import RestartingLauncher

@@ -702,7 +702,7 @@ MUTATIONS = {
                                "shard = None",
                                ["tests/distributed/test_hf_archs.py", "-k", "eight_ranks"]),
     # issue 18: tokenizer="auto" never sees the model's folder (the byte tokenizer always)
-    "auto_tokenizer_ignored": ("lightning_titan/data/datamodule.py",
+    "auto_tokenizer_ignored": ("lightning_titan/data/pipeline.py",
                                "return resolve_tokenizer(self.tokenizer_spec, self.model_folder)",
                                "return resolve_tokenizer(self.tokenizer_spec, None)",
                                ["tests/distributed/test_hf_finetune.py", "-k", "data_module"]),

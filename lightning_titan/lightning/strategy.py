@@ -22,6 +22,7 @@ from lightning_titan.lightning.failures import report_failure, unreduced_step_er
 from lightning_titan.lightning.launchers import launcher_for
 from lightning_titan.lightning.layout import Layout
 from lightning_titan.lightning.sharded_strategy import ShardedStrategy
+from lightning_titan.lightning.workload import hardware, workload
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
@@ -177,9 +178,10 @@ class TitanStrategy(ShardedStrategy):
     def preflight(self, module: Any, datamodule: Any, trainer: Any = None) -> None:
         """The checks that need no process group, in the launcher and on every rank before it (with
         ``layout="auto"`` on a rank: once the layout is agreed)."""
+        work = workload(module, datamodule, trainer)
         if self.layout.waiting:  # the launcher: choose here, fail early
-            self._use_layout(auto.choose_for(self, module, datamodule))
-        preflight(self.parallel_dims, self.options, module, datamodule, trainer)
+            self._use_layout(auto.choose_for(work, hardware(self)))
+        preflight(self.parallel_dims, self.options, work)
 
     def _use_layout(self, choice: auto.Choice) -> None:
         """``layout="auto"``: take the chosen degrees and step options, as if they had been given."""
@@ -196,7 +198,7 @@ class TitanStrategy(ShardedStrategy):
     def set_world_ranks(self) -> None:
         """Runs when the Trainer is built: check the layout against the world before anything launches."""
         super().set_world_ranks()
-        check_precision(self.precision_plugin)
+        check_precision(self.precision_plugin.precision)
         # with layout="auto", once chosen (preflight, or setup_environment's agreement)
         self.layout.resolve(self.num_nodes * self.num_processes, self.global_rank)
 
@@ -217,14 +219,17 @@ class TitanStrategy(ShardedStrategy):
         env, o = self.cluster_environment, self.options
         connect(env, self.root_device, self._process_group_backend, o, self.num_processes)
         if self.layout.auto:  # rank 0's choice (its CPU probe may differ), or its error
-            self._use_layout(auto.agree(self.layout.choice, self, module, datamodule))
+            work = workload(module, datamodule, trainer)
+            self._use_layout(auto.agree(self.layout.choice, work, hardware(self)))
             self.preflight(module, datamodule, trainer)
         self._setup_phase.start()
         timeout = timedelta(minutes=self.options.timeout_minutes)
         self._groups = build_process_groups(self.parallel_dims, timeout, self.root_device.type)
         self._peers = supervisor.watch_peers(self.num_nodes, trainer, o.grace_s)
         dims, device = self.parallel_dims, self.root_device
-        self.options = self.options.resolved(self.module, trainer, dims, device)
+        self.options = self.options.resolved(
+            workload(self.module, datamodule, trainer), dims, device
+        )
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -333,7 +333,7 @@ def split_expert_parameters(
     return expert, non_expert
 
 
-# The group kind (parallel_dims.GROUPS) over which each kind of parameter's grad is summed, and the
+# The group kind (GROUPS, parallel/mesh.py) over which each kind of parameter's grad is summed, and the
 # axes it is held whole (copied) on inside one data-parallel replica, where the norm counts it once.
 EXPERT, TP_SHARDED, SEQUENCE = "expert_dp", "non_expert_dp", "sequence_dp"
 COPIED_OVER = {EXPERT: ("tp",), TP_SHARDED: ("ep",), SEQUENCE: ("ep", "tp")}

@@ -20,7 +20,7 @@ from lightning_titan.plan.devices import GPUS, Device, cpu_device, on_nodes
 from lightning_titan.plan.layouts import DEVICES, GB, candidates, shortfall
 from lightning_titan.plan.precision import FP32, Precision, precision_of
 from lightning_titan.plan.rank import Ranked, ranked
-from lightning_titan.train.options import TrainOptions
+from lightning_titan.train.options import TrainOptions, Workload
 
 # what the strategy's own arguments default to: layout="auto" sets these itself
 CHOSEN_DEFAULTS = {
@@ -68,9 +68,8 @@ def check_auto_arguments(given: dict[str, Any]) -> None:
         )
 
 
-def model_config(module: Any) -> ModelConfig:
-    config = getattr(module, "config", None)
-    if not isinstance(config, ModelConfig):
+def model_config(config: ModelConfig | None) -> ModelConfig:
+    if config is None:
         raise ValueError(
             "layout='auto' plans from the model's ModelConfig: the LightningModule needs a "
             "`config` attribute holding one (TitanLM has it); otherwise give the layout"
@@ -78,9 +77,8 @@ def model_config(module: Any) -> ModelConfig:
     return config
 
 
-def global_batch(datamodule: Any) -> int:
-    batch = getattr(datamodule, "global_batch_size", None)
-    if not isinstance(batch, int) or batch < 1:
+def global_batch(batch: int | None) -> int:
+    if batch is None or batch < 1:
         raise ValueError(
             "layout='auto' needs the global batch to plan for: train with a data module that has "
             "`global_batch_size` (titan's data modules do), or give the layout yourself"
@@ -153,18 +151,32 @@ def _as_choice(r: Ranked) -> Choice:
     )
 
 
-def choose_for(strategy: Any, module: Any, datamodule: Any) -> Choice:
-    """``choose`` for the strategy's world, nodes, device and precision, the module's model and the
-    data's batch."""
-    config = model_config(module)
-    world = strategy.num_nodes * strategy.num_processes
-    device = this_device(strategy.root_device, world, strategy.num_nodes, config)
-    precision = precision_of(getattr(strategy.precision_plugin, "precision", "32-true"))
-    compiled = bool(getattr(module, "hparams", {}).get("compile", False))
-    return choose(config, global_batch(datamodule), world, device, precision, compiled)
+@dataclass(frozen=True)
+class Hardware:
+    """What ``layout="auto"`` plans for besides the model and the batch: the strategy's nodes and
+    processes per node, this rank's device and the Trainer's precision."""
+
+    nodes: int
+    processes: int  # per node
+    device: torch.device
+    precision: str = "32-true"
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.processes
 
 
-def agree(mine: Choice | None, strategy: Any, module: Any, datamodule: Any) -> Choice:
+def choose_for(work: Workload, hardware: Hardware) -> Choice:
+    """``choose`` for the model, batch and compile setting of ``work`` on ``hardware``."""
+    config = model_config(work.config)
+    world = hardware.world
+    device = this_device(hardware.device, world, hardware.nodes, config)
+    precision = precision_of(hardware.precision)
+    batch = global_batch(work.global_batch_size)
+    return choose(config, batch, world, device, precision, work.compiled)
+
+
+def agree(mine: Choice | None, work: Workload, hardware: Hardware) -> Choice:
     """Global rank 0's choice on every rank (one broadcast over the world group), or the error it
     met, raised on every rank, so no rank waits on one that failed."""
     import torch.distributed as dist
@@ -172,7 +184,7 @@ def agree(mine: Choice | None, strategy: Any, module: Any, datamodule: Any) -> C
     sent: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            sent = [mine or choose_for(strategy, module, datamodule)]
+            sent = [mine or choose_for(work, hardware)]
         except ValueError as error:
             sent = [str(error)]
     dist.broadcast_object_list(sent, src=0)

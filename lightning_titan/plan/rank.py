@@ -10,7 +10,6 @@ without activation checkpointing and without ``compile``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.parallel.mesh import ParallelDims
@@ -55,16 +54,13 @@ def _accepted(
     config: ModelConfig, degrees: dict[str, int], options: StepOptions, compiled: bool
 ) -> bool:
     pp, v = degrees["pp"], options.virtual_stages
-    # what check_overlap reads of the LightningModule
-    module = SimpleNamespace(
-        config=SimpleNamespace(activation_checkpointing=options.recompute),
-        hparams={"compile": compiled},
-    )
     try:
         train = TrainOptions(schedule=options.schedule, virtual_stages=v)
         check_microbatches(options.schedule, options.microbatches, pp, v)
         StageSplit(v).counts(config.n_layers, pp)
-        check_overlap(ParallelDims(**degrees), train, module)
+        check_overlap(
+            ParallelDims(**degrees), train, recompute=options.recompute, compiled=compiled
+        )
     except ValueError:
         return False
     return True

@@ -10,7 +10,6 @@ is smaller, but in the same proportion for every stage, so the single-device rat
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.split import StageCosts, balance
 
 
@@ -93,23 +93,26 @@ def agree(
     return counts, costs
 
 
-def resolve(options: Any, module: Any, trainer: Any, dims: Any, device: torch.device) -> Any:
-    """``options`` with ``stage_layers="auto"`` replaced by the agreed counts (said on rank 0)."""
-    config = getattr(module, "config", None)
-    if not isinstance(config, ModelConfig):
+def resolve(
+    config: ModelConfig | None,
+    dims: ParallelDims,
+    virtual_stages: int,
+    microbatch: int,
+    device: torch.device,
+) -> tuple[int, ...]:
+    """The layers of each (virtual) stage for ``stage_layers="auto"``, agreed by every rank and said
+    on rank 0. ``config``: the model's (None: the LightningModule has none)."""
+    if config is None:
         raise ValueError(
             "stage_layers='auto' probes the model's blocks: the LightningModule needs a ModelConfig "
             "`config` (TitanLM has one); give stage_layers as a list of counts instead"
         )
-    batch = getattr(getattr(trainer, "datamodule", None), "global_batch_size", None)
-    local = batch // dims.data_world if isinstance(batch, int) and batch >= dims.data_world else 1
-    microbatch = max(1, local // options.microbatches(local, pp=dims.pp))
-    counts, costs = agree(config, dims.pp, options.virtual_stages, microbatch, device)
+    counts, costs = agree(config, dims.pp, virtual_stages, microbatch, device)
     if dims.rank == 0:
-        chunks = f" x virtual_stages={options.virtual_stages}" if options.virtual_stages > 1 else ""
+        chunks = f" x virtual_stages={virtual_stages}" if virtual_stages > 1 else ""
         print(
             f"[titan] stage_layers='auto' chose {list(counts)} for pp={dims.pp}{chunks} "
             f"({costs.describe()})",
             flush=True,
         )
-    return dataclasses.replace(options, stage_layers=counts)
+    return counts

@@ -7,10 +7,13 @@ The reducer, the clipping and the schedules trust these values; a wrong one fail
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+import torch
+
+from lightning_titan.model.config import ModelConfig
 from lightning_titan.parallel.batching import (
     check_microbatch_args,
     local_batch_size,
@@ -51,6 +54,24 @@ def _positive(value: Any) -> bool:
         and math.isfinite(value)
         and value > 0
     )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the options are checked and resolved against: plain values the Lightning glue reads off
+    the LightningModule, the data module and the Trainer (``lightning/workload.py``)."""
+
+    config: ModelConfig | None = None  # the model's (TitanLM's); None for a module without one
+    compiled: bool = False  # the module compiles its stage (TitanLM(compile=True))
+    global_batch_size: int | None = None  # the data module's, where it has one
+    trainer_clip: float | None = None  # Trainer(gradient_clip_val=...), Lightning's own clipping
+    # the module's own check that it splits over the layout and its data fits it (TitanLM's)
+    check_layout: Callable[[ParallelDims, StageSplit], None] | None = None
+
+    @property
+    def recompute(self) -> bool:
+        """The model recomputes its activations in the backward (activation checkpointing)."""
+        return self.config is not None and self.config.activation_checkpointing
 
 
 @dataclass(frozen=True)
@@ -164,13 +185,17 @@ class TrainOptions:
             "zero": self.zero,
         }
 
-    def resolved(self, module: Any, trainer: Any, dims: ParallelDims, device: Any) -> TrainOptions:
+    def resolved(self, work: Workload, dims: ParallelDims, device: torch.device) -> TrainOptions:
         """With ``stage_layers="auto"``: the counts probed on global rank 0 and broadcast (the same on
         every rank, before any rank builds its stage; rank 0 says what it chose). Else ``self``."""
         if self.stage_layers != AUTO:
             return self
-
-        return auto_split.resolve(self, module, trainer, dims, device)
+        # the probe times the step's microbatch, where the batch is known
+        batch = work.global_batch_size
+        local = batch // dims.data_world if batch is not None and batch >= dims.data_world else 1
+        microbatch = max(1, local // self.microbatches(local, pp=dims.pp))
+        counts = auto_split.resolve(work.config, dims, self.virtual_stages, microbatch, device)
+        return replace(self, stage_layers=counts)
 
     @property
     def split(self) -> StageSplit:
@@ -183,25 +208,23 @@ class TrainOptions:
         return min(30.0, self.timeout_minutes * 60)
 
 
-def preflight(
-    dims: ParallelDims, options: TrainOptions, module: Any, datamodule: Any, trainer: Any = None
-) -> None:
+def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None:
     """Checks that need the model and the data but no process group. They run in the launcher before
     any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
     mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
-    check_trainer_clipping(dims, options, trainer)
-    check_overlap(dims, options, module)
-    check_layout = getattr(module, "check_layout", None)
-    if callable(check_layout):
-        # TitanLM: layers/experts split, data fits the model
-        check_layout(dims, datamodule, split=options.split)
-    batch = getattr(datamodule, "global_batch_size", None)
-    if isinstance(batch, int) and batch > 0:
+    check_trainer_clipping(dims, options, work.trainer_clip)
+    check_overlap(dims, options, recompute=work.recompute, compiled=work.compiled)
+    if work.check_layout is not None:  # TitanLM: layers/experts split, data fits the model
+        work.check_layout(dims, options.split)
+    batch = work.global_batch_size
+    if batch is not None and batch > 0:
         local = local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")
         options.microbatches(local, pp=dims.pp)
 
 
-def check_overlap(dims: ParallelDims, options: TrainOptions, module: Any) -> None:
+def check_overlap(
+    dims: ParallelDims, options: TrainOptions, *, recompute: bool, compiled: bool
+) -> None:
     """An overlapped schedule hides the expert-parallel all-to-alls: it needs some (ep > 1), and it
     runs the forward and the backward of two microbatches on two threads, which activation
     checkpointing's recompute (a forward inside the backward) and compiled regions are not built
@@ -213,8 +236,6 @@ def check_overlap(dims: ParallelDims, options: TrainOptions, module: Any) -> Non
             f"schedule={options.schedule!r} overlaps the expert-parallel all-to-alls, and ep=1 has "
             "none; use schedule='1f1b' (or 'zbv' with pp > 1), or ep > 1"
         )
-    recompute = getattr(getattr(module, "config", None), "activation_checkpointing", False)
-    compiled = getattr(module, "hparams", {}).get("compile", False)
     for field, on in (("activation_checkpointing", recompute), ("compile", compiled)):
         if on:
             raise ValueError(
@@ -224,10 +245,9 @@ def check_overlap(dims: ParallelDims, options: TrainOptions, module: Any) -> Non
             )
 
 
-def check_trainer_clipping(dims: ParallelDims, options: TrainOptions, trainer: Any) -> None:
-    """Lightning's own clipping (``Trainer(gradient_clip_val=...)``) sees only this rank's grads: right
+def check_trainer_clipping(dims: ParallelDims, options: TrainOptions, clip: float | None) -> None:
+    """Lightning's own clipping (``Trainer(gradient_clip_val=clip)``) sees only this rank's grads: right
     for pure DP, wrong once a stage, expert shard or ZeRO shard holds part of the model."""
-    clip = getattr(trainer, "gradient_clip_val", None)
     if clip and (dims.pp > 1 or dims.ep > 1 or dims.tp > 1 or options.zero):
         raise ValueError(
             f"Trainer(gradient_clip_val={clip}) would clip each rank's part of the gradient by its own "
@@ -236,8 +256,8 @@ def check_trainer_clipping(dims: ParallelDims, options: TrainOptions, trainer: A
         )
 
 
-def check_precision(plugin: Any) -> None:
-    precision = getattr(plugin, "precision", "32-true")
+def check_precision(precision: str) -> None:
+    """``precision``: the Trainer's (its precision plugin's ``precision``)."""
     if precision == "16-mixed":
         raise ValueError(
             "precision='16-mixed' is not supported by TitanStrategy: its GradScaler would scale the "

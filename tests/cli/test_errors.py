@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_titan import TitanDataModule
 from lightning_titan.cli import fit_summary, skipped_warning
-from lightning_titan.data import TitanDataModule
 from lightning_titan.lightning.module import TitanLM
 from lightning_titan.model.decoder import ModelConfig
 

@@ -395,6 +395,7 @@ def test_the_precision_comes_from_the_config_or_the_flag(tmp_path, capsys):
 def test_layout_auto_plans_in_the_trainers_precision():
     from types import SimpleNamespace
 
+    from lightning_titan.lightning.workload import hardware, workload
     from lightning_titan.plan import auto
 
     strategy = SimpleNamespace(num_nodes=1, num_processes=2, root_device=torch.device("cpu"),
@@ -408,8 +409,9 @@ def test_layout_auto_plans_in_the_trainers_precision():
 
     auto.choose = spy
     try:
-        auto.choose_for(strategy, SimpleNamespace(config=DEFAULT, hparams={"compile": True}),
+        work = workload(SimpleNamespace(config=DEFAULT, hparams={"compile": True}),
                         SimpleNamespace(global_batch_size=16))  # fmt: skip
+        auto.choose_for(work, hardware(strategy))
     finally:
         auto.choose = original
     assert seen == [("bf16-mixed", True)]  # compiled: no overlapped schedule to choose
@@ -535,14 +537,14 @@ def test_layout_auto_takes_the_plans_first_row_and_names_what_is_short():
 def _agree_on(rank, world):
     """Rank 0 holds a choice, then (second round) a module it cannot plan for; the others hold
     none: every rank ends with rank 0's choice, then with its error."""
-    from types import SimpleNamespace
-
-    from lightning_titan.plan.auto import Choice, agree
+    from lightning_titan.plan.auto import Choice, Hardware, agree
+    from lightning_titan.train.options import Workload
 
     mine = Choice({"dp": 2}, 0, "1f1b", 1, 1, "dp2") if rank == 0 else None
-    chosen = agree(mine, None, SimpleNamespace(), None)
+    hardware = Hardware(nodes=1, processes=world, device=torch.device("cpu"))
+    chosen = agree(mine, Workload(), hardware)
     try:
-        agree(None, None, SimpleNamespace(), None)
+        agree(None, Workload(), hardware)  # a module without a ModelConfig
     except ValueError as error:
         return chosen, f"ValueError: {error}"
     return chosen, None

@@ -17,7 +17,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_titan.data import ByteTokenizer, LayoutFreeSampler, Packer, TitanDataModule, prepare
+from lightning_titan import TitanDataModule
+from lightning_titan.data import ByteTokenizer, DataPipeline, LayoutFreeSampler, Packer, prepare
 from lightning_titan.data.corpus import Source
 from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_titan.parallel.mesh import ParallelDims
@@ -52,7 +53,7 @@ def corpus(tmp_path_factory):
     return root, texts
 
 
-def make_dm(root: Path, **kwargs) -> TitanDataModule:
+def make_dm(root: Path, cls: type[DataPipeline] = TitanDataModule, **kwargs) -> TitanDataModule:
     args = dict(
         source=str(root / "docs.jsonl"),
         cache_dir=str(root / "cache"),
@@ -61,7 +62,7 @@ def make_dm(root: Path, **kwargs) -> TitanDataModule:
         val_fraction=0.1,
         seed=3,
     )
-    return TitanDataModule(**{**args, **kwargs})
+    return cls(**{**args, **kwargs})
 
 
 def ready(dm: TitanDataModule, data_rank: int = 0, data_world: int = 1) -> TitanDataModule:
@@ -315,6 +316,24 @@ def test_map_style_resume_serves_exactly_the_next_batch(corpus):
             loader.sampler.set_epoch(1)
         first = next(iter(loader))
         assert torch.equal(first[0], expected[k][0]) and torch.equal(first[1], expected[k][1]), k
+
+
+def test_the_pipeline_without_lightning_serves_the_data_modules_batches(corpus):
+    """DataPipeline, no Lightning in it, serves the batches TitanDataModule serves and saves the same
+    position: the Lightning module adds only what it reads off a Trainer."""
+    root, _ = corpus
+    pipeline, module = ready(make_dm(root, DataPipeline), 1, 2), ready(make_dm(root), 1, 2)
+    assert not isinstance(pipeline, TitanDataModule)
+    got = list(itertools.islice(pipeline.train_dataloader(), 4))
+    want = list(itertools.islice(module.train_dataloader(), 4))
+    for (x, y), (wx, wy) in zip(got, want, strict=True):
+        assert torch.equal(x, wx) and torch.equal(y, wy)
+    assert pipeline.state_dict() == module.state_dict() != {}
+    resumed = make_dm(root)  # from the pipeline's position: the fifth batch
+    resumed.load_state_dict(pipeline.state_dict())
+    following = next(iter(ready(resumed, 1, 2).train_dataloader()))
+    fifth = list(itertools.islice(ready(make_dm(root), 1, 2).train_dataloader(), 5))[4]
+    assert torch.equal(following[0], fifth[0]) and torch.equal(following[1], fifth[1])
 
 
 def test_map_style_resume_under_another_layout(corpus):

@@ -1,6 +1,6 @@
-"""timeline.ExpertLoad: max/mean load per layer over training, with the expert bias and, from the
-same tokens, without it (the router's unbiased top-K). In one process, through the callback's hooks;
-tests/distributed/test_bench.py runs it under ``titan fit`` on two pipeline stages."""
+"""ExpertLoad (lightning/callbacks.py): max/mean load per layer over training, with the expert bias
+and, from the same tokens, without it (the router's unbiased top-K). In one process, through the
+callback's hooks; tests/distributed/test_bench.py runs it under ``titan fit`` on two pipeline stages."""
 
 from __future__ import annotations
 

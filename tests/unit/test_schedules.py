@@ -705,9 +705,15 @@ def test_overlapped_schedules_name_the_fix():
 
     from lightning_titan.lightning.module import TitanLM
     from lightning_titan.lightning.strategy import TitanStrategy
+    from lightning_titan.lightning.workload import workload
     from lightning_titan.model.config import ModelConfig
     from lightning_titan.parallel.mesh import ParallelDims
-    from lightning_titan.train.options import TrainOptions, check_overlap
+    from lightning_titan.train.options import TrainOptions
+    from lightning_titan.train.options import check_overlap as check
+
+    def check_overlap(dims, options, module):  # what the strategy reads of the module, checked
+        work = workload(module, None)
+        check(dims, options, recompute=work.recompute, compiled=work.compiled)
 
     with pytest.raises(ValueError, match=r"one stage \(pp=1\), got pp=2.*use schedule='dualpipev'"):
         TitanStrategy(pp=2, ep=2, schedule="1f1b_overlap")

@@ -34,7 +34,7 @@ class MoELayer(nn.Module):
     takes once its forwards ran (``take_counts``; ``take_step_counts`` for every layer of a model):
     what the expert-bias update spends and the logged drops.
     With the bias on, ``unbiased_tokens_per_expert`` [E] holds the last forward's counts of the
-    top-K the unbiased scores would have chosen (what the bias changed: ``timeline.ExpertLoad``).
+    top-K the unbiased scores would have chosen (what the bias changed: ``ExpertLoad``, ``lightning/callbacks.py``).
 
     With ``overlap_all_to_all`` (the default) the tokens' exchanges run under work that does not need
     them: the shared expert's first half and the unbiased counts while the tokens go to their

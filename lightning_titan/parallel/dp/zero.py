@@ -320,7 +320,7 @@ def tp_zero_mesh(
 ) -> DeviceMesh:
     """The 2-D mesh (tp, zero) of the ranks holding a TP-cut weight's shards: entry ``[i, j]`` is
     member ``j`` of TP rank ``i``'s zero group. A rank's coordinates are mixed-radix digits, so
-    moving along tp adds the same offset to every member (``parallel_dims``)."""
+    moving along tp adds the same offset to every member (``parallel/mesh.py``)."""
     me = dist.get_rank()
     members = dist.get_process_group_ranks(zero_group)
     rows = [[z + t - me for z in members] for t in dist.get_process_group_ranks(tp_group)]

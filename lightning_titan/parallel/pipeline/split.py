@@ -107,7 +107,7 @@ class StageSplit:
         """The layer ranges ``[start, end)`` of rank ``pp_rank``'s chunks, chunk 0 first."""
         if self.stage_layers == AUTO:
             raise RuntimeError(
-                "stage_layers='auto' is chosen by a probe on the ranks (pipeline.auto_split.agree); "
+                "stage_layers='auto' is chosen by a probe on the ranks (train/auto_split.py); "
                 "build the stages from the counts it returns"
             )
         counts = self.counts(n_layers, pp)

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from lightning_titan.data import TitanDataModule
+from lightning_titan.data import DataPipeline
 
 
 def measure_data(
@@ -33,7 +33,7 @@ def measure_data(
     max_bytes: int | None = None,
 ) -> dict:
     """Tokens/s one data rank's DataLoader yields, after its first batch (worker start-up excluded)."""
-    dm = TitanDataModule(
+    dm = DataPipeline(
         seq_len=seq_len,
         global_batch_size=global_batch_size,
         streaming=streaming,

@@ -129,7 +129,7 @@ BALANCING: dict[str, dict[str, float]] = {
 
 def balance_case(name: str, steps: int = 200, batch: int = 16) -> dict:
     """Max/mean expert load per layer of the default model over ``steps`` steps (default data)."""
-    from lightning_titan.data import TitanDataModule
+    from lightning_titan.data import DataPipeline
 
     choice = BALANCING[name]
     config = replace(
@@ -137,7 +137,7 @@ def balance_case(name: str, steps: int = 200, batch: int = 16) -> dict:
         aux_loss_coef=choice["aux_loss_coef"],
         router_bias_update_rate=choice["router_bias_update_rate"],
     )
-    data = TitanDataModule(seq_len=config.seq_len, global_batch_size=batch, val_fraction=0.0)
+    data = DataPipeline(seq_len=config.seq_len, global_batch_size=batch, val_fraction=0.0)
     data.bind(0, 1).setup("fit")
     batches = itertools.chain.from_iterable(itertools.repeat(data.train_dataloader()))
     ratios = []  # [step][layer]

@@ -1,11 +1,9 @@
-"""TitanDataModule: text -> tokens -> packed S+1 windows -> (inputs, targets) batches for each data rank.
-
-    data:
-      class_path: lightning_titan.data.TitanDataModule
-      init_args: {seq_len: 64, global_batch_size: 8}      # the default corpus, no network
+"""The data pipeline, without Lightning: text -> tokens -> packed S+1 windows -> (inputs, targets)
+batches for each data rank, and the position to resume them from.
 
 Map-style (default): the corpus is prepared once into a memory-mapped cache and step k's global batch is
 the same B sequences for every layout (see sampler.py). Streaming: see streaming.py.
+``TitanDataModule`` (``lightning/datamodule.py``) is this pipeline as a LightningDataModule.
 """
 
 from __future__ import annotations
@@ -15,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import lightning.pytorch as L
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import Self
 
 from lightning_titan.data.checks import (
     check_args,
@@ -35,7 +33,7 @@ from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer, resolve_to
 from lightning_titan.parallel.batching import local_batch_size
 
 
-class TitanDataModule(L.LightningDataModule):
+class DataPipeline:
     """Args:
     seq_len: tokens per training sequence S (windows of S+1 give inputs and shifted targets).
     global_batch_size: sequences per optimizer step over all data ranks; each rank gets B / (dp*ep).
@@ -80,10 +78,7 @@ class TitanDataModule(L.LightningDataModule):
         num_proc: int | None = None,
         cache_dir: str | None = None,
     ) -> None:
-        super().__init__()
-        # `seed` is left out: TitanLM has a `seed` hparam too, and Lightning refuses to log two different
-        # values under one key (the data seed is in this module's state_dict in every checkpoint instead)
-        self.save_hyperparameters(ignore=["seed"])
+        super().__init__()  # cooperative: in TitanDataModule, the LightningDataModule's
         check_args(seq_len, global_batch_size, val_fraction, streaming, num_workers, shuffle_buffer)
         check_counts(max_bytes, steps_per_epoch, val_batches)
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
@@ -104,23 +99,16 @@ class TitanDataModule(L.LightningDataModule):
         self._train_stream: StreamingWindows | None = None
 
     # -- layout -------------------------------------------------------------------------------
-    def bind(self, data_rank: int, data_world: int) -> TitanDataModule:
-        """Fix this module's data rank and world (tests, or use without a Trainer)."""
+    def bind(self, data_rank: int, data_world: int) -> Self:
+        """Fix this pipeline's data rank and world (tests, or use without a Trainer)."""
         if not 0 <= data_rank < data_world:
             raise ValueError(f"data_rank={data_rank} must lie in [0, data_world={data_world})")
         self._bound = (data_rank, data_world)
         return self
 
-    def _resolve_layout(self) -> tuple[int, int]:
-        if self._bound is not None:
-            return self._bound
-        if self.trainer is None:
-            return 0, 1
-        try:  # TitanStrategy: every stage of one pipeline reads the same shard
-            dims = self.trainer.strategy.parallel_dims  # type: ignore[attr-defined]
-            return dims.data_rank, dims.data_world
-        except (AttributeError, RuntimeError):
-            return self.trainer.global_rank, self.trainer.world_size
+    def _unbound_layout(self) -> tuple[int, int]:
+        """The data rank and world without ``bind``: one rank here; TitanDataModule asks its Trainer."""
+        return 0, 1
 
     @property
     def data_rank(self) -> int:
@@ -167,26 +155,18 @@ class TitanDataModule(L.LightningDataModule):
         """Raise unless a model with this vocabulary and context can take these batches."""
         check_model_fits(self.tokenizer_name, self.vocab_size, self.seq_len, vocab_size, seq_len)
 
-    # -- Lightning hooks ------------------------------------------------------------------------
+    # -- the steps of a run (Lightning's hook names) -------------------------------------------
     def prepare_data(self) -> None:
+        """Tokenise and pack the corpus into the cache (map-style; once per machine under Lightning)."""
         if not self.streaming:
             self._prepare()
 
     def setup(self, stage: str | None = None) -> None:
-        self._layout = self._resolve_layout()
+        """Fix the data layout, and load the prepared corpus (map-style) or check this rank's share of
+        the stream."""
+        self._layout = self._bound or self._unbound_layout()
         local_batch_size(self.global_batch_size, self.data_world)
         if self.streaming:
-            trainer = self.trainer
-            if (
-                stage == "fit"
-                and trainer is not None
-                and trainer.max_steps == -1
-                and not self.steps_per_epoch
-            ):
-                raise ValueError(
-                    "streaming=True with steps_per_epoch=None is an endless stream and the Trainer has no "
-                    "max_steps: set trainer max_steps, or data steps_per_epoch (batches per epoch)"
-                )
             check_rank_shard(
                 self._make_stream(0), self.src, self.val_fraction, self.data_rank, self.data_world
             )
@@ -266,13 +246,8 @@ class TitanDataModule(L.LightningDataModule):
             self._pending = dict(state)
 
     def _consumed(self) -> tuple[int, int, int]:
-        """(epoch, batches in it, batches in all) consumed by training. Under fit: read off the loop state
-        Lightning itself restores on resume, so our offset and its batch_idx agree, and prefetched batches
-        do not count. Without a Trainer: what the loader has served (exact with num_workers=0)."""
-        trainer = self.trainer
-        if trainer is not None and trainer.state.fn == "fit":
-            progress = trainer.fit_loop.epoch_loop.batch_progress
-            return trainer.current_epoch, progress.current.ready, progress.total.ready
+        """(epoch, batches in it, batches in all) consumed by training: what the loader has served (exact
+        with num_workers=0). TitanDataModule reads its fitting Trainer's loop instead."""
         if self.streaming:
             served = self._train_stream.batches_served if self._train_stream is not None else 0
             return 0, served, served

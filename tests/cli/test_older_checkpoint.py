@@ -1,5 +1,6 @@
-"""A checkpoint written before the package moved into folders (tests/support/fixtures/pre_move_checkpoint, from
-pp2 x ep2) resumes under ep2 and continues on the curve the old code continued it on."""
+"""A checkpoint written by an older version of the package (tests/support/fixtures/older_checkpoint, from
+pp2 x ep2; expected.json says which) resumes under ep2 and continues on the curve the old code
+continued it on: checkpoints outlive the code that wrote them."""
 
 import csv
 import json
@@ -12,11 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURE = ROOT / "tests" / "support" / "fixtures" / "pre_move_checkpoint"
+FIXTURE = ROOT / "tests" / "support" / "fixtures" / "older_checkpoint"
 
 
 @pytest.mark.timeout(300)
-def test_a_checkpoint_from_before_the_move_resumes_on_the_old_curve(tmp_path: Path) -> None:
+def test_a_checkpoint_from_an_older_version_resumes_on_its_curve(tmp_path: Path) -> None:
     want = json.loads((FIXTURE / "expected.json").read_text())
     ckpt = tmp_path / "last.ckpt"
     shutil.copytree(
