@@ -1,5 +1,5 @@
 """From a sharded checkpoint to one process: the full model, and the Hugging Face format of its family
-(Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE: the one it was loaded from, hf_arch.architecture_of).
+(``hf/families/``: the one it was loaded from, ``hf.arch.architecture_of``).
 
 titan export --ckpt runs/dp_pp_ep/checkpoints/last.ckpt --out mixtral-tiny
 # then: transformers.AutoModelForCausalLM.from_pretrained("mixtral-tiny")
@@ -20,24 +20,10 @@ from torch import Tensor
 from lightning_titan.checkpoint import consolidate, files, read_checkpoint_info
 from lightning_titan.data.tokenizer import tokenizer_files_of
 from lightning_titan.hf import folder as hf_folder
-from lightning_titan.hf import gpt_oss
-from lightning_titan.hf.arch import (
-    ARCHITECTURES,
-    FAMILY_NAMES,
-    MIXTRAL,
-    architecture_of,
-    hf_config,
-    hf_names,
-    hf_tensors,
-)
+from lightning_titan.hf.arch import architecture_of, hf_config, hf_names, hf_tensors
 from lightning_titan.model.decoder import ModelConfig, StageModel
 
 __all__ = ["export_hf", "hf_config", "hf_state_dict", "load_full_model", "write_hf_folder"]
-
-
-def hf_mixtral_names(name: str, expert_range: tuple[int, int] = (0, 1)) -> list[str]:
-    """The Hugging Face Mixtral tensors that hold our parameter ``name`` (``hf_arch.hf_names``)."""
-    return hf_names(name, expert_range, ARCHITECTURES[MIXTRAL])
 
 
 def is_stacked_experts(name: str) -> bool:
@@ -46,14 +32,14 @@ def is_stacked_experts(name: str) -> bool:
 
 
 def hf_state_dict(model: StageModel) -> dict[str, Tensor]:
-    """This stage's parameters under the Hugging Face names of its family (``hf_arch.architecture_of``;
-    experts split per global id)."""
+    """This stage's parameters under the Hugging Face names of its family (``hf.arch.architecture_of``;
+    experts split per global id, or fused as the family keeps them)."""
     out = {}
-    arch = architecture_of(model.config)
-    fused: dict[str, dict[str, Tensor]] = {}  # gpt-oss: layer -> its stacked expert tensors
+    family = architecture_of(model.config)
+    fused: dict[str, dict[str, Tensor]] = {}  # layer -> its stacked expert tensors (gpt-oss)
     for name, p in hf_tensors(model):
-        names = hf_names(name, model.expert_range, arch)
-        if arch.model_type == gpt_oss.GPT_OSS and is_stacked_experts(name):
+        names = hf_names(name, model.expert_range, family)
+        if family.fused_experts and is_stacked_experts(name):
             fused.setdefault(name.split(".")[1], {})[name.rsplit(".", 1)[-1]] = p.detach()
             continue
         if not is_stacked_experts(name):
@@ -62,7 +48,7 @@ def hf_state_dict(model: StageModel) -> dict[str, Tensor]:
         for row, hf_name in enumerate(names):
             out[hf_name] = p[row].detach().t().contiguous()
     for layer, tensors in fused.items():
-        for short, tensor in gpt_oss.fuse(tensors).items():
+        for short, tensor in family.fuse_experts(tensors).items():
             out[f"model.layers.{layer}.mlp.experts.{short}"] = tensor.contiguous()
     return out
 
@@ -244,19 +230,19 @@ def write_hf_folder(model: StageModel, out: str | Path, byte_tokenizer: bool = F
         raise ImportError(
             "titan export needs safetensors: pip install 'lightning-titan[export]'"
         ) from e
-    arch = architecture_of(model.config)
+    family = architecture_of(model.config)
     biased = [n for n, b in model.named_buffers() if n.endswith("expert_bias") and b.any()]
-    if biased and arch.model_type not in FAMILY_NAMES:  # DeepSeek-V3 keeps it
+    if biased and not family.keeps_expert_bias:  # DeepSeek-V3 keeps it
         warnings.warn(
             f"{len(biased)} MoE layers carry an expert bias (router_bias_update_rate, e.g. "
-            f"{biased[0]}): {arch.class_name} has no place for it, so the export leaves it out and "
+            f"{biased[0]}): {family.class_name} has no place for it, so the export leaves it out and "
             "its router picks experts by the unbiased scores (the combine weights are unchanged)",
             stacklevel=2,
         )
     if model.config.capacity_factor is not None:
         warnings.warn(
             f"the model was trained with capacity_factor={model.config.capacity_factor}: "
-            f"{arch.class_name} has no expert capacity, so the exported model keeps every assignment (dropless)",
+            f"{family.class_name} has no expert capacity, so the exported model keeps every assignment (dropless)",
             stacklevel=2,
         )
     out = Path(out)

@@ -1,7 +1,6 @@
-"""Start from a pretrained Hugging Face MoE folder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss;
-hf/arch.py):
-its config becomes our ModelConfig, and each rank reads only its own stage's tensors and its own
-experts, memory-mapped from the safetensors files.
+"""Start from a pretrained Hugging Face MoE folder of a family we know (``hf/families/``: Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V3): its config becomes our ModelConfig, and each rank
+reads only its own stage's tensors and its own experts, memory-mapped from the safetensors files.
 
 titan fit --config configs/dp_pp_ep.yaml --model.init_from=path/to/Mixtral-8x7B-v0.1
 # or: TitanLM(init_from="path/to/Mixtral-8x7B-v0.1")
@@ -15,35 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-from lightning_titan.hf import deepseek, gpt_oss
 from lightning_titan.hf import folder as hf_folder
-from lightning_titan.hf.arch import (
-    ARCHITECTURES,
-    GPT_OSS,
-    OLMOE,
-    QWEN2_MOE,
-    QWEN3_MOE,
-    Architecture,
-    architecture_of,
-    hf_names,
-    hf_tensors,
-    options_from,
-    rope_theta_of,
-)
+from lightning_titan.hf.arch import architecture_of, hf_names, hf_tensors, rope_theta_of
 from lightning_titan.hf.export import is_stacked_experts
+from lightning_titan.hf.families import FAMILIES
+from lightning_titan.hf.family import DEFAULTS, Family
 from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.options import FLAT_FIELDS
 from lightning_titan.parallel.tensor_parallel import real_size, tp_shards
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # our field -> the Hugging Face config key it is read from, in every family (rope_theta may sit in
-# rope_parameters); ffn_dim and n_experts have a key per family (hf_arch.Architecture)
+# rope_parameters); ffn_dim and n_experts have a key per family (hf.family.Family)
 HF_CONFIG_KEYS = {
     "vocab_size": "vocab_size",
     "d_model": "hidden_size",
@@ -68,145 +56,36 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     return hf_folder.read_json(path)
 
 
-def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Architecture:
+def check_supported(hf: dict[str, Any], seq_len: int, folder: str | Path) -> Family:
     """The folder's family; refuse what our decoder does not model, naming the config.json field and
     its value."""
 
     def refuse(field: str, why: str) -> NoReturn:
         raise ValueError(f"{folder}/config.json: {field}={hf.get(field)!r} {why}")
 
-    arch = ARCHITECTURES.get(str(hf.get("model_type")))
-    if arch is None:
-        refuse(
-            "model_type", f"is not supported: init_from loads model_type {sorted(ARCHITECTURES)}"
-        )
-    if (hf.get("architectures") or [arch.class_name]) != [arch.class_name]:
+    family = FAMILIES.get(str(hf.get("model_type")))
+    if family is None:
+        refuse("model_type", f"is not supported: init_from loads model_type {sorted(FAMILIES)}")
+    if (hf.get("architectures") or [family.class_name]) != [family.class_name]:
         refuse(
             "architectures",
-            f"is not supported: init_from loads [{arch.class_name!r}] for "
-            f"model_type {arch.model_type!r}",
+            f"is not supported: init_from loads [{family.class_name!r}] for "
+            f"model_type {family.model_type!r}",
         )
-    if hf.get("tie_word_embeddings", False):
-        refuse("tie_word_embeddings", "is not supported: our lm_head is untied from the embedding")
-    if hf.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "is not supported: our experts are SwiGLU with silu")
-    head_dim, heads = hf.get("head_dim"), hf.get("num_attention_heads", 0)
-    if arch.model_type == deepseek.DEEPSEEK_V3:  # head_dim there is qk_rope_head_dim
-        deepseek.check_supported(hf, refuse)
-    elif (
-        arch.model_type not in (QWEN3_MOE, GPT_OSS)
-        and head_dim is not None
-        and head_dim * heads != hf.get("hidden_size")
-    ):
-        refuse("head_dim", "is not supported: ours is hidden_size / num_attention_heads")
-    for field in ("rope_scaling", "rope_parameters"):  # transformers 4 / 5 spell it differently
-        rope = hf.get(field) or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind == "yarn" and arch.model_type == deepseek.DEEPSEEK_V3:
-            continue  # its YaRN is modelled (deepseek.rope_yarn_of)
-        if arch.model_type == GPT_OSS and kind == "yarn":
-            _check_gpt_oss_yarn(rope, field, refuse)
-        elif kind != "default":
-            refuse(field, "is not supported: we apply plain RoPE (rope_type 'default')")
-    for field in ("router_jitter_noise", "attention_dropout"):
-        if hf.get(field, 0.0):
-            refuse(field, "is not supported: we model it as 0.0")
-    _check_attention(hf, arch, seq_len, refuse)
-    _check_sparse_layers(hf, arch, refuse)
-    return arch
+    family.check_supported(hf, seq_len, refuse)
+    return family
 
 
-def _check_gpt_oss_yarn(
-    rope: dict[str, Any], field: str, refuse: Callable[[str, str], NoReturn]
-) -> None:
-    unknown = sorted(set(rope) - set(YARN_KEYS))
-    if unknown:
-        refuse(field, f"is not supported: of YaRN's keys we apply {list(YARN_KEYS)}, not {unknown}")
-    if "factor" not in rope or "original_max_position_embeddings" not in rope:
-        refuse(
-            field, "is not supported: YaRN needs 'factor' and 'original_max_position_embeddings'"
-        )
-
-
-YARN_KEYS = (
-    "rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow", "truncate",
-    "original_max_position_embeddings", "attention_factor",
-)  # fmt: skip
-
-
-def _check_gpt_oss(hf: dict[str, Any], refuse: Callable[[str, str], NoReturn]) -> None:
-    """gpt-oss's window layers are the even ones (transformers' default ``layer_types``)."""
-    n, types = hf.get("num_hidden_layers", 0), hf.get("layer_types")
-    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-    if types is not None and types not in (alternating, ["full_attention"] * n):
-        refuse(
-            "layer_types",
-            "is not supported: gpt-oss layers here alternate sliding_attention (even layers) and "
-            "full_attention, or are all full_attention",
-        )
-    if "sliding_attention" in (types or alternating) and not (hf.get("sliding_window") or 0) > 0:
-        refuse("sliding_window", "is not supported: sliding_attention layers need a window > 0")
-    quant = hf.get("quantization_config")
-    if quant is not None and quant.get("quant_method") != "mxfp4":
-        refuse("quantization_config", "is not supported: of quantized experts only MXFP4 loads")
-
-
-def _check_attention(
-    hf: dict[str, Any], arch: Architecture, seq_len: int, refuse: Callable[[str, str], NoReturn]
-) -> None:
-    if arch.model_type == GPT_OSS:
-        return _check_gpt_oss(hf, refuse)
-    window = hf.get("sliding_window")
-    if arch.model_type in (QWEN2_MOE, QWEN3_MOE):  # the window applies only when this is on
-        window = window if hf.get("use_sliding_window", False) else None
-        if window is None and any(t != "full_attention" for t in hf.get("layer_types") or []):
-            refuse(
-                "layer_types", "is not supported: every layer attends to the whole sequence here"
-            )
-    if window is not None and window < seq_len:
-        refuse(
-            "sliding_window",
-            f"< seq_len={seq_len}: we attend to the whole sequence; train with seq_len <= {window}",
-        )
-    if arch.model_type in (QWEN3_MOE, OLMOE) and hf.get("attention_bias", False):
-        refuse("attention_bias", "is not supported: only Qwen2-MoE's q/k/v biases are (qkv_bias)")
-    if arch.model_type == OLMOE and hf.get("clip_qkv") is not None:
-        refuse("clip_qkv", "is not supported: we do not clamp q, k and v")
-
-
-def _check_sparse_layers(
-    hf: dict[str, Any], arch: Architecture, refuse: Callable[[str, str], NoReturn]
-) -> None:
-    if arch.model_type == QWEN2_MOE and not hf.get("shared_expert_intermediate_size", 0) > 0:
-        refuse(
-            "shared_expert_intermediate_size",
-            "is not supported: a Qwen2-MoE shared expert has a positive hidden size",
-        )
-    if arch.model_type not in (QWEN2_MOE, QWEN3_MOE):
-        return
-    if hf.get("mlp_only_layers"):
-        refuse(
-            "mlp_only_layers",
-            "is not supported: dense MLP layers are not modelled, every layer here is an MoE layer",
-        )
-    step, n = hf.get("decoder_sparse_step", 1), hf.get("num_hidden_layers", 0)
-    dense = [i for i in range(n) if (i + 1) % step]
-    if dense:
-        refuse(
-            "decoder_sparse_step",
-            f"is not supported: it makes layers {dense} dense MLP "
-            "layers; every layer here is an MoE layer (decoder_sparse_step=1)",
-        )
-
-
-def folder_fields(hf: dict[str, Any], folder: str | Path, arch: Architecture) -> dict[str, Any]:
-    """Our ModelConfig fields read from a config.json: field -> (value, the key it came from)."""
+def folder_fields(hf: dict[str, Any], folder: str | Path, family: Family) -> dict[str, Any]:
+    """Our ModelConfig fields read from a config.json: field -> (value, the key it came from). The
+    family options its family does not hold are their defaults (a model from a folder is of that
+    family)."""
     values = {}
-    keys = {**HF_CONFIG_KEYS, "ffn_dim": arch.ffn_key, "n_experts": arch.experts_keys[0]}
+    keys = {**HF_CONFIG_KEYS, "ffn_dim": family.ffn_key, "n_experts": family.experts_keys[0]}
     for ours, key in keys.items():
         value = rope_theta_of(hf) if key == "rope_theta" else hf.get(key)
         if ours == "n_experts":
-            key = next((k for k in arch.experts_keys if hf.get(k) is not None), key)
+            key = next((k for k in family.experts_keys if hf.get(k) is not None), key)
             value = hf.get(key)
         if key == "num_key_value_heads" and value is None:
             value = hf.get("num_attention_heads")  # transformers' rule
@@ -214,10 +93,15 @@ def folder_fields(hf: dict[str, Any], folder: str | Path, arch: Architecture) ->
             value = HF_DEFAULTS.get(key)
         if value is None:
             raise ValueError(
-                f"{folder}/config.json has no {key!r}: it is not a complete {arch.class_name} config"
+                f"{folder}/config.json has no {key!r}: it is not a complete {family.class_name} config"
             )
         values[ours] = (float(value) if ours in ("rope_theta", "norm_eps") else value, key)
-    return {**values, **options_from(hf, arch)}
+    unheld = {
+        name: (DEFAULTS[name], "model_type")
+        for name in FLAT_FIELDS
+        if name not in values and family.need(name) is None
+    }
+    return {**values, **unheld, **family.options_from(hf)}
 
 
 def config_from_folder(folder: str | Path, given: ModelConfig | None = None) -> ModelConfig:
@@ -227,8 +111,8 @@ def config_from_folder(folder: str | Path, given: ModelConfig | None = None) -> 
     A field of ``given`` that is not at its default is explicit: it must equal the folder's value."""
     given = given if given is not None else ModelConfig()
     hf = read_hf_config(folder)
-    arch = check_supported(hf, given.seq_len, folder)
-    values = folder_fields(hf, folder, arch)
+    family = check_supported(hf, given.seq_len, folder)
+    values = folder_fields(hf, folder, family)
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     for name, (value, key) in values.items():
         mine = getattr(given, name)
@@ -276,16 +160,11 @@ def hf_shapes(
     """Every Hugging Face tensor ``model`` holds -> (our parameter name, the shape it must have);
     ``files``: the folder's tensors (gpt-oss's experts may be stored as MXFP4 blocks and scales)."""
     out, cut = {}, tp_shards(model)
-    arch = architecture_of(model.config)
-    c = model.config
+    family = architecture_of(model.config)
     for name, p in hf_tensors(model):
-        names = hf_names(name, model.expert_range, arch)
-        if arch.model_type == GPT_OSS and is_stacked_experts(name):  # whole fused tensors
-            fused, short = names[0], names[0].rsplit(".", 1)[-1]
-            shapes = {fused: gpt_oss.fused_shape(short, c.n_experts, c.d_model, c.ffn_dim)}
-            if gpt_oss.stored_names(fused, files or {}) != [fused]:
-                shapes = gpt_oss.mxfp4_shapes(short, c.n_experts, c.d_model, c.ffn_dim)
-                shapes = {f"{fused.rsplit('.', 1)[0]}.{k}": v for k, v in shapes.items()}
+        names = hf_names(name, model.expert_range, family)
+        if family.fused_experts and is_stacked_experts(name):  # whole fused tensors
+            shapes = family.fused_shapes(names[0], model.config, files or {})
             out.update({k: (name, v) for k, v in shapes.items()})
             continue
         shape = tuple(p.shape[1:])[::-1] if is_stacked_experts(name) else tuple(p.shape)
@@ -346,20 +225,22 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
     only the bytes of the tensors it holds. Returns the number of tensor bytes read."""
     by_file = check_tensors(model, folder)
     targets = {}  # hf name -> the parameter (or expert row) it fills, and whether it is transposed
-    arch = architecture_of(model.config)
+    family = architecture_of(model.config)
     read, files = 0, tensor_files(folder)
     for name, p in hf_tensors(model):
         stacked = is_stacked_experts(name)
-        if arch.model_type == GPT_OSS and stacked:
-            read += _load_gpt_oss_experts(name, p, model, files)
+        names = hf_names(name, model.expert_range, family)
+        if family.fused_experts and stacked:  # its own reader (gpt-oss: even/odd columns, MXFP4)
+            ours = name.rsplit(".", 1)[-1]
+            read += family.read_fused_experts(ours, names[0], p, model.expert_range, files)
             continue
-        for row, hf_name in enumerate(hf_names(name, model.expert_range, arch)):
+        for row, hf_name in enumerate(names):
             targets[hf_name] = (p[row], True) if stacked else (p, False)
     cut = tp_shards(model)
     for path, names in by_file.items():
         with hf_folder.open_safetensors(path) as f:
             for hf_name in names:
-                if hf_name not in targets:  # gpt-oss's fused experts, read above
+                if hf_name not in targets:  # fused experts, read above
                     continue
                 target, transposed = targets[hf_name]
                 shard = cut.get(id(target))
@@ -375,20 +256,3 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
                     target.zero_().narrow(shard.dim, 0, real).copy_(tensor)
                 read += tensor.numel() * tensor.element_size()
     return read
-
-
-def _load_gpt_oss_experts(
-    name: str, p: torch.Tensor, model: StageModel, files: dict[str, Path]
-) -> int:
-    """Fill our stacked expert tensor ``name`` from rows ``model.expert_range`` of gpt-oss's fused
-    tensor (its even, odd or all columns); returns the bytes read. The fused tensor is read once for
-    each of its two halves: gate and up share it."""
-    arch = architecture_of(model.config)
-    fused = hf_names(name, model.expert_range, arch)[0]
-    rows, read = gpt_oss.read_fused(
-        hf_folder.open_safetensors, files, fused, model.expert_range, p.dtype
-    )
-    columns = gpt_oss.FUSED[name.rsplit(".", 1)[-1]][1]
-    p.copy_(rows[..., columns])
-    shared = name.rsplit(".", 1)[-1] in ("w1", "w3", "b1", "b3")
-    return read // 2 if shared else read

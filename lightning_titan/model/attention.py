@@ -1,5 +1,5 @@
 """Causal self-attention with RoPE and grouped-query heads, and the options pretrained MoE checkpoints
-use (``ModelConfig.qkv_bias``, ``qk_norm``, ``attn_head_dim``).
+use (``config.attention``: ``qkv_bias``, ``qk_norm``, ``head_dim``, ``sinks``, ``out_bias``).
 
 QK-norm comes in two shapes. Qwen3-MoE (``qk_norm="head"``) normalises each head's q and k over
 ``head_dim`` with one weight ``[head_dim]`` shared by the heads: local to a TP rank's heads, its grad a
@@ -11,7 +11,7 @@ weight is cut like the projection's rows.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.sinks import AttentionSinks, sink_attention
 from lightning_titan.parallel.context_parallel import gather_keys
 from lightning_titan.parallel.tensor_parallel import (
@@ -27,26 +28,6 @@ from lightning_titan.parallel.tensor_parallel import (
     scatter_sequence,
     tp_size,
 )
-
-QK_NORMS = ("none", "head", "full")
-
-
-class _AttentionConfig(Protocol):
-    """What Attention reads of a ModelConfig (not imported: model/config.py imports this module)."""
-
-    d_model: int
-    n_heads: int
-    qkv_bias: bool
-    qk_norm: str
-    norm_eps: float
-    attn_sinks: bool
-    attn_out_bias: bool
-
-    @property
-    def kv_heads(self) -> int: ...
-
-    @property
-    def head_dim(self) -> int: ...
 
 
 class RMSNorm(nn.Module):
@@ -129,11 +110,12 @@ class Attention(nn.Module):
 
     def __init__(
         self,
-        config: _AttentionConfig,
+        config: ModelConfig,
         tp_group: ProcessGroup | None = None,
         cp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        options = config.attention
         tp = tp_size(tp_group)
         self.tp_group, self.cp_group = tp_group, cp_group
         self.n_heads, self.n_kv_heads, self.head_dim = (
@@ -141,7 +123,7 @@ class Attention(nn.Module):
             config.kv_heads // tp,
             config.head_dim,
         )
-        d, bias = config.d_model, config.qkv_bias
+        d, bias = config.d_model, options.qkv_bias
         self.wq = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
@@ -149,12 +131,12 @@ class Attention(nn.Module):
         for column_parallel in (self.wq, self.wk, self.wv):  # a bias is cut with the rows
             mark_tp_shard(column_parallel, 0, column_parallel.out_features * tp, tp_group)
         mark_tp_shard(self.wo, 1, self.wo.in_features * tp, tp_group)  # row-parallel
-        if config.attn_out_bias:  # added after the TP reduction (once), not by wo on every rank
+        if options.out_bias:  # added after the TP reduction (once), not by wo on every rank
             self.wo.bias = nn.Parameter(torch.zeros(d))
         self.sinks = (
-            AttentionSinks(self.n_heads, config.n_heads, tp_group) if config.attn_sinks else None
+            AttentionSinks(self.n_heads, config.n_heads, tp_group) if options.sinks else None
         )
-        self.qk_norm = config.qk_norm
+        self.qk_norm = options.qk_norm
         if self.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.norm_eps)

@@ -2,6 +2,11 @@
 
 Each error names the field, the value and the fix. ``validate_layout(pp, ep, tp, cp)`` adds what a layout needs
 (whole layers per stage, whole experts per EP rank, whole heads per TP rank, whole positions per rank).
+
+The options of the pretrained families are flat fields here (the stable form of YAML files, CLI flags
+and checkpoints: ``vars(config)`` is the flat dict) and typed groups to the code that reads them:
+``config.attention``, ``config.router``, ``config.experts`` and ``config.position``
+(``model/options.py``), built from the fields on each access and checked as they are built.
 """
 
 from __future__ import annotations
@@ -9,10 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_titan.model.attention import QK_NORMS
 from lightning_titan.model.moe.capacity import expert_capacity
-from lightning_titan.model.moe.router import ROUTER_SCORES
-from lightning_titan.model.yarn import YARN_KEYS
+from lightning_titan.model.options import (
+    STANDARD,
+    AttentionOptions,
+    ExpertOptions,
+    PositionOptions,
+    RouterOptions,
+)
 from lightning_titan.parallel.pipeline.split import StageSplit
 
 
@@ -38,7 +47,8 @@ class ModelConfig:
     activation_checkpointing: bool = False  # recompute each block in backward
     # expert capacity (model/moe/capacity.py): the assignments over it are dropped (the residual passes)
     capacity_factor: float | None = None  # <= floor(factor*S*K/E) per sequence; None: dropless
-    # options of pretrained MoE families (model/config.py; hf/arch.py maps them to Hugging Face)
+    # options of pretrained MoE families: the code reads them as groups (model/options.py:
+    # config.attention, .router, .experts, .position); each family's hf/families/ file maps them
     attn_head_dim: int | None = None  # None = d_model / n_heads; Qwen3-MoE sets it apart
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2-MoE)
     qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3-MoE); "full": whole q/k (OLMoE)
@@ -94,16 +104,23 @@ class ModelConfig:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads!r} must be a positive int or None (= n_heads)"
             )
-        for name in ("rope_theta", "norm_eps", "init_std"):
+        for name in ("norm_eps", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
         for name in ("aux_loss_coef", "z_loss_coef", "router_bias_update_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 (0 turns it off)")
-        check_options(self)
-        check_gpt_oss_options(self)
-        check_deepseek(self)
-        if not self.mla and self.attn_head_dim is None and self.d_model % self.n_heads:
+        attention = (
+            self.attention
+        )  # each group checks its options as it is built (model/options.py)
+        self.router.fits(self.n_experts, self.top_k)
+        self.experts.fits(self.n_layers)
+        PositionOptions.of(self)
+        if (
+            attention.kind == STANDARD
+            and attention.head_dim is None
+            and self.d_model % self.n_heads
+        ):
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 "pick n_heads dividing d_model"
@@ -117,7 +134,7 @@ class ModelConfig:
             raise ValueError(
                 f"top_k={self.top_k} > n_experts={self.n_experts}; use top_k <= n_experts"
             )
-        if not self.mla and self.head_dim % 2:
+        if attention.kind == STANDARD and self.head_dim % 2:
             which = "attn_head_dim" if self.attn_head_dim else "head_dim = d_model / n_heads = "
             which += "" if self.attn_head_dim else f"{self.d_model} / {self.n_heads}"
             raise ValueError(
@@ -138,22 +155,31 @@ class ModelConfig:
         return out
 
     @property
+    def attention(self) -> AttentionOptions:
+        """The attention's kind and options (built from the flat fields, checked as it is built)."""
+        return AttentionOptions.of(self)
+
+    @property
+    def router(self) -> RouterOptions:
+        return RouterOptions.of(self)
+
+    @property
+    def experts(self) -> ExpertOptions:
+        return ExpertOptions.of(self)
+
+    @property
+    def position(self) -> PositionOptions:
+        return PositionOptions.of(self)
+
+    @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.d_model // self.n_heads
 
     @property
-    def mla(self) -> bool:
-        """Multi-head latent attention (DeepSeek-V3, model/mla.py) instead of model/attention.py."""
-        return self.kv_lora_rank > 0
-
-    @property
     def rope_dim(self) -> int:
         """The channels RoPE rotates per head."""
-        return self.qk_rope_head_dim if self.mla else self.head_dim
-
-    def is_dense(self, layer: int) -> bool:
-        """Whether layer ``layer`` is a dense SwiGLU (the first ``dense_layers``), not an MoE layer."""
-        return layer < self.dense_layers
+        latent = self.attention.latent
+        return latent.rope_dim if latent.kv_rank else self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -191,100 +217,6 @@ class ModelConfig:
             )
 
 
-def check_options(config: Any) -> None:
-    """Raise ValueError naming the ModelConfig field whose value is not allowed."""
-    if config.qk_norm not in QK_NORMS:
-        raise ValueError(
-            f"qk_norm={config.qk_norm!r} must be one of {QK_NORMS}: 'head' normalises each head "
-            "(Qwen3-MoE), 'full' the whole q/k projection (OLMoE)"
-        )
-    if config.router_score not in ROUTER_SCORES:
-        raise ValueError(f"router_score={config.router_score!r} must be one of {ROUTER_SCORES}")
-    for name in ("qkv_bias", "router_norm_topk"):
-        if not isinstance(getattr(config, name), bool):
-            raise ValueError(f"{name}={getattr(config, name)!r} must be True or False")
-    shared = config.shared_expert_dim
-    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
-        raise ValueError(f"shared_expert_dim={shared!r} must be an int >= 0 (0: no shared expert)")
-    head_dim = config.attn_head_dim
-    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
-        raise ValueError(
-            f"attn_head_dim={head_dim!r} must be a positive int or None (= d_model / n_heads)"
-        )
-
-
-def check_deepseek(config: ModelConfig) -> None:
-    """Raise ValueError naming the DeepSeek-V3 field whose value is not allowed."""
-    for name in (
-        "kv_lora_rank",
-        "q_lora_rank",
-        "qk_nope_head_dim",
-        "qk_rope_head_dim",
-        "v_head_dim",
-        "dense_layers",
-        "dense_ffn_dim",
-    ):
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name}={value!r} must be an int >= 0")
-    for name in ("rope_interleave", "shared_expert_gated", "router_expert_bias"):
-        if not isinstance(getattr(config, name), bool):
-            raise ValueError(f"{name}={getattr(config, name)!r} must be True or False")
-    if config.mla:
-        for name, off in (("qk_norm", "none"), ("qkv_bias", False), ("attn_head_dim", None)):
-            if getattr(config, name) != off:
-                raise ValueError(
-                    f"{name}={getattr(config, name)!r} with kv_lora_rank={config.kv_lora_rank}: "
-                    f"multi-head latent attention has no such option; set {name}={off!r}"
-                )
-        for name in ("qk_rope_head_dim", "v_head_dim"):
-            if getattr(config, name) < 1:
-                raise ValueError(
-                    f"{name}=0 with kv_lora_rank={config.kv_lora_rank} (MLA): give it > 0"
-                )
-        if config.qk_rope_head_dim % 2:
-            raise ValueError(
-                f"qk_rope_head_dim={config.qk_rope_head_dim} is odd; RoPE rotates pairs of channels"
-            )
-    yarn = config.rope_yarn
-    if yarn is not None:
-        unknown = sorted(set(yarn) - set(YARN_KEYS)) if isinstance(yarn, dict) else []
-        if not isinstance(yarn, dict) or unknown:
-            raise ValueError(
-                f"rope_yarn={yarn!r} must be None or a dict of {YARN_KEYS} (Hugging Face's "
-                "rope_scaling / rope_parameters of rope_type 'yarn')"
-            )
-        for key in ("factor", "original_max_position_embeddings"):
-            if not isinstance(yarn.get(key), (int, float)) or not yarn[key] > 0:
-                raise ValueError(f"rope_yarn[{key!r}]={yarn.get(key)!r} must be a number > 0")
-    groups, topk = config.router_groups, config.router_topk_groups
-    if not isinstance(groups, int) or groups < 1 or config.n_experts % groups:
-        raise ValueError(
-            f"router_groups={groups!r} must be a positive int dividing n_experts={config.n_experts}"
-        )
-    if not isinstance(topk, int) or not 1 <= topk <= groups:
-        raise ValueError(f"router_topk_groups={topk!r} must be an int in 1..router_groups={groups}")
-    if groups > 1 and config.n_experts // groups < 2:
-        raise ValueError(
-            f"router_groups={groups} leaves {config.n_experts // groups} expert per group: a group "
-            "is ranked by its top-2 scores; use router_groups <= n_experts / 2"
-        )
-    if groups > 1 and topk * config.n_experts // groups < config.top_k:
-        raise ValueError(
-            f"router_topk_groups={topk} groups of {config.n_experts // groups} experts hold fewer "
-            f"than top_k={config.top_k}; raise router_topk_groups"
-        )
-    if not config.routed_scaling > 0:
-        raise ValueError(f"routed_scaling={config.routed_scaling!r} must be > 0 (1.0: unscaled)")
-    if config.dense_layers > config.n_layers:
-        raise ValueError(f"dense_layers={config.dense_layers} > n_layers={config.n_layers}")
-    if config.dense_layers and config.dense_ffn_dim < 1:
-        raise ValueError(
-            f"dense_layers={config.dense_layers} with dense_ffn_dim=0: give the dense layers' "
-            "hidden size"
-        )
-
-
 def check_capacity(config: ModelConfig) -> None:
     """Raise ValueError for a capacity factor that is not a positive number, that leaves an expert
     no room at all, or that could never drop anything (an expert already takes a whole sequence)."""
@@ -310,16 +242,3 @@ def check_capacity(config: ModelConfig) -> None:
             "an expert could take a whole sequence, so nothing is ever dropped; use "
             "capacity_factor=None (dropless) or a smaller factor"
         )
-
-
-def check_gpt_oss_options(config: ModelConfig) -> None:
-    """Raise ValueError naming the gpt-oss field whose value is not allowed."""
-    for name in ("attn_sinks", "attn_out_bias", "expert_proj_bias", "router_bias"):
-        if not isinstance(getattr(config, name), bool):
-            raise ValueError(f"{name}={getattr(config, name)!r} must be True or False")
-    window = config.sliding_window
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-        raise ValueError(f"sliding_window={window!r} must be an int >= 0 (0: every layer sees all)")
-    limit = config.swiglu_limit
-    if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
-        raise ValueError(f"swiglu_limit={limit!r} must be a number > 0, or None for plain SwiGLU")

@@ -6,9 +6,10 @@ Under tensor parallelism (``tensor_parallel``) a rank also holds only its heads 
 multiple of tp); ``tensor_parallel.TP_SHARD`` on a module says which dim of its ``weight`` is cut.
 
 Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))`` (+ a shared expert, Qwen2-MoE). The
-options of the pretrained families (model/attention.py, model/config.py) make it Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE or gpt-oss (sinks and window layers: model/sinks.py); names map to theirs
-(``hf/arch.py``) and logits match transformers' models.
+options of the pretrained families, read as the config's groups (``model/options.py``: attention,
+router, experts, position), make it Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss (sinks and window
+layers: model/sinks.py) or DeepSeek-V3 (model/mla.py); names map to theirs (``hf/families/``) and
+logits match transformers' models.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lightning_titan.model.mla import MLAttention
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.model.moe.shared import SharedExpert
+from lightning_titan.model.options import LATENT
 from lightning_titan.model.sinks import attend_mask
 from lightning_titan.model.yarn import rope_cos_sin_yarn
 from lightning_titan.parallel import context_parallel
@@ -62,18 +64,19 @@ class Block(nn.Module):
         dense: bool = False,
     ) -> None:
         super().__init__()
-        self.sliding = bool(config.sliding_window) and layer % 2 == 0  # gpt-oss: even layers
+        attention, router, experts = config.attention, config.router, config.experts
+        self.sliding = attention.sliding(layer)  # gpt-oss: the even layers
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn: nn.Module = (
             MLAttention(config, tp_group, cp_group)
-            if config.mla
+            if attention.kind == LATENT
             else Attention(config, tp_group, cp_group)
         )
         self.moe_norm = RMSNorm(config.d_model, config.norm_eps)
         self.shared_expert = None
         if dense:
             self.moe = None
-            self.mlp = SharedExpert(config.d_model, config.dense_ffn_dim, gated=False)
+            self.mlp = SharedExpert(config.d_model, experts.dense_ffn_dim, gated=False)
             return
         self.moe = MoELayer(
             config.d_model,
@@ -88,18 +91,18 @@ class Block(nn.Module):
             bias_update_rate=config.router_bias_update_rate,
             capacity_factor=config.capacity_factor,
             sequence_split=(tp_size(cp_group), tp_size(tp_group)),
-            router_score=config.router_score,
-            norm_topk=config.router_norm_topk,
-            router_bias=config.router_bias,
-            expert_proj_bias=config.expert_proj_bias,
-            swiglu=(config.swiglu_limit, config.swiglu_alpha),
-            groups=(config.router_groups, config.router_topk_groups),
-            scaling=config.routed_scaling,
-            expert_bias=config.router_expert_bias,
+            router_score=router.score,
+            norm_topk=router.norm_topk,
+            router_bias=router.bias,
+            expert_proj_bias=experts.proj_bias,
+            swiglu=(experts.swiglu_limit, experts.swiglu_alpha),
+            groups=(router.groups, router.topk_groups),
+            scaling=router.scaling,
+            expert_bias=router.expert_bias,
         )
-        if config.shared_expert_dim:
+        if experts.shared_dim:
             self.shared_expert = SharedExpert(
-                config.d_model, config.shared_expert_dim, config.shared_expert_gated
+                config.d_model, experts.shared_dim, experts.shared_gated
             )
 
     def forward(
@@ -174,6 +177,7 @@ class StageModel(nn.Module):
                 f"ep_group has {ep_size(ep_group)} ranks but ep={ep}; pass this stage's EP group"
             )
         self.config = config
+        self.sliding_window = config.attention.sliding_window  # gpt-oss's window layers
         per_rank = config.n_experts // ep
         self.chunk_ranges = split.chunk_ranges(config.n_layers, pp, pp_rank)
         self.num_chunks = len(self.chunk_ranges)
@@ -209,7 +213,7 @@ class StageModel(nn.Module):
                     cp_group,
                     sequence_group,
                     layer=i,
-                    dense=config.is_dense(i),
+                    dense=config.experts.is_dense(i),
                 )
                 for start, end in self.chunk_ranges
                 for i in range(start, end)
@@ -249,12 +253,12 @@ class StageModel(nn.Module):
             mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)
             keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
             cos, sin, mask = cos[mine], sin[mine], attend_mask(mine, keys, 0)
-        if self.config.sliding_window:  # gpt-oss's window layers, by global positions too
+        if self.sliding_window:  # gpt-oss's window layers, by global positions too
             mine = keys = torch.arange(seq_len, device=x.device)
             if tp_size(self.cp_group) > 1:
                 mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)
                 keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
-            window_mask = attend_mask(mine, keys, self.config.sliding_window)
+            window_mask = attend_mask(mine, keys, self.sliding_window)
         aux = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         for block in (self.layers[str(i)] for i in range(*self.chunk_ranges[chunk])):
             layer_mask = window_mask if block.sliding else mask
@@ -300,13 +304,13 @@ class StageModel(nn.Module):
         # A plain cache, not a buffer: a buffer would be garbage after meta-device init + to_empty.
         key = (seq_len, device)
         if key not in self._rope_cache:
-            c = self.config
-            if c.rope_yarn:
+            dim, position = self.config.rope_dim, self.config.position
+            if position.yarn:
                 self._rope_cache[key] = rope_cos_sin_yarn(
-                    seq_len, c.rope_dim, c.rope_theta, c.rope_yarn, device
+                    seq_len, dim, position.theta, position.yarn, device
                 )
             else:
-                self._rope_cache[key] = rope_cos_sin(seq_len, c.rope_dim, c.rope_theta, device)
+                self._rope_cache[key] = rope_cos_sin(seq_len, dim, position.theta, device)
         return self._rope_cache[key]
 
     def init_weights(self, seed: int) -> None:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_titan.model.options import LATENT
+
 if TYPE_CHECKING:
     from lightning_titan.model.decoder import ModelConfig
 
@@ -46,40 +48,42 @@ GPU_BF16_PEAK: dict[str, float] = {
 def layer_flops_per_token(config: ModelConfig) -> tuple[int, int]:
     """Matmul FLOPs of one token's forward through (an MoE layer, a dense layer)."""
     d, hd, s = config.d_model, config.head_dim, config.seq_len
+    experts = config.experts
     q_width, kv_width = config.n_heads * hd, config.kv_heads * hd
     projections = 2 * d * (2 * q_width + 2 * kv_width)  # q and o; k and v
     attention = 2 * 2 * s * q_width  # scores q.k over S keys, then the weighted sum of S values
-    if config.mla:
+    if config.attention.kind == LATENT:
         projections, attention = _latent_attention(config)
     router = 2 * d * config.n_experts
-    experts = config.top_k * 3 * 2 * d * config.ffn_dim  # gate, up, down per chosen expert
-    shared = 3 * 2 * d * config.shared_expert_dim
-    shared += 2 * d if config.shared_expert_dim and config.shared_expert_gated else 0
-    dense_layer = projections + attention + 3 * 2 * d * config.dense_ffn_dim
-    return projections + attention + router + experts + shared, dense_layer
+    routed = config.top_k * 3 * 2 * d * config.ffn_dim  # gate, up, down per chosen expert
+    shared = 3 * 2 * d * experts.shared_dim
+    shared += 2 * d if experts.shared_dim and experts.shared_gated else 0
+    dense_layer = projections + attention + 3 * 2 * d * experts.dense_ffn_dim
+    return projections + attention + router + routed + shared, dense_layer
 
 
 def forward_flops_per_token(config: ModelConfig) -> int:
     """Matmul FLOPs of one token's forward through the whole model (see the module doc)."""
     moe_layer, dense_layer = layer_flops_per_token(config)
-    dense = config.dense_layers
+    dense, window = config.experts.dense_layers, config.attention.sliding_window
     head = 2 * config.d_model * config.vocab_size
     total = (config.n_layers - dense) * moe_layer + dense * dense_layer + head
-    if config.sliding_window:  # the window layers (the even ones) see min(window, S) keys
+    if window:  # the window layers (gpt-oss's even ones) see min(window, S) keys
         s, q_width = config.seq_len, config.n_heads * config.head_dim
-        window_layers = (config.n_layers + 1) // 2
-        total -= window_layers * 2 * 2 * (s - min(config.sliding_window, s)) * q_width
+        window_layers = config.attention.window_layers(config.n_layers)
+        total -= window_layers * 2 * 2 * (s - min(window, s)) * q_width
     return total
 
 
 def _latent_attention(config: ModelConfig) -> tuple[int, int]:
     """(projections, attention) FLOPs per token of one multi-head latent attention (model/mla.py)."""
-    d, h, rank = config.d_model, config.n_heads, config.kv_lora_rank
-    qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    latent = config.attention.latent
+    d, h, rank = config.d_model, config.n_heads, latent.kv_rank
+    qk, v = latent.nope_dim + latent.rope_dim, latent.v_dim
     q = 2 * d * h * qk
-    if config.q_lora_rank:
-        q = 2 * config.q_lora_rank * (d + h * qk)
-    kv = 2 * d * (rank + config.qk_rope_head_dim) + 2 * rank * h * (config.qk_nope_head_dim + v)
+    if latent.q_rank:
+        q = 2 * latent.q_rank * (d + h * qk)
+    kv = 2 * d * (rank + latent.rope_dim) + 2 * rank * h * (latent.nope_dim + v)
     return q + kv + 2 * h * v * d, 2 * config.seq_len * h * (qk + v)
 
 

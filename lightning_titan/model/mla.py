@@ -6,7 +6,8 @@ a RoPE key shared by every head; ``kv_b_proj`` expands the latent to each head's
 (``qk_nope_head_dim``) and value (``v_head_dim``). The query is ``q_proj(x)``, or low-rank
 ``q_b_proj(q_a_norm(q_a_proj(x)))`` when ``q_lora_rank`` > 0; its last ``qk_rope_head_dim`` channels
 per head are rotated. Softmax scale: ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``, times YaRN's
-``mscale**2`` under ``rope_yarn`` (model/yarn.py).
+``mscale**2`` under ``rope_yarn`` (``config.position.yarn``, model/yarn.py). The sizes are
+``config.attention.latent`` (``model/options.py``).
 
 With ``rope_interleave`` (transformers' default for DeepSeek-V3) RoPE pairs channels (2i, 2i+1):
 the same as taking the even channels then the odd ones and rotating halves, which is what we do
@@ -24,14 +25,13 @@ qk_rope_head_dim`` channels a token, not the expanded heads; each rank expands a
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_titan.model.attention import RMSNorm, apply_rope
+from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.yarn import softmax_scale_factor
 from lightning_titan.parallel.context_parallel import gather_keys
 from lightning_titan.parallel.tensor_parallel import (
@@ -46,40 +46,29 @@ from lightning_titan.parallel.tensor_parallel import (
 LATENT_NORM_EPS = 1e-6
 
 
-class _MLAConfig(Protocol):
-    d_model: int
-    n_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool
-    rope_yarn: dict[str, float] | None
-
-
 class MLAttention(nn.Module):
     """Causal multi-head latent attention over ``x`` [b, S/tp, D] (this rank's sequence slice)."""
 
     def __init__(
         self,
-        config: _MLAConfig,
+        config: ModelConfig,
         tp_group: ProcessGroup | None = None,
         cp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        latent, yarn = config.attention.latent, config.position.yarn
         tp = tp_size(tp_group)
         self.tp_group, self.cp_group = tp_group, cp_group
         self.n_heads = config.n_heads // tp
-        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
-        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
-        self.interleave = config.rope_interleave
-        self.scale = (self.nope + self.rope) ** -0.5 * softmax_scale_factor(config.rope_yarn)
+        self.nope, self.rope = latent.nope_dim, latent.rope_dim
+        self.v_dim, self.rank = latent.v_dim, latent.kv_rank
+        self.interleave = latent.interleave
+        self.scale = (self.nope + self.rope) ** -0.5 * softmax_scale_factor(yarn)
         d, q_dim = config.d_model, self.n_heads * (self.nope + self.rope)
-        if config.q_lora_rank:
-            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, q_dim, bias=False)
+        if latent.q_rank:
+            self.q_a_proj = nn.Linear(d, latent.q_rank, bias=False)
+            self.q_a_norm = RMSNorm(latent.q_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(latent.q_rank, q_dim, bias=False)
             q_heads = self.q_b_proj
         else:
             self.q_proj = nn.Linear(d, q_dim, bias=False)

@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 
 from lightning_titan.model.decoder import EXPERT, ModelConfig, StageModel
+from lightning_titan.model.options import LATENT
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import V_SHAPED
 from lightning_titan.parallel.pipeline.theory import live_peak
@@ -47,12 +48,12 @@ PROBE_WIDTH = 512  # the widest d_model measured as it is
 
 def _scale(config: ModelConfig) -> int:
     """The largest ``s`` that divides the heads, kv heads and widths and leaves d_model >= 64."""
-    best = 1
+    best, latent = 1, config.attention.latent
     for s in range(2, config.n_heads + 1):
         widths = [config.n_heads, config.kv_heads, config.ffn_dim, config.d_model]
-        if config.shared_expert_dim:
-            widths.append(config.shared_expert_dim)
-        widths += [w for w in (config.kv_lora_rank, config.q_lora_rank) if w]  # MLA's latents
+        if config.experts.shared_dim:
+            widths.append(config.experts.shared_dim)
+        widths += [w for w in (latent.kv_rank, latent.q_rank) if w]  # MLA's latents
         if all(w % s == 0 for w in widths) and config.d_model // s >= 64:
             best = s
         if config.d_model // best <= PROBE_WIDTH:
@@ -109,17 +110,17 @@ def per_sequence(config: ModelConfig, precision: Precision = FP32) -> tuple[floa
     dtypes ``precision`` computes in, weight copies aside."""
     key = repr(config) + precision.name
     if key not in _PER_SEQUENCE:
-        s = _scale(config)
+        s, latent = _scale(config), config.attention.latent
         narrow = replace(
             config,
             d_model=config.d_model // s,
             n_heads=config.n_heads // s,
             n_kv_heads=None if config.n_kv_heads is None else config.n_kv_heads // s,
             ffn_dim=config.ffn_dim // s,
-            shared_expert_dim=config.shared_expert_dim // s,
-            attn_head_dim=None if config.mla else config.head_dim,
-            kv_lora_rank=config.kv_lora_rank // s,
-            q_lora_rank=config.q_lora_rank // s,
+            shared_expert_dim=config.experts.shared_dim // s,
+            attn_head_dim=None if config.attention.kind == LATENT else config.head_dim,
+            kv_lora_rank=latent.kv_rank // s,
+            q_lora_rank=latent.q_rank // s,
             # every block priced as an MoE block (DeepSeek-V3's few dense first layers save less)
             dense_layers=0,
             activation_checkpointing=False,

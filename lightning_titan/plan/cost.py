@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.flops import layer_flops_per_token
+from lightning_titan.model.options import LATENT
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 from lightning_titan.parallel.pipeline.theory import ideal_bubble
 from lightning_titan.parallel.pipeline.zbv import dualpipev_order
@@ -159,7 +160,7 @@ def predict(
     head = 2 * config.d_model * config.vocab_size
     # the slowest stage's layers: MoE layers wherever there are any (dense ones are the first few)
     moe_layer, dense_layer = layer_flops_per_token(config)
-    layer = moe_layer if config.dense_layers < config.n_layers else dense_layer
+    layer = moe_layer if config.experts.dense_layers < config.n_layers else dense_layer
     layers = config.n_layers / pp
     passes = 4 if options.recompute else 3  # forward, backward (2x), and a recomputed forward
     flops = tokens * passes * (layers * layer + head)  # the last stage: it holds the head
@@ -191,8 +192,9 @@ def predict(
     comm["tp"] = 4 * collective(tp_link, act * tp * wire * calls, tp, 1, calls)
     # cp: the keys and values of every position, gathered forward and their grads scattered back
     kv = 2 * mb_tokens * cp * config.kv_heads * config.head_dim * wire
-    if config.mla:  # the latent and the shared RoPE key, not the heads (model/mla.py)
-        kv = mb_tokens * cp * (config.kv_lora_rank + config.qk_rope_head_dim) * wire
+    latent = config.attention.latent
+    if config.attention.kind == LATENT:  # the latent and the shared RoPE key (model/mla.py)
+        kv = mb_tokens * cp * (latent.kv_rank + latent.rope_dim) * wire
     comm["cp"] = 2 * collective(_link(device, degrees, "cp"), kv * calls, cp, 1, calls)
     comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count)
     optimizer = _optimizer(degrees, zero, params, device)

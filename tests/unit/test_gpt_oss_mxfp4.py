@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_titan.hf import load as hf_load
-from lightning_titan.hf.gpt_oss import mxfp4_shapes
+from lightning_titan.hf.families.gpt_oss import mxfp4_shapes
 from lightning_titan.model.decoder import ModelConfig, StageModel
 
 D, F, E = 32, 64, 4  # the 32-value blocks cut D (gate_up) and F (down)

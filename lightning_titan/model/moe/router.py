@@ -10,7 +10,7 @@ Aux-loss-free balancing (DeepSeek-V3): a per-expert ``selection_bias`` shifts th
 the top-K experts only; the combine weights stay the unbiased probabilities of the chosen experts,
 so the bias steers the load without entering the output or the gradient (``model/moe/balance.py``).
 
-Score functions (``ModelConfig.router_score``): ``softmax`` over the E logits (Mixtral, Qwen-MoE,
+Score functions (``config.router.score``, the flat ``router_score``): ``softmax`` over the E logits (Mixtral, Qwen-MoE,
 OLMoE) or an independent ``sigmoid`` per expert (DeepSeek-V3). ``norm_topk`` rescales the K chosen
 scores to sum to 1 (Mixtral; Qwen/OLMoE ``norm_topk_prob``); off, they are the raw probabilities. The
 load-balancing loss's P_e is always a distribution over experts: sigmoid scores are normalised per
@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_titan.model.moe.groups import group_limited
+from lightning_titan.model.options import ROUTER_SCORES
 
 
 @dataclass
@@ -99,9 +100,6 @@ def route(
 @torch.compiler.disable  # a graph break in a compiled route: the collective runs eagerly
 def _sum_over(counts: Tensor, group: ProcessGroup) -> None:
     dist.all_reduce(counts, group=group)
-
-
-ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 def scores(logits: Tensor, score: str) -> Tensor:
