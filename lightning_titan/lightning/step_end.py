@@ -53,7 +53,8 @@ class StepEnd:
         given = [] if step is None else [step.loss, step.aux, step.dropped]
         *values, stopping = torch.stack([t.double() for t in [norm, *given, stop()]]).tolist()
         self.stop.decide(stopping, trainer)
-        finite = check_finite(module, dims, trainer.global_step, values[:2], options.on_nonfinite)
+        at, action = trainer.global_step, options.on_nonfinite
+        finite = check_finite(module, dims, at, values[:2], action, reducers=engine.reducers)
         self.skipped += not finite
         engine.bind_shard_grads(drop=not finite)  # zero>0: after the clip and the skip
         return GradStats(values[0], finite, *values[1:])

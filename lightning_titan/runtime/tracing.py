@@ -6,9 +6,10 @@
     spans = tracing.stop()        # ... and hands back what it recorded
 
 Recording is off unless ``start`` was called in this process; it reaches the instrumented code through
-``lightning_titan.runtime.probes`` (a shared no-op context otherwise: a function call and a global read). The recorder is
-process-wide (like ``torch.profiler``), not passed around, because the spans come from deep inside the
-stage, the reducer hooks and the MoE dispatch, which run on whatever thread autograd picks.
+``lightning_titan.runtime.probes`` (``probes.install``; a shared no-op context otherwise: a function
+call and a global read). The recorder is process-wide (like ``torch.profiler``), not passed around,
+because the spans come from deep inside the stage, the reducer hooks and the MoE dispatch, which run
+on whatever thread autograd picks.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class _Recorder:
         # On CUDA a span edge records an event instead of waiting for the GPU; ``stop`` waits once
         # and places the events on this clock, anchored by one event recorded now.
         self.pending: list[tuple[Span, Any, Any]] = []
+        self.installed = probes.Installed(None, None)  # at probes while recording (start)
         if synchronize:
             self.anchor = _new_cuda_event()
             self.anchor.record()
@@ -80,8 +82,12 @@ class _Recorder:
             span.end_ns = self.anchor_ns + round(self.anchor.elapsed_time(end) * 1e6)
         self.pending.clear()
 
+    def open(self, kind: str, name: str, args: dict) -> _Open:
+        """A span about to be entered (the tracer ``start`` installs at ``probes``)."""
+        return _Open(self, kind, name, args)
 
-_recorder: _Recorder | None = None
+
+_recorder: _Recorder | None = None  # start()'s, until stop(): this module writes and reads it
 
 
 class _Open:
@@ -127,17 +133,18 @@ def start(rank: int, *, step: int = 0, synchronize: bool = False) -> None:
     global _recorder
     if _recorder is not None:
         raise RuntimeError("tracing.start() called while already recording; call stop() first")
-    rec = _recorder = _Recorder(rank, step, synchronize)
-    probes.tracer = lambda kind, name, args: _Open(rec, kind, name, args)
+    rec = _Recorder(rank, step, synchronize)
+    rec.installed = probes.install(tracer=rec.open)
+    _recorder = rec
 
 
 def stop() -> list[Span]:
     """Stop recording and return the spans recorded since ``start`` (empty if not recording)."""
     global _recorder
     rec, _recorder = _recorder, None
-    probes.tracer = None
     if rec is None:
         return []
+    rec.installed.remove()
     rec.resolve()
     return rec.spans
 
