@@ -53,9 +53,9 @@ class TpShard:
         return tp_rank(self.group)
 
 
-TpCuts = dict[
-    nn.Module, TpShard
-]  # a cut module (the declaring one itself, or one below it) -> its cut
+# what a module that cuts weights declares (CutsWeights): each module it cut (one it holds, or
+# itself) -> which dim of that module's weight is cut
+TpCuts = dict[nn.Module, TpShard]
 
 
 @runtime_checkable

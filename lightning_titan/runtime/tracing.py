@@ -68,11 +68,11 @@ class _Recorder:
         # On CUDA a span edge records an event instead of waiting for the GPU; ``stop`` waits once
         # and places the events on this clock, anchored by one event recorded now.
         self.pending: list[tuple[Span, Any, Any]] = []
-        self.installed = probes.Installed(None, None)  # at probes while recording (start)
         if synchronize:
             self.anchor = _new_cuda_event()
             self.anchor.record()
             self.anchor_ns = time.perf_counter_ns()
+        self.installed = probes.install(tracer=self.open)  # records from here until stop()
 
     def resolve(self) -> None:
         """Give the spans timed by events their times on the host clock (waits for the GPU once)."""
@@ -83,7 +83,7 @@ class _Recorder:
         self.pending.clear()
 
     def open(self, kind: str, name: str, args: dict) -> _Open:
-        """A span about to be entered (the tracer ``start`` installs at ``probes``)."""
+        """A span about to be entered (the tracer this recorder installs at ``probes``)."""
         return _Open(self, kind, name, args)
 
 
@@ -133,9 +133,7 @@ def start(rank: int, *, step: int = 0, synchronize: bool = False) -> None:
     global _recorder
     if _recorder is not None:
         raise RuntimeError("tracing.start() called while already recording; call stop() first")
-    rec = _Recorder(rank, step, synchronize)
-    rec.installed = probes.install(tracer=rec.open)
-    _recorder = rec
+    _recorder = _Recorder(rank, step, synchronize)
 
 
 def stop() -> list[Span]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -342,9 +342,6 @@ class ZeroShards:
 
     def __len__(self) -> int:
         return len(self._by_param)
-
-    def __iter__(self) -> Iterator[ZeroShard]:
-        return iter(self._by_param.values())
 
     def of_param(self, param: Tensor) -> ZeroShard | None:
         """The shard of model parameter ``param`` on this rank, None where it is kept whole."""
