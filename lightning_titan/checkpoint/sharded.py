@@ -28,6 +28,7 @@ from lightning_titan.checkpoint import files, integrity, lock, reader, storage
 from lightning_titan.checkpoint import state as keys
 from lightning_titan.checkpoint.background import BackgroundSaves
 from lightning_titan.checkpoint.reader import FORMAT_VERSION, read_checkpoint_info
+from lightning_titan.parallel.dp.zero import NO_SHARDS, ZeroShards
 from lightning_titan.runtime import probes
 from lightning_titan.runtime.agreement import agree as _agree
 
@@ -52,6 +53,7 @@ def save_sharded(
     *,
     layout: dict[str, Any],
     background: BackgroundSaves | None = None,
+    zero_shards: ZeroShards = NO_SHARDS,
 ) -> None:
     """Write a complete checkpoint directory at ``path``, or leave ``path`` as it was.
 
@@ -62,6 +64,8 @@ def save_sharded(
 
     ``background``: return once the state is copied to host memory; a thread writes it
     (``background.py``). The save in flight, if any, is waited for first and its error raised.
+    ``zero_shards``: under zero>0, the shards whose leaves the optimizers step (``ZeroShards`` of
+    the engine's ``zero_groups``).
     """
     if background is not None:
         background.wait()
@@ -69,7 +73,7 @@ def save_sharded(
     error, token, state, info_bytes = None, None, {}, b""
     try:
         state = keys.model_entries(model)
-        state.update(keys.optimizer_entries(model, optimizers).state_dict())
+        state.update(keys.optimizer_entries(model, optimizers, zero_shards).state_dict())
         if _rank() == 0:
             since = lock.acquire(path.parent)
             files.recover(path, since)
@@ -152,6 +156,7 @@ class _LoadOptions:
     expect_layout: Mapping[str, Any] | None
     weights_only: bool | None
     allow_config_change: Collection[str]
+    zero_shards: ZeroShards
 
 
 @dataclass
@@ -201,19 +206,20 @@ def _plan_load(
             f"groups, this run has {len(optimizers)} with {[len(o.param_groups) for o in optimizers]}; "
             "configure the same optimizers (or pass none to load the model only)"
         )
-    names = keys.param_names(model)
+    names, zero_shards = keys.param_names(model), options.zero_shards
     try:
         for i, optimizer in enumerate(optimizers):
             have = keys.params_with_state(metadata.state_dict_metadata, i)
             params = list(keys.optimizer_params(optimizer))
-            name_of = {id(p): keys.optimizer_param_name(p, names) for p in params}
+            name_of = {id(p): keys.optimizer_param_name(p, names, zero_shards) for p in params}
             empty = [p for p in params if name_of[id(p)] in have and not optimizer.state.get(p)]
             plan.initialised += [(optimizer, p) for p in empty]
             keys.init_optimizer_state(optimizer, empty)
             plan.stale += [(optimizer, p) for p in params if name_of[id(p)] not in have]
-        entries = keys.optimizer_entries(model, optimizers)
+        entries = keys.optimizer_entries(model, optimizers, zero_shards)
         for optimizer, p in plan.stale:  # state the checkpoint does not have is dropped, not loaded
-            i, name = optimizers.index(optimizer), keys.optimizer_param_name(p, names)
+            i = optimizers.index(optimizer)
+            name = keys.optimizer_param_name(p, names, zero_shards)
             for table in (entries.tensors, entries.objects):
                 for key in [k for k in table if keys.key_param(k, i) == name]:
                     del table[key]
@@ -239,6 +245,7 @@ def load_sharded(
     expect_layout: Mapping[str, Any] | None = None,
     weights_only: bool | None = None,
     allow_config_change: Collection[str] = (),
+    zero_shards: ZeroShards = NO_SHARDS,
 ) -> dict[str, Any]:
     """Load a checkpoint written under any (dp, pp, ep) into ``model`` and ``optimizers`` in place.
 
@@ -251,10 +258,11 @@ def load_sharded(
     against the saved one: a differing field (n_heads, top_k, rope_theta, ...) is an error unless
     named in ``allow_config_change``. Nothing in the files can run code; ``weights_only=False``
     lets ``meta.pt`` and non-tensor values hold any object (only for checkpoints you trust).
+    ``zero_shards``: as for ``save_sharded``.
     """
     path = Path(path)
     plan, error = None, None
-    options = _LoadOptions(expect_layout, weights_only, tuple(allow_config_change))
+    options = _LoadOptions(expect_layout, weights_only, tuple(allow_config_change), zero_shards)
     try:
         plan = _plan_load(path, model, optimizers, options)
     except Exception as e:  # noqa: BLE001 - every rank must raise it, before the collective load

@@ -119,9 +119,11 @@ def param_key(optimizer_index: int, name: str) -> str:
     return f"{optim_prefix(optimizer_index)}{name}/"
 
 
-def optimizer_param_name(tensor: Tensor, names: dict[int, str]) -> str | None:
+def optimizer_param_name(
+    tensor: Tensor, names: dict[int, str], zero_shards: zero.ZeroShards
+) -> str | None:
     """The global name of the parameter an optimizer's tensor is (or, under ZeRO, is a shard of)."""
-    return names.get(id(zero.full_param(tensor)))
+    return names.get(id(zero_shards.full_param(tensor)))
 
 
 def _shard_entries(
@@ -139,19 +141,25 @@ def _shard_entries(
     }
 
 
-def optimizer_entries(model: nn.Module, optimizers: list[Optimizer]) -> OptimizerEntries:
+def optimizer_entries(
+    model: nn.Module, optimizers: list[Optimizer], zero_shards: zero.ZeroShards
+) -> OptimizerEntries:
+    """``zero_shards``: the ZeRO shards whose leaves the optimizers step in place of parameters
+    (empty under zero=0), so that their state is keyed by the parameter's global name."""
     names, starts, shards = param_names(model), expert_starts(model), tp_shards(model)
     out = OptimizerEntries()
     for i, optimizer in enumerate(optimizers):
         for p in optimizer_params(optimizer):
-            name = optimizer_param_name(p, names)
+            name = optimizer_param_name(p, names, zero_shards)
             if name is None:
+                sharded = " (under zero>0, pass the ZeRO shards it steps: zero_shards=)"
                 raise ValueError(
                     f"optimizer {i} holds a parameter of shape {tuple(p.shape)} that is not in the "
-                    "model; build the optimizer from this model's parameters"
+                    f"model{sharded if not zero_shards else ''}; build the optimizer from this "
+                    "model's parameters"
                 )
-            state, shard = optimizer.state.get(p, {}), zero.shard_of(p)
-            start = starts.get(id(zero.full_param(p)))
+            state, shard = optimizer.state.get(p, {}), zero_shards.of_leaf(p)
+            start = starts.get(id(zero_shards.full_param(p)))
             for state_name, value in state.items():
                 key = param_key(i, name) + state_name
                 if isinstance(value, Tensor) and shard is not None and value.shape == p.shape:

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from lightning_titan.checkpoint import files, lock
 from lightning_titan.checkpoint.background import BackgroundSaves
 from lightning_titan.checkpoint.sharded import load_sharded, remove_checkpoint, save_sharded
+from lightning_titan.parallel.dp.zero import NO_SHARDS, ZeroShards
 from lightning_titan.runtime.agreement import agree
 
 
@@ -37,9 +38,11 @@ class ShardedCheckpoints:
         module: nn.Module,
         optimizers: list[Optimizer],
         layout: dict[str, Any],
+        zero_shards: ZeroShards = NO_SHARDS,
     ) -> None:
         """Collective. ``checkpoint``: Lightning's dict; its state dicts are written as shards.
-        ``layout``: the degrees, schedule and zero level, a record (the state loads under any)."""
+        ``layout``: the degrees, schedule and zero level, a record (the state loads under any).
+        ``zero_shards``: the ZeRO shards the optimizers step, if any (``save_sharded``)."""
         global_batch_size = _global_batch_size(module)
         if global_batch_size is not None:
             layout = {**layout, "global_batch_size": global_batch_size}
@@ -52,7 +55,15 @@ class ShardedCheckpoints:
         background = self.background if training else None
         if background is None:
             self.wait()
-        save_sharded(path, module, optimizers, meta, layout=layout, background=background)
+        save_sharded(
+            path,
+            module,
+            optimizers,
+            meta,
+            layout=layout,
+            background=background,
+            zero_shards=zero_shards,
+        )
 
     def wait(self) -> None:
         """Until the save in flight is complete (raising its error on every rank); no-op if none."""
@@ -72,6 +83,7 @@ class ShardedCheckpoints:
         module: nn.Module,
         optimizers: list[Optimizer],
         weights_only: bool | None,
+        zero_shards: ZeroShards = NO_SHARDS,
     ) -> dict[str, Any]:
         """Collective: the module's and the optimizers' shards for this layout, and Lightning's dict."""
         self.wait()
@@ -84,6 +96,7 @@ class ShardedCheckpoints:
             expect_layout=expect,
             weights_only=weights_only,
             allow_config_change=self.allow_config_change,
+            zero_shards=zero_shards,
         )
 
     @staticmethod

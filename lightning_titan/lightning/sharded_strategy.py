@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_titan.lightning import supervisor
 from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpoints
+from lightning_titan.parallel.dp.zero import NO_SHARDS, ZeroShards
 from lightning_titan.parallel.mesh import check_launched_world
 
 
@@ -28,7 +29,11 @@ class ShardedStrategy(ParallelStrategy):
     (``ShardedCheckpoints``); the subclass says which layout a checkpoint records.
 
     ``allow_config_change``: model-config fields a resume may change (others must match the saved).
-    ``async_save``: write the checkpoints saved during training in the background."""
+    ``async_save``: write the checkpoints saved during training in the background.
+
+    ``zero_shards``: the ZeRO shards this rank's optimizers step in place of whole parameters, which
+    the checkpoints key by the parameters' global names. Empty until a subclass shards its optimizers
+    and sets it; it stays with them (a save after ``fit`` still needs it)."""
 
     def __init__(
         self, allow_config_change: list[str] | None = None, async_save: bool = False, **kwargs: Any
@@ -36,6 +41,7 @@ class ShardedStrategy(ParallelStrategy):
         super().__init__(**kwargs)
         self._num_nodes = 1
         self.checkpoints = ShardedCheckpoints(tuple(allow_config_change or ()), async_save)
+        self.zero_shards: ZeroShards = NO_SHARDS
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """The layout a checkpoint records (it loads under any)."""
@@ -128,14 +134,16 @@ class ShardedStrategy(ParallelStrategy):
                 f"{type(self).__name__} takes no storage_options (it writes DCP shards)"
             )
         path, layout = self.broadcast(str(filepath)), self.checkpoint_layout()
-        self.checkpoints.save(path, checkpoint, self.module, self.optimizers, layout)
+        optimizers, shards = self.optimizers, self.zero_shards
+        self.checkpoints.save(path, checkpoint, self.module, optimizers, layout, shards)
 
     @override
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))
-        return self.checkpoints.load(path, self.module, self.optimizers, weights_only)
+        optimizers, shards = self.optimizers, self.zero_shards
+        return self.checkpoints.load(path, self.module, optimizers, weights_only, shards)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -23,6 +23,7 @@ from lightning_titan.lightning.launchers import launcher_for
 from lightning_titan.lightning.layout import Layout
 from lightning_titan.lightning.sharded_strategy import ShardedStrategy
 from lightning_titan.lightning.workload import hardware, workload
+from lightning_titan.parallel.dp.zero import ZeroShards
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
@@ -249,6 +250,7 @@ class TitanStrategy(ShardedStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._engine.shard_optimizers(self.optimizers)
+            self.zero_shards = ZeroShards(self._engine.zero_groups)  # the checkpoints' keys
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -23,8 +23,9 @@ from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.sinks import AttentionSinks, sink_attention
 from lightning_titan.parallel.context_parallel import gather_keys
 from lightning_titan.parallel.tensor_parallel import (
+    TpCuts,
+    TpShard,
     gather_sequence,
-    mark_tp_shard,
     scatter_sequence,
     tp_size,
 )
@@ -71,7 +72,11 @@ class FullQKNorm(RMSNorm):
     ) -> None:
         super().__init__(local_dim, eps)
         self.full_dim, self.group = full_dim, group
-        mark_tp_shard(self, 0, full_dim, group)
+        self.tp_cut = TpShard(0, full_dim, group)
+
+    @property
+    def tp_cuts(self) -> TpCuts:  # tensor_parallel.CutsWeights (a property: no cycle through self)
+        return {self: self.tp_cut}
 
     def forward(self, x: Tensor) -> Tensor:
         h = x.float()
@@ -128,9 +133,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        self.tp_cuts: TpCuts = {}  # what TP cuts (tensor_parallel.CutsWeights)
         for column_parallel in (self.wq, self.wk, self.wv):  # a bias is cut with the rows
-            mark_tp_shard(column_parallel, 0, column_parallel.out_features * tp, tp_group)
-        mark_tp_shard(self.wo, 1, self.wo.in_features * tp, tp_group)  # row-parallel
+            self.tp_cuts[column_parallel] = TpShard(0, column_parallel.out_features * tp, tp_group)
+        self.tp_cuts[self.wo] = TpShard(1, self.wo.in_features * tp, tp_group)  # row-parallel
         if options.out_bias:  # added after the TP reduction (once), not by wo on every rank
             self.wo.bias = nn.Parameter(torch.zeros(d))
         self.sinks = (

@@ -3,7 +3,8 @@ rank owns, named globally so that any (pp, ep, tp) layout holds slices of the sa
 
 Under tensor parallelism (``tensor_parallel``) a rank also holds only its heads of each attention
 (q, k, v rows, o columns) and its rows of the embedding and the LM head (the vocabulary padded to a
-multiple of tp); ``tensor_parallel.TP_SHARD`` on a module says which dim of its ``weight`` is cut.
+multiple of tp); the module that cuts a weight says which dim in its ``tp_cuts``
+(``tensor_parallel.CutsWeights``).
 
 Block: ``x = x + attn(rmsnorm(x)); x = x + moe(rmsnorm(x))`` (+ a shared expert, Qwen2-MoE). The
 options of the pretrained families, read as the config's groups (``model/options.py``: attention,
@@ -34,8 +35,9 @@ from lightning_titan.parallel import context_parallel
 from lightning_titan.parallel.dispatch import ep_size
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.parallel.tensor_parallel import (
+    TpCuts,
+    TpShard,
     gather_sequence,
-    mark_tp_shard,
     padded_vocab,
     scatter_sequence,
     tp_shards,
@@ -199,10 +201,10 @@ class StageModel(nn.Module):
         self.vocab_start = self.tp_rank * vocab_rows
         self._rope_cache: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
 
+        self.tp_cuts: TpCuts = {}  # the vocabulary's rows (tensor_parallel.CutsWeights)
         if self.is_first_stage:
-            self.embed = mark_tp_shard(
-                nn.Embedding(vocab_rows, config.d_model), 0, config.vocab_size, tp_group
-            )
+            self.embed = nn.Embedding(vocab_rows, config.d_model)
+            self.tp_cuts[self.embed] = TpShard(0, config.vocab_size, tp_group)
         self.layers = nn.ModuleDict(
             {
                 str(i): Block(
@@ -221,9 +223,8 @@ class StageModel(nn.Module):
         )
         if self.is_last_stage:
             self.norm = RMSNorm(config.d_model, config.norm_eps)
-            self.lm_head = mark_tp_shard(
-                nn.Linear(config.d_model, vocab_rows, bias=False), 0, config.vocab_size, tp_group
-            )
+            self.lm_head = nn.Linear(config.d_model, vocab_rows, bias=False)
+            self.tp_cuts[self.lm_head] = TpShard(0, config.vocab_size, tp_group)
 
     def embeds(self, chunk: int) -> bool:
         """Whether chunk ``chunk`` starts with the embedding (takes token ids)."""
@@ -347,7 +348,7 @@ def grad_group_kinds(module: nn.Module) -> list[tuple[str, nn.Parameter, str]]:
     """(name, parameter, group kind) in ``module.parameters()`` order.
 
     Experts (``GroupedExperts``) are split by EP and copied on the TP ranks, which route their own
-    tokens: their grads sum over dp x tp. TP-sharded weights (``tensor_parallel.TP_SHARD``: attention,
+    tokens: their grads sum over dp x tp. TP-sharded weights (``tensor_parallel.tp_shards``: attention,
     embedding, LM head) are copied on the EP ranks: dp x ep. Everything else (norms, routers) runs in
     the sequence-parallel region, whole on every rank of a stage: dp x ep x tp.
     """

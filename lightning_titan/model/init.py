@@ -14,7 +14,7 @@ from lightning_titan.model.attention import RMSNorm
 from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.sinks import AttentionSinks
-from lightning_titan.parallel.tensor_parallel import local_slice, tp_shard
+from lightning_titan.parallel.tensor_parallel import local_slice, tp_cut_modules
 
 
 @torch.no_grad()
@@ -28,6 +28,7 @@ def init_weights(model: nn.Module, config: ModelConfig, seed: int, tp: tuple[int
     """
     std = config.init_std
     out_std = std / math.sqrt(2 * config.n_layers)
+    cuts = tp_cut_modules(model)
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         if isinstance(module, RMSNorm):
@@ -51,7 +52,7 @@ def init_weights(model: nn.Module, config: ModelConfig, seed: int, tp: tuple[int
             )
             if isinstance(bias := getattr(module, "bias", None), Tensor):
                 bias.zero_()
-            shard = tp_shard(module)
+            shard = cuts.get(module)
             shape = list(module.weight.shape)
             if shard is not None:
                 shape[shard.dim] = shard.full_size  # draw the whole tensor, keep the slice

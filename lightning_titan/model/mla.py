@@ -35,8 +35,9 @@ from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.yarn import softmax_scale_factor
 from lightning_titan.parallel.context_parallel import gather_keys
 from lightning_titan.parallel.tensor_parallel import (
+    TpCuts,
+    TpShard,
     gather_sequence,
-    mark_tp_shard,
     scatter_sequence,
     tp_size,
 )
@@ -77,9 +78,10 @@ class MLAttention(nn.Module):
         self.kv_a_norm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_dim, d, bias=False)
+        self.tp_cuts: TpCuts = {}  # what TP cuts (tensor_parallel.CutsWeights)
         for per_head_rows in (q_heads, self.kv_b_proj):
-            mark_tp_shard(per_head_rows, 0, per_head_rows.out_features * tp, tp_group)
-        mark_tp_shard(self.wo, 1, self.wo.in_features * tp, tp_group)
+            self.tp_cuts[per_head_rows] = TpShard(0, per_head_rows.out_features * tp, tp_group)
+        self.tp_cuts[self.wo] = TpShard(1, self.wo.in_features * tp, tp_group)
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if self.interleave:

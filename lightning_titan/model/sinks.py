@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_titan.parallel.tensor_parallel import mark_tp_shard
+from lightning_titan.parallel.tensor_parallel import TpCuts, TpShard
 
 
 class AttentionSinks(nn.Module):
@@ -26,7 +26,11 @@ class AttentionSinks(nn.Module):
     def __init__(self, n_local_heads: int, n_heads: int, group: ProcessGroup | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(n_local_heads))
-        mark_tp_shard(self, 0, n_heads, group)
+        self.tp_cut = TpShard(0, n_heads, group)
+
+    @property
+    def tp_cuts(self) -> TpCuts:  # tensor_parallel.CutsWeights (a property: no cycle through self)
+        return {self: self.tp_cut}
 
 
 def attend_mask(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:

@@ -30,9 +30,6 @@ from typing import Any, TypeVar
 A = TypeVar("A")
 B = TypeVar("B")
 
-_baton: _Baton | None = None  # set while a pair runs
-handovers = 0  # every hand-over so far (the tests' witness that a pair interleaved)
-
 
 class _Baton:
     """Which half computes: "forward" (the caller's thread) or "backward" (any other: the helper,
@@ -46,18 +43,18 @@ class _Baton:
         # never holds more than it held when it started, or holds when it ends (plus a sub-step)
         self.holder = "backward"
         self.running = {"forward", "backward"}
+        self.handovers = 0
 
     def _role(self) -> str:
         return "forward" if threading.get_ident() == self.caller else "backward"
 
     def hand_over(self) -> None:
-        global handovers
         me = self._role()
         other = "backward" if me == "forward" else "forward"
         with self.cond:
             if other not in self.running:  # the other half is done: go on alone
                 return
-            self.holder, handovers = other, handovers + 1
+            self.holder, self.handovers = other, self.handovers + 1
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.holder == me)
 
@@ -74,20 +71,48 @@ class _Baton:
             self.cond.notify_all()
 
 
+class _Pairs:
+    """The pair running in this process and the hand-overs of those that ran: ``run_pair`` writes
+    them, ``hand_over`` and ``handovers`` read them. Process-wide, because the exchanges that hand
+    over run deep inside a forward or a backward, on whatever thread autograd picks, and cannot be
+    handed the pair."""
+
+    def __init__(self) -> None:
+        self.running: _Baton | None = None  # at most one: pairs do not nest
+        self.handovers = 0
+
+    def start(self) -> _Baton:
+        if self.running is not None:
+            raise RuntimeError("run_pair inside a running pair: pairs do not nest")
+        self.running = _Baton()
+        return self.running
+
+    def end(self, baton: _Baton) -> None:
+        self.running = None
+        self.handovers += baton.handovers
+
+
+_pairs = _Pairs()
+
+
 def hand_over() -> None:
     """Let the other half of a running pair compute (an exchange was just started); a no-op outside
     a pair, or once the other half has finished."""
-    baton = _baton
+    baton = _pairs.running
     if baton is not None:
         baton.hand_over()
+
+
+def handovers() -> int:
+    """Hand-overs in this process so far, of every pair that ran to its end: a caller's witness that
+    its pairs interleaved (read it before and after)."""
+    return _pairs.handovers
 
 
 def run_pair(forward: Callable[[], A], backward: Callable[[], B]) -> tuple[A, B]:
     """``(forward(), backward())``, interleaved at their exchanges (module doc). An error in either
     is raised here once both have stopped."""
-    global _baton
-    if _baton is not None:
-        raise RuntimeError("run_pair inside a running pair: pairs do not nest")
+    baton = _pairs.start()
     result: dict[str, Any] = {}
 
     def helper() -> None:
@@ -99,8 +124,6 @@ def run_pair(forward: Callable[[], A], backward: Callable[[], B]) -> tuple[A, B]
         finally:
             baton.leave()
 
-    baton = _Baton()
-    _baton = baton
     thread = threading.Thread(target=helper, name="titan-backward", daemon=True)
     thread.start()
     try:
@@ -109,7 +132,7 @@ def run_pair(forward: Callable[[], A], backward: Callable[[], B]) -> tuple[A, B]
     finally:
         baton.leave()  # the backward finishes alone (an error here: it ends before we raise)
         thread.join()
-        _baton = None
+        _pairs.end(baton)
     if "error" in result:
         raise result["error"]
     return y, result["backward"]

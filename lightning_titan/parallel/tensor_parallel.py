@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,6 @@ from lightning_titan.parallel.collectives import reduce_scatter
 from lightning_titan.parallel.mesh import group_mesh
 from lightning_titan.parallel.wire import wire_dtype
 from lightning_titan.runtime import probes
-
-TP_SHARD = "_titan_tp_shard"
-M = TypeVar("M", bound=nn.Module)
 
 
 @dataclass(frozen=True)
@@ -56,9 +53,20 @@ class TpShard:
         return tp_rank(self.group)
 
 
-def mark_tp_shard(module: M, dim: int, full_size: int, group: ProcessGroup | None) -> M:
-    setattr(module, TP_SHARD, TpShard(dim, full_size, group))
-    return module
+# what a module that cuts weights declares (CutsWeights): each module it cut (one it holds, or
+# itself) -> which dim of that module's weight is cut
+TpCuts = dict[nn.Module, TpShard]
+
+
+@runtime_checkable
+class CutsWeights(Protocol):
+    """A module that cuts weights over the TP group when it is built declares each as its own:
+    ``tp_cuts[m]`` says which dim of module ``m``'s ``weight`` is cut (``m``: a module it holds,
+    e.g. attention's ``wq``, or itself). So the model holds these facts, where ``tp_shards`` reads
+    them, and no tensor or module has them hung on it from outside."""
+
+    @property
+    def tp_cuts(self) -> TpCuts: ...
 
 
 def as_global(local: Tensor, shard: TpShard) -> Tensor:
@@ -80,19 +88,24 @@ def as_global(local: Tensor, shard: TpShard) -> Tensor:
     )
 
 
-def tp_shard(module: nn.Module) -> TpShard | None:
-    return getattr(module, TP_SHARD, None)
+def tp_cut_modules(module: nn.Module) -> TpCuts:
+    """Every module under ``module`` (itself included) whose ``weight`` TP cuts, and its cut, as the
+    modules that cut them declared (``CutsWeights``)."""
+    cuts: TpCuts = {}
+    for owner in module.modules():
+        if isinstance(owner, CutsWeights):
+            cuts.update(owner.tp_cuts)
+    return cuts
 
 
 def tp_shards(module: nn.Module) -> dict[int, TpShard]:
     """``id(weight) -> TpShard`` for every TP-cut weight under ``module``, and for the bias of a
     column-parallel (dim 0) one, which is cut with its rows (Qwen2-MoE's q/k/v biases)."""
     out = {}
-    for m in module.modules():
-        if (s := tp_shard(m)) is not None:
-            out[id(m.weight)] = s
-            if s.dim == 0 and isinstance(getattr(m, "bias", None), Tensor):
-                out[id(m.bias)] = s
+    for m, s in tp_cut_modules(module).items():
+        out[id(m.weight)] = s
+        if s.dim == 0 and isinstance(getattr(m, "bias", None), Tensor):
+            out[id(m.bias)] = s
     return out
 
 

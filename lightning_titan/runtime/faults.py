@@ -16,8 +16,9 @@ injection point of that phase in that step. Actions:
 - ``nan`` / ``inf``: poison the phase's tensor (stage output, backward objective, all-to-all payload).
 
 The variable is read once, when this module is imported (by the strategy); a fault installs itself at
-``lightning_titan.runtime.probes``, the injection points' seam. Unset, nothing is installed; nor in
-a restarted job (``launch.restart_count``), so that a test sees the restart run clean.
+``lightning_titan.runtime.probes`` (``probes.install``), the injection points' seam. Unset, nothing
+is installed; nor in a restarted job (``launch.restart_count``), so that a test sees the restart run
+clean.
 """
 
 from __future__ import annotations
@@ -150,5 +151,5 @@ def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
     return tensor * torch.tensor(value, dtype=tensor.dtype, device=tensor.device)
 
 
-if _fault is not None:
-    probes.faulter = _fire
+if _fault is not None:  # for the process's life (a restarted job's ranks are new processes)
+    probes.install(faulter=_fire)

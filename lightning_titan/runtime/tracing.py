@@ -6,9 +6,10 @@
     spans = tracing.stop()        # ... and hands back what it recorded
 
 Recording is off unless ``start`` was called in this process; it reaches the instrumented code through
-``lightning_titan.runtime.probes`` (a shared no-op context otherwise: a function call and a global read). The recorder is
-process-wide (like ``torch.profiler``), not passed around, because the spans come from deep inside the
-stage, the reducer hooks and the MoE dispatch, which run on whatever thread autograd picks.
+``lightning_titan.runtime.probes`` (``probes.install``; a shared no-op context otherwise: a function
+call and a global read). The recorder is process-wide (like ``torch.profiler``), not passed around,
+because the spans come from deep inside the stage, the reducer hooks and the MoE dispatch, which run
+on whatever thread autograd picks.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class _Recorder:
             self.anchor = _new_cuda_event()
             self.anchor.record()
             self.anchor_ns = time.perf_counter_ns()
+        self.installed = probes.install(tracer=self.open)  # records from here until stop()
 
     def resolve(self) -> None:
         """Give the spans timed by events their times on the host clock (waits for the GPU once)."""
@@ -80,8 +82,12 @@ class _Recorder:
             span.end_ns = self.anchor_ns + round(self.anchor.elapsed_time(end) * 1e6)
         self.pending.clear()
 
+    def open(self, kind: str, name: str, args: dict) -> _Open:
+        """A span about to be entered (the tracer this recorder installs at ``probes``)."""
+        return _Open(self, kind, name, args)
 
-_recorder: _Recorder | None = None
+
+_recorder: _Recorder | None = None  # start()'s, until stop(): this module writes and reads it
 
 
 class _Open:
@@ -127,17 +133,16 @@ def start(rank: int, *, step: int = 0, synchronize: bool = False) -> None:
     global _recorder
     if _recorder is not None:
         raise RuntimeError("tracing.start() called while already recording; call stop() first")
-    rec = _recorder = _Recorder(rank, step, synchronize)
-    probes.tracer = lambda kind, name, args: _Open(rec, kind, name, args)
+    _recorder = _Recorder(rank, step, synchronize)
 
 
 def stop() -> list[Span]:
     """Stop recording and return the spans recorded since ``start`` (empty if not recording)."""
     global _recorder
     rec, _recorder = _recorder, None
-    probes.tracer = None
     if rec is None:
         return []
+    rec.installed.remove()
     rec.resolve()
     return rec.spans
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_titan.parallel.dp.reducer import GradReducer
 from lightning_titan.parallel.dp.zero_grads import grad_of
 from lightning_titan.parallel.mesh import ParallelDims
 
@@ -20,10 +22,16 @@ ACTIONS = ("raise", "skip")
 
 
 def nonfinite_message(
-    module: nn.Module, dims: ParallelDims, step: int, norm: float, loss: float | None
+    module: nn.Module,
+    dims: ParallelDims,
+    step: int,
+    norm: float,
+    loss: float | None,
+    reducers: Sequence[GradReducer],
 ) -> str:
-    """Where the non-finite values are: one gather of every rank's verdict on its own grads."""
-    grads = ((n, grad_of(p)) for n, p in module.named_parameters())  # zero=2: this rank's rows
+    """Where the non-finite values are: one gather of every rank's verdict on its own grads
+    (``reducers``: the engine's; under zero=2 they hold this rank's rows of the grads they cut)."""
+    grads = ((n, grad_of(p, reducers)) for n, p in module.named_parameters())
     first_bad = next((n for n, g in grads if g is not None and not torch.isfinite(g).all()), None)
     verdicts: list[Any] = [(dims.pp_rank, first_bad)]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -46,7 +54,12 @@ def nonfinite_message(
 
 
 def check_finite(
-    module: nn.Module, dims: ParallelDims, step: int, norm_and_loss: list[float], action: str
+    module: nn.Module,
+    dims: ParallelDims,
+    step: int,
+    norm_and_loss: list[float],
+    action: str,
+    reducers: Sequence[GradReducer],
 ) -> bool:
     """True when the step's gradient norm and loss are finite. Otherwise raise FloatingPointError
     naming where it began (``action="raise"``), or drop every gradient so that the optimizer step
@@ -54,7 +67,7 @@ def check_finite(
     if all(math.isfinite(v) for v in norm_and_loss):
         return True
     norm, *loss = norm_and_loss
-    message = nonfinite_message(module, dims, step, norm, loss[0] if loss else None)
+    message = nonfinite_message(module, dims, step, norm, loss[0] if loss else None, reducers)
     if action == "raise":
         raise FloatingPointError(
             f"{message}; no optimizer step was taken. Lower the learning rate, set "

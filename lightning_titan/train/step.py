@@ -171,7 +171,9 @@ class TrainStep:
         *values, stop_signal = torch.stack([t.double() for t in [norm, *given, stop()]]).tolist()
         norm_value, *rest = values
         loss_value, aux, dropped = rest if rest else (math.nan, math.nan, 0.0)
-        finite = check_finite(engine.module, engine.dims, index, values[:2], self.on_nonfinite)
+        finite = check_finite(
+            engine.module, engine.dims, index, values[:2], self.on_nonfinite, engine.reducers
+        )
         self.skipped += not finite
         return StepResult(loss_value, aux, norm_value, dropped, finite, int(stop_signal))
 

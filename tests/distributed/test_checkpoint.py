@@ -36,7 +36,7 @@ from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_
 from lightning_titan.parallel.dp import zero
 from lightning_titan.parallel.mesh import ParallelDims, build_process_groups
 from lightning_titan.parallel.pipeline.split import StageSplit
-from lightning_titan.parallel.tensor_parallel import tp_shard
+from lightning_titan.parallel.tensor_parallel import tp_cut_modules
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.engine import Engine
 
@@ -130,7 +130,9 @@ def snapshot(
     return out
 
 
-def shard_rows(model: StageModel, optimizer: torch.optim.Optimizer) -> list[tuple]:
+def shard_rows(
+    model: StageModel, optimizer: torch.optim.Optimizer, shards: zero.ZeroShards
+) -> list[tuple]:
     """This rank's ZeRO shards of optimizer state: (name, global expert or None, state, dim cut,
     first row, rows); an expert tensor's rows are of one expert's slice. Whole tensors are left out."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -138,7 +140,7 @@ def shard_rows(model: StageModel, optimizer: torch.optim.Optimizer) -> list[tupl
     start = model.expert_range[0]
     out = []
     for leaf in (p for g in optimizer.param_groups for p in g["params"]):
-        shard = zero.shard_of(leaf)
+        shard = shards.of_leaf(leaf)
         if shard is None:
             continue
         for k, v in optimizer.state[leaf].items():
@@ -166,11 +168,16 @@ def _caught(fn, *args, **kwargs) -> tuple[str, str] | None:
 
 
 def save_in_background(
-    saves: BackgroundSaves, path: Path, model: nn.Module, opt: torch.optim.Optimizer, layout: dict
+    saves: BackgroundSaves,
+    path: Path,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    layout: dict,
+    shards: zero.ZeroShards = zero.NO_SHARDS,
 ) -> None:
     """``save_sharded`` written in the background while training scribbles over every parameter and
     optimizer-state tensor (put back after): the checkpoint must hold the state of the call."""
-    save_sharded(path, model, [opt], META, layout=layout, background=saves)
+    save_sharded(path, model, [opt], META, layout=layout, background=saves, zero_shards=shards)
     live = [p for p in model.parameters()]
     live += [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
     kept = [t.detach().clone() for t in live]
@@ -217,10 +224,11 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
         model, opt = build(dims, seed=2, lr=0.5)
         engine = Engine(model, dims, build_process_groups(dims), zero=level)
         engine.shard_optimizers([opt])
-        load_sharded(ckpt, model, [opt])
-        rows = shard_rows(model, opt)
+        shards = zero.ZeroShards(engine.zero_groups)
+        load_sharded(ckpt, model, [opt], zero_shards=shards)
+        rows = shard_rows(model, opt, shards)
         # in the background: ZeRO's rows as DTensors over the data-parallel group
-        save_in_background(saves, root_path / "zero.ckpt", model, opt, {"zero": level})
+        save_in_background(saves, root_path / "zero.ckpt", model, opt, {"zero": level}, shards)
         engine.remove()
         whole, whole_opt = build(None, seed=5)
         load_sharded(root_path / "zero.ckpt", whole, [whole_opt])
@@ -235,13 +243,15 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
         model, opt = build(dims, seed=2, lr=0.5, tp_group=groups.tp)
         engine = Engine(model, dims, groups, zero=level)
         engine.shard_optimizers([opt])
-        load_sharded(source, model, [opt])
-        cut = {n: tp_shard(m).dim for n, m in model.named_modules() if tp_shard(m) is not None}
+        shards = zero.ZeroShards(engine.zero_groups)
+        load_sharded(source, model, [opt], zero_shards=shards)
+        cuts = tp_cut_modules(model)
+        cut = {n: cuts[m].dim for n, m in model.named_modules() if m in cuts}
         source = root_path / f"tp{layout[3]}_zero{level}.ckpt"
         # in the background: TP-cut weights as DTensors of the full shape, and (tp, zero) blocks
-        save_in_background(saves, source, model, opt, {"tp": layout[3], "zero": level})
+        save_in_background(saves, source, model, opt, {"tp": layout[3], "zero": level}, shards)
         engine.remove()
-        tp_rows = (shard_rows(model, opt), cut, dims.tp_rank)
+        tp_rows = (shard_rows(model, opt, shards), cut, dims.tp_rank)
         result["tp"][layout] = (snapshot(model, opt), cut, dims.tp_rank, tp_rows)
     whole, whole_opt = build(None, seed=5)
     load_sharded(source, whole, [whole_opt])

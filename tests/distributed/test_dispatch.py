@@ -279,7 +279,7 @@ def _check_pair(group: dist.ProcessGroup, rank: int) -> None:
         first, second = (x.clone().requires_grad_() for x in xs)
         out1, aux1 = layer(first, shared)
         loss1 = out1.square().sum() + aux1.sum()
-        before = overlap.handovers
+        before = overlap.handovers()
         tracing.start(rank)
         if paired:
             (out2, aux2), _ = overlap.run_pair(lambda s=second: layer(s, shared), loss1.backward)
@@ -288,7 +288,7 @@ def _check_pair(group: dist.ProcessGroup, rank: int) -> None:
             loss1.backward()
         spans = [s for s in tracing.stop() if s.kind == "in_flight"]
         if paired:
-            assert overlap.handovers - before >= 4, overlap.handovers - before
+            assert overlap.handovers() - before >= 4, overlap.handovers() - before
             fwd = [s for s in spans if not s.name.endswith("_grad")]
             bwd = [s for s in spans if s.name.endswith("_grad")]
             assert len(fwd) == 3 and len(bwd) == 2 and len({s.thread for s in fwd + bwd}) == 2

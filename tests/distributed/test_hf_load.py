@@ -23,7 +23,7 @@ from lightning_titan.hf.export import export_hf, hf_mixtral_state_dict, load_ful
 from lightning_titan.lightning.module import TitanLM
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
-from lightning_titan.parallel.tensor_parallel import local_slice, tp_shard
+from lightning_titan.parallel.tensor_parallel import local_slice, tp_cut_modules
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.engine import Engine
 
@@ -138,7 +138,8 @@ def _load_on_ranks(rank: int, world_size: int, folder: str, layout: tuple) -> di
     loss_fn = model.token_loss_sum if dims.tp > 1 else token_loss_sum
     step = engine.forward_only(model, tokens[rows, :-1], tokens[rows, 1:], 2, loss_fn)
     engine.remove()
-    cut = {f"{n}.weight": tp_shard(m).dim for n, m in model.named_modules() if tp_shard(m)}
+    cuts = tp_cut_modules(model)
+    cut = {f"{n}.weight": cuts[m].dim for n, m in model.named_modules() if m in cuts}
     return {
         "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
         "expert_range": model.expert_range,

@@ -318,7 +318,8 @@ def _check_zero2_nonfinite_diagnosis(rank: int, params: list[nn.Parameter], redu
     scalar = ZERO2_SHAPES.index(())
     assert all(p.grad is None for i, p in enumerate(params) if i != scalar), "cut: rows only"
     module = nn.ParameterList(params)
-    message = nonfinite_message(module, ParallelDims(WORLD, 1, 1, rank), 3, math.inf, None)
+    dims = ParallelDims(WORLD, 1, 1, rank)
+    message = nonfinite_message(module, dims, 3, math.inf, None, reducers=[reducer])
     assert "non-finite gradients on stage(s) pp_rank=[0]" in message, message
     assert "e.g. '0' on rank 0" in message, message
 

@@ -206,7 +206,7 @@ def train(
     optimizer.register_step_pre_hook(before_update)
     optimizer.register_step_post_hook(after_update)
     b = batch // dims.data_world
-    handovers = overlap.handovers
+    handovers = overlap.handovers()
     losses, auxes, norms, dropped = [], [], [], []
     # compiled: the model's own loss, a compiled region, as TitanLM runs it (the eager runs check
     # the vocab-parallel one against the plain one)
@@ -254,7 +254,7 @@ def train(
         "sends_in_flight": 0 if stream is None else stream.most_live_sends,
         "graphs": graphs_after_first - graphs_at_start,  # those the first step compiled
         "recompiled": recompiled,
-        "handovers": overlap.handovers - handovers,  # an overlapped pair's switches (overlap.py)
+        "handovers": overlap.handovers() - handovers,  # an overlapped pair's switches (overlap.py)
         **record(model, dims),
     }
 

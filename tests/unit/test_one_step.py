@@ -26,7 +26,9 @@ def calls_of_step_parts(path: Path) -> list[str]:
 
 
 def test_only_the_training_step_calls_the_parts_of_a_step():
-    sources = [p for d in ("lightning_titan", "tests", "examples") for p in (ROOT / d).rglob("*.py")]
+    sources = [
+        p for d in ("lightning_titan", "tests", "examples") for p in (ROOT / d).rglob("*.py")
+    ]
     assert HOME in sources
     found = {p: calls_of_step_parts(p) for p in sources}
     assert sorted(c.split(" ")[1] for c in found.pop(HOME)) == sorted(STEP_PARTS)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,6 @@ from lightning_titan.parallel.tensor_parallel import TpShard, real_size
 from lightning_titan.runtime import probes
 
 LEVELS = (0, 1, 2)
-ATTR = "_titan_zero_shard"  # on a shard's leaf tensor: its ZeroShard (checkpoint keys need it)
 
 
 def owned_rows(size: int, n: int, q: int) -> tuple[int, int]:
@@ -126,9 +125,7 @@ class ZeroGroup:
                 continue
             start, stop = owned_rows(p.shape[dim], self.n, self.q)
             leaf = nn.Parameter(p.detach().narrow(dim, start, stop - start))
-            shard = ZeroShard(p, dim, start, stop, leaf, group, self.n, tp=tp)
-            setattr(leaf, ATTR, shard)
-            self.shards[id(p)] = shard
+            self.shards[id(p)] = ZeroShard(p, dim, start, stop, leaf, group, self.n, tp=tp)
         sharded = [s.param for s in self.shards.values()]
         self.buckets = [
             _GatherBucket([self.shards[id(sharded[i])] for i in indices], self.n, self.q)
@@ -233,11 +230,11 @@ def shard_optimizer(optimizer: Optimizer, groups: Sequence[ZeroGroup]) -> None:
         raise RuntimeError(
             "zero>0 shards an optimizer before its first step; this one already has state"
         )
-    shards = {pid: s for g in groups for pid, s in g.shards.items()}
+    shards = ZeroShards(groups)
     for param_group in optimizer.param_groups:
         leaves = []
         for p in param_group["params"]:
-            shard = shards.get(id(p))
+            shard = shards.of_param(p)
             if shard is None:
                 leaves.append(p)
             elif shard.stop > shard.start:  # a rank past the last row holds nothing of it
@@ -329,12 +326,35 @@ def tp_zero_mesh(
     )
 
 
-def shard_of(tensor: Tensor) -> ZeroShard | None:
-    """The ZeroShard a tensor in an optimizer stands for, None for a whole parameter."""
-    return getattr(tensor, ATTR, None)
+class ZeroShards:
+    """This rank's ZeRO shards, found by the model parameter they cut or by the leaf an optimizer steps
+    in its place: the table a checkpoint needs to key a sharded optimizer's state by the parameter's
+    global name (``checkpoint/state.py``). The ``ZeroGroup``s own the shards; whoever owns those
+    (the engine, and the strategy for as long as its optimizers hold the leaves) hands this table to
+    the reader, rather than the shards riding on the tensors. Empty: no parameter is sharded (zero=0).
+
+    Keyed by ``id``: every shard holds its parameter and its leaf, so the ids stay theirs while the
+    table lives."""
+
+    def __init__(self, groups: Iterable[ZeroGroup] = ()) -> None:
+        self._by_param = {pid: s for g in groups for pid, s in g.shards.items()}
+        self._by_leaf = {id(s.leaf): s for s in self._by_param.values()}
+
+    def __len__(self) -> int:
+        return len(self._by_param)
+
+    def of_param(self, param: Tensor) -> ZeroShard | None:
+        """The shard of model parameter ``param`` on this rank, None where it is kept whole."""
+        return self._by_param.get(id(param))
+
+    def of_leaf(self, tensor: Tensor) -> ZeroShard | None:
+        """The shard an optimizer's ``tensor`` stands for, None for a whole parameter."""
+        return self._by_leaf.get(id(tensor))
+
+    def full_param(self, tensor: Tensor) -> Tensor:
+        """The model parameter an optimizer's tensor belongs to (itself unless it is a shard's leaf)."""
+        shard = self.of_leaf(tensor)
+        return tensor if shard is None else shard.param
 
 
-def full_param(tensor: Tensor) -> Tensor:
-    """The model parameter an optimizer's tensor belongs to (itself unless it is a shard)."""
-    shard = shard_of(tensor)
-    return tensor if shard is None else shard.param
+NO_SHARDS = ZeroShards()  # zero=0: every optimizer tensor is a whole parameter (nothing mutates it)

@@ -42,15 +42,6 @@ from lightning_titan.parallel.dp.zero import ZeroGroup, ZeroShard
 from lightning_titan.parallel.mesh import ProcessGroups
 from lightning_titan.runtime import probes
 
-ATTR = "_titan_zero_grad_rows"  # on a parameter whose grad a ShardedGradReducer cuts: its ZeroShard
-
-
-def grad_of(param: Tensor) -> Tensor | None:
-    """The grad this rank holds of ``param``: ``param.grad``, or under ZeRO-2 its reduced rows (what a
-    non-finite diagnosis reads)."""
-    shard: ZeroShard | None = getattr(param, ATTR, None)
-    return param.grad if param.grad is not None or shard is None else shard.leaf.grad
-
 
 @dataclass
 class _ShardBucket(_Bucket):
@@ -94,15 +85,12 @@ class ShardedGradReducer(GradReducer):
         super().__init__(
             params, zero_group.group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=mode
         )
-        for shard in zero_group.shards.values():
-            setattr(shard.param, ATTR, shard)
         self._borrower: dict[torch.dtype, _Bucket] = {}  # the bucket whose input is the kept buffer
 
-    def remove(self) -> None:
-        super().remove()
-        for shard in self.zero_group.shards.values():
-            if getattr(shard.param, ATTR, None) is shard:
-                delattr(shard.param, ATTR)
+    def rows_of(self, param: Tensor) -> ZeroShard | None:
+        """The shard whose rows this reducer leaves of ``param``'s grad (None: kept whole, or not
+        one of its parameters); after ``finish()`` they are the grad of the shard's leaf."""
+        return self.zero_group.shards.get(id(param))
 
     def _make_bucket(self, params: list[nn.Parameter]) -> _Bucket:
         layout, total = [], 0
@@ -183,6 +171,18 @@ class ShardedGradReducer(GradReducer):
                     out[offset : offset + numel].view(shard.leaf.shape) if has_grad else None
                 )
         return flags[-2:]
+
+
+def grad_of(param: Tensor, reducers: Sequence[GradReducer]) -> Tensor | None:
+    """The grad this rank holds of ``param``: ``param.grad``, or where one of ``reducers`` (the
+    engine's) cuts it, ZeRO-2's reduced rows (what a non-finite diagnosis reads)."""
+    if param.grad is not None:
+        return param.grad
+    for r in reducers:
+        shard = r.rows_of(param) if isinstance(r, ShardedGradReducer) else None
+        if shard is not None:
+            return shard.leaf.grad
+    return None
 
 
 def clip_shard_grads_(

@@ -16,7 +16,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_titan.model.decoder import split_expert_parameters
-from lightning_titan.parallel.dp import zero
 from lightning_titan.parallel.tensor_parallel import tp_shards
 from lightning_titan.plan.memory import PARTS
 
@@ -29,7 +28,7 @@ def _nbytes(tensors: Iterable[Tensor]) -> int:
 
 def tp_cut_bytes(model: nn.Module) -> int:
     """Parameter bytes of the weights tensor parallelism cuts (attention q/k/v/o, embedding, LM
-    head: ``tensor_parallel.TP_SHARD``), as this rank holds them; the rest of the non-expert
+    head: ``tensor_parallel.tp_shards``), as this rank holds them; the rest of the non-expert
     parameters (norms, routers) is whole on every TP rank."""
     cut = tp_shards(model)
     return _nbytes(p for p in model.parameters() if id(p) in cut)
@@ -41,10 +40,12 @@ def state_bytes(
     """Bytes of parameters, grads (as allocated at the step: one per parameter, or ``grad_bytes`` by
     parameter id where a rank keeps less: ZeRO-2's rows) and optimizer state, split into expert and
     non-expert parts. Under ZeRO the optimizer holds shards of the parameters: their state counts for
-    the parameter they are cut from."""
+    the parameter they are cut from, which a shard's leaf, a view of its rows, shares its storage with
+    (so the caller need not hand over the engine's shard table)."""
     optimizer = local_optimizer(optimizer)
     expert, _ = split_expert_parameters(model)
     expert_ids = {id(p) for _, p in expert}
+    expert_storage = {p.untyped_storage().data_ptr() for _, p in expert}
     out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
     for p in model.parameters():
         part = "expert" if id(p) in expert_ids else "non_expert"
@@ -52,7 +53,8 @@ def state_bytes(
         out[f"{part}_grads"] += (grad_bytes or {}).get(id(p), _nbytes([p]))
     for group in optimizer.param_groups:
         for leaf in group["params"]:
-            part = "expert" if id(zero.full_param(leaf)) in expert_ids else "non_expert"
+            is_expert = leaf.untyped_storage().data_ptr() in expert_storage
+            part = "expert" if is_expert else "non_expert"
             state = optimizer.state.get(leaf, {}).values()
             out[f"{part}_optimizer"] += _nbytes(
                 t for t in state if isinstance(t, Tensor) and t.dim()
