@@ -21,6 +21,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# the step's update, as train/step.py writes it (a mutant moves its ZeRO gather)
+STEP_ORDER = """\
+        if optimizer_step is None:
+            backward_and_finish()
+            with probes.span("optimizer", "optimizer.step"):
+                self.optimizer.step()
+        else:  # the update comes after the closure inside (no span of its own here)
+            optimizer_step(backward_and_finish)
+        result, counts = finished[0]
+        # zero > 0: each rank updated its own rows, which every rank now gathers
+        self.engine.gather_params()
+"""
+
 # name: (file, old, new, pytest arguments)
 MUTATIONS = {
     # compile under a B/W split schedule keeps the compiled backwards' buffers donated
@@ -114,8 +127,11 @@ MUTATIONS = {
     # the step's order: ZeRO's gather before the optimizer step (the update's rows never reach the
     # other ranks), caught by the equivalence suite, which runs the step users run
     "step_gather_before_update": ("lightning_titan/train/step.py",
-                                  "            backward_and_finish()\n",
-                                  "            backward_and_finish()\n            self.engine.gather_params()\n",
+                                  STEP_ORDER,
+                                  STEP_ORDER.replace("        self.engine.gather_params()\n", "").replace(
+                                      "backward_and_finish()\n            with",
+                                      "backward_and_finish()\n            self.engine.gather_params()\n"
+                                      "            with"),
                                   ["tests/distributed/test_equivalence.py", "-k", "2]"]),
     # ZeRO-1: the gather puts each rank's updated rows in another rank's place (engine layouts)
     "zero_gather_misplaced": ("lightning_titan/parallel/dp/zero.py",

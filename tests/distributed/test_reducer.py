@@ -12,7 +12,6 @@ import torch.distributed as dist
 from host_reads import HostToDevice
 from torch import nn
 
-from lightning_titan.lightning.failures import nonfinite_message
 from lightning_titan.parallel import collectives
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
 from lightning_titan.parallel.dp.reducer import GradReducer, assign_buckets
@@ -20,6 +19,7 @@ from lightning_titan.parallel.dp.zero import ZeroGroup
 from lightning_titan.parallel.dp.zero_grads import ShardedGradReducer, clip_shard_grads_
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.runtime.launch import run_on_ranks
+from lightning_titan.train.nonfinite import nonfinite_message
 
 WORLD = 4
 # Small fp32 params plus one fp64 one, so buckets also split by dtype. Bytes: 12 32 20 64 4 24 | 24.

@@ -26,6 +26,11 @@ def _nbytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
+def _storage(t: Tensor) -> int:
+    """The address of a tensor's storage; a DTensor's is its local shard's (it has none itself)."""
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+
+
 def tp_cut_bytes(model: nn.Module) -> int:
     """Parameter bytes of the weights tensor parallelism cuts (attention q/k/v/o, embedding, LM
     head: ``tensor_parallel.tp_shards``), as this rank holds them; the rest of the non-expert
@@ -45,7 +50,7 @@ def state_bytes(
     optimizer = local_optimizer(optimizer)
     expert, _ = split_expert_parameters(model)
     expert_ids = {id(p) for _, p in expert}
-    expert_storage = {p.untyped_storage().data_ptr() for _, p in expert}
+    expert_storage = {_storage(p) for _, p in expert}
     out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
     for p in model.parameters():
         part = "expert" if id(p) in expert_ids else "non_expert"
@@ -53,7 +58,7 @@ def state_bytes(
         out[f"{part}_grads"] += (grad_bytes or {}).get(id(p), _nbytes([p]))
     for group in optimizer.param_groups:
         for leaf in group["params"]:
-            is_expert = leaf.untyped_storage().data_ptr() in expert_storage
+            is_expert = _storage(leaf) in expert_storage
             part = "expert" if is_expert else "non_expert"
             state = optimizer.state.get(leaf, {}).values()
             out[f"{part}_optimizer"] += _nbytes(
