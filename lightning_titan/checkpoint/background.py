@@ -10,6 +10,10 @@ raise its error on every rank (the write agrees on errors as a synchronous save 
 - The thread's collectives run over a gloo group of their own (as torchtitan's async mode does), so
   they never interleave with training's collectives on the same communicator.
 - The host copies are kept and reused by the next save (on CUDA pinned, so the copy is one DMA).
+  They stay host tensors: a DTensor is rebuilt around its host shard with the same mesh and
+  placements (``DTensor.from_local`` would move it back to the mesh's device). The copies run on the
+  training stream without blocking it; the writer waits for an event recorded after them, on its
+  own device, set once (``devices.py``).
 - Removing an older checkpoint (ModelCheckpoint's top-k) waits for the save in flight and is
   dropped if that save fails: a failed save never leaves fewer checkpoints than there were.
 """
@@ -23,6 +27,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +37,26 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_titan.checkpoint import files
+from lightning_titan.checkpoint.devices import DeviceHooks, Fence, hooks_for
 from lightning_titan.runtime.agreement import distributed
 
 
-class BackgroundSaves:
-    """The save in flight (at most one), its host buffers, and the removals waiting for it."""
+@dataclass(frozen=True)
+class Staged:
+    """A save's state in host memory, and the fence its copies are complete after."""
 
-    def __init__(self) -> None:
+    state: dict[str, Any]
+    fence: Fence
+
+
+class BackgroundSaves:
+    """The save in flight (at most one), its host buffers, and the removals waiting for it.
+
+    ``hooks``: the writer's device and fence (``devices.py``); None: CUDA hooks on the device of the
+    first saved CUDA tensor, CPU hooks if there is none. Tests inject fakes here."""
+
+    def __init__(self, hooks: DeviceHooks | None = None) -> None:
+        self._hooks = hooks
         # one writer thread for the job, started by the first save: starting a thread per save
         # blocks the caller until the new thread first runs (tens of ms on busy cores)
         self._thread: threading.Thread | None = None
@@ -59,39 +77,34 @@ class BackgroundSaves:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` with every tensor copied to host memory (a DTensor keeps its placement, so DCP
-        writes the same shards); non-tensor values deep-copied. Buffers of the last save are reused."""
+    def stage(self, state: dict[str, Any]) -> Staged:
+        """``state`` with every tensor copied to host memory (a DTensor keeps its mesh and placements,
+        so DCP writes the same shards); non-tensor values deep-copied. Buffers of the last save are
+        reused. The copies are queued on the training stream; ``Staged.fence`` says when they are done."""
+        if self._hooks is None:
+            self._hooks = hooks_for(v for v in state.values() if isinstance(v, Tensor))
         staged: dict[str, Any] = {}
         for key, value in state.items():
             if isinstance(value, DTensor):
-                local = self._host_copy(key, value.to_local())
-                staged[key] = DTensor.from_local(
-                    local,
-                    value.device_mesh,
-                    value.placements,
-                    run_check=False,
-                    shape=value.shape,
-                    stride=value.stride(),
-                )
+                staged[key] = host_dtensor(self._host_copy(key, value.to_local()), value)
             elif isinstance(value, Tensor):
                 staged[key] = self._host_copy(key, value)
             else:
                 staged[key] = copy.deepcopy(value)
-        if any(t.device.type == "cuda" for t in state.values() if isinstance(t, Tensor)):
-            torch.cuda.current_stream().synchronize()  # the copies are non-blocking
-        return staged
+        return Staged(staged, self._hooks.record_fence())
 
     def _host_copy(self, key: str, tensor: Tensor) -> Tensor:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = tensor.device.type == "cuda"
+            assert self._hooks is not None  # chosen by stage
+            pin = self._hooks.pin_memory
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
             self._buffers[key] = buffer
         return buffer.copy_(tensor.detach(), non_blocking=True)
 
-    def start(self, write: Callable[[], None]) -> None:
-        """Run ``write`` in the background (after the save in flight, if any)."""
+    def start(self, write: Callable[[], None], fence: Fence) -> None:
+        """Run ``write`` in the background (after the save in flight, if any), once ``fence`` (of
+        the staged state it writes) has passed."""
         self.wait()
         if not distributed():  # DCP warns that one process saves alone: here it is the intent
             warnings.filterwarnings(
@@ -101,6 +114,7 @@ class BackgroundSaves:
         def run() -> None:
             started = time.perf_counter()
             try:
+                fence.synchronize()  # the host copies are complete: only now are their bytes read
                 write()
                 with self._lock:
                     removals, self._removals, self._writing = self._removals, [], False
@@ -128,6 +142,7 @@ class BackgroundSaves:
             self._thread.start()
 
     def _serve(self) -> None:
+        (self._hooks or DeviceHooks()).set_device()  # once: the device is per thread
         while True:
             self._jobs.get()()
 
@@ -150,3 +165,10 @@ class BackgroundSaves:
                 self._removals.append(Path(path))
                 return
         files.remove(path)
+
+
+def host_dtensor(local: Tensor, like: DTensor) -> DTensor:
+    """A DTensor with ``like``'s mesh, placements and global shape whose shard is ``local``, where
+    ``local`` is (``DTensor.from_local`` moves a shard to the mesh's device: on CUDA it would undo
+    the staging and hold the state twice in device memory)."""
+    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg]

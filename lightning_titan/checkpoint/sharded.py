@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from lightning_titan.checkpoint import files, integrity, lock, reader, storage
 from lightning_titan.checkpoint import state as keys
 from lightning_titan.checkpoint.background import BackgroundSaves
+from lightning_titan.checkpoint.devices import DeviceHooks, Fence
 from lightning_titan.checkpoint.reader import FORMAT_VERSION, read_checkpoint_info
 from lightning_titan.parallel.dp.zero import NO_SHARDS, ZeroShards
 from lightning_titan.runtime import probes
@@ -71,6 +72,7 @@ def save_sharded(
         background.wait()
     path = Path(path)
     error, token, state, info_bytes = None, None, {}, b""
+    fence: Fence = DeviceHooks().record_fence()
     try:
         state = keys.model_entries(model)
         state.update(keys.optimizer_entries(model, optimizers, zero_shards).state_dict())
@@ -90,7 +92,8 @@ def save_sharded(
             torch.save(info, buffer)  # an unpicklable meta fails here, before any shard is written
             info_bytes = buffer.getvalue()
         if background is not None:
-            state = background.stage(state)
+            staged = background.stage(state)
+            state, fence = staged.state, staged.fence
     except Exception as e:  # noqa: BLE001 - every rank must learn of it before the collective save
         error = e
     tmp = files.sibling(path, "tmp", _agree(error, token)[0])
@@ -98,7 +101,7 @@ def save_sharded(
         _write(path, tmp, state, info_bytes, None)
     else:
         group = background.group()
-        background.start(lambda: _write(path, tmp, state, info_bytes, group))
+        background.start(lambda: _write(path, tmp, state, info_bytes, group), fence)
 
 
 def _write(path: Path, tmp: Path, state: dict, info_bytes: bytes, group: Any) -> None:
