@@ -64,8 +64,8 @@ class BackgroundSaves:
         self._done = threading.Event()
         self._done.set()
         self._error: BaseException | None = None
-        self._removals: list[Path] = []
-        self._lock = threading.Lock()  # the thread's end against ``remove_after``
+        self._after: list[Callable[[], None]] = []  # run once the write succeeded
+        self._lock = threading.Lock()  # the thread's end against ``then``
         self._writing = False
         self.seconds = 0.0  # how long the last background write took (staging excluded)
         self._buffers: dict[str, Tensor] = {}
@@ -116,16 +116,13 @@ class BackgroundSaves:
             try:
                 fence.synchronize()  # the host copies are complete: only now are their bytes read
                 write()
-                with self._lock:
-                    removals, self._removals, self._writing = self._removals, [], False
-                for path in removals:
-                    files.remove(path)
+                self.seconds = time.perf_counter() - started
+                self._run_after()
             except BaseException as e:  # noqa: BLE001 - raised by wait(), on the training thread
                 self._error = e
             finally:
-                with self._lock:  # a failed save's removals are dropped: keep what there was
-                    self._removals, self._writing = [], False
-                self.seconds = time.perf_counter() - started
+                with self._lock:  # a failed save's removals and links are dropped: keep what was
+                    self._after, self._writing = [], False
                 self._done.set()
 
         self._writing = True
@@ -160,11 +157,29 @@ class BackgroundSaves:
 
     def remove_after(self, path: str | Path) -> None:
         """Remove the checkpoint at ``path`` once the save in flight succeeded (now if none is)."""
+        self.then(lambda: files.remove(path))
+
+    def then(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the writer once the save in flight (and the jobs queued before) succeeded,
+        without waiting for it here; dropped if it fails (``wait`` raises that error). At once, here,
+        if no save is in flight."""
         with self._lock:
             if self._writing:
-                self._removals.append(Path(path))
+                self._after.append(job)
                 return
-        files.remove(path)
+        job()
+
+    def _run_after(self) -> None:
+        """The jobs queued by ``then``, in order, including those queued while they run; the save
+        stays in flight until the last is done, so a new job never overtakes a queued one."""
+        while True:
+            with self._lock:
+                jobs, self._after = self._after, []
+                if not jobs:
+                    self._writing = False
+                    return
+            for job in jobs:
+                job()
 
 
 def host_dtensor(local: Tensor, like: DTensor) -> DTensor:
