@@ -40,6 +40,8 @@ from lightning_titan.checkpoint import files
 from lightning_titan.checkpoint.devices import DeviceHooks, Fence, hooks_for
 from lightning_titan.runtime.agreement import distributed
 
+WRITER_THREAD = "titan-checkpoint-writer"
+
 
 @dataclass(frozen=True)
 class Staged:
@@ -133,9 +135,7 @@ class BackgroundSaves:
         if self._thread is None:
             # a daemon: a process that stops without waiting (a failure) leaves the temporary
             # sibling, which the next save removes, and the previous checkpoint in place
-            self._thread = threading.Thread(
-                target=self._serve, name="titan-checkpoint-writer", daemon=True
-            )
+            self._thread = threading.Thread(target=self._serve, name=WRITER_THREAD, daemon=True)
             self._thread.start()
 
     def _serve(self) -> None:
