@@ -336,7 +336,7 @@ MUTATIONS = {
                              ["tests/unit/test_checkpoint_install.py", "-k", "removes_older"]),
     # a staged DTensor rebuilt with from_local: on a CUDA mesh its host shard goes back to the device
     "staging_on_device": ("lightning_titan/checkpoint/background.py",
-                          "    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg]",
+                          "    return DTensor(local, like._spec, requires_grad=False)",
                           "    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,"
                           " shape=like.shape, stride=like.stride())",
                           ["tests/unit/test_background_devices.py", "-k", "host_copies"]),
@@ -360,6 +360,11 @@ MUTATIONS = {
                       "and source != path and path in lasts else None",
                       "and source != path else None",
                       ["tests/unit/test_checkpoint_links.py"]),
+    # a link queued after its top-k write already failed runs anyway (one rank enters a collective)
+    "link_after_failure": ("lightning_titan/checkpoint/background.py",
+                           "            if self._error is not None:\n",
+                           "            if False:\n",
+                           ["tests/unit/test_checkpoint_links.py", "-k", "failed"]),
     # one backend options object shared by every group the mesh builds
     "shared_options": ("lightning_titan/parallel/mesh.py",
                        "    options_factory = options_factory or group_options",

@@ -161,12 +161,14 @@ class BackgroundSaves:
 
     def then(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the writer once the save in flight (and the jobs queued before) succeeded,
-        without waiting for it here; dropped if it fails (``wait`` raises that error). At once, here,
-        if no save is in flight."""
+        without waiting for it here; dropped if it fails (``wait`` raises that error), also when it
+        has failed already. At once, here, if no save is in flight."""
         with self._lock:
             if self._writing:
                 self._after.append(job)
                 return
+            if self._error is not None:
+                return  # every rank drops it: the failure was agreed, whether or not it has ended here
         job()
 
     def _run_after(self) -> None:
@@ -186,4 +188,4 @@ def host_dtensor(local: Tensor, like: DTensor) -> DTensor:
     """A DTensor with ``like``'s mesh, placements and global shape whose shard is ``local``, where
     ``local`` is (``DTensor.from_local`` moves a shard to the mesh's device: on CUDA it would undo
     the staging and hold the state twice in device memory)."""
-    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg]
+    return DTensor(local, like._spec, requires_grad=False)

@@ -68,7 +68,7 @@ class ShardedCheckpoints:
         background = self.background if training else None
         if background is None:
             self.wait()
-        trainer = getattr(module, "_trainer", None)
+        trainer: Any = getattr(module, "_trainer", None)
         source = self._same_event(str(path), trainer) if training else None
         if source is not None:
             link_sharded(

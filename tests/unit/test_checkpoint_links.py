@@ -100,3 +100,23 @@ def test_only_modelcheckpoints_last_of_the_same_step_is_linked(tmp_path):
     )
     callback.save_last = False
     assert checkpoints._same_event(last, trainer) is None
+
+
+def test_a_job_after_a_failed_save_is_dropped_and_the_failure_raised(tmp_path):
+    """A `last` queued after its top-k write failed is dropped, whether the failure had ended on
+    this rank or not (every rank then skips the link's collective), and ``wait`` raises it."""
+    saves, ran = BackgroundSaves(), []
+
+    def failing_write() -> None:
+        raise OSError(28, "No space left on device")
+
+    saves.start(failing_write, DeviceHooks().record_fence())
+    saves._done.wait(30)  # ended, its error not raised yet
+    saves.then(lambda: ran.append("link"))
+    assert ran == []
+    try:
+        saves.wait()
+    except OSError as e:
+        assert "No space left" in str(e)
+    else:
+        raise AssertionError("the failed save's error was not raised")
