@@ -365,6 +365,11 @@ MUTATIONS = {
                            "            if self._error is not None:\n",
                            "            if False:\n",
                            ["tests/unit/test_checkpoint_links.py", "-k", "failed"]),
+    # a failed removal on rank 0 skips the link queued after it (the other ranks wait in its collective)
+    "failed_job_stops_queue": ("lightning_titan/checkpoint/background.py",
+                               "                    error = error or e\n",
+                               "                    raise\n",
+                               ["tests/unit/test_checkpoint_links.py", "-k", "does_not_stop"]),
     # one backend options object shared by every group the mesh builds
     "shared_options": ("lightning_titan/parallel/mesh.py",
                        "    options_factory = options_factory or group_options",

@@ -173,15 +173,23 @@ class BackgroundSaves:
 
     def _run_after(self) -> None:
         """The jobs queued by ``then``, in order, including those queued while they run; the save
-        stays in flight until the last is done, so a new job never overtakes a queued one."""
+        stays in flight until the last is done, so a new job never overtakes a queued one. A job
+        that fails does not stop the next (a removal is rank 0's alone, a link is every rank's
+        collective); the first error is raised after the last."""
+        error: BaseException | None = None
         while True:
             with self._lock:
                 jobs, self._after = self._after, []
                 if not jobs:
                     self._writing = False
-                    return
+                    break
             for job in jobs:
-                job()
+                try:
+                    job()
+                except BaseException as e:  # noqa: BLE001 - raised below, after the others ran
+                    error = error or e
+        if error is not None:
+            raise error
 
 
 def host_dtensor(local: Tensor, like: DTensor) -> DTensor:

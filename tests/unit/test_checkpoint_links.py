@@ -120,3 +120,23 @@ def test_a_job_after_a_failed_save_is_dropped_and_the_failure_raised(tmp_path):
         assert "No space left" in str(e)
     else:
         raise AssertionError("the failed save's error was not raised")
+
+
+def test_a_failed_job_does_not_stop_the_next(tmp_path):
+    """Rank 0's removal that fails must not keep it from the link every rank runs after it."""
+    saves, ran, release = BackgroundSaves(), [], threading.Event()
+    saves.start(lambda: release.wait(30) and None, DeviceHooks().record_fence())
+
+    def failing_removal() -> None:
+        raise PermissionError("cannot remove")
+
+    saves.then(failing_removal)
+    saves.then(lambda: ran.append("link"))
+    release.set()
+    try:
+        saves.wait()
+    except PermissionError:
+        pass
+    else:
+        raise AssertionError("the removal's error was not raised")
+    assert ran == ["link"]
