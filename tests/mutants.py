@@ -337,19 +337,60 @@ MUTATIONS = {
                                ["tests/distributed/test_checkpoint_security.py", "-k", "marker"]),
     # a background save writes the live tensors, which training changes while the thread writes
     "background_not_staged": ("lightning_titan/checkpoint/sharded.py",
-                              "            state = background.stage(state)",
-                              "            pass",
+                              "            state, fence = staged.state, staged.fence",
+                              "            fence = staged.fence",
                               ["tests/distributed/test_checkpoint.py", "-k", "kill_during_save"]),
     # the end of fit does not wait for the background write in flight: `last` is not complete yet
     "end_of_fit_not_waited": ("lightning_titan/lightning/sharded_strategy.py",
                               "            self.checkpoints.wait()",
                               "            pass",
-                              ["tests/distributed/test_strategy.py", "-k", "background"]),
+                              ["tests/distributed/test_strategy.py", "-k", "one_write and async"]),
     # a top-k removal during a background write happens at once (a failed write leaves fewer)
     "removal_not_deferred": ("lightning_titan/checkpoint/background.py",
                              "            if self._writing:",
                              "            if False:",
                              ["tests/unit/test_checkpoint_install.py", "-k", "removes_older"]),
+    # a staged DTensor rebuilt with from_local: on a CUDA mesh its host shard goes back to the device
+    "staging_on_device": ("lightning_titan/checkpoint/background.py",
+                          "    return DTensor(local, like._spec, requires_grad=False)",
+                          "    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,"
+                          " shape=like.shape, stride=like.stride())",
+                          ["tests/unit/test_background_devices.py", "-k", "host_copies"]),
+    # the writer reads the host buffers without waiting for the training stream's copies to finish
+    "fence_not_waited": ("lightning_titan/checkpoint/background.py",
+                         "                fence.synchronize()  # the host copies are complete: only now are their bytes read",
+                         "                pass",
+                         ["tests/unit/test_background_devices.py", "-k", "fence"]),
+    # the writer thread never sets its device (on CUDA: current_stream() of GPU 0 on every rank)
+    "writer_device_unset": ("lightning_titan/checkpoint/background.py",
+                            "        (self._hooks or DeviceHooks()).set_device()  # once: the device is per thread",
+                            "        pass",
+                            ["tests/unit/test_background_devices.py", "-k", "fence"]),
+    # `last` of a top-k event written in full a second time (background saves wait at every event)
+    "second_write": ("lightning_titan/lightning/checkpoint_hooks.py",
+                     "        source = self._same_event(str(path), trainer) if training else None",
+                     "        source = None",
+                     ["tests/distributed/test_strategy.py", "-k", "one_write and async"]),
+    # `last` linked to whatever was written at its step, not only as ModelCheckpoint's `last`
+    "link_any_save": ("lightning_titan/lightning/checkpoint_hooks.py",
+                      "and source != path and path in lasts else None",
+                      "and source != path else None",
+                      ["tests/unit/test_checkpoint_links.py"]),
+    # a link queued after its top-k write already failed runs anyway (one rank enters a collective)
+    "link_after_failure": ("lightning_titan/checkpoint/background.py",
+                           "            if self._error is not None:\n",
+                           "            if False:\n",
+                           ["tests/unit/test_checkpoint_links.py", "-k", "failed"]),
+    # a failed removal on rank 0 skips the link queued after it (the other ranks wait in its collective)
+    "failed_job_stops_queue": ("lightning_titan/checkpoint/background.py",
+                               "                    error = error or e\n",
+                               "                    raise\n",
+                               ["tests/unit/test_checkpoint_links.py", "-k", "does_not_stop"]),
+    # one backend options object shared by every group the mesh builds
+    "shared_options": ("lightning_titan/parallel/mesh.py",
+                       "    options_factory = options_factory or group_options",
+                       "    options_factory = functools.cache(options_factory or group_options)",
+                       ["tests/unit/test_group_options.py"]),
     # ckpt_path="last" with only an interrupted save starts a new run (Lightning's warning)
     "missing_last_accepted": ("lightning_titan/lightning/launchers.py",
                               '    refuse_missing_last(trainer, called.get("ckpt_path"))',

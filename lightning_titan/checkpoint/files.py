@@ -234,6 +234,37 @@ def recover(path: Path, since: float | None = None) -> None:
         _delete(p)
 
 
+def link_files(source: Path, target: Path) -> list[str]:
+    """Put every file of the complete checkpoint ``source`` but its marker and ``meta.pt`` into the
+    new directory ``target`` as hard links (copies where the file system has none): a second name
+    for the same shards, written once. Returns their names. Nothing ever writes into a checkpoint's
+    files after its save, so the two directories can share them; removing one leaves the other."""
+    if not is_complete_checkpoint(source):
+        raise FileNotFoundError(
+            f"{source} is not a complete checkpoint to link {target.name} to (it was removed or "
+            f"replaced during the save); {WHAT_A_CHECKPOINT_IS}"
+        )
+    target.mkdir()
+    names = []
+    for file in sorted(source.iterdir()):
+        if file.name in (MARKER, META_FILE) or not file.is_file():
+            continue
+        try:
+            os.link(file, target / file.name)
+        except OSError as e:
+            if e.errno not in (
+                errno.EPERM,
+                errno.EXDEV,
+                errno.ENOTSUP,
+                errno.EOPNOTSUPP,
+                errno.EMLINK,
+            ):
+                raise
+            shutil.copy2(file, target / file.name)
+        names.append(file.name)
+    return names
+
+
 def remove(path: str | os.PathLike) -> None:
     """Delete a checkpoint directory (or file) so that no partial state ever looks complete.
 

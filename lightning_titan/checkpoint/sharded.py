@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from lightning_titan.checkpoint import files, integrity, lock, reader, storage
 from lightning_titan.checkpoint import state as keys
 from lightning_titan.checkpoint.background import BackgroundSaves
+from lightning_titan.checkpoint.devices import DeviceHooks, Fence
 from lightning_titan.checkpoint.reader import FORMAT_VERSION, read_checkpoint_info
 from lightning_titan.parallel.dp.zero import NO_SHARDS, ZeroShards
 from lightning_titan.runtime import probes
@@ -71,6 +72,7 @@ def save_sharded(
         background.wait()
     path = Path(path)
     error, token, state, info_bytes = None, None, {}, b""
+    fence: Fence = DeviceHooks().record_fence()
     try:
         state = keys.model_entries(model)
         state.update(keys.optimizer_entries(model, optimizers, zero_shards).state_dict())
@@ -78,19 +80,10 @@ def save_sharded(
             since = lock.acquire(path.parent)
             files.recover(path, since)
             token = files.new_token()
-            info = {
-                "format_version": FORMAT_VERSION,
-                integrity.CHECKSUMMED: True,  # so a marker without them reads as damaged, not old
-                "meta": meta,
-                "layout": {**layout, "world_size": _world()},
-                "model_config": reader.model_config(model),
-                "param_groups": [keys.hyperparameters(o) for o in optimizers],
-            }
-            buffer = io.BytesIO()
-            torch.save(info, buffer)  # an unpicklable meta fails here, before any shard is written
-            info_bytes = buffer.getvalue()
+            info_bytes = _info_bytes(model, optimizers, meta, layout)
         if background is not None:
-            state = background.stage(state)
+            staged = background.stage(state)
+            state, fence = staged.state, staged.fence
     except Exception as e:  # noqa: BLE001 - every rank must learn of it before the collective save
         error = e
     tmp = files.sibling(path, "tmp", _agree(error, token)[0])
@@ -98,7 +91,76 @@ def save_sharded(
         _write(path, tmp, state, info_bytes, None)
     else:
         group = background.group()
-        background.start(lambda: _write(path, tmp, state, info_bytes, group))
+        background.start(lambda: _write(path, tmp, state, info_bytes, group), fence)
+
+
+def _info_bytes(
+    model: nn.Module, optimizers: list[Optimizer], meta: dict[str, Any], layout: dict[str, Any]
+) -> bytes:
+    """``meta.pt``'s bytes; an unpicklable ``meta`` fails here, before any shard is written."""
+    info = {
+        "format_version": FORMAT_VERSION,
+        integrity.CHECKSUMMED: True,  # so a marker without them reads as damaged, not old
+        "meta": meta,
+        "layout": {**layout, "world_size": _world()},
+        "model_config": reader.model_config(model),
+        "param_groups": [keys.hyperparameters(o) for o in optimizers],
+    }
+    buffer = io.BytesIO()
+    torch.save(info, buffer)
+    return buffer.getvalue()
+
+
+def link_sharded(
+    path: str | os.PathLike,
+    source: str | os.PathLike,
+    model: nn.Module,
+    optimizers: list[Optimizer],
+    meta: dict[str, Any],
+    *,
+    layout: dict[str, Any],
+    background: BackgroundSaves | None = None,
+) -> None:
+    """Collective. Make ``path`` the checkpoint ``source`` with ``meta`` of its own, where
+    ``source`` was saved from the same model and optimizer state (Lightning's ``last`` of the
+    event that just saved a top-k checkpoint): its shard files are hard links to ``source``'s,
+    ``meta.pt`` and the marker are new, and the swap into ``path`` is atomic as a save's is.
+
+    ``background``: after its save in flight (``source``'s) and the jobs queued before, without
+    waiting for it here; dropped if that save fails. Otherwise at once (``source`` is complete).
+    """
+    path, source = Path(path), Path(source)
+    error, token, info_bytes = None, None, b""
+    try:
+        if _rank() == 0:
+            since = lock.acquire(path.parent)
+            files.recover(path, since)
+            token = files.new_token()
+            info_bytes = _info_bytes(model, optimizers, meta, layout)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it before the collective
+        error = e
+    tmp = files.sibling(path, "tmp", _agree(error, token)[0])
+    if background is None:
+        _link(path, tmp, source, info_bytes, None)
+    else:
+        group = background.group()
+        background.then(lambda: _link(path, tmp, source, info_bytes, group))
+
+
+def _link(path: Path, tmp: Path, source: Path, info_bytes: bytes, group: Any) -> None:
+    """Rank 0 links ``source``'s files into ``tmp``; then ``_finish`` as after a write."""
+    sums: dict[str, Any] = {}
+    entries = 0
+    if _rank() == 0:
+        try:
+            saved = files.read_marker(source)
+            names = files.link_files(source, tmp)
+            sums = {k: v for k, v in saved.get("files", {}).items() if k in names}
+            entries = saved.get("entries", 0)
+        except Exception as e:  # noqa: BLE001 - every rank raises it, in the agreement _finish closes with
+            files.remove(tmp)
+            _agree(e, None, group)
+    _finish(path, tmp, info_bytes, sums, entries, group)
 
 
 def _write(path: Path, tmp: Path, state: dict, info_bytes: bytes, group: Any) -> None:

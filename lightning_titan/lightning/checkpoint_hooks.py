@@ -13,7 +13,12 @@ from torch.optim import Optimizer
 
 from lightning_titan.checkpoint import files, lock
 from lightning_titan.checkpoint.background import BackgroundSaves
-from lightning_titan.checkpoint.sharded import load_sharded, remove_checkpoint, save_sharded
+from lightning_titan.checkpoint.sharded import (
+    link_sharded,
+    load_sharded,
+    remove_checkpoint,
+    save_sharded,
+)
 from lightning_titan.parallel.dp.zero import NO_SHARDS, ZeroShards
 from lightning_titan.runtime.agreement import agree
 
@@ -25,11 +30,19 @@ class ShardedCheckpoints:
     ``("rope_theta",)``; any other field of the saved config that differs is an error.
     ``async_save``: saves while training runs return once the state is in host memory and are
     written in the background (``checkpoint/background.py``); any other save (the one of a stopping
-    job, ``trainer.save_checkpoint`` after fit) first waits for that and is written at once."""
+    job, ``trainer.save_checkpoint`` after fit) first waits for that and is written at once.
+
+    One write per checkpoint event: ModelCheckpoint with ``save_top_k`` and ``save_last`` saves twice
+    at one step, the top-k checkpoint then ``last``; ``last`` is then the top-k one's shard files
+    under a second name (hard links, ``link_sharded``) with its own ``meta.pt``, made after that
+    write without waiting for it."""
 
     def __init__(self, allow_config_change: tuple[str, ...] = (), async_save: bool = False) -> None:
         self.allow_config_change = allow_config_change
         self.background = BackgroundSaves() if async_save else None
+        # (path, global step) of the last checkpoint written in full in training: what a `last` of
+        # the same step links to
+        self._written: tuple[str, int] | None = None
 
     def save(
         self,
@@ -55,6 +68,14 @@ class ShardedCheckpoints:
         background = self.background if training else None
         if background is None:
             self.wait()
+        trainer: Any = getattr(module, "_trainer", None)
+        source = self._same_event(str(path), trainer) if training else None
+        if source is not None:
+            link_sharded(
+                path, source, module, optimizers, meta, layout=layout, background=background
+            )
+            return
+        self._written = None  # until this save is in: a failed one is nothing to link to
         save_sharded(
             path,
             module,
@@ -64,6 +85,21 @@ class ShardedCheckpoints:
             background=background,
             zero_shards=zero_shards,
         )
+        if training:
+            self._written = (str(path), trainer.global_step)
+
+    def _same_event(self, path: str, trainer: Any) -> str | None:
+        """The checkpoint written in full at this step if ``path`` is a ModelCheckpoint's ``last``
+        (Lightning names it before saving), else None: ``last`` of one event links to it."""
+        if self._written is None:
+            return None
+        source, step = self._written
+        lasts = {
+            c.last_model_path
+            for c in getattr(trainer, "checkpoint_callbacks", [])
+            if isinstance(c, ModelCheckpoint) and c.save_last
+        }
+        return source if step == trainer.global_step and source != path and path in lasts else None
 
     def wait(self) -> None:
         """Until the save in flight is complete (raising its error on every rank); no-op if none."""
@@ -87,6 +123,7 @@ class ShardedCheckpoints:
     ) -> dict[str, Any]:
         """Collective: the module's and the optimizers' shards for this layout, and Lightning's dict."""
         self.wait()
+        self._written = None  # the state changes: nothing written before holds it
         global_batch_size = _global_batch_size(module)
         expect = {} if global_batch_size is None else {"global_batch_size": global_batch_size}
         return load_sharded(

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -273,7 +274,11 @@ class ProcessGroups:
 
 
 def build_process_groups(
-    dims: ParallelDims, timeout: timedelta | None = None, device_type: str = "cpu"
+    dims: ParallelDims,
+    timeout: timedelta | None = None,
+    device_type: str = "cpu",
+    *,
+    options_factory: Callable[[timedelta], C10dBackend.Options] | None = None,
 ) -> ProcessGroups:
     """The mesh of ``dims`` as one ``DeviceMesh`` with the axes as named dims, and every group kind
     from it: a one-axis kind is the mesh's dim, a kind of several axes its flattened sub-mesh
@@ -281,7 +286,9 @@ def build_process_groups(
     same dims and kinds in the same order.
 
     ``timeout``: the collective timeout of the groups (None: torch's default, 30 min, whatever the
-    world group's is), how long a stalled peer holds the others.
+    world group's is), how long a stalled peer holds the others. ``options_factory``: makes each
+    group's backend options from ``timeout``, one new object per group (default: the backend's own
+    options class, NCCL's for NCCL).
 
     Built once per layout and world group in a process: a notebook's second ``trainer.fit`` (or a
     test's next case) on the same layout gets the same groups. Each new gloo group would keep its
@@ -294,26 +301,32 @@ def build_process_groups(
             f"the process group has {dist.get_world_size()} ranks but the layout "
             f"{dims.degrees} has {dims.world_size}"
         )
+    options_factory = options_factory or group_options
     key = (tuple(dims.degrees.values()), dims.rank, timeout, device_type)
     world, built = _BUILT.get(key, (None, None))
     if built is not None and world is dist.group.WORLD:
         return built
-    options = None if timeout is None else _group_options(timeout)
+
+    # a fresh options object per group: a communicator split may keep or change the one it is given
+    # (torch's own split_group deep-copies it for that reason), so groups never share one
+    def fresh() -> C10dBackend.Options | None:
+        return None if timeout is None else options_factory(timeout)
+
     overrides: (
         dict[int | str, str | C10dBackend.Options | tuple[str, C10dBackend.Options]] | None
-    ) = None if options is None else dict.fromkeys(AXES, options)
+    ) = None if timeout is None else {axis: options_factory(timeout) for axis in AXES}
     shape = tuple(dims.degrees[a] for a in AXES)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES, backend_override=overrides)
     mine = {}
     for kind, axes in GROUPS.items():
         # _flatten: torch's (private) way to one group over several dims; its test is this module's
-        sub = mesh[axes[0]] if len(axes) == 1 else mesh[axes]._flatten(kind, options)
+        sub = mesh[axes[0]] if len(axes) == 1 else mesh[axes]._flatten(kind, fresh())
         mine[kind] = sub.get_group()
     _BUILT[key] = (dist.group.WORLD, ProcessGroups(**mine, mesh=mesh))
     return _BUILT[key][1]
 
 
-def _group_options(timeout: timedelta) -> C10dBackend.Options:
+def group_options(timeout: timedelta) -> C10dBackend.Options:
     """Backend options that carry ``timeout`` into every group the mesh creates (NCCL takes only its
     own options class)."""
     if dist.get_backend() != "nccl":

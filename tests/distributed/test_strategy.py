@@ -293,48 +293,90 @@ def test_drop_in_for_ddp_gives_the_same_weights(tmp_path):
 
 
 _BACKGROUND_SAVES = """
+import os
 import sys
 from pathlib import Path
 import lightning as L
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_titan import ModelConfig, TitanDataModule, TitanLM, TitanStrategy
-from lightning_titan.checkpoint import is_complete_checkpoint, read_checkpoint_info
+from lightning_titan.checkpoint import is_complete_checkpoint, latest_complete, read_checkpoint_info
+from lightning_titan.lightning.restarts import resumed_call
 
-out = Path(sys.argv[1])
-strategy = TitanStrategy(async_save=True)
-every_step = ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=1, save_last=True)
-trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
-                    callbacks=[every_step], enable_progress_bar=False, limit_val_batches=0,
-                    enable_model_summary=False)
+writes = []
+real_save = dcp.save
+def counted(*args, **kwargs):
+    writes.append(str(kwargs["checkpoint_id"]))
+    return real_save(*args, **kwargs)
+dcp.save = counted
+
+out, async_save = Path(sys.argv[1]), sys.argv[2] == "async"
 config = ModelConfig(d_model=32, n_layers=2, n_experts=4, seq_len=16)
+
+def trainer_of(max_steps):
+    strategy = TitanStrategy(async_save=async_save)
+    every_step = ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=1, save_last=True)
+    return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps,
+                     logger=False, callbacks=[every_step], enable_progress_bar=False,
+                     limit_val_batches=0, enable_model_summary=False)
+
+trainer = trainer_of(4)
 trainer.fit(TitanLM(config), datamodule=TitanDataModule(seq_len=16, global_batch_size=4))
-background = strategy.checkpoints.background
-print("written in the background", background.seconds > 0, "in flight", background.in_flight)
+background = trainer.strategy.checkpoints.background
+if async_save:
+    print("written in the background", background.seconds > 0, "in flight", background.in_flight)
+print("full writes", len(writes), "for 4 events")
 names = sorted(p.name for p in out.iterdir())
 steps = [read_checkpoint_info(out / n)["meta"]["global_step"] for n in names]
 print("after fit", names, [is_complete_checkpoint(out / n) for n in names], steps)
-trainer.save_checkpoint(out / "after.ckpt")
+last_meta = read_checkpoint_info(out / "last.ckpt")["meta"]
+print("last names itself", last_meta["callbacks"][next(iter(last_meta["callbacks"]))]["last_model_path"])
+shards = [n for n in os.listdir(out / "last.ckpt") if n.endswith(".distcp")]
+same = [os.stat(out / "last.ckpt" / n).st_ino == os.stat(out / names[0] / n).st_ino for n in shards]
+print("last shares the shards", len(shards) > 0 and all(same))
+print("newest complete", latest_complete(out).name)
+# a restarted rank (no ckpt_path) takes the newest complete checkpoint: `last`
+os.environ["TITAN_RESTART_COUNT"] = "1"
+resumed = trainer_of(5)
+_, kwargs = resumed_call(resumed.fit, (), {}, resumed)
+print("restart resumes from", Path(kwargs["ckpt_path"]).name)
+del os.environ["TITAN_RESTART_COUNT"]
+writes.clear()
+resumed.fit(TitanLM(config), datamodule=TitanDataModule(seq_len=16, global_batch_size=4),
+            ckpt_path=kwargs["ckpt_path"])
+print("resumed to", resumed.global_step, "with full writes", len(writes))
+resumed.save_checkpoint(out / "after.ckpt")
 print("after save_checkpoint", is_complete_checkpoint(out / "after.ckpt"))
 """
 
 
-@pytest.mark.timeout(150)
-def test_background_saves_keep_top_k_and_last_complete_and_fit_waits_for_them(tmp_path):
-    """async_save in one process: every save during fit is written in the background (the strategy's
-    writer timed it), top-k's removals wait for the newer checkpoint, and when fit returns the
-    directory holds exactly the newest checkpoint and `last`, complete, at the last step; a save
-    after fit is written at once (complete when the call returns). In a process of its own: a fit
-    leaves its process group behind, which forked ranks of later tests would inherit."""
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_one_write_per_checkpoint_event_and_last_resumes(tmp_path, mode):
+    """ModelCheckpoint(save_top_k=1, save_last=True, every step) in a real one-process fit: each
+    event writes the shards once; `last` is the top-k checkpoint's shard files under a second name
+    with a meta.pt of its own. With async_save every save during fit is written in the background
+    (the writer timed it), top-k's removals wait for the newer checkpoint, and when fit returns the
+    directory holds exactly the newest checkpoint and `last`, complete, at the last step. `last` is
+    the newest complete checkpoint: a restart takes it and a resume from it trains on; a save after
+    fit is written at once. In a process of its own: a fit leaves its process group behind."""
     script = tmp_path / "background_saves.py"
     script.write_text(_BACKGROUND_SAVES)
     out = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, env=env,
-                          timeout=140, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), str(out), mode], cwd=tmp_path, env=env,
+                          timeout=190, capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "written in the background True in flight False" in done.stdout, done.stdout
+    if mode == "async":
+        assert "written in the background True in flight False" in done.stdout, done.stdout
+    assert "full writes 4 for 4 events" in done.stdout, done.stdout
     want = "after fit ['epoch=0-step=4.ckpt', 'last.ckpt'] [True, True] [4, 4]"
     assert want in done.stdout, done.stdout
+    assert f"last names itself {out / 'last.ckpt'}" in done.stdout, done.stdout
+    assert "last shares the shards True" in done.stdout, done.stdout
+    assert "newest complete last.ckpt" in done.stdout, done.stdout
+    assert "restart resumes from last.ckpt" in done.stdout, done.stdout
+    assert "resumed to 5 with full writes 1" in done.stdout, done.stdout
     assert "after save_checkpoint True" in done.stdout, done.stdout
 
 

@@ -28,11 +28,13 @@ from lightning_titan.checkpoint import (
     load_sharded,
     save_sharded,
 )
+from lightning_titan.checkpoint.devices import DeviceHooks
 
 CONFIG = ModelConfig(
     vocab_size=17, d_model=8, n_layers=2, n_heads=2, ffn_dim=8, n_experts=2, top_k=1
 )
 LAYOUT = {"dp": 1, "pp": 1, "ep": 1}
+NO_FENCE = DeviceHooks().record_fence()
 
 
 def model_of(version: int) -> StageModel:
@@ -177,7 +179,7 @@ def test_a_background_save_removes_older_checkpoints_only_once_it_succeeded(tmp_
     def slow_write() -> None:
         assert release.wait(30)
 
-    saves.start(slow_write)
+    saves.start(slow_write, NO_FENCE)
     assert saves.in_flight
     saves.remove_after(old)
     assert is_complete_checkpoint(old)  # the newer one is not complete yet
@@ -192,7 +194,7 @@ def test_a_background_save_removes_older_checkpoints_only_once_it_succeeded(tmp_
         assert release.wait(30)
         raise OSError(28, "No space left on device")
 
-    saves.start(failing_write)
+    saves.start(failing_write, NO_FENCE)
     saves.remove_after(old)
     release.set()
     with pytest.raises(OSError, match="No space left"):
