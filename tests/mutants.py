@@ -433,14 +433,34 @@ MUTATIONS = {
                              ["tests/unit/test_experts.py"]),
     # issue 43: under bf16-mixed (autocast) the loop runs on CUDA, as before the explicit casts
     "grouped_not_under_autocast": ("lightning_titan/model/moe/experts.py",
-                                   "compute = autocast_dtype or dtype",
-                                   "compute = dtype",
+                                   "    if autocast_dtype is not None:\n        compute = autocast_dtype",
+                                   "    if False:\n        compute = autocast_dtype",
                                    ["tests/unit/test_experts.py"]),
     # issue 19: an expanded output grad reaches _grouped_mm's backward, which rejects it
     "grouped_strided_grad": ("lightning_titan/model/moe/experts.py",
                              "out = _ContiguousGrad.apply(self._add_bias(",
                              "out = (self._add_bias(",
                              ["tests/unit/test_experts.py"]),
+    # expert parallelism's bf16 wire rows with fp32 weights under autocast sent to the loop again
+    "grouped_wire_dtype_loop": ("lightning_titan/model/moe/experts.py",
+                                "    if autocast_dtype is not None:\n",
+                                "    if autocast_dtype is not None and rows_dtype == weight_dtype:\n",
+                                ["tests/unit/test_expert_gemm.py", "-k", "wire_dtype"]),
+    # the loop indexes w[e]: each select's backward a zero-filled full-size grad per expert
+    "loop_select_grads": ("lightning_titan/model/moe/experts.py",
+                          "w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)",
+                          "w1, w3, w2 = self.w1, self.w3, self.w2",
+                          ["tests/unit/test_expert_gemm.py", "-k", "full_size"]),
+    # the forward probes the grouped GEMMs itself (in an overlapped pair: a backward on the wrong thread)
+    "probe_in_forward": ("lightning_titan/model/moe/experts.py",
+                         "return dtype if dtype is not None and self.grouped_mm_runs.get(dtype, False) else None",
+                         "return dtype if dtype is not None and grouped_mm_supported(x.device, dtype, d_model, ffn_dim) else None",
+                         ["tests/unit/test_expert_gemm.py", "-k", "probes"]),
+    # the probe's groups of one row: not the aligned offsets the weight-gradient GEMM wants on CUDA
+    "probe_unaligned": ("lightning_titan/model/moe/experts.py",
+                        "offsets = torch.tensor([ALIGN_ROWS, rows], device=device, dtype=torch.int32)",
+                        "offsets = torch.tensor([1, rows], device=device, dtype=torch.int32)",
+                        ["tests/unit/test_expert_gemm.py", "-k", "aligned"]),
     # gpt-oss: the window lets a query see one key too many (transformers: k > q - window)
     "oss_window_off_by_one": ("lightning_titan/model/sinks.py",
                               "(k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window)",
