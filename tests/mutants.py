@@ -461,6 +461,26 @@ MUTATIONS = {
                         "offsets = torch.tensor([ALIGN_ROWS, rows], device=device, dtype=torch.int32)",
                         "offsets = torch.tensor([1, rows], device=device, dtype=torch.int32)",
                         ["tests/unit/test_expert_gemm.py", "-k", "aligned"]),
+    # with capacity the dispatch reads the counts back again (sizes not static)
+    "capacity_counted_sizes": ("lightning_titan/model/moe/layer.py",
+                               "        return keep, slots_per_expert(b, s, limit)\n",
+                               "        return keep, None\n",
+                               ["tests/unit/test_capacity_slots.py", "-k", "reads_nothing"]),
+    # an empty static slot weighted like a kept row: its (biased) output reaches the experts' grads
+    "slots_empty_weighted": ("lightning_titan/parallel/dispatch.py",
+                             "row_weight = F.pad(w.reshape(-1), (0, 1)).index_select(0, order)",
+                             "row_weight = F.pad(w.reshape(-1), (0, 1), value=1.0).index_select(0, order)",
+                             ["tests/unit/test_capacity_slots.py", "-k", "biased"]),
+    # the received slot blocks left source-major: rows reach other experts
+    "slots_source_major": ("lightning_titan/parallel/dispatch.py",
+                           "    return Pending(lambda: swap_major(pending.wait(), ep, n_local)), plan\n",
+                           "    return Pending(lambda: pending.wait()), plan\n",
+                           ["tests/distributed/test_dispatch.py", "-k", "expert_parallel"]),
+    # a kept assignment's slot counted from the start of all slots, not of its expert's
+    "slots_no_expert_start": ("lightning_titan/parallel/slots.py",
+                              "slot_sorted = torch.where(sorted_ids < n_experts, sorted_ids * slots + place, rows)",
+                              "slot_sorted = torch.where(sorted_ids < n_experts, place, rows)",
+                              ["tests/unit/test_capacity_slots.py", "-k", "biased"]),
     # gpt-oss: the window lets a query see one key too many (transformers: k > q - window)
     "oss_window_off_by_one": ("lightning_titan/model/sinks.py",
                               "(k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window)",
