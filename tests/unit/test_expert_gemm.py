@@ -32,6 +32,7 @@ def wire_rows_under_autocast(grouped: bool | None, align: int | None):
     torch.manual_seed(0)
     holder = nn.ModuleDict({"experts": GroupedExperts(D, F, (0, 4), grouped_mm=grouped)})
     experts = holder["experts"]
+    experts.reset_parameters(std=0.5)  # outputs and grads of order one: atol below stays small
     experts.probe()  # what Engine does at setup
     experts.align_rows = align
     x = torch.randn(sum(COUNTS), D).to(torch.bfloat16).requires_grad_()  # the dispatch's wire dtype
@@ -51,14 +52,16 @@ def test_wire_dtype_rows_and_fp32_weights_take_the_grouped_path_and_equal_the_lo
     assert loop_paths == {"experts": "loop"}, loop_paths
     assert out_g.dtype == out_l.dtype == torch.bfloat16 and x_g.dtype == torch.bfloat16
     # rtol 1.6e-2 (torch's own for bf16): both paths multiply the same bf16-rounded rows and
-    # weights with fp32 accumulation, but in different orders, and round gate, up, the activation
-    # and the output to bf16 (a step of 2**-7 relative): a value may land one step apart at two of
-    # those roundings. The weights' grads are fp32, accumulated from those bf16 products.
+    # weights with fp32 accumulation, but possibly in different orders, and round gate, up, the
+    # activation and the output to bf16 (a step of 2**-7 relative): a value may land one step apart
+    # at two of those roundings. The weights' grads are fp32, accumulated from those bf16 products.
+    # (torch 2.13's CPU grouped GEMM runs the same matmul per group: here they agree exactly.)
     for name, got, want in [("out", out_g, out_l), ("x", x_g, x_l)] + [
         (n, grads_g[n], grads_l[n]) for n in grads_l
     ]:
         assert want.dtype == (torch.float32 if name.startswith("w") else torch.bfloat16), name
-        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3, msg=name)
+        assert want.abs().max() > 0.1, (name, want.abs().max())  # atol is no free pass
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-4, msg=name)
 
 
 def test_every_expert_module_reports_its_path():
