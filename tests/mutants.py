@@ -474,14 +474,54 @@ MUTATIONS = {
                              ["tests/unit/test_experts.py"]),
     # issue 43: under bf16-mixed (autocast) the loop runs on CUDA, as before the explicit casts
     "grouped_not_under_autocast": ("lightning_titan/model/moe/experts.py",
-                                   "compute = autocast_dtype or dtype",
-                                   "compute = dtype",
+                                   "    if autocast_dtype is not None:\n        compute = autocast_dtype",
+                                   "    if False:\n        compute = autocast_dtype",
                                    ["tests/unit/test_experts.py"]),
     # issue 19: an expanded output grad reaches _grouped_mm's backward, which rejects it
     "grouped_strided_grad": ("lightning_titan/model/moe/experts.py",
                              "out = _ContiguousGrad.apply(self._add_bias(",
                              "out = (self._add_bias(",
                              ["tests/unit/test_experts.py"]),
+    # expert parallelism's bf16 wire rows with fp32 weights under autocast sent to the loop again
+    "grouped_wire_dtype_loop": ("lightning_titan/model/moe/experts.py",
+                                "    if autocast_dtype is not None:\n",
+                                "    if autocast_dtype is not None and rows_dtype == weight_dtype:\n",
+                                ["tests/unit/test_expert_gemm.py", "-k", "wire_dtype"]),
+    # the loop indexes w[e]: each select's backward a zero-filled full-size grad per expert
+    "loop_select_grads": ("lightning_titan/model/moe/experts.py",
+                          "w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)",
+                          "w1, w3, w2 = self.w1, self.w3, self.w2",
+                          ["tests/unit/test_expert_gemm.py", "-k", "full_size"]),
+    # the forward probes the grouped GEMMs itself (in an overlapped pair: a backward on the wrong thread)
+    "probe_in_forward": ("lightning_titan/model/moe/experts.py",
+                         "return dtype if dtype is not None and self.grouped_mm_runs.get(dtype, False) else None",
+                         "return dtype if dtype is not None and grouped_mm_supported(x.device, dtype, d_model, ffn_dim) else None",
+                         ["tests/unit/test_expert_gemm.py", "-k", "probes"]),
+    # the probe's groups of one row: not the aligned offsets the weight-gradient GEMM wants on CUDA
+    "probe_unaligned": ("lightning_titan/model/moe/experts.py",
+                        "offsets = torch.tensor([ALIGN_ROWS, rows], device=device, dtype=torch.int32)",
+                        "offsets = torch.tensor([1, rows], device=device, dtype=torch.int32)",
+                        ["tests/unit/test_expert_gemm.py", "-k", "aligned"]),
+    # with capacity the dispatch reads the counts back again (sizes not static)
+    "capacity_counted_sizes": ("lightning_titan/model/moe/layer.py",
+                               "        return keep, slots_per_expert(b, s, limit)\n",
+                               "        return keep, None\n",
+                               ["tests/unit/test_capacity_slots.py", "-k", "reads_nothing"]),
+    # an empty static slot weighted like a kept row: its (biased) output reaches the experts' grads
+    "slots_empty_weighted": ("lightning_titan/parallel/dispatch.py",
+                             "row_weight = F.pad(w.reshape(-1), (0, 1)).index_select(0, order)",
+                             "row_weight = F.pad(w.reshape(-1), (0, 1), value=1.0).index_select(0, order)",
+                             ["tests/unit/test_capacity_slots.py", "-k", "biased"]),
+    # the received slot blocks left source-major: rows reach other experts
+    "slots_source_major": ("lightning_titan/parallel/dispatch.py",
+                           "    return Pending(lambda: swap_major(pending.wait(), ep, n_local)), plan\n",
+                           "    return Pending(lambda: pending.wait()), plan\n",
+                           ["tests/distributed/test_dispatch.py", "-k", "expert_parallel"]),
+    # a kept assignment's slot counted from the start of all slots, not of its expert's
+    "slots_no_expert_start": ("lightning_titan/parallel/slots.py",
+                              "slot_sorted = torch.where(sorted_ids < n_experts, sorted_ids * slots + place, rows)",
+                              "slot_sorted = torch.where(sorted_ids < n_experts, place, rows)",
+                              ["tests/unit/test_capacity_slots.py", "-k", "biased"]),
     # gpt-oss: the window lets a query see one key too many (transformers: k > q - window)
     "oss_window_off_by_one": ("lightning_titan/model/sinks.py",
                               "(k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window)",

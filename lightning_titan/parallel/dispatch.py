@@ -11,6 +11,12 @@ token's K expert outputs, [T, D]. Steps, each undone in reverse by ``combine``:
 4. permute the received rows from source-rank-major to local-expert-major.
 
 With one EP rank (no group, or a group of size 1) steps 2-4 are skipped: no collective at all.
+
+Dropless, the split sizes depend on the routing: step 2's counts are read back to the host, one
+device-to-host read per MoE layer per microbatch (on CUDA a stream sync, which inside an overlapped
+pair also waits for the other half's queued kernels). With expert capacity (``slots``) the sizes are
+static: each expert gets a fixed number of rows (``parallel/slots.py``), step 2 is skipped, and
+nothing is read back.
 Every rank of the EP group must call ``dispatch``/``combine`` in the same order, also with zero rows.
 
 ``start_dispatch`` / ``start_combine`` start step 3's exchange and return at once: ``wait()`` gives the
@@ -32,6 +38,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_titan.parallel.all_to_all import Pending, all_to_all, done, start_all_to_all
 from lightning_titan.parallel.overlap import hand_over
+from lightning_titan.parallel.slots import PackSlots, SlotIndex, slot_index, swap_major
 from lightning_titan.parallel.wire import wire_dtype
 from lightning_titan.runtime import probes
 
@@ -121,6 +128,7 @@ class DispatchPlan:
     group: ProcessGroup | None = None
     dropped: bool = False  # some assignments were over capacity: combine pads their rows with zeros
     local_counts: Tensor | None = None  # [E_local] tokens_per_local_expert, on the device
+    slots: int | None = None  # static rows per expert of this rank's tokens (parallel/slots.py)
 
 
 def dispatch(
@@ -129,14 +137,17 @@ def dispatch(
     n_experts: int,
     group: ProcessGroup | None = None,
     keep: Tensor | None = None,
+    slots: int | None = None,
 ) -> tuple[Tensor, DispatchPlan]:
     """Route each of the T*K assignments of ``x`` [T, D] to the rank owning its expert.
 
     Returns the local experts' input rows, local-expert-major, and the plan for ``combine``.
     Expert ``e`` lives on EP rank ``e // (n_experts // ep)``. ``keep`` [T, K] bool (capacity,
     ``model/moe/capacity.py``): only those assignments are sent; ``tokens_per_expert`` counts them.
+    ``slots`` (with ``keep``, at least the kept assignments of any expert): each expert's rows are
+    that many, zero-padded, from every EP rank, and nothing is read back to the host.
     """
-    rows, plan = start_dispatch(x, expert_ids, n_experts, group, keep, overlap=False)
+    rows, plan = start_dispatch(x, expert_ids, n_experts, group, keep, overlap=False, slots=slots)
     return rows.wait(), plan
 
 
@@ -148,17 +159,23 @@ def start_dispatch(
     keep: Tensor | None = None,
     *,
     overlap: bool = True,
+    slots: int | None = None,
 ) -> tuple[Pending[Tensor], DispatchPlan]:
     """``dispatch`` with the rows' exchange started, not waited for (``overlap=False``: waited for
     at once, also in the backward). The plan is complete on return; the rows come with ``wait()``."""
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
     if keep is None:
+        if slots is not None:
+            raise ValueError(f"slots={slots} needs keep: static slots hold the kept assignments")
         order, counts = sort_and_count(flat_ids, n_experts)
     else:  # a dropped assignment sorts after every expert's rows, as if to expert n_experts
         flat_ids = torch.where(keep.reshape(-1), flat_ids, n_experts)
-        order, counts = sort_and_count(flat_ids, n_experts + 1)
-        counts = counts[:n_experts]
+        order, all_counts = sort_and_count(flat_ids, n_experts + 1)
+        counts = all_counts[:n_experts]
+        if slots is not None:
+            index = slot_index(flat_ids, order, all_counts, n_experts, slots, top_k)
+            return _start_in_slots(x, index, counts, group, slots, overlap)
     token_rows = _inverse_permutation(order).view(-1, top_k)
     plan = DispatchPlan(order, order // top_k, token_rows, counts, [], dropped=keep is not None)
     # all T*K rows, the dropped ones last: slicing them off below gives them a zero gradient, which
@@ -213,6 +230,36 @@ def start_dispatch(
     return Pending(lambda: _PermuteRows.apply(pending.wait(), local_order, inverse)), plan
 
 
+def _start_in_slots(
+    x: Tensor,
+    index: SlotIndex,
+    counts: Tensor,
+    group: ProcessGroup | None,
+    slots: int,
+    overlap: bool,
+) -> tuple[Pending[Tensor], DispatchPlan]:
+    """``start_dispatch`` with static sizes: ``slots`` rows per expert from every EP rank."""
+    plan = DispatchPlan(index.assignment_of_slot, index.token_of_slot, index.token_slots, counts,
+                        [], dropped=True, slots=slots)  # fmt: skip
+    packed = PackSlots.apply(x, index.slot_token, index.token_slots, index.kept)
+    n_experts, ep = counts.numel(), ep_size(group)
+    n_local = n_experts // ep
+    plan.tokens_per_local_expert = [ep * slots] * n_local
+    # torch.full: a kernel taking the number, no host-to-device copy
+    plan.local_counts = torch.full((n_local,), ep * slots, dtype=torch.long, device=x.device)
+    if group is None or ep == 1:
+        return done(packed), plan
+    packed = probes.fault("all_to_all", packed.to(wire_dtype(packed.dtype, packed.device)))
+    plan.send_splits = plan.recv_splits = [n_local * slots] * ep
+    plan.group = group
+    if overlap:
+        pending = start_all_to_all(packed, plan.recv_splits, plan.send_splits, group, "dispatch")
+    else:
+        pending = done(all_to_all(packed, plan.recv_splits, plan.send_splits, group, "dispatch"))
+    # received: (source rank, local expert) blocks of ``slots`` rows; the experts want them expert-major
+    return Pending(lambda: swap_major(pending.wait(), ep, n_local)), plan
+
+
 def combine(expert_out: Tensor, weights: Tensor, plan: DispatchPlan) -> Tensor:
     """Return each token's router-weighted sum of its K expert outputs, [T, D] (reverse of dispatch)."""
     return start_combine(expert_out, weights, plan, overlap=False).wait()
@@ -222,11 +269,15 @@ def start_combine(
     expert_out: Tensor, weights: Tensor, plan: DispatchPlan, *, overlap: bool = True
 ) -> Pending[Tensor]:
     """``combine`` with the rows' way back started, not waited for (``overlap``: as ``start_dispatch``)."""
-    if plan.local_order is None:
+    if plan.group is None:  # one EP rank
         return done(_unpack(expert_out, weights, plan))
-    # dispatch sets the splits and the group with local_order (more than one EP rank)
-    assert plan.send_splits is not None and plan.recv_splits is not None and plan.group is not None
-    source_major = _PermuteRows.apply(expert_out, plan.local_order_inverse, plan.local_order)
+    # dispatch sets the splits with the group (more than one EP rank)
+    assert plan.send_splits is not None and plan.recv_splits is not None
+    if plan.slots is None:
+        source_major = _PermuteRows.apply(expert_out, plan.local_order_inverse, plan.local_order)
+    else:
+        ep = len(plan.send_splits)
+        source_major = swap_major(expert_out, len(plan.tokens_per_local_expert), ep)
     splits = (plan.send_splits, plan.recv_splits)
     if not overlap:
         return done(
@@ -278,7 +329,8 @@ class _WeightedUnpack(torch.autograd.Function):
             grad_weights = per_row.index_select(0, token_rows.reshape(-1)).view(token_rows.shape)
             grad_weights = grad_weights.to(ctx.weights_dtype)
         if ctx.needs_input_grad[0]:
-            row_weight = w.reshape(-1).index_select(0, order).unsqueeze(1)
+            # a static slot with no assignment (order = T*K) takes the zero after the weights
+            row_weight = F.pad(w.reshape(-1), (0, 1)).index_select(0, order).unsqueeze(1)
             grad_rows = grad_of_row.mul_(row_weight)
         return grad_rows, grad_weights, None, None, None
 

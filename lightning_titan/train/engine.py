@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_titan.model.decoder import COPIED_OVER, EXPERT, StageModel, grad_group_kinds
 from lightning_titan.model.moe import balance
+from lightning_titan.model.moe.experts import probe_grouped_mm
 from lightning_titan.model.moe.layer import StepCounts, take_step_counts
 from lightning_titan.parallel.dp import zero as zero_levels
 from lightning_titan.parallel.dp import zero_grads
@@ -107,6 +108,9 @@ class Engine:
         ]
         self.params = [p for _, p, _ in kinds]
         self.balanced_layers = balance.balanced_layers(module)  # MoE layers with an expert bias
+        # here, on the weights' device, not in a forward (in an overlapped pair a probe's backward
+        # would wait on autograd's device thread, parked in the hand-over)
+        probe_grouped_mm(module)
         if zero and not self.zero_groups:
             warnings.warn(
                 f"zero={zero} changes nothing here: this layout (dp={dims.dp}, ep={dims.ep}) has no "

@@ -9,14 +9,16 @@ become ready from a hook there), and dp2 x ep2 at zero=2 (reduce-scatters instea
 on gloo, all-to-alls).
 
 Also, per step: the host reads (each a stream sync on CUDA) are a fixed number per MoE layer per
-microbatch and per bucket, and there are no host-to-device copies (issue 43: none per parameter,
-layer or microbatch); under CPU autocast the all-to-all, p2p and TP sequence payloads travel in bf16.
+microbatch (dropless; none with expert capacity, whose dispatch sizes are static) and per bucket,
+and there are no host-to-device copies (none per parameter, layer or microbatch); under CPU
+autocast the all-to-all, p2p and TP sequence payloads travel in bf16.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import combinations
 
 import pytest
@@ -38,6 +40,9 @@ LAYOUTS = [(1, 2, 2, 0), (2, 1, 2, 0), (1, 1, 4, 0), (2, 2, 1, 0), (2, 1, 2, 2),
 CONFIG = ModelConfig(
     vocab_size=31, d_model=16, n_layers=4, n_heads=2, ffn_dim=16, n_experts=4, top_k=2, seq_len=6
 )
+# the same layouts with expert capacity: the dispatch in static slots, no host read per MoE layer
+CAPACITY_LAYOUTS = [(1, 1, 4, 0), (2, 1, 2, 0), (1, 2, 2, 0), (1, 1, 2, 0, 2)]
+CAPACITY = replace(CONFIG, capacity_factor=1.0)
 BATCH, M, STEPS = 8, 2, 3
 SCATTERS = ("reduce_scatter_single", "all_to_all_single")
 COLLECTIVES = (
@@ -89,26 +94,28 @@ class CollectiveLog:
             setattr(dist, name, func)
 
 
-def _model_with_a_parameter_some_ranks_use(dims: ParallelDims, groups) -> StageModel:
+def _model_with_a_parameter_some_ranks_use(
+    dims: ParallelDims, groups, config: ModelConfig
+) -> StageModel:
     """The stage model plus ``layers.<last>.extra`` [D], added to the last local block's output on
     ranks with an even data rank only: its grad is ready there before that block's all-to-alls run
     backward, and never from a hook elsewhere. Registered last, so its bucket comes early."""
-    model = StageModel(CONFIG, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
+    model = StageModel(config, pp_rank=dims.pp_rank, pp=dims.pp, ep_rank=dims.ep_rank, ep=dims.ep,
                        ep_group=groups.ep, tp_group=groups.tp,
                        sequence_group=groups.sequence)  # fmt: skip
     model.init_weights(7)
     block = model.layers[str(model.layer_range[1] - 1)]
-    block.extra = nn.Parameter(torch.zeros(CONFIG.d_model))
+    block.extra = nn.Parameter(torch.zeros(config.d_model))
     if dims.data_rank % 2 == 0:
         block.register_forward_hook(lambda mod, args, out: (out[0] + mod.extra, out[1]))
     return model
 
 
-def _run_layout(rank: int, layout: tuple[int, ...]) -> dict:
+def _run_layout(rank: int, layout: tuple[int, ...], config: ModelConfig = CONFIG) -> dict:
     dp, pp, ep, zero, *tp = layout
     dims = ParallelDims(dp, pp, ep, rank, *tp)
     groups = build_process_groups(dims)
-    model = _model_with_a_parameter_some_ranks_use(dims, groups)
+    model = _model_with_a_parameter_some_ranks_use(dims, groups, config)
     # a bucket each
     engine = Engine(model, dims, groups, schedule="1f1b", bucket_cap_mb=1e-9, zero=zero)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -147,7 +154,9 @@ def _run_layout(rank: int, layout: tuple[int, ...]) -> dict:
 
 def _all_layouts(rank: int, world_size: int) -> list[dict]:
     torch.set_num_threads(1)
-    return [_run_layout(rank, layout) for layout in LAYOUTS]
+    return [_run_layout(rank, layout) for layout in LAYOUTS] + [
+        _run_layout(rank, layout, CAPACITY) for layout in CAPACITY_LAYOUTS
+    ]
 
 
 def _check_order(logs: list[list[tuple[str, tuple[int, ...]]]], label: str) -> None:
@@ -168,7 +177,8 @@ def _check_order(logs: list[list[tuple[str, tuple[int, ...]]]], label: str) -> N
 @pytest.mark.timeout(400)
 def test_collective_order_host_reads_and_payload_dtypes():
     per_rank = run_on_ranks(_all_layouts, WORLD, timeout_s=360, start_method="fork")
-    for i, layout in enumerate(LAYOUTS):
+    for i, layout in enumerate(LAYOUTS + CAPACITY_LAYOUTS):
+        capacity = i >= len(LAYOUTS)
         results = [per_rank[r][i] for r in range(WORLD)]
         for step in range(STEPS):
             _check_order([r["logs"][step] for r in results], f"{layout} step {step}")
@@ -183,11 +193,14 @@ def test_collective_order_host_reads_and_payload_dtypes():
         scattered = {g for name, g in entries if name in SCATTERS and g in dp_groups}
         assert bool(scattered) == (zero == 2), (layout, entries)
         for r in results:
-            # one read per MoE layer per microbatch (the dispatch split sizes), none in backward;
-            # one per bucket to finish the gradients (its used-flags), none for clipping, and the
-            # step's one read of its numbers (norm, loss, aux, drops); none in the update
+            # one read per MoE layer per microbatch (the dispatch split sizes; with capacity none:
+            # static sizes), none in backward; one per bucket to finish the gradients (its
+            # used-flags), none for clipping, and the step's one read of its numbers (norm, loss,
+            # aux, drops); none in the update
+            per_layer = 0 if capacity else 1
             for fb, rest in r["reads"]:
-                assert fb == r["layers"] * M and rest == r["buckets"] + 1, (layout, r["reads"])
+                assert fb == per_layer * r["layers"] * M, (layout, capacity, r["reads"])
+                assert rest == r["buckets"] + 1, (layout, capacity, r["reads"])
             # and nothing copied onto the device: no flag per parameter, no offsets per layer
             assert all(step == [] for step in r["copies"]), (layout, r["copies"])
             # the last step ran under autocast: tokens travel in bf16 (zero=2's grads stay fp32)

@@ -218,6 +218,30 @@ def _check_moe_matches_local(group: dist.ProcessGroup, rank: int, forced: bool) 
             assert torch.equal(shard.experts.w1.grad, torch.zeros_like(shard.experts.w1.grad))
 
 
+def _check_slots_match_dynamic(group: dist.ProcessGroup, rank: int) -> None:
+    """Under capacity, the static slots (``slots``: sizes known without reading the counts) give
+    what the counted exchange gives: the same outputs and grads, the empty slots' outputs (nonzero
+    here: the stand-in expert adds one) left out; ``keep`` leaves at most 6 of 20 per expert."""
+    ep, ep_rank = dist.get_world_size(group), dist.get_rank(group)
+    x, ids, w = routed_tokens(20, seed=rank)  # the same token count on every rank: static sizes
+    keep = torch.rand(ids.shape, generator=torch.Generator().manual_seed(rank)) < 0.6
+    for e in range(E):  # at most 6 kept per expert
+        kept = (ids == e) & keep
+        keep &= ~(kept & (kept.flatten().cumsum(0).view_as(kept) > 6))
+    results = []
+    for slots in (None, 6):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        expert_in, plan = dispatch(xi, ids, E, group, keep, slots=slots)
+        counts = plan.tokens_per_local_expert
+        out = combine(scale_by_expert(expert_in, counts, ep_rank * (E // ep)) + 1.0, wi, plan)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
+        results.append((out, xi.grad, wi.grad, plan.tokens_per_expert))
+        if slots is not None:
+            assert counts == [ep * slots] * (E // ep) and plan.send_splits == [E // ep * slots] * ep
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def _check_overlap(group: dist.ProcessGroup, rank: int) -> None:
     """The shared expert's halves run while the tokens travel: each half's forward inside the
     in-flight span of its exchange (up: dispatch, down: combine), each half's weight gradient inside
@@ -320,6 +344,7 @@ def _ep_cases(rank: int, world_size: int) -> str:
     _check_pair(pairs[rank // 2], rank)
     for group in (pairs[rank // 2], everyone):
         _check_layout(group, rank)
+        _check_slots_match_dynamic(group, rank)
         _check_moe_matches_local(group, rank, forced=False)
         _check_moe_matches_local(group, rank, forced=True)
     return "ok"

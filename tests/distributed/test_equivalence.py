@@ -122,6 +122,7 @@ CAPACITY = {
         ((2, 1, 1), "1f1b", 1),
         ((1, 2, 1), "1f1b", 2),
         ((1, 1, 2), "gpipe", 2),
+        ((1, 1, 2), "1f1b_overlap", 4),  # the static slots' exchanges inside a pair's halves
         ((1, 1, 1, 2), "1f1b", 1),
         ((1, 1, 1, 1, 2), "1f1b", 1),
     ],

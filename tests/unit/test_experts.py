@@ -89,6 +89,8 @@ def test_the_padded_rows_stay_out_of_the_result():
 def test_chosen_automatically_also_under_autocast():
     experts = GroupedExperts(D, F, (0, 4))
     x = torch.randn(5, D)
+    assert experts.grouped_dtype(x) is None  # not probed: the loop
+    experts.probe()
     assert experts.grouped_dtype(x) == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):  # explicit casts: the grouped GEMMs, in bf16
         if grouped_mm_supported(x.device, torch.bfloat16, D, F):
@@ -98,20 +100,28 @@ def test_chosen_automatically_also_under_autocast():
 
 
 def test_which_path_runs_where():
-    """The decision, given the device: CUDA's grouped kernel on sm90/sm100 in bf16 with aligned rows,
-    so under bf16-mixed there; the loop where that kernel would read the offsets to the host."""
-    bf16, fp32 = torch.bfloat16, torch.float32
-    for capability in ((9, 0), (10, 0)):
-        assert grouped_mm_dtype("cuda", capability, fp32, bf16, 4096, 14336) == bf16  # bf16-mixed
-        assert grouped_mm_dtype("cuda", capability, bf16, None, 4096, 14336) == bf16  # bf16-true
-        assert grouped_mm_dtype("cuda", capability, fp32, None, 4096, 14336) is None  # 32-true
-        assert grouped_mm_dtype("cuda", capability, fp32, bf16, 4096, 100) is None  # 200-byte rows
-        assert grouped_mm_dtype("cuda", capability, fp32, torch.float16, 64, 64) is None
-    for capability in ((8, 0), (8, 9), (7, 5), None):
-        assert grouped_mm_dtype("cuda", capability, fp32, bf16, 4096, 14336) is None
-    assert grouped_mm_dtype("cpu", None, fp32, None, D, F) == fp32
-    assert grouped_mm_dtype("cpu", None, fp32, bf16, D, F) == bf16
-    assert grouped_mm_dtype("mps", None, fp32, bf16, D, F) is None
+    """The decision, given the rows' and weights' dtypes, autocast and the device: CUDA's grouped
+    kernel on sm90/sm100 in bf16 with aligned rows, so under bf16-mixed there, also with the rows in
+    the bf16 wire dtype of expert parallelism and the weights fp32; the loop where that kernel would
+    read the offsets to the host."""
+    bf16, fp32, fp16 = torch.bfloat16, torch.float32, torch.float16
+    big = (4096, 14336)
+    for cap in ((9, 0), (10, 0)):
+        assert grouped_mm_dtype("cuda", cap, fp32, fp32, bf16, *big) == bf16  # bf16-mixed
+        assert grouped_mm_dtype("cuda", cap, bf16, fp32, bf16, *big) == bf16  # + EP's bf16 rows
+        assert grouped_mm_dtype("cuda", cap, bf16, bf16, None, *big) == bf16  # bf16-true
+        assert grouped_mm_dtype("cuda", cap, fp32, fp32, None, *big) is None  # 32-true
+        assert grouped_mm_dtype("cuda", cap, bf16, fp32, None, *big) is None  # no autocast
+        assert grouped_mm_dtype("cuda", cap, fp32, fp32, bf16, 4096, 100) is None  # 200-byte rows
+        assert grouped_mm_dtype("cuda", cap, fp16, fp32, fp16, 64, 64) is None
+    for cap in ((8, 0), (8, 9), (7, 5), None):
+        assert grouped_mm_dtype("cuda", cap, fp32, fp32, bf16, *big) is None
+        assert grouped_mm_dtype("cuda", cap, bf16, fp32, bf16, *big) is None
+    assert grouped_mm_dtype("cpu", None, fp32, fp32, None, D, F) == fp32
+    assert grouped_mm_dtype("cpu", None, fp32, fp32, bf16, D, F) == bf16
+    assert grouped_mm_dtype("cpu", None, bf16, fp32, bf16, D, F) == bf16  # EP under bf16-mixed
+    assert grouped_mm_dtype("cpu", None, bf16, fp32, None, D, F) is None
+    assert grouped_mm_dtype("mps", None, fp32, fp32, bf16, D, F) is None
 
 
 @pytest.mark.skipif(

@@ -12,9 +12,9 @@ second choice, ... (GShard's priority: a token loses its second expert before an
 Positions are the global ones (context parallelism holds chunks ``r`` and ``2cp-1-r``; tensor
 parallelism then a contiguous slice of those), so the queue does not depend on the split.
 
-A dropped assignment is not dispatched (no rows sent, no expert FLOPs); the token's output is the sum
-of its kept experts' outputs with their router weights, so a token that loses all K passes through on
-the residual alone.
+A dropped assignment is not dispatched (its expert's static slots, ``parallel/slots.py``, hold the
+kept ones and zero rows); the token's output is the sum of its kept experts' outputs with their
+router weights, so a token that loses all K passes through on the residual alone.
 """
 
 from __future__ import annotations

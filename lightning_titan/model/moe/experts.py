@@ -3,9 +3,13 @@
 Two ways to run them, equal within float rounding: one grouped GEMM per weight over all local experts
 (``torch._grouped_mm`` with the row offsets, as torchtitan and Megatron do), or a Python loop of
 per-expert matmuls. ``grouped_mm=None`` picks the grouped one where ``grouped_mm_dtype`` says the
-device runs it well and this build runs it (probed once per device, dtype and shape); the loop
-otherwise. Under autocast the grouped GEMMs take part in no autocast casts: they run in the autocast
-dtype by explicit casts (as torchtitan does), as the loop's matmuls do through autocast.
+device runs it well and this build runs it: ``probe_grouped_mm`` asks the build once at setup
+(``Engine``), never in a forward, so a module nobody probed runs the loop. Under autocast the grouped
+GEMMs take part in no autocast casts: they run in the autocast dtype by explicit casts (as torchtitan
+does), the weights cast once per call, as the loop's matmuls do through autocast. Under expert
+parallelism the rows arrive in the wire dtype (bf16 under bf16 autocast) while the weights stay fp32:
+autocast reconciles the two, so that is the grouped path too. ``expert_gemm_paths`` says which path
+each expert module took in its last forward.
 
 On CUDA, torch's grouped kernel (sm90/sm100, bf16) wants int32 offsets on the device (a ``cumsum``
 of the counts already there: no host-to-device copy) and 16-byte-aligned strides; each expert's
@@ -17,6 +21,7 @@ on every call, so there the loop runs, on the split sizes the host already has.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -31,18 +36,25 @@ _GROUPED_CUDA_MAJORS = (9, 10)  # torch's CUTLASS grouped GEMM: sm90 and sm100, 
 def grouped_mm_dtype(
     device_type: str,
     capability: tuple[int, int] | None,
-    dtype: torch.dtype,
+    rows_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
     autocast_dtype: torch.dtype | None,
     d_model: int,
     ffn_dim: int,
 ) -> torch.dtype | None:
     """The dtype the grouped GEMMs would run in on such a device, or None where the loop is better.
 
-    ``dtype``: the input's (and weights'); ``autocast_dtype``: the device's autocast dtype where
-    autocast is on; ``capability``: CUDA's compute capability. Whether this torch build has the
-    kernel at all is ``grouped_mm_supported``'s question, not this one's.
+    ``rows_dtype``: the input rows' (under EP: the wire dtype); ``weight_dtype``: the expert
+    weights'; ``autocast_dtype``: the device's autocast dtype where autocast is on; ``capability``:
+    CUDA's compute capability. Whether this torch build has the kernel at all is
+    ``grouped_mm_supported``'s question, not this one's.
     """
-    compute = autocast_dtype or dtype
+    if autocast_dtype is not None:
+        compute = autocast_dtype  # rows and weights both cast to it, whatever they arrive in
+    elif rows_dtype == weight_dtype:
+        compute = rows_dtype
+    else:  # nothing reconciles them: the loop's matmul names the mismatch
+        return None
     if device_type == "cuda":
         aligned = all(n * compute.itemsize % 16 == 0 for n in (d_model, ffn_dim))  # row strides
         fast = capability is not None and capability[0] in _GROUPED_CUDA_MAJORS
@@ -61,21 +73,52 @@ def row_alignment(device_type: str) -> int:
 def grouped_mm_supported(
     device: torch.device, dtype: torch.dtype, d_model: int, ffn_dim: int
 ) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward here (a tiny probe, once per key)."""
+    """Whether ``torch._grouped_mm`` runs forward and backward here and equals per-group matmuls (a
+    small probe, once per key; ``probe_grouped_mm`` runs it at setup)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        # cached for the process: the first forward may run under no_grad (an eval, a logits
-        # check), where the probe's backward would fail and turn grouped GEMMs off for good
+        # cached for the process: setup may run under no_grad (an eval, a logits check), where the
+        # probe's backward would fail and turn grouped GEMMs off for good
         with torch.inference_mode(False), torch.enable_grad():
-            x = torch.ones(2, d_model, device=device, dtype=dtype, requires_grad=True)
-            w = torch.ones(2, d_model, ffn_dim, device=device, dtype=dtype, requires_grad=True)
-            offsets = torch.arange(1, 3, device=device, dtype=torch.int32)  # rows [0, 1), [1, 2)
+            # two groups of ALIGN_ROWS rows: the offsets the weight-gradient GEMM (grouped over the
+            # rows, its K dim) wants on CUDA; one-row groups fail there for a reason training never meets
+            rows = 2 * ALIGN_ROWS
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(rows, d_model, generator=g).to(device, dtype).requires_grad_()
+            w = torch.randn(2, d_model, ffn_dim, generator=g).to(device, dtype).requires_grad_()
+            offsets = torch.tensor([ALIGN_ROWS, rows], device=device, dtype=torch.int32)
             out = torch._grouped_mm(x, w, offs=offsets)
             out.backward(torch.ones_like(out))
-    except (RuntimeError, NotImplementedError, TypeError):
+            half = ALIGN_ROWS
+            want = torch.cat([x[:half] @ w[0], x[half:] @ w[1]])
+            tol = 1e-3 if dtype == torch.float32 else 5e-2  # TF32 matmuls; bf16: 8 mantissa bits
+            torch.testing.assert_close(out, want, rtol=tol, atol=tol * d_model**0.5)
+    except (RuntimeError, NotImplementedError, TypeError, AssertionError):
         return False
     return True
+
+
+def probe_grouped_mm(module: nn.Module) -> None:
+    """Probe, for every ``GroupedExperts`` under ``module``, each dtype its forward could run the
+    grouped GEMMs in on its device (fp32, bf16), so that no forward probes: a probe's backward
+    inside an overlapped pair (``parallel/overlap.py``) would wait on autograd's device thread."""
+    for experts in module.modules():
+        if isinstance(experts, GroupedExperts):
+            experts.probe()
+
+
+def expert_gemm_paths(module: nn.Module) -> dict[str, str]:
+    """Which expert GEMMs each ``GroupedExperts`` under ``module`` ran in its last forward, by name:
+    ``"grouped bf16"``, ``"grouped fp32"``, ``"loop"`` (``"none"``: no forward yet)."""
+    return {
+        name: experts.last_gemm_path or "none"
+        for name, experts in module.named_modules()
+        if isinstance(experts, GroupedExperts)
+    }
+
+
+_SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -134,6 +177,10 @@ class GroupedExperts(nn.Module):
         if not 0 <= start < end:
             raise ValueError(f"expert_range={expert_range} must satisfy 0 <= start < end")
         self.expert_range = (start, end)
+        # set by probe() at setup: whether this build's grouped GEMMs run here, per dtype (none
+        # probed: the loop); and the path the last forward took (expert_gemm_paths)
+        self.grouped_mm_runs: dict[torch.dtype, bool] = {}
+        self.last_gemm_path: str | None = None
         n_local = end - start
         self.w1 = nn.Parameter(torch.empty(n_local, d_model, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(n_local, d_model, ffn_dim))
@@ -168,18 +215,29 @@ class GroupedExperts(nn.Module):
                 f"{x.shape[0]} rows of x"
             )
         dtype = self.grouped_dtype(x)
+        self.last_gemm_path = (
+            "loop" if dtype is None else f"grouped {_SHORT_NAMES.get(dtype, dtype)}"
+        )
         if dtype is not None:
             if counts is None:
                 counts = torch.tensor(tokens_per_expert, device=x.device)
             return self._grouped(x, tokens_per_expert, counts, dtype)
+        return self._loop(x, tokens_per_expert)
+
+    def _loop(self, x: Tensor, tokens_per_expert: list[int]) -> Tensor:
+        # unbind, not w[e]: a select's backward writes its expert's grad into a zero-filled full
+        # [E_local, D, F] tensor, E_local of them per weight; unbind's stacks the slices once
+        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
+        biases = [b.unbind(0) if b is not None else None for b in (self.b1, self.b3, self.b2)]
+        b1, b3, b2 = biases
         # Empty slices still run, so every expert weight gets a (zero) gradient on every rank.
         outputs = []
         for e, rows in enumerate(torch.split(x, tokens_per_expert)):
-            gate, up = rows @ self.w1[e], rows @ self.w3[e]
-            if self.b1 is not None and self.b3 is not None:
-                gate, up = gate + self.b1[e], up + self.b3[e]
-            out = gated(gate, up, self.swiglu_limit, self.swiglu_alpha) @ self.w2[e]
-            outputs.append(out if self.b2 is None else out + self.b2[e])
+            gate, up = rows @ w1[e], rows @ w3[e]
+            if b1 is not None and b3 is not None:
+                gate, up = gate + b1[e], up + b3[e]
+            out = gated(gate, up, self.swiglu_limit, self.swiglu_alpha) @ w2[e]
+            outputs.append(out if b2 is None else out + b2[e])
         return torch.cat(outputs)
 
     def uses_grouped_mm(self, x: Tensor) -> bool:
@@ -192,14 +250,33 @@ class GroupedExperts(nn.Module):
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         if self.grouped_mm is not None:
             return (autocast or x.dtype) if self.grouped_mm else None
-        if x.dtype != self.w1.dtype:
-            return None
         capability = torch.cuda.get_device_capability(x.device) if device == "cuda" else None
         d_model, ffn_dim = self.w1.shape[1:]
-        dtype = grouped_mm_dtype(device, capability, x.dtype, autocast, d_model, ffn_dim)
-        if dtype is None or not grouped_mm_supported(x.device, dtype, d_model, ffn_dim):
-            return None
-        return dtype
+        dtype = grouped_mm_dtype(
+            device, capability, x.dtype, self.w1.dtype, autocast, d_model, ffn_dim
+        )
+        # read, never probed here: probe() ran at setup (a module not probed runs the loop)
+        return dtype if dtype is not None and self.grouped_mm_runs.get(dtype, False) else None
+
+    def probe(self) -> None:
+        """Ask this build, on the weights' device, whether the grouped GEMMs run in each dtype the
+        decision could pick there (at setup: ``probe_grouped_mm``)."""
+        device = self.w1.device
+        if device.type == "meta":
+            return
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        d_model, ffn_dim = self.w1.shape[1:]
+        for dtype in (torch.float32, torch.bfloat16):
+            if grouped_mm_dtype(device.type, capability, dtype, dtype, None, d_model, ffn_dim):
+                runs = grouped_mm_supported(device, dtype, d_model, ffn_dim)
+                self.grouped_mm_runs[dtype] = runs
+                if not runs and device.type == "cuda":  # where it should run: say so, once per key
+                    warnings.warn(
+                        f"torch._grouped_mm failed its probe on {device} (capability {capability}) "
+                        f"in {dtype} for experts of d_model={d_model}, ffn_dim={ffn_dim}: the "
+                        "experts run the per-expert loop; check the torch build (CUDA 12.x, sm90+)",
+                        stacklevel=2,
+                    )
 
     def _grouped(
         self, x: Tensor, tokens_per_expert: list[int], counts: Tensor, dtype: torch.dtype

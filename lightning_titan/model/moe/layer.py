@@ -11,6 +11,7 @@ from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.router import route
 from lightning_titan.model.moe.shared import SharedExpert
 from lightning_titan.parallel.dispatch import ep_size, start_combine, start_dispatch
+from lightning_titan.parallel.slots import slots_per_expert
 
 
 class MoELayer(nn.Module):
@@ -27,7 +28,9 @@ class MoELayer(nn.Module):
     ``capacity_factor`` (None: dropless) caps each expert at ``floor(factor * S * K / E)`` of a
     sequence's assignments and drops the rest (``model/moe/capacity.py``); ``sequence_split`` = (cp, tp)
     says how ``sequence_group`` cuts each sequence. The counts above are the router's selections,
-    before the drops; ``rows_per_local_expert`` holds the last forward's received rows.
+    before the drops; ``rows_per_local_expert`` holds the rows each local expert ran in the last
+    forward (with capacity: its static slots, the kept assignments then zero rows, so that the
+    dispatch reads nothing back to the host).
 
     The training forwards (grad enabled, not activation checkpointing's recompute, which saw the
     same tokens) add their selections and drops to the layer's own running counts, which the step
@@ -136,11 +139,12 @@ class MoELayer(nn.Module):
             scaling=self.scaling,
         )
         tokens = x.reshape(b * s, d)
-        keep = self._keep(routing.expert_ids, b, s)
+        keep, slots = self._keep(routing.expert_ids, b, s)
         overlap = self.overlap_all_to_all
         pending_in, plan = start_dispatch(
-            tokens, routing.expert_ids, self.n_experts, self.ep_group, keep, overlap=overlap
-        )
+            tokens, routing.expert_ids, self.n_experts, self.ep_group, keep, overlap=overlap,
+            slots=slots,
+        )  # fmt: skip
         # while the tokens travel to their experts
         hidden = None if shared is None else shared.up(x)
         if self.expert_bias is not None:
@@ -184,17 +188,19 @@ class MoELayer(nn.Module):
             0, ids, torch.ones_like(ids)
         )
 
-    def _keep(self, expert_ids: Tensor, b: int, s: int) -> Tensor | None:
-        """[T, K] bool: the assignments within capacity (None: dropless)."""
+    def _keep(self, expert_ids: Tensor, b: int, s: int) -> tuple[Tensor | None, int | None]:
+        """[T, K] bool: the assignments within capacity, and the static rows per expert that hold
+        them (``parallel/slots.py``: the dispatch's sizes without a host read); None, None: dropless."""
         if self.capacity_factor is None:
-            return None
+            return None, None
         cp, tp = self.sequence_split
         limit = capacity.expert_capacity(
             self.capacity_factor, s * cp * tp, self.top_k, self.n_experts
         )
-        return capacity.keep_mask(
+        keep = capacity.keep_mask(
             expert_ids, b, self.n_experts, limit, self.sequence_group, self.sequence_split
         )
+        return keep, slots_per_expert(b, s, limit)
 
 
 def recomputing() -> bool:
