@@ -211,7 +211,7 @@ def _staged_on_host(
         zero_shards=shards,
     )  # fmt: skip
     call_s = time.perf_counter() - start
-    live = [p for p in model.parameters()]
+    live: list[Tensor] = list(model.parameters())
     live += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     kept = [t.detach().clone() for t in live]
     with torch.no_grad():
@@ -259,7 +259,8 @@ def _contexts_elsewhere(device: torch.device) -> list[int]:
     if device.type != "cuda":
         return []
     others = [d for d in range(torch.cuda.device_count()) if d != device.index]
-    return [d for d in others if torch._C._cuda_hasPrimaryContext(d)]
+    has_context = torch._C._cuda_hasPrimaryContext  # type: ignore[attr-defined]  # CUDA builds
+    return [d for d in others if has_context(d)]
 
 
 def background_save(rank: int, world: int, spec: Spec) -> dict[str, Any]:
