@@ -19,7 +19,9 @@ from lightning_titan.tools.doctor_rows import same_bits
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _doctor(args: list[str], fault: str | None = None, timeout: float = 240) -> tuple[int, str, str]:
+def _doctor(
+    args: list[str], fault: str | None = None, timeout: float = 240
+) -> tuple[int, str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("TITAN_FAULT", None)
     if fault:
@@ -34,9 +36,7 @@ def _doctor(args: list[str], fault: str | None = None, timeout: float = 240) -> 
 def test_cpu_mode_every_row_passes(tmp_path: Path) -> None:
     report = tmp_path / "doctor.json"
     start = time.monotonic()
-    code, out, err = _doctor(
-        ["-m", "lightning_titan.tools.doctor", "--cpu", "--json", str(report)]
-    )
+    code, out, err = _doctor(["-m", "lightning_titan.tools.doctor", "--cpu", "--json", str(report)])
     seconds = time.monotonic() - start
     assert code == 0, out + err
     lines = out.splitlines()
