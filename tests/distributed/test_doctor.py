@@ -77,9 +77,9 @@ def test_a_hung_row_is_killed_named_and_fails_the_command() -> None:
     assert "failed: ep2_fp32" in err.splitlines()
 
 
-def _smoke(losses: list[float], reference: list[float]) -> list[list[dict]]:
+def _smoke(losses: list[float], reference: list[float], one_gemm: str = "loop") -> list[list[dict]]:
     rank = {"losses": losses, "syncs": None, "gemm": ["loop"]}
-    return [[rank, dict(rank)], [{"losses": reference, "syncs": None, "gemm": ["loop"]}]]
+    return [[rank, dict(rank)], [{"losses": reference, "syncs": None, "gemm": [one_gemm]}]]
 
 
 def test_the_judges_fail_rows_whose_numbers_are_off() -> None:
@@ -89,6 +89,11 @@ def test_the_judges_fail_rows_whose_numbers_are_off() -> None:
     assert not ok
     ok, _ = doctor._judge_smoke("ep2_bf16", _smoke([4.0, 3.9], [4.0, 3.9 * (1 + 2e-4)]))
     assert ok  # bf16's tolerance
+    # the expert GEMM path is reported, marked where the layout changed it (not judged)
+    ok, numbers = doctor._judge_smoke("ep2_bf16", _smoke([4.0], [4.0], "grouped bfloat16"))
+    assert ok and "loop [differs from one device] (one device: grouped bfloat16)" in numbers
+    _, numbers = doctor._judge_smoke("ep2_bf16", _smoke([4.0], [4.0]))
+    assert "expert GEMM: loop (one device: loop)" in numbers
     assert doctor.rel_diff([1.0, math.nan], [1.0, 1.0]) == math.inf
     ok, _ = doctor._judge_pipeline("dualpipev", [[{"1f1b": [2.0], "dualpipev": [2.1]}]])
     assert not ok
