@@ -1,9 +1,10 @@
 """``titan doctor``: the first-GPU checklist as one command, a table of pass/fail rows.
 
-    titan doctor                           # every row on this machine's GPUs (NCCL), under 5 minutes
+    titan doctor                           # every row on this machine's GPUs (NCCL), sized for < 5 min
     titan doctor --only ep2_bf16 compile   # some rows
     titan doctor --cpu                     # gloo on CPU ranks, a tiny model (what the suite runs)
     titan doctor --json doctor.json        # the rows' numbers for a script ("-": stdout)
+    python -m lightning_titan.tools.doctor --cpu   # the same without loading the Lightning CLI
 
 Each row launches its ranks afresh (``run_on_ranks``) with a deadline: a row that hangs is killed at
 ``--timeout-s`` and reported failed, and the next row runs. The exit status is 1 if any row failed.
@@ -83,7 +84,7 @@ def _judge_smoke(name: str, launches: list[list[Any]]) -> tuple[bool, str]:
     numbers = (
         f"loss {losses[-1]:.4f} vs one device {reference[-1]:.4f}, max rel diff {diff:.1e} "
         f"(tol {TOLERANCE[name]:.0e}); expert GEMM: {gemm} (one device: {', '.join(one['gemm'])}); "
-        f"sync warnings per rank: {sync_note}"
+        f"sync warnings per rank in {len(losses)} steps: {sync_note}"
     )
     return ok, numbers
 

@@ -56,14 +56,14 @@ def test_cpu_mode_every_row_passes(tmp_path: Path) -> None:
     assert seconds < 120, f"titan doctor --cpu took {seconds:.0f} s (aim: under 60)"
 
 
-@pytest.mark.slow  # ~30 s: the command's Lightning import, the deadline, the next row
+@pytest.mark.slow  # ~40 s: the command's Lightning import, the 20 s deadline, the next row
 @pytest.mark.timeout(300)
 def test_a_hung_row_is_killed_named_and_fails_the_command() -> None:
     # rank 1 stops in its second step's all-to-all (and waits there for a signal that never comes);
     # rank 0 waits in the same all-to-all: the row's deadline kills both
     code, out, err = _doctor(
         ["-m", "lightning_titan", "doctor", "--cpu", "--only", "ep2_fp32", "compile",
-         "--timeout-s", "6", "--json", "-"],
+         "--timeout-s", "20", "--json", "-"],
         fault="rank=1,step=1,phase=all_to_all,action=note",
     )  # fmt: skip
     assert code == 1, out + err
@@ -71,9 +71,10 @@ def test_a_hung_row_is_killed_named_and_fails_the_command() -> None:
     assert parsed["ok"] is False
     rows = {r["row"]: r for r in parsed["rows"]}
     assert rows["ep2_fp32"]["status"] == "FAIL"
-    assert "did not finish within 6 s" in rows["ep2_fp32"]["numbers"]
+    assert "did not finish within 20 s" in rows["ep2_fp32"]["numbers"]
     assert rows["ep2_fp32"]["seconds"] < 60
-    assert rows["compile"]["status"] == "pass"  # the next row ran
+    # the next row ran (one rank, rank 0: the fault, armed in every row, never fires there)
+    assert rows["compile"]["status"] == "pass"
     assert "failed: ep2_fp32" in err.splitlines()
 
 
