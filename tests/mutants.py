@@ -785,6 +785,12 @@ MUTATIONS = {
                            "return torch.equal(bytes_a, b.detach().cpu().reshape(-1).view(torch.uint8))",
                            "return torch.equal(a, b)",
                            ["tests/distributed/test_doctor.py", "-k", "same_bits"]),
+    # every grad summed over the data ranks, not averaged: under Adam the losses barely move, the
+    # grad norm doubles; titan doctor's ep2 rows compare the norms too and must fail
+    "doctor_sees_grad_scale": ("lightning_titan/train/engine.py",
+                               "scale = 1.0 / dims.data_world",
+                               "scale = 1.0",
+                               ["tests/distributed/test_doctor.py", "-k", "every_row"]),
     # a background save that does not stage: the thread writes the live tensors, which training
     # overwrites meanwhile; titan doctor's background_save row must fail
     "doctor_sees_unstaged_save": ("lightning_titan/checkpoint/background.py",

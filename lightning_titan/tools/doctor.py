@@ -43,7 +43,7 @@ GPU_CONFIG = replace(
     seq_len=512,
 )  # fmt: skip
 GLOBAL_BATCH = 8
-# per-step losses, relative: fp32 layouts differ only in the order of their sums; bf16 rounds every
+# per-step losses and grad norms, relative: fp32 layouts differ only in the order of their sums; bf16 rounds every
 # GEMM's output to 8 bits of mantissa (2^-8 = 0.4 %), in other places under ep2 than on one device;
 # a compiled step fuses ops and rounds in other places than the eager one
 TOLERANCE = {"ep2_fp32": 1e-4, "ep2_bf16": 2e-2, "dualpipev": 1e-4, "compile": 1e-3}
@@ -71,10 +71,15 @@ def rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
+def curves_diff(run: dict[str, list[float]], reference: dict[str, list[float]]) -> float:
+    """The largest relative difference of the losses and of the grad norms of two runs."""
+    return max(rel_diff(run[k], reference[k]) for k in ("losses", "norms"))
+
+
 def _judge_smoke(name: str, launches: list[list[Any]]) -> tuple[bool, str]:
     per_rank, (one,) = launches
     losses, reference = per_rank[0]["losses"], one["losses"]
-    diff = rel_diff(losses, reference)
+    diff = curves_diff(per_rank[0], one)
     gemm = ", ".join(sorted({p for r in per_rank for p in r["gemm"]}))
     if gemm != ", ".join(one["gemm"]):  # the layout should not change the kernels' choice
         gemm += " [differs from one device]"
@@ -82,7 +87,8 @@ def _judge_smoke(name: str, launches: list[list[Any]]) -> tuple[bool, str]:
     sync_note = "n/a (CPU)" if syncs[0] is None else "/".join(str(s) for s in syncs)
     ok = diff <= TOLERANCE[name]
     numbers = (
-        f"loss {losses[-1]:.4f} vs one device {reference[-1]:.4f}, max rel diff {diff:.1e} "
+        f"loss {losses[-1]:.4f} vs one device {reference[-1]:.4f}, max rel diff of losses and "
+        f"grad norms {diff:.1e} "
         f"(tol {TOLERANCE[name]:.0e}); expert GEMM: {gemm} (one device: {', '.join(one['gemm'])}); "
         f"sync warnings per rank in {len(losses)} steps: {sync_note}"
     )
@@ -92,7 +98,7 @@ def _judge_smoke(name: str, launches: list[list[Any]]) -> tuple[bool, str]:
 def _judge_pipeline(name: str, launches: list[list[Any]]) -> tuple[bool, str]:
     (per_rank,) = launches
     first = per_rank[0]
-    diff = rel_diff(first["dualpipev"], first["1f1b"])
+    diff = curves_diff(first["dualpipev"], first["1f1b"])
     ok = diff <= TOLERANCE[name]
     return ok, f"max rel diff to 1f1b {diff:.1e} (tol {TOLERANCE[name]:.0e}), no hang"
 
@@ -118,7 +124,7 @@ def _judge_save(name: str, launches: list[list[Any]]) -> tuple[bool, str]:
 def _judge_compile(name: str, launches: list[list[Any]]) -> tuple[bool, str]:
     (per_rank,) = launches
     out = per_rank[0]
-    diff = rel_diff(out["compiled"], out["eager"])
+    diff = curves_diff(out["compiled"], out["eager"])
     ok = diff <= TOLERANCE[name] and out["graphs"] > 0
     return ok, (
         f"max rel diff to eager {diff:.1e} (tol {TOLERANCE[name]:.0e}); {out['graphs']} graphs, "

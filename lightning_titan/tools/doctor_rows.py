@@ -2,7 +2,8 @@
 layout, and the numbers the row is judged by (``doctor.py`` judges them, in the launcher).
 
 Every row trains the same layout-free model on the same global batches, so a layout's per-step losses
-must equal one device's, and one schedule's another's, within the row's tolerance. The steps are
+and gradient norms (the norm sees a grad scaled wrongly, which Adam's update would hide) must equal
+one device's, and one schedule's another's, within the row's tolerance. The steps are
 ``TrainStep`` itself (the step TitanLM runs), on the engine the strategy builds.
 """
 
@@ -57,6 +58,7 @@ class Spec:
 @dataclass
 class Trained:
     losses: list[float]
+    norms: list[float]  # before clipping, composed over every axis
     model: StageModel
     engine: Engine
     optimizer: torch.optim.Optimizer
@@ -150,7 +152,7 @@ def train(
     engine.shard_optimizers([optimizer])
     step = TrainStep(engine, optimizer, max_norm=1.0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    losses, first_step_s, syncs = [], 0.0, None
+    losses, norms, first_step_s, syncs = [], [], 0.0, None
     for i in range(spec.steps):
         faults.set_step(i)
         inputs, targets = _batch(spec, i, dims, device)
@@ -163,7 +165,8 @@ def train(
             found = sum("synchroniz" in str(w.message) for w in caught)
             syncs = found if syncs is None else syncs + found
         losses.append(result.loss)
-    return Trained(losses, model, engine, optimizer, syncs, gemm_paths(), first_step_s)
+        norms.append(result.grad_norm)
+    return Trained(losses, norms, model, engine, optimizer, syncs, gemm_paths(), first_step_s)
 
 
 def smoke(rank: int, world: int, spec: Spec, bf16: bool) -> dict[str, Any]:
@@ -178,7 +181,7 @@ def smoke(rank: int, world: int, spec: Spec, bf16: bool) -> dict[str, Any]:
     run = train(spec, dims, groups, bf16=bf16)
     run.engine.remove()
     return {
-        "losses": run.losses, "syncs": run.sync_warnings,
+        "losses": run.losses, "norms": run.norms, "syncs": run.sync_warnings,
         "gemm": sorted(set(run.gemm_paths.values())),
     }  # fmt: skip
 
@@ -191,7 +194,7 @@ def pipeline(rank: int, world: int, spec: Spec) -> dict[str, Any]:
     for schedule in ("1f1b", "dualpipev"):
         run = train(spec, dims, groups, schedule=schedule, microbatches=2 * dims.pp)
         run.engine.remove()
-        out[schedule] = run.losses
+        out[schedule] = {"losses": run.losses, "norms": run.norms}
     return out
 
 
@@ -283,8 +286,8 @@ def compile_run(rank: int, world: int, spec: Spec) -> dict[str, Any]:
     built = train(spec, ParallelDims(1, 1, 1, 0), ONE_DEVICE, compile_backend=spec.compile_backend)
     built.engine.remove()
     return {
-        "eager": eager.losses,
-        "compiled": built.losses,
+        "eager": {"losses": eager.losses, "norms": eager.norms},
+        "compiled": {"losses": built.losses, "norms": built.norms},
         "compile_s": built.first_step_s,
         "graphs": compiled.graphs_compiled() - before,
     }

@@ -79,13 +79,14 @@ def test_a_hung_row_is_killed_named_and_fails_the_command() -> None:
 
 
 def _smoke(losses: list[float], reference: list[float], one_gemm: str = "loop") -> list[list[dict]]:
-    rank = {"losses": losses, "syncs": None, "gemm": ["loop"]}
-    return [[rank, dict(rank)], [{"losses": reference, "syncs": None, "gemm": [one_gemm]}]]
+    rank = {"losses": losses, "norms": [1.0] * len(losses), "syncs": None, "gemm": ["loop"]}
+    one = {"losses": reference, "norms": [1.0] * len(reference), "syncs": None, "gemm": [one_gemm]}
+    return [[rank, dict(rank)], [one]]
 
 
 def test_the_judges_fail_rows_whose_numbers_are_off() -> None:
     ok, numbers = doctor._judge_smoke("ep2_fp32", _smoke([4.0, 3.9], [4.0, 3.9 * (1 + 5e-5)]))
-    assert ok and "max rel diff 5.0e-05 (tol 1e-04)" in numbers and "n/a (CPU)" in numbers
+    assert ok and "grad norms 5.0e-05 (tol 1e-04)" in numbers and "n/a (CPU)" in numbers
     ok, _ = doctor._judge_smoke("ep2_fp32", _smoke([4.0, 3.9], [4.0, 3.9 * (1 + 2e-4)]))
     assert not ok
     ok, _ = doctor._judge_smoke("ep2_bf16", _smoke([4.0, 3.9], [4.0, 3.9 * (1 + 2e-4)]))
@@ -96,8 +97,11 @@ def test_the_judges_fail_rows_whose_numbers_are_off() -> None:
     _, numbers = doctor._judge_smoke("ep2_bf16", _smoke([4.0], [4.0]))
     assert "expert GEMM: loop (one device: loop)" in numbers
     assert doctor.rel_diff([1.0, math.nan], [1.0, 1.0]) == math.inf
-    ok, _ = doctor._judge_pipeline("dualpipev", [[{"1f1b": [2.0], "dualpipev": [2.1]}]])
-    assert not ok
+    same = {"losses": [2.0], "norms": [0.5]}
+    assert doctor._judge_pipeline("dualpipev", [[{"1f1b": same, "dualpipev": same}]])[0]
+    for off in ({"losses": [2.1], "norms": [0.5]}, {"losses": [2.0], "norms": [1.0]}):
+        # a loss or a grad norm off (a grad scaled twice, which Adam's step would hide)
+        assert not doctor._judge_pipeline("dualpipev", [[{"1f1b": same, "dualpipev": off}]])[0]
     save = {"tensors": 3, "differ": [], "call_ms": 1.0, "write_ms": 2.0, "contexts_elsewhere": []}
     assert doctor._judge_save("background_save", [[save, save]])[0]
     differs = {**save, "differ": ["model/w"]}
@@ -105,8 +109,10 @@ def test_the_judges_fail_rows_whose_numbers_are_off() -> None:
     stray = {**save, "contexts_elsewhere": [0]}  # rank 1 made a context on GPU 0
     ok, numbers = doctor._judge_save("background_save", [[save, stray]])
     assert not ok and "{1: [0]}" in numbers
-    compiled = {"eager": [3.0], "compiled": [3.0], "graphs": 0, "compile_s": 1.0}
-    assert not doctor._judge_compile("compile", [[compiled]])[0]  # nothing compiled: no check
+    compiled = {"eager": same, "compiled": same, "graphs": 3, "compile_s": 1.0}
+    assert doctor._judge_compile("compile", [[compiled]])[0]
+    nothing = {**compiled, "graphs": 0}
+    assert not doctor._judge_compile("compile", [[nothing]])[0]  # nothing compiled: no check
 
 
 def test_same_bits_compares_bytes() -> None:
