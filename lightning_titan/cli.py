@@ -1,4 +1,5 @@
-"""The ``titan`` command: LightningCLI over TitanLM and TitanDataModule, plus ``export`` and ``bench``.
+"""The ``titan`` command: LightningCLI over TitanLM and TitanDataModule, plus ``export``, ``plan``,
+``bench`` and ``doctor``.
 
 titan fit --config configs/dp_pp_ep.yaml
 titan fit --config configs/dp_pp_ep.yaml --trainer.strategy.init_args.pp=4
@@ -44,6 +45,8 @@ OTHER_COMMANDS = {
     "export": "Write a checkpoint as a Hugging Face folder of its family (transformers loads it).",
     "plan": "Rank the layouts a model allows on N devices by their modelled step time and memory.",
     "bench": "Time every composition on 2, 4 and 8 ranks at the same tokens per step.",
+    "doctor": "Check a new GPU machine: ep2, dualpipev, background saves and compile against their "
+    "references, a pass/fail table (--cpu: the same on CPU ranks).",
 }
 
 
@@ -315,6 +318,13 @@ def main(args: list[str] | None = None) -> None:
         from lightning_titan.tools.bench import main as bench_main
 
         bench_main(argv[1:])  # its results dict is for Python callers, not an exit status
+        return None
+    if argv and argv[0] == "doctor":
+        from lightning_titan.tools.doctor import main as doctor_main
+
+        status = doctor_main(argv[1:])
+        if status:  # a failed row: a script or CI job must see it
+            sys.exit(status)
         return None
     quiet_known_noise()
     try:

@@ -846,6 +846,38 @@ MUTATIONS = {
                            "deadline = time.monotonic() + HEARD_S",
                            "deadline = time.monotonic()",
                            ["tests/distributed/test_multinode.py", "-k", "never_fails"]),
+    # titan doctor: a row that hangs past its deadline reported as passing
+    "doctor_timeout_passes": ("lightning_titan/tools/doctor.py",
+                              "ok, numbers = False, _first_lines(str(err))",
+                              "ok, numbers = True, _first_lines(str(err))",
+                              ["tests/distributed/test_doctor.py", "-k", "hung"]),
+    # titan doctor: a failed row leaves `titan doctor` with exit status 0
+    "doctor_exit_zero": ("lightning_titan/cli.py",
+                         "            sys.exit(status)\n",
+                         "            pass\n",
+                         ["tests/distributed/test_doctor.py", "-k", "hung"]),
+    # titan doctor: the ep2 rows pass whatever their losses are
+    "doctor_smoke_no_tolerance": ("lightning_titan/tools/doctor.py",
+                                  "    ok = diff <= TOLERANCE[name]\n    numbers = (",
+                                  "    ok = True\n    numbers = (",
+                                  ["tests/distributed/test_doctor.py", "-k", "judges"]),
+    # titan doctor: the save row compares values, not bits (-0.0 == 0.0, NaN != NaN)
+    "doctor_save_values": ("lightning_titan/tools/doctor_rows.py",
+                           "return torch.equal(bytes_a, b.detach().cpu().reshape(-1).view(torch.uint8))",
+                           "return torch.equal(a, b)",
+                           ["tests/distributed/test_doctor.py", "-k", "same_bits"]),
+    # every grad summed over the data ranks, not averaged: under Adam the losses barely move, the
+    # grad norm doubles; titan doctor's ep2 rows compare the norms too and must fail
+    "doctor_sees_grad_scale": ("lightning_titan/train/engine.py",
+                               "scale = 1.0 / dims.data_world",
+                               "scale = 1.0",
+                               ["tests/distributed/test_doctor.py", "-k", "every_row"]),
+    # a background save that does not stage: the thread writes the live tensors, which training
+    # overwrites meanwhile; titan doctor's background_save row must fail
+    "doctor_sees_unstaged_save": ("lightning_titan/checkpoint/background.py",
+                                  "        return buffer.copy_(tensor.detach(), non_blocking=True)",
+                                  "        return tensor.detach()",
+                                  ["tests/distributed/test_doctor.py", "-k", "every_row"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -278,12 +278,12 @@ def test_help_lists_every_command_and_each_runs(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("fit", "validate", "test", "export", "plan", "bench"):
+    for command in ("fit", "validate", "test", "export", "plan", "bench", "doctor"):
         assert f"    {command} " in out, f"`titan --help` does not list {command}:\n{out}"
     assert (
         "predict" not in out
     )  # TitanLM has no predict_step: `titan export` is the way to inference
-    for command in ("export", "bench"):  # main() runs them, not LightningCLI
+    for command in ("export", "bench", "doctor"):  # main() runs them, not LightningCLI
         with pytest.raises(SystemExit) as exit_:
             main([command, "--help"])
         assert exit_.value.code == 0 and f"titan {command}" in capsys.readouterr().out
