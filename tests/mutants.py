@@ -858,14 +858,14 @@ MUTATIONS = {
                          ["tests/distributed/test_doctor.py", "-k", "hung"]),
     # titan doctor: the ep2 rows pass whatever their losses are
     "doctor_smoke_no_tolerance": ("lightning_titan/tools/doctor.py",
-                                  "    ok = diff <= TOLERANCE[name]\n    numbers = (",
-                                  "    ok = True\n    numbers = (",
+                                  "    ok = diff <= TOLERANCE[name] and same_gemm\n",
+                                  "    ok = same_gemm\n",
                                   ["tests/distributed/test_doctor.py", "-k", "judges"]),
-    # titan doctor: the save row compares values, not bits (-0.0 == 0.0, NaN != NaN)
-    "doctor_save_values": ("lightning_titan/tools/doctor_rows.py",
-                           "return torch.equal(bytes_a, b.detach().cpu().reshape(-1).view(torch.uint8))",
-                           "return torch.equal(a, b)",
-                           ["tests/distributed/test_doctor.py", "-k", "same_bits"]),
+    # background_round_trip: a writer's context on another rank's GPU goes unreported
+    "selfcheck_stray_context": ("lightning_titan/checkpoint/selfcheck.py",
+                                "        if others:",
+                                "        if False:",
+                                ["tests/distributed/test_doctor.py", "-k", "judges"]),
     # every grad summed over the data ranks, not averaged: under Adam the losses barely move, the
     # grad norm doubles; titan doctor's ep2 rows compare the norms too and must fail
     "doctor_sees_grad_scale": ("lightning_titan/train/engine.py",

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import filecmp
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +94,14 @@ def background_round_trip(
     Returns, the same on every rank:
 
     - ``ok``: every check below passed; ``problems``: one line per failed check;
-    - ``identical``: the files compared are equal; ``compared``: their names;
+    - ``identical``: the files compared are equal (the live state held NaN while the background
+      write ran: a write that read it rather than the staged copies differs); ``compared``: their
+      names;
     - ``ranks``: per rank, ``device`` (its parameters'), ``staged`` (device types the staged tensors
       were on: ``["cpu"]``), ``pinned`` (all staged tensors pinned; expected where CUDA is),
       ``writer`` (the device current on the writer thread when it wrote: the rank's own),
-      ``contexts`` (CUDA devices this process holds a context on: only its own).
+      ``contexts`` (CUDA devices this process holds a context on: only its own), ``call_ms`` and
+      ``write_ms`` (the background save's call, which training waits for, and its write).
     """
     tmp_dir = Path(tmp_dir)
     sync, background = tmp_dir / "sync.ckpt", tmp_dir / "background.ckpt"
@@ -105,10 +111,13 @@ def background_round_trip(
     hooks = _WatchedHooks(hooks_for(p.detach() for p in model.parameters()), waits)
     saves = _WatchedSaves(hooks, staged)
     save_sharded(sync, model, optimizers, {}, layout=layout, zero_shards=zero_shards)
+    start = time.perf_counter()
     save_sharded(
         background, model, optimizers, {}, layout=layout, background=saves, zero_shards=zero_shards
     )
-    saves.wait()
+    call_s = time.perf_counter() - start
+    with _overwritten(model, optimizers):  # training goes on while the writer writes
+        saves.wait()
     device = next((str(p.device) for p in model.parameters()), "cpu")
     mine = {
         "device": device,
@@ -116,6 +125,8 @@ def background_round_trip(
         "pinned": bool(staged) and all(pinned for _, pinned in staged),
         "writer": sorted({where for thread, where in waits if thread == WRITER_THREAD}),
         "contexts": contexts(),
+        "call_ms": call_s * 1e3,
+        "write_ms": saves.seconds * 1e3,
     }
     compared, differing = [], []
     if not distributed() or dist.get_rank() == 0:
@@ -133,6 +144,29 @@ def background_round_trip(
         files.remove(background)
     agree(None)  # nobody reuses tmp_dir before rank 0 cleared it
     return _report([r[0] for r in ranks], compared, differing)
+
+
+@contextmanager
+def _overwritten(model: nn.Module, optimizers: list[Optimizer]) -> Iterator[None]:
+    """The parameters and optimizer state hold NaN inside the block and their values again after:
+    a write that read the live tensors rather than the staged copies then differs from the
+    synchronous save."""
+    live = [p.detach() for p in model.parameters()]
+    for optimizer in optimizers:
+        live += [
+            v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+        ]
+    live = [t for t in live if t.is_floating_point()]
+    kept = [t.clone() for t in live]
+    with torch.no_grad():
+        for t in live:
+            t.fill_(float("nan"))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, k in zip(live, kept, strict=True):
+                t.copy_(k)
 
 
 def _report(ranks: list[dict[str, Any]], compared: list[str], differing: list[str]) -> dict:

@@ -12,25 +12,18 @@ from __future__ import annotations
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_titan.checkpoint import (
-    BackgroundSaves,
-    consolidate,
-    consolidate_optimizers,
-    save_sharded,
-)
+from lightning_titan.checkpoint.selfcheck import background_round_trip
 from lightning_titan.model import compiled
 from lightning_titan.model.decoder import ModelConfig, StageModel
-from lightning_titan.model.moe.experts import GroupedExperts
+from lightning_titan.model.moe.experts import expert_gemm_paths
 from lightning_titan.parallel.dp.zero import ZeroShards
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
@@ -85,24 +78,6 @@ def _batch(
     return rows[:, :-1], rows[:, 1:]
 
 
-def _expert_gemm_path(module: nn.Module) -> Callable[[], dict[str, str]]:
-    """Watch every expert module of ``module``; the returned call names the GEMM path each took in
-    its last forward ("grouped bfloat16", "grouped float32" or "loop"), asked with the rows it got
-    under the autocast state it ran in."""
-    # switch to expert_gemm_paths(module) (model/moe/experts.py) once it lands
-    seen: dict[str, str] = {}
-    for name, sub in module.named_modules():
-        if isinstance(sub, GroupedExperts):
-
-            def record(experts: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
-                assert isinstance(experts, GroupedExperts)
-                dtype = experts.grouped_dtype(args[0])
-                seen[name] = "loop" if dtype is None else f"grouped {str(dtype).split('.')[-1]}"
-
-            sub.register_forward_pre_hook(record)
-    return lambda: dict(seen)
-
-
 @contextmanager
 def _counted_syncs(device: torch.device) -> Iterator[list[warnings.WarningMessage] | None]:
     """On CUDA, every synchronising call in the block warns (``set_sync_debug_mode("warn")``) and is
@@ -143,7 +118,6 @@ def train(
     if compile_backend is not None:
         split_backward = schedule in SPLIT_BACKWARD
         compiled.compile_stage(model, split_backward=split_backward, backend=compile_backend)
-    gemm_paths = _expert_gemm_path(model)
     engine = Engine(model, dims, groups, schedule=schedule, zero=zero)
     engine.broadcast_replicated()
     # eps=1e-3: Adam divides by sqrt(v) + eps, so with a tiny eps a grad's last-bit differences
@@ -166,7 +140,9 @@ def train(
             syncs = found if syncs is None else syncs + found
         losses.append(result.loss)
         norms.append(result.grad_norm)
-    return Trained(losses, norms, model, engine, optimizer, syncs, gemm_paths(), first_step_s)
+    return Trained(
+        losses, norms, model, engine, optimizer, syncs, expert_gemm_paths(model), first_step_s
+    )
 
 
 def smoke(rank: int, world: int, spec: Spec, bf16: bool) -> dict[str, Any]:
@@ -198,84 +174,19 @@ def pipeline(rank: int, world: int, spec: Spec) -> dict[str, Any]:
     return out
 
 
-def _staged_on_host(
-    root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, shards: ZeroShards, layout: dict
-) -> dict[str, Any]:
-    """A synchronous save, then a background save of the same state while the parameters and the
-    optimizer state are overwritten (as training goes on); rank 0 reads both back and compares every
-    tensor bitwise. Collective."""
-    # switch to background_round_trip(...) (checkpoint/selfcheck.py) once it lands
-    sync_path, background_path = root / "sync.ckpt", root / "background.ckpt"
-    save_sharded(sync_path, model, [optimizer], {}, layout=layout, zero_shards=shards)
-    saves = BackgroundSaves()
-    start = time.perf_counter()
-    save_sharded(
-        background_path, model, [optimizer], {}, layout=layout, background=saves,
-        zero_shards=shards,
-    )  # fmt: skip
-    call_s = time.perf_counter() - start
-    live: list[Tensor] = list(model.parameters())
-    live += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    kept = [t.detach().clone() for t in live]
-    with torch.no_grad():
-        for t in live:
-            t.fill_(float("nan"))
-    saves.wait()
-    with torch.no_grad():
-        for t, k in zip(live, kept, strict=True):
-            t.copy_(k)
-    dist.barrier()
-    out: dict[str, Any] = {"call_ms": call_s * 1e3, "write_ms": saves.seconds * 1e3}
-    if dist.get_rank() == 0:
-        want = _flat(sync_path)
-        got = _flat(background_path)
-        out["tensors"] = len(want)
-        out["differ"] = sorted(
-            k for k in want.keys() | got.keys()
-            if k not in want or k not in got or not same_bits(want[k], got[k])
-        )  # fmt: skip
-    dist.barrier()  # the files stay until rank 0 has read them
-    return out
-
-
-def _flat(path: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {f"model/{k}": v for k, v in consolidate(path).items()}
-    for i, per_param in enumerate(consolidate_optimizers(path)):
-        for name, state in per_param.items():
-            out.update({f"optim{i}/{name}/{k}": v for k, v in state.items()})
-    return out
-
-
-def same_bits(a: Any, b: Any) -> bool:
-    """Equal bytes, not equal values: -0.0 is not 0.0, and a NaN equals the same NaN."""
-    if torch.is_tensor(a) and torch.is_tensor(b):
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        bytes_a = a.detach().cpu().reshape(-1).view(torch.uint8)
-        return torch.equal(bytes_a, b.detach().cpu().reshape(-1).view(torch.uint8))
-    return bool(a == b)
-
-
-def _contexts_elsewhere(device: torch.device) -> list[int]:
-    """The other CUDA devices this process holds a context on (a writer thread that never set its
-    device makes one on GPU 0): asked of the driver, which creates none by asking."""
-    if device.type != "cuda":
-        return []
-    others = [d for d in range(torch.cuda.device_count()) if d != device.index]
-    has_context = torch._C._cuda_hasPrimaryContext  # type: ignore[attr-defined]  # CUDA builds
-    return [d for d in others if has_context(d)]
-
-
 def background_save(rank: int, world: int, spec: Spec) -> dict[str, Any]:
-    """dp2 x tp2 with zero=1: two steps, then a background save against a synchronous one."""
+    """dp2 x tp2 with zero=1: two steps, then a background save against a synchronous one
+    (``background_round_trip``: the files byte for byte, where the staged tensors lived, the
+    writer's device, the CUDA contexts each rank holds)."""
     dims = ParallelDims(2, 1, 1, rank=rank, tp=2)
     device = _device(spec)
     run = train(spec, dims, build_process_groups(dims, device_type=device.type), zero=1)
     shards = ZeroShards(run.engine.zero_groups)  # the keys the optimizers' shards save under
-    out = _staged_on_host(Path(spec.scratch), run.model, run.optimizer, shards, dims.degrees)
+    report = background_round_trip(
+        run.model, [run.optimizer], spec.scratch, zero_shards=shards, layout=dims.degrees
+    )
     run.engine.remove()
-    out["contexts_elsewhere"] = _contexts_elsewhere(device)
-    return out
+    return report
 
 
 def compile_run(rank: int, world: int, spec: Spec) -> dict[str, Any]:
