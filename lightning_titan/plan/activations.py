@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 
 from lightning_titan.model.decoder import EXPERT, ModelConfig, StageModel
+from lightning_titan.model.moe.experts import probe_grouped_mm
 from lightning_titan.model.options import LATENT
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import V_SHAPED
@@ -93,6 +94,7 @@ class _ActivationMeter(SavedTensorMeter):
 def _saved(config: ModelConfig, precision: Precision) -> int:
     torch.manual_seed(0)
     model = StageModel(config)
+    probe_grouped_mm(model)  # the expert GEMM path training takes (the engine probes at setup)
     x = torch.randint(0, config.vocab_size, (1, config.seq_len))
     meter = _ActivationMeter(exclude=list(model.parameters()))
     with meter, precision.autocast():
