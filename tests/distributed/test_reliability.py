@@ -221,7 +221,7 @@ def logged_steps(work: Path, name: str) -> list[list[int]]:
     runs = []
     for version in sorted((work / name / "logs" / name).glob("version_*")):
         rows = csv.DictReader(open(version / "metrics.csv"))
-        runs.append(sorted(int(row["step"]) for row in rows if row.get("train_loss")))
+        runs.append([int(row["step"]) for row in rows if row.get("train_loss")])  # file order
     return runs
 
 
