@@ -172,8 +172,6 @@ class Attention(nn.Module):
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if self.sinks is not None:
-            if mask is None:
-                mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
             out = sink_attention(q, k, v, self.sinks.weight, mask)
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

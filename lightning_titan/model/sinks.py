@@ -14,6 +14,7 @@ same as one process.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -42,14 +43,37 @@ def attend_mask(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
     return mask
 
 
-def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks_H: Tensor, mask: Tensor) -> Tensor:
+# channels added to each head for the sink (one carries it; the rest keep the head dim a multiple of
+# 8, which the fused kernels on GPU require)
+SINK_CHANNELS = 8
+
+
+def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks_H: Tensor, mask: Tensor | None) -> Tensor:
     """Softmax attention of ``q`` [b, H, S_q, hd] over ``k``, ``v`` [b, H, S_k, hd] (heads repeated
     for GQA) with the sink logit ``sinks_H`` [H] of each head in every query's denominator; ``mask``
-    [S_q, S_k] bool. Scaled by 1/sqrt(hd), as transformers' gpt-oss attention."""
-    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks_H.to(scores.dtype).view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values  # the sink keeps every row finite
-    probs = torch.softmax(logits, dim=-1)[..., :-1]  # the sink's share goes nowhere
-    return torch.matmul(probs.to(v.dtype), v)
+    [S_q, S_k] bool (True: attend), None: causal by order. Scaled by 1/sqrt(hd), as transformers'
+    gpt-oss attention.
+
+    The sink is one more key, seen by every query, whose score is the sink logit and whose value is
+    zero: each query gets a channel of ones, each key a channel of zeros, and the sink key
+    ``sink * sqrt(hd)`` in that channel. So the fused attention (``scaled_dot_product_attention``)
+    computes it and saves q, k, v, the output and one log-sum-exp a query for the backward: nothing
+    S x S per head, where the scores written out cost 4 bytes x H x S^2 a sequence (3.6 GB a block
+    of gpt-oss at 4,096 tokens). Without a mask the sink goes first and a dummy query before the
+    sequence: the causal mask then lets query ``i`` see the sink and keys ``0..i``, with no mask
+    tensor."""
+    b, n_heads, s_q, hd = q.shape
+    scale = hd**-0.5
+    ones = q.new_ones(b, n_heads, s_q, 1)
+    q = torch.cat([q, ones, q.new_zeros(b, n_heads, s_q, SINK_CHANNELS - 1)], dim=-1)
+    sink = (sinks_H.to(k.dtype) / scale).view(n_heads, 1)
+    sink_key = F.pad(sink, (hd, SINK_CHANNELS - 1)).view(1, n_heads, 1, -1).expand(b, -1, -1, -1)
+    k = torch.cat([sink_key, F.pad(k, (0, SINK_CHANNELS))], dim=2)
+    v = F.pad(v, (0, SINK_CHANNELS, 1, 0))  # the sink's value: zeros
+    if mask is None:
+        q = F.pad(q, (0, 0, 1, 0))  # the dummy query, dropped from the output
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, 1:]
+    else:
+        mask = torch.cat([mask.new_ones(mask.shape[0], 1), mask], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out[..., :hd]

@@ -239,6 +239,7 @@ class Engine:
         skipped step). zero=2's reducers set them in ``finish_gradients`` already (clipping scaled
         them there): only a drop is left to do."""
         for g in self.zero_groups:
+            g.take_rows()
             if drop:
                 g.drop_grads()
             elif self.zero == 1:

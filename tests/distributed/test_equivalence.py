@@ -61,6 +61,13 @@ CASES = {
 }
 # The pipeline transport CUDA gets (receives posted with their exchange), run here on gloo.
 PAIRED = {2: [((1, 2, 1), 2)], 4: [((1, 4, 1), 8), ((1, 2, 2), 2)], 8: []}
+# ZeRO under torch's AdamW implementations (the reference: the default, for-loop one); fused steps
+# a tensor as one run of memory, so the expert shards (strided rows of dim 1) must be dense leaves
+ADAMW = {
+    2: [((2, 1, 1), "1f1b:zero1:adamw=fused", 1), ((2, 1, 1), "1f1b:zero2:adamw=fused", 1)],
+    4: [((2, 1, 2), "1f1b:zero1:adamw=fused", 2), ((2, 1, 2), "1f1b:zero2:adamw=foreach", 2)],
+    8: [],
+}
 # Tensor parallelism with sequence parallelism, composed with the other axes: (dp, pp, ep, tp)
 TP = {
     2: [((1, 1, 1, 2), "1f1b", 1), ((1, 1, 1, 2), "gpipe", 2)],
@@ -284,7 +291,7 @@ def test_every_layout_equals_one_process(
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
-    cases += TP[world] + CP[world]
+    cases += TP[world] + CP[world] + ADAMW[world]
     cases += [(layout, schedule, m, BIAS_CONFIG) for layout, schedule, m in BIAS[world]]
     cases += SPLIT[world] + ZERO_BUBBLE[world]
     cases += [(layout, schedule, m, CAPACITY_CONFIG) for layout, schedule, m in CAPACITY[world]]
@@ -307,7 +314,7 @@ def test_every_layout_equals_one_process(
         assert all((r["handovers"] > 0) == paired for r in results), (layout, schedule)
         assert len({r["split"] for r in results}) == 1, "the ranks built different splits"
         # titan plan's state model: every rank's params, grads and optimizer bytes, exactly
-        zero = int(schedule[-1]) if ":zero" in schedule else 0
+        zero = next((int(o[-1]) for o in schedule.split(":") if o.startswith("zero")), 0)
         for rank, r in enumerate(results):
             dims = ParallelDims(*layout[:3], rank, *layout[3:])
             predicted = rank_state(config[0] if config else CONFIG, dims, zero, r["split"])

@@ -20,7 +20,7 @@ from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_pro
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.parallel.tensor_parallel import local_slice, tp_shards
-from lightning_titan.tools.bench.memory import state_bytes, zero2_grad_bytes
+from lightning_titan.tools.bench.memory import state_bytes
 from lightning_titan.train import auto_split
 from lightning_titan.train.engine import Engine
 from lightning_titan.train.step import TrainStep
@@ -153,6 +153,7 @@ def train(
     strict_p2p: float | None = None,
     compile: str | None = None,
     batch: int = GLOBAL_BATCH,
+    adamw: str | None = None,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
@@ -161,7 +162,8 @@ def train(
     NCCL's ordering (``nccl_strict``, a stream giving up after that many seconds). ``zero`` shards
     the optimizer state over the data-parallel groups; ``split`` cuts the layers over stages and
     chunks; ``compile`` names a ``torch.compile`` backend to compile the stage with (the result's
-    ``graphs``: the graphs the first step compiled, ``recompiled``: those compiled after it)."""
+    ``graphs``: the graphs the first step compiled, ``recompiled``: those compiled after it);
+    ``adamw``: the AdamW implementation (``"foreach"``, ``"fused"``; None: torch's default)."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
     model = stage_model(dims, groups, config, split)
     if compile is not None:  # the torch.compile backend
@@ -188,7 +190,10 @@ def train(
     # AVX-512 box to 1.0e-5 of the grad norm and 1.1e-5 in the weights with eps=1e-6 (the 8-layer
     # model), past these tolerances before any layout added its own sums; with eps=1e-3 to 1.3e-6
     # and 1.2e-7. The grads (~1e-3 an element after clipping) still get Adam's per-element scaling.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-3)
+    variant = {} if adamw is None else {adamw: True}
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-3, **variant
+    )
     engine.shard_optimizers([optimizer])
     train_step = TrainStep(engine, optimizer, max_norm=MAX_NORM)  # the step TitanLM runs
     # what `titan bench` measures (and `titan plan` predicts), read around the optimizer's update:
@@ -201,7 +206,7 @@ def train(
 
     def after_update(*_) -> None:
         measured["grad_bytes"] = max(measured["grad_bytes"], held_grad_bytes(model, optimizer))
-        measured["state"] = state_bytes(model, optimizer, zero2_grad_bytes(engine))
+        measured["state"] = state_bytes(model, optimizer, engine)
 
     optimizer.register_step_pre_hook(before_update)
     optimizer.register_step_post_hook(after_update)
@@ -302,7 +307,8 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     ``paired_p2p``, ``"<name>:strict"`` with ``strict_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...), ``"<name>:v2"`` with two
     chunks per rank, ``"<name>:layers=3-1"`` with ``stage_layers=[3, 1]``, ``"<name>:auto"`` with the
     split probed on rank 0, ``"<name>:compile=aot_eager"`` compiled with that backend, ``"<name>:batch=16"``
-    on global batches of 16 sequences (``reference(batch=16)``); ``config`` replaces CONFIG."""
+    on global batches of 16 sequences (``reference(batch=16)``), ``"<name>:adamw=fused"`` with
+    ``AdamW(fused=True)`` (``foreach``); ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
@@ -320,7 +326,7 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
             paired_p2p="paired" in options, zero=zero, split=split,
             strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
             compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
-            batch=batch,
+            batch=batch, adamw=next((o[6:] for o in options if o.startswith("adamw=")), None),
         )  # fmt: skip
         result["split"] = split
         out.append(result)

@@ -6,7 +6,11 @@ rank ``q`` of an ``n``-rank group owns rows ``[q * c, (q + 1) * c)`` with ``c = 
 (the last ranks may own fewer, or none). The user's optimizer is kept, and only its
 ``param_groups`` lists change: each parameter is replaced by a leaf ``nn.Parameter`` that is a view
 of the rank's rows, so the optimizer's in-place update writes straight into the model, and its
-state (AdamW's two moments) exists for those rows only. After the step the group all-gathers the
+state (AdamW's two moments) exists for those rows only. Fused optimizers (``AdamW(fused=True)``)
+step a tensor as one run of memory from its first element, so on strided rows (dim 1 of stacked
+experts) they update other elements than the view's and write into the neighbouring rows (torch
+2.13): for an optimizer a probe finds doing so, a leaf of strided rows is a dense copy instead,
+taken from the rows before each step and written back into them before the gather. After the step the group all-gathers the
 updated rows (bucketed: one collective per bucket) and the grads are dropped. Each rank packs its rows
 into its chunk of a gather buffer kept from step to step (one per dtype, the size of the largest
 bucket, which the gather would peak at anyway; ZeRO-2's reducer borrows it during backward): a new
@@ -73,6 +77,11 @@ class ZeroShard:
     n: int
     tp: TpShard | None = None  # the weight is this TP rank's part of the full model's (tp > 1)
 
+    @property
+    def dense(self) -> bool:
+        """The leaf is a copy of the rows, not a view of them (they are strided: module doc)."""
+        return self.leaf.data_ptr() != self.rows(self.param).data_ptr()
+
     def rows(self, tensor: Tensor, q: int | None = None) -> Tensor:
         """Rank ``q``'s rows of ``tensor`` (this rank's by default), a view."""
         start, stop = (self.start, self.stop) if q is None else owned_rows(self.size, self.n, q)
@@ -126,6 +135,7 @@ class ZeroGroup:
             start, stop = owned_rows(p.shape[dim], self.n, self.q)
             leaf = nn.Parameter(p.detach().narrow(dim, start, stop - start))
             self.shards[id(p)] = ZeroShard(p, dim, start, stop, leaf, group, self.n, tp=tp)
+        self.dense_shards: list[ZeroShard] = []  # leaves that copy their rows (``densify``)
         sharded = [s.param for s in self.shards.values()]
         self.buckets = [
             _GatherBucket([self.shards[id(sharded[i])] for i in indices], self.n, self.q)
@@ -148,12 +158,28 @@ class ZeroGroup:
                 if b.dtype == like.dtype:
                     b.bind(kept[: b.slot * self.n], self.q)
 
-    def bind_grads(self) -> None:
-        """ZeRO-1, just before the optimizer step: each shard's grad is a view of its rows of the
-        reduced, clipped full grad (None where that is). ZeRO-2's reducer writes the shards' grads
-        itself, in ``finish()`` (``parallel/dp/zero_grads.py``)."""
+    def densify(self) -> None:
+        """For an optimizer that steps strided tensors wrongly (``steps_strided_views``): each leaf
+        whose rows are strided becomes a dense copy of them (same leaf, new storage)."""
         for s in self.shards.values():
-            s.leaf.grad = None if s.param.grad is None else s.rows(s.param.grad)
+            if not s.leaf.is_contiguous():
+                s.leaf.data = s.leaf.data.clone(memory_format=torch.contiguous_format)
+        self.dense_shards = [s for s in self.shards.values() if s.dense]
+
+    def bind_grads(self) -> None:
+        """ZeRO-1, just before the optimizer step: each shard's grad is its rows of the reduced,
+        clipped full grad (a view; a dense copy for a dense leaf), None where that is. ZeRO-2's
+        reducer writes the shards' grads itself, in ``finish()`` (``parallel/dp/zero_grads.py``)."""
+        for s in self.shards.values():
+            grad = None if s.param.grad is None else s.rows(s.param.grad)
+            s.leaf.grad = grad.contiguous() if grad is not None and s.dense else grad
+
+    @torch.no_grad()
+    def take_rows(self) -> None:
+        """Just before the optimizer step: each dense leaf takes its rows, which a checkpoint load
+        or a broadcast may have written since the last step (a view leaf sees them already)."""
+        for s in self.dense_shards:
+            s.leaf.copy_(s.rows(s.param.detach()))
 
     def drop_grads(self) -> None:
         """A skipped step (non-finite): no shard has a grad, so the optimizer updates nothing."""
@@ -164,6 +190,8 @@ class ZeroGroup:
     def gather(self) -> None:
         """Every rank's updated rows into every rank's parameters, one all-gather per bucket; then
         the full grads go (the optimizer step consumed them)."""
+        for s in self.dense_shards:  # the updated rows back into the parameter (gathered from it)
+            s.rows(s.param.detach()).copy_(s.leaf.detach())
         for bucket in self.buckets:
             torch._foreach_copy_(bucket.mine, bucket.own)
             with probes.span("all_gather", "zero params"):
@@ -226,6 +254,9 @@ def shard_optimizer(optimizer: Optimizer, groups: Sequence[ZeroGroup]) -> None:
     """Point ``optimizer`` at this rank's shards in place (its param groups, hyper-parameters and any
     scheduler stay); a parameter no shard covers stays whole. Only before the optimizer has state."""
     check_elementwise(optimizer)
+    if not steps_strided_views(optimizer):
+        for g in groups:
+            g.densify()
     if optimizer.state:
         raise RuntimeError(
             "zero>0 shards an optimizer before its first step; this one already has state"
@@ -259,17 +290,14 @@ def check_elementwise(optimizer: Optimizer) -> None:
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
         try:
-            whole, cut = (
-                _probe_steps(cls, hyper, first, split=False),
-                _probe_steps(cls, hyper, first, split=True),
-            )
+            same = _cut_steps_as_whole(cls, hyper, first, split=0)
         except Exception as e:  # noqa: BLE001 - named in the error
             raise ValueError(
                 f"zero>0 cannot check that {name} updates each element on its own (a probe step "
                 f"failed: {type(e).__name__}: {e}); use zero=0 with it, or, if its update of an "
                 f"element reads nothing else of the tensor, set `{cls.__qualname__}.elementwise = True`"
             ) from None
-        if not torch.allclose(whole, cut, rtol=1e-5, atol=1e-7):
+        if not same:
             raise ValueError(
                 f"zero>0 cannot split {name}: its update of an element depends on the rest of the "
                 "tensor (a probe weight updated whole and in two row ranges differs), so a rank "
@@ -278,21 +306,54 @@ def check_elementwise(optimizer: Optimizer) -> None:
             )
 
 
-def _probe_steps(cls: type[Optimizer], hyper: dict[str, Any], like: Tensor, split: bool) -> Tensor:
+def steps_strided_views(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` updates a strided view (an expert's rows, cut along dim 1) as it updates
+    a dense tensor. Fused implementations (``AdamW(fused=True)``) step a tensor as one run of memory
+    from its first element: on a view they update other elements than its own (torch 2.13). Found by
+    behaviour, as ``check_elementwise``: the probe weight once whole and once as two column views."""
+    cls = type(optimizer)
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    if first is None:
+        return True
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        try:
+            if not _cut_steps_as_whole(cls, hyper, first, split=1):
+                return False
+        except Exception:  # noqa: BLE001 - an optimizer check_elementwise let through by declaration
+            return False
+    return True
+
+
+def _cut_steps_as_whole(
+    cls: type[Optimizer], hyper: dict[str, Any], like: Tensor, split: int
+) -> bool:
+    """Whether ``cls`` takes the probe weight to the same values cut in two along ``split`` as whole."""
+    whole = _probe_steps(cls, hyper, like, split=None)
+    cut = _probe_steps(cls, hyper, like, split=split)
+    return torch.allclose(whole, cut, rtol=1e-5, atol=1e-7)
+
+
+def _probe_steps(
+    cls: type[Optimizer], hyper: dict[str, Any], like: Tensor, split: int | None
+) -> Tensor:
     """A (6, 4) weight on ``like``'s device after three steps of ``cls`` on fixed grads, held whole or
-    as rows [0, 3) and [3, 6); float32, whose rounding cannot tell the two apart where bf16's could."""
+    (``split``: the dim) cut in two halves: rows [0, 3) and [3, 6), or columns [0, 2) and [2, 4),
+    each a view of one tensor; float32, whose rounding cannot tell the two apart where bf16's could."""
     gen = torch.Generator().manual_seed(0)
-    start = torch.randn(6, 4, generator=gen)
-    grads = [torch.randn(6, 4, generator=gen) for _ in range(3)]
-    pieces = [start[:3], start[3:]] if split else [start]
-    params = [nn.Parameter(t.to(like.device)) for t in pieces]
+    start = torch.randn(6, 4, generator=gen).to(like.device)
+    grads = [torch.randn(6, 4, generator=gen).to(like.device) for _ in range(3)]
+
+    def halves(t: Tensor) -> list[Tensor]:
+        return [t] if split is None else list(t.chunk(2, dim=split))
+
+    params = [nn.Parameter(t) for t in halves(start)]
     opt = cls([{"params": params, **hyper}])  # type: ignore[call-arg]  # a subclass's signature
     for g in grads:
-        parts = [g[:3], g[3:]] if split else [g]
-        for p, part in zip(params, parts, strict=True):
-            p.grad = part.to(like.device)
+        for p, part in zip(params, halves(g), strict=True):
+            p.grad = part
         opt.step()
-    return torch.cat([p.detach().cpu() for p in params])
+    return start.cpu() if split is not None else params[0].detach().cpu()
 
 
 def as_dtensor(local: Tensor, shard: ZeroShard, shape: torch.Size) -> DTensor:

@@ -40,14 +40,18 @@ def tp_cut_bytes(model: nn.Module) -> int:
 
 
 def state_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer, grad_bytes: dict[int, int] | None = None
+    model: nn.Module, optimizer: torch.optim.Optimizer, engine: Any = None
 ) -> dict[str, int]:
-    """Bytes of parameters, grads (as allocated at the step: one per parameter, or ``grad_bytes`` by
-    parameter id where a rank keeps less: ZeRO-2's rows) and optimizer state, split into expert and
-    non-expert parts. Under ZeRO the optimizer holds shards of the parameters: their state counts for
-    the parameter they are cut from, which a shard's leaf, a view of its rows, shares its storage with
-    (so the caller need not hand over the engine's shard table)."""
+    """Bytes of parameters, grads (as allocated at the step: one per parameter, or, under the
+    ``engine``'s zero=2, its rows) and optimizer state, split into expert and non-expert parts. Under
+    ZeRO the optimizer holds shards of the parameters: their state counts for the parameter they are
+    cut from, which a shard's leaf, a view of its rows, shares its storage with (a dense leaf, a copy
+    of strided rows, is found in the ``engine``'s shards)."""
     optimizer = local_optimizer(optimizer)
+    grad_bytes = zero2_grad_bytes(engine)
+    dense = {} if engine is None else {
+        id(s.leaf): s.param for g in engine.zero_groups for s in g.dense_shards
+    }  # fmt: skip
     expert, _ = split_expert_parameters(model)
     expert_ids = {id(p) for _, p in expert}
     expert_storage = {_storage(p) for _, p in expert}
@@ -58,7 +62,7 @@ def state_bytes(
         out[f"{part}_grads"] += (grad_bytes or {}).get(id(p), _nbytes([p]))
     for group in optimizer.param_groups:
         for leaf in group["params"]:
-            is_expert = _storage(leaf) in expert_storage
+            is_expert = _storage(dense.get(id(leaf), leaf)) in expert_storage
             part = "expert" if is_expert else "non_expert"
             state = optimizer.state.get(leaf, {}).values()
             out[f"{part}_optimizer"] += _nbytes(

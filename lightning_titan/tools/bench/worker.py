@@ -46,7 +46,6 @@ from lightning_titan.tools.bench.memory import (
     reset_peak,
     state_bytes,
     tp_cut_bytes,
-    zero2_grad_bytes,
 )
 from lightning_titan.tools.bench.runners import (
     LR,
@@ -216,7 +215,7 @@ def run_case(
             out[impl]["spans"] = _traced(runners[impl], batches, settings, dims, device)
     for impl, runner in runners.items():  # after steps: the optimizers hold their state
         out[impl]["state_bytes"] = state_bytes(
-            runner.model, runner.optimizer, zero2_grad_bytes(getattr(runner, "engine", None))
+            runner.model, runner.optimizer, getattr(runner, "engine", None)
         )
         out[impl]["tp_cut_param_bytes"] = tp_cut_bytes(runner.model)
     # activations saved for backward, every case: the pipeline's per stage, CP's against one rank;
