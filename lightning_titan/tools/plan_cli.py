@@ -228,8 +228,10 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     if shown:
         print("\n".join(table(shown, memory)))
     if missing:
-        print(f"titan plan: no row for {', '.join(missing)}: not a layout these devices, model and "
-              "batch allow, or its state and activations do not fit")
+        print(
+            f"titan plan: no row for {', '.join(missing)}: not a layout these devices, model and "
+            "batch allow, or its state and activations do not fit"
+        )
     print(
         "(ms per step; comm columns are the collectives' exposed time; of memory: model state and "
         f"peak activations of the fullest rank; priced as {precision.label()})"
