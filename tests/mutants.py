@@ -610,6 +610,26 @@ MUTATIONS = {
                            "        return min(m, pp)\n",
                            "        return m\n",
                            ["tests/cli/test_plan.py", "-k", "own_order"]),
+    # titan plan --out writes the model field as a dotted key titan fit refuses
+    "plan_overlay_model_key": ("lightning_titan/tools/plan_cli.py",
+                               '    keys["model.model.init_args.activation_checkpointing"]',
+                               '    keys["model.model.activation_checkpointing"]',
+                               ["tests/cli/test_plan.py", "-k", "overlay"]),
+    # titan plan offers GPipe with one microbatch: 1F1B's row twice
+    "plan_gpipe_m1": ("lightning_titan/plan/rank.py",
+                      'if schedule in ("1f1b_overlap", "gpipe") and m == 1:',
+                      'if schedule == "1f1b_overlap" and m == 1:',
+                      ["tests/cli/test_plan.py", "-k", "same_step"]),
+    # titan plan --only cuts the named layouts' rows as one list (a slow layout disappears)
+    "plan_only_one_list": ("lightning_titan/tools/plan_cli.py",
+                           "    if not only:\n",
+                           "    if True:\n",
+                           ["tests/cli/test_plan.py", "-k", "only_shows"]),
+    # titan plan prints times with %g ("3.26e+03")
+    "plan_ms_exponent": ("lightning_titan/tools/plan_cli.py",
+                         '    return f"{ms:,.{digits}f}"',
+                         '    return f"{ms:,.3g}"',
+                         ["tests/cli/test_plan.py", "-k", "plain_milli"]),
     # issue 17: W keeps one weight-side grad per intermediate (a matmul's bias grad is lost)
     "zb_first_output_only": ("lightning_titan/parallel/pipeline/backward_split.py",
                              "            for k, edge in outputs:\n",

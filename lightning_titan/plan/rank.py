@@ -75,7 +75,8 @@ def step_options(
 ) -> list[StepOptions]:
     """Schedules x microbatch counts (divisors of the per-rank batch) x recompute that ``degrees``
     accept (``compiled``: the model is compiled); pp = 1: 1F1B (the microbatches are gradient
-    accumulation: less activation memory) or, with ep > 1, 1f1b_overlap from two microbatches."""
+    accumulation: less activation memory) or, with ep > 1, 1f1b_overlap from two microbatches.
+    GPipe from two microbatches too: with one it runs 1F1B's order, the same row twice."""
     pp = degrees["pp"]
     schedules = ["1f1b", "1f1b_overlap"] if pp == 1 else sorted(SCHEDULES)
     out = []
@@ -84,8 +85,8 @@ def step_options(
             v = VIRTUAL_STAGES if schedule in {**CHUNKED, **V_SHAPED} else 1
             for m in divisors(local_batch):
                 options = StepOptions(schedule, m, v, ckpt)
-                if schedule == "1f1b_overlap" and m == 1:
-                    continue  # nothing to pair with: 1F1B itself
+                if schedule in ("1f1b_overlap", "gpipe") and m == 1:
+                    continue  # one microbatch: nothing to pair or reorder, 1F1B itself
                 if _accepted(config, degrees, options, compiled):
                     out.append(options)
     return out

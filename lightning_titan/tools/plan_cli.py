@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--only",
         nargs="+",
-        help="print only these layouts (e.g. dp8xep8 pp4xep2): their rows' terms",
+        help="print only these layouts (e.g. dp8xep8 pp4xep2): each one's fastest --top rows",
     )
     parser.add_argument("--out", help="write the first layout as a config overlay (YAML)")
     parser.add_argument(
@@ -128,7 +128,10 @@ def describe(device: Device, nodes: int) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.3g}"
+    """Plain milliseconds to about three significant digits: "3,260", "35.5", "0.921", "0"."""
+    ms = seconds * 1e3
+    digits = 0 if ms == 0 else max(0, min(3, 2 - math.floor(math.log10(abs(ms)))))
+    return f"{ms:,.{digits}f}"
 
 
 def table(rows: list[Ranked], memory: float) -> list[str]:
@@ -160,8 +163,22 @@ def overlay(r: Ranked) -> str:
     keys["trainer.strategy.init_args.schedule"] = o.schedule
     keys["trainer.strategy.init_args.num_microbatches"] = o.microbatches
     keys["trainer.strategy.init_args.virtual_stages"] = o.virtual_stages
-    keys["model.model.activation_checkpointing"] = str(o.recompute).lower()
+    # model.model is a class-valued block: a dotted key sets its fields under init_args
+    keys["model.model.init_args.activation_checkpointing"] = str(o.recompute).lower()
     return "".join(f"{k}: {v}\n" for k, v in keys.items())
+
+
+def shown_rows(
+    rows: list[Ranked], only: list[str] | None, top: int
+) -> tuple[list[Ranked], list[str]]:
+    """The rows to print, fastest first, and the ``only`` layouts that have none: without ``only``
+    the fastest ``top``; with it, each named layout's fastest ``top`` (every ZeRO level of it), so
+    that a slow one is not cut by a fast one's many step options."""
+    if not only:
+        return rows[:top], []
+    per_layout = {name: [r for r in rows if r.label.split(" ")[0] == name][:top] for name in only}
+    keep = {id(r) for chosen in per_layout.values() for r in chosen}
+    return [r for r in rows if id(r) in keep], [n for n, chosen in per_layout.items() if not chosen]
 
 
 def main(argv: list[str] | None = None) -> list[Ranked]:
@@ -207,16 +224,19 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
             "titan plan: the model state fits but no step option's activations do: use more "
             "microbatches, activation checkpointing, or more devices"
         )
-    shown = [r for r in rows if r.label.split(" ")[0] in args.only] if args.only else rows
+    shown, missing = shown_rows(rows, args.only, args.top)
     if shown:
-        print("\n".join(table(shown[: args.top], memory)))
-    else:
-        print(f"titan plan: none of {args.only} fits (or is accepted) here")
+        print("\n".join(table(shown, memory)))
+    if missing:
+        print(
+            f"titan plan: no row for {', '.join(missing)}: not a layout these devices, model and "
+            "batch allow, or its state and activations do not fit"
+        )
     print(
         "(ms per step; comm columns are the collectives' exposed time; of memory: model state and "
         f"peak activations of the fullest rank; priced as {precision.label()})"
     )
-    if args.out:
-        Path(args.out).write_text(overlay(rows[0]))
-        print(f"titan plan: wrote {rows[0].label} {rows[0].options_label} to {args.out}")
+    if args.out and shown:  # the first row printed: with --only, the fastest of those layouts
+        Path(args.out).write_text(overlay(shown[0]))
+        print(f"titan plan: wrote {shown[0].label} {shown[0].options_label} to {args.out}")
     return rows

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from lightning_titan.cli import TitanCLI, cli_components
+from lightning_titan.cli import TitanCLI, check_config_files, cli_components
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.parallel.dp.zero import LEVELS
 from lightning_titan.parallel.mesh import AXES
@@ -44,15 +45,16 @@ from lightning_titan.plan.devices import GPUS, Link
 from lightning_titan.plan.layouts import candidates, factorizations, total_params
 from lightning_titan.plan.memory import layout_state
 from lightning_titan.plan.precision import Precision
-from lightning_titan.plan.rank import step_options
+from lightning_titan.plan.rank import ranked, step_options
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.tools.bench.cases import OURS, Case, Settings
 from lightning_titan.tools.bench.worker import run_world
 from lightning_titan.tools.plan_check import check, spearman
+from lightning_titan.tools.plan_cli import _ms, shown_rows, table
 from lightning_titan.tools.plan_cli import main as plan_main
-from lightning_titan.tools.plan_cli import table
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
 DEFAULT = ModelConfig(vocab_size=257, d_model=64, n_layers=4, n_heads=4, ffn_dim=128, n_experts=8)
 
 
@@ -144,6 +146,7 @@ def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsy
     assert rows and all(a.cost.step <= b.cost.step for a, b in itertools.pairwise(rows))
     monkeypatch.chdir(tmp_path)
     args = ["--config", config, "--config", str(overlay)]
+    check_config_files(args)  # what `titan fit` reads each file with before its parser
     cli = TitanCLI(*cli_components(), run=False, args=args)
     dims, options = cli.trainer.strategy.parallel_dims, cli.trainer.strategy.options
     assert dims.degrees == rows[0].candidate.degrees and cli.trainer.num_devices == 4
@@ -151,6 +154,39 @@ def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsy
     assert options.schedule == rows[0].options.schedule
     assert options.num_microbatches == rows[0].options.microbatches
     assert cli.model.config.activation_checkpointing == rows[0].options.recompute
+
+
+def _documented_flow() -> list[list[str]]:
+    """The `titan plan ... --out layout.yaml` and `titan fit ... --config layout.yaml` lines of
+    docs/choosing_a_layout.md, as argument lists."""
+    text = (ROOT / "docs" / "choosing_a_layout.md").read_text()
+    lines = [line.split("#")[0].split() for line in text.splitlines()]
+    plan = [w for w in lines if w[:2] == ["titan", "plan"] and "--out" in w]
+    fit = [w for w in lines if w[:2] == ["titan", "fit"] and "layout.yaml" in w]
+    assert len(plan) == 1 and len(fit) == 1, (plan, fit)
+    return [plan[0], fit[0]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_documented_plan_then_fit_flow_trains(tmp_path):
+    """The docs' two commands as a user types them (`python -m lightning_titan` for `titan`, one
+    step, no validation): fit accepts the plan's file and trains under its layout."""
+    plan, fit = _documented_flow()
+    fit += ["--trainer.max_steps=1", "--trainer.limit_val_batches=0"]
+    said = []
+    for words in (plan, fit):
+        args = [str(ROOT / w) if w.startswith("configs/") else w for w in words[1:]]
+        proc = subprocess.run([sys.executable, "-m", "lightning_titan", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=280)  # fmt: skip
+        assert proc.returncode == 0, (words, proc.stderr[-3000:])
+        said.append(proc.stdout)
+    keys = yaml.safe_load((tmp_path / "layout.yaml").read_text())
+    degrees = {a: keys[f"trainer.strategy.init_args.{a}"] for a in AXES}
+    shown = [a for a in AXES if a in ("dp", "pp", "ep") or degrees[a] > 1]
+    layout = " ".join(f"{a}={degrees[a]}" for a in shown)
+    assert f"layout             {layout} ({keys['trainer.devices']} ranks)" in said[1], said[1]
+    assert "final train_loss" in said[1]
 
 
 @pytest.mark.parametrize(
@@ -428,8 +464,53 @@ def test_rows_are_ranked_by_predicted_step_time(capsys):
     assert all(r.candidate.degrees["ep"] > 1 and not r.options.recompute for r in overlapped)
     shown = "\n".join(table(overlapped, H100.memory))  # named like the others, pp=1's too
     assert "| 1f1b_overlap M2 |" in shown and "| dualpipev v2 M4 |" in shown
-    assert f"**{rows[0].cost.step * 1e3:,.3g}**" in printed.split("| 1 |")[1].split("\n")[0]
+    assert f"**{_ms(rows[0].cost.step)}**" in printed.split("| 1 |")[1].split("\n")[0]
     assert "inter-node 50 GB/s" in printed
+
+
+def test_no_two_rows_are_the_same_step():
+    """GPipe with one microbatch runs 1F1B's order: offered from two microbatches only."""
+    found, _ = candidates(DEFAULT, 8, 16)
+    seen: dict[tuple, str] = {}
+    for r in ranked(DEFAULT, found, 16, H100):
+        key = (r.label, r.options.recompute, r.cost.step, r.cost.bubble, r.activation_bytes)
+        assert key not in seen, (r.label, r.options_label, seen[key])
+        seen[key] = r.options_label
+    assert {"1f1b M1", "gpipe M2"} <= set(seen.values()) and "gpipe M1" not in seen.values()
+
+
+def _layout_of(r) -> str:
+    return r.label.split(" ")[0]
+
+
+def test_only_shows_every_layout_it_names(capsys):
+    """A layout whose rows all rank after another's first --top is shown too: each named layout
+    gets its own --top rows."""
+    args = ["--config", str(CONFIGS / "dp_pp_ep.yaml"), "--devices", "8", "--device", "h100-80gb"]
+    everything = plan_main([*args, "--top", "1000"])
+    capsys.readouterr()
+    fast = _layout_of(everything[0])
+    slow = _layout_of(everything[-1])  # ranked after every one of fast's rows but its last
+    order = [_layout_of(r) for r in everything if _layout_of(r) in (fast, slow)]
+    assert order.index(slow) >= 2 and order.count(slow) >= 2, order  # cut by --top 2 as one list
+    plan_main([*args, "--only", fast, slow, "dp3", "--top", "2"])
+    printed = capsys.readouterr().out
+    rows = [line.split(" | ") for line in printed.splitlines() if line.startswith("| ")]
+    shown = [cells[1] for cells in rows if cells[0][2:].isdigit()]
+    assert shown.count(fast) == 2 and shown.count(slow) == 2, shown
+    assert "no row for dp3" in printed
+    picked, missing = shown_rows(everything, [fast, slow], 2)
+    assert missing == [] and all(a.cost.step <= b.cost.step for a, b in itertools.pairwise(picked))
+    assert shown_rows(everything, None, 3) == (everything[:3], [])  # without --only: one list
+
+
+def test_times_print_as_plain_milliseconds():
+    assert [_ms(s) for s in (3.26012, 0.0355, 0.000921, 1.2e-5, 0.0, 123.456)] == [
+        "3,260", "35.5", "0.921", "0.012", "0", "123,456"]  # fmt: skip
+    (row,) = ranked(DEFAULT, candidates(DEFAULT, 8, 16)[0][:1], 16, H100)[:1]
+    seconds = dataclasses.replace(row, cost=dataclasses.replace(row.cost, step=3.26012))
+    (line,) = table([seconds], H100.memory)[2:]
+    assert line.endswith("| **3,260** |") and "e+" not in line and "e-" not in line, line
 
 
 def test_spearman():
