@@ -898,6 +898,11 @@ MUTATIONS = {
                              "            arguments.check_choices_in_argv(argv)\n",
                              "            pass\n",
                              ["tests/cli/test_errors.py", "-k", "misspelt", "-m", "slow"]),
+    # `--trainer.strategy.init_args.schedule gpipee` (the value as the next word) not checked
+    "cli_choice_space_form": ("lightning_titan/lightning/arguments.py",
+                              "            value = argv[i + 1]\n",
+                              "            continue\n",
+                              ["tests/cli/test_errors.py", "-k", "each_form"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

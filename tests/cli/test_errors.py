@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -421,3 +422,21 @@ def test_a_layout_that_does_not_fit_the_model_is_one_line(tmp_path):
         done, "n_experts=6 is not divisible by ep=4", "choose ep dividing 6 or change n_experts"
     )
     assert not (tmp_path / "runs").exists()
+
+
+def test_strategy_choices_are_checked_in_each_form_of_the_flag():
+    """`--flag=value`, `--flag value` and the short `--trainer.strategy.<name>`; an int choice too."""
+    from lightning_titan.lightning.arguments import check_choices_in_argv
+
+    for argv, message in [
+        (["--trainer.strategy.init_args.schedule", "gpipee"], "schedule='gpipee' is not one of"),
+        (["--trainer.strategy.schedule=zbv2"], "did you mean --trainer.strategy.schedule=zbv?"),
+        (["--trainer.strategy.init_args.zero=3"], "zero='3' is not one of 0, 1, 2"),
+        (["--trainer.strategy.init_args.reducer=ring"], "e.g. --trainer.strategy.init_args."
+                                                        "reducer=bucketed"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_choices_in_argv(["fit", *argv])
+    check_choices_in_argv(["fit", "--trainer.strategy.init_args.zero=1",
+                           "--trainer.strategy.init_args.schedule", "zb_h1",
+                           "--trainer.strategy.init_args.dp=2", "--trainer.strategy=ddp"])  # fmt: skip
