@@ -1,5 +1,6 @@
 """Bad input found at construction or in data setup, in-process: each message names the value or file
-and the fix (issue 13, item 7). Slower, launched cases live in test_reliability's bad-input tables."""
+and the fix (issue 13, item 7). Slower, launched cases live in test_reliability's bad-input tables;
+the `titan fit` launches here (slow tier, one per case) check the command's output: one line, exit 2."""
 
 from __future__ import annotations
 
