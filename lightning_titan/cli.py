@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lightning_titan.checkpoint import files
 from lightning_titan.checkpoint.storage import short_cause
+from lightning_titan.lightning import arguments
 from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.lightning.datamodule import TitanDataModule
 from lightning_titan.lightning.module import TitanLM
@@ -35,6 +36,8 @@ __all__ = ["TitanCLI", "cli_components", "compose_config", "main"]
 
 TRAINER_DEFAULTS = {
     "accelerator": "cpu",
+    # TitanLM trains under TitanStrategy only: without a --config, not Lightning's "auto"
+    "strategy": {"class_path": "lightning_titan.TitanStrategy"},
     "logger": {
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": "runs"},
@@ -131,7 +134,18 @@ class TitanCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
         config = self.config.get(self.config.get("subcommand") or "", self.config)
-        check_ckpt_file(config.get("ckpt_path") if isinstance(config, Namespace) else None)
+        if not isinstance(config, Namespace):
+            return
+        check_ckpt_file(config.get("ckpt_path"))
+        # here, before LightningCLI seeds and the Trainer says which devices it found: a mistake is
+        # then the only line printed
+        trainer = config.trainer
+        strategy, model = check_strategy(trainer), check_model_config(config.get("model"))
+        if strategy is not None:
+            try:
+                arguments.check_layout_fits(strategy, model, trainer)
+            except ValueError as err:
+                raise UsageError(str(err)) from None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.model", "data.seq_len", compute_fn=model_seq_len)
@@ -140,8 +154,6 @@ class TitanCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        check_strategy(config.trainer)
-        check_model_config(config.get("model"))
         fix_checkpoint_dirs(config.trainer)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -153,7 +165,10 @@ class TitanCLI(LightningCLI):
         if trainer.get("enable_progress_bar") is not False and not has_bar:
             extra.append(StepProgressBar())
         kwargs["callbacks"] = [*callbacks, *extra]
-        return super().instantiate_trainer(**kwargs)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except ValueError as err:  # the Trainer's checks of its arguments (the strategy's layout)
+            raise UsageError(str(err)) from None
 
     def after_fit(self) -> None:
         if isinstance(self.trainer.strategy.launcher, RestartingLauncher):
@@ -165,24 +180,26 @@ class TitanCLI(LightningCLI):
                 print(warning, file=sys.stderr, flush=True)
 
 
-def check_strategy(trainer: Namespace) -> None:
+def check_strategy(trainer: Namespace) -> TitanStrategy | None:
     """Build a TitanStrategy once before LightningCLI does, so that its ValueError is the last line the
-    user sees: jsonargparse buries it in a dump of what each type of ``str | Strategy`` expected."""
+    user sees: jsonargparse buries it in a dump of what each type of ``str | Strategy`` expected.
+    Returns it for the layout's checks (None: another strategy, or one LightningCLI reports)."""
     strategy = trainer.get("strategy")
     if not isinstance(strategy, Namespace) or "class_path" not in strategy:
-        return
+        return None
     module, _, name = strategy.class_path.rpartition(".")
     cls = getattr(importlib.import_module(module), name, None)
     if not (isinstance(cls, type) and issubclass(cls, TitanStrategy)):
-        return
+        return None
     init = strategy.get("init_args")
     kwargs = init.as_dict() if isinstance(init, Namespace) else dict(init or {})
     try:
-        cls(**kwargs)
+        built: TitanStrategy = cls(**kwargs)
     except ValueError as err:
         raise UsageError(str(err)) from None
     except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before
-        return
+        return None
+    return built
 
 
 def check_ckpt_file(ckpt_path: Any) -> None:
@@ -204,18 +221,24 @@ def check_ckpt_file(ckpt_path: Any) -> None:
     )
 
 
-def check_model_config(model: Namespace | None) -> None:
+def check_model_config(model: Namespace | None) -> ModelConfig | None:
     """Build the ModelConfig once before LightningCLI does, for the same reason as ``check_strategy``:
-    its ValueError (e.g. ``capacity_factor=-1 must be ...``) is then the whole message."""
-    fields = model.get("model") if isinstance(model, Namespace) else None
+    its ValueError (e.g. ``capacity_factor=-1 must be ...``) is then the whole message. Returns the
+    model trained, for the layout's checks (None: not known before ``init_from``'s folder is read)."""
+    if not isinstance(model, Namespace):
+        return None
+    fields = model.get("model")
+    if fields is None:  # TitanLM's default model
+        return None if model.get("init_from") else ModelConfig()
     if not isinstance(fields, Namespace):
-        return
+        return None
     try:
-        ModelConfig(**fields.as_dict())
+        config = ModelConfig(**fields.as_dict())
     except ValueError as err:
         raise UsageError(str(err)) from None
     except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before
-        return
+        return None
+    return None if model.get("init_from") else config
 
 
 def fix_checkpoint_dirs(trainer: Namespace) -> None:
@@ -330,6 +353,10 @@ def main(args: list[str] | None = None) -> None:
     try:
         check_optimizer_flags(argv)
         check_config_files(argv)
+        try:  # a misspelt schedule: jsonargparse would print its usage and every union type's error
+            arguments.check_choices_in_argv(argv)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
         TitanCLI(
             *cli_components(),
             trainer_defaults=TRAINER_DEFAULTS,
@@ -352,7 +379,7 @@ def check_config_files(argv: list[str]) -> None:
     for path in given:
         if os.path.isfile(path):  # a missing file: the parser says so
             try:
-                compose_config(path)
+                arguments.check_choices_in_config(compose_config(path), path)
             except ValueError as err:
                 raise UsageError(str(err)) from None
 

@@ -704,8 +704,8 @@ MUTATIONS = {
                           ["tests/unit/test_capacity.py"]),
     # issue 19: a bad ModelConfig value reaches the user inside jsonargparse's dump of the union
     "cli_model_unchecked": ("lightning_titan/cli.py",
-                            '        check_model_config(config.get("model"))\n',
-                            "",
+                            'check_strategy(trainer), check_model_config(config.get("model"))',
+                            "check_strategy(trainer), None",
                             ["tests/cli/test_errors.py", "-k", "bad_model_argument"]),
     # issue 19: the model FLOPs leave the attention scores out
     "flops_no_attention": ("lightning_titan/model/flops.py",
@@ -914,6 +914,31 @@ MUTATIONS = {
                                   "        return buffer.copy_(tensor.detach(), non_blocking=True)",
                                   "        return tensor.detach()",
                                   ["tests/distributed/test_doctor.py", "-k", "every_row"]),
+    # `titan fit` with no --config under Lightning's strategy="auto" (which TitanLM refuses)
+    "cli_default_strategy_auto": ("lightning_titan/cli.py",
+                                  '"strategy": {"class_path": "lightning_titan.TitanStrategy"},',
+                                  '"strategy": "auto",',
+                                  ["tests/cli/test_errors.py", "-k", "without_a_config", "-m", "slow"]),
+    # the degrees against devices x num_nodes left to the Trainer: the seed's line comes first
+    "cli_world_unknown": ("lightning_titan/lightning/arguments.py",
+                          "    return devices * num_nodes\n",
+                          "    return None\n",
+                          ["tests/cli/test_errors.py", "-k", "fit_the_world", "-m", "slow"]),
+    # the layout against the model left to the launcher: a traceback after the Trainer's lines
+    "cli_model_split_late": ("lightning_titan/lightning/arguments.py",
+                             "        config.validate_layout(**split, split=strategy.options.split)\n",
+                             "        pass\n",
+                             ["tests/cli/test_errors.py", "-k", "fit_the_model", "-m", "slow"]),
+    # a misspelt schedule left to jsonargparse: its usage and every union type's complaint
+    "cli_choice_unchecked": ("lightning_titan/cli.py",
+                             "            arguments.check_choices_in_argv(argv)\n",
+                             "            pass\n",
+                             ["tests/cli/test_errors.py", "-k", "misspelt", "-m", "slow"]),
+    # `--trainer.strategy.init_args.schedule gpipee` (the value as the next word) not checked
+    "cli_choice_space_form": ("lightning_titan/lightning/arguments.py",
+                              "            value = argv[i + 1]\n",
+                              "            continue\n",
+                              ["tests/cli/test_errors.py", "-k", "each_form"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -1,10 +1,14 @@
 """Bad input found at construction or in data setup, in-process: each message names the value or file
-and the fix (issue 13, item 7). Slower, launched cases live in test_reliability's bad-input tables."""
+and the fix (issue 13, item 7). Slower, launched cases live in test_reliability's bad-input tables;
+the `titan fit` launches here (slow tier, one per case) check the command's output: one line, exit 2."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -342,3 +346,98 @@ def test_a_ckpt_path_file_that_is_no_checkpoint_says_what_one_is(tmp_path, monke
     assert files.WHAT_A_CHECKPOINT_IS in message and "--ckpt_path last" in message
     assert "weights_only" not in message
     assert not (tmp_path / "runs").exists()
+
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def titan_fit(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_TITAN_CACHE": str(cwd / "cache")}
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_titan", "fit", "--trainer.max_steps=1", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+
+
+def assert_one_line(done: subprocess.CompletedProcess, *says: str) -> None:
+    """Exit status 2 and one line on stderr that says each of ``says``: no traceback, no usage, no
+    line from the seed or the Trainer before it, nothing on stdout."""
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr[-3000:])
+    assert lines[0].startswith("titan: error: "), lines[0]
+    assert all(s in lines[0] for s in says), (says, lines[0])
+    assert "Traceback" not in done.stderr and not done.stdout.strip(), done.stdout[-2000:]
+
+
+@pytest.mark.slow  # one `titan fit` of one step on the default model and data (about 30 s)
+@pytest.mark.timeout(200)
+def test_titan_fit_without_a_config_trains_the_default_model_under_titan_strategy(tmp_path):
+    """Not Lightning's strategy="auto" (SingleDeviceStrategy, which TitanLM refuses)."""
+    done = titan_fit(tmp_path, "--trainer.limit_val_batches=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "final train_loss" in done.stdout and "(step 1)" in done.stdout, done.stdout[-2000:]
+    assert "layout             dp=1 pp=1 ep=1 (1 ranks)" in done.stdout
+
+
+@pytest.mark.slow  # one `titan` process (about 15 s)
+@pytest.mark.timeout(200)
+def test_a_layout_that_does_not_fit_the_world_is_one_line(tmp_path):
+    done = titan_fit(tmp_path, "--config", str(CONFIGS / "single.yaml"),
+                     "--trainer.strategy.init_args.ep=2")  # fmt: skip
+    assert_one_line(done, "1*1*2*1*1 = 2 but the world size is 1", "set one degree to -1")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow  # one `titan` process (about 15 s)
+@pytest.mark.timeout(200)
+def test_a_misspelt_schedule_is_one_line_naming_the_schedules(tmp_path, monkeypatch):
+    done = titan_fit(tmp_path, "--config", str(CONFIGS / "single.yaml"),
+                     "--trainer.strategy.init_args.schedule=zb-h1")  # fmt: skip
+    assert_one_line(
+        done, "schedule='zb-h1' is not one of 1f1b, gpipe, interleaved_1f1b, zb_h1, zbv,",
+        "did you mean --trainer.strategy.init_args.schedule=zb_h1?",
+    )  # fmt: skip
+    # the same in a config file (in this process): the file and its key
+    from lightning_titan.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text(
+        f"config: {CONFIGS / 'single.yaml'}\ntrainer.strategy.init_args.schedule: interleaved\n"
+    )
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", "mine.yaml"])
+    assert str(info.value).startswith("schedule='interleaved' is not one of 1f1b, gpipe,")
+    assert str(info.value).endswith(
+        "did you mean mine.yaml: trainer.strategy.init_args.schedule=interleaved_1f1b?"
+    )
+
+
+@pytest.mark.slow  # one `titan` process (about 15 s)
+@pytest.mark.timeout(200)
+def test_a_layout_that_does_not_fit_the_model_is_one_line(tmp_path):
+    """Found before the Trainer is built (on every rank, before any process group), not by the
+    launcher's checks after the Trainer printed its devices."""
+    done = titan_fit(tmp_path, "--config", str(CONFIGS / "ep.yaml"), "--trainer.devices=4",
+                     "--trainer.strategy.init_args.ep=4", "--model.model.n_experts=6")  # fmt: skip
+    assert_one_line(
+        done, "n_experts=6 is not divisible by ep=4", "choose ep dividing 6 or change n_experts"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_strategy_choices_are_checked_in_each_form_of_the_flag():
+    """`--flag=value`, `--flag value` and the short `--trainer.strategy.<name>`; an int choice too."""
+    from lightning_titan.lightning.arguments import check_choices_in_argv
+
+    for argv, message in [
+        (["--trainer.strategy.init_args.schedule", "gpipee"], "schedule='gpipee' is not one of"),
+        (["--trainer.strategy.schedule=zbv2"], "did you mean --trainer.strategy.schedule=zbv?"),
+        (["--trainer.strategy.init_args.zero=3"], "zero='3' is not one of 0, 1, 2"),
+        (["--trainer.strategy.init_args.reducer=ring"], "e.g. --trainer.strategy.init_args."
+                                                        "reducer=bucketed"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_choices_in_argv(["fit", *argv])
+    check_choices_in_argv(["fit", "--trainer.strategy.init_args.zero=1",
+                           "--trainer.strategy.init_args.schedule", "zb_h1",
+                           "--trainer.strategy.init_args.dp=2", "--trainer.strategy=ddp"])  # fmt: skip
