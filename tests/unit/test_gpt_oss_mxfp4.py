@@ -88,10 +88,13 @@ def _edited(folder, tmp_path, name, edit):
 GATE_UP = "model.layers.2.mlp.experts.gate_up_proj"
 
 
-def _nan_scale(scales: torch.Tensor) -> torch.Tensor:
-    scales = scales.clone()
-    scales[3, 5, 0] = 255  # expert 3, row 5, block 0
-    return scales
+def _scale_at(value: int):
+    def edit(scales: torch.Tensor) -> torch.Tensor:
+        scales = scales.clone()
+        scales[3, 5, 0] = value  # expert 3, row 5, block 0
+        return scales
+
+    return edit
 
 
 @pytest.mark.parametrize(
@@ -101,7 +104,9 @@ def _nan_scale(scales: torch.Tensor) -> torch.Tensor:
         (f"{GATE_UP}_blocks", lambda t: t.long() + 256, rf"{GATE_UP}_blocks is torch.int64, not torch.uint8"),
         (f"{GATE_UP}_scales", lambda t: t.float(), rf"{GATE_UP}_scales is torch.float32, not torch.uint8"),
         # e8m0's 255 is NaN, not 2**128; the index is the global expert's
-        (f"{GATE_UP}_scales", _nan_scale, rf"{GATE_UP}_scales holds 1 e8m0 scale\(s\) of 255 \(NaN in MXFP4\), the first at \[expert, row, block\] = \[3, 5, 0\]"),
+        (f"{GATE_UP}_scales", _scale_at(255), rf"{GATE_UP}_scales holds 1 e8m0 scale\(s\) of 255 \(NaN in MXFP4\), the first at \[expert, row, block\] = \[3, 5, 0\]"),
+        # 254 is a scale, 2**127, but its values >= 2 are past float32's range
+        (f"{GATE_UP}_scales", _scale_at(254), rf"'{GATE_UP} dequantized from MXFP4' holds \d+ non-finite"),
     ],
 )  # fmt: skip
 def test_mxfp4_bytes_that_are_not_mxfp4_are_refused_by_name(

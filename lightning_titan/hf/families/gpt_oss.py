@@ -128,7 +128,10 @@ def read_fused(
     with f(files[f"{name}_scales"]) as handle:
         scales = handle.get_slice(f"{name}_scales")[start:end]
     check_mxfp4(files, name, blocks, scales, start)
-    return dequantize(blocks, scales, dtype), blocks.numel() + scales.numel()
+    # a scale of 254 puts values >= 2 past float32's (and bfloat16's) range: inf
+    out = dequantize(blocks, scales, dtype)
+    hf_folder.check_finite(files[f"{name}_scales"], f"{name} dequantized from MXFP4", out)
+    return out, blocks.numel() + scales.numel()
 
 
 def stored_names(fused: str, files: dict[str, Path]) -> list[str]:
