@@ -563,6 +563,50 @@ MUTATIONS = {
                           "out[..., 0::2] = lut[(blocks & 0x0F).to(torch.int)]",
                           "out[..., 0::2] = lut[(blocks >> 4).to(torch.int)]",
                           ["tests/unit/test_gpt_oss_mxfp4.py"]),
+    # gpt-oss: MXFP4 blocks or scales of another dtype cast to bytes (int64 wraps modulo 256)
+    "oss_mxfp4_dtype_cast": ("lightning_titan/hf/families/gpt_oss.py",
+                             "        if tensor.dtype != torch.uint8:",
+                             "        if False:",
+                             ["tests/unit/test_gpt_oss_mxfp4.py", "-k", "refused"]),
+    # gpt-oss: an e8m0 scale of 255 (NaN) read as 2**128
+    "oss_mxfp4_nan_scale": ("lightning_titan/hf/families/gpt_oss.py",
+                            "nan = (scales == 255).nonzero()",
+                            "nan = (scales > 255).nonzero()",
+                            ["tests/unit/test_gpt_oss_mxfp4.py", "-k", "refused"]),
+    # gpt-oss: an unquantized fused expert tensor holding NaN loaded as it is
+    "oss_fused_non_finite": ("lightning_titan/hf/families/gpt_oss.py",
+                             "        hf_folder.check_finite(files[name], name, tensor)\n", "",
+                             ["tests/unit/test_gpt_oss_mxfp4.py", "-k", "unquantized"]),
+    # gpt-oss: MXFP4 values past float32's range (scale 254) dequantized to inf and loaded
+    "oss_mxfp4_overflow": ("lightning_titan/hf/families/gpt_oss.py",
+                           '    hf_folder.check_finite(files[f"{name}_scales"], f"{name} dequantized from MXFP4", out)\n',
+                           "", ["tests/unit/test_gpt_oss_mxfp4.py", "-k", "refused"]),
+    # a NaN or inf in a pretrained weight (or DeepSeek-V3's expert bias) loaded as it is
+    "load_non_finite": ("lightning_titan/hf/load.py",
+                        "                    hf_folder.check_finite(path, hf_name, tensor)\n                    target.copy_(",
+                        "                    target.copy_(",
+                        ["tests/unit/test_hf_refused.py", "-k", "non_finite"]),
+    # DeepSeek-V3: topk_group 0 read as 1, or above n_group
+    "deepseek_topk_group_range": ("lightning_titan/hf/families/deepseek.py",
+                                  "if not (is_int(topk) and 1 <= topk <= groups):",
+                                  "if not is_int(topk):",
+                                  ["tests/unit/test_hf_refused.py", "-k", "deepseek"]),
+    # DeepSeek-V3: q_lora_rank 0 taken as one q_proj ("lacks q_proj" at load)
+    "deepseek_q_rank_zero": ("lightning_titan/hf/families/deepseek.py",
+                             "is_int(q_rank) and q_rank >= 1)", "is_int(q_rank) and q_rank >= 0)",
+                             ["tests/unit/test_hf_refused.py", "-k", "deepseek"]),
+    # YaRN: beta_fast below beta_slow (the ramp runs backwards) accepted
+    "yarn_betas_unordered": ("lightning_titan/model/options.py",
+                             "        if not fast > slow:", "        if False:",
+                             ["tests/unit/test_model_options.py", "-k", "each_group"]),
+    # YaRN: an infinite factor accepted (cos and sin of NaN later)
+    "yarn_inf_accepted": ("lightning_titan/model/options.py",
+                          " and math.isfinite(value)", "",
+                          ["tests/unit/test_model_options.py", "-k", "each_group"]),
+    # top_k above n_experts reported as too few groups ("raise router_topk_groups")
+    "top_k_checked_after_groups": ("lightning_titan/model/config.py",
+                                   "        if self.top_k > self.n_experts:", "        if False:",
+                                   ["tests/unit/test_model_options.py", "-k", "does_not_fit"]),
     # issue 17: the backwards of the interleaved schedule run the chunks forward, not reversed
     "interleaved_bwd_order": ("lightning_titan/parallel/pipeline/interleaved.py",
                               "chunk = r // pp if forward else v - 1 - r // pp",

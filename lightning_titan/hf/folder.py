@@ -6,7 +6,7 @@ the file they end at must be inside the folder. The one exception is the Hugging
 whose ``snapshots/<revision>/`` files are links into the same repository's ``blobs/``.
 
 Its files are read here too, so that a damaged one (a cut download, an edit) is named with the fix:
-json's and safetensors' own errors name no file.
+json's and safetensors' own errors name no file. So is a tensor holding NaN or inf, by its name.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import Tensor
 
 REDOWNLOAD = "re-download it (or write the folder again with save_pretrained())"
 
@@ -62,3 +65,18 @@ def open_safetensors(path: Path) -> Any:
             f"{path} is not a safetensors file that can be read ({e}): it is damaged or cut short; "
             f"{REDOWNLOAD}"
         ) from None
+
+
+def check_finite(path: Path, name: str, tensor: Tensor) -> None:
+    """Raise unless every value of ``tensor`` (``name``, read from ``path``) is finite: a NaN or inf
+    in a pretrained weight would make training diverge, and look like a learning rate too high."""
+    # a NaN or inf makes the sum non-finite; the sum allocates nothing the size of the tensor (a
+    # mask would, on the rank's peak while loading), and the mask is built only to count
+    if not tensor.is_floating_point() or torch.isfinite(tensor.sum()):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise ValueError(
+            f"{path.name}: {name!r} holds {bad} non-finite value(s) (NaN or inf) of "
+            f"{tensor.numel()}: the checkpoint is damaged; {REDOWNLOAD}, or repair that tensor"
+        )

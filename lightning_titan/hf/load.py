@@ -221,8 +221,8 @@ def check_folder(folder: str | Path, config: ModelConfig) -> None:
 def load_stage(model: StageModel, folder: str | Path) -> int:
     """Copy this stage's tensors (its layers, its experts only) from ``folder`` into ``model``.
 
-    Every shape is checked before anything is copied; each file is memory-mapped, so a rank reads
-    only the bytes of the tensors it holds. Returns the number of tensor bytes read."""
+    Every shape is checked before anything is copied, and every value read is checked finite; each
+    file is memory-mapped, so a rank reads only the bytes of the tensors it holds. Returns the number of tensor bytes read."""
     by_file = check_tensors(model, folder)
     targets = {}  # hf name -> the parameter (or expert row) it fills, and whether it is transposed
     family = architecture_of(model.config)
@@ -246,6 +246,7 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
                 shard = cut.get(id(target))
                 if shard is None:
                     tensor = f.get_tensor(hf_name)
+                    hf_folder.check_finite(path, hf_name, tensor)
                     target.copy_(tensor.t() if transposed else tensor)
                 else:  # only this TP rank's rows (or columns); padded vocabulary rows stay zero
                     per_rank = target.shape[shard.dim]
@@ -253,6 +254,7 @@ def load_stage(model: StageModel, folder: str | Path) -> int:
                     index = [slice(None)] * target.dim()
                     index[shard.dim] = slice(shard.rank * per_rank, shard.rank * per_rank + real)
                     tensor = f.get_slice(hf_name)[tuple(index)]
+                    hf_folder.check_finite(path, hf_name, tensor)
                     target.zero_().narrow(shard.dim, 0, real).copy_(tensor)
                 read += tensor.numel() * tensor.element_size()
     return read

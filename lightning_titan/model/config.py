@@ -110,9 +110,12 @@ class ModelConfig:
         for name in ("aux_loss_coef", "z_loss_coef", "router_bias_update_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 (0 turns it off)")
-        attention = (
-            self.attention
-        )  # each group checks its options as it is built (model/options.py)
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k={self.top_k} > n_experts={self.n_experts}; use top_k <= n_experts"
+            )
+        # each group checks its options as it is built (model/options.py)
+        attention = self.attention
         self.router.fits(self.n_experts, self.top_k)
         self.experts.fits(self.n_layers)
         PositionOptions.of(self)
@@ -129,10 +132,6 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
                 "each KV head must serve a whole number of query heads"
-            )
-        if self.top_k > self.n_experts:
-            raise ValueError(
-                f"top_k={self.top_k} > n_experts={self.n_experts}; use top_k <= n_experts"
             )
         if attention.kind == STANDARD and self.head_dim % 2:
             which = "attn_head_dim" if self.attn_head_dim else "head_dim = d_model / n_heads = "

@@ -14,6 +14,7 @@ builds a group and ``FLAT_FIELDS`` lists every family option.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from lightning_titan.model.yarn import YARN_KEYS
 QK_NORMS = ("none", "head", "full")
 ROUTER_SCORES = ("softmax", "sigmoid")
 STANDARD, LATENT = "standard", "latent"  # the kinds of attention
+YARN_MAY_BE_ZERO = ("mscale", "mscale_all_dim")  # 0: that scale off (model/yarn.py)
 
 
 def flat(name: str) -> Any:
@@ -62,6 +64,11 @@ class Group:
 def _flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be True or False")
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not a bool) that is neither NaN nor infinite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _size(name: str, value: Any) -> None:
@@ -272,8 +279,23 @@ class PositionOptions(Group):
                 "rope_scaling / rope_parameters of rope_type 'yarn')"
             )
         for key in ("factor", "original_max_position_embeddings"):
-            if not isinstance(yarn.get(key), (int, float)) or not yarn[key] > 0:
-                raise ValueError(f"rope_yarn[{key!r}]={yarn.get(key)!r} must be a number > 0")
+            if key not in yarn:
+                raise ValueError(f"rope_yarn[{key!r}]=None must be a finite number > 0")
+        for key, value in yarn.items():
+            if key == "truncate":
+                _flag("rope_yarn['truncate']", value)
+            elif not _finite(value) or not (value >= 0 if key in YARN_MAY_BE_ZERO else value > 0):
+                least = ">= 0 (0: off)" if key in YARN_MAY_BE_ZERO else "> 0"
+                raise ValueError(f"rope_yarn[{key!r}]={value!r} must be a finite number {least}")
+        # the defaults are model/yarn.py's
+        fast, slow = yarn.get("beta_fast", 32), yarn.get("beta_slow", 1)
+        if not fast > slow:
+            raise ValueError(
+                f"rope_yarn beta_fast={fast!r} <= beta_slow={slow!r}: a channel turning more than "
+                "beta_fast times over the original context keeps its frequency, one turning fewer "
+                "than beta_slow times is interpolated; give beta_fast > beta_slow (Hugging Face's "
+                "defaults: 32 and 1)"
+            )
 
 
 GROUPS: dict[str, type[Group]] = {

@@ -73,3 +73,54 @@ def test_mxfp4_experts_import_as_transformers_dequantizes_them(mxfp4_folder, ep_
         if not n.endswith(("experts.w1", "experts.w3", "experts.w2"))
     )
     assert read == rest + quantized // 2
+
+
+def _edited(folder, tmp_path, name, edit):
+    """``folder`` again, with tensor ``name`` replaced by ``edit(it)``."""
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[name] = edit(tensors[name])
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    return tmp_path
+
+
+GATE_UP = "model.layers.2.mlp.experts.gate_up_proj"
+
+
+def _scale_at(value: int):
+    def edit(scales: torch.Tensor) -> torch.Tensor:
+        scales = scales.clone()
+        scales[3, 5, 0] = value  # expert 3, row 5, block 0
+        return scales
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "name,edit,match",
+    [
+        # as floats or int64 the bytes would be cast, int64 ones wrapping modulo 256
+        (f"{GATE_UP}_blocks", lambda t: t.long() + 256, rf"{GATE_UP}_blocks is torch.int64, not torch.uint8"),
+        (f"{GATE_UP}_scales", lambda t: t.float(), rf"{GATE_UP}_scales is torch.float32, not torch.uint8"),
+        # e8m0's 255 is NaN, not 2**128; the index is the global expert's
+        (f"{GATE_UP}_scales", _scale_at(255), rf"{GATE_UP}_scales holds 1 e8m0 scale\(s\) of 255 \(NaN in MXFP4\), the first at \[expert, row, block\] = \[3, 5, 0\]"),
+        # 254 is a scale, 2**127, but its values >= 2 are past float32's range
+        (f"{GATE_UP}_scales", _scale_at(254), rf"'{GATE_UP} dequantized from MXFP4' holds \d+ non-finite"),
+    ],
+)  # fmt: skip
+def test_mxfp4_bytes_that_are_not_mxfp4_are_refused_by_name(
+    mxfp4_folder, tmp_path, name, edit, match
+):
+    folder = _edited(mxfp4_folder[0], tmp_path, name, edit)
+    config = hf_load.config_from_folder(folder, ModelConfig(seq_len=16))
+    with pytest.raises(ValueError, match=match):
+        hf_load.load_stage(StageModel(config, ep_rank=1, ep=2), folder)
+
+
+def test_an_unquantized_fused_expert_tensor_holding_nan_is_refused_by_name(mxfp4_folder, tmp_path):
+    plain, name = mxfp4_folder[0].parent / "plain", "model.layers.1.mlp.experts.down_proj"
+    folder = _edited(plain, tmp_path, name, lambda t: t.index_fill(0, torch.tensor([3]), torch.nan))
+    config = hf_load.config_from_folder(folder, ModelConfig(seq_len=16))
+    with pytest.raises(ValueError, match=rf"'{name}' holds {F * D} non-finite value\(s\)"):
+        hf_load.load_stage(StageModel(config, ep_rank=1, ep=2), folder)

@@ -119,6 +119,26 @@ def test_a_resume_compares_the_model_a_config_means_not_how_it_is_spelled():
         check_config(Path("ckpt"), saved, Holder(ModelConfig(d_model=64, n_heads=4, n_kv_heads=2)))
 
 
+YARN = {"factor": 4.0, "original_max_position_embeddings": 16}
+# rope_yarn values that would train a NaN or a silently wrong RoPE, each named with its range
+BAD_YARN = [
+    ({"factor": float("nan")}, r"rope_yarn\['factor'\]=nan must be a finite number > 0"),
+    ({"factor": float("inf")}, r"rope_yarn\['factor'\]=inf must be a finite number > 0"),
+    ({"factor": True}, r"rope_yarn\['factor'\]=True must be a finite number > 0"),
+    ({"original_max_position_embeddings": 0}, r"\['original_max_position_embeddings'\]=0 must"),
+    ({"attention_factor": 0.0}, r"rope_yarn\['attention_factor'\]=0.0 must be a finite number > 0"),
+    ({"beta_slow": float("nan")}, r"rope_yarn\['beta_slow'\]=nan must be a finite number > 0"),
+    ({"mscale_all_dim": -0.7}, r"rope_yarn\['mscale_all_dim'\]=-0.7 must be a finite number >= 0"),
+    ({"mscale": "1"}, r"rope_yarn\['mscale'\]='1' must be a finite number >= 0"),
+    (
+        {"beta_fast": 1.0, "beta_slow": 32.0},
+        r"beta_fast=1.0 <= beta_slow=32.0: .* give beta_fast >",
+    ),
+    ({"beta_fast": 0.5}, r"beta_fast=0.5 <= beta_slow=1: "),  # beta_slow's default
+    ({"truncate": 0}, r"rope_yarn\['truncate'\]=0 must be True or False"),
+]
+
+
 # -- the option groups (model/options.py): each checks its own fields, naming the flat one --------
 @pytest.mark.parametrize(
     "group,fields,match",
@@ -146,6 +166,7 @@ def test_a_resume_compares_the_model_a_config_means_not_how_it_is_spelled():
         (PositionOptions, {"rope_theta": 0.0}, r"rope_theta=0.0 must be > 0"),
         (PositionOptions, {"rope_yarn": {"factor": 2.0}}, r"rope_yarn\['original_max_position"),
         (PositionOptions, {"rope_yarn": {"scale": 2.0}}, r"rope_yarn=\{'scale': 2.0\} must be"),
+        *[(PositionOptions, {"rope_yarn": {**YARN, **bad}}, match) for bad, match in BAD_YARN],
     ],
 )
 def test_each_group_checks_its_options_and_names_the_flat_field(group, fields, match):
@@ -165,6 +186,8 @@ def test_each_group_checks_its_options_and_names_the_flat_field(group, fields, m
         ({"router_groups": 8}, r"router_groups=8 leaves 1 expert per group"),
         ({"router_groups": 4, "top_k": 4}, r"router_topk_groups=1 groups of 2 experts hold fewer"),
         ({"dense_layers": 5, "dense_ffn_dim": 8}, r"dense_layers=5 > n_layers=4"),
+        # not "raise router_topk_groups": no groups hold more experts than there are
+        ({"router_groups": 4, "top_k": 9}, r"top_k=9 > n_experts=8; use top_k <= n_experts"),
     ],
 )
 def test_a_group_that_does_not_fit_the_model_is_named(fields, match):

@@ -39,6 +39,10 @@ LAYER_NAMES = {
 }
 
 
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class DeepseekV3(Family):
     model_type = "deepseek_v3"
     class_name = "DeepseekV3ForCausalLM"
@@ -128,6 +132,51 @@ class DeepseekV3(Family):
         heads = hf.get("num_attention_heads")
         if hf.get("num_key_value_heads", heads) != heads:
             refuse("num_key_value_heads", f"is not supported: MLA expands {heads} key/value heads")
+        q_rank = hf.get("q_lora_rank")
+        if q_rank is not None and not (is_int(q_rank) and q_rank >= 1):
+            refuse(
+                "q_lora_rank",
+                "is not supported: give the low-rank query's rank (an int >= 1), or null for one "
+                "q_proj",
+            )
+        self.check_groups(hf, refuse)
+
+    def check_groups(self, hf: dict[str, Any], refuse: Refuse) -> None:
+        """Group-limited routing: ``n_group`` groups cut the experts evenly, a token picks
+        ``topk_group`` of them, and those hold at least ``num_experts_per_tok`` experts (null: one
+        group, as ``options_from`` reads it)."""
+        key = next((k for k in self.experts_keys if hf.get(k) is not None), self.experts_keys[0])
+        experts: Any = hf.get(key)
+        top_k: Any = hf.get("num_experts_per_tok")
+        groups: Any = 1 if hf.get("n_group") is None else hf["n_group"]
+        topk: Any = 1 if hf.get("topk_group") is None else hf["topk_group"]
+        if not (is_int(experts) and experts >= 1):
+            refuse(key, "is not supported: give the routed experts' count, an int >= 1")
+        if not (is_int(groups) and groups >= 1 and experts % groups == 0):
+            refuse(
+                "n_group",
+                f"is not supported: give an int >= 1 dividing {key}={experts} (1: no groups)",
+            )
+        if groups > 1 and experts // groups < 2:
+            refuse(
+                "n_group",
+                f"is not supported: it leaves {experts // groups} expert per group, and a group is "
+                f"ranked by its top-2 scores; give n_group <= {key} / 2 = {experts // 2}",
+            )
+        if not (is_int(topk) and 1 <= topk <= groups):
+            refuse("topk_group", f"is not supported: give an int in 1..n_group={groups}")
+        if not (is_int(top_k) and 1 <= top_k <= experts):
+            refuse(
+                "num_experts_per_tok",
+                f"is not supported: give an int in 1..{key}={experts}",
+            )
+        if topk * (experts // groups) < top_k:
+            refuse(
+                "topk_group",
+                f"is not supported: {topk} group(s) of {experts // groups} experts hold fewer than "
+                f"num_experts_per_tok={top_k}; give topk_group >= "
+                f"{-(-top_k // (experts // groups))}",
+            )
 
     def config_json(self, config: ModelConfig, out: dict[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in out.items() if k not in ("rope_theta", "sliding_window")}

@@ -81,13 +81,35 @@ def dequantize(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
             "match: blocks must be [E, rows, G, 16] and scales [E, rows, G]"
         )
     lut = torch.tensor(FP4_VALUES, dtype=dtype)
-    blocks = blocks.to(torch.uint8)
     out = torch.empty(*blocks.shape[:-1], blocks.shape[-1] * 2, dtype=dtype)
     out[..., 0::2] = lut[(blocks & 0x0F).to(torch.int)]
     out[..., 1::2] = lut[(blocks >> 4).to(torch.int)]
     out = torch.ldexp(out, (scales.to(torch.int32) - 127).unsqueeze(-1))
     e, rows, groups, per_group = out.shape
     return out.reshape(e, rows, groups * per_group).transpose(1, 2).contiguous()
+
+
+def check_mxfp4(
+    files: dict[str, Path], name: str, blocks: Tensor, scales: Tensor, start: int
+) -> None:
+    """Raise unless ``name``'s MXFP4 ``blocks`` and ``scales`` (experts ``start`` on) are uint8, as
+    the format stores them (another dtype would be cast, wrapping modulo 256), and no scale is 255,
+    the e8m0 code for NaN."""
+    for part, tensor in (("blocks", blocks), ("scales", scales)):
+        if tensor.dtype != torch.uint8:
+            raise ValueError(
+                f"{files[f'{name}_{part}'].name}: {name}_{part} is {tensor.dtype}, not "
+                "torch.uint8: MXFP4 stores its blocks and scales as bytes; write them as uint8 "
+                "(or store the dequantized tensor under its own name)"
+            )
+    nan = (scales == 255).nonzero()
+    if len(nan):
+        where = [start + int(nan[0, 0]), *nan[0, 1:].tolist()]
+        raise ValueError(
+            f"{files[f'{name}_scales'].name}: {name}_scales holds {len(nan)} e8m0 scale(s) of 255 "
+            f"(NaN in MXFP4), the first at [expert, row, block] = {where}: the checkpoint is "
+            f"damaged; {hf_folder.REDOWNLOAD}"
+        )
 
 
 def read_fused(
@@ -99,12 +121,17 @@ def read_fused(
     if name in files:
         with f(files[name]) as handle:
             tensor = handle.get_slice(name)[start:end]
+        hf_folder.check_finite(files[name], name, tensor)
         return tensor, tensor.numel() * tensor.element_size()
     with f(files[f"{name}_blocks"]) as handle:
         blocks = handle.get_slice(f"{name}_blocks")[start:end]
     with f(files[f"{name}_scales"]) as handle:
         scales = handle.get_slice(f"{name}_scales")[start:end]
-    return dequantize(blocks, scales, dtype), blocks.numel() + scales.numel()
+    check_mxfp4(files, name, blocks, scales, start)
+    # a scale of 254 puts values >= 2 past float32's (and bfloat16's) range: inf
+    out = dequantize(blocks, scales, dtype)
+    hf_folder.check_finite(files[f"{name}_scales"], f"{name} dequantized from MXFP4", out)
+    return out, blocks.numel() + scales.numel()
 
 
 def stored_names(fused: str, files: dict[str, Path]) -> list[str]:
