@@ -416,4 +416,6 @@ def test_automatic_optimization_moves_the_expert_bias_as_one_process(tmp_path):
     biases = [k for k in want_state if k.endswith("expert_bias")]
     assert len(biases) == 2 and all(want_state[k].abs().sum() > 0 for k in biases), "the bias moved"
     for name, want in want_state.items():
-        torch.testing.assert_close(ours[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            ours[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )

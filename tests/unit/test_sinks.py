@@ -92,7 +92,9 @@ def test_a_block_keeps_nothing_s_by_s_per_head(family):
     model = StageModel(ModelConfig(**base, **options, seq_len=s))
     model.init_weights(0)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.shape) or t, lambda t: t
+    ):
         model(torch.randint(0, 61, (2, s)))
     square = [shape for shape in saved if sum(n >= s for n in shape) >= 2]
     assert all(len(shape) == 2 for shape in square), square
