@@ -255,6 +255,12 @@ def train(
         "state": measured["state"],
         "grad_bytes": measured["grad_bytes"],
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        # dense copies of strided rows, for an optimizer that steps views wrongly (AdamW fused)
+        "dense_bytes": sum(
+            s.leaf.numel() * s.leaf.element_size()
+            for g in engine.zero_groups
+            for s in g.dense_shards
+        ),
         # the most batches of sends alive (their tensors held) at once (strict_p2p only)
         "sends_in_flight": 0 if stream is None else stream.most_live_sends,
         "graphs": graphs_after_first - graphs_at_start,  # those the first step compiled
