@@ -247,7 +247,7 @@ MUTATIONS = {
     # the token loss normalised by the sequences instead of the tokens (every layout alike: only
     # the independent reference can tell)
     "loss_per_sequence": ("lightning_titan/train/objective.py",
-                          "return share + loss_sum / self.local_tokens, loss_sum",
+                          "return share + loss_sum / self.tokens_per_data_rank, loss_sum",
                           "return share + loss_sum / self.local_sequences, loss_sum",
                           ["tests/distributed/test_reference.py"]),
     # an expert gradient twice too large (the expert reducer's scale)
@@ -326,6 +326,26 @@ MUTATIONS = {
                        "            t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v)\n",
                        "            t for t in (q, k, v)\n",
                        ["tests/unit/test_sinks.py"]),
+    # the loss divided by every target, not the counted ones (IGNORE_INDEX counted)
+    "objective_counts_ignored": ("lightning_titan/train/objective.py",
+                                 "    count = (targets != IGNORE_INDEX).sum()\n",
+                                 "    count = (targets == targets).sum()\n",
+                                 ["tests/distributed/test_reference.py", "-k", "one_process"]),
+    # the step's count of this rank alone, not the mean over the ranks (another on each data rank)
+    "objective_local_count": ("lightning_titan/train/objective.py",
+                              "        return (count.double() / dist.get_world_size()).clamp(min=1).float()\n",
+                              "        return (count.double() * 0 + (targets != IGNORE_INDEX).sum()).clamp(min=1).float()\n",
+                              ["tests/distributed/test_reference.py", "-k", "eight"]),
+    # under TP an ignored target's loss is log(sum exp), added to the sum
+    "vocab_parallel_ignored_counted": ("lightning_titan/parallel/tensor_parallel.py",
+                                       "    return torch.where(targets == IGNORE_INDEX, 0.0, losses)\n",
+                                       "    return losses\n",
+                                       ["tests/distributed/test_reference.py", "-k", "tp2"]),
+    # the reported loss divided by every token of the reporting ranks, not the counted ones
+    "stage_reports_every_token": ("lightning_titan/parallel/pipeline/stage.py",
+                                  "        self.counted = sum((t != IGNORE_INDEX).sum() for t in self.targets)\n",
+                                  "        self.counted = sum((t == t).sum() for t in self.targets)\n",
+                                  ["tests/distributed/test_reference.py", "-k", "one_process"]),
     # issue 21.2: the strategy does not clip
     "clip_none": ("lightning_titan/train/step.py",
                   "engine.finish_gradients(self.max_norm)",
@@ -475,7 +495,7 @@ MUTATIONS = {
                         ["tests/distributed/test_collective_order.py"]),
     # issue 43: the step's token count copied from the host every step
     "tokens_from_host": ("lightning_titan/train/objective.py",
-                         "tokens = sums.loss_sum.new_full((), float(sums.tokens), dtype=torch.float64)",
+                         "tokens = sums.tokens.to(torch.float64)",
                          "tokens = sums.loss_sum.new_tensor(float(sums.tokens), dtype=torch.float64)",
                          ["tests/distributed/test_collective_order.py"]),
     # issue 43: the step's metrics logged as Python floats (Lightning copies each onto the device)

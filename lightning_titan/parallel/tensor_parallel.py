@@ -251,6 +251,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits * grad.unsqueeze(-1), None, None, None, None
 
 
+# a target with this id counts for nothing: no loss, no grad, not in the token count (torch's
+# cross_entropy's default ignore_index; a prompt's or a padding's position in a fine-tuning batch)
+IGNORE_INDEX = -100
+
+
 def vocab_parallel_cross_entropy(
     logits: Tensor,
     targets: Tensor,
@@ -260,8 +265,13 @@ def vocab_parallel_cross_entropy(
     group: ProcessGroup | None,
 ) -> Tensor:
     """Per-token cross-entropy ``[N]`` (fp32) from this rank's vocabulary shard ``logits`` [N, V/tp]
-    holding global ids ``[vocab_start, vocab_start + V/tp)``; the same values on every TP rank."""
+    holding global ids ``[vocab_start, vocab_start + V/tp)``; the same values on every TP rank; 0
+    (and no grad) where the target is ``IGNORE_INDEX``."""
     logits = logits.float()
     if tp_size(group) == 1:
-        return torch.nn.functional.cross_entropy(logits[:, :vocab_size], targets, reduction="none")
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, group)
+        return torch.nn.functional.cross_entropy(
+            logits[:, :vocab_size], targets, reduction="none", ignore_index=IGNORE_INDEX
+        )
+    losses = _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, group)
+    # an ignored row's target lies in no rank's shard: its loss came out as log(sum exp) alone
+    return torch.where(targets == IGNORE_INDEX, 0.0, losses)

@@ -35,7 +35,13 @@ from lightning_titan.parallel.pipeline.schedules import get_schedule
 from lightning_titan.parallel.pipeline.stage import PipelineStage
 from lightning_titan.parallel.tensor_parallel import tp_shards
 from lightning_titan.runtime import probes
-from lightning_titan.train.objective import LossFn, Objective, StepLoss, global_means
+from lightning_titan.train.objective import (
+    LossFn,
+    Objective,
+    StepLoss,
+    count_targets,
+    global_means,
+)
 
 
 class Engine:
@@ -167,7 +173,7 @@ class Engine:
             inputs,
             targets,
             num_microbatches,
-            self._objective(loss_fn, inputs),
+            self._objective(loss_fn, inputs, targets),
             backward=backward,
             accumulate=self.no_sync,
             tracer=tracer,
@@ -189,15 +195,15 @@ class Engine:
         loss_fn: LossFn,
     ) -> StepLoss:
         links = self._links(stage_model, inputs.device)
-        objective = self._objective(loss_fn, inputs)
+        objective = self._objective(loss_fn, inputs, targets)
         stage = PipelineStage(
             stage_model, self.dims, links, inputs, targets, num_microbatches, objective
         )
         return global_means(stage.run(None), inputs.shape[0], self.dims.data_world)
 
     @staticmethod
-    def _objective(loss_fn: LossFn, inputs: Tensor) -> Objective:
-        return Objective(loss_fn, local_tokens=inputs.numel(), local_sequences=inputs.shape[0])
+    def _objective(loss_fn: LossFn, inputs: Tensor, targets: Tensor) -> Objective:
+        return Objective(loss_fn, count_targets(targets), local_sequences=inputs.shape[0])
 
     def _links(self, stage_model: StageModel, device: torch.device) -> StageLinks:
         dtype = next(stage_model.parameters()).dtype

@@ -24,6 +24,8 @@ and dense first layer).
 OVERLAP cases run the schedules that overlap one microbatch's forward with another's backward
 (1f1b_overlap on one stage, DualPipeV on the V), each rank's two halves handing the rank over at every
 all-to-all they start (checked: they did, and no other schedule did).
+ADAMW cases run ZeRO under torch's foreach and fused AdamW; MASKED cases train on targets partly
+ignored (-100), whose loss is the mean over the step's counted targets.
 """
 
 import pytest
@@ -67,6 +69,18 @@ ADAMW = {
     2: [((2, 1, 1), "1f1b:zero1:adamw=fused", 1), ((2, 1, 1), "1f1b:zero2:adamw=fused", 1)],
     4: [((2, 1, 2), "1f1b:zero1:adamw=fused", 2), ((2, 1, 2), "1f1b:zero2:adamw=foreach", 2)],
     8: [],
+}
+# Targets partly ignored (-100, another count on each rank and microbatch; reference(masked=True)):
+# the loss is the mean over the step's counted targets under every layout, schedule and ZeRO level
+MASKED = {
+    2: [
+        ((2, 1, 1), "1f1b:masked", 2),
+        ((1, 2, 1), "zbv:masked", 4),
+        ((1, 1, 1, 2), "1f1b:masked", 1),  # tp2: the vocab-parallel loss
+        ((1, 1, 1, 1, 2), "1f1b:masked", 1),  # cp2: each rank counts its positions
+    ],
+    4: [((2, 1, 2), "1f1b:masked:zero2", 2), ((1, 2, 2), "dualpipev:masked", 4)],
+    8: [((2, 2, 2), "1f1b:masked", 2)],
 }
 # Tensor parallelism with sequence parallelism, composed with the other axes: (dp, pp, ep, tp)
 TP = {
@@ -270,6 +284,13 @@ def wide_ref():
 
 
 @pytest.fixture(scope="module")
+def masked_ref(ref):
+    result = reference(masked=True)
+    assert result["loss"] != ref["loss"]
+    return result
+
+
+@pytest.fixture(scope="module")
 def deep_ref():
     return reference(DEEP_CONFIG)
 
@@ -286,12 +307,12 @@ def capacity_ref(ref):
 @pytest.mark.timeout(620)
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_every_layout_equals_one_process(
-    ref, bias_ref, deep_ref, capacity_ref, family_refs, wide_ref, world
+    ref, bias_ref, deep_ref, capacity_ref, family_refs, wide_ref, masked_ref, world
 ):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
-    cases += TP[world] + CP[world] + ADAMW[world]
+    cases += TP[world] + CP[world] + ADAMW[world] + MASKED[world]
     cases += [(layout, schedule, m, BIAS_CONFIG) for layout, schedule, m in BIAS[world]]
     cases += SPLIT[world] + ZERO_BUBBLE[world]
     cases += [(layout, schedule, m, CAPACITY_CONFIG) for layout, schedule, m in CAPACITY[world]]
@@ -308,6 +329,8 @@ def test_every_layout_equals_one_process(
         case_ref, what = refs[id(config[0])] if config else (ref, "")
         if "batch=16" in schedule:
             case_ref = wide_ref
+        if ":masked" in schedule:
+            case_ref = masked_ref
         assert_matches_reference(case_ref, results, f"{layout} {schedule} M={m}{what}")
         # the overlapped schedules did interleave their halves (and nothing else did)
         paired = schedule.split(":")[0] in OVERLAPPED

@@ -2,7 +2,9 @@
 project code): the same weights and global batch must give the same loss, aux loss, gradient norm and
 gradient of every parameter, for one process, dp2 x pp2 x ep2, tp2 x pp2 x ep2 and cp2 x tp2 x pp2 (each
 rank its slice of every gradient), with the aux and z losses on; and
-the composed clipping must scale every gradient by max_norm / norm.
+the composed clipping must scale every gradient by max_norm / norm. Each case runs twice: on plain
+targets and on targets partly ignored (-100, another count on each rank and microbatch), whose loss is
+the mean over the counted targets of the global batch.
 """
 
 import pytest
@@ -22,9 +24,8 @@ from lightning_titan.runtime.launch import run_on_ranks
 MAX_NORM = 0.05  # well under the reference norm, so clipping bites
 
 
-@pytest.fixture(scope="module")
-def ref():
-    inputs, targets = global_batch(0)
+def reference_of(masked: bool):
+    inputs, targets = global_batch(0, masked=masked)
     values, grads = loss_and_grads(full_initial_weights(), inputs, targets, CONFIG)
     values["norm"] = torch.linalg.vector_norm(
         torch.stack([g.norm() for g in grads.values()])
@@ -33,6 +34,12 @@ def ref():
     assert values["aux"] > 0 and CONFIG.z_loss_coef > 0 and CONFIG.aux_loss_coef > 0
     assert all(g.abs().max() > 0 for g in grads.values()), "every parameter gets a gradient"
     return values, grads
+
+
+@pytest.fixture(scope="module")
+def refs():
+    """masked -> the reference's values and grads (masked: targets partly -100)."""
+    return {masked: reference_of(masked) for masked in (False, True)}
 
 
 def _close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
@@ -57,20 +64,25 @@ def assert_matches(ref, results: list[dict], label: str) -> None:
     assert held == set(grads), f"{label}: parameters nobody holds: {set(grads) - held}"
 
 
-def test_one_process_equals_the_independent_reference(ref):
-    inputs, targets = global_batch(0)
+def test_one_process_equals_the_independent_reference(refs):
     dims = ParallelDims(1, 1, 1, 0)
-    for m in (1, 2):
-        result = grads_of_one_step(
-            dims, ProcessGroups(None, None, None, None), inputs, targets, m, (None, MAX_NORM)
-        )
-        assert_matches(ref, [result], f"one process M={m}")
+    for masked, ref in refs.items():
+        inputs, targets = global_batch(0, masked=masked)
+        for m in (1, 2):
+            result = grads_of_one_step(
+                dims, ProcessGroups(None, None, None, None), inputs, targets, m, (None, MAX_NORM)
+            )
+            assert_matches(ref, [result], f"one process M={m} masked={masked}")
 
 
-def _one_step(rank: int, world_size: int, layout: tuple[int, ...]) -> dict:
+def _one_step(rank: int, world_size: int, layout: tuple[int, ...]) -> dict[bool, dict]:
+    """masked -> this rank's step on the plain and on the partly ignored targets, in one spawn."""
     dims = ParallelDims(*layout[:3], rank, *layout[3:])
-    inputs, targets = global_batch(0)
-    return grads_of_one_step(dims, build_process_groups(dims), inputs, targets, 2, (None, MAX_NORM))
+    groups, out = build_process_groups(dims), {}
+    for masked in (False, True):
+        inputs, targets = global_batch(0, masked=masked)
+        out[masked] = grads_of_one_step(dims, groups, inputs, targets, 2, (None, MAX_NORM))
+    return out
 
 
 @pytest.mark.timeout(240)
@@ -79,6 +91,8 @@ def _one_step(rank: int, world_size: int, layout: tuple[int, ...]) -> dict:
     [(2, 2, 2, 1, 1), (1, 2, 2, 2, 1), (1, 2, 1, 2, 2)],
     ids=["dp2_pp2_ep2", "tp2_pp2_ep2", "cp2_tp2_pp2"],
 )
-def test_eight_ranks_equal_the_independent_reference(ref, layout):
+def test_eight_ranks_equal_the_independent_reference(refs, layout):
     results = run_on_ranks(_one_step, 8, layout, timeout_s=200, start_method="fork")
-    assert_matches(ref, results, f"(dp, pp, ep, tp, cp) = {layout}")
+    for masked, ref in refs.items():
+        label = f"(dp, pp, ep, tp, cp) = {layout} masked={masked}"
+        assert_matches(ref, [r[masked] for r in results], label)

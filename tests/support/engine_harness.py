@@ -19,7 +19,7 @@ from lightning_titan.parallel import overlap
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 from lightning_titan.parallel.pipeline.split import StageSplit
-from lightning_titan.parallel.tensor_parallel import local_slice, tp_shards
+from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX, local_slice, tp_shards
 from lightning_titan.tools.bench.memory import state_bytes
 from lightning_titan.train import auto_split
 from lightning_titan.train.engine import Engine
@@ -132,11 +132,18 @@ def token_loss_sum(logits_MSV: torch.Tensor, targets_MS: torch.Tensor) -> torch.
 
 
 def global_batch(
-    step: int, config: ModelConfig = CONFIG, batch: int = GLOBAL_BATCH
+    step: int, config: ModelConfig = CONFIG, batch: int = GLOBAL_BATCH, masked: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s sequences and targets; ``masked``: targets ``IGNORE_INDEX`` at random positions,
+    a share growing with the row (row 0 keeps every target, the last row none), so each rank and
+    microbatch counts another number of targets, as fine-tuning batches with prompts do."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    if masked:
+        share = torch.linspace(0, 1, batch).unsqueeze(1)
+        targets[torch.rand(targets.shape, generator=g) < share] = IGNORE_INDEX
+    return inputs, targets
 
 
 def train(
@@ -154,6 +161,7 @@ def train(
     compile: str | None = None,
     batch: int = GLOBAL_BATCH,
     adamw: str | None = None,
+    masked: bool = False,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
@@ -163,7 +171,8 @@ def train(
     the optimizer state over the data-parallel groups; ``split`` cuts the layers over stages and
     chunks; ``compile`` names a ``torch.compile`` backend to compile the stage with (the result's
     ``graphs``: the graphs the first step compiled, ``recompiled``: those compiled after it);
-    ``adamw``: the AdamW implementation (``"foreach"``, ``"fused"``; None: torch's default)."""
+    ``adamw``: the AdamW implementation (``"foreach"``, ``"fused"``; None: torch's default);
+    ``masked``: targets partly ``IGNORE_INDEX`` (``global_batch``)."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
     model = stage_model(dims, groups, config, split)
     if compile is not None:  # the torch.compile backend
@@ -218,7 +227,7 @@ def train(
     loss_fn = model.token_loss_sum if compile is not None else loss_fn_for(model, dims)
     graphs_at_start = graphs_after_first = compiled.graphs_compiled()
     for step in range(steps):
-        inputs, targets = global_batch(step, config, batch)
+        inputs, targets = global_batch(step, config, batch, masked)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
         result = train_step.run(
             model, inputs[rows], targets[rows], num_microbatches, loss_fn, index=step
@@ -231,7 +240,7 @@ def train(
             graphs_after_first = compiled.graphs_compiled()
     recompiled = compiled.graphs_compiled() - graphs_after_first  # before the eval's own graphs
     # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
-    inputs, targets = global_batch(0, config, batch)
+    inputs, targets = global_batch(0, config, batch, masked)
     rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
     val = engine.forward_only(
         model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
@@ -300,11 +309,16 @@ def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return sum(storages.values())
 
 
-def reference(config: ModelConfig = CONFIG, steps: int = STEPS, batch: int = GLOBAL_BATCH) -> dict:
+def reference(
+    config: ModelConfig = CONFIG,
+    steps: int = STEPS,
+    batch: int = GLOBAL_BATCH,
+    masked: bool = False,
+) -> dict:
     """The single-process run: one rank, whole batch, one microbatch, no process group."""
     dims = ParallelDims(1, 1, 1, 0)
     groups = ProcessGroups(None, None, None, None)
-    return train(dims, groups, "gpipe", 1, config, steps, batch=batch)
+    return train(dims, groups, "gpipe", 1, config, steps, batch=batch, masked=masked)
 
 
 def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
@@ -314,7 +328,8 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     chunks per rank, ``"<name>:layers=3-1"`` with ``stage_layers=[3, 1]``, ``"<name>:auto"`` with the
     split probed on rank 0, ``"<name>:compile=aot_eager"`` compiled with that backend, ``"<name>:batch=16"``
     on global batches of 16 sequences (``reference(batch=16)``), ``"<name>:adamw=fused"`` with
-    ``AdamW(fused=True)`` (``foreach``); ``config`` replaces CONFIG."""
+    ``AdamW(fused=True)`` (``foreach``), ``"<name>:masked"`` on targets partly ignored
+    (``reference(masked=True)``); ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
@@ -333,6 +348,7 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
             strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
             compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
             batch=batch, adamw=next((o[6:] for o in options if o.startswith("adamw=")), None),
+            masked="masked" in options,
         )  # fmt: skip
         result["split"] = split
         out.append(result)

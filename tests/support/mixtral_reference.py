@@ -83,8 +83,8 @@ def loss(
         y, layer_aux = moe(rms_norm(x, w[f"layers.{i}.moe_norm.weight"], cfg.norm_eps), w, i, cfg)
         x, aux = x + y, aux + layer_aux
     logits = rms_norm(x, w["norm.weight"], cfg.norm_eps) @ w["lm_head.weight"].T
-    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-    tokens, sequences = targets.numel(), inputs.shape[0]
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")  # -100: none
+    tokens, sequences = (targets != -100).sum(), inputs.shape[0]  # the targets counted
     return ce / tokens + aux.sum() / sequences, ce / tokens, aux.mean()
 
 

@@ -29,6 +29,7 @@ from lightning_titan.parallel.pipeline.schedules import (
     forward_only,
     get_schedule,
 )
+from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX
 from lightning_titan.runtime import probes
 
 # (aux, logits, targets) -> (this rank's share to back-propagate, the token-loss sum or None);
@@ -42,7 +43,7 @@ class StepSums:
 
     loss_sum: Tensor  # sum of the token losses (last stage's first TP rank only, else 0)
     aux_sum: Tensor  # sum over sequences of this stage's weighted aux losses (under TP: this rank's share)
-    tokens: int  # tokens this rank's pipeline saw (counted where loss_sum is, else 0)
+    tokens: Tensor  # targets counted in loss_sum (not IGNORE_INDEX), 0-dim; 0 where loss_sum is
 
 
 class PipelineStage:
@@ -66,12 +67,12 @@ class PipelineStage:
         self.num_chunks = model.num_chunks  # virtual stages on this rank
         # every TP rank computes the same loss (vocab-parallel): one of them reports it
         self.reports_loss = model.is_last_stage and dims.tp_rank == 0
-        self.cp = dims.cp
         # under CP each rank computes its positions of every sequence (context_parallel)
         self.inputs = split_microbatches(take_local(inputs, model.cp_group), num_microbatches)
         self.targets = split_microbatches(take_local(targets, model.cp_group), num_microbatches)
         self.num_microbatches = num_microbatches
-        self.local_tokens = inputs.numel()
+        # the targets the loss counts, of this rank's positions (each CP rank its own)
+        self.counted = sum((t != IGNORE_INDEX).sum() for t in self.targets)
         d_model = model.config.d_model
         # between stages each CP x TP rank sends its slice of the sequence
         self.shape = (
@@ -389,7 +390,7 @@ class PipelineStage:
         if (self._saved or self._deferred) and schedule is not None:
             left = sorted(self._saved) + sorted(self._deferred)
             raise RuntimeError(f"schedule {schedule!r} left microbatches {left} without backward")
-        tokens = self.local_tokens // self.cp if self.reports_loss else 0  # each CP rank its own
+        tokens = self.counted if self.reports_loss else torch.zeros_like(self.counted)
         return StepSums(self.loss_sum, self.aux_sum, tokens)
 
 
