@@ -343,8 +343,8 @@ MUTATIONS = {
                                        ["tests/distributed/test_reference.py", "-k", "tp2"]),
     # the reported loss divided by every token of the reporting ranks, not the counted ones
     "stage_reports_every_token": ("lightning_titan/parallel/pipeline/stage.py",
-                                  "        self.counted = sum((t != IGNORE_INDEX).sum() for t in self.targets)\n",
-                                  "        self.counted = sum((t == t).sum() for t in self.targets)\n",
+                                  "        self.counted = torch.stack([(t != IGNORE_INDEX).sum() for t in self.targets]).sum()\n",
+                                  "        self.counted = torch.stack([(t == t).sum() for t in self.targets]).sum()\n",
                                   ["tests/distributed/test_reference.py", "-k", "one_process"]),
     # issue 21.2: the strategy does not clip
     "clip_none": ("lightning_titan/train/step.py",

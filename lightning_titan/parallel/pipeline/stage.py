@@ -72,7 +72,7 @@ class PipelineStage:
         self.targets = split_microbatches(take_local(targets, model.cp_group), num_microbatches)
         self.num_microbatches = num_microbatches
         # the targets the loss counts, of this rank's positions (each CP rank its own)
-        self.counted = sum((t != IGNORE_INDEX).sum() for t in self.targets)
+        self.counted = torch.stack([(t != IGNORE_INDEX).sum() for t in self.targets]).sum()
         d_model = model.config.d_model
         # between stages each CP x TP rank sends its slice of the sequence
         self.shape = (
