@@ -432,6 +432,32 @@ MUTATIONS = {
                               '    refuse_missing_last(trainer, called.get("ckpt_path"))',
                               "    pass",
                               ["tests/distributed/test_resume_last.py"]),
+    # a restart goes back to the ckpt_path the job was given, though newer ones are complete
+    "restart_to_given": ("lightning_titan/lightning/restarts.py",
+                         "    if given is not None and files.is_complete_checkpoint(given):\n"
+                         "        found.append(Path(given))\n"
+                         "    if found:\n",
+                         "    if found and given is None:\n",
+                         ["tests/unit/test_restarts.py"]),
+    # the same, seen by a restarted job: steps trained twice, -v1 checkpoints
+    "restart_to_given_job": ("lightning_titan/lightning/restarts.py",
+                             "    if given is not None and files.is_complete_checkpoint(given):\n"
+                             "        found.append(Path(given))\n"
+                             "    if found:\n",
+                             "    if found and given is None:\n",
+                             ["tests/distributed/test_reliability.py", "-k",
+                              "restarts_by_itself and launcher"]),
+    # a restart resumes an older complete checkpoint of the run's folder than the newest
+    "restart_older_complete": ("lightning_titan/checkpoint/files.py",
+                               "    return max(done, key=completed_at, default=None)",
+                               "    return min(done, key=completed_at, default=None)",
+                               ["tests/distributed/test_reliability.py", "-k",
+                                "restarts_by_itself and launcher"]),
+    # a restarted CSV logger deletes the earlier launches' metrics.csv when it is created
+    "restart_rows_deleted": ("lightning_titan/lightning/restarts.py",
+                             "        pass  # Lightning's deletes metrics.csv here",
+                             "        super()._check_log_dir_exists()",
+                             ["tests/unit/test_restarts.py", "-k", "appends"]),
     # issue 21.5: the resume after kill -9 restarts from scratch (a mutation of the test's command)
     "resume_without_ckpt": ("tests/distributed/test_reliability.py",
                             'job = titan_fit(config, root, cache, "--ckpt_path=last", fork)',

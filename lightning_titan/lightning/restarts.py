@@ -6,9 +6,10 @@
 - ``torchrun --max-restarts=N``: torchrun's agent does the same.
 
 A restarted rank knows it from ``TITAN_RESTART_COUNT`` (ours) or ``TORCHELASTIC_RESTART_COUNT``
-(torchrun's). Its launch then resumes: a fit given no ``ckpt_path`` takes the newest complete
-checkpoint (a first launch that died before any save starts over), and the loggers write on into the first launch's version
-folder, so that the metrics of the job are one file.
+(torchrun's). Its launch then resumes the newest complete checkpoint, whatever ``ckpt_path`` the job
+was given (that one is where the first launch began; a first launch that died before any save begins
+there again, or over if none was given), and the loggers write on into the first launch's version
+folder, a CSV logger appending to its file, so that the metrics of every launch are one file on disk.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import os
 import signal
 import subprocess
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
@@ -41,18 +42,23 @@ VERSIONS_ENV = "TITAN_LOGGER_VERSIONS"  # the first launch's logger versions, fo
 def resumed_call(
     function: Callable, args: Sequence[Any], kwargs: dict[str, Any], trainer: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The Trainer call of a restarted rank: where no ``ckpt_path`` was given, the newest complete
-    checkpoint of the trainer's ModelCheckpoint directories (not always ``last``: with
-    ``async_save`` the write of ``last`` may have died with the rank). None there: a new run."""
+    """The Trainer call of a restarted rank: the newest complete checkpoint of the trainer's
+    ModelCheckpoint directories (not always ``last``: with ``async_save`` the write of ``last`` may
+    have died with the rank), or the ``ckpt_path`` given if that is newer. A given ``ckpt_path`` is
+    only where the first launch began: going back to it would train the steps since again."""
     if restart_count() == 0:
         return tuple(args), kwargs
     signature = inspect.signature(function)
+    if "ckpt_path" not in signature.parameters:
+        return tuple(args), kwargs
     bound = signature.bind_partial(*args, **kwargs)
-    if "ckpt_path" in signature.parameters and bound.arguments.get("ckpt_path") is None:
-        dirs = [c.dirpath for c in getattr(trainer, "checkpoint_callbacks", []) if c.dirpath]
-        found = [p for p in map(files.latest_complete, dirs) if p is not None]
-        if found:
-            bound.arguments["ckpt_path"] = str(max(found, key=files.completed_at))
+    given = bound.arguments.get("ckpt_path")
+    dirs = [c.dirpath for c in getattr(trainer, "checkpoint_callbacks", []) if c.dirpath]
+    found = [p for p in map(files.latest_complete, dirs) if p is not None]
+    if given is not None and files.is_complete_checkpoint(given):
+        found.append(Path(given))
+    if found:
+        bound.arguments["ckpt_path"] = str(max(found, key=files.completed_at))
     return bound.args, bound.kwargs
 
 
@@ -75,15 +81,26 @@ def keep_logger_versions(trainer: Any) -> None:
 
 
 def _keep_rows(logger: CSVLogger) -> None:
-    path = Path(logger.log_dir) / "metrics.csv"
-    if not path.is_file():
-        return
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    with warnings.catch_warnings():  # "Previous log files ... will be deleted": they are kept here
-        warnings.filterwarnings("ignore", "Experiment logs directory")
-        writer = logger.experiment  # creating it deletes metrics.csv
-    writer.metrics[:0] = rows  # written back, before this launch's rows, at the next save
+    if (Path(logger.log_dir) / "metrics.csv").is_file():
+        logger._experiment = _AppendingWriter(logger.log_dir)  # the writer the logger would create
+
+
+class _AppendingWriter(ExperimentWriter):
+    """A restarted launch's CSV writer: it appends to the rows the earlier launches wrote. Lightning's
+    deletes ``metrics.csv`` when it is created; a rank that died again before this launch's first
+    flush would leave the job with no metrics, and the rows held in memory would die with it."""
+
+    def __init__(self, log_dir: str) -> None:
+        super().__init__(log_dir)
+        with open(self.metrics_file_path, newline="") as f:
+            header = next(csv.reader(f), [])
+        # Lightning's writer keeps its columns sorted: the same ones append, a new one (or a header
+        # of another order) rewrites the file from disk with the new header
+        self.metrics_keys = header if header == sorted(header) else []
+
+    @override
+    def _check_log_dir_exists(self) -> None:
+        pass  # Lightning's deletes metrics.csv here
 
 
 class RestartingLauncher(_Launcher):

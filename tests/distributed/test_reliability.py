@@ -752,37 +752,56 @@ RESTARTERS = {
 }  # fmt: skip
 
 
+# how each restarter's job begins: at the reference's checkpoint of step 2 (an explicit --ckpt_path,
+# checkpoints written at once after every step), or anew (every 2 steps, written in the background)
+BEGINS_AT = {"launcher": 2, "torchrun": 0}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("restarter", list(RESTARTERS))
 def test_a_killed_rank_restarts_by_itself_and_continues_the_curve(work, reference, restarter):
-    """kill -9 of rank 1 at step 5, no `--ckpt_path`: the job restarts every rank by itself (our
-    launcher's max_restarts, or torchrun's --max-restarts), resumes from the newest complete
-    checkpoint, and ends with rc 0. Its one CSV holds every step, the re-run steps equal to the
-    uninterrupted run's; launch() fails the test if any process outlives the job."""
+    """kill -9 of rank 1 at step 5: the job restarts every rank by itself (our launcher's
+    max_restarts, or torchrun's --max-restarts), resumes from the newest complete checkpoint, and
+    ends with rc 0. An explicit `--ckpt_path` begins the first launch only: the restart takes the
+    newest of the run's own complete checkpoints (steps 3, 4 and 5 there, saved at once), never
+    the given one again. Its one CSV holds every step, the re-run steps equal to the uninterrupted
+    run's, and no step's checkpoint was written twice (a `-v1`); launch() fails the test if any
+    process outlives the job."""
     root, cache = work
     run = f"restart_{restarter}"
-    config = write_config(root, run, PP2)
-    job = launch(RESTARTERS[restarter](config), root, cache, config, timeout=500,
+    begins = BEGINS_AT[restarter]
+    config = write_config(root, run, PP2, every=1 if begins else 2, async_save=not begins)
+    given = root / "reference" / "ckpt" / f"epoch=0-step={begins}.ckpt"
+    explicit = [f"--ckpt_path={given}"] if begins else []
+    job = launch(RESTARTERS[restarter](config) + explicit, root, cache, config, timeout=500,
                  fault="rank=1,step=5,phase=forward,action=kill")  # fmt: skip
     assert job.fault_at is not None, job.stderr[-3000:]
     assert job.returncode == 0, job.stderr[-3000:]
     assert job.stderr.count("TITAN_FAULT fired") == 1  # the restart ran clean
     if restarter == "launcher":
         assert "[titan] rank 1 was killed by SIGKILL: restarting every rank (1 of 2)" in job.stderr
-    # from the newest complete checkpoint: the saves of one event are written in the background
-    # while training goes on, so at the kill that is global step 4's (`last` or epoch=0-step=4) or,
-    # if their write was still in flight, global step 2's (the save of step 4 waited for those)
     restored = re.findall(
         r"Restored all states from the checkpoint at (\S+)", job.stdout + job.stderr
     )
-    assert restored and all(Path(p).parent == root / run / "ckpt" for p in restored), restored
+    assert restored[: bool(begins)] == ([str(given)] if begins else []), restored
+    assert len(restored) == 1 + bool(begins), restored
+    assert Path(restored[-1]).parent == root / run / "ckpt", restored
+    ckpt = root / run / "ckpt"
+    twice = [p.name for p in ckpt.iterdir() if re.search(r"-v\d+\.ckpt$", p.name)]
+    assert not twice, f"steps trained again after the restart: {sorted(twice)}"
     (steps,) = logged_steps(root, run)  # one version folder: the logs continued
-    again = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    assert steps[again] in (2, 4) and steps[again:] == list(range(steps[again], STEPS)), steps
-    assert steps[:again] == list(range(again)) and set(steps) == set(range(STEPS)), steps
+    if begins:  # saved at once after every step: at the kill the newest complete one is step 5's
+        assert steps == [2, 3, 4, 5], steps
+    else:  # the saves of one event are written in the background while training goes on, so at
+        # the kill the newest complete one is global step 4's (`last` or epoch=0-step=4) or, if
+        # their write was still in flight, global step 2's (the save of step 4 waited for those)
+        again = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+        assert steps[again] in (2, 4) and steps[again:] == list(range(steps[again], STEPS)), steps
+        assert steps[:again] == list(range(again)) and set(steps) == set(range(STEPS)), steps
     curve = losses(root, run)
-    for step in range(STEPS):
+    assert sorted(curve) == list(range(begins, STEPS)), sorted(curve)
+    for step in curve:
         assert float(curve[step]) == pytest.approx(float(reference[step]), rel=1e-5), step
 
 

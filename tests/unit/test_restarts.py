@@ -1,0 +1,99 @@
+"""A restarted rank's launch, without processes: which checkpoint it resumes, and that the metrics of
+the earlier launches stay on disk (tests/distributed/test_reliability.py restarts real jobs)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_titan.checkpoint.files import DCP_METADATA, MARKER, META_FILE
+from lightning_titan.lightning.restarts import keep_logger_versions, resumed_call
+from lightning_titan.runtime.launch import RESTART_ENV
+
+
+def _complete(path: Path, completed_at: float) -> Path:
+    """The files that make ``path`` a complete checkpoint, its save finished at ``completed_at``."""
+    path.mkdir(parents=True)
+    (path / META_FILE).write_bytes(b"")
+    (path / DCP_METADATA).write_bytes(b"")
+    (path / MARKER).write_text(json.dumps({"completed_at": completed_at}))
+    return path
+
+
+def _fit(model=None, datamodule=None, ckpt_path=None):  # the parameters of Trainer._fit_impl
+    pass
+
+
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_a_restart_resumes_the_newest_complete_checkpoint_whatever_ckpt_path_was_given(
+    tmp_path, monkeypatch, restarts
+):
+    """Two complete checkpoints in the run's folder and an older one given as ``ckpt_path``: the
+    first launch begins at the given one, a restart at the newer of the folder's (the save's finish
+    time decides, not the name; a partial save is never taken). Nothing saved yet: the given one."""
+    monkeypatch.setenv(RESTART_ENV, restarts)
+    given = _complete(tmp_path / "elsewhere" / "step=2.ckpt", completed_at=100.0)
+    ckpt = tmp_path / "ckpt"
+    _complete(ckpt / "epoch=0-step=6.ckpt", completed_at=300.0)
+    newest = _complete(ckpt / "epoch=0-step=4-v1.ckpt", completed_at=400.0)  # a later save
+    (ckpt / "epoch=0-step=8.ckpt").mkdir()  # died in its write: no marker
+    trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(ckpt))])
+    for args, kwargs in [((), {"ckpt_path": str(given)}), (("model", "data", str(given)), {})]:
+        args, kwargs = resumed_call(_fit, args, kwargs, trainer)
+        called = dict(zip(("model", "datamodule", "ckpt_path"), args, strict=False), **kwargs)
+        assert called["ckpt_path"] == str(given if restarts == "0" else newest), called
+    _, kwargs = resumed_call(_fit, (), {}, trainer)
+    assert kwargs.get("ckpt_path") == (None if restarts == "0" else str(newest)), kwargs
+
+    empty = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(tmp_path / "new"))])
+    _, kwargs = resumed_call(_fit, (), {"ckpt_path": str(given)}, empty)
+    assert kwargs["ckpt_path"] == str(given)  # died before its first save: where it began
+    _, kwargs = resumed_call(_fit, (), {"ckpt_path": "last"}, empty)
+    assert kwargs["ckpt_path"] == "last"  # Lightning's name, left to Lightning (and refused there)
+    newer_given = _complete(tmp_path / "elsewhere" / "step=9.ckpt", completed_at=500.0)
+    _, kwargs = resumed_call(_fit, (), {"ckpt_path": str(newer_given)}, trainer)
+    assert kwargs["ckpt_path"] == str(newer_given)  # the folder's are older: another job's
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_restarted_launch_appends_to_the_metrics_of_the_earlier_ones(tmp_path, monkeypatch):
+    """The first launch's CSV rows are on disk; the restarted launch's logger must leave them there
+    from its creation on (its rank may die again before its first flush) and append its own rows
+    after them, also when they bring a new column."""
+    first = CSVLogger(tmp_path, name="run")
+    first.log_metrics({"train_loss": 2.0}, step=0)
+    first.log_metrics({"train_loss": 1.5}, step=1)
+    first.save()
+    metrics = Path(first.log_dir) / "metrics.csv"
+    before = _rows(metrics)
+    assert [r["step"] for r in before] == ["0", "1"]
+
+    monkeypatch.setenv(RESTART_ENV, "1")
+    monkeypatch.setenv("TITAN_LOGGER_VERSIONS", "0")
+    again = CSVLogger(tmp_path, name="run")
+    keep_logger_versions(SimpleNamespace(loggers=[again], global_rank=0))
+    assert again.log_dir == first.log_dir
+    writer = again.experiment  # what the Trainer creates first; the rank may die right after
+    assert _rows(metrics) == before, "the earlier launch's metrics are gone from disk"
+    assert writer.metrics == []  # none held in memory only
+    again.log_metrics({"train_loss": 1.2}, step=1)
+    again.save()
+    again.log_metrics({"train_loss": 1.0, "lr": 0.1}, step=2)
+    again.save()
+    rows = _rows(metrics)
+    assert [(r["step"], r["train_loss"]) for r in rows] == [
+        ("0", "2.0"),
+        ("1", "1.5"),
+        ("1", "1.2"),
+        ("2", "1.0"),
+    ], rows
+    assert rows[-1]["lr"] == "0.1"
