@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import warnings
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,6 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lightning_titan.checkpoint import files
 from lightning_titan.checkpoint.storage import short_cause
@@ -28,11 +27,22 @@ from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.lightning.datamodule import TitanDataModule
 from lightning_titan.lightning.module import TitanLM
 from lightning_titan.lightning.progress import StepProgressBar
+from lightning_titan.lightning.quiet import quiet_known_noise
 from lightning_titan.lightning.restarts import RestartingLauncher
 from lightning_titan.lightning.strategy import TitanStrategy
-from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.lightning.summary import FitCounts, fit_summary, skipped_warning
+from lightning_titan.model.decoder import ModelConfig
 
-__all__ = ["TitanCLI", "cli_components", "compose_config", "main"]
+__all__ = [
+    "FitCounts",
+    "TitanCLI",
+    "cli_components",
+    "compose_config",
+    "fit_summary",
+    "main",
+    "quiet_known_noise",
+    "skipped_warning",
+]
 
 TRAINER_DEFAULTS = {
     "accelerator": "cpu",
@@ -51,34 +61,6 @@ OTHER_COMMANDS = {
     "doctor": "Check a new GPU machine: ep2, dualpipev, background saves and compile against their "
     "references, a pass/fail table (--cpu: the same on CPU ranks).",
 }
-
-
-def quiet_known_noise() -> None:
-    """Silence the warnings a titan user can do nothing about, each by its exact text and category."""
-    # Lightning 2.6's CombinedLoader builds torch's LeafSpec(), which torch 2.13 deprecates (once per rank)
-    warnings.filterwarnings(
-        "ignore",
-        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-        FutureWarning,
-        module=r"lightning\.pytorch\.utilities\._pytree",
-    )
-    # under manual optimization ModelCheckpoint asks for a copy of the weights from before
-    # optimizer.step(); ours are rightly the weights after step N, which a resume at step N continues
-    warnings.filterwarnings(
-        "ignore",
-        r"Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
-        r"pre-optimization state was saved",
-        UserWarning,
-    )
-    # TitanLM's epoch-level values are global by construction (every rank logs the same all-reduced
-    # mean): a sync_dist mean would only cost a collective. Only these keys: others still warn.
-    warnings.filterwarnings(
-        "ignore",
-        r"It is recommended to use `self.log\('(val|test)_(loss|perplexity)', \.\.\., "
-        r"sync_dist=True\)`",
-        PossibleUserWarning,
-        module=r"lightning\.pytorch\.trainer\.connectors\.logger_connector",
-    )
 
 
 def one_seed(seed: bool | int) -> int:
@@ -109,6 +91,7 @@ class TitanCLI(LightningCLI):
         # TitanLM builds its optimizer on its weight-decay groups once its stage exists, where
         # LightningCLI's --optimizer would build one on no parameters: --model.optimizer instead
         kwargs.setdefault("auto_configure_optimizers", False)
+        self.started = time.perf_counter()  # the summary's wall time: parsing, ranks, data, fit
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -174,7 +157,8 @@ class TitanCLI(LightningCLI):
         if isinstance(self.trainer.strategy.launcher, RestartingLauncher):
             return  # this process trained no rank: its rank 0 printed the summary
         if self.trainer.is_global_zero:
-            print(fit_summary(self.trainer, self.model), flush=True)
+            seconds = time.perf_counter() - self.started
+            print(fit_summary(self.trainer, self.model, seconds), flush=True)
             warning = skipped_warning(self.trainer)
             if warning:
                 print(warning, file=sys.stderr, flush=True)
@@ -256,69 +240,6 @@ def fix_checkpoint_dirs(trainer: Namespace) -> None:
         cls = getattr(importlib.import_module(module), name)
         if issubclass(cls, ModelCheckpoint) and callback.init_args.get("dirpath") is None:
             callback.init_args.dirpath = os.path.join(args.save_dir, args.name, "checkpoints")
-
-
-class FitCounts(Callback):
-    """Puts the step count and the skipped steps among the callback metrics when training ends: the
-    fork/spawn launcher carries those (not global_step, not the strategy's counters) back to the
-    process that prints the summary."""
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        trainer.callback_metrics["titan_steps"] = torch.tensor(trainer.global_step)
-        skipped = skipped_steps(trainer.strategy)
-        if skipped is not None:
-            trainer.callback_metrics["titan_skipped_steps"] = torch.tensor(skipped)
-
-
-def skipped_steps(strategy: Any) -> int | None:
-    """Updates dropped by ``on_nonfinite="skip"`` (None: not a TitanStrategy)."""
-    skipped: int | None = getattr(strategy, "skipped_steps", None)
-    return skipped
-
-
-def fit_counts(trainer: Any) -> tuple[int, int | None]:
-    """(optimizer steps, steps skipped for non-finite values or None) of the fit that just ended."""
-    metrics = trainer.callback_metrics
-    steps = int(metrics.get("titan_steps", trainer.global_step))
-    skipped = metrics.get("titan_skipped_steps", skipped_steps(trainer.strategy))
-    return steps, None if skipped is None else int(skipped)
-
-
-def fit_summary(trainer: Any, module: TitanLM) -> str:
-    metrics = trainer.callback_metrics
-    steps, skipped = fit_counts(trainer)
-    lines = ["", "== titan fit: done"]
-    if "train_loss" in metrics:
-        lines.append(f"final train_loss   {float(metrics['train_loss']):.4f} (step {steps})")
-    if "val_loss" in metrics:
-        lines.append(f"final val_loss     {float(metrics['val_loss']):.4f}")
-    if "tokens_per_sec" in metrics:
-        lines.append(f"tokens/s (last)    {float(metrics['tokens_per_sec']):,.0f}")
-    if skipped is not None:
-        lines.append(f"skipped steps      {skipped} of {steps} (non-finite loss or grads)")
-    dims = getattr(trainer.strategy, "parallel_dims", None)
-    if dims is not None:
-        lines.append(f"layout             {dims.label()} ({dims.world_size} ranks)")
-    with torch.device("meta"):  # the whole model's size, without its memory
-        params = sum(p.numel() for p in StageModel(module.config).parameters())
-    lines.append(f"model              {params:,} parameters")
-    if trainer.logger is not None and trainer.logger.log_dir:
-        lines.append(f"logs               {Path(trainer.logger.log_dir).resolve()}/metrics.csv")
-    if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
-        lines.append(f"checkpoints        {Path(trainer.checkpoint_callback.dirpath).resolve()}")
-    return "\n".join(lines)
-
-
-def skipped_warning(trainer: Any) -> str | None:
-    """A run whose updates were mostly dropped (on_nonfinite="skip") did not train: say so loudly."""
-    steps, skipped = fit_counts(trainer)
-    if not skipped or skipped * 2 < steps:
-        return None
-    return (
-        f"WARNING: {skipped} of {steps} optimizer steps were skipped for a non-finite loss or gradient "
-        "(on_nonfinite='skip'): the model barely trained; lower learning_rate, set gradient_clip_norm, "
-        "check the data, or use on_nonfinite='raise' to stop at the first one"
-    )
 
 
 def cli_components() -> tuple[type, type]:

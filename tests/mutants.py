@@ -1029,6 +1029,41 @@ MUTATIONS = {
                               "            value = argv[i + 1]\n",
                               "            continue\n",
                               ["tests/cli/test_errors.py", "-k", "each_form"]),
+    # Lightning's tips and accelerator lines let through
+    "quiet_chatter_kept": ("lightning_titan/lightning/quiet.py",
+                           "        return not str(record.msg).startswith(LIGHTNING_CHATTER)\n",
+                           "        return True\n",
+                           ["tests/unit/test_fit_summary.py", "-k", "tips"]),
+    # datasets' bars shown while the packed data is saved
+    "quiet_save_bars_shown": ("lightning_titan/data/prepare.py",
+                              "    datasets.utils.disable_progress_bars()\n",
+                              "    pass\n",
+                              ["tests/unit/test_fit_summary.py", "-k", "progress_bars"]),
+    # the mean tokens/s and MFU count the first step (compilation, warm-up)
+    "summary_first_step_counted": ("lightning_titan/lightning/summary.py",
+                                   "        if self._steps == 1:\n            return\n",
+                                   "",
+                                   ["tests/unit/test_fit_summary.py", "-k", "mean_leaves_out"]),
+    # the summary's peak memory of rank 0 alone, not the range over the ranks
+    "summary_memory_rank0": ("lightning_titan/lightning/summary.py",
+                             '        high, low = trainer.strategy.reduce(mine.to(trainer.strategy.root_device), reduce_op="max")\n',
+                             "        high, low = mine\n",
+                             ["tests/unit/test_fit_summary.py", "-k", "range_over"]),
+    # `titan fit` itself leaves Lightning's chatter on (the filter is never installed)
+    "quiet_chatter_not_installed": ("lightning_titan/lightning/quiet.py",
+                                    "    quiet_lightning_chatter()\n    # Lightning 2.6",
+                                    "    # Lightning 2.6",
+                                    ["tests/cli/test_errors.py", "-k", "without_a_config", "-m", "slow"]),
+    # PipelineTimeline writes into the working directory, not the run's log folder
+    "timeline_in_cwd": ("lightning_titan/lightning/callbacks.py",
+                        "        self.out_dir = in_run_folder(trainer, self.out_dir)\n",
+                        "        pass\n",
+                        ["tests/unit/test_fit_summary.py", "-k", "log_folder"]),
+    # ExpertLoad's plot in the working directory, not the run's log folder
+    "expert_plot_in_cwd": ("lightning_titan/lightning/callbacks.py",
+                           "            self.plot_path = str(in_run_folder(trainer, self.plot_path))\n",
+                           "            pass\n",
+                           ["tests/unit/test_fit_summary.py", "-k", "log_folder"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

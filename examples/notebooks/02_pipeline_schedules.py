@@ -223,7 +223,7 @@ print("ideal bubble == (P-1)/(M+P-1); live microbatches: gpipe M, 1f1b min(M, P 
 # - `PipelineTimeline` (from `lightning_titan.lightning.callbacks`) records every rank's forwards, backwards and
 #   sends/receives during the chosen steps and writes `trace.json` (open it in
 #   [ui.perfetto.dev](https://ui.perfetto.dev)), `timeline.png` and `bubbles.json` with the measured
-#   bubble per stage next to the formula;
+#   bubble per stage next to the formula, in the run's log folder beside `metrics.csv`;
 # - `ActivationPeak`, below, counts the bytes autograd keeps for backward on each rank
 #   (`SavedTensorMeter`: every saved storage once, parameters excluded) and logs the peak of each step.
 #
@@ -265,7 +265,7 @@ def measure(schedule: str, m: int) -> Path:
     trainer = L.Trainer(
         accelerator="cpu", devices=P, max_steps=RECORD[-1] + 1,
         strategy=TitanStrategy(dp=1, pp=P, ep=1, schedule=schedule, num_microbatches=m, start_method="fork"),
-        callbacks=[PipelineTimeline(steps=RECORD, out_dir=str(RUNS / name / "timeline")), ActivationPeak()],
+        callbacks=[PipelineTimeline(steps=RECORD), ActivationPeak()],
         logger=CSVLogger(RUNS, name=name, version=0), log_every_n_steps=1, limit_val_batches=0,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
@@ -286,7 +286,7 @@ print("\n".join(str(path) for path in runs.values()))
 
 # %%
 def measured_timeline(run: Path):
-    events = json.loads((run / "timeline" / "trace.json").read_text())["traceEvents"]
+    events = json.loads((run / "version_0" / "timeline" / "trace.json").read_text())["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X"]
     last = max(e["args"]["step"] for e in spans)
     spans = [e for e in spans if e["args"]["step"] == last]
@@ -327,7 +327,7 @@ plt.show()
 
 # %%
 def bubble_summary(run: Path) -> list[dict]:
-    return json.loads((run / "timeline" / "bubbles.json").read_text())["bubbles"]
+    return json.loads((run / "version_0" / "timeline" / "bubbles.json").read_text())["bubbles"]
 
 
 def activation_peaks(run: Path) -> list[float]:

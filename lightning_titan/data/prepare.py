@@ -6,12 +6,14 @@ renames it into place (atomic), the others wait on the lock and then load the fi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,8 +213,21 @@ def _build(
         splits[split], meta[split] = _pack(tokens, split == "validation", seq_len + 1, dtype, work)
     # an empty split saved as zero shards cannot be loaded again (datasets 5.2): keep one
     empty = {name: 1 for name, ds in splits.items() if len(ds) == 0}
-    datasets.DatasetDict(splits).save_to_disk(str(work / "dataset"), num_shards=empty or None)
+    with no_progress_bars():  # a copy of what the tokenising bar showed: seconds, no news
+        datasets.DatasetDict(splits).save_to_disk(str(work / "dataset"), num_shards=empty or None)
     (work / "dataset" / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """datasets' progress bars off inside, as the caller had them after (the switch is global)."""
+    was_off = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_off:
+            datasets.utils.enable_progress_bars()
 
 
 def _docs_within(raw: datasets.Dataset, column: str, max_bytes: int) -> int:

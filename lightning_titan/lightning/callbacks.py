@@ -33,6 +33,17 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def run_folder(trainer: L.Trainer) -> Path:
+    """The run's log folder (the logger's version folder; without a logger the Trainer's root):
+    where a callback's files go beside metrics.csv. A collective: every rank calls it, in step."""
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+def in_run_folder(trainer: L.Trainer, path: str | Path) -> Path:
+    """``path`` as given if absolute, else inside the run's log folder (every rank calls it)."""
+    return Path(path) if Path(path).is_absolute() else run_folder(trainer) / path
+
+
 def _dims(trainer: L.Trainer) -> ParallelDims:
     dims = getattr(trainer.strategy, "parallel_dims", None)
     return dims or ParallelDims(trainer.world_size, 1, 1, trainer.global_rank)
@@ -46,7 +57,8 @@ class PipelineTimeline(Callback):
 
     Args:
         steps: global steps to record (0-based optimizer steps); skip the first ones (warm-up).
-        out_dir: where rank 0 writes the files.
+        out_dir: where rank 0 writes the files; a relative path is inside the run's log folder
+            (beside metrics.csv), an absolute one is used as given.
         log: log the bubble fractions through the LightningModule's loggers.
     """
 
@@ -56,12 +68,16 @@ class PipelineTimeline(Callback):
         if not steps or any(not isinstance(s, int) or s < 0 for s in steps):
             raise ValueError(f"steps={steps!r} must be a non-empty list of step indices >= 0")
         self.steps = sorted(set(steps))
-        self.out_dir = Path(out_dir)
+        self.out_dir = Path(out_dir)  # resolved against the run's folder at train start
         self.log = log
         self.spans: list[tracing.Span] = []  # all ranks' spans once written
         self.bubbles: list[dict] = []  # tracing.bubble_breakdown, per stage
         self._mine: list[tracing.Span] = []
         self._done = False
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.out_dir = in_run_folder(trainer, self.out_dir)
 
     @override
     def on_train_batch_start(
@@ -152,7 +168,8 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 class ExpertLoad(Callback):
     """Log the share of token assignments each expert of each layer received, over the global batch,
-    and plot it over training (rank 0, ``plot_path``).
+    and plot it over training (rank 0, ``plot_path``: a relative path is inside the run's log
+    folder, beside metrics.csv; an absolute one is used as given; None: no plot).
 
     Every rank counts its own tokens in its own stage's layers (a forward hook on each MoE layer, train
     forwards only); one all-reduce over the world sums them into a [layers, experts] table that every
@@ -205,6 +222,8 @@ class ExpertLoad(Callback):
         n_layers, n_experts, with_bias = shape.tolist()
         self._shape = (int(n_layers), int(n_experts))
         self._with_bias = bool(with_bias)  # the same on every rank: the same keys and table
+        if self.plot_path:
+            self.plot_path = str(in_run_folder(trainer, self.plot_path))
         for layer, module in layers.items():
             self._hooks.append(module.register_forward_hook(self._counter(layer)))
 

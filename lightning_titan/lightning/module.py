@@ -202,18 +202,15 @@ class TitanLM(L.LightningModule):
 
     def on_train_start(self) -> None:
         """The MFU's denominator: each rank's device peak (probed side by side after a barrier on a
-        CPU box, so that the probes share the cores as the ranks will), summed over the world."""
-        peak, source = self.hparams["peak_flops"], "TitanLM(peak_flops=...)"
+        CPU box, so that the probes share the cores as the ranks will), summed over the world;
+        the end summary prints the fit's mean MFU against it."""
+        peak = self.hparams["peak_flops"]
         if peak is None:
             self.strategy.barrier("peak flops")
             dtype = torch.bfloat16 if "bf16" in str(self.trainer.precision) else torch.float32
-            peak, source = flops.device_peak(self.strategy.root_device, dtype)
+            peak, _ = flops.device_peak(self.strategy.root_device, dtype)
         total = torch.tensor(float(peak), dtype=torch.float64, device=self.strategy.root_device)
         self.peak_flops_total = float(self.strategy.reduce(total, reduce_op="sum"))
-        rank_zero_info(
-            f"mfu: model FLOP/s over {self.peak_flops_total / 1e12:.3g} TFLOP/s, every "
-            f"rank's peak summed (rank 0's: {source})"
-        )
 
     # -- steps -----------------------------------------------------------------------------------------
     def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:

@@ -50,7 +50,7 @@ def _trainer(skipped: int | None, steps: int) -> SimpleNamespace:
     strategy = SimpleNamespace() if skipped is None else SimpleNamespace(skipped_steps=skipped)
     return SimpleNamespace(
         callback_metrics={}, global_step=steps, strategy=strategy, logger=None,
-        checkpoint_callback=None,
+        checkpoint_callback=None, world_size=1,
     )  # fmt: skip
 
 
@@ -288,12 +288,15 @@ def test_fit_summary_reads_the_counts_the_fork_launcher_carries_back():
 
     worker = _trainer(7, 8)
     worker.callback_metrics = {}
+    worker.strategy.root_device = torch.device("cpu")
+    worker.strategy.reduce = lambda tensor, reduce_op: tensor  # one rank: the identity
     FitCounts().on_train_end(worker, None)
     launcher = _trainer(None, 0)
     launcher.callback_metrics = {**worker.callback_metrics, "train_loss": torch.tensor(2.5)}
     summary = fit_summary(launcher, TitanLM())
     assert "final train_loss   2.5000 (step 8)" in summary
     assert "skipped steps      7 of 8" in summary
+    assert "a rank (host max RSS)" in summary  # the worker's peak, carried back too
     assert skipped_warning(launcher).startswith("WARNING: 7 of 8 optimizer steps were skipped")
 
 
@@ -369,14 +372,40 @@ def assert_one_line(done: subprocess.CompletedProcess, *says: str) -> None:
     assert "Traceback" not in done.stderr and not done.stdout.strip(), done.stdout[-2000:]
 
 
-@pytest.mark.slow  # one `titan fit` of one step on the default model and data (about 30 s)
+# what a plain `titan fit` printed besides its progress and summary, none of it asked for
+NOISE = {
+    "Lightning's tips": "Tip:",
+    "the accelerator inventory": "available:",
+    "datasets' bars while it saves the packed data": "Saving the dataset",
+    "a line about the MFU's denominator": "mfu:",
+}
+# the end summary, field by field: the loss, time, speed, memory and where things went
+SUMMARY = (
+    r"^final train_loss   \d+\.\d{4} \(step 2\)$",
+    r"^wall time          \d+\.\d s$",
+    r"^tokens/s           [\d,]+ \(mean of the 1 step after the first\)$",
+    r"^MFU                \d+\.\d\d% of [\d.e+-]+ TFLOP/s \(every rank's peak summed\)$",
+    r"^peak memory        \d+ MiB a rank \(host max RSS\)$",
+    r"^layout             dp=1 pp=1 ep=1 \(1 ranks\)$",
+    r"^logs               \S+/runs/lightning_logs/version_0/metrics\.csv$",
+    r"^checkpoints        \S+/runs/lightning_logs/version_0/checkpoints$",
+)
+
+
+@pytest.mark.slow  # one `titan fit` of two steps on the default model and data (about 30 s)
 @pytest.mark.timeout(200)
 def test_titan_fit_without_a_config_trains_the_default_model_under_titan_strategy(tmp_path):
-    """Not Lightning's strategy="auto" (SingleDeviceStrategy, which TitanLM refuses)."""
-    done = titan_fit(tmp_path, "--trainer.limit_val_batches=0")
+    """Not Lightning's strategy="auto" (SingleDeviceStrategy, which TitanLM refuses); on a new data
+    cache (built and saved in this run), quiet but for progress, and ending with the summary."""
+    done = titan_fit(tmp_path, "--trainer.limit_val_batches=0", "--trainer.max_steps=2")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "final train_loss" in done.stdout and "(step 1)" in done.stdout, done.stdout[-2000:]
-    assert "layout             dp=1 pp=1 ep=1 (1 ranks)" in done.stdout
+    output = done.stdout + done.stderr
+    for what, text in NOISE.items():
+        assert text not in output, f"titan fit printed {what}:\n{output[-3000:]}"
+    summary = done.stdout.split("== titan fit: done\n", 1)[-1]
+    for field in SUMMARY:
+        assert re.search(field, summary, flags=re.M), (field, summary)
+    assert (tmp_path / "cache").is_dir()  # the data was prepared (and saved) by this run
 
 
 @pytest.mark.slow  # one `titan` process (about 15 s)

@@ -778,17 +778,20 @@ def test_callbacks_under_titan_fit_write_the_timeline_and_log_expert_load(tmp_pa
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "stage 1: bubble measured" in proc.stdout + proc.stderr
-    trace = json.loads((tmp_path / "tl" / "trace.json").read_text())
+    # relative paths are inside the run's log folder, beside metrics.csv, not in the working directory
+    run = tmp_path / "runs" / "pp" / "version_0"
+    assert not (tmp_path / "tl").exists() and not (tmp_path / "expert_load.png").exists()
+    trace = json.loads((run / "tl" / "trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     for rank in (0, 1):  # configs/pp.yaml: M = 4
         names = [e["cat"] for e in spans if e["pid"] == rank]
         assert names.count("forward") == 4 and names.count("backward") == 4
         assert "optimizer" in names and "p2p" in names
-    bubbles = json.loads((tmp_path / "tl" / "bubbles.json").read_text())["bubbles"]
+    bubbles = json.loads((run / "tl" / "bubbles.json").read_text())["bubbles"]
     assert [b["stage"] for b in bubbles] == [0, 1] and bubbles[0]["theory"] == pytest.approx(1 / 5)
-    assert (tmp_path / "tl" / "timeline.png").stat().st_size > 0
-    assert (tmp_path / "expert_load.png").stat().st_size > 0
-    rows = list(csv.DictReader(open(next(tmp_path.glob("runs/pp/version_*/metrics.csv")))))
+    assert (run / "tl" / "timeline.png").stat().st_size > 0
+    assert (run / "expert_load.png").stat().st_size > 0
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
     logged = [r for r in rows if r.get("expert_load/layer0/expert0")]
     assert len(logged) == 4
     for row in logged:
