@@ -57,6 +57,7 @@ TRAINER_DEFAULTS = {
 OTHER_COMMANDS = {
     "export": "Write a checkpoint as a Hugging Face folder of its family (transformers loads it).",
     "plan": "Rank the layouts a model allows on N devices by their modelled step time and memory.",
+    "generate": "Continue a prompt with a checkpoint's model on one process (greedy or sampled).",
     "bench": "Time every composition on 2, 4 and 8 ranks at the same tokens per step.",
     "doctor": "Check a new GPU machine: ep2, dualpipev, background saves and compile against their "
     "references, a pass/fail table (--cpu: the same on CPU ranks).",
@@ -262,6 +263,11 @@ def main(args: list[str] | None = None) -> None:
         from lightning_titan.tools.bench import main as bench_main
 
         bench_main(argv[1:])  # its results dict is for Python callers, not an exit status
+        return None
+    if argv and argv[0] == "generate":
+        from lightning_titan.tools.generate import main as generate_main
+
+        generate_main(argv[1:])
         return None
     if argv and argv[0] == "doctor":
         from lightning_titan.tools.doctor import main as doctor_main

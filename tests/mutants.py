@@ -346,6 +346,16 @@ MUTATIONS = {
                                   "        self.counted = torch.stack([(t != IGNORE_INDEX).sum() for t in self.targets]).sum()\n",
                                   "        self.counted = torch.stack([(t == t).sum() for t in self.targets]).sum()\n",
                                   ["tests/distributed/test_reference.py", "-k", "one_process"]),
+    # top-p drops the token that crosses the threshold (the nucleus must reach top_p)
+    "generate_nucleus_short": ("lightning_titan/tools/generate.py",
+                               "    keep = sorted_probs.cumsum(0) - sorted_probs < top_p\n",
+                               "    keep = sorted_probs.cumsum(0) < top_p\n",
+                               ["tests/unit/test_generate.py"]),
+    # generation reads the logits of the first position, not the last
+    "generate_first_position": ("lightning_titan/tools/generate.py",
+                                "        token = next_token(logits[0, -1].float().cpu(), temperature, top_p, generator)\n",
+                                "        token = next_token(logits[0, 0].float().cpu(), temperature, top_p, generator)\n",
+                                ["tests/unit/test_generate.py"]),
     # issue 21.2: the strategy does not clip
     "clip_none": ("lightning_titan/train/step.py",
                   "engine.finish_gradients(self.max_norm)",

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from lightning_titan.cli import TitanCLI, cli_components, compose_config, main
+from lightning_titan.hf.export import export_hf
 from lightning_titan.model import flops
 from lightning_titan.model.decoder import ModelConfig
 
@@ -278,12 +279,12 @@ def test_help_lists_every_command_and_each_runs(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("fit", "validate", "test", "export", "plan", "bench", "doctor"):
+    for command in ("fit", "validate", "test", "export", "plan", "generate", "bench", "doctor"):
         assert f"    {command} " in out, f"`titan --help` does not list {command}:\n{out}"
     assert (
         "predict" not in out
-    )  # TitanLM has no predict_step: `titan export` is the way to inference
-    for command in ("export", "bench", "doctor"):  # main() runs them, not LightningCLI
+    )  # TitanLM has no predict_step: `titan generate` and `titan export` are the ways to inference
+    for command in ("export", "generate", "bench", "doctor"):  # main() runs them, not LightningCLI
         with pytest.raises(SystemExit) as exit_:
             main([command, "--help"])
         assert exit_.value.code == 0 and f"titan {command}" in capsys.readouterr().out
@@ -450,6 +451,36 @@ def test_resume_under_another_layout_continues_the_curve(runs):
         assert sorted(resumed) == list(range(STEPS, RESUMED_STEPS)), name
         for step, loss in resumed.items():
             assert loss == pytest.approx(uninterrupted[step], rel=1e-5), f"{name} step {step}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_generate_continues_as_transformers_generates_from_the_export(runs, tmp_path):
+    """`titan generate` on a trained checkpoint: its greedy tokens are those transformers' greedy
+    `generate` gives on the exported folder; sampling is seeded (the same seed, the same text)."""
+    import transformers
+
+    cwd, _ = runs
+    ckpt = last_ckpt(cwd, "dp_pp_ep")
+    export_hf(ckpt, tmp_path / "hf")
+    prompt, new = "def main():\n    ", 24
+
+    def titan_generate(*flags: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "lightning_titan", "generate", "--ckpt", str(ckpt),
+                               "--prompt", prompt, "--max-new-tokens", str(new), *flags],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.removesuffix("\n")
+
+    greedy = titan_generate()
+    theirs = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([list(prompt.encode("utf-8"))])
+    out = theirs.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=256,
+                          pad_token_id=256)[0, ids.shape[1]:].tolist()  # fmt: skip
+    expected = bytes(i for i in out if i != 256).decode("utf-8", errors="replace")
+    assert greedy == prompt + expected
+    sampled = [titan_generate("--temperature", "1.0", "--top-p", "0.9", "--seed", s) for s in "11"]
+    assert sampled[0] == sampled[1] and sampled[0].startswith(prompt)
 
 
 @pytest.mark.slow

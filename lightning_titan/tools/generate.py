@@ -1,0 +1,119 @@
+"""``titan generate``: text from a training checkpoint, on one process.
+
+The whole model is loaded in this process (``hf.export.load_full_model``: a model that fits one
+machine), with the tokenizer the run trained with (the data module's, or the ``init_from`` folder's).
+Each new token is one forward of the model over the last ``seq_len`` tokens (no KV cache: the cost of
+a token grows with the text, which is fine for looking at what a small run learned, not for serving).
+``--temperature 0`` (the default) is greedy decoding, as ``transformers``' ``generate(do_sample=False)``;
+above 0 the logits are divided by it and sampled, from the smallest set of tokens whose probability
+reaches ``--top-p``. Generation stops at the tokenizer's end-of-document token or after
+``--max-new-tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_titan.checkpoint import read_checkpoint_info
+from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
+from lightning_titan.hf.export import load_full_model
+from lightning_titan.model.decoder import StageModel
+
+
+def next_token(
+    logits_V: Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> int:
+    """The next id from the last position's logits [V]: the argmax at ``temperature`` 0, else a
+    sample of softmax(logits / temperature) restricted to the top-p nucleus."""
+    if temperature == 0:
+        return int(logits_V.argmax())
+    probs = torch.softmax(logits_V.double() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    # keep each token whose preceding mass is below top_p (the first one always)
+    keep = sorted_probs.cumsum(0) - sorted_probs < top_p
+    nucleus = sorted_probs * keep
+    choice = torch.multinomial(nucleus / nucleus.sum(), 1, generator=generator)
+    return int(order[choice])
+
+
+@torch.no_grad()
+def generate(
+    model: StageModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_ids: tuple[int, ...] = (),
+    seed: int = 0,
+) -> list[int]:
+    """The ids ``model`` continues ``prompt_ids`` with (not including the prompt)."""
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    ids, new = list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        window = torch.tensor([ids[-model.config.seq_len :]], device=device)
+        logits, _ = model(window)
+        token = next_token(logits[0, -1].float().cpu(), temperature, top_p, generator)
+        if token in stop_ids:
+            break
+        ids.append(token)
+        new.append(token)
+    return new
+
+
+def tokenizer_of(ckpt: str | Path) -> Tokenizer:
+    """The tokenizer the checkpoint's run trained with."""
+    meta = read_checkpoint_info(ckpt).get("meta", {})
+    init_from = (meta.get("hyper_parameters") or {}).get("init_from")
+    spec = (meta.get("datamodule_hyper_parameters") or {}).get("tokenizer", "auto")
+    return load_tokenizer(resolve_tokenizer(spec, init_from))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="titan generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", required=True, help="a checkpoint directory written by titan fit")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (the default); > 0: sample"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from the tokens of this much probability"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(f"--temperature={args.temperature} must be 0 (greedy) or a positive number")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p={args.top_p} must be in (0, 1]")
+    if not Path(args.ckpt).exists():
+        parser.error(f"--ckpt={args.ckpt}: no such checkpoint; give a folder titan fit saved")
+    tokenizer = tokenizer_of(args.ckpt)
+    model = load_full_model(args.ckpt)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        parser.error("--prompt is empty: give the text to continue")
+    ids = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        stop_ids=(tokenizer.eod_id,),
+        seed=args.seed,
+    )
+    sys.stdout.write(args.prompt + tokenizer.decode(ids) + "\n")
