@@ -29,7 +29,7 @@ from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.model.moe.shared import SharedExpert
 from lightning_titan.model.options import LATENT
-from lightning_titan.model.sinks import attend_mask
+from lightning_titan.model.sinks import attend_mask, sdpa_mask
 from lightning_titan.model.yarn import rope_cos_sin_yarn
 from lightning_titan.parallel import context_parallel
 from lightning_titan.parallel.dispatch import ep_size
@@ -46,6 +46,12 @@ from lightning_titan.parallel.tensor_parallel import (
 )
 
 __all__ = ["Attention", "ModelConfig", "RMSNorm", "StageModel", "apply_rope", "rope_cos_sin"]
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the matmuls on ``x`` run in: autocast's where it is on, else ``x``'s."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class Block(nn.Module):
@@ -260,6 +266,11 @@ class StageModel(nn.Module):
                 mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)
                 keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
             window_mask = attend_mask(mine, keys, self.sliding_window)
+        # additive, in the dtype the attention computes in, built once for every layer
+        dtype, sink = compute_dtype(x), self.config.attention.sinks
+        mask, window_mask = (
+            None if m is None else sdpa_mask(m, dtype, sink) for m in (mask, window_mask)
+        )
         aux = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         for block in (self.layers[str(i)] for i in range(*self.chunk_ranges[chunk])):
             layer_mask = window_mask if block.sliding else mask

@@ -89,8 +89,8 @@ class MLAttention(nn.Module):
         return apply_rope(x, cos, sin)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
-        """``cos``/``sin`` [S, qk_rope_head_dim] of this rank's positions; ``mask`` [S_q, S_k] (True:
-        attend) under context parallelism, else causal by order."""
+        """``cos``/``sin`` [S, qk_rope_head_dim] of this rank's positions; ``mask`` [S_q, S_k] additive
+        (``sinks.sdpa_mask``) under context parallelism, else None: causal by order."""
         x = gather_sequence(x, self.tp_group)
         b, s, _ = x.shape
         if hasattr(self, "q_proj"):

@@ -13,6 +13,8 @@ same as one process.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -43,6 +45,17 @@ def attend_mask(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
     return mask
 
 
+def sdpa_mask(mask: Tensor, dtype: torch.dtype, sink: bool) -> Tensor:
+    """``mask`` [S_q, S_k] bool (True: attend) as the additive mask the attention kernel takes as it
+    is (0 or -inf, in the dtype it computes in; with ``sink``, a first column of 0 for the sink key,
+    ``sink_attention``). Built once a forward and handed to every layer: a bool mask is converted
+    inside the kernel on every call, one S x S tensor a layer kept for the backward."""
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, -math.inf
+    )
+    return F.pad(additive, (1, 0)) if sink else additive
+
+
 # channels added to each head for the sink (one carries it; the rest keep the head dim a multiple of
 # 8, which the fused kernels on GPU require)
 SINK_CHANNELS = 8
@@ -51,7 +64,8 @@ SINK_CHANNELS = 8
 def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks_H: Tensor, mask: Tensor | None) -> Tensor:
     """Softmax attention of ``q`` [b, H, S_q, hd] over ``k``, ``v`` [b, H, S_k, hd] (heads repeated
     for GQA) with the sink logit ``sinks_H`` [H] of each head in every query's denominator; ``mask``
-    [S_q, S_k] bool (True: attend), None: causal by order. Scaled by 1/sqrt(hd), as transformers'
+    [S_q, 1 + S_k] additive with the sink's column first (``sdpa_mask(..., sink=True)``), None:
+    causal by order. Scaled by 1/sqrt(hd), as transformers'
     gpt-oss attention.
 
     The sink is one more key, seen by every query, whose score is the sink logit and whose value is
@@ -74,6 +88,5 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks_H: Tensor, mask: Tenso
         q = F.pad(q, (0, 0, 1, 0))  # the dummy query, dropped from the output
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, 1:]
     else:
-        mask = torch.cat([mask.new_ones(mask.shape[0], 1), mask], dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out[..., :hd]

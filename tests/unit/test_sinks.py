@@ -5,7 +5,7 @@ S x S per head for the backward."""
 import pytest
 import torch
 
-from lightning_titan.model.sinks import attend_mask, sink_attention
+from lightning_titan.model.sinks import attend_mask, sdpa_mask, sink_attention
 
 
 def eager(q, k, v, sinks_H, mask):
@@ -43,7 +43,8 @@ def test_sink_attention_equals_the_sink_written_out(name):
     # large sinks too: a query may put most of its weight on nothing
     sinks = torch.tensor([-1.0, 0.5, 4.0], dtype=torch.float64)
     inputs = [t.requires_grad_() for t in (q, k, v, sinks)]
-    ours, theirs = sink_attention(*inputs, given), eager(*inputs, applied)
+    prepared = None if given is None else sdpa_mask(given, q.dtype, sink=True)
+    ours, theirs = sink_attention(*inputs, prepared), eager(*inputs, applied)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     grad = torch.randn(ours.shape, generator=gen, dtype=torch.float64)
     for a, b_ in zip(
@@ -62,11 +63,12 @@ def test_nothing_s_by_s_is_kept_per_head(name):
     given, _ = masks(s)[name]
     q, k, v = (torch.randn(b, heads, s, hd, requires_grad=True) for _ in range(3))
     sinks = torch.zeros(heads, requires_grad=True)
+    prepared = None if given is None else sdpa_mask(given, q.dtype, sink=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(
         lambda t: saved.append(t.shape) or t, lambda t: t
     ):
-        sink_attention(q, k, v, sinks, given)
+        sink_attention(q, k, v, sinks, prepared)
     square = [shape for shape in saved if sum(n >= s for n in shape) >= 2]
     assert square == ([] if given is None else [torch.Size([s, s + 1])]), saved
 
@@ -75,11 +77,11 @@ def test_nothing_s_by_s_is_kept_per_head(name):
 def test_a_block_keeps_nothing_s_by_s_per_head(family):
     """A whole model's forward (gpt-oss's sinks and window layers; DeepSeek-V3's latent attention,
     whose v is narrower than q and k): no tensor saved for the backward has a head dim and two dims
-    of at least S. Only the window layers' mask is S x S (one a layer, no batch or head dim)."""
+    of at least S. Only the window layers' mask is S x S: one for all of them (no batch or head dim)."""
     from lightning_titan import ModelConfig, StageModel
 
     s = 128
-    base = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, ffn_dim=24, n_experts=4, top_k=2)
+    base = dict(vocab_size=61, d_model=32, n_layers=4, n_heads=4, ffn_dim=24, n_experts=4, top_k=2)
     options = {
         "gpt_oss": dict(
             attn_sinks=True, qkv_bias=True, attn_out_bias=True, sliding_window=8,
@@ -92,9 +94,13 @@ def test_a_block_keeps_nothing_s_by_s_per_head(family):
     model = StageModel(ModelConfig(**base, **options, seq_len=s))
     model.init_weights(0)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(
-        lambda t: saved.append(t.shape) or t, lambda t: t
-    ):
+
+    def pack(t):
+        saved.append((t.shape, t.untyped_storage().data_ptr()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(torch.randint(0, 61, (2, s)))
-    square = [shape for shape in saved if sum(n >= s for n in shape) >= 2]
-    assert all(len(shape) == 2 for shape in square), square
+    square = [(shape, ptr) for shape, ptr in saved if sum(n >= s for n in shape) >= 2]
+    assert all(len(shape) == 2 for shape, _ in square), square
+    assert len({ptr for _, ptr in square}) == (1 if family == "gpt_oss" else 0), square
