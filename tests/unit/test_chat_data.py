@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_titan.cli import main
+from lightning_titan.cli import UsageError, main
 from lightning_titan.data import ByteTokenizer, DataPipeline
 from lightning_titan.data.chat import render
 from lightning_titan.data.corpus import Source
@@ -181,8 +181,10 @@ def test_titan_fit_refuses_a_malformed_record_before_it_starts(tmp_path, monkeyp
     monkeypatch.setattr(sys, "argv", ["titan"])  # LightningCLI warns about pytest's own arguments
     source = write_jsonl(tmp_path / "data.jsonl", [CHAT, {"messages": [_turn(None)]}])
     args = ["fit", "--config", str(ROOT / "configs" / "single.yaml"), f"--data.source={source}"]
-    with pytest.raises(ValueError, match=rf"^{source}:2: this chat record turn 0 has role missing"):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=rf"^{source}:2: this chat record turn 0 has role missing"):
         main([*args, f"--data.cache_dir={tmp_path / 'cache'}"])
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache" / "packed").exists()
 
 
 def test_a_record_longer_than_a_window_is_skipped_counted_and_reported(tmp_path, capfd):
