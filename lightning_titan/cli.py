@@ -178,7 +178,7 @@ def check_records(data: Any) -> None:
                  data.max_bytes, data.get("format", "auto"), data.get("train_on", "responses"))  # fmt: skip
     try:
         check_options(src.data_format, src.train_on)
-        records.check_records(src, data.cache_dir or default_cache_dir())
+        records.check_records(src, data.cache_dir or default_cache_dir(), bool(data.streaming))
     except ValueError as err:
         raise UsageError(str(err)) from None
 

@@ -28,6 +28,7 @@ from lightning_titan.data.checks import (
 from lightning_titan.data.corpus import Source, default_corpus_texts
 from lightning_titan.data.packing import collate_windows
 from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, prepare, prepare_and_load
+from lightning_titan.data.records import check_records
 from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences
 from lightning_titan.data.streaming import StreamingWindows, check_rank_shard, rank_stream
 from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
@@ -183,6 +184,7 @@ class DataPipeline:
         self._layout = self._bound or self._unbound_layout()
         local_batch_size(self.global_batch_size, self.data_world)
         if self.streaming:
+            check_records(self.src, self.cache_dir, streaming=True)
             check_rank_shard(
                 self._make_stream(0), self.src, self.val_fraction, self.data_rank, self.data_world
             )

@@ -135,7 +135,7 @@ def build_records(
     return stats
 
 
-def check_records(src: Source, cache_dir: str) -> None:
+def check_records(src: Source, cache_dir: str, streaming: bool = False) -> None:
     """Every record of a local instruction source is well formed, else a ValueError naming its file
     and line: ``titan fit`` runs this before it starts ranks, so the message is the only line."""
     if src.source is None or local_files(src.source) is None:
@@ -143,6 +143,11 @@ def check_records(src: Source, cache_dir: str) -> None:
     data_format = resolve_format(src, cache_dir)
     if data_format == "text":
         return
+    if streaming:
+        raise ValueError(
+            f"source {src.source!r} holds {data_format} records, which are read map-style only; "
+            "set streaming=False"
+        )
     for where, record in iter_records(src, cache_dir):
         kind = _record_format(record, data_format, src)
         with named(where, kind):
