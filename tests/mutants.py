@@ -1089,6 +1089,16 @@ MUTATIONS = {
                                "        check_records(config.get(\"data\"))\n",
                                "",
                                ["tests/unit/test_chat_data.py", "-k", "before_it_starts"]),
+    # a tokenizer's own chat template ignored: its chats rendered in the built-in one
+    "chat_template_ignored": ("lightning_titan/data/chat.py",
+                              'if data_format == "chat" and isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template:',
+                              "if False:",
+                              ["tests/unit/test_chat_data.py", "-k", "own_chat_template"]),
+    # the template's assistant header (its generation prompt) trained with the answer
+    "chat_template_header_trained": ("lightning_titan/data/chat.py",
+                                     "before = _apply(tokenizer, turns[:i], generation_prompt=True)",
+                                     "before = _apply(tokenizer, turns[:i], generation_prompt=False)",
+                                     ["tests/unit/test_chat_data.py", "-k", "own_chat_template"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

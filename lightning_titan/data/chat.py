@@ -5,11 +5,12 @@ Two record formats besides plain text:
 - ``chat``: ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``
 - ``prompt_completion``: ``{"prompt": str, "completion": str}``
 
-The built-in template (every tokenizer; it needs no template file): each turn is the header
-``<|role|>`` and a newline, the content, then the end-of-document id; a prompt/completion pair is the
-prompt's ids then the completion's and the end-of-document id. With ``train_on="responses"`` only the
-assistant turns' content and end id (chat) or the completion and end id are targets; every other
-label is ``IGNORE_INDEX``, which the objective leaves out of the loss and the token count.
+A chat is rendered in the tokenizer's own chat template where it has one, else in the built-in one
+(no template file needed): each turn is the header ``<|role|>`` and a newline, the content, then the
+end-of-document id. A prompt/completion pair is the prompt's ids then the completion's and the
+end-of-document id. With ``train_on="responses"`` only the assistant turns (their end included) or
+the completion and its end id are targets; every other label is ``IGNORE_INDEX``, which the
+objective leaves out of the loss and the token count.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_titan.data.tokenizer import Tokenizer
+from lightning_titan.data.tokenizer import HFTokenizer, Tokenizer
 from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX
 
 FORMATS = ("auto", "text", "chat", "prompt_completion")
@@ -63,9 +64,14 @@ def detect_format(columns: list[str], text_column: str) -> str:
 
 
 def render(record: object, data_format: str, tokenizer: Tokenizer, train_on: str) -> Rendered:
-    """The ids and labels of one record; BadRecord (without its place) if it is malformed."""
+    """The ids and labels of one record; BadRecord (without its place) if it is malformed. A chat in
+    the tokenizer's own template where it has one (HFTokenizer), else in the built-in one."""
+    parts = pieces(record, data_format)
+    if data_format == "chat" and isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template:
+        assert isinstance(record, dict)  # pieces() checked it
+        return _in_template(record["messages"], tokenizer, train_on)
     ids, labels = [], []
-    for text, trained, end in pieces(record, data_format):
+    for text, trained, end in parts:
         part = np.asarray(tokenizer.encode_array(text), dtype=np.int64)
         if end:
             part = np.append(part, tokenizer.eod_id)
@@ -73,6 +79,43 @@ def render(record: object, data_format: str, tokenizer: Tokenizer, train_on: str
         counted = trained or train_on == "all"
         labels.append(part if counted else np.full(len(part), IGNORE_INDEX, dtype=np.int64))
     return Rendered(np.concatenate(ids), np.concatenate(labels))
+
+
+def _in_template(messages: list[dict], tokenizer: HFTokenizer, train_on: str) -> Rendered:
+    """The targets of assistant turn i are the ids between the prompt for it (turns before i and the
+    generation prompt) and the end of turn i, whatever the template puts around them (its end-of-turn
+    tokens are targets: the model learns to stop). Templates whose earlier turns render differently
+    once later turns follow cannot be masked this way, and are refused."""
+    turns = [{"role": t["role"], "content": t["content"]} for t in messages]
+    full = _apply(tokenizer, turns, generation_prompt=False)
+    labels = full.copy() if train_on == "all" else np.full(len(full), IGNORE_INDEX, np.int64)
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant" or train_on == "all":
+            continue
+        before = _apply(tokenizer, turns[:i], generation_prompt=True)
+        through = _apply(tokenizer, turns[: i + 1], generation_prompt=False)
+        if not (_starts(through, before) and _starts(full, through)):
+            raise ValueError(
+                f"the chat template of tokenizer {tokenizer.name!r} renders a turn differently once "
+                "later turns follow, so the assistant turns cannot be told apart; use "
+                "train_on='all', or tokenizer='byte' (the built-in template)"
+            )
+        labels[len(before) : len(through)] = full[len(before) : len(through)]
+    return Rendered(full, labels)
+
+
+def _apply(tokenizer: HFTokenizer, turns: list[dict], generation_prompt: bool) -> np.ndarray:
+    try:
+        return tokenizer.apply_chat_template(turns, generation_prompt)
+    except Exception as err:  # jinja2's errors, and what a template raises ("roles must alternate")
+        raise BadRecord(
+            f"cannot be rendered in the chat template of tokenizer {tokenizer.name!r} "
+            f"({type(err).__name__}: {str(err)[:200]})"
+        ) from None
+
+
+def _starts(ids: np.ndarray, prefix: np.ndarray) -> bool:
+    return len(prefix) <= len(ids) and bool((ids[: len(prefix)] == prefix).all())
 
 
 def pieces(record: object, data_format: str) -> list[tuple[str, bool, bool]]:

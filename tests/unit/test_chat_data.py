@@ -217,3 +217,51 @@ def test_padding_is_never_a_target():
     inputs, targets = collate_windows(windows)
     assert inputs.tolist() == [[1, 2, EOD], [3, EOD, EOD]]
     assert targets.tolist() == [[2, EOD, X], [EOD, X, X]]
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _template_tokenizer(folder: Path, template: str):
+    """Our byte tokenizer as a Hugging Face folder (ids = bytes) with a chat template of its own."""
+    from lightning_titan.data.tokenizer import HFTokenizer
+    from lightning_titan.hf.export import byte_tokenizer_files
+
+    folder.mkdir()
+    for name, content in byte_tokenizer_files().items():
+        (folder / name).write_text(json.dumps(content))
+    (folder / "chat_template.jinja").write_text(template)
+    return HFTokenizer(str(folder))
+
+
+def test_a_tokenizer_with_its_own_chat_template_renders_in_it_and_masks_by_turn(tmp_path):
+    tok = _template_tokenizer(tmp_path / "tok", CHATML)
+    turns = [("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")]
+    record = {"messages": [{"role": r, "content": c} for r, c in turns]}
+    got = render(record, "chat", tok, "responses")
+    text = "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in turns)
+    assert got.ids.tolist() == ids_of(text)
+    counted = [i for i in got.labels.tolist() if i != X]
+    assert counted == ids_of("b<|im_end|>\n") + ids_of("d<|im_end|>\n")  # the turns and their ends
+    assert render(record, "chat", tok, "all").labels.tolist() == ids_of(text)
+    # prompt/completion records keep the plain concatenation
+    pair = render({"prompt": "p", "completion": "c"}, "prompt_completion", tok, "responses")
+    assert pair.ids.tolist() == ids_of("pc") + [EOD]
+
+
+def test_a_chat_template_that_refuses_a_record_or_rewrites_past_turns_is_named(tmp_path):
+    strict = "{% if messages[0].role != 'user' %}{{ raise_exception('start with a user turn') }}{% endif %}"
+    tok = _template_tokenizer(tmp_path / "strict", strict + CHATML)
+    record = {"messages": [{"role": "assistant", "content": "b"}]}
+    with pytest.raises(
+        ValueError, match="cannot be rendered in the chat template .*start with a user"
+    ):
+        render(record, "chat", tok, "responses")
+    # the last turn rendered apart from the others: earlier renders are no prefix of the whole
+    moving = "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m.content }}|{% endfor %}"
+    tok = _template_tokenizer(tmp_path / "moving", moving)
+    with pytest.raises(ValueError, match="renders a turn differently once later turns follow"):
+        render({"messages": [_turn(), _turn("assistant"), _turn()]}, "chat", tok, "responses")
