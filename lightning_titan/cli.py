@@ -22,6 +22,10 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_titan.checkpoint import files
 from lightning_titan.checkpoint.storage import short_cause
+from lightning_titan.data import records
+from lightning_titan.data.chat import check_options
+from lightning_titan.data.corpus import Source
+from lightning_titan.data.prepare import default_cache_dir
 from lightning_titan.lightning import arguments
 from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.lightning.datamodule import TitanDataModule
@@ -121,6 +125,7 @@ class TitanCLI(LightningCLI):
         if not isinstance(config, Namespace):
             return
         check_ckpt_file(config.get("ckpt_path"))
+        check_records(config.get("data"))
         # here, before LightningCLI seeds and the Trainer says which devices it found: a mistake is
         # then the only line printed
         trainer = config.trainer
@@ -163,6 +168,20 @@ class TitanCLI(LightningCLI):
             warning = skipped_warning(self.trainer)
             if warning:
                 print(warning, file=sys.stderr, flush=True)
+
+
+def check_records(data: Any) -> None:
+    """A malformed chat or prompt/completion record of a local source, named by file and line,
+    before any rank starts: the line alone, not a launcher's traceback."""
+    if not isinstance(data, Namespace) or "class_path" in data or "source" not in data:
+        return  # another data module, or given by class path: it checks its own data
+    src = Source(data.source, data.text_column, data.source_config, data.source_split,
+                 data.max_bytes, data.get("format", "auto"), data.get("train_on", "responses"))  # fmt: skip
+    try:
+        check_options(src.data_format, src.train_on)
+        records.check_records(src, data.cache_dir or default_cache_dir(), bool(data.streaming))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def check_strategy(trainer: Namespace) -> TitanStrategy | None:

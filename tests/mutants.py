@@ -1074,6 +1074,41 @@ MUTATIONS = {
                            "            self.plot_path = str(in_run_folder(trainer, self.plot_path))\n",
                            "            pass\n",
                            ["tests/unit/test_fit_summary.py", "-k", "log_folder"]),
+    # chat records: every turn trained, not only the assistant's
+    "chat_prompt_trained": ("lightning_titan/data/chat.py",
+                            'pieces.append((content, role == "assistant", True))',
+                            "pieces.append((content, True, True))",
+                            ["tests/unit/test_chat_data.py", "-k", "built_in_template"]),
+    # instruction windows: the targets are the ids shifted, the labels ignored
+    "chat_labels_ignored": ("lightning_titan/data/packing.py",
+                            "return windows[:, 0, :-1].contiguous(), windows[:, 1, 1:].contiguous()",
+                            "return windows[:, 0, :-1].contiguous(), windows[:, 0, 1:].contiguous()",
+                            ["tests/unit/test_chat_data.py", "-k", "shifted_labels"]),
+    # train_on left out of the prepared cache's key: train_on="all" reads the "responses" cache
+    "chat_train_on_not_keyed": ("lightning_titan/data/prepare.py",
+                                '        spec["records"] = [src.data_format, src.train_on]',
+                                "        pass",
+                                ["tests/unit/test_chat_data.py", "-k", "shifted_labels"]),
+    # a record longer than the window kept instead of skipped and reported
+    "chat_too_long_kept": ("lightning_titan/data/records.py",
+                          "        if len(rendered.ids) > window:",
+                          "        if False:",
+                          ["tests/unit/test_chat_data.py", "-k", "longer_than_a_window"]),
+    # titan fit starts its ranks before a malformed record is found
+    "chat_records_unchecked": ("lightning_titan/cli.py",
+                               "        check_records(config.get(\"data\"))\n",
+                               "",
+                               ["tests/unit/test_chat_data.py", "-k", "before_it_starts"]),
+    # a tokenizer's own chat template ignored: its chats rendered in the built-in one
+    "chat_template_ignored": ("lightning_titan/data/chat.py",
+                              'if data_format == "chat" and isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template:',
+                              "if False:",
+                              ["tests/unit/test_chat_data.py", "-k", "own_chat_template"]),
+    # the template's assistant header (its generation prompt) trained with the answer
+    "chat_template_header_trained": ("lightning_titan/data/chat.py",
+                                     "before = _apply(tokenizer, turns[:i], generation_prompt=True)",
+                                     "before = _apply(tokenizer, turns[:i], generation_prompt=False)",
+                                     ["tests/unit/test_chat_data.py", "-k", "own_chat_template"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -37,6 +37,10 @@ class Source:
     config: str | None = None
     split: str = "train"
     max_bytes: int | None = None
+    data_format: str = "auto"  # auto | text | chat | prompt_completion (data/chat.py)
+    train_on: str = (
+        "responses"  # responses | all: the targets of chat and prompt/completion records
+    )
 
     @property
     def byte_cap(self) -> int | None:

@@ -55,11 +55,15 @@ def split_inputs_targets(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def collate_windows(items: list | torch.Tensor | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """DataLoader collate: a stacked [b, S+1] block (``__getitems__``) or a list of [S+1] windows."""
+    """DataLoader collate: a stacked [b, S+1] block (``__getitems__``) or a list of [S+1] windows;
+    [b, 2, S+1] (ids, labels) for instruction records: the targets are the labels shifted by one."""
     if isinstance(items, np.ndarray):
         windows = torch.from_numpy(items)
     elif isinstance(items, torch.Tensor):
         windows = items
     else:
         windows = torch.stack([torch.as_tensor(w) for w in items])
+    if windows.dim() == 3:
+        windows = windows.long()
+        return windows[:, 0, :-1].contiguous(), windows[:, 1, 1:].contiguous()
     return split_inputs_targets(windows)

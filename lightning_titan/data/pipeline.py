@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import Self
 
+from lightning_titan.data.chat import check_options
 from lightning_titan.data.checks import (
     check_args,
     check_counts,
@@ -27,6 +28,7 @@ from lightning_titan.data.checks import (
 from lightning_titan.data.corpus import Source, default_corpus_texts
 from lightning_titan.data.packing import collate_windows
 from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, prepare, prepare_and_load
+from lightning_titan.data.records import check_records
 from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences
 from lightning_titan.data.streaming import StreamingWindows, check_rank_shard, rank_stream
 from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
@@ -56,6 +58,11 @@ class DataPipeline:
     num_workers: DataLoader worker processes (map-style only).
     num_proc: processes for tokenising while preparing (None: by size and cores).
     cache_dir: prepared data; default $LIGHTNING_TITAN_CACHE or ~/.cache/lightning_titan.
+    format: "auto" (from the columns: text_column, else ``messages``, else ``prompt`` and
+        ``completion``), "text", "chat" or "prompt_completion" (instruction records, one per
+        sequence, map-style only; docs/finetuning.md).
+    train_on: instruction records: "responses" (the assistant turns / the completion are the only
+        targets) or "all" (every token).
     """
 
     def __init__(
@@ -77,10 +84,18 @@ class DataPipeline:
         num_workers: int = 0,
         num_proc: int | None = None,
         cache_dir: str | None = None,
+        format: str = "auto",
+        train_on: str = "responses",
     ) -> None:
         super().__init__()  # cooperative: in TitanDataModule, the LightningDataModule's
         check_args(seq_len, global_batch_size, val_fraction, streaming, num_workers, shuffle_buffer)
         check_counts(max_bytes, steps_per_epoch, val_batches)
+        check_options(format, train_on)
+        if streaming and format in ("chat", "prompt_completion"):
+            raise ValueError(
+                f"format={format!r} with streaming=True: instruction records are read map-style only; "
+                "set streaming=False"
+            )
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
         self.val_fraction, self.streaming, self.num_workers = val_fraction, streaming, num_workers
         self.shuffle_buffer, self.steps_per_epoch = shuffle_buffer, steps_per_epoch
@@ -88,7 +103,9 @@ class DataPipeline:
         self.cache_dir = cache_dir or default_cache_dir()
         self.tokenizer_spec = tokenizer
         self.model_folder: str | None = None  # TitanLM's init_from (use_model_folder)
-        self.src = Source(source, text_column, source_config, source_split, max_bytes)
+        self.src = Source(
+            source, text_column, source_config, source_split, max_bytes, format, train_on
+        )
         self.corpus: PackedCorpus | None = None
         self._bound: tuple[int, int] | None = None
         self._layout: tuple[int, int] | None = None
@@ -167,6 +184,7 @@ class DataPipeline:
         self._layout = self._bound or self._unbound_layout()
         local_batch_size(self.global_batch_size, self.data_world)
         if self.streaming:
+            check_records(self.src, self.cache_dir, streaming=True)
             check_rank_shard(
                 self._make_stream(0), self.src, self.val_fraction, self.data_rank, self.data_world
             )

@@ -27,6 +27,7 @@ from filelock import FileLock
 from lightning_titan.data.corpus import Source, check_text_column, is_validation, load_documents
 from lightning_titan.data.packing import Packer
 from lightning_titan.data.readable import as_text, check_text_feature
+from lightning_titan.data.records import build_records, resolve_format
 from lightning_titan.data.tokenizer import Tokenizer, token_dtype
 
 FORMAT_VERSION = 1
@@ -59,6 +60,11 @@ def cache_key(src: Source, tokenizer: Tokenizer, seq_len: int, val_fraction: flo
         "seq_len": seq_len,
         "val_fraction": val_fraction,
     }
+    if (src.data_format, src.train_on) != (
+        "auto",
+        "responses",
+    ):  # auto: the files decide the format
+        spec["records"] = [src.data_format, src.train_on]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -171,6 +177,16 @@ def _build(
     num_proc: int | None,
     work: Path,
 ) -> None:
+    data_format = resolve_format(src, cache_dir)
+    if data_format != "text":
+        stats = build_records(src, data_format, tokenizer, seq_len, val_fraction, cache_dir, work)
+        records = {
+            split: datasets.Dataset.from_file(str(work / f"{split}.arrow")) for split in SPLITS
+        }
+        about = {"format": data_format, "train_on": src.train_on, "seq_len": seq_len}
+        vocab = {"vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
+        _save(records, {**about, **vocab, **stats}, work)
+        return
     raw = load_documents(src, cache_dir)
     check_text_column(raw.column_names, src.column, src.source)
     check_text_feature(raw.features, src.column, src.source)
@@ -211,6 +227,10 @@ def _build(
     splits = {}
     for split in SPLITS:
         splits[split], meta[split] = _pack(tokens, split == "validation", seq_len + 1, dtype, work)
+    _save(splits, meta, work)
+
+
+def _save(splits: dict[str, datasets.Dataset], meta: dict, work: Path) -> None:
     # an empty split saved as zero shards cannot be loaded again (datasets 5.2): keep one
     empty = {name: 1 for name, ds in splits.items() if len(ds) == 0}
     with no_progress_bars():  # a copy of what the tokenising bar showed: seconds, no news

@@ -93,14 +93,20 @@ class PackedSequences(Dataset):
         self._open()
 
     def _open(self) -> None:
-        column = self._dataset.data.column("input_ids")
         self.window = self._dataset.features["input_ids"].length
-        self._chunks = [
+        self._chunks = self._column("input_ids")
+        # instruction records (records.py) carry their labels; plain text's targets are its ids
+        has_labels = "labels" in self._dataset.column_names
+        self._label_chunks = self._column("labels") if has_labels else None
+        sizes = [len(c) for c in self._chunks]
+        self._starts = np.cumsum([0, *sizes])
+
+    def _column(self, name: str) -> list[np.ndarray]:
+        column = self._dataset.data.column(name)
+        return [
             c.flatten().to_numpy(zero_copy_only=True).reshape(-1, self.window)
             for c in column.chunks
         ]
-        sizes = [len(c) for c in self._chunks]
-        self._starts = np.cumsum([0, *sizes])
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -109,15 +115,22 @@ class PackedSequences(Dataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: list[int]) -> np.ndarray:
-        """A whole batch at once; the DataLoader calls this instead of one ``__getitem__`` per row."""
+        """A whole batch at once; the DataLoader calls this instead of one ``__getitem__`` per row.
+        [b, S+1] ids, or [b, 2, S+1] ids and labels where the split has labels."""
         idx = np.asarray(indices, dtype=np.int64)
-        if len(self._chunks) == 1:
-            return self._chunks[0][idx]
+        ids = self._rows(self._chunks, idx)
+        if self._label_chunks is None:
+            return ids
+        return np.stack([ids.astype(np.int64), self._rows(self._label_chunks, idx)], axis=1)
+
+    def _rows(self, chunks: list[np.ndarray], idx: np.ndarray) -> np.ndarray:
+        if len(chunks) == 1:
+            return chunks[0][idx]
         chunk = np.searchsorted(self._starts, idx, side="right") - 1
-        out = np.empty((len(idx), self.window), dtype=self._chunks[0].dtype)
+        out = np.empty((len(idx), self.window), dtype=chunks[0].dtype)
         for c in np.unique(chunk):
             mask = chunk == c
-            out[mask] = self._chunks[c][idx[mask] - self._starts[c]]
+            out[mask] = chunks[c][idx[mask] - self._starts[c]]
         return out
 
     def __getstate__(self) -> dict:

@@ -76,6 +76,20 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids))
 
+    @property
+    def chat_template(self) -> str | None:
+        """The folder's own chat template (``tokenizer_config.json`` or ``chat_template.jinja``)."""
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def apply_chat_template(self, messages: list[dict], generation_prompt: bool) -> np.ndarray:
+        """The ids of ``messages`` in the folder's chat template (a prompt for the next assistant turn
+        after them with ``generation_prompt``)."""
+        ids = self._tok.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
+        )
+        return np.asarray(ids, dtype=np.int64)
+
     def __getstate__(self) -> dict:
         # `datasets` fingerprints and pickles the map function; the name is enough to rebuild it.
         return {"name": self.name}

@@ -37,6 +37,8 @@ class TitanDataModule(DataPipeline, L.LightningDataModule):
         num_workers: int = 0,
         num_proc: int | None = None,
         cache_dir: str | None = None,
+        format: str = "auto",
+        train_on: str = "responses",
     ) -> None:
         # the signature is written out (not **kwargs): LightningCLI and the reference read it
         super().__init__(
@@ -57,6 +59,8 @@ class TitanDataModule(DataPipeline, L.LightningDataModule):
             num_workers=num_workers,
             num_proc=num_proc,
             cache_dir=cache_dir,
+            format=format,
+            train_on=train_on,
         )
         # `seed` is left out: TitanLM has a `seed` hparam too, and Lightning refuses to log two different
         # values under one key (the data seed is in this module's state_dict in every checkpoint instead)

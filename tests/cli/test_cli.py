@@ -10,6 +10,7 @@ All launches but the main job's use start_method=fork (no re-import per rank); t
 
 import csv
 import json
+import math
 import os
 import re
 import subprocess
@@ -515,3 +516,24 @@ def test_export_loads_in_transformers_with_our_logits(runs, tmp_path):
     assert tp_weights["lm_head.weight"].shape[0] == tp_model.config.vocab_size == 257
     for name, value in single_weights.items():
         torch.testing.assert_close(tp_weights[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow  # one `titan fit` of two steps on one rank (about 20 s)
+@pytest.mark.timeout(300)
+def test_titan_fit_trains_on_chat_and_prompt_completion_records(tmp_path):
+    """A folder of a chat file and a prompt/completion file (format auto: each record as its fields
+    say), one launch: the loss of the answers only is finite and the run ends well."""
+    (tmp_path / "sft").mkdir()
+    chat = [{"messages": [{"role": "system", "content": "Add one."},
+                          {"role": "user", "content": f"{i}"},
+                          {"role": "assistant", "content": f"{i + 1}"}]} for i in range(40)]  # fmt: skip
+    pairs = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(40)]
+    for name, rows in (("chat.jsonl", chat), ("pairs.jsonl", pairs)):
+        (tmp_path / "sft" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    titan_fit(tmp_path, config("single"), "sft", FORK, f"--data.source={tmp_path / 'sft'}",
+              "--data.val_fraction=0.2", "--data.global_batch_size=8", steps=2)  # fmt: skip
+    losses = curve(tmp_path, "sft")
+    assert sorted(losses) == [0, 1] and all(math.isfinite(v) for v in losses.values()), losses
+    assert math.isfinite(curve(tmp_path, "sft", "val_loss")[1])
+    meta = json.loads(next((tmp_path / "cache" / "packed").glob("*/meta.json")).read_text())
+    assert meta["train"]["sequences"] + meta["validation"]["sequences"] == 80

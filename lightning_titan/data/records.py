@@ -1,0 +1,207 @@
+"""Map-style preparation of instruction records (chat, prompt/completion): one record per window.
+
+A window holds one rendered record, padded to S+1 with the end-of-document id, next to its labels
+(IGNORE_INDEX on the prompt side and the padding): a record attends to itself only, so no document
+mask is needed. Policy for bad records: a malformed one stops preparation with its file and line; one
+longer than the window is skipped, counted and reported (cutting it would train on a cut answer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from lightning_titan.data.chat import BadRecord, detect_format, pieces, render
+from lightning_titan.data.corpus import Source, is_validation, load_documents, local_files
+from lightning_titan.data.readable import file_problem
+from lightning_titan.data.tokenizer import Tokenizer, token_dtype
+from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX
+
+Record = tuple[str, object]  # (where: "file:line" or "row i", the parsed record)
+
+
+def resolve_format(src: Source, cache_dir: str) -> str:
+    """The format to read ``src`` as: the one asked for, else from the first record's columns."""
+    if src.data_format != "auto":
+        return src.data_format
+    if src.source is None:
+        return "text"
+    files = local_files(src.source)
+    if files is not None and all(_suffix(f) == ".txt" for f in files):
+        return "text"
+    if files is not None and all(_suffix(f) in (".json", ".jsonl") for f in files):
+        try:
+            first = next(iter_records(src, cache_dir), None)
+        except ValueError:  # not JSON or not UTF-8: the text path names the file and the fix
+            return "text"
+        columns = list(first[1]) if first is not None and isinstance(first[1], dict) else []
+    else:
+        columns = list(load_documents(src, cache_dir).column_names or [])
+    return detect_format(columns, src.text_column)
+
+
+def iter_records(src: Source, cache_dir: str) -> Iterator[Record]:
+    """Every record with its place: JSON Lines by line (a file holding one JSON list by index), other
+    sources by row. A line that is not JSON stops here, named."""
+    files = local_files(src.source) if src.source is not None else None
+    if files is None or not all(_suffix(f) in (".json", ".jsonl") for f in files):
+        rows = load_documents(src, cache_dir)
+        name = src.source if isinstance(src.source, str) else "source"
+        for i, row in enumerate(rows):
+            yield f"{name} row {i}", row
+        return
+    for path in files:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"source file {path!r} {file_problem(path, 'json')}") from err
+        if text.lstrip().startswith("["):
+            for i, row in enumerate(_json_document(path, text)):
+                yield f"{path} record {i}", row
+            continue
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{number}", json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}:{number} is not JSON ({err.msg}); give one JSON object per line"
+                ) from err
+
+
+def _json_document(path: str, text: str) -> list:
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not JSON (line {err.lineno}: {err.msg})") from err
+    return list(rows)
+
+
+def _suffix(path: str) -> str:
+    return os.path.splitext(path)[1].lower()
+
+
+def build_records(
+    src: Source,
+    data_format: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    val_fraction: float,
+    cache_dir: str,
+    work: Path,
+) -> dict[str, dict]:
+    """Render every record into windows of ``seq_len + 1`` ids and labels, one Arrow file per split
+    under ``work``; returns each split's stats."""
+    window = seq_len + 1
+    out: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "validation": []}
+    tokens = {"train": 0, "validation": 0}
+    too_long: list[str] = []
+    for where, record in iter_records(src, cache_dir):
+        kind = _record_format(record, data_format, src)
+        with named(where, kind):
+            rendered = render(record, kind, tokenizer, src.train_on)
+        if len(rendered.ids) > window:
+            too_long.append(f"{where} ({len(rendered.ids)} tokens)")
+            continue
+        split = "validation" if is_validation(_key(record), val_fraction) else "train"
+        out[split].append(_pad(rendered.ids, rendered.labels, window, tokenizer.eod_id))
+        tokens[split] += len(rendered.ids)
+    kept = len(out["train"]) + len(out["validation"])
+    if too_long:
+        print(
+            f"skipped {len(too_long)} of {kept + len(too_long)} {data_format} records longer than "
+            f"seq_len + 1 = {window} tokens (first: {', '.join(too_long[:3])}); raise seq_len to keep them",
+            file=sys.stderr,
+        )
+    if kept == 0:
+        raise ValueError(
+            f"source {src.source!r} has no {data_format} record that fits seq_len + 1 = {window} tokens "
+            f"({len(too_long)} skipped as longer); raise seq_len or give shorter records"
+        )
+    stats = {}
+    for split, rows in out.items():
+        _write(work / f"{split}.arrow", rows, window, tokenizer.vocab_size)
+        n = len(rows)
+        stats[split] = {"documents": n, "tokens": tokens[split], "sequences": n, "tail": 0}
+        stats[split]["skipped_too_long"] = len(too_long) if split == "train" else 0
+    return stats
+
+
+def check_records(src: Source, cache_dir: str, streaming: bool = False) -> None:
+    """Every record of a local instruction source is well formed, else a ValueError naming its file
+    and line: ``titan fit`` runs this before it starts ranks, so the message is the only line."""
+    if src.source is None or local_files(src.source) is None:
+        return  # the default corpus is text; a hub dataset is checked as it is prepared
+    data_format = resolve_format(src, cache_dir)
+    if data_format == "text":
+        return
+    if streaming:
+        raise ValueError(
+            f"source {src.source!r} holds {data_format} records, which are read map-style only; "
+            "set streaming=False"
+        )
+    for where, record in iter_records(src, cache_dir):
+        kind = _record_format(record, data_format, src)
+        with named(where, kind):
+            pieces(record, kind)
+
+
+@contextlib.contextmanager
+def named(where: str, kind: str) -> Iterator[None]:
+    """A BadRecord becomes a ValueError that says where the record is and what to do."""
+    try:
+        yield
+    except BadRecord as err:
+        raise ValueError(f"{where}: this {kind} record {err}; fix or remove it") from None
+
+
+def _record_format(record: object, data_format: str, src: Source) -> str:
+    """format=auto reads each record as its fields say, so one source may mix chat and
+    prompt/completion files; a record that is neither is read as the source's format (and named)."""
+    if src.data_format != "auto" or not isinstance(record, dict):
+        return data_format
+    kind = detect_format(list(record), src.text_column)
+    return data_format if kind == "text" else kind
+
+
+def _key(record: object) -> str:
+    """What the held-out hash reads: the record, independent of key order and of the file it came from."""
+    return json.dumps(record, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _pad(
+    ids: np.ndarray, labels: np.ndarray, window: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    ids_w = np.full(window, pad_id, dtype=np.int64)
+    labels_w = np.full(window, IGNORE_INDEX, dtype=np.int64)
+    ids_w[: len(ids)], labels_w[: len(labels)] = ids, labels
+    return ids_w, labels_w
+
+
+def _write(
+    path: Path, rows: list[tuple[np.ndarray, np.ndarray]], window: int, vocab_size: int
+) -> None:
+    """Two fixed-size list columns: ``input_ids`` (the tokenizer's dtype) and ``labels`` (int32)."""
+    dtype = token_dtype(vocab_size)
+    ids = np.stack([r[0] for r in rows]) if rows else np.empty((0, window), dtype=np.int64)
+    labels = np.stack([r[1] for r in rows]) if rows else np.empty((0, window), dtype=np.int64)
+    columns = [
+        pa.FixedSizeListArray.from_arrays(pa.array(ids.astype(dtype).ravel()), window),
+        pa.FixedSizeListArray.from_arrays(pa.array(labels.astype(np.int32).ravel()), window),
+    ]
+    schema = pa.schema(
+        [
+            ("input_ids", pa.list_(pa.from_numpy_dtype(dtype), window)),
+            ("labels", pa.list_(pa.int32(), window)),
+        ]
+    )
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.record_batch(columns, schema))

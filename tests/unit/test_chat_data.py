@@ -1,0 +1,267 @@
+"""Chat and prompt/completion records: the built-in template's token ids, which targets are
+IGNORE_INDEX, the batches the pipeline serves, and each malformed record named by file and line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_titan.cli import UsageError, main
+from lightning_titan.data import ByteTokenizer, DataPipeline
+from lightning_titan.data.chat import render
+from lightning_titan.data.corpus import Source
+from lightning_titan.data.records import check_records
+from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX
+
+ROOT = Path(__file__).resolve().parents[2]
+EOD = ByteTokenizer.eod_id
+X = IGNORE_INDEX
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]
+}
+
+
+def ids_of(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_chat_renders_in_the_built_in_template_and_only_the_answer_is_a_target():
+    got = render(CHAT, "chat", ByteTokenizer(), "responses")
+    system, user = ids_of("<|system|>\ns") + [EOD], ids_of("<|user|>\nhi") + [EOD]
+    header, answer = ids_of("<|assistant|>\n"), ids_of("yo") + [EOD]
+    assert got.ids.tolist() == system + user + header + answer
+    assert got.labels.tolist() == [X] * len(system + user + header) + answer
+    every = render(CHAT, "chat", ByteTokenizer(), "all")
+    assert every.labels.tolist() == every.ids.tolist() == got.ids.tolist()
+
+
+def test_every_assistant_turn_of_a_conversation_is_a_target():
+    turns = [("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")]
+    record = {"messages": [{"role": r, "content": c} for r, c in turns]}
+    got = render(record, "chat", ByteTokenizer(), "responses")
+    counted = [i for i in got.labels.tolist() if i != X]
+    assert counted == ids_of("b") + [EOD] + ids_of("d") + [EOD]
+
+
+def test_a_prompt_completion_pair_trains_on_the_completion_only():
+    got = render(
+        {"prompt": "2+2=", "completion": "4"}, "prompt_completion", ByteTokenizer(), "responses"
+    )
+    assert got.ids.tolist() == ids_of("2+2=4") + [EOD]
+    assert got.labels.tolist() == [X] * 4 + ids_of("4") + [EOD]
+
+
+def _pipeline(source: Path, cache: Path, **kwargs) -> DataPipeline:
+    args = dict(
+        seq_len=32, global_batch_size=4, val_fraction=0, tokenizer="byte", cache_dir=str(cache)
+    )
+    pipe = DataPipeline(source=str(source), **{**args, **kwargs})
+    pipe.prepare_data()
+    pipe.setup()
+    return pipe
+
+
+def test_the_pipeline_serves_one_record_a_window_with_shifted_labels(tmp_path):
+    rows = [{"prompt": f"q{i}:", "completion": f"a{i}"} for i in range(8)]
+    source = write_jsonl(tmp_path / "pc.jsonl", rows)
+    pipe = _pipeline(source, tmp_path / "cache")
+    assert pipe.corpus is not None and pipe.corpus.meta["format"] == "prompt_completion"
+    seen = set()
+    for inputs, targets in pipe.train_dataloader():
+        assert inputs.shape == targets.shape == (4, 32) and targets.dtype == torch.int64
+        for row_in, row_t in zip(inputs.tolist(), targets.tolist(), strict=True):
+            prompt = bytes(row_in[: row_in.index(ord(":")) + 1]).decode()
+            i = int(prompt[1:-1])
+            want = ids_of(f"q{i}:a{i}") + [EOD]
+            assert row_in[: len(want)] == want and set(row_in[len(want) :]) == {EOD}  # padded
+            # the target of position p is token p+1: the completion and its end id only
+            assert row_t == [X] * (len(prompt) - 1) + ids_of(f"a{i}") + [EOD] + [X] * (
+                33 - len(want)
+            )
+            seen.add(i)
+    assert seen == set(range(8))
+    # train_on="all" in the same cache: a prepared corpus of its own, every token a target
+    every = _pipeline(source, tmp_path / "cache", train_on="all")
+    inputs, targets = next(iter(every.train_dataloader()))
+    counted = (targets != X).sum(dim=1)
+    lengths = (inputs != EOD).sum(dim=1)  # the record's ids; its end id is the last target
+    assert torch.equal(counted, lengths)
+
+
+def test_auto_reads_the_format_from_the_columns_and_text_stays_text(tmp_path):
+    (tmp_path / "mix").mkdir()
+    write_jsonl(tmp_path / "mix" / "a.jsonl", [CHAT] * 4)
+    write_jsonl(tmp_path / "mix" / "b.jsonl", [{"prompt": "p", "completion": "c"}] * 4)
+    pipe = _pipeline(tmp_path / "mix", tmp_path / "cache", seq_len=48)
+    assert pipe.corpus is not None and len(pipe.corpus.train) == 8  # both kinds of record
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * 100}] * 4)
+    plain = _pipeline(text, tmp_path / "cache", seq_len=16, global_batch_size=2)
+    _, targets = next(iter(plain.train_dataloader()))
+    assert (targets != X).all()  # plain text: every token a target, as before
+    with pytest.raises(ValueError, match="format='chat' with streaming=True"):
+        DataPipeline(source=str(text), format="chat", streaming=True)
+    streamed = DataPipeline(source=str(tmp_path / "mix"), streaming=True, cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="holds chat records, which are read map-style only"):
+        streamed.setup()
+    with pytest.raises(ValueError, match="format='chatml' is not one of"):
+        DataPipeline(format="chatml")
+    with pytest.raises(ValueError, match="train_on='assistant' is not one of"):
+        DataPipeline(train_on="assistant")
+
+
+def _turn(role: object = "user", content: object = "c") -> dict:
+    return {"role": role, "content": content}
+
+
+BAD = {
+    "missing role": (
+        {"messages": [{"content": "c"}, _turn("assistant")]},
+        "turn 0 has role missing",
+    ),
+    "unknown role": ({"messages": [_turn("bot"), _turn("assistant")]}, "turn 0 has role str 'bot'"),
+    "empty conversation": (
+        {"messages": []},
+        "'messages' must be a non-empty list of turns, got list",
+    ),
+    "non-string content": (
+        {"messages": [_turn(content=[1]), _turn("assistant")]},
+        "content list [1]",
+    ),
+    "no assistant turn": ({"messages": [_turn()]}, "has no assistant turn"),
+    "a turn not an object": ({"messages": ["hi", _turn("assistant")]}, "turn 0 is str 'hi'"),
+    "null completion": ({"prompt": "p", "completion": None}, "completion missing"),
+    "empty completion": ({"prompt": "p", "completion": ""}, "has an empty completion"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_malformed_record_is_named_by_file_and_line(tmp_path, case):
+    record, says = BAD[case]
+    good = CHAT if "messages" in record else {"prompt": "p", "completion": "c"}
+    source = write_jsonl(tmp_path / "data.jsonl", [good, record, good])
+    with pytest.raises(ValueError) as info:
+        check_records(Source(str(source)), str(tmp_path / "cache"))
+    message = str(info.value)
+    assert message.startswith(f"{source}:2: this ") and says in message, message
+    assert message.endswith("; fix or remove it")
+
+
+def test_a_line_that_is_not_json_and_a_record_not_an_object_are_named(tmp_path):
+    source = tmp_path / "data.jsonl"
+    source.write_text(json.dumps(CHAT) + "\n\n[1, 2]\n")
+    with pytest.raises(
+        ValueError, match=rf"^{source}:3: this chat record is a list, not an object"
+    ):
+        check_records(Source(str(source)), str(tmp_path / "cache"))
+    source.write_text(json.dumps(CHAT) + "\n{cut\n")
+    with pytest.raises(ValueError, match=rf"^{source}:2 is not JSON"):
+        check_records(Source(str(source)), str(tmp_path / "cache"))
+
+
+def test_preparing_a_malformed_record_names_it_too(tmp_path):
+    source = write_jsonl(tmp_path / "data.jsonl", [CHAT, {"messages": [_turn(content=3)]}])
+    with pytest.raises(
+        ValueError, match=rf"^{source}:2: this chat record turn 0 \(user\) has content int 3"
+    ):
+        _pipeline(source, tmp_path / "cache")
+
+
+def test_titan_fit_refuses_a_malformed_record_before_it_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["titan"])  # LightningCLI warns about pytest's own arguments
+    source = write_jsonl(tmp_path / "data.jsonl", [CHAT, {"messages": [_turn(None)]}])
+    args = ["fit", "--config", str(ROOT / "configs" / "single.yaml"), f"--data.source={source}"]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=rf"^{source}:2: this chat record turn 0 has role missing"):
+        main([*args, f"--data.cache_dir={tmp_path / 'cache'}"])
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache" / "packed").exists()
+
+
+def test_a_record_longer_than_a_window_is_skipped_counted_and_reported(tmp_path, capfd):
+    long = {"prompt": "p" * 40, "completion": "c"}
+    rows = [{"prompt": "p", "completion": "c"}] * 4 + [long, long]
+    pipe = _pipeline(write_jsonl(tmp_path / "data.jsonl", rows), tmp_path / "cache")
+    assert pipe.corpus is not None and len(pipe.corpus.train) == 4
+    assert pipe.corpus.meta["train"]["skipped_too_long"] == 2
+    err = capfd.readouterr().err
+    assert "skipped 2 of 6 prompt_completion records longer than seq_len + 1 = 33 tokens" in err
+    assert f"{tmp_path / 'data.jsonl'}:5 (42 tokens)" in err
+    with pytest.raises(
+        ValueError, match="has no prompt_completion record that fits seq_len \\+ 1 = 33"
+    ):
+        _pipeline(write_jsonl(tmp_path / "long.jsonl", [long]), tmp_path / "cache")
+
+
+def test_padding_is_never_a_target():
+    windows = np.stack(
+        [
+            np.array([[1, 2, EOD, EOD], [X, 2, EOD, X]]),
+            np.array([[3, EOD, EOD, EOD], [X, EOD, X, X]]),
+        ]
+    )
+    from lightning_titan.data.packing import collate_windows
+
+    inputs, targets = collate_windows(windows)
+    assert inputs.tolist() == [[1, 2, EOD], [3, EOD, EOD]]
+    assert targets.tolist() == [[2, EOD, X], [EOD, X, X]]
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _template_tokenizer(folder: Path, template: str):
+    """Our byte tokenizer as a Hugging Face folder (ids = bytes) with a chat template of its own."""
+    from lightning_titan.data.tokenizer import HFTokenizer
+    from lightning_titan.hf.export import byte_tokenizer_files
+
+    folder.mkdir()
+    for name, content in byte_tokenizer_files().items():
+        (folder / name).write_text(json.dumps(content))
+    (folder / "chat_template.jinja").write_text(template)
+    return HFTokenizer(str(folder))
+
+
+def test_a_tokenizer_with_its_own_chat_template_renders_in_it_and_masks_by_turn(tmp_path):
+    tok = _template_tokenizer(tmp_path / "tok", CHATML)
+    turns = [("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")]
+    record = {"messages": [{"role": r, "content": c} for r, c in turns]}
+    got = render(record, "chat", tok, "responses")
+    text = "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in turns)
+    assert got.ids.tolist() == ids_of(text)
+    counted = [i for i in got.labels.tolist() if i != X]
+    assert counted == ids_of("b<|im_end|>\n") + ids_of("d<|im_end|>\n")  # the turns and their ends
+    assert render(record, "chat", tok, "all").labels.tolist() == ids_of(text)
+    # prompt/completion records keep the plain concatenation
+    pair = render({"prompt": "p", "completion": "c"}, "prompt_completion", tok, "responses")
+    assert pair.ids.tolist() == ids_of("pc") + [EOD]
+
+
+def test_a_chat_template_that_refuses_a_record_or_rewrites_past_turns_is_named(tmp_path):
+    strict = "{% if messages[0].role != 'user' %}{{ raise_exception('start with a user turn') }}{% endif %}"
+    tok = _template_tokenizer(tmp_path / "strict", strict + CHATML)
+    record = {"messages": [{"role": "assistant", "content": "b"}]}
+    with pytest.raises(
+        ValueError, match="cannot be rendered in the chat template .*start with a user"
+    ):
+        render(record, "chat", tok, "responses")
+    # the last turn rendered apart from the others: earlier renders are no prefix of the whole
+    moving = "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m.content }}|{% endfor %}"
+    tok = _template_tokenizer(tmp_path / "moving", moving)
+    with pytest.raises(ValueError, match="renders a turn differently once later turns follow"):
+        render({"messages": [_turn(), _turn("assistant"), _turn()]}, "chat", tok, "responses")
