@@ -4,15 +4,14 @@ promises: the largest output file plus the largest tensor read (plus what import
     python -m lightning_titan.tools.bench.export                  # ~1 GB fp32, 200MB shards, bf16
     python -m lightning_titan.tools.bench.export --gb 2 --max-shard-size 500MB --whole
 
-Each process is a child of this one, so its own peak RSS (``wait4``) is measured alone: an empty
-one that imports the exporter (the floor), the export, and with ``--whole`` the whole model loaded
-in one process and written (what the export did before it streamed).
+Each is a fresh process whose own peak RSS (VmHWM) is measured: one that only imports the exporter
+(the floor), the export, and with ``--whole`` the whole model loaded in one process and written
+(what the export did before it streamed).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -35,15 +34,21 @@ def config_of(gb: float) -> ModelConfig:
                        top_k=2, vocab_size=vocab, seq_len=64)  # fmt: skip
 
 
-def peak_rss(argv: list[str]) -> tuple[int, float]:
-    """The peak RSS (bytes) and seconds of one child process running ``argv``."""
+# run in the child after its work: its own high-water RSS. (``wait4``'s ru_maxrss would not do: a
+# child starts from the RSS of this process, which held the model, at the fork.)
+PEAK = "; print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
+
+
+def peak_rss(code: str, *args: str) -> tuple[int, float]:
+    """The peak RSS (bytes) and seconds of a fresh Python process running ``code`` (``sys.argv[1:]``:
+    ``args``)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc = subprocess.run(
+        [sys.executable, "-c", code + PEAK, *args], capture_output=True, text=True
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"{argv} exited with {proc.returncode}")
-    return usage.ru_maxrss * 1024, time.perf_counter() - start  # Linux: kilobytes
+        raise RuntimeError(f"{code} exited with {proc.returncode}: {proc.stderr[-2000:]}")
+    return int(proc.stdout.split()[-1]) * 1024, time.perf_counter() - start  # kB
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,12 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     save_sharded(root / "ckpt", model, [], {}, layout={})
     del model
-    python = [sys.executable, "-c"]
-    floor, _ = peak_rss([*python, "import lightning_titan.hf.export, safetensors.torch"])
+    floor, _ = peak_rss("import lightning_titan.hf.export, safetensors.torch")
     out = root / "hf"
-    export = [sys.executable, "-m", "lightning_titan", "export", "--ckpt", str(root / "ckpt"),
-              "--out", str(out), "--dtype", args.dtype, "--max-shard-size", args.max_shard_size]  # fmt: skip
-    rss, seconds = peak_rss(export)
+    export = "import sys; from lightning_titan.hf.export import main; main(sys.argv[1:])"
+    rss, seconds = peak_rss(export, "--ckpt", str(root / "ckpt"), "--out", str(out),
+                            "--dtype", args.dtype, "--max-shard-size", args.max_shard_size)  # fmt: skip
     files = sorted(out.glob("*.safetensors"))
     largest_file = max(f.stat().st_size for f in files)
     bound = largest_file + largest_read
@@ -91,9 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             f"write_hf_folder(load_full_model(sys.argv[1]), sys.argv[2], dtype={args.dtype!r}, "
             f"max_shard_size={args.max_shard_size!r})"
         )
-        rss_whole, seconds_whole = peak_rss(
-            [*python, whole, str(root / "ckpt"), str(root / "whole")]
-        )
+        rss_whole, seconds_whole = peak_rss(whole, str(root / "ckpt"), str(root / "whole"))
         print(f"whole model in one process, then written: peak RSS {rss_whole / mb:.0f} MB in "
               f"{seconds_whole:.1f} s")  # fmt: skip
 
