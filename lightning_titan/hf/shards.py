@@ -111,16 +111,18 @@ def groups_of(
 ) -> list[Group]:
     """The groups that make ``family``'s tensors from ours (``named``: ``hf.arch.hf_tensors``, with
     stacked expert tensors holding experts ``expert_range``): a parameter as it is, an expert row
-    transposed, or (a family with fused experts) one layer's expert rows together."""
+    transposed, or (a family with fused experts) the expert rows one fused tensor of a layer holds."""
     out = []
-    fused: dict[str, list[tuple[str, Tensor]]] = {}  # layer -> its stacked expert tensors
+    # (layer, fused tensor) -> our stacked expert tensors it is made of (gpt-oss's w1 and w3 make
+    # gate_up_proj): one group each, so that a layer's experts are read one fused tensor at a time
+    fused: dict[tuple[str, str], list[tuple[str, Tensor]]] = {}
     for name, p in named:
         meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
         stacked = is_stacked_experts(name)
-        if stacked and family.fused_experts:
-            fused.setdefault(name.split(".")[1], []).append((name, meta))
-            continue
         names = hf_names(name, expert_range, family)
+        if stacked and family.fused_experts:
+            fused.setdefault((name.split(".")[1], names[0]), []).append((name, meta))
+            continue
         if not stacked:
             out.append(Group(((name, None),), (meta,), partial(_as_is, names[0])))
             continue
@@ -128,7 +130,7 @@ def groups_of(
             key = (name, expert_range[0] + row)
             out.append(Group((key,), (meta[row],), partial(_transposed, hf_name)))
     n = expert_range[1] - expert_range[0]
-    for layer, tensors in fused.items():
+    for (layer, _), tensors in fused.items():
         keys = tuple((name, expert_range[0] + r) for name, _ in tensors for r in range(n))
         shapes = tuple(meta[r] for _, meta in tensors for r in range(n))
         shorts = [name.rsplit(".", 1)[-1] for name, _ in tensors]

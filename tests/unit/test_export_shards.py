@@ -63,6 +63,14 @@ def test_sizes_and_dtypes_are_read_as_transformers_reads_them():
         shards.dtype_of("int8")
 
 
+def test_a_bad_size_is_named_before_the_checkpoint_is_read(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        export.main(["--ckpt", str(tmp_path / "none"), "--out", str(tmp_path / "hf"),
+                     "--max-shard-size", "lots"])  # fmt: skip
+    assert "--max-shard-size 'lots' is not a size" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_groups_are_cut_into_shards_in_order_and_a_large_one_stands_alone():
     assert shards.cut([4, 4, 4], 10) == [[0, 1], [2]]
     assert shards.cut([4, 6, 1], 10) == [[0, 1], [2]]  # exactly the limit fits
@@ -138,10 +146,21 @@ def test_a_model_that_fits_one_shard_is_one_file_and_the_checkpoint_is_read_a_te
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("family", sorted(FAMILY_OPTIONS))
-def test_fused_and_biased_families_export_in_shards_and_load_back(tmp_path, family):
+def test_fused_and_biased_families_export_in_shards_and_load_back(tmp_path, family, monkeypatch):
     config = replace(CONFIG, **FAMILY_OPTIONS[family])
     ckpt, model = _checkpoint(tmp_path / "ckpt", config)
+    held: list[int] = []
+    read = ModelEntries.read
+
+    def counted(self, entries):
+        tensors = read(self, entries)
+        held.append(sum(t.numel() * t.element_size() for t in tensors))
+        return tensors
+
+    monkeypatch.setattr(ModelEntries, "read", counted)
     out = export.export_hf(ckpt, tmp_path / "hf", "fp32", "20KB", progress=False)
+    # a read holds what one tensor of the folder is made of (gpt-oss: one fused tensor's rows)
+    assert max(held) <= max(t.numel() * t.element_size() for t in _tensors(out).values())
     assert (out / "model.safetensors.index.json").exists()
     assert json.loads((out / "config.json").read_text())["model_type"] == family
     again = StageModel(hf_load.config_from_folder(out, ModelConfig(seq_len=CONFIG.seq_len)))
