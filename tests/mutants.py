@@ -945,6 +945,41 @@ MUTATIONS = {
                                     "        shutil.copyfile(path, out / path.name)",
                                     "        pass",
                                     ["tests/distributed/test_hf_finetune.py", "-k", "resumes"]),
+    # titan export writes every tensor in the checkpoint's dtype, whatever --dtype says
+    "export_dtype_ignored": ("lightning_titan/hf/shards.py",
+                             "        tensor = tensor.to(dtype)\n",
+                             "        pass\n",
+                             ["tests/unit/test_export_shards.py", "-k", "transformers and bf16"]),
+    # titan export writes one file whatever --max-shard-size says
+    "export_shard_size_ignored": ("lightning_titan/hf/shards.py",
+                                  "if not shards or used + size > max_bytes:",
+                                  "if not shards:",
+                                  ["tests/unit/test_export_shards.py", "-k", "transformers and fp32"]),
+    # titan export reads every tensor of the checkpoint at once before it writes the first file
+    "export_reads_whole_checkpoint": ("lightning_titan/hf/shards.py",
+                                      "    made = [g.make(list(g.shapes)) for g in groups]",
+                                      "    made = [g.make(read(list(g.sources))) for g in groups]",
+                                      ["tests/unit/test_export_shards.py", "-k", "one_file"]),
+    # config.json says float32 whatever dtype the weights were written in
+    "export_config_dtype_stale": ("lightning_titan/hf/export.py",
+                                  '    config["torch_dtype"] = str(written).removeprefix("torch.")\n',
+                                  "",
+                                  ["tests/unit/test_export_shards.py", "-k", "transformers and bf16"]),
+    # an expert's row written as ours (x @ w), not as the family's nn.Linear weight
+    "export_expert_not_transposed": ("lightning_titan/hf/shards.py",
+                                     "    return {hf_name: tensors[0].t()}",
+                                     "    return {hf_name: tensors[0]}",
+                                     ["tests/unit/test_export_shards.py", "-k", "transformers and fp32"]),
+    # gpt-oss's experts read a whole layer at a time, not one fused tensor's at a time
+    "export_fused_whole_layer": ("lightning_titan/hf/shards.py",
+                                 'fused.setdefault((name.split(".")[1], names[0]), [])',
+                                 'fused.setdefault((name.split(".")[1], ""), [])',
+                                 ["tests/unit/test_export_shards.py", "-k", "gpt_oss"]),
+    # gpt-oss's fused experts stacked in the wrong order (expert e's rows under another id)
+    "export_fused_rows_reversed": ("lightning_titan/hf/shards.py",
+                                  "torch.stack(tensors[i * n : (i + 1) * n])",
+                                  "torch.stack(tensors[i * n : (i + 1) * n][::-1])",
+                                  ["tests/unit/test_export_shards.py", "-k", "gpt_oss"]),
     # issue 18: a rank reads every tensor of the file it opens, not only its own
     "load_reads_whole_file": ("lightning_titan/hf/load.py",
                               "tensor = f.get_tensor(hf_name)",

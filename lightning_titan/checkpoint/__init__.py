@@ -15,6 +15,7 @@ from lightning_titan.checkpoint.files import is_complete_checkpoint, latest_comp
 from lightning_titan.checkpoint.lock import CheckpointDirInUse
 from lightning_titan.checkpoint.reader import (
     FORMAT_VERSION,
+    ModelEntries,
     consolidate,
     consolidate_optimizers,
     read_checkpoint_info,
@@ -25,6 +26,7 @@ from lightning_titan.checkpoint.storage import UnsafeCheckpointError
 __all__ = [
     "BackgroundSaves",
     "FORMAT_VERSION",
+    "ModelEntries",
     "CheckpointDirInUse",
     "UnsafeCheckpointError",
     "consolidate",

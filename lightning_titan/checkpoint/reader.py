@@ -321,3 +321,39 @@ def consolidate_optimizers(
             per_param.setdefault(param, {})[state_name] = value
         out.append(per_param)
     return out
+
+
+class ModelEntries:
+    """A checkpoint's model tensors read a few at a time, each into a tensor of its saved shape and
+    dtype (what ``titan export`` streams): the files are checked once, here; a ``read`` holds only
+    the entries it was asked for."""
+
+    def __init__(self, path: str | os.PathLike, *, weights_only: bool | None = None) -> None:
+        self.path, self.weights_only = Path(path), weights_only
+        read_checkpoint_info(self.path, weights_only=weights_only)
+        self.metadata = read_metadata(self.path)
+        integrity.verify(self.path, integrity.shard_names(self.metadata))
+        saved = self.metadata.state_dict_metadata
+        # TitanLM holds the stage as `self.model`: its keys start with "model/model."
+        nested = any(k.startswith(keys.MODEL + "model.") for k in saved)
+        self.prefix = keys.MODEL + ("model." if nested else "")
+
+    def key(self, name: str, expert: int | None) -> str:
+        """The checkpoint's key of our tensor ``name`` (of global expert ``expert``'s row)."""
+        return self.prefix + (name if expert is None else keys.expert_key(name, expert))
+
+    def read(self, entries: list[tuple[str, int | None]]) -> list[Tensor]:
+        """Tensors ``entries`` ((name, global expert or None) each), in that order."""
+        state: dict[str, Any] = {}
+        for name, expert in entries:
+            key = self.key(name, expert)
+            saved = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(saved, TensorStorageMetadata):
+                raise ValueError(
+                    f"corrupt checkpoint {self.path}: it holds no tensor {key!r}, which its "
+                    "model config has; use another checkpoint"
+                )
+            state[key] = torch.empty(saved.size, dtype=saved.properties.dtype)
+        with single_process_ok():
+            storage.load(state, self.path, no_dist=True, weights_only=self.weights_only)
+        return [state[self.key(name, expert)] for name, expert in entries]

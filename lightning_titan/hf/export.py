@@ -1,7 +1,9 @@
-"""From a sharded checkpoint to one process: the full model, and the Hugging Face format of its family
-(``hf/families/``: the one it was loaded from, ``hf.arch.architecture_of``).
+"""From a sharded checkpoint to the Hugging Face format of the model's family (``hf/families/``: the
+one it was loaded from, ``hf.arch.architecture_of``), a tensor at a time (``hf/shards.py``); and the
+full model in one process (``load_full_model``).
 
-titan export --ckpt runs/dp_pp_ep/checkpoints/last.ckpt --out mixtral-tiny
+titan export --ckpt runs/dp_pp_ep/checkpoints/last.ckpt --out mixtral-tiny [--dtype bf16]
+    [--max-shard-size 5GB]
 # then: transformers.AutoModelForCausalLM.from_pretrained("mixtral-tiny")
 """
 
@@ -11,49 +13,60 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+import torch
 from torch import Tensor
 
-from lightning_titan.checkpoint import consolidate, files, read_checkpoint_info
+from lightning_titan.checkpoint import ModelEntries, consolidate, files, read_checkpoint_info
 from lightning_titan.data.tokenizer import tokenizer_files_of
 from lightning_titan.hf import folder as hf_folder
-from lightning_titan.hf.arch import architecture_of, hf_config, hf_names, hf_tensors
+from lightning_titan.hf import shards
+from lightning_titan.hf.arch import architecture_of, hf_config, hf_tensors
+from lightning_titan.hf.shards import is_stacked_experts
 from lightning_titan.model.decoder import ModelConfig, StageModel
 
-__all__ = ["export_hf", "hf_config", "hf_state_dict", "load_full_model", "write_hf_folder"]
-
-
-def is_stacked_experts(name: str) -> bool:
-    """Our expert tensors are [n_local, ...]: Hugging Face holds each row, transposed, apart."""
-    return ".moe.experts." in name
+__all__ = [
+    "export_hf",
+    "hf_config",
+    "hf_state_dict",
+    "is_stacked_experts",
+    "load_full_model",
+    "write_hf_folder",
+]
 
 
 def hf_state_dict(model: StageModel) -> dict[str, Tensor]:
     """This stage's parameters under the Hugging Face names of its family (``hf.arch.architecture_of``;
-    experts split per global id, or fused as the family keeps them)."""
-    out = {}
-    family = architecture_of(model.config)
-    fused: dict[str, dict[str, Tensor]] = {}  # layer -> its stacked expert tensors (gpt-oss)
-    for name, p in hf_tensors(model):
-        names = hf_names(name, model.expert_range, family)
-        if family.fused_experts and is_stacked_experts(name):
-            fused.setdefault(name.split(".")[1], {})[name.rsplit(".", 1)[-1]] = p.detach()
-            continue
-        if not is_stacked_experts(name):
-            out[names[0]] = p.detach()
-            continue
-        for row, hf_name in enumerate(names):
-            out[hf_name] = p[row].detach().t().contiguous()
-    for layer, tensors in fused.items():
-        for short, tensor in family.fuse_experts(tensors).items():
-            out[f"model.layers.{layer}.mlp.experts.{short}"] = tensor.contiguous()
+    experts split per global id, or fused as the family keeps them): the mapping the export writes."""
+    read = _read_from(model)
+    out: dict[str, Tensor] = {}
+    for group in _groups(model):
+        out.update({k: v.detach() for k, v in group.make(read(list(group.sources))).items()})
     return out
 
 
 hf_mixtral_state_dict = hf_state_dict  # the name from when Mixtral was the only family
+
+
+def _groups(model: StageModel) -> list[shards.Group]:
+    return shards.groups_of(hf_tensors(model), model.expert_range, architecture_of(model.config))
+
+
+def _read_from(model: StageModel) -> shards.Read:
+    """The ``shards.Read`` of a model in memory: our tensors, an expert's row of its stacked tensor."""
+    start = model.expert_range[0]
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+
+    def read(keys: list[shards.Key]) -> list[Tensor]:
+        return [
+            tensors[n].detach() if e is None else tensors[n].detach()[e - start] for n, e in keys
+        ]
+
+    return read
 
 
 def load_full_model(ckpt: str | Path) -> StageModel:
@@ -179,25 +192,29 @@ def check_copyable(path: Path) -> None:
         )
 
 
-def _default_mode() -> int:
-    """The mode ``open`` gives a new file: 0o666 less the umask (read by setting it and putting it
-    back at once; a file another thread creates in between gets 0o644 at most)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def export_hf(ckpt: str | Path, out: str | Path) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in the model's family, and the tokenizer: the
-    files of the Hugging Face folder the model was loaded from (init_from) when it has them, else ours
-    when the data module used the byte tokenizer. Nothing is written when the model fits no family."""
-    out = Path(out)
+def export_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    dtype: str | torch.dtype = "bf16",
+    max_shard_size: str | int = "5GB",
+    progress: bool = True,
+) -> Path:
+    """Write ``config.json`` and the weights in the model's family and in ``dtype``, cut into
+    safetensors files of at most ``max_shard_size`` (with ``model.safetensors.index.json`` when there
+    are several), and the tokenizer: the files of the Hugging Face folder the model was loaded from
+    (init_from) when it has them, else ours when the data module used the byte tokenizer. The
+    checkpoint is read a tensor at a time: memory holds one output file and one tensor. Nothing is
+    written when the model fits no family. ``progress``: a line on stderr per file written."""
+    out, dtype, max_bytes = Path(out), shards.dtype_of(dtype), shards.size_of(max_shard_size)
     check_out(out)
     info = read_checkpoint_info(ckpt)
     meta = info.get("meta", {})
-    config = ModelConfig(**info["model_config"]) if info.get("model_config") else None
-    if config is not None:
-        architecture_of(config)  # refused before the model is loaded or anything is written
+    if not info.get("model_config"):
+        raise ValueError(
+            f"{ckpt} holds no model config: it was not written by TitanLM under TitanStrategy"
+        )
+    config = ModelConfig(**info["model_config"])
+    architecture_of(config)  # refused before the checkpoint is read or anything is written
     init_from = (meta.get("hyper_parameters") or {}).get("init_from")
     # no data module recorded (a plain DataLoader): the ids were the folder's if it has a tokenizer
     tokenizer = (meta.get("datamodule_hyper_parameters") or {}).get("tokenizer", "auto")
@@ -209,8 +226,12 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
         assert init_from  # the files are copied from it
         hf = hf_folder.read_json(Path(init_from) / "config.json")
         special = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
-    model = load_full_model(ckpt)
-    write_hf_folder(model, out, byte_tokenizer=not copied and tokenizer in ("byte", "auto"))
+    entries = ModelEntries(ckpt)
+    with torch.device("meta"):  # names and shapes: the values are read from the checkpoint
+        shapes = StageModel(config)
+    byte_tokenizer = not copied and tokenizer in ("byte", "auto")
+    stream = sys.stderr if progress else None
+    _write(shapes, entries.read, out, byte_tokenizer, dtype, max_bytes, stream)
     for path in copied:
         # the content only: the new file gets the mode every other file of the export gets
         shutil.copyfile(path, out / path.name)
@@ -221,38 +242,63 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     return out
 
 
-def write_hf_folder(model: StageModel, out: str | Path, byte_tokenizer: bool = False) -> Path:
-    """``model`` (the whole of it, one process) as a Hugging Face folder of its family; with
-    ``byte_tokenizer`` (and a vocabulary that holds it) our byte tokenizer's files too."""
+def write_hf_folder(
+    model: StageModel,
+    out: str | Path,
+    byte_tokenizer: bool = False,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = "5GB",
+) -> Path:
+    """``model`` (the whole of it, one process) as a Hugging Face folder of its family, in ``dtype``
+    (None: the model's own); with ``byte_tokenizer`` (and a vocabulary that holds it) our byte
+    tokenizer's files too."""
+    cast = None if dtype is None else shards.dtype_of(dtype)
+    max_bytes = shards.size_of(max_shard_size)
+    return _write(model, _read_from(model), Path(out), byte_tokenizer, cast, max_bytes, None)
+
+
+def _write(
+    model: StageModel,
+    read: shards.Read,
+    out: Path,
+    byte_tokenizer: bool,
+    dtype: torch.dtype | None,
+    max_bytes: int,
+    progress: TextIO | None,
+) -> Path:
+    """The folder of ``model``'s family, its tensors read through ``read`` (``model``: their names
+    and shapes, its values unused)."""
     try:
-        from safetensors.torch import save_file
+        import safetensors  # noqa: F401
     except ImportError as e:
         raise ImportError(
             "titan export needs safetensors: pip install 'lightning-titan[export]'"
         ) from e
     family = architecture_of(model.config)
-    biased = [n for n, b in model.named_buffers() if n.endswith("expert_bias") and b.any()]
+    bias_names = [n for n, b in model.named_buffers() if n.endswith("expert_bias")]
+    biases = read([(n, None) for n in bias_names])
+    biased = [n for n, b in zip(bias_names, biases, strict=True) if b.any()]
     if biased and not family.keeps_expert_bias:  # DeepSeek-V3 keeps it
         warnings.warn(
             f"{len(biased)} MoE layers carry an expert bias (router_bias_update_rate, e.g. "
             f"{biased[0]}): {family.class_name} has no place for it, so the export leaves it out and "
             "its router picks experts by the unbiased scores (the combine weights are unchanged)",
-            stacklevel=2,
+            stacklevel=3,
         )
     if model.config.capacity_factor is not None:
         warnings.warn(
             f"the model was trained with capacity_factor={model.config.capacity_factor}: "
             f"{family.class_name} has no expert capacity, so the exported model keeps every assignment (dropless)",
-            stacklevel=2,
+            stacklevel=3,
         )
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in hf_state_dict(model).items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(out / "model.safetensors", _default_mode())  # safetensors creates it 0600
+    shards.write_shards(_groups(model), read, out, dtype, max_bytes, progress)
     byte_tokenizer = byte_tokenizer and model.config.vocab_size >= 257
     eos = 256 if byte_tokenizer else None
-    (out / "config.json").write_text(json.dumps(hf_config(model.config, eos), indent=2))
+    config = hf_config(model.config, eos)
+    written = dtype or next(p.dtype for p in model.parameters())
+    config["torch_dtype"] = str(written).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     if byte_tokenizer:
         for name, content in byte_tokenizer_files().items():
             (out / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
@@ -265,6 +311,22 @@ def main(argv: list[str] | None = None) -> None:
         "--ckpt", required=True, help="a checkpoint directory written by TitanStrategy"
     )
     parser.add_argument("--out", required=True, help="a new directory for the Hugging Face files")
+    parser.add_argument(
+        "--dtype",
+        default="bf16",
+        choices=sorted(shards.DTYPES),
+        help="the weights' dtype in the folder (default bf16, as the families publish them)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="the largest safetensors file, e.g. 5GB, 500MB, 2GiB (default 5GB); a model that "
+        "fits in one is one model.safetensors",
+    )
     args = parser.parse_args(argv)
-    out = export_hf(args.ckpt, args.out)
+    try:
+        max_bytes = shards.size_of(args.max_shard_size)
+    except ValueError as e:
+        parser.error(str(e))
+    out = export_hf(args.ckpt, args.out, args.dtype, max_bytes)
     print(f"wrote {out.resolve()} (load with transformers.AutoModelForCausalLM.from_pretrained)")

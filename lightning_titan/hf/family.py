@@ -205,7 +205,8 @@ class Family:
         raise NotImplementedError(f"{self.title} keeps a linear per expert")
 
     def fuse_experts(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """One layer's stacked expert tensors {w1, ...} -> the family's fused tensors."""
+        """One layer's stacked expert tensors {w1, ...} -> the family's fused tensors: those made of
+        the tensors given (the export gives one fused tensor's at a time)."""
         raise NotImplementedError(f"{self.title} keeps a linear per expert")
 
     # -- ours -> config.json ----------------------------------------------------------------------

@@ -463,7 +463,7 @@ def test_generate_continues_as_transformers_generates_from_the_export(runs, tmp_
 
     cwd, _ = runs
     ckpt = last_ckpt(cwd, "dp_pp_ep")
-    export_hf(ckpt, tmp_path / "hf")
+    export_hf(ckpt, tmp_path / "hf", dtype="fp32")  # greedy ties: our fp32 weights
     prompt, new = "def main():\n    ", 24
 
     def titan_generate(*flags: str) -> str:
@@ -494,7 +494,7 @@ def test_export_loads_in_transformers_with_our_logits(runs, tmp_path):
     cwd, _ = runs
     ckpt = last_ckpt(cwd, "dp_pp_ep")  # written by 8 ranks, read by one process
     proc = subprocess.run([sys.executable, "-m", "lightning_titan", "export", "--ckpt", str(ckpt),
-                           "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)  # fmt: skip
+                           "--out", str(tmp_path / "hf"), "--dtype", "fp32"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours = load_full_model(ckpt)
     theirs = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()

@@ -464,7 +464,7 @@ def test_other_checkpoints_are_named_not_called_interrupted(tmp_path: Path) -> N
 def test_export_refuses_bad_destinations_before_loading(tmp_path: Path, monkeypatch) -> None:
     ckpt = _save(tmp_path / "ck" / "last.ckpt")
     loaded = []
-    monkeypatch.setattr(export, "load_full_model", lambda c: loaded.append(c))
+    monkeypatch.setattr(export, "ModelEntries", lambda c: loaded.append(c))
     existing = tmp_path / "model.bin"
     existing.write_text("keep me")
     dangling = tmp_path / "gone"

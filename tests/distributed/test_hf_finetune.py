@@ -77,7 +77,7 @@ def test_a_fine_tune_resumes_under_another_layout_and_exports_as_qwen3(qwen3, tm
                 want = local_slice(want, r["cut"][name], *r["tp"])
             assert torch.equal(got, want), (rank, name)
 
-    out = export_hf(tmp_path / "ckpt" / "last.ckpt", tmp_path / "export")
+    out = export_hf(tmp_path / "ckpt" / "last.ckpt", tmp_path / "export", dtype="fp32")
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(exported).__name__ == "Qwen3MoeForCausalLM"
     ours = load_full_model(tmp_path / "ckpt" / "last.ckpt")

@@ -214,7 +214,7 @@ def test_trainer_starts_from_the_folder_and_a_resume_from_the_checkpoint(hf, tmp
     # the fine-tune exports back to the folder's format: transformers loads it with our logits
     import transformers
 
-    export_hf(tmp_path / "ckpt" / "last.ckpt", tmp_path / "export")
+    export_hf(tmp_path / "ckpt" / "last.ckpt", tmp_path / "export", dtype="fp32")
     tuned = load_full_model(tmp_path / "ckpt" / "last.ckpt")
     exported = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "export").eval()
     with torch.no_grad():

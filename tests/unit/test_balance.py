@@ -145,16 +145,14 @@ def test_negative_rate_is_refused(rate):
         replace(CONFIG, router_bias_update_rate=rate)
 
 
-def test_export_warns_that_the_bias_is_left_out(tmp_path, monkeypatch):
+def test_export_warns_that_the_bias_is_left_out(tmp_path):
     from lightning_titan.hf import export
 
     model = StageModel(CONFIG)
     model.init_weights(0)
-    monkeypatch.setattr(export, "load_full_model", lambda ckpt: model)
-    monkeypatch.setattr(export, "read_checkpoint_info", lambda ckpt: {})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a zero bias changes nothing: no warning
-        export.export_hf(tmp_path / "ckpt", tmp_path / "zero")
+        export.write_hf_folder(model, tmp_path / "zero")
     model.layers["1"].moe.expert_bias[0] = 1e-3
     with pytest.warns(UserWarning, match="1 MoE layers carry an expert bias .*layers.1.moe"):
-        export.export_hf(tmp_path / "ckpt", tmp_path / "moved")
+        export.write_hf_folder(model, tmp_path / "moved")

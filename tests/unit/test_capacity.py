@@ -140,19 +140,17 @@ def test_bad_capacity_factor_is_named_with_the_fix(factor, words):
         assert word in str(error.value)
 
 
-def test_export_warns_that_the_capacity_is_left_out(tmp_path, monkeypatch):
+def test_export_warns_that_the_capacity_is_left_out(tmp_path):
     from lightning_titan.hf import export
     from lightning_titan.model.decoder import StageModel
 
     model = StageModel(ModelConfig(d_model=32, n_layers=2, n_heads=4, ffn_dim=24, n_experts=4,
                                    seq_len=8, capacity_factor=1.0))  # fmt: skip
     model.init_weights(0)
-    monkeypatch.setattr(export, "load_full_model", lambda ckpt: model)
-    monkeypatch.setattr(export, "read_checkpoint_info", lambda ckpt: {})
     with pytest.warns(
         UserWarning, match="capacity_factor=1.0: MixtralForCausalLM has no expert capacity"
     ):
-        export.export_hf(tmp_path / "ckpt", tmp_path / "out")
+        export.write_hf_folder(model, tmp_path / "out")
 
 
 def test_a_steps_drops_sum_over_its_microbatches_and_layers():

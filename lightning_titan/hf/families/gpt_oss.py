@@ -143,14 +143,16 @@ def stored_names(fused: str, files: dict[str, Path]) -> list[str]:
 
 
 def fuse(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """One layer's experts {w1, w3, b1, b3, w2, b2} -> gpt-oss's fused tensors (gate and up
-    interleaved)."""
-    return {
-        "gate_up_proj": torch.stack([tensors["w1"], tensors["w3"]], dim=-1).flatten(-2),
-        "gate_up_proj_bias": torch.stack([tensors["b1"], tensors["b3"]], dim=-1).flatten(-2),
-        "down_proj": tensors["w2"],
-        "down_proj_bias": tensors["b2"],
-    }
+    """One layer's experts {w1, w3, b1, b3, w2, b2}, or those of some of its fused tensors (the
+    export makes one at a time) -> gpt-oss's fused tensors (gate and up interleaved)."""
+    out = {}
+    for short, (gate, up) in (("gate_up_proj", ("w1", "w3")), ("gate_up_proj_bias", ("b1", "b3"))):
+        if gate in tensors:
+            out[short] = torch.stack([tensors[gate], tensors[up]], dim=-1).flatten(-2)
+    for short, ours in (("down_proj", "w2"), ("down_proj_bias", "b2")):
+        if ours in tensors:
+            out[short] = tensors[ours]
+    return out
 
 
 # the rope_scaling / rope_parameters keys of a YaRN we apply
