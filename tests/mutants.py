@@ -383,9 +383,14 @@ MUTATIONS = {
                               ["tests/distributed/test_strategy.py", "-k", "one_write and async"]),
     # a wait for the background write has no bound: a peer stopped during it holds the job for ever
     "background_wait_unbounded": ("lightning_titan/checkpoint/background.py",
-                                  "if not self._done.wait(self.timeout.total_seconds()):",
+                                  "if not self._done.wait(timeout_s):",
                                   "if not self._done.wait():",
                                   ["tests/unit/test_background_wait.py", "-k", "stuck_write"]),
+    # a wait after one that timed out waits the whole timeout again (the failure's teardown does)
+    "timed_out_wait_again": ("lightning_titan/checkpoint/background.py",
+                             "timeout_s = 0.0 if self._timed_out else self.timeout.total_seconds()",
+                             "timeout_s = self.timeout.total_seconds()",
+                             ["tests/unit/test_background_wait.py", "-k", "stuck_write"]),
     # the writer's gloo group made without the job's timeout: torch's 30 minutes
     "writer_group_untimed": ("lightning_titan/checkpoint/background.py",
                              'dist.new_group(backend="gloo", timeout=self.timeout)',

@@ -81,6 +81,7 @@ class BackgroundSaves:
         self._after: list[Callable[[], None]] = []  # run once the write succeeded
         self._lock = threading.Lock()  # the thread's end against ``then``
         self._writing = False
+        self._timed_out = False  # a wait for the write in flight timed out; it has not ended since
         self.seconds = 0.0  # how long the last background write took (staging excluded)
         self._buffers: dict[str, Tensor] = {}
         self._group: dist.ProcessGroup | None = None
@@ -165,14 +166,19 @@ class BackgroundSaves:
         """Block until the save in flight is complete; raise its error (every rank raises it).
         TimeoutError after ``timeout``: the writer waits for a stopped peer, or on a hung file
         system (its collectives time out too, each after ``timeout``; the first of them is raised
-        here when it comes sooner)."""
-        if not self._done.wait(self.timeout.total_seconds()):
+        here when it comes sooner). Once a wait timed out, the next ones raise at once until the
+        write ends: the failure's own handling (the strategy's teardown waits) adds no second
+        timeout."""
+        timeout_s = 0.0 if self._timed_out else self.timeout.total_seconds()
+        if not self._done.wait(timeout_s):
+            self._timed_out = True
             minutes = self.timeout.total_seconds() / 60
             raise TimeoutError(
                 f"the checkpoint write in the background timed out: not done within "
                 f"timeout_minutes={minutes:g}; a peer stopped or lost during the write, or a "
                 "file system that hangs, holds it (raise timeout_minutes for a slow file system)"
             )
+        self._timed_out = False
         error, self._error = self._error, None
         if error is not None:
             raise error

@@ -35,10 +35,28 @@ def test_a_wait_for_a_stuck_write_raises_after_the_timeout_and_the_write_still_c
     with pytest.raises(TimeoutError, match=r"timed out: not done within timeout_minutes=0\.005;"):
         saves.wait()
     assert 0.3 <= time.monotonic() - start < 5
-    assert saves.in_flight  # the write goes on: a later wait sees it complete
+    assert saves.in_flight  # the write goes on
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):  # a second wait (the failure's teardown) adds no timeout
+        saves.wait()
+    assert time.monotonic() - start < 0.2
     release.set()
-    saves.wait()
+    deadline = time.monotonic() + 10
+    while True:  # a wait once the write ended returns (its end is seen a moment after `release`)
+        try:
+            saves.wait()
+            break
+        except TimeoutError:
+            assert time.monotonic() < deadline, "the released write never ended"
+            time.sleep(0.01)
     assert wrote.is_set() and not saves.in_flight
+    release.clear()  # the next write gets the whole timeout again
+    saves.start(write, Done())
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        saves.wait()
+    assert time.monotonic() - start >= 0.3
+    release.set()
 
 
 def test_the_timeout_reaches_the_background_saves_from_the_strategy_and_is_checked():
