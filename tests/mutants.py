@@ -391,6 +391,27 @@ MUTATIONS = {
                               "            self.checkpoints.wait()",
                               "            pass",
                               ["tests/distributed/test_strategy.py", "-k", "one_write and async"]),
+    # a wait for the background write has no bound: a peer stopped during it holds the job for ever
+    "background_wait_unbounded": ("lightning_titan/checkpoint/background.py",
+                                  "if not self._done.wait(timeout_s):",
+                                  "if not self._done.wait():",
+                                  ["tests/unit/test_background_wait.py", "-k", "stuck_write"]),
+    # a wait after one that timed out waits the whole timeout again (the failure's teardown does)
+    "timed_out_wait_again": ("lightning_titan/checkpoint/background.py",
+                             "timeout_s = 0.0 if self._timed_out else self.timeout.total_seconds()",
+                             "timeout_s = self.timeout.total_seconds()",
+                             ["tests/unit/test_background_wait.py", "-k", "stuck_write"]),
+    # the writer's gloo group made without the job's timeout: torch's 30 minutes
+    "writer_group_untimed": ("lightning_titan/checkpoint/background.py",
+                             'dist.new_group(backend="gloo", timeout=self.timeout)',
+                             'dist.new_group(backend="gloo")',
+                             ["tests/unit/test_background_wait.py", "-k", "writer_group"]),
+    # a SIGTERM that a failure overtook (a rank stalled in a background write) exits with 1, not 143
+    "sigterm_failure_exits_1": ("lightning_titan/lightning/strategy.py",
+                                "code = 128 + signum if signum else 1",
+                                "code = 1",
+                                ["tests/distributed/test_reliability.py", "-k",
+                                 "stopped_during_a_background_write"]),
     # a top-k removal during a background write happens at once (a failed write leaves fewer)
     "removal_not_deferred": ("lightning_titan/checkpoint/background.py",
                              "            if self._writing:",

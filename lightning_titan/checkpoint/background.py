@@ -14,6 +14,9 @@ raise its error on every rank (the write agrees on errors as a synchronous save 
   placements (``DTensor.from_local`` would move it back to the mesh's device). The copies run on the
   training stream without blocking it; the writer waits for an event recorded after them, on its
   own device, set once (``devices.py``).
+- Every wait, and every collective of the thread's group, is bounded by ``timeout`` (the job's
+  ``timeout_minutes``): a peer stopped or dead while a write is in flight fails the job as a
+  collective of a synchronous save would, instead of holding this rank in ``wait`` for ever.
 - Removing an older checkpoint (ModelCheckpoint's top-k) waits for the save in flight and is
   dropped if that save fails: a failed save never leaves fewer checkpoints than there were.
 """
@@ -28,6 +31,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,7 @@ from lightning_titan.checkpoint.devices import DeviceHooks, Fence, hooks_for
 from lightning_titan.runtime.agreement import distributed
 
 WRITER_THREAD = "titan-checkpoint-writer"
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's own default for a gloo group
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,17 @@ class BackgroundSaves:
     """The save in flight (at most one), its host buffers, and the removals waiting for it.
 
     ``hooks``: the writer's device and fence (``devices.py``); None: CUDA hooks on the device of the
-    first saved CUDA tensor, CPU hooks if there is none. Tests inject fakes here."""
+    first saved CUDA tensor, CPU hooks if there is none. Tests inject fakes here.
+    ``timeout``: the longest ``wait`` blocks, and the writer group's collective timeout (the
+    strategy passes its ``timeout_minutes``, the bound of a synchronous save's collectives)."""
 
-    def __init__(self, hooks: DeviceHooks | None = None) -> None:
+    def __init__(
+        self, hooks: DeviceHooks | None = None, timeout: timedelta = DEFAULT_TIMEOUT
+    ) -> None:
+        if not timeout.total_seconds() > 0:
+            raise ValueError(f"timeout={timeout!r} must be > 0 (the job's timeout_minutes)")
         self._hooks = hooks
+        self.timeout = timeout
         # one writer thread for the job, started by the first save: starting a thread per save
         # blocks the caller until the new thread first runs (tens of ms on busy cores)
         self._thread: threading.Thread | None = None
@@ -69,6 +81,7 @@ class BackgroundSaves:
         self._after: list[Callable[[], None]] = []  # run once the write succeeded
         self._lock = threading.Lock()  # the thread's end against ``then``
         self._writing = False
+        self._timed_out = False  # a wait for the write in flight timed out; it has not ended since
         self.seconds = 0.0  # how long the last background write took (staging excluded)
         self._buffers: dict[str, Tensor] = {}
         self._group: dist.ProcessGroup | None = None
@@ -76,7 +89,8 @@ class BackgroundSaves:
     def group(self) -> dist.ProcessGroup | None:
         """The writer's process group; collective the first time (every rank saves together)."""
         if self._group is None and distributed():
-            self._group = dist.new_group(backend="gloo")
+            # its own timeout: a group made without one waits torch's 30 minutes, whatever the job's
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
         return self._group
 
     def stage(self, state: dict[str, Any]) -> Staged:
@@ -149,8 +163,22 @@ class BackgroundSaves:
         return self._writing
 
     def wait(self) -> None:
-        """Block until the save in flight is complete; raise its error (every rank raises it)."""
-        self._done.wait()
+        """Block until the save in flight is complete; raise its error (every rank raises it).
+        TimeoutError after ``timeout``: the writer waits for a stopped peer, or on a hung file
+        system (its collectives time out too, each after ``timeout``; the first of them is raised
+        here when it comes sooner). Once a wait timed out, the next ones raise at once until the
+        write ends: the failure's own handling (the strategy's teardown waits) adds no second
+        timeout."""
+        timeout_s = 0.0 if self._timed_out else self.timeout.total_seconds()
+        if not self._done.wait(timeout_s):
+            self._timed_out = True
+            minutes = self.timeout.total_seconds() / 60
+            raise TimeoutError(
+                f"the checkpoint write in the background timed out: not done within "
+                f"timeout_minutes={minutes:g}; a peer stopped or lost during the write, or a "
+                "file system that hangs, holds it (raise timeout_minutes for a slow file system)"
+            )
+        self._timed_out = False
         error, self._error = self._error, None
         if error is not None:
             raise error

@@ -3,6 +3,7 @@ nothing is gathered, and a checkpoint saved under one layout loads under any oth
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_titan.checkpoint import files, lock
-from lightning_titan.checkpoint.background import BackgroundSaves
+from lightning_titan.checkpoint.background import DEFAULT_TIMEOUT, BackgroundSaves
 from lightning_titan.checkpoint.sharded import (
     link_sharded,
     load_sharded,
@@ -31,15 +32,22 @@ class ShardedCheckpoints:
     ``async_save``: saves while training runs return once the state is in host memory and are
     written in the background (``checkpoint/background.py``); any other save (the one of a stopping
     job, ``trainer.save_checkpoint`` after fit) first waits for that and is written at once.
+    ``timeout``: how long a wait for the background write may take, and its collectives (the
+    job's ``timeout_minutes``, which bounds a synchronous save's collectives).
 
     One write per checkpoint event: ModelCheckpoint with ``save_top_k`` and ``save_last`` saves twice
     at one step, the top-k checkpoint then ``last``; ``last`` is then the top-k one's shard files
     under a second name (hard links, ``link_sharded``) with its own ``meta.pt``, made after that
     write without waiting for it."""
 
-    def __init__(self, allow_config_change: tuple[str, ...] = (), async_save: bool = False) -> None:
+    def __init__(
+        self,
+        allow_config_change: tuple[str, ...] = (),
+        async_save: bool = False,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
         self.allow_config_change = allow_config_change
-        self.background = BackgroundSaves() if async_save else None
+        self.background = BackgroundSaves(timeout=timeout) if async_save else None
         # (path, global step) of the last checkpoint written in full in training: what a `last` of
         # the same step links to
         self._written: tuple[str, int] | None = None

@@ -23,8 +23,10 @@ def report_failure(
     trainer: Any,
     peers: list[tuple[str, int]] | None,
     grace_s: float,
+    code: int = 1,
 ) -> None:
-    """Print which rank failed and why (naming dead peers); a rank in a started job then leaves.
+    """Print which rank failed and why (naming dead peers); a rank in a started job then leaves,
+    with ``code`` (``supervisor.leave_after_failure``).
     ``env``: the cluster environment (None, or no process group yet: the launcher failed)."""
     started = distributed() or (env is not None and env.creates_processes_externally)
     if started:
@@ -42,7 +44,7 @@ def report_failure(
     if distributed():
         # a dead or stopped peer's fault: the report names it, and this rank's traceback (gloo's
         # "Timed out waiting ...ms", a closed connection) would bury that line
-        supervisor.leave_after_failure(grace_s, traceback=not blamed)
+        supervisor.leave_after_failure(grace_s, traceback=not blamed, code=code)
 
 
 def unreduced_step_error() -> RuntimeError:

@@ -5,6 +5,7 @@ TitanStrategy (``strategy.py``) builds the layout, the step and the checkpoints 
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,6 +19,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_titan.checkpoint.background import DEFAULT_TIMEOUT
 from lightning_titan.lightning import supervisor
 from lightning_titan.lightning.checkpoint_hooks import ShardedCheckpoints
 from lightning_titan.parallel.dp.zero import NO_SHARDS, ZeroShards
@@ -30,17 +32,24 @@ class ShardedStrategy(ParallelStrategy):
 
     ``allow_config_change``: model-config fields a resume may change (others must match the saved).
     ``async_save``: write the checkpoints saved during training in the background.
+    ``save_timeout``: the bound of a wait for that write and of its collectives (the subclass's
+    collective timeout).
 
     ``zero_shards``: the ZeRO shards this rank's optimizers step in place of whole parameters, which
     the checkpoints key by the parameters' global names. Empty until a subclass shards its optimizers
     and sets it; it stays with them (a save after ``fit`` still needs it)."""
 
     def __init__(
-        self, allow_config_change: list[str] | None = None, async_save: bool = False, **kwargs: Any
+        self,
+        allow_config_change: list[str] | None = None,
+        async_save: bool = False,
+        save_timeout: timedelta = DEFAULT_TIMEOUT,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._num_nodes = 1
-        self.checkpoints = ShardedCheckpoints(tuple(allow_config_change or ()), async_save)
+        allowed = tuple(allow_config_change or ())
+        self.checkpoints = ShardedCheckpoints(allowed, async_save, save_timeout)
         self.zero_shards: ZeroShards = NO_SHARDS
 
     def checkpoint_layout(self) -> dict[str, Any]:

@@ -53,7 +53,8 @@ class TitanStrategy(ShardedStrategy):
         reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
         zero: 1 splits each parameter's optimizer state over its data-parallel group (ZeRO-1), 2 also its grads.
         gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
-        timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds).
+        timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds);
+            also bounds a wait for an ``async_save`` write and that write's collectives.
         on_nonfinite: a NaN/inf loss or gradient norm ``"raise"`` s FloatingPointError on every rank
             (naming the step and the stages), or ``"skip"`` s that step's update (a warning says so).
         start_method: ``"popen"`` re-runs the script per rank; ``"fork"`` for notebooks.
@@ -94,8 +95,7 @@ class TitanStrategy(ShardedStrategy):
         layout: Literal["auto"] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(allow_config_change, async_save, **kwargs)
-        self.options = TrainOptions(
+        options = TrainOptions(
             schedule=schedule,
             num_microbatches=num_microbatches,
             microbatch_size=microbatch_size,
@@ -109,7 +109,11 @@ class TitanStrategy(ShardedStrategy):
             zero=zero,
             virtual_stages=TrainOptions.chunks_for(schedule, virtual_stages),
             stage_layers=stage_layers,
-        )
+        )  # checked first: a bad timeout_minutes is named before it becomes a timedelta
+        # a background save's waits and collectives are bounded as a synchronous save's are
+        save_timeout = timedelta(minutes=options.timeout_minutes)
+        super().__init__(allow_config_change, async_save, save_timeout, **kwargs)
+        self.options = options
         self.layout = Layout(dict(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp), layout, self.options)
         self._process_group_backend = process_group_backend
         self.preemption = preemption.Preemption()
@@ -318,7 +322,13 @@ class TitanStrategy(ShardedStrategy):
             return
         self._setup_phase.fail(exception)
         env, peers = self.cluster_environment, self._peers
-        report_failure(exception, self.layout, env, trainer=trainer, peers=peers, grace_s=grace_s)
+        # a stop asked for (SIGTERM) that a failure overtook, e.g. a peer stalled in a background
+        # save: the exit code still says "terminated", and a restarting launcher does not restart
+        signum = self.preemption.requested()
+        code = 128 + signum if signum else 1
+        report_failure(
+            exception, self.layout, env, trainer=trainer, peers=peers, grace_s=grace_s, code=code
+        )
 
     def checkpoint_layout(self) -> dict[str, Any]:
         o = self.options

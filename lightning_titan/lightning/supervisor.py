@@ -125,10 +125,12 @@ def is_worker() -> bool:
     )
 
 
-def leave_after_failure(grace_s: float, *, traceback: bool = True) -> None:
-    """Once the uncaught exception's traceback is printed, leave with code 1 (``leave``: atexit
+def leave_after_failure(grace_s: float, *, traceback: bool = True, code: int = 1) -> None:
+    """Once the uncaught exception's traceback is printed, leave with ``code`` (``leave``: atexit
     handlers run, bounded by ``grace_s``); if Lightning's own failure handling (``on_exception``
     hooks, loggers' finalize, teardown) does not finish within ``grace_s``, leave then.
+    ``code``: 1, or 143 (130) where this process was asked to stop by SIGTERM (SIGINT) and failed
+    before the ranks could agree on it: the scheduler that sent it sees the stop it asked for.
 
     ``traceback=False``: a dead or stopped peer caused the failure, which the report names; this
     rank's traceback (a gloo timeout, a closed connection) only echoes it, so it is not printed.
@@ -142,7 +144,10 @@ def leave_after_failure(grace_s: float, *, traceback: bool = True) -> None:
     call = _lightning_call_frame()
     if call is not None:
         threading.Thread(
-            target=_leave_unless_done, args=(call, grace_s), daemon=True, name="titan-failure-watch"
+            target=_leave_unless_done,
+            args=(call, grace_s, code),
+            daemon=True,
+            name="titan-failure-watch",
         ).start()
     elif is_worker():
         signal.alarm(max(1, round(grace_s)))  # no Lightning call to watch: a bounded exit anyway
@@ -153,7 +158,7 @@ def leave_after_failure(grace_s: float, *, traceback: bool = True) -> None:
     def excepthook(*exc_info: Any) -> None:
         if not _echo.is_set():
             previous(*exc_info)
-        leave(1, grace_s)
+        leave(code, grace_s)
 
     excepthook._titan = True  # type: ignore[attr-defined]
     sys.excepthook = excepthook
@@ -177,7 +182,7 @@ def _on_main_stack(frame: Any) -> bool:
     return False
 
 
-def _leave_unless_done(call: Any, grace_s: float) -> None:
+def _leave_unless_done(call: Any, grace_s: float, code: int) -> None:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if not _on_main_stack(call):
@@ -187,7 +192,7 @@ def _leave_unless_done(call: Any, grace_s: float) -> None:
     say(f"[titan] failure handling did not finish within {grace_s:g} s: leaving")
     trainer = call.f_locals.get("trainer")
     del call
-    leave(1, grace_s, list(getattr(trainer, "loggers", None) or []))
+    leave(code, grace_s, list(getattr(trainer, "loggers", None) or []))
 
 
 def kill_ranks() -> None:

@@ -10,6 +10,8 @@ injection point of that phase in that step. Actions:
 - ``exit``: leave at once with exit code :data:`EXIT_CODE`, no cleanup (as a C++ abort would);
 - ``kill``: SIGKILL this process (as the OOM killer would);
 - ``term``: SIGTERM to this process (as a scheduler preempting the job would);
+- ``stop``: SIGSTOP to this process, every thread of it (a stalled rank: alive, its sockets open,
+  so its peers wait for it until the collective timeout);
 - ``note``: the line below, then this rank waits (at most :data:`NOTE_HOLD_S`) for a SIGUSR1: a test
   reads the line, sends a signal of its own, then SIGUSR1 to the pid the line names, so that a loaded
   machine cannot run the job past the step before the test's signal lands;
@@ -42,7 +44,7 @@ from lightning_titan.runtime.launch import restart_count
 
 ENV = "TITAN_FAULT"
 PHASES = ("forward", "backward", "p2p", "all_to_all", "all_reduce", "checkpoint_save")
-ACTIONS = ("raise", "exit", "kill", "term", "note", "nan", "inf")
+ACTIONS = ("raise", "exit", "kill", "term", "stop", "note", "nan", "inf")
 TENSOR_PHASES = ("forward", "backward", "all_to_all")  # where nan/inf has a tensor to poison
 EXIT_CODE = 13
 NOTE_HOLD_S = 60.0
@@ -141,9 +143,10 @@ def _fire(phase: str, tensor: Tensor | None) -> Tensor | None:
     if fault.action == "exit":
         sys.stdout.flush()
         os._exit(EXIT_CODE)
-    if fault.action in ("kill", "term"):
-        os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGTERM)
-    if fault.action in ("term", "note"):
+    signals = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
+    if fault.action in signals:
+        os.kill(os.getpid(), signals[fault.action])
+    if fault.action in ("term", "stop", "note"):  # a stopped rank that is resumed (SIGCONT) goes on
         return tensor
     assert tensor is not None  # parse() takes nan/inf only for TENSOR_PHASES, whose points pass one
     value = float("nan") if fault.action == "nan" else float("inf")

@@ -174,6 +174,7 @@ def write_config(
     on_nonfinite: str = "raise",
     start_method: str = "popen",
     async_save: bool = True,
+    timeout_minutes: float = TIMEOUT_MINUTES,
 ) -> Path:
     """configs/pp_ep.yaml's model, data and seed on 2 ranks, STEPS steps, a checkpoint every `every`
     steps into work/name/ckpt, logs in work/name/logs; no validation (it would add collectives).
@@ -186,7 +187,7 @@ def write_config(
         enable_model_summary=False,
     )  # fmt: skip
     trainer["strategy"]["init_args"].update(
-        {"dp": 1, **layout}, timeout_minutes=TIMEOUT_MINUTES, on_nonfinite=on_nonfinite,
+        {"dp": 1, **layout}, timeout_minutes=timeout_minutes, on_nonfinite=on_nonfinite,
         start_method=start_method, async_save=async_save,
     )  # fmt: skip
     trainer["logger"]["init_args"].update(save_dir=str(work / name / "logs"), name=name)
@@ -1002,6 +1003,51 @@ def test_sigterm_to_the_launcher_during_titan_validate_stops_every_rank_with_143
     down = start + job.seconds - sent[0]
     assert down < DOWN_WITHIN_S, f"{down:.1f} s from SIGTERM to every rank gone"
     assert job.seconds - job.launcher_s < 10
+
+
+STALL_MINUTES = 0.25  # the collective timeout of the stalled-save test: 15 s
+STALL_GRACE_S = 20.0  # then to every rank gone: the report, leaving, the stopped rank killed
+
+
+def _signal_on_fault(signum: int | None) -> Callable[[subprocess.Popen, str], None]:
+    """An ``on_stderr``: ``signum`` to the launcher once TITAN_FAULT fired (None: nothing)."""
+    sent: list[float] = []
+
+    def on_line(launcher: subprocess.Popen, line: str) -> None:
+        if signum is not None and "TITAN_FAULT fired" in line and not sent:
+            sent.append(time.monotonic())
+            os.kill(launcher.pid, signum)
+
+    return on_line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_stopped_during_a_background_write_is_named_within_the_timeout(work):
+    """Rank 1 stops (SIGSTOP) inside the last step's background write (its shards written, the
+    ranks' checksum agreement to come), so rank 0's writer waits in a collective of its own group
+    and its main thread, at the end of fit, for that write. Within the collective timeout
+    (timeout_minutes, as a synchronous save's collectives) the job fails naming the stopped rank,
+    which the launcher kills. Again with a SIGTERM to the launcher once the rank is stopped: the
+    stop it asks for cannot be agreed on; the job still ends within the timeout, with 143."""
+    root, cache = work
+    bound_s = STALL_MINUTES * 60
+    fault = f"rank=1,step={STEPS - 1},phase=checkpoint_save,action=stop"
+    stopped = r"rank 1 \(pid (\d+)\) is stopped \(SIGSTOP\) and stalled the job"
+    for run, signum in (("stall_save", None), ("stall_save_term", signal.SIGTERM)):
+        config = write_config(root, run, EP2, timeout_minutes=STALL_MINUTES)
+        job = titan_fit(config, root, cache, fault=fault, on_stderr=_signal_on_fault(signum),
+                        timeout=120)  # fmt: skip
+        assert job.fault_at is not None, job.stderr[-3000:]
+        down = job.seconds - job.fault_at
+        print(f"{run}: {down:.1f} s from the stop to every rank gone, rc {job.returncode}")
+        assert down < bound_s + STALL_GRACE_S, f"{run}: {down:.1f} s to every rank gone"
+        assert job.returncode == (1 if signum is None else 143), job.stderr[-3000:]
+        named = re.search(rf"\[titan\] rank 0/2 .*failed: {stopped}", job.stderr)
+        assert named, job.stderr[-3000:]
+        assert f"rank 1 (pid {named.group(1)}) is stopped (SIGSTOP): killing it" in job.stderr
+        if signum is not None:
+            assert "got SIGTERM: stopping after this step, saving last" in job.stderr
 
 
 def _dead_rank_job(tmp_path: Path, mode: str, **kwargs) -> Job:
