@@ -356,6 +356,16 @@ MUTATIONS = {
                                 "        token = next_token(logits[0, -1].float().cpu(), temperature, top_p, generator)\n",
                                 "        token = next_token(logits[0, 0].float().cpu(), temperature, top_p, generator)\n",
                                 ["tests/unit/test_generate.py"]),
+    # a config.json nested past the parser: Python's RecursionError, not the file named
+    "hf_json_depth_raw": ("lightning_titan/hf/folder.py",
+                          "    except RecursionError:  # json's decoder recurses once per nesting level\n",
+                          "    except MemoryError:  # json's decoder recurses once per nesting level\n",
+                          ["tests/unit/test_hf_refused.py", "-k", "nested"]),
+    # a weight_map entry that is not a file name: a TypeError from path arithmetic
+    "hf_weight_map_untyped": ("lightning_titan/hf/load.py",
+                              "            if not isinstance(file, str):\n",
+                              "            if False:\n",
+                              ["tests/unit/test_hf_refused.py", "-k", "weight_map"]),
     # issue 21.2: the strategy does not clip
     "clip_none": ("lightning_titan/train/step.py",
                   "engine.finish_gradients(self.max_norm)",

@@ -48,6 +48,11 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ValueError(
             f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); {REDOWNLOAD}"
         ) from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise ValueError(
+            f"{path} nests its JSON deeper than Python's parser goes (a config.json or index is a "
+            f"few levels deep): it is damaged or not a model's file; {REDOWNLOAD}"
+        ) from None
     if not isinstance(value, dict):
         raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object; {REDOWNLOAD}")
     return value

@@ -13,6 +13,7 @@ The training fields (seq_len, aux_loss_coef, z_loss_coef, init_std, activation_c
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, NoReturn
@@ -137,6 +138,11 @@ def tensor_files(folder: str | Path) -> dict[str, Path]:
                 f"{hf_folder.REDOWNLOAD}"
             )
         for name, file in weight_map.items():
+            if not isinstance(file, str):
+                raise ValueError(
+                    f"{folder / INDEX_FILE}: weight_map[{name!r}] = {file!r} is not a file name; "
+                    f"its entries map tensor names to safetensors files; {hf_folder.REDOWNLOAD}"
+                )
             escaped = hf_folder.outside(folder, file)
             if escaped is not None:
                 raise ValueError(
@@ -211,8 +217,31 @@ def check_tensors(model: StageModel, folder: str | Path) -> dict[Path, list[str]
     return by_file
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # per-expert tensors (fused families have none)
+
+
+def check_counts(folder: str | Path, config: ModelConfig) -> None:
+    """The config's layers and experts against the tensors the files name (the index or the header):
+    a config.json that does not match its weights (``num_hidden_layers: 10000000``) is named before
+    a model of its size, or a name for each of its tensors, is built."""
+    names = tensor_files(folder)
+    for what, key, pattern, wanted in (
+        ("layers", "num_hidden_layers", _LAYER, config.n_layers),
+        ("experts", "the expert count", _EXPERT, config.n_experts),
+    ):
+        held = {int(m.group(1)) for n in names if (m := pattern.search(n))}
+        if held and wanted != max(held) + 1:
+            raise ValueError(
+                f"{folder}/config.json gives {wanted} {what} ({key}), but its weight files hold "
+                f"{max(held) + 1} (numbered 0..{max(held)}): the config does not belong to these "
+                f"weights; {hf_folder.REDOWNLOAD}"
+            )
+
+
 def check_folder(folder: str | Path, config: ModelConfig) -> None:
     """Every tensor of the whole model present with its shape; no tensor data is read."""
+    check_counts(folder, config)
     with torch.device("meta"):
         check_tensors(StageModel(config), folder)
 

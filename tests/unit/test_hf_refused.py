@@ -101,3 +101,47 @@ def test_a_non_finite_weight_is_refused_by_name(deepseek_folder, tmp_path, name,
     with pytest.raises(ValueError, match=rf"model.safetensors: {match}: the checkpoint is damaged"):
         hf_load.load_stage(model, tmp_path)
     hf_load.load_stage(model, deepseek_folder)  # the intact folder loads
+
+
+def test_json_nested_past_the_parser_is_named(tmp_path):
+    from lightning_titan.hf.folder import read_json
+
+    path = tmp_path / "config.json"
+    path.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match=r"config.json nests its JSON deeper than"):
+        read_json(path)
+
+
+@pytest.mark.parametrize("entry", [123, None, ["model.safetensors"]])
+def test_a_weight_map_entry_that_is_not_a_file_name_is_named(tmp_path, entry):
+    import json
+
+    from lightning_titan.hf.load import INDEX_FILE, tensor_files
+
+    index = {"weight_map": {"lm_head.weight": entry}}
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"weight_map\['lm_head.weight'\] = .* is not a file name"):
+        tensor_files(tmp_path)
+
+
+@pytest.mark.timeout(120)  # unchecked, the ten million layers' names took minutes
+@pytest.mark.parametrize(
+    "family, edits, match",
+    [
+        ("qwen3_moe", {"num_hidden_layers": 10_000_000}, r"gives 10000000 layers .* hold 4"),
+        ("qwen3_moe", {"num_experts": 1_000_000_000}, r"gives 1000000000 experts .* hold 4"),
+        ("deepseek_v3", {"n_routed_experts": 1_000_000_000}, r"gives 1000000000 experts"),
+    ],
+)
+def test_a_config_larger_than_its_weights_is_named_before_a_model_is_built(
+    tmp_path, family, edits, match
+):
+    """A config.json edited to a huge model next to the tiny model's weights: named in a blink, not
+    after minutes of building names for ten million layers (or a MemoryError)."""
+    folder = tmp_path / "hf"
+    build(family, folder)
+    config = {**json.loads((folder / "config.json").read_text()), **edits}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        model_config = hf_load.config_from_folder(folder, TRAINING)
+        hf_load.check_folder(folder, model_config)
