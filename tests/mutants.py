@@ -366,6 +366,11 @@ MUTATIONS = {
                               "            if not isinstance(file, str):\n",
                               "            if False:\n",
                               ["tests/unit/test_hf_refused.py", "-k", "weight_map"]),
+    # YaRN's ramp ends rounded when truncate is false (and not when true)
+    "yarn_truncate_inverted": ("lightning_titan/model/yarn.py",
+                               "    if yarn.get(\"truncate\", True):\n",
+                               "    if not yarn.get(\"truncate\", True):\n",
+                               ["tests/unit/test_yarn_truncate.py"]),
     # issue 21.2: the strategy does not clip
     "clip_none": ("lightning_titan/train/step.py",
                   "engine.finish_gradients(self.max_norm)",
