@@ -36,6 +36,7 @@ from lightning_titan.lightning.restarts import RestartingLauncher
 from lightning_titan.lightning.strategy import TitanStrategy
 from lightning_titan.lightning.summary import FitCounts, fit_summary, skipped_warning
 from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.train.options import check_overlap_threads
 
 __all__ = [
     "FitCounts",
@@ -131,8 +132,12 @@ class TitanCLI(LightningCLI):
         trainer = config.trainer
         strategy, model = check_strategy(trainer), check_model_config(config.get("model"))
         if strategy is not None:
+            module = config.get("model")
+            compiled = bool(module.get("compile")) if isinstance(module, Namespace) else False
+            recompute = bool(model and model.activation_checkpointing)
             try:
                 arguments.check_layout_fits(strategy, model, trainer)
+                check_overlap_threads(strategy.options, recompute=recompute, compiled=compiled)
             except ValueError as err:
                 raise UsageError(str(err)) from None
 
@@ -313,7 +318,10 @@ def main(args: list[str] | None = None) -> None:
     except UsageError as err:
         if args is not None:  # a Python caller gets the exception
             raise
-        print(f"titan: error: {err}", file=sys.stderr, flush=True)
+        # under torchrun every rank parses and prints: say which one
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        where = f"rank {rank}/{world}: " if rank is not None and world not in (None, "1") else ""
+        print(f"titan: error: {where}{err}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -236,6 +236,13 @@ def check_overlap(
             f"schedule={options.schedule!r} overlaps the expert-parallel all-to-alls, and ep=1 has "
             "none; use schedule='1f1b' (or 'zbv' with pp > 1), or ep > 1"
         )
+    check_overlap_threads(options, recompute=recompute, compiled=compiled)
+
+
+def check_overlap_threads(options: TrainOptions, *, recompute: bool, compiled: bool) -> None:
+    """The half of ``check_overlap`` that needs no layout (the CLI runs it while it parses)."""
+    if options.schedule not in OVERLAPPED:
+        return
     for field, on in (("activation_checkpointing", recompute), ("compile", compiled)):
         if on:
             raise ValueError(

@@ -257,6 +257,33 @@ def test_a_bad_model_argument_is_the_last_line_not_a_cli_dump(tmp_path, monkeypa
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    "field", ["--model.compile=true", "--model.model.activation_checkpointing=true"]
+)
+def test_an_overlapped_schedule_with_compile_or_recompute_is_named_while_parsing(
+    tmp_path, monkeypatch, field
+):
+    """dualpipev runs two microbatches' halves on two threads, which compile and recompute are not
+    built for: named while the command line is parsed (it was the launcher's ValueError and a
+    traceback), before any rank or data."""
+    from lightning_titan.cli import UsageError, main
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[2] / "configs" / "pp_ep.yaml"
+    # a UsageError: raised by the parser's checks (the launcher's would be a plain ValueError)
+    with pytest.raises(UsageError, match=r"schedule='dualpipev' does not run with .*=true"):
+        main(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--trainer.strategy.init_args.schedule=dualpipev",
+                field,
+            ]
+        )
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("rank", [0, 2])
 def test_torchrun_with_more_processes_than_devices_names_world_size(monkeypatch, rank):
     """torchrun --nproc_per_node=3 with Trainer devices=2: every rank (not only the one outside the

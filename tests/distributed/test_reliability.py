@@ -235,10 +235,12 @@ def tree_digest(path: Path) -> dict[str, str]:
 
 
 def failure_lines(job: Job) -> dict[int, str]:
-    """rank -> the `[titan] rank r/W ... failed: ...` line it printed."""
+    """rank -> the `[titan] rank r/W ... failed: ...` line it printed, or the CLI's one line
+    (`titan: error: rank r/W: ...`) for a mistake it names before any rank starts training."""
     lines = {}
-    for m in re.finditer(r"\[titan\] rank (\d+)/\d+ .*failed: .*", job.stderr):
-        lines.setdefault(int(m.group(1)), m.group(0))
+    pattern = r"\[titan\] rank (\d+)/\d+ .*failed: .*|titan: error: rank (\d+)/\d+: .*"
+    for m in re.finditer(pattern, job.stderr):
+        lines.setdefault(int(m.group(1) or m.group(2)), m.group(0))
     return lines
 
 
@@ -514,7 +516,7 @@ def test_torchrun_with_more_processes_than_devices_fails_on_every_rank(work):
     ]  # fmt: skip
     job = launch(cmd, root, cache, config)
     assert job.returncode != 0
-    message = "ValueError: WORLD_SIZE from torchrun is 3 but the Trainer has devices x num_nodes = 2 x 1 = 2"
+    message = "WORLD_SIZE from torchrun is 3 but the Trainer has devices x num_nodes = 2 x 1 = 2"
     # torchrun stops the other ranks when the first one fails: how many got to print it is a race
     # (test_errors checks that rank 0 raises the same as rank 2)
     assert message in job.stderr and "is outside the world" not in job.stderr, job.stderr[-3000:]
