@@ -14,17 +14,24 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 # in older releases). Every accelerator line goes, the GPU one too: the config names the accelerator,
 # the end summary says where the memory peaked (CUDA or host), and Lightning still warns when a GPU
 # sits unused.
+# Also the process-group lines: "Initializing distributed: GLOBAL_RANK: r, MEMBER: r+1/W" from every
+# rank and the "distributed_backend=... All distributed processes registered" banner from rank 0 (the
+# layout line and the end summary say the world, and a rank that fails is named by its own line).
 LIGHTNING_CHATTER = (
     "💡 Tip:",
     "GPU available:",
     "TPU available:",
     "HPU available:",
     "IPU available:",
+    "Initializing distributed:",
+    "-" * 100 + "\ndistributed_backend=",
 )
-# the loggers rank_zero_info writes to (Lightning points the shared helper at the last one imported)
+# the loggers these lines go to (rank_zero_info: Lightning points the shared helper at the last one
+# imported; fabric's distributed utilities log the per-rank line themselves)
 RANK_ZERO_LOGGERS = (
     "lightning.pytorch.utilities.rank_zero",
     "lightning.fabric.utilities.rank_zero",
+    "lightning.fabric.utilities.distributed",
 )
 
 

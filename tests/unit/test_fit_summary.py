@@ -130,8 +130,12 @@ def test_lightning_tips_and_accelerator_lines_are_dropped_and_the_rest_kept(chat
     with caplog.at_level(logging.INFO):
         for line in ("💡 Tip: try litlogger", "GPU available: False, used: False",
                      "TPU available: False, using: 0 TPU cores", "HPU available: False, using: 0 HPUs",
+                     "-" * 100 + "\ndistributed_backend=gloo\nAll distributed processes registered.",
                      "Seed set to 1234", "`Trainer.fit` stopped: `max_steps=2` reached."):  # fmt: skip
             rank_zero_info(line)
+        logging.getLogger("lightning.fabric.utilities.distributed").info(
+            "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/8"
+        )
     assert [r.getMessage() for r in caplog.records] == [
         "Seed set to 1234",
         "`Trainer.fit` stopped: `max_steps=2` reached.",
