@@ -652,7 +652,7 @@ MUTATIONS = {
                                 ["tests/distributed/test_equivalence.py", "-k", "8]"]),
     # gpt-oss under TP: the o-projection's bias added by every TP rank before the reduction
     "oss_o_bias_per_tp_rank": ("lightning_titan/model/attention.py",
-                               "out = F.linear(heads_out, self.wo.weight)\n        out = scatter_sequence(out, self.tp_group)\n        return out if self.wo.bias is None else out + self.wo.bias",
+                               "out = adapters.without_bias(self.wo, heads_out)\n        out = scatter_sequence(out, self.tp_group)\n        return out if self.wo.bias is None else out + self.wo.bias",
                                "out = F.linear(heads_out, self.wo.weight, self.wo.bias)\n        return scatter_sequence(out, self.tp_group)",
                                ["tests/distributed/test_hf_archs.py", "-k", "eight_ranks"]),
     # gpt-oss: MXFP4's high nibble read as the even value
@@ -1185,6 +1185,41 @@ MUTATIONS = {
                                      "before = _apply(tokenizer, turns[:i], generation_prompt=True)",
                                      "before = _apply(tokenizer, turns[:i], generation_prompt=False)",
                                      ["tests/unit/test_chat_data.py", "-k", "own_chat_template"]),
+    # LoRA: a column-parallel projection's adapter cuts A (not B) under TP
+    "lora_cut_swapped": ("lightning_titan/model/lora.py",
+                         "factor = module.lora_B if shard.dim == 0 else module.lora_A",
+                         "factor = module.lora_A if shard.dim == 0 else module.lora_B",
+                         ["tests/distributed/test_lora_layouts.py"]),
+    # LoRA: the adapters' factors not declared as TP-cut (reduced and checkpointed as whole)
+    "lora_cuts_undeclared": ("lightning_titan/model/attention.py",
+                             "        self.tp_cuts.update(adapters.factor_cuts(self.tp_cuts))  # the adapters' factors alike\n",
+                             "",
+                             ["tests/distributed/test_lora_layouts.py"]),
+    # LoRA: the base left trainable
+    "lora_base_trains": ("lightning_titan/model/decoder.py",
+                         "            adapters.freeze_base(self)\n",
+                         "            pass\n",
+                         ["tests/distributed/test_lora_layouts.py"]),
+    # LoRA: the experts' adapters unscaled on the grouped path
+    "lora_experts_unscaled": ("lightning_titan/model/moe/experts.py",
+                              "                out = out + torch._grouped_mm(low, b, offs=offsets) * self.lora_scale",
+                              "                out = out + torch._grouped_mm(low, b, offs=offsets)",
+                              ["tests/unit/test_lora.py", "-k", "peft"]),
+    # LoRA: the experts' adapters unscaled on the loop
+    "lora_loop_unscaled": ("lightning_titan/model/moe/experts.py",
+                           "            return (self.lora_dropout(rows) @ a[e]) @ b[e] * self.lora_scale",
+                           "            return (self.lora_dropout(rows) @ a[e]) @ b[e]",
+                           ["tests/unit/test_lora.py", "-k", "peft"]),
+    # PEFT export: a gate_up adapter's B not block-diagonal (up's rank reaches gate's rows)
+    "peft_gate_up_dense": ("lightning_titan/hf/adapter.py",
+                           "    b[:, :rank, :ffn], b[:, rank:, ffn:] = b1, b3",
+                           "    b[:, :rank, :ffn], b[:, rank:, :ffn] = b1, b3",
+                           ["tests/unit/test_lora.py", "-k", "peft"]),
+    # LoRA: A drawn without the layout-free seed (each rank its own RNG)
+    "lora_init_global_rng": ("lightning_titan/model/lora.py",
+                             "    return (torch.rand(shape, generator=generator, device=\"cpu\") * 2 - 1) * bound",
+                             "    return (torch.rand(shape, device=\"cpu\") * 2 - 1) * bound",
+                             ["tests/distributed/test_lora_layouts.py"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

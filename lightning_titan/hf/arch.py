@@ -13,6 +13,7 @@ from typing import Any
 from lightning_titan.hf.families import FAMILIES
 from lightning_titan.hf.family import DEFAULTS, OPTION_ORDER, TOP_NAMES, Family
 from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.model.lora import is_adapter
 
 # the family of a config that sets no family's marker (Mixtral)
 PLAIN = next(family for family in FAMILIES.values() if family.marker is None)
@@ -94,8 +95,9 @@ def hf_names(name: str, expert_range: tuple[int, int], family: Family) -> list[s
 
 def hf_tensors(model: Any) -> list[tuple[str, Any]]:
     """(our name, tensor) of every tensor of ``model`` a Hugging Face folder of its family holds: the
-    parameters, and the expert biases where the family keeps them (DeepSeek-V3)."""
-    out = list(model.named_parameters())
+    parameters (not the LoRA adapters: ``hf/adapter.py``), and the expert biases where the family
+    keeps them (DeepSeek-V3)."""
+    out = [(n, p) for n, p in model.named_parameters() if not is_adapter(n)]
     if architecture_of(model.config).keeps_expert_bias:
         out += [(n, b) for n, b in model.named_buffers() if n.endswith("moe.expert_bias")]
     return out

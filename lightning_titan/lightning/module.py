@@ -18,6 +18,7 @@ from lightning_titan.hf import load as hf_load
 from lightning_titan.lightning.strategy import TitanStrategy
 from lightning_titan.model import compiled, flops
 from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD
 from lightning_titan.parallel.pipeline.split import StageSplit
@@ -56,6 +57,10 @@ class TitanLM(L.LightningModule):
             GEMMs stay eager). The first step compiles (rank 0 prints how long); later steps reuse
             the graphs. Losses agree with eager within float rounding, not bit for bit
             (docs/concepts.md); under zb_h1 and zbv the attention and the head stay eager.
+        lora: train LoRA adapters on the projections it targets and freeze the rest
+            (``model/lora.py``), e.g. ``--model.lora.rank=16 --model.lora.targets='[attention,
+            experts]'``: only the adapters get grads, reducers and optimizer state; the adapters
+            start at PEFT's init on the base (``seed``, or ``init_from``'s weights).
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class TitanLM(L.LightningModule):
         peak_flops: float | None = None,
         optimizer: OptimizerCallable | None = None,
         compile: bool = False,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
         if not learning_rate > 0:
@@ -98,8 +104,10 @@ class TitanLM(L.LightningModule):
             self.config = hf_load.config_from_folder(init_from, self.config)
             hf_load.check_folder(init_from, self.config)
         self.make_optimizer = optimizer  # a callable: not a hyper-parameter a checkpoint can hold
-        self.save_hyperparameters(ignore=["model", "optimizer"])
+        self.lora = lora
+        self.save_hyperparameters(ignore=["model", "optimizer", "lora"])
         self.hparams["model"] = vars(self.config)
+        self.hparams["lora"] = None if lora is None else vars(lora)
         self.automatic_optimization = False
         self.model: StageModel | None = None
         self.val_loss = MeanMetric(sync_on_compute=False)  # values are global already
@@ -145,10 +153,12 @@ class TitanLM(L.LightningModule):
             cp_group=groups.cp,
             sequence_group=groups.sequence,
             split=self.strategy.options.split,
+            lora=self.lora,
         )
         # a resumed checkpoint is loaded after this (restore_checkpoint_after_setup) and replaces both
         if self.hparams["init_from"] is not None:
             hf_load.load_stage(self.model, self.hparams["init_from"])
+            self.model.init_adapters(self.hparams["seed"])
         else:
             self.model.init_weights(self.hparams["seed"])
         if self.hparams.get("compile"):  # older checkpoints' hparams lack it
@@ -165,8 +175,9 @@ class TitanLM(L.LightningModule):
         return self.model
 
     def configure_optimizers(self) -> Any:
-        decay = [p for p in self.parameters() if p.ndim >= 2]  # matrices; not norms
-        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        trained = [p for p in self.parameters() if p.requires_grad]  # LoRA: the adapters only
+        decay = [p for p in trained if p.ndim >= 2]  # matrices; not norms
+        no_decay = [p for p in trained if p.ndim < 2]
         if self.make_optimizer is not None:
             optimizer = self.make_optimizer(
                 [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]

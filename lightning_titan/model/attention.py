@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_titan.model import lora as adapters
 from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.lora import LoRA
 from lightning_titan.model.sinks import AttentionSinks, sink_attention
 from lightning_titan.parallel.context_parallel import gather_keys
 from lightning_titan.parallel.tensor_parallel import (
@@ -118,10 +120,12 @@ class Attention(nn.Module):
         config: ModelConfig,
         tp_group: ProcessGroup | None = None,
         cp_group: ProcessGroup | None = None,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
         options = config.attention
         tp = tp_size(tp_group)
+        on = lora.on if lora is not None else lambda _: None
         self.tp_group, self.cp_group = tp_group, cp_group
         self.n_heads, self.n_kv_heads, self.head_dim = (
             config.n_heads // tp,
@@ -129,14 +133,15 @@ class Attention(nn.Module):
             config.head_dim,
         )
         d, bias = config.d_model, options.qkv_bias
-        self.wq = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
-        self.wk = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
-        self.wv = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        self.wq = adapters.linear(d, self.n_heads * self.head_dim, bias, on("q"))
+        self.wk = adapters.linear(d, self.n_kv_heads * self.head_dim, bias, on("k"))
+        self.wv = adapters.linear(d, self.n_kv_heads * self.head_dim, bias, on("v"))
+        self.wo = adapters.linear(self.n_heads * self.head_dim, d, False, on("o"))
         self.tp_cuts: TpCuts = {}  # what TP cuts (tensor_parallel.CutsWeights)
         for column_parallel in (self.wq, self.wk, self.wv):  # a bias is cut with the rows
             self.tp_cuts[column_parallel] = TpShard(0, column_parallel.out_features * tp, tp_group)
         self.tp_cuts[self.wo] = TpShard(1, self.wo.in_features * tp, tp_group)  # row-parallel
+        self.tp_cuts.update(adapters.factor_cuts(self.tp_cuts))  # the adapters' factors alike
         if options.out_bias:  # added after the TP reduction (once), not by wo on every rank
             self.wo.bias = nn.Parameter(torch.zeros(d))
         self.sinks = (
@@ -183,6 +188,6 @@ class Attention(nn.Module):
         if self.wo.bias is None:
             out = self.wo(heads_out)  # called as a module: torch's TP (the bench's peer) hooks it
         else:  # gpt-oss's bias goes on after the TP reduction, once, not by wo on every rank
-            out = F.linear(heads_out, self.wo.weight)
+            out = adapters.without_bias(self.wo, heads_out)
         out = scatter_sequence(out, self.tp_group)
         return out if self.wo.bias is None else out + self.wo.bias

@@ -21,9 +21,11 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
+from lightning_titan.model import lora as adapters
 from lightning_titan.model.attention import Attention, RMSNorm, apply_rope, rope_cos_sin
 from lightning_titan.model.config import ModelConfig
-from lightning_titan.model.init import init_weights
+from lightning_titan.model.init import init_adapters, init_weights
+from lightning_titan.model.lora import LoRA
 from lightning_titan.model.mla import MLAttention
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.layer import MoELayer
@@ -70,21 +72,24 @@ class Block(nn.Module):
         sequence_group: ProcessGroup | None = None,
         layer: int = 0,
         dense: bool = False,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
         attention, router, experts = config.attention, config.router, config.experts
         self.sliding = attention.sliding(layer)  # gpt-oss: the even layers
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn: nn.Module = (
-            MLAttention(config, tp_group, cp_group)
+            MLAttention(config, tp_group, cp_group, lora)
             if attention.kind == LATENT
-            else Attention(config, tp_group, cp_group)
+            else Attention(config, tp_group, cp_group, lora)
         )
         self.moe_norm = RMSNorm(config.d_model, config.norm_eps)
         self.shared_expert = None
         if dense:
             self.moe = None
-            self.mlp = SharedExpert(config.d_model, experts.dense_ffn_dim, gated=False)
+            self.mlp = SharedExpert(
+                config.d_model, experts.dense_ffn_dim, gated=False, lora=lora and lora.on("mlp")
+            )
             return
         self.moe = MoELayer(
             config.d_model,
@@ -107,10 +112,14 @@ class Block(nn.Module):
             groups=(router.groups, router.topk_groups),
             scaling=router.scaling,
             expert_bias=router.expert_bias,
+            lora=lora,
         )
         if experts.shared_dim:
             self.shared_expert = SharedExpert(
-                config.d_model, experts.shared_dim, experts.shared_gated
+                config.d_model,
+                experts.shared_dim,
+                experts.shared_gated,
+                lora=lora and lora.on("shared"),
             )
 
     def forward(
@@ -149,6 +158,8 @@ class StageModel(nn.Module):
 
     ``sequence_group``: the cp x tp ranks that hold one sequence (for the aux losses' counts); it may
     be left None when only one of cp and tp is used.
+
+    ``lora`` (``model/lora.py``): adapters on the projections it targets, the rest frozen.
     """
 
     def __init__(
@@ -164,6 +175,7 @@ class StageModel(nn.Module):
         cp_group: ProcessGroup | None = None,
         sequence_group: ProcessGroup | None = None,
         split: StageSplit | None = None,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
         tp, cp = tp_size(tp_group), tp_size(cp_group)
@@ -184,7 +196,7 @@ class StageModel(nn.Module):
             raise ValueError(
                 f"ep_group has {ep_size(ep_group)} ranks but ep={ep}; pass this stage's EP group"
             )
-        self.config = config
+        self.config, self.lora = config, lora
         self.sliding_window = config.attention.sliding_window  # gpt-oss's window layers
         per_rank = config.n_experts // ep
         self.chunk_ranges = split.chunk_ranges(config.n_layers, pp, pp_rank)
@@ -222,6 +234,7 @@ class StageModel(nn.Module):
                     sequence_group,
                     layer=i,
                     dense=config.experts.is_dense(i),
+                    lora=lora,
                 )
                 for start, end in self.chunk_ranges
                 for i in range(start, end)
@@ -231,6 +244,8 @@ class StageModel(nn.Module):
             self.norm = RMSNorm(config.d_model, config.norm_eps)
             self.lm_head = nn.Linear(config.d_model, vocab_rows, bias=False)
             self.tp_cuts[self.lm_head] = TpShard(0, config.vocab_size, tp_group)
+        if lora is not None:  # only the adapters train (model/lora.py)
+            adapters.freeze_base(self)
 
     def embeds(self, chunk: int) -> bool:
         """Whether chunk ``chunk`` starts with the embedding (takes token ids)."""
@@ -329,6 +344,10 @@ class StageModel(nn.Module):
         """Layout-free init (``model/init.py``): each value depends on (seed, global name, global
         expert) only, so every layout starts from the same model."""
         init_weights(self, self.config, seed, (tp_size(self.tp_group), self.tp_rank))
+
+    def init_adapters(self, seed: int) -> None:
+        """The LoRA adapters' layout-free init alone (after a base loaded from a folder)."""
+        init_adapters(self, seed, (tp_size(self.tp_group), self.tp_rank))
 
 
 def split_expert_parameters(

@@ -30,8 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_titan.model import lora as adapters
 from lightning_titan.model.attention import RMSNorm, apply_rope
 from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.lora import LoRA
 from lightning_titan.model.yarn import softmax_scale_factor
 from lightning_titan.parallel.context_parallel import gather_keys
 from lightning_titan.parallel.tensor_parallel import (
@@ -55,10 +57,12 @@ class MLAttention(nn.Module):
         config: ModelConfig,
         tp_group: ProcessGroup | None = None,
         cp_group: ProcessGroup | None = None,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
         latent, yarn = config.attention.latent, config.position.yarn
         tp = tp_size(tp_group)
+        on = lora.on if lora is not None else lambda _: None
         self.tp_group, self.cp_group = tp_group, cp_group
         self.n_heads = config.n_heads // tp
         self.nope, self.rope = latent.nope_dim, latent.rope_dim
@@ -67,21 +71,23 @@ class MLAttention(nn.Module):
         self.scale = (self.nope + self.rope) ** -0.5 * softmax_scale_factor(yarn)
         d, q_dim = config.d_model, self.n_heads * (self.nope + self.rope)
         if latent.q_rank:
-            self.q_a_proj = nn.Linear(d, latent.q_rank, bias=False)
+            self.q_a_proj = adapters.linear(d, latent.q_rank, False, on("q_a"))
             self.q_a_norm = RMSNorm(latent.q_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(latent.q_rank, q_dim, bias=False)
+            self.q_b_proj = adapters.linear(latent.q_rank, q_dim, False, on("q_b"))
             q_heads = self.q_b_proj
         else:
-            self.q_proj = nn.Linear(d, q_dim, bias=False)
+            self.q_proj = adapters.linear(d, q_dim, False, on("q"))
             q_heads = self.q_proj
-        self.kv_a_proj = nn.Linear(d, self.rank + self.rope, bias=False)
+        self.kv_a_proj = adapters.linear(d, self.rank + self.rope, False, on("kv_a"))
         self.kv_a_norm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.rank, self.n_heads * (self.nope + self.v_dim), bias=False)
-        self.wo = nn.Linear(self.n_heads * self.v_dim, d, bias=False)
+        kv_dim = self.n_heads * (self.nope + self.v_dim)
+        self.kv_b_proj = adapters.linear(self.rank, kv_dim, False, on("kv_b"))
+        self.wo = adapters.linear(self.n_heads * self.v_dim, d, False, on("o"))
         self.tp_cuts: TpCuts = {}  # what TP cuts (tensor_parallel.CutsWeights)
         for per_head_rows in (q_heads, self.kv_b_proj):
             self.tp_cuts[per_head_rows] = TpShard(0, per_head_rows.out_features * tp, tp_group)
         self.tp_cuts[self.wo] = TpShard(1, self.wo.in_features * tp, tp_group)
+        self.tp_cuts.update(adapters.factor_cuts(self.tp_cuts))  # the adapters' factors alike
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if self.interleave:

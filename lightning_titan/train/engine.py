@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_titan.model.decoder import COPIED_OVER, EXPERT, StageModel, grad_group_kinds
+from lightning_titan.model.decoder import (
+    COPIED_OVER,
+    EXPERT,
+    SEQUENCE,
+    TP_SHARDED,
+    StageModel,
+    grad_group_kinds,
+)
 from lightning_titan.model.moe import balance
 from lightning_titan.model.moe.experts import probe_grouped_mm
 from lightning_titan.model.moe.layer import StepCounts, take_step_counts
@@ -106,7 +113,6 @@ class Engine:
         self.reducers = [
             reducer_over(params, getattr(groups, kind)) for kind, params in by_ranks.values()
         ]
-        self._reducer_kinds = [kind for kind, _ in by_ranks.values()]
         # the norm counts a copy on the first rank of the axes it is copied over (parallel/dp/clipping.py)
         coords = dims.coords(dims.rank)
         self.norm_params = [
@@ -130,9 +136,11 @@ class Engine:
         over, floating buffers over the non-expert-DP group (layout-free init makes them equal already;
         this guards against drift, e.g. a user's own init that used the global RNG)."""
         buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+        # every parameter over the group its grads would be reduced over, frozen ones too (LoRA's
+        # base: it has no reducer)
         pairs: list[tuple[list[Tensor], str]] = [
-            (list(r.params), kind)
-            for r, kind in zip(self.reducers, self._reducer_kinds, strict=True)
+            ([p for _, p, k in grad_group_kinds(self.module) if k == kind], kind)
+            for kind in (EXPERT, TP_SHARDED, SEQUENCE)
         ]
         for tensors, kind in [*pairs, (buffers, "non_expert_dp")]:
             group = getattr(self.groups, kind)

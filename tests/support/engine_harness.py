@@ -13,6 +13,7 @@ from nccl_strict import StrictStream, strict_links
 
 from lightning_titan.model import compiled
 from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.model.lora import LoRA
 from lightning_titan.model.moe.capacity import expert_capacity
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.parallel import overlap
@@ -68,6 +69,8 @@ FAMILY_CONFIGS = {
         shared_expert_dim=24, shared_expert_gated=False,
     ),
 }  # fmt: skip
+# adapters on every projection kind a config has (``":lora"``); the base frozen
+LORA = LoRA(rank=4, alpha=8.0, targets=("attention", "experts", "shared", "mlp", "router"))
 GLOBAL_BATCH = 8
 STEPS = 5
 SEED = 7
@@ -76,12 +79,17 @@ MAX_NORM = 0.3  # small enough that clipping bites on every step (checked agains
 
 
 def stage_model(
-    dims: ParallelDims, groups: ProcessGroups, config: ModelConfig, split: StageSplit | None = None
+    dims: ParallelDims,
+    groups: ProcessGroups,
+    config: ModelConfig,
+    split: StageSplit | None = None,
+    lora: LoRA | None = None,
 ) -> StageModel:
     """This rank's stage of the model (its layers as ``split`` says), with the layout-free init
     every layout starts from."""
     model = StageModel(
         config,
+        lora=lora,
         split=split,
         pp_rank=dims.pp_rank,
         pp=dims.pp,
@@ -162,6 +170,7 @@ def train(
     batch: int = GLOBAL_BATCH,
     adamw: str | None = None,
     masked: bool = False,
+    lora: LoRA | None = None,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
@@ -172,9 +181,11 @@ def train(
     chunks; ``compile`` names a ``torch.compile`` backend to compile the stage with (the result's
     ``graphs``: the graphs the first step compiled, ``recompiled``: those compiled after it);
     ``adamw``: the AdamW implementation (``"foreach"``, ``"fused"``; None: torch's default);
-    ``masked``: targets partly ``IGNORE_INDEX`` (``global_batch``)."""
+    ``masked``: targets partly ``IGNORE_INDEX`` (``global_batch``); ``lora``: adapters on a frozen
+    base (the result's ``frozen_moved``: the frozen parameters that changed at all)."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
-    model = stage_model(dims, groups, config, split)
+    model = stage_model(dims, groups, config, split, lora)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     if compile is not None:  # the torch.compile backend
         compiled.compile_stage(model, split_backward=schedule in SPLIT_BACKWARD, backend=compile)
     engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb, zero=zero)
@@ -200,9 +211,8 @@ def train(
     # model), past these tolerances before any layout added its own sums; with eps=1e-3 to 1.3e-6
     # and 1.2e-7. The grads (~1e-3 an element after clipping) still get Adam's per-element scaling.
     variant = {} if adamw is None else {adamw: True}
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-3, **variant
-    )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1, eps=1e-3, **variant)
     engine.shard_optimizers([optimizer])
     train_step = TrainStep(engine, optimizer, max_norm=MAX_NORM)  # the step TitanLM runs
     # what `titan bench` measures (and `titan plan` predicts), read around the optimizer's update:
@@ -275,6 +285,8 @@ def train(
         "graphs": graphs_after_first - graphs_at_start,  # those the first step compiled
         "recompiled": recompiled,
         "handovers": overlap.handovers() - handovers,  # an overlapped pair's switches (overlap.py)
+        "frozen_moved": [n for n, w in frozen.items() if not torch.equal(w, weights[n])],
+        "trained": len(trained),
         **record(model, dims),
     }
 
@@ -314,11 +326,12 @@ def reference(
     steps: int = STEPS,
     batch: int = GLOBAL_BATCH,
     masked: bool = False,
+    lora: LoRA | None = None,
 ) -> dict:
     """The single-process run: one rank, whole batch, one microbatch, no process group."""
     dims = ParallelDims(1, 1, 1, 0)
     groups = ProcessGroups(None, None, None, None)
-    return train(dims, groups, "gpipe", 1, config, steps, batch=batch, masked=masked)
+    return train(dims, groups, "gpipe", 1, config, steps, batch=batch, masked=masked, lora=lora)
 
 
 def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
@@ -329,7 +342,8 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     split probed on rank 0, ``"<name>:compile=aot_eager"`` compiled with that backend, ``"<name>:batch=16"``
     on global batches of 16 sequences (``reference(batch=16)``), ``"<name>:adamw=fused"`` with
     ``AdamW(fused=True)`` (``foreach``), ``"<name>:masked"`` on targets partly ignored
-    (``reference(masked=True)``); ``config`` replaces CONFIG."""
+    (``reference(masked=True)``), ``"<name>:lora"`` with ``LORA``'s adapters on a frozen base
+    (``reference(lora=LORA)``); ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
@@ -348,7 +362,7 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
             strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
             compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
             batch=batch, adamw=next((o[6:] for o in options if o.startswith("adamw=")), None),
-            masked="masked" in options,
+            masked="masked" in options, lora=LORA if "lora" in options else None,
         )  # fmt: skip
         result["split"] = split
         out.append(result)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_titan.model.lora import LoRA
 from lightning_titan.model.moe.activation import gated
 
 ALIGN_ROWS = 16  # rows per expert a multiple of this on CUDA: 16 bytes of int8/fp8, tiles of bf16
@@ -41,12 +42,14 @@ def grouped_mm_dtype(
     autocast_dtype: torch.dtype | None,
     d_model: int,
     ffn_dim: int,
+    lora_rank: int = 0,
 ) -> torch.dtype | None:
     """The dtype the grouped GEMMs would run in on such a device, or None where the loop is better.
 
     ``rows_dtype``: the input rows' (under EP: the wire dtype); ``weight_dtype``: the expert
     weights'; ``autocast_dtype``: the device's autocast dtype where autocast is on; ``capability``:
-    CUDA's compute capability. Whether this torch build has the kernel at all is
+    CUDA's compute capability; ``lora_rank``: the adapters' (its rows are strides too; 0: none).
+    Whether this torch build has the kernel at all is
     ``grouped_mm_supported``'s question, not this one's.
     """
     if autocast_dtype is not None:
@@ -56,7 +59,7 @@ def grouped_mm_dtype(
     else:  # nothing reconciles them: the loop's matmul names the mismatch
         return None
     if device_type == "cuda":
-        aligned = all(n * compute.itemsize % 16 == 0 for n in (d_model, ffn_dim))  # row strides
+        aligned = all(n * compute.itemsize % 16 == 0 for n in (d_model, ffn_dim, lora_rank))
         fast = capability is not None and capability[0] in _GROUPED_CUDA_MAJORS
         return compute if fast and compute == torch.bfloat16 and aligned else None
     if device_type == "cpu":  # torch 2.13 runs fp32 and bf16 there (a loop in C++, no transfers)
@@ -151,6 +154,11 @@ class GroupedExperts(nn.Module):
 
     With ``bias`` (gpt-oss) each projection adds its expert's bias ``b1``, ``b3`` [E_local, F] and
     ``b2`` [E_local, D]; ``swiglu_limit`` (gpt-oss) clamps the SwiGLU (``activation.gated``).
+
+    With ``lora`` (``model/lora.py``) each projection ``w`` gets a per-expert adapter,
+    ``x @ w + scale * (x @ w_lora_A) @ w_lora_B`` with ``w1_lora_A`` [E_local, D, r] and
+    ``w1_lora_B`` [E_local, r, F] (``w2``'s: [E_local, F, r], [E_local, r, D]), run as grouped GEMMs
+    over the same row offsets as the base's.
     """
 
     def __init__(
@@ -163,6 +171,7 @@ class GroupedExperts(nn.Module):
         bias: bool = False,
         swiglu_limit: float | None = None,
         swiglu_alpha: float = 1.702,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
@@ -188,11 +197,29 @@ class GroupedExperts(nn.Module):
         self.b1 = nn.Parameter(torch.zeros(n_local, ffn_dim)) if bias else None
         self.b3 = nn.Parameter(torch.zeros(n_local, ffn_dim)) if bias else None
         self.b2 = nn.Parameter(torch.zeros(n_local, d_model)) if bias else None
+        self.lora_scale = 0.0 if lora is None else lora.scale
+        self.lora_dropout = nn.Dropout(lora.dropout) if lora and lora.dropout else nn.Identity()
+        self.lora_rank = 0 if lora is None else lora.rank
+        for w in ("w1", "w3", "w2") if self.lora_rank else ():
+            fan_in, fan_out = getattr(self, w).shape[1:]
+            a = torch.zeros(n_local, fan_in, self.lora_rank)
+            b = torch.zeros(n_local, self.lora_rank, fan_out)
+            self.register_parameter(f"{w}_lora_A", nn.Parameter(a))
+            self.register_parameter(f"{w}_lora_B", nn.Parameter(b))
         self.reset_parameters()
 
     @property
     def n_local(self) -> int:
         return self.expert_range[1] - self.expert_range[0]
+
+    def adapters(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """Each adapted projection's (A, B), read by name (``to_empty`` replaces the parameters)."""
+        if not self.lora_rank:
+            return {}
+        return {
+            w: (getattr(self, f"{w}_lora_A"), getattr(self, f"{w}_lora_B"))
+            for w in ("w1", "w3", "w2")
+        }
 
     def reset_parameters(self, std: float = 0.02) -> None:
         # Placeholder values from the global RNG; StageModel.init_weights gives the layout-free ones.
@@ -230,13 +257,23 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
         biases = [b.unbind(0) if b is not None else None for b in (self.b1, self.b3, self.b2)]
         b1, b3, b2 = biases
+        adapters = {w: (a.unbind(0), b.unbind(0)) for w, (a, b) in self.adapters().items()}
+
+        def adapted(w: str, rows: Tensor, e: int) -> Tensor:  # the adapter's part, or 0
+            if w not in adapters:
+                return rows.new_zeros(())
+            a, b = adapters[w]
+            return (self.lora_dropout(rows) @ a[e]) @ b[e] * self.lora_scale
+
         # Empty slices still run, so every expert weight gets a (zero) gradient on every rank.
         outputs = []
         for e, rows in enumerate(torch.split(x, tokens_per_expert)):
-            gate, up = rows @ w1[e], rows @ w3[e]
+            gate = rows @ w1[e] + adapted("w1", rows, e)
+            up = rows @ w3[e] + adapted("w3", rows, e)
             if b1 is not None and b3 is not None:
                 gate, up = gate + b1[e], up + b3[e]
-            out = gated(gate, up, self.swiglu_limit, self.swiglu_alpha) @ w2[e]
+            hidden = gated(gate, up, self.swiglu_limit, self.swiglu_alpha)
+            out = hidden @ w2[e] + adapted("w2", hidden, e)
             outputs.append(out if b2 is None else out + b2[e])
         return torch.cat(outputs)
 
@@ -253,7 +290,7 @@ class GroupedExperts(nn.Module):
         capability = torch.cuda.get_device_capability(x.device) if device == "cuda" else None
         d_model, ffn_dim = self.w1.shape[1:]
         dtype = grouped_mm_dtype(
-            device, capability, x.dtype, self.w1.dtype, autocast, d_model, ffn_dim
+            device, capability, x.dtype, self.w1.dtype, autocast, d_model, ffn_dim, self.lora_rank
         )
         # read, never probed here: probe() ran at setup (a module not probed runs the loop)
         return dtype if dtype is not None and self.grouped_mm_runs.get(dtype, False) else None
@@ -300,12 +337,21 @@ class GroupedExperts(nn.Module):
         # its weights get a zero gradient, as in the loop)
         offsets = counts.cumsum(0, dtype=torch.int32)
         x = x.contiguous()
-        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
-        gate = self._add_bias(torch._grouped_mm(x, w1, offs=offsets), self.b1, counts)
-        up = self._add_bias(torch._grouped_mm(x, w3, offs=offsets), self.b3, counts)
-        out = torch._grouped_mm(
-            self.gated(gate, up, self.swiglu_limit, self.swiglu_alpha), w2, offs=offsets
-        )
+        adapters = self.adapters()
+
+        def project(
+            rows: Tensor, w: str
+        ) -> Tensor:  # rows @ w per expert, its adapter's part added
+            out = torch._grouped_mm(rows, getattr(self, w).to(dtype), offs=offsets)
+            if w in adapters:
+                a, b = (f.to(dtype) for f in adapters[w])
+                low = torch._grouped_mm(self.lora_dropout(rows), a, offs=offsets)
+                out = out + torch._grouped_mm(low, b, offs=offsets) * self.lora_scale
+            return out
+
+        gate = self._add_bias(project(x, "w1"), self.b1, counts)
+        up = self._add_bias(project(x, "w3"), self.b3, counts)
+        out = project(self.gated(gate, up, self.swiglu_limit, self.swiglu_alpha), "w2")
         out = _ContiguousGrad.apply(self._add_bias(out, self.b2, counts))
         # the padding rows' outputs are zeros, left out here, so they get no gradient either
         return out if rows is None else out.index_select(0, rows)

@@ -6,6 +6,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_titan.model import lora as adapters
+from lightning_titan.model.lora import LoRA
 from lightning_titan.model.moe import capacity
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.router import route
@@ -71,6 +73,7 @@ class MoELayer(nn.Module):
         groups: tuple[int, int] = (1, 1),
         scaling: float = 1.0,
         expert_bias: bool = False,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
         expert_range = expert_range or (0, n_experts)
@@ -90,14 +93,15 @@ class MoELayer(nn.Module):
         self.sequence_group = sequence_group
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
-        self.router = nn.Linear(d_model, n_experts, bias=router_bias)  # gpt-oss: a bias
+        # gpt-oss: a bias; ``lora``'s targets say which of router and experts get adapters
+        self.router = adapters.linear(d_model, n_experts, router_bias, lora and lora.on("router"))
         self.router_score, self.norm_topk = router_score, norm_topk  # model/moe/router.py
         self.route = route  # or its compiled form (model/compiled.py)
         self.groups, self.scaling = groups, scaling  # DeepSeek-V3: group-limited, scaled
         # gpt-oss: biased projections and the clamped SwiGLU (limit, alpha) (model/moe/activation.py)
         self.experts = GroupedExperts(
             d_model, ffn_dim, expert_range, bias=expert_proj_bias, swiglu_limit=swiglu[0],
-            swiglu_alpha=swiglu[1],
+            swiglu_alpha=swiglu[1], lora=lora and lora.on("experts"),
         )  # fmt: skip
         self.register_buffer(
             "tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False

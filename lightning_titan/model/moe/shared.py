@@ -5,7 +5,8 @@ size), added as they are; the same module is DeepSeek-V3's dense MLP of its firs
 
 It runs where the MoE layer runs, on this rank's tokens (under TP its sequence slice), and is held
 whole on every rank of a stage: its grads sum over dp x ep x tp like the router's (``decoder.SEQUENCE``).
-The weights are ``nn.Linear`` in Hugging Face orientation (``w1.weight`` is ``gate_proj.weight``).
+The weights are ``nn.Linear`` in Hugging Face orientation (``w1.weight`` is ``gate_proj.weight``);
+with ``lora`` the three projections get adapters (the gate does not).
 
 ``up`` and ``down`` are its two halves, for the MoE layer to run one under each all-to-all
 (``model/moe/layer.py``); ``forward`` is ``down(x, up(x))``, the same operations.
@@ -17,15 +18,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_titan.model import lora as adapters
+from lightning_titan.model.lora import LoRA
+
 
 class SharedExpert(nn.Module):
     gate: nn.Linear | None
 
-    def __init__(self, d_model: int, ffn_dim: int, gated: bool = True) -> None:
+    def __init__(
+        self, d_model: int, ffn_dim: int, gated: bool = True, lora: LoRA | None = None
+    ) -> None:
         super().__init__()
-        self.w1 = nn.Linear(d_model, ffn_dim, bias=False)  # gate_proj
-        self.w3 = nn.Linear(d_model, ffn_dim, bias=False)  # up_proj
-        self.w2 = nn.Linear(ffn_dim, d_model, bias=False)  # down_proj
+        self.w1 = adapters.linear(d_model, ffn_dim, False, lora)  # gate_proj
+        self.w3 = adapters.linear(d_model, ffn_dim, False, lora)  # up_proj
+        self.w2 = adapters.linear(ffn_dim, d_model, False, lora)  # down_proj
         self.gate = nn.Linear(d_model, 1, bias=False) if gated else None  # shared_expert_gate
 
     def forward(self, x_BSD: Tensor) -> Tensor:

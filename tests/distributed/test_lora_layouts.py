@@ -1,0 +1,66 @@
+"""LoRA adapters on a frozen base train the same under every layout as in one process.
+
+One 8-rank spawn runs each layout with ``engine_harness.LORA`` (adapters on the attention
+projections, the routed experts, the router, and where the config has them the shared expert and the
+dense MLP): per-step loss, aux loss and grad norm at rtol 1e-5 and every weight at atol 1e-5 against
+the single process, which tests/unit/test_lora.py holds against PEFT on transformers. Every frozen
+parameter stays bit for bit what it was, and only the adapters hold grads and optimizer state.
+"""
+
+import pytest
+from engine_harness import (
+    ACKPT_CONFIG,
+    CONFIG,
+    FAMILY_CONFIGS,
+    LORA,
+    assert_matches_reference,
+    reference,
+    run_layouts,
+)
+
+from lightning_titan.model.lora import is_adapter
+from lightning_titan.runtime.launch import run_on_ranks
+
+DEEPSEEK = FAMILY_CONFIGS["deepseek"]  # latent attention, a shared expert, a dense first layer
+CASES = [
+    ((2, 2, 2), "1f1b:lora", 2),  # dp2 x pp2 x ep2
+    ((1, 2, 2, 2), "1f1b:lora", 2),  # tp2 x pp2 x ep2: the factors cut like their weights
+    ((1, 2, 2, 1, 2), "1f1b:lora", 2),  # cp2 x pp2 x ep2
+    ((4, 1, 2), "1f1b:lora:zero1", 1),  # dp4 x ep2, the adapters' state sharded
+    ((1, 2, 2, 2), "dualpipev:lora", 4),  # the overlapped pairs
+    ((2, 2, 2), "zb_h1:lora", 2),  # the W pass: the adapters' weight grads
+    ((2, 2, 2), "1f1b:lora", 2, ACKPT_CONFIG),  # recomputed blocks
+    ((1, 2, 2, 2), "1f1b:lora", 2, DEEPSEEK),  # MLA's q_a/q_b/kv_a/kv_b/o, shared, dense MLP
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(620)
+def test_lora_equals_one_process_under_every_layout():
+    refs = {id(CONFIG): reference(lora=LORA), id(DEEPSEEK): reference(DEEPSEEK, lora=LORA)}
+    refs[id(ACKPT_CONFIG)] = refs[id(CONFIG)]
+    plain = reference()
+    ref = refs[id(CONFIG)]
+    # the adapters moved the model off the full fine-tune's path, and away from their init
+    assert ref["loss"][1:] != plain["loss"][1:]
+    assert ref["weights"]["layers.0.moe.experts.w1_lora_B"].abs().max() > 0
+    assert ref["weights"]["layers.0.attn.wq.lora_B.weight"].abs().max() > 0
+    for r in refs.values():
+        assert r["frozen_moved"] == [] and r["trained"] > 0
+    per_rank = run_on_ranks(run_layouts, 8, CASES, timeout_s=600, start_method="fork")
+    for i, (layout, schedule, m, *config) in enumerate(CASES):
+        results = [per_rank[rank][i] for rank in range(8)]
+        case_ref = refs[id(config[0] if config else CONFIG)]
+        assert_matches_reference(case_ref, results, f"{layout} {schedule} M={m} lora")
+        for r in results:
+            where = (layout, schedule, r["coords"])
+            assert r["frozen_moved"] == [], where  # the base bit for bit
+            adapters = [w for n, w in r["weights"].items() if is_adapter(n)]
+            adapter_numel = sum(w.numel() for w in adapters)
+            adapter_bytes = sum(w.numel() * w.element_size() for w in adapters)
+            # grads and AdamW's two moments for the adapters only (zero1: a share of them)
+            assert 0 < r["grad_bytes"] <= adapter_bytes, (where, r["grad_bytes"], adapter_bytes)
+            if "zero1" in schedule:
+                assert 0 < r["state_numel"] < 2 * adapter_numel, where
+            else:
+                assert r["state_numel"] == 2 * adapter_numel, where
