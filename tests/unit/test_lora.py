@@ -3,6 +3,7 @@ reference), the frozen base, the adapters' init, and the PEFT folder it exports 
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,6 @@ from lightning_titan.hf import load as hf_load
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.lora import LoRA, is_adapter
 from lightning_titan.model.moe.experts import expert_gemm_paths, probe_grouped_mm
-
-peft = pytest.importorskip("peft")
 
 SEQ = 12
 
