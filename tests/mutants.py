@@ -1220,6 +1220,21 @@ MUTATIONS = {
                              "    return (torch.rand(shape, generator=generator, device=\"cpu\") * 2 - 1) * bound",
                              "    return (torch.rand(shape, device=\"cpu\") * 2 - 1) * bound",
                              ["tests/distributed/test_lora_layouts.py"]),
+    # LoRA: a checkpoint keeps the frozen base too (not adapter-only)
+    "lora_ckpt_holds_base": ("lightning_titan/checkpoint/state.py",
+                             "        if isinstance(value, nn.Parameter) and not value.requires_grad:\n            continue\n",
+                             "",
+                             ["tests/distributed/test_lora_layouts.py"]),
+    # LoRA export: the merge leaves out the adapters' scale
+    "lora_merge_unscaled": ("lightning_titan/model/lora.py",
+                            "        self.weight.add_(update.to(self.weight.dtype), alpha=self.scale)",
+                            "        self.weight.add_(update.to(self.weight.dtype))",
+                            ["tests/cli/test_lora_cli.py"]),
+    # LoRA export: the base rebuilt from the seed, not from the init_from folder it was trained on
+    "lora_export_seed_base": ("lightning_titan/hf/export.py",
+                              "        hf_load.load_stage(model, folder)\n",
+                              "        model.init_weights(hparams[\"seed\"])\n",
+                              ["tests/cli/test_lora_cli.py"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

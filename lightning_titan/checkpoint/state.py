@@ -75,11 +75,15 @@ def _rows(tensor: Tensor, param: Tensor) -> bool:
 
 
 def model_entries(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter and persistent buffer of ``model`` under its layout-free key, as views."""
+    """Every trained parameter and persistent buffer of ``model`` under its layout-free key, as
+    views. A frozen parameter (LoRA's base) is left out: it is rebuilt from where it came from (the
+    ``init_from`` folder or the seed), so a LoRA checkpoint holds the adapters (a few MB)."""
     starts, shards = expert_starts(model), tp_shards(model)
     entries: dict[str, Tensor] = {}
     for name, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, Tensor):
+            continue
+        if isinstance(value, nn.Parameter) and not value.requires_grad:
             continue
         start = starts.get(id(value))
         if start is None:

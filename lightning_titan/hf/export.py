@@ -3,7 +3,7 @@ one it was loaded from, ``hf.arch.architecture_of``), a tensor at a time (``hf/s
 full model in one process (``load_full_model``).
 
 titan export --ckpt runs/dp_pp_ep/checkpoints/last.ckpt --out mixtral-tiny [--dtype bf16]
-    [--max-shard-size 5GB]
+    [--max-shard-size 5GB] [--peft] [--base FOLDER]
 # then: transformers.AutoModelForCausalLM.from_pretrained("mixtral-tiny")
 """
 
@@ -24,10 +24,13 @@ from torch import Tensor
 from lightning_titan.checkpoint import ModelEntries, consolidate, files, read_checkpoint_info
 from lightning_titan.data.tokenizer import tokenizer_files_of
 from lightning_titan.hf import folder as hf_folder
+from lightning_titan.hf import load as hf_load
 from lightning_titan.hf import shards
+from lightning_titan.hf.adapter import write_peft_folder
 from lightning_titan.hf.arch import architecture_of, hf_config, hf_tensors
 from lightning_titan.hf.shards import is_stacked_experts
 from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.lora import LoRA, is_adapter, merge_
 
 __all__ = [
     "export_hf",
@@ -69,18 +72,43 @@ def _read_from(model: StageModel) -> shards.Read:
     return read
 
 
-def load_full_model(ckpt: str | Path) -> StageModel:
-    """The whole model (every layer and expert) in this process, in eval mode; no process group needed."""
+def load_full_model(ckpt: str | Path, base: str | Path | None = None) -> StageModel:
+    """The whole model (every layer and expert) in this process, in eval mode; no process group needed.
+
+    A LoRA checkpoint holds the adapters only: the base is rebuilt from where the run took it,
+    the ``init_from`` folder (``base``: another path to it) or the seed, and the adapters loaded
+    onto it (``lora.merge_`` folds them in)."""
     info = read_checkpoint_info(ckpt)
     if not info.get("model_config"):
         raise ValueError(
             f"{ckpt} holds no model config: it was not written by TitanLM under TitanStrategy"
         )
-    model = StageModel(ModelConfig(**info["model_config"]))
+    hparams = (info.get("meta") or {}).get("hyper_parameters") or {}
+    lora = LoRA(**hparams["lora"]) if hparams.get("lora") else None
+    model = StageModel(ModelConfig(**info["model_config"]), lora=lora)
     state = consolidate(ckpt)
     # TitanLM holds the stage as `self.model`: its keys start with "model."
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    model.load_state_dict(state, strict=True)
+    if lora is None:
+        model.load_state_dict(state, strict=True)
+        return model.eval()
+    folder = base or hparams.get("init_from")
+    if folder is not None:
+        if not Path(folder).is_dir():
+            raise FileNotFoundError(
+                f"{ckpt} holds LoRA adapters trained on the base model in {folder}, which is not "
+                "a folder here; pass the base's folder (--base)"
+            )
+        hf_load.load_stage(model, folder)
+    else:  # the base the run drew from its seed
+        model.init_weights(hparams["seed"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trained & set(missing):
+        raise ValueError(
+            f"{ckpt} does not hold this LoRA model's adapters: missing "
+            f"{sorted(trained & set(missing))[:3]}, unexpected {sorted(unexpected)[:3]}"
+        )
     return model.eval()
 
 
@@ -198,13 +226,19 @@ def export_hf(
     dtype: str | torch.dtype = "bf16",
     max_shard_size: str | int = "5GB",
     progress: bool = True,
+    peft: bool = False,
+    base: str | Path | None = None,
 ) -> Path:
     """Write ``config.json`` and the weights in the model's family and in ``dtype``, cut into
     safetensors files of at most ``max_shard_size`` (with ``model.safetensors.index.json`` when there
     are several), and the tokenizer: the files of the Hugging Face folder the model was loaded from
     (init_from) when it has them, else ours when the data module used the byte tokenizer. The
     checkpoint is read a tensor at a time: memory holds one output file and one tensor. Nothing is
-    written when the model fits no family. ``progress``: a line on stderr per file written."""
+    written when the model fits no family. ``progress``: a line on stderr per file written.
+
+    A LoRA checkpoint: the adapters merged into the base (rebuilt from ``init_from``, or ``base``,
+    or the seed; the whole model in memory), or with ``peft`` the adapters alone as a PEFT adapter
+    folder (``hf/adapter.py``)."""
     out, dtype, max_bytes = Path(out), shards.dtype_of(dtype), shards.size_of(max_shard_size)
     check_out(out)
     info = read_checkpoint_info(ckpt)
@@ -215,6 +249,13 @@ def export_hf(
         )
     config = ModelConfig(**info["model_config"])
     architecture_of(config)  # refused before the checkpoint is read or anything is written
+    lora = (meta.get("hyper_parameters") or {}).get("lora")
+    if peft and not lora:
+        raise ValueError(f"--peft: {ckpt} was not trained with LoRA (model.lora); export it whole")
+    if lora and peft:
+        model = load_full_model(ckpt, base)
+        adapters = {n: p.detach() for n, p in model.named_parameters() if is_adapter(n)}
+        return write_peft_folder(out, adapters, config, LoRA(**lora))
     init_from = (meta.get("hyper_parameters") or {}).get("init_from")
     # no data module recorded (a plain DataLoader): the ids were the folder's if it has a tokenizer
     tokenizer = (meta.get("datamodule_hyper_parameters") or {}).get("tokenizer", "auto")
@@ -226,12 +267,17 @@ def export_hf(
         assert init_from  # the files are copied from it
         hf = hf_folder.read_json(Path(init_from) / "config.json")
         special = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
-    entries = ModelEntries(ckpt)
-    with torch.device("meta"):  # names and shapes: the values are read from the checkpoint
-        shapes = StageModel(config)
+    if lora:  # the base is not in the checkpoint: the whole model, its adapters folded in
+        shapes = load_full_model(ckpt, base)
+        merge_(shapes)
+        read = _read_from(shapes)
+    else:
+        with torch.device("meta"):  # names and shapes: the values are read from the checkpoint
+            shapes = StageModel(config)
+        read = ModelEntries(ckpt).read
     byte_tokenizer = not copied and tokenizer in ("byte", "auto")
     stream = sys.stderr if progress else None
-    _write(shapes, entries.read, out, byte_tokenizer, dtype, max_bytes, stream)
+    _write(shapes, read, out, byte_tokenizer, dtype, max_bytes, stream)
     for path in copied:
         # the content only: the new file gets the mode every other file of the export gets
         shutil.copyfile(path, out / path.name)
@@ -323,10 +369,27 @@ def main(argv: list[str] | None = None) -> None:
         help="the largest safetensors file, e.g. 5GB, 500MB, 2GiB (default 5GB); a model that "
         "fits in one is one model.safetensors",
     )
+    parser.add_argument(
+        "--peft",
+        action="store_true",
+        help="a LoRA checkpoint's adapters alone, as a PEFT adapter folder (default: merged into "
+        "the base)",
+    )
+    parser.add_argument(
+        "--base",
+        default=None,
+        help="a LoRA checkpoint's base model folder, where it is no longer at the init_from path "
+        "the run used",
+    )
     args = parser.parse_args(argv)
     try:
         max_bytes = shards.size_of(args.max_shard_size)
     except ValueError as e:
         parser.error(str(e))
-    out = export_hf(args.ckpt, args.out, args.dtype, max_bytes)
-    print(f"wrote {out.resolve()} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    out = export_hf(args.ckpt, args.out, args.dtype, max_bytes, peft=args.peft, base=args.base)
+    if args.peft:
+        print(f"wrote {out.resolve()} (load with peft.PeftModel.from_pretrained(base, folder))")
+    else:
+        print(
+            f"wrote {out.resolve()} (load with transformers.AutoModelForCausalLM.from_pretrained)"
+        )

@@ -22,9 +22,9 @@ import torch
 
 from lightning_titan.hf import folder as hf_folder
 from lightning_titan.hf.arch import architecture_of, hf_names, hf_tensors, rope_theta_of
-from lightning_titan.hf.export import is_stacked_experts
 from lightning_titan.hf.families import FAMILIES
 from lightning_titan.hf.family import DEFAULTS, Family
+from lightning_titan.hf.shards import is_stacked_experts
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.options import FLAT_FIELDS
 from lightning_titan.parallel.tensor_parallel import real_size, tp_shards

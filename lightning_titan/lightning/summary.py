@@ -169,8 +169,12 @@ def fit_summary(trainer: Any, module: Any, wall_seconds: float | None = None) ->
     if dims is not None:
         lines.append(f"layout             {dims.label()} ({dims.world_size} ranks)")
     with torch.device("meta"):  # the whole model's size, without its memory
-        params = sum(p.numel() for p in StageModel(module.config).parameters())
+        whole = StageModel(module.config, lora=getattr(module, "lora", None))
+    params = sum(p.numel() for p in whole.parameters())
+    trained = sum(p.numel() for p in whole.parameters() if p.requires_grad)
     lines.append(f"model              {params:,} parameters")
+    if trained < params:  # LoRA: the adapters
+        lines.append(f"trained            {trained:,} parameters ({trained / params:.2%}, LoRA)")
     if trainer.logger is not None and trainer.logger.log_dir:
         lines.append(f"logs               {Path(trainer.logger.log_dir).resolve()}/metrics.csv")
     if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:

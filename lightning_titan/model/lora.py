@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +118,13 @@ class LoRALinear(nn.Linear):
         """The adapter's part of the output: ``scale * B(A(dropout(x)))``."""
         return self.lora_B(self.lora_A(self.dropout(x))) * self.scale
 
+    @torch.no_grad()
+    def merge_adapters_(self) -> None:
+        """``W += scale * B A``, then ``B = 0``."""
+        update = self.lora_B.weight @ self.lora_A.weight
+        self.weight.add_(update.to(self.weight.dtype), alpha=self.scale)
+        self.lora_B.weight.zero_()
+
 
 def linear(in_features: int, out_features: int, bias: bool, lora: LoRA | None) -> nn.Linear:
     """A projection: with an adapter where ``lora`` is given (``LoRA.on(target)``)."""
@@ -149,6 +157,23 @@ def freeze_base(model: nn.Module) -> int:
         p.requires_grad_(is_adapter(name))
         trainable += p.numel() if p.requires_grad else 0
     return trainable
+
+
+@runtime_checkable
+class MergesAdapters(Protocol):
+    """A module with adapters of its own weights (``LoRALinear``, the routed experts)."""
+
+    def merge_adapters_(self) -> None: ...
+
+
+@torch.no_grad()
+def merge_(model: nn.Module) -> None:
+    """Fold every adapter under ``model`` into its base weight and zero its ``B``: the same model,
+    its adapters now part of the base (what an export of the merged model writes). One process:
+    the whole factors, no TP cut."""
+    for module in model.modules():
+        if isinstance(module, MergesAdapters):
+            module.merge_adapters_()
 
 
 def kaiming_bound(fan_in: int) -> float:

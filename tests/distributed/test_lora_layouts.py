@@ -5,9 +5,12 @@ projections, the routed experts, the router, and where the config has them the s
 dense MLP): per-step loss, aux loss and grad norm at rtol 1e-5 and every weight at atol 1e-5 against
 the single process, which tests/unit/test_lora.py holds against PEFT on transformers. Every frozen
 parameter stays bit for bit what it was, and only the adapters hold grads and optimizer state.
+An adapter checkpoint (the adapters and their AdamW state, no base) written under one layout
+resumes under another, continuing the single process's run exactly.
 """
 
 import pytest
+import torch
 from engine_harness import (
     ACKPT_CONFIG,
     CONFIG,
@@ -18,6 +21,7 @@ from engine_harness import (
     run_layouts,
 )
 
+from lightning_titan.checkpoint import consolidate
 from lightning_titan.model.lora import is_adapter
 from lightning_titan.runtime.launch import run_on_ranks
 
@@ -32,11 +36,14 @@ CASES = [
     ((2, 2, 2), "1f1b:lora", 2, ACKPT_CONFIG),  # recomputed blocks
     ((1, 2, 2, 2), "1f1b:lora", 2, DEEPSEEK),  # MLA's q_a/q_b/kv_a/kv_b/o, shared, dense MLP
 ]
+# an adapter checkpoint written under one layout after step 2, resumed under another (ZeRO-1 there)
+SAVED = ((1, 2, 2, 2), "1f1b:lora:save=2", 2)
+RESUMED = ((4, 1, 2), "1f1b:lora:zero1:resume=2", 1)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(620)
-def test_lora_equals_one_process_under_every_layout():
+def test_lora_equals_one_process_under_every_layout(tmp_path):
     refs = {id(CONFIG): reference(lora=LORA), id(DEEPSEEK): reference(DEEPSEEK, lora=LORA)}
     refs[id(ACKPT_CONFIG)] = refs[id(CONFIG)]
     plain = reference()
@@ -47,7 +54,19 @@ def test_lora_equals_one_process_under_every_layout():
     assert ref["weights"]["layers.0.attn.wq.lora_B.weight"].abs().max() > 0
     for r in refs.values():
         assert r["frozen_moved"] == [] and r["trained"] > 0
-    per_rank = run_on_ranks(run_layouts, 8, CASES, timeout_s=600, start_method="fork")
+    cases = [*CASES, SAVED, RESUMED]
+    per_rank = run_on_ranks(
+        run_layouts, 8, cases, str(tmp_path), timeout_s=600, start_method="fork"
+    )
+    saved, resumed = ([per_rank[rank][i] for rank in range(8)] for i in (-2, -1))
+    for r in saved:
+        torch.testing.assert_close(r["loss"], ref["loss"][:2], rtol=1e-5, atol=0)
+    later = {k: ref[k][2:] for k in ("loss", "aux", "norm", "dropped")}
+    assert_matches_reference({**ref, **later}, resumed, f"{RESUMED} from {SAVED}")
+    # the checkpoint holds the adapters, not the frozen base
+    state = consolidate(tmp_path / "harness.ckpt")
+    assert state and all(is_adapter(k) for k in state), sorted(state)[:4]
+    assert set(state) == {n for n in ref["weights"] if is_adapter(n)}
     for i, (layout, schedule, m, *config) in enumerate(CASES):
         results = [per_rank[rank][i] for rank in range(8)]
         case_ref = refs[id(config[0] if config else CONFIG)]

@@ -11,12 +11,14 @@ import torch
 import torch.nn.functional as F
 from nccl_strict import StrictStream, strict_links
 
+from lightning_titan.checkpoint import load_sharded, save_sharded
 from lightning_titan.model import compiled
 from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
 from lightning_titan.model.lora import LoRA
 from lightning_titan.model.moe.capacity import expert_capacity
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.parallel import overlap
+from lightning_titan.parallel.dp.zero import ZeroShards
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 from lightning_titan.parallel.pipeline.split import StageSplit
@@ -171,6 +173,8 @@ def train(
     adamw: str | None = None,
     masked: bool = False,
     lora: LoRA | None = None,
+    save: tuple[int, str] | None = None,
+    resume: tuple[int, str] | None = None,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
@@ -182,7 +186,9 @@ def train(
     ``graphs``: the graphs the first step compiled, ``recompiled``: those compiled after it);
     ``adamw``: the AdamW implementation (``"foreach"``, ``"fused"``; None: torch's default);
     ``masked``: targets partly ``IGNORE_INDEX`` (``global_batch``); ``lora``: adapters on a frozen
-    base (the result's ``frozen_moved``: the frozen parameters that changed at all)."""
+    base (the result's ``frozen_moved``: the frozen parameters that changed at all); ``save``: (n,
+    path) stop after step n with a sharded checkpoint of model and optimizer at ``path``;
+    ``resume``: (n, path) start at step n from the checkpoint at ``path`` (the losses from n on)."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
     model = stage_model(dims, groups, config, split, lora)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -214,6 +220,9 @@ def train(
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1, eps=1e-3, **variant)
     engine.shard_optimizers([optimizer])
+    shards = ZeroShards(engine.zero_groups)
+    if resume is not None:
+        load_sharded(resume[1], model, [optimizer], zero_shards=shards)
     train_step = TrainStep(engine, optimizer, max_norm=MAX_NORM)  # the step TitanLM runs
     # what `titan bench` measures (and `titan plan` predicts), read around the optimizer's update:
     # the grads it reads, the most held (before the update or after it, before zero_grad), and
@@ -236,7 +245,7 @@ def train(
     # the vocab-parallel one against the plain one)
     loss_fn = model.token_loss_sum if compile is not None else loss_fn_for(model, dims)
     graphs_at_start = graphs_after_first = compiled.graphs_compiled()
-    for step in range(steps):
+    for step in range(resume[0] if resume else 0, save[0] if save else steps):
         inputs, targets = global_batch(step, config, batch, masked)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
         result = train_step.run(
@@ -248,6 +257,9 @@ def train(
         dropped.append(result.dropped)
         if step == 0:
             graphs_after_first = compiled.graphs_compiled()
+    if save is not None:
+        layout = {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "tp": dims.tp, "cp": dims.cp}
+        save_sharded(save[1], model, [optimizer], {}, layout=layout, zero_shards=shards)
     recompiled = compiled.graphs_compiled() - graphs_after_first  # before the eval's own graphs
     # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
     inputs, targets = global_batch(0, config, batch, masked)
@@ -334,7 +346,9 @@ def reference(
     return train(dims, groups, "gpipe", 1, config, steps, batch=batch, masked=masked, lora=lora)
 
 
-def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
+def run_layouts(
+    rank: int, world_size: int, cases: list[tuple], ckpt_dir: str | None = None
+) -> list[dict]:
     """Spawned: every case (layout (dp, pp, ep), (dp, pp, ep, tp) or (dp, pp, ep, tp, cp), schedule,
     M[, config]) in turn, on the same ranks; a schedule named ``"<name>:paired"`` runs with
     ``paired_p2p``, ``"<name>:strict"`` with ``strict_p2p``, ``"<name>:zero1"`` with ``zero=1`` (``zero2``...), ``"<name>:v2"`` with two
@@ -343,7 +357,8 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     on global batches of 16 sequences (``reference(batch=16)``), ``"<name>:adamw=fused"`` with
     ``AdamW(fused=True)`` (``foreach``), ``"<name>:masked"`` on targets partly ignored
     (``reference(masked=True)``), ``"<name>:lora"`` with ``LORA``'s adapters on a frozen base
-    (``reference(lora=LORA)``); ``config`` replaces CONFIG."""
+    (``reference(lora=LORA)``), ``"<name>:save=2"`` stopping after step 2 with a checkpoint in
+    ``ckpt_dir``, ``"<name>:resume=2"`` starting at step 2 from it; ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
@@ -363,10 +378,24 @@ def run_layouts(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
             compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
             batch=batch, adamw=next((o[6:] for o in options if o.startswith("adamw=")), None),
             masked="masked" in options, lora=LORA if "lora" in options else None,
+            save=checkpoint_option(options, "save", ckpt_dir),
+            resume=checkpoint_option(options, "resume", ckpt_dir),
         )  # fmt: skip
         result["split"] = split
         out.append(result)
     return out
+
+
+def checkpoint_option(
+    options: list[str], kind: str, ckpt_dir: str | None
+) -> tuple[int, str] | None:
+    """``["save=2"]`` -> (2, "<ckpt_dir>/harness.ckpt"): the step and the checkpoint's path."""
+    step = next((int(o.split("=")[1]) for o in options if o.startswith(f"{kind}=")), None)
+    if step is None:
+        return None
+    if ckpt_dir is None:
+        raise ValueError(f"a {kind}= case needs run_layouts(..., ckpt_dir=...)")
+    return step, f"{ckpt_dir}/harness.ckpt"
 
 
 def split_of(options: list[str], schedule: str = "1f1b") -> StageSplit:

@@ -221,6 +221,13 @@ class GroupedExperts(nn.Module):
             for w in ("w1", "w3", "w2")
         }
 
+    @torch.no_grad()
+    def merge_adapters_(self) -> None:
+        """Each expert's ``w += scale * a @ b``, then ``b = 0`` (``lora.merge_``)."""
+        for w, (a, b) in self.adapters().items():
+            getattr(self, w).add_(torch.bmm(a, b).to(a.dtype), alpha=self.lora_scale)
+            b.zero_()
+
     def reset_parameters(self, std: float = 0.02) -> None:
         # Placeholder values from the global RNG; StageModel.init_weights gives the layout-free ones.
         for w in (self.w1, self.w3, self.w2):
