@@ -59,7 +59,8 @@ def state_bytes(
     for p in model.parameters():
         part = "expert" if id(p) in expert_ids else "non_expert"
         out[f"{part}_params"] += _nbytes([p])
-        out[f"{part}_grads"] += (grad_bytes or {}).get(id(p), _nbytes([p]))
+        if p.requires_grad:  # a frozen parameter (LoRA's base) gets no grad
+            out[f"{part}_grads"] += (grad_bytes or {}).get(id(p), _nbytes([p]))
     for group in optimizer.param_groups:
         for leaf in group["params"]:
             is_expert = _storage(dense.get(id(leaf), leaf)) in expert_storage

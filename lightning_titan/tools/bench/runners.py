@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
 from lightning_titan.parallel.pipeline.split import StageSplit
@@ -33,6 +34,7 @@ def build_stage(
     groups: ProcessGroups,
     device: torch.device,
     split: StageSplit | None = None,
+    lora: LoRA | None = None,
 ) -> StageModel:
     model = StageModel(
         config,
@@ -45,6 +47,7 @@ def build_stage(
         cp_group=groups.cp if dims.cp > 1 else None,
         sequence_group=groups.sequence if dims.cp > 1 and dims.tp > 1 else None,
         split=split,
+        lora=lora,
     )
     model.init_weights(SEED)
     return model.to(device)
@@ -66,8 +69,9 @@ class TitanRunner:
         bucket_cap_mb: float = 25.0,
         zero: int = 0,
         split: StageSplit | None = None,
+        lora: LoRA | None = None,
     ) -> None:
-        self.model = build_stage(config, dims, groups, device, split)
+        self.model = build_stage(config, dims, groups, device, split, lora)
         self.engine = Engine(
             self.model,
             dims,
@@ -78,7 +82,8 @@ class TitanRunner:
             zero=zero,
         )
         self.engine.broadcast_replicated()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
+        self.optimizer = torch.optim.AdamW(trained, lr=LR)
         self.engine.shard_optimizers([self.optimizer])  # zero=0: changes nothing
         self.train_step = TrainStep(self.engine, self.optimizer, max_norm=MAX_NORM)
         self.num_microbatches = num_microbatches

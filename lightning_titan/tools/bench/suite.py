@@ -10,6 +10,7 @@
     titan bench --routing   # only: grouped vs loop experts, FLOP/s vs the matmul peak, load balance
     titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1, zbv vs torch's (8 layers)
     titan bench --checkpoint --rounds 5  # only: training blocked by a save, at once vs in the background
+    titan bench --lora --d-model 256 --rounds 5  # only: LoRA vs a full fine-tune, state and step time
     titan bench --ep-overlap --shared-expert-dim 128 --rounds 5  # all-to-all exposed, before/after pairs
     titan bench --compile --rounds 9  # only: eager vs compiled, one rank, d_model 64/256/512
 
@@ -46,6 +47,7 @@ from lightning_titan.tools.bench import (
     schedule_report,
     timeline,
 )
+from lightning_titan.tools.bench import lora as lora_bench
 from lightning_titan.tools.bench.cases import (
     PAIRED,
     SCHEDULES_N_LAYERS,
@@ -143,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run only the checkpoint benchmark (tools/bench/checkpoint.py) into checkpoint.md/json: "
         "dp2 x pp2 x ep2, training blocked by a synchronous vs a background save",
+    )
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="run only the LoRA benchmark (tools/bench/lora.py) into lora.md/json: ep2, LoRA vs "
+        "a full fine-tune of the same model, state bytes and step time",
     )
     p.add_argument("--compile", action="store_true", help="only: eager vs compiled, one rank")
     p.add_argument("--mfu-d-models", type=int, nargs="+", default=[64, 256, 512])
@@ -268,21 +276,28 @@ def _routing_only(args: argparse.Namespace, argv: list[str], out: Path, load_bef
     return results
 
 
-def _checkpoint_only(
-    args: argparse.Namespace, argv: list[str], settings: Settings, out: Path, load_before: str
+def _one_bench(
+    bench: Any,
+    name: str,
+    args: argparse.Namespace,
+    argv: list[str],
+    settings: Settings,
+    out: Path,
+    load_before: str,
 ) -> dict:
+    """One of the benchmarks with a ``run`` and a ``markdown`` of their own (checkpoint, lora)."""
     started = time.perf_counter()
     command = "titan bench " + shlex.join(argv)
-    result = checkpoint_bench.run(
+    result = bench.run(
         settings.config, settings.global_batch, args.rounds, args.steps, args.timeout
     )
     result["machine"] = _machine(settings, args.note) + f"; load {load_before} -> {_load()}"
-    table = checkpoint_bench.markdown(result, command, result["machine"])
-    (out / "checkpoint.md").write_text(table + "\n")
-    (out / "checkpoint.json").write_text(json.dumps({"command": command, **result}, indent=1))
+    table = bench.markdown(result, command, result["machine"])
+    (out / f"{name}.md").write_text(table + "\n")
+    (out / f"{name}.json").write_text(json.dumps({"command": command, **result}, indent=1))
     print(table)
     wall = time.perf_counter() - started
-    print(f"titan bench: {wall:.0f} s; wrote {out.resolve()}/checkpoint.md, checkpoint.json")
+    print(f"titan bench: {wall:.0f} s; wrote {out.resolve()}/{name}.md, {name}.json")
     return result
 
 
@@ -316,7 +331,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.routing:
         return _routing_only(args, argv, out, load_before)
     if args.checkpoint:
-        return _checkpoint_only(args, argv, settings, out, load_before)
+        return _one_bench(checkpoint_bench, "checkpoint", args, argv, settings, out, load_before)
+    if args.lora:
+        return _one_bench(lora_bench, "lora", args, argv, settings, out, load_before)
     if args.compile:  # tools/bench/compile_cmp.py
         return compile_cmp.write(args, argv, out, _machine(settings, args.note))
 

@@ -1,0 +1,131 @@
+"""LoRA against a full fine-tune of the same model: trained parameters, state bytes, step time.
+
+    titan bench --lora                          # ep2 on 2 ranks, d_model 256, 5 rounds
+    titan bench --lora --rounds 9 --d-model 512
+
+On every rank, two runners of the same model and batches: the full fine-tune (every weight trains)
+and LoRA (``rank`` 16 on the attention projections and the routed experts; the base frozen). Each
+round times ``steps`` steps of one, then of the other; the round's number is the slowest rank's,
+and the ratio LoRA / full is paired per round. The state table is one rank's bytes (the
+``state_bytes`` the planner is held to).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.model.lora import LoRA
+from lightning_titan.parallel.mesh import ParallelDims, build_process_groups
+from lightning_titan.runtime.launch import run_on_ranks
+from lightning_titan.tools.bench.memory import state_bytes
+from lightning_titan.tools.bench.paired import Ratio, mark
+from lightning_titan.tools.bench.runners import TitanRunner
+
+LAYOUT = {"dp": 1, "pp": 1, "ep": 2}
+ADAPTERS = LoRA(rank=16, alpha=32.0, targets=("attention", "experts"))
+TARGET = 0.80  # LoRA's step at most this share of the full fine-tune's (no base weight grads)
+
+
+def _worker(
+    rank: int, world: int, config: ModelConfig, global_batch: int, rounds: int, steps: int
+) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    dims = ParallelDims(**LAYOUT, rank=rank)
+    groups = build_process_groups(dims)
+    runners = {
+        name: TitanRunner(
+            config,
+            dims,
+            groups,
+            torch.device("cpu"),
+            schedule="1f1b",
+            num_microbatches=1,
+            lora=lora,
+        )  # fmt: skip
+        for name, lora in (("full", None), ("lora", ADAPTERS))
+    }
+    b = global_batch // dims.data_world
+    g = torch.Generator().manual_seed(dims.data_rank)
+    tokens = torch.randint(0, config.vocab_size, (b, config.seq_len + 1), generator=g)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+
+    def timed(name: str) -> float:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            runners[name].step(*batch)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    for name in runners:  # warm-up: the optimizer state exists, the allocator is warm
+        timed(name)
+    rows = [{name: timed(name) for name in runners} for _ in range(rounds)]
+    state = {}
+    for name, runner in runners.items():
+        bytes_ = state_bytes(runner.model, runner.optimizer, runner.engine)
+        trained = sum(p.numel() for p in runner.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in runner.model.parameters())
+        state[name] = {**bytes_, "trained": trained, "total": total}
+        runner.close()
+    return {"rounds": rows, "state": state}
+
+
+def run(
+    config: ModelConfig, global_batch: int, rounds: int, steps: int, timeout_s: float
+) -> dict[str, Any]:
+    """The slowest rank's step per round for each, the paired ratio LoRA / full, rank 0's state."""
+    world = LAYOUT["dp"] * LAYOUT["pp"] * LAYOUT["ep"]
+    per_rank = run_on_ranks(
+        _worker, world, config, global_batch, rounds, steps, timeout_s=timeout_s
+    )
+    slowest = [
+        {k: max(r["rounds"][i][k] for r in per_rank) for k in ("full", "lora")}
+        for i in range(rounds)
+    ]
+    full = {"rounds_ms": [r["full"] for r in slowest]}
+    lora = {"rounds_ms": [r["lora"] for r in slowest]}
+    ratio = Ratio.of(lora, full)
+    return {
+        "rounds": slowest,
+        "median_ms": {k: statistics.median(r[k] for r in slowest) for k in ("full", "lora")},
+        "lora_over_full": ratio.cell,
+        "met": ratio.at_most(TARGET),
+        "state": per_rank[0]["state"],
+        "config": {
+            "d_model": config.d_model,
+            "ffn_dim": config.ffn_dim,
+            "n_experts": config.n_experts,
+            "seq_len": config.seq_len,
+        },  # fmt: skip
+    }
+
+
+def markdown(result: dict[str, Any], command: str, machine: str) -> str:
+    full, lora = result["state"]["full"], result["state"]["lora"]
+
+    def mib(part: dict, kind: str) -> str:
+        return f"{(part[f'expert_{kind}'] + part[f'non_expert_{kind}']) / 2**20:.2f}"
+
+    rows = [
+        f"| trained parameters | {full['trained']:,} | {lora['trained']:,} "
+        f"({lora['trained'] / lora['total']:.2%} of {lora['total']:,}) |",
+        *(
+            f"| {kind} (MiB, rank 0) | {mib(full, kind)} | {mib(lora, kind)} |"
+            for kind in ("params", "grads", "optimizer")
+        ),
+        f"| step (ms, slowest rank) | {result['median_ms']['full']:.0f} | "
+        f"{result['median_ms']['lora']:.0f} |",
+    ]
+    return "\n".join([
+        f"`{command}`", "", machine, "",
+        f"| ep2, {ADAPTERS.targets} rank {ADAPTERS.rank} | full fine-tune | LoRA |",
+        "|---|---|---|", *rows, "",
+        f"LoRA / full step time: {result['lora_over_full']} (target <= {TARGET:.2f}: "
+        f"{mark(result['met'])}). Medians of {len(result['rounds'])} rounds; ratio paired per "
+        "round, 90 % interval in brackets.",
+    ])  # fmt: skip
