@@ -139,7 +139,7 @@ def build_records(
             f"source {src.source!r} has no {data_format} record that fits seq_len + 1 = {window} tokens "
             f"({len(too_long)} skipped as longer); raise seq_len or give shorter records"
         )
-    stats = {}
+    stats: dict[str, dict[str, float]] = {}
     for split, records in out.items():
         if pack:
             rows = pack_records(records, window, tokenizer.eod_id)
