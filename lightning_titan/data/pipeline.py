@@ -60,8 +60,8 @@ class DataPipeline:
     num_proc: processes for tokenising while preparing (None: by size and cores).
     cache_dir: prepared data; default $LIGHTNING_TITAN_CACHE or ~/.cache/lightning_titan.
     format: "auto" (from the columns: text_column, else ``messages``, else ``prompt`` and
-        ``completion``), "text", "chat" or "prompt_completion" (instruction records, one per
-        sequence, map-style only; docs/finetuning.md).
+        ``completion``), "text", "chat" or "prompt_completion" (instruction records, packed
+        by default (``pack``), map-style only; docs/finetuning.md).
     train_on: instruction records: "responses" (the assistant turns / the completion are the only
         targets) or "all" (every token).
     pack: several documents a sequence, each attending only to itself with positions from 0
