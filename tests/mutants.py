@@ -1211,6 +1211,11 @@ MUTATIONS = {
                          "        labels[0] = IGNORE_INDEX\n",
                          "",
                          ["tests/unit/test_chat_data.py", "-k", "packed_records"]),
+    # records cached one a sequence by an older version served as if packed (never rebuilt)
+    "pack_stale_cache_served": ("lightning_titan/data/prepare.py",
+                                '    if "format" in meta and "packed" not in meta:',
+                                "    if False:",
+                                ["tests/unit/test_chat_data.py", "-k", "before_packing"]),
     # packed text: the end id's target (the next document's first token) still counted
     "pack_text_crossing_target": ("lightning_titan/data/packing.py",
                                   "    targets = targets.masked_fill(ends, IGNORE_INDEX)\n",

@@ -261,6 +261,22 @@ def test_packed_records_fill_windows_in_order_each_its_own_document(tmp_path, ca
     assert counted == sum(len(r) - 1 for r in records)  # each record's tokens but its first
 
 
+def test_records_prepared_before_packing_are_prepared_again(tmp_path, capfd):
+    """A cache of records prepared one a sequence by an older version (no ``packed`` in its
+    meta.json, under the same key as today's default) is rebuilt, not served unpacked."""
+    source = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "q:", "completion": "a"}] * 8)
+    pipe = _pipeline(source, tmp_path / "cache", global_batch_size=1)
+    assert pipe.corpus is not None
+    meta_file = pipe.corpus.path / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["packed"]
+    meta_file.write_text(json.dumps(meta))
+    capfd.readouterr()
+    again = _pipeline(source, tmp_path / "cache", global_batch_size=1)
+    assert again.corpus is not None and again.corpus.meta["packed"]
+    assert "prepared one a sequence, before packing): rebuilding it" in capfd.readouterr().err
+
+
 def test_packed_text_is_cut_into_documents_at_its_end_ids():
     from lightning_titan.data.packing import collate_windows
 
