@@ -181,7 +181,8 @@ def check_records(data: Any) -> None:
     if not isinstance(data, Namespace) or "class_path" in data or "source" not in data:
         return  # another data module, or given by class path: it checks its own data
     src = Source(data.source, data.text_column, data.source_config, data.source_split,
-                 data.max_bytes, data.get("format", "auto"), data.get("train_on", "responses"))  # fmt: skip
+                 data.max_bytes, data.get("format", "auto"), data.get("train_on", "responses"),
+                 data.get("pack"))  # fmt: skip
     try:
         check_options(src.data_format, src.train_on)
         records.check_records(src, data.cache_dir or default_cache_dir(), bool(data.streaming))

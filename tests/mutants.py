@@ -1157,8 +1157,8 @@ MUTATIONS = {
                             ["tests/unit/test_chat_data.py", "-k", "built_in_template"]),
     # instruction windows: the targets are the ids shifted, the labels ignored
     "chat_labels_ignored": ("lightning_titan/data/packing.py",
-                            "return windows[:, 0, :-1].contiguous(), windows[:, 1, 1:].contiguous()",
-                            "return windows[:, 0, :-1].contiguous(), windows[:, 0, 1:].contiguous()",
+                            "inputs, targets = windows[:, 0, :-1].contiguous(), windows[:, 1, 1:].contiguous()",
+                            "inputs, targets = windows[:, 0, :-1].contiguous(), windows[:, 0, 1:].contiguous()",
                             ["tests/unit/test_chat_data.py", "-k", "shifted_labels"]),
     # train_on left out of the prepared cache's key: train_on="all" reads the "responses" cache
     "chat_train_on_not_keyed": ("lightning_titan/data/prepare.py",
@@ -1235,6 +1235,42 @@ MUTATIONS = {
                               "        hf_load.load_stage(model, folder)\n",
                               "        model.init_weights(hparams[\"seed\"])\n",
                               ["tests/cli/test_lora_cli.py"]),
+    # packed documents: RoPE positions run on across a sequence instead of restarting per document
+    "docs_positions_not_restarted": ("lightning_titan/model/documents.py",
+                                     "    return index - first\n",
+                                     "    return index\n",
+                                     ["tests/unit/test_packed_documents.py"]),
+    # packed documents: a query also sees the earlier documents of its sequence
+    "docs_mask_crosses": ("lightning_titan/model/documents.py",
+                          "same_BQK = documents_BS[:, mine].unsqueeze(2) == documents_BS[:, keys].unsqueeze(1)",
+                          "same_BQK = documents_BS[:, mine].unsqueeze(2) >= documents_BS[:, keys].unsqueeze(1)",
+                          ["tests/unit/test_packed_documents.py"]),
+    # packed documents under CP: each rank's queries take the ids of the first S/cp positions, not
+    # of its two load-balanced chunks
+    "docs_cp_slice": ("lightning_titan/model/documents.py",
+                      "        mine = context_parallel.local_positions(seq_len, cp_group, device)\n",
+                      "        mine = context_parallel.local_positions(seq_len, None, device)[: seq_len // tp_size(cp_group)]\n",
+                      ["tests/distributed/test_equivalence.py", "-k", "2]"]),
+    # packed documents under PP: the stages after the embedding's run without the ids
+    "docs_first_stage_only": ("lightning_titan/parallel/pipeline/stage.py",
+                              "            documents = None if self.documents is None else self.documents[i]\n",
+                              "            documents = None if self.documents is None or not self.embeds(chunk) else self.documents[i]\n",
+                              ["tests/distributed/test_equivalence.py", "-k", "2]"]),
+    # packed records: a record's first token stays the previous record's last token's target
+    "pack_first_label": ("lightning_titan/data/records.py",
+                         "        labels[0] = IGNORE_INDEX\n",
+                         "",
+                         ["tests/unit/test_chat_data.py", "-k", "packed_records"]),
+    # records cached one a sequence by an older version served as if packed (never rebuilt)
+    "pack_stale_cache_served": ("lightning_titan/data/prepare.py",
+                                '    if "format" in meta and "packed" not in meta:',
+                                "    if False:",
+                                ["tests/unit/test_chat_data.py", "-k", "before_packing"]),
+    # packed text: the end id's target (the next document's first token) still counted
+    "pack_text_crossing_target": ("lightning_titan/data/packing.py",
+                                  "    targets = targets.masked_fill(ends, IGNORE_INDEX)\n",
+                                  "",
+                                  ["tests/unit/test_chat_data.py", "-k", "packed_text"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

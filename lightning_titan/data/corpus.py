@@ -41,6 +41,9 @@ class Source:
     train_on: str = (
         "responses"  # responses | all: the targets of chat and prompt/completion records
     )
+    # several documents a sequence, each attending to itself only (None: the format's default,
+    # packed for chat and prompt/completion records, not for text; data/records.py)
+    pack: bool | None = None
 
     @property
     def byte_cap(self) -> int | None:

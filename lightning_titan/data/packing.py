@@ -1,9 +1,13 @@
-"""Packing: documents joined by the end-of-document id, cut into windows of S+1 tokens."""
+"""Packing: documents joined by the end-of-document id, cut into windows of S+1 tokens; and the
+batches a loader serves (``collate_windows``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from lightning_titan.parallel.batching import PackedBatch
+from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX
 
 
 class Packer:
@@ -54,9 +58,13 @@ def split_inputs_targets(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-def collate_windows(items: list | torch.Tensor | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def collate_windows(
+    items: list | torch.Tensor | np.ndarray, text_eod_id: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | PackedBatch:
     """DataLoader collate: a stacked [b, S+1] block (``__getitems__``) or a list of [S+1] windows;
-    [b, 2, S+1] (ids, labels) for instruction records: the targets are the labels shifted by one."""
+    [b, 2, S+1] (ids, labels) for instruction records: the targets are the labels shifted by one;
+    [b, 3, S+1] (ids, labels, document ids) for packed records: a PackedBatch. ``text_eod_id``:
+    plain text packed with document boundaries (``text_documents``)."""
     if isinstance(items, np.ndarray):
         windows = torch.from_numpy(items)
     elif isinstance(items, torch.Tensor):
@@ -65,5 +73,20 @@ def collate_windows(items: list | torch.Tensor | np.ndarray) -> tuple[torch.Tens
         windows = torch.stack([torch.as_tensor(w) for w in items])
     if windows.dim() == 3:
         windows = windows.long()
-        return windows[:, 0, :-1].contiguous(), windows[:, 1, 1:].contiguous()
-    return split_inputs_targets(windows)
+        inputs, targets = windows[:, 0, :-1].contiguous(), windows[:, 1, 1:].contiguous()
+        if windows.shape[1] == 3:
+            return PackedBatch(inputs, targets, windows[:, 2, :-1].contiguous())
+        return inputs, targets
+    inputs, targets = split_inputs_targets(windows)
+    if text_eod_id is None:
+        return inputs, targets
+    return text_documents(inputs, targets, text_eod_id)
+
+
+def text_documents(inputs: torch.Tensor, targets: torch.Tensor, eod_id: int) -> PackedBatch:
+    """Plain text with document boundaries: a document ends with its end-of-document id, the next
+    starts after it; the end id's target (the next document's first token) is not counted."""
+    ends = inputs == eod_id
+    documents = torch.cumsum(ends, dim=1) - ends.long()  # the end id belongs to its document
+    targets = targets.masked_fill(ends, IGNORE_INDEX)
+    return PackedBatch(inputs, targets, documents)

@@ -9,6 +9,7 @@ the same B sequences for every layout (see sampler.py). Streaming: see streaming
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,13 @@ class DataPipeline:
     num_proc: processes for tokenising while preparing (None: by size and cores).
     cache_dir: prepared data; default $LIGHTNING_TITAN_CACHE or ~/.cache/lightning_titan.
     format: "auto" (from the columns: text_column, else ``messages``, else ``prompt`` and
-        ``completion``), "text", "chat" or "prompt_completion" (instruction records, one per
-        sequence, map-style only; docs/finetuning.md).
+        ``completion``), "text", "chat" or "prompt_completion" (instruction records, packed
+        by default (``pack``), map-style only; docs/finetuning.md).
     train_on: instruction records: "responses" (the assistant turns / the completion are the only
         targets) or "all" (every token).
+    pack: several documents a sequence, each attending only to itself with positions from 0
+        (None: the format's default: chat and prompt/completion records packed, text not; text
+        packed is cut into documents at its end-of-document ids; docs/finetuning.md).
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class DataPipeline:
         cache_dir: str | None = None,
         format: str = "auto",
         train_on: str = "responses",
+        pack: bool | None = None,
     ) -> None:
         super().__init__()  # cooperative: in TitanDataModule, the LightningDataModule's
         check_args(seq_len, global_batch_size, val_fraction, streaming, num_workers, shuffle_buffer)
@@ -103,8 +108,10 @@ class DataPipeline:
         self.cache_dir = cache_dir or default_cache_dir()
         self.tokenizer_spec = tokenizer
         self.model_folder: str | None = None  # TitanLM's init_from (use_model_folder)
+        if pack is not None and not isinstance(pack, bool):
+            raise ValueError(f"pack={pack!r} must be true, false or null (the format's default)")
         self.src = Source(
-            source, text_column, source_config, source_split, max_bytes, format, train_on
+            source, text_column, source_config, source_split, max_bytes, format, train_on, pack
         )
         self.corpus: PackedCorpus | None = None
         self._bound: tuple[int, int] | None = None
@@ -303,13 +310,17 @@ class DataPipeline:
 
     def _loader(self, dataset: Dataset, sampler: LayoutFreeSampler | None = None) -> DataLoader:
         workers = 0 if self.streaming else self.num_workers
+        collate: Callable = collate_windows
+        text = self.streaming or "format" not in self._require_corpus().meta
+        if self.src.pack and text:  # plain text cut into documents at its end ids
+            collate = functools.partial(collate_windows, text_eod_id=self.tokenizer.eod_id)
         return DataLoader(
             dataset,
             batch_size=self.local_batch_size,
             sampler=sampler,
             drop_last=True,
             num_workers=workers,
-            collate_fn=collate_windows,
+            collate_fn=collate,
             persistent_workers=workers > 0,
         )
 

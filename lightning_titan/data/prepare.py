@@ -27,7 +27,7 @@ from filelock import FileLock
 from lightning_titan.data.corpus import Source, check_text_column, is_validation, load_documents
 from lightning_titan.data.packing import Packer
 from lightning_titan.data.readable import as_text, check_text_feature
-from lightning_titan.data.records import build_records, resolve_format
+from lightning_titan.data.records import build_records, records_packed, resolve_format
 from lightning_titan.data.tokenizer import Tokenizer, token_dtype
 
 FORMAT_VERSION = 1
@@ -65,6 +65,8 @@ def cache_key(src: Source, tokenizer: Tokenizer, seq_len: int, val_fraction: flo
         "responses",
     ):  # auto: the files decide the format
         spec["records"] = [src.data_format, src.train_on]
+    if src.pack is not None:
+        spec["pack"] = src.pack
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -147,6 +149,8 @@ def load_packed(path: Path) -> PackedCorpus:
         raise DamagedCache(path, f"{type(err).__name__}: {str(err)[:200]}") from err
     if rows != want:  # an Arrow stream cut at a batch boundary still loads, short
         raise DamagedCache(path, f"it holds {rows} sequences, its meta.json says {want}")
+    if "format" in meta and "packed" not in meta:  # records prepared before they could be packed
+        raise DamagedCache(path, "its records were prepared one a sequence, before packing")
     return corpus
 
 
@@ -179,11 +183,15 @@ def _build(
 ) -> None:
     data_format = resolve_format(src, cache_dir)
     if data_format != "text":
-        stats = build_records(src, data_format, tokenizer, seq_len, val_fraction, cache_dir, work)
+        pack = records_packed(src.pack)
+        stats = build_records(
+            src, data_format, tokenizer, seq_len, val_fraction, cache_dir, work, pack=pack
+        )
         records = {
             split: datasets.Dataset.from_file(str(work / f"{split}.arrow")) for split in SPLITS
         }
         about = {"format": data_format, "train_on": src.train_on, "seq_len": seq_len}
+        about["packed"] = pack
         vocab = {"vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
         _save(records, {**about, **vocab, **stats}, work)
         return

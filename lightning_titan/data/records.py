@@ -1,9 +1,14 @@
-"""Map-style preparation of instruction records (chat, prompt/completion): one record per window.
+"""Map-style preparation of instruction records (chat, prompt/completion) into windows of S+1.
 
-A window holds one rendered record, padded to S+1 with the end-of-document id, next to its labels
-(IGNORE_INDEX on the prompt side and the padding): a record attends to itself only, so no document
-mask is needed. Policy for bad records: a malformed one stops preparation with its file and line; one
-longer than the window is skipped, counted and reported (cutting it would train on a cut answer).
+Packed (the default for records): records are laid into a window in order while they fit, and the
+window is padded to S+1 with the end-of-document id once the next record does not; a third column
+holds each token's document id (the padding one more document), from which the model attends
+within a document only and restarts RoPE positions (``model/documents.py``). A record's first label
+is IGNORE_INDEX: it would be the previous record's last token's target, across the boundary.
+Unpacked: one record a window, padded; a record then attends to itself only without any mask.
+Either way the labels are IGNORE_INDEX on the prompt side and the padding. Policy for bad records: a
+malformed one stops preparation with its file and line; one longer than the window is skipped,
+counted and reported (cutting it would train on a cut answer).
 """
 
 from __future__ import annotations
@@ -25,6 +30,13 @@ from lightning_titan.data.tokenizer import Tokenizer, token_dtype
 from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX
 
 Record = tuple[str, object]  # (where: "file:line" or "row i", the parsed record)
+Window = tuple[np.ndarray, ...]  # ids, labels[, document ids], each [S+1]
+
+
+def records_packed(pack: bool | None) -> bool:
+    """Whether records are packed: as asked, else yes (with per-document attention packing changes
+    no record's loss, and a window of one short record is mostly padding)."""
+    return True if pack is None else pack
 
 
 def resolve_format(src: Source, cache_dir: str) -> str:
@@ -97,9 +109,10 @@ def build_records(
     val_fraction: float,
     cache_dir: str,
     work: Path,
+    pack: bool = False,
 ) -> dict[str, dict]:
-    """Render every record into windows of ``seq_len + 1`` ids and labels, one Arrow file per split
-    under ``work``; returns each split's stats."""
+    """Render every record into windows of ``seq_len + 1`` ids and labels (and document ids when
+    ``pack``), one Arrow file per split under ``work``; returns each split's stats."""
     window = seq_len + 1
     out: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "validation": []}
     tokens = {"train": 0, "validation": 0}
@@ -112,7 +125,7 @@ def build_records(
             too_long.append(f"{where} ({len(rendered.ids)} tokens)")
             continue
         split = "validation" if is_validation(_key(record), val_fraction) else "train"
-        out[split].append(_pad(rendered.ids, rendered.labels, window, tokenizer.eod_id))
+        out[split].append((rendered.ids, rendered.labels))
         tokens[split] += len(rendered.ids)
     kept = len(out["train"]) + len(out["validation"])
     if too_long:
@@ -126,13 +139,60 @@ def build_records(
             f"source {src.source!r} has no {data_format} record that fits seq_len + 1 = {window} tokens "
             f"({len(too_long)} skipped as longer); raise seq_len or give shorter records"
         )
-    stats = {}
-    for split, rows in out.items():
-        _write(work / f"{split}.arrow", rows, window, tokenizer.vocab_size)
-        n = len(rows)
-        stats[split] = {"documents": n, "tokens": tokens[split], "sequences": n, "tail": 0}
+    stats: dict[str, dict[str, float]] = {}
+    for split, records in out.items():
+        if pack:
+            rows = pack_records(records, window, tokenizer.eod_id)
+        else:
+            rows = [_pad(ids, labels, window, tokenizer.eod_id) for ids, labels in records]
+        _write(work / f"{split}.arrow", rows, window, tokenizer.vocab_size, pack)
+        n = len(records)
+        stats[split] = {"documents": n, "tokens": tokens[split], "sequences": len(rows), "tail": 0}
         stats[split]["skipped_too_long"] = len(too_long) if split == "train" else 0
+        # the share of the windows' tokens that are records' (the rest is padding)
+        stats[split]["packing_efficiency"] = round(tokens[split] / max(1, len(rows) * window), 4)
+    if pack:
+        train = stats["train"]
+        print(
+            f"packed {train['documents']} {data_format} records into {train['sequences']} "
+            f"sequences of seq_len + 1 = {window} tokens: packing efficiency "
+            f"{train['packing_efficiency']:.1%} (the share of tokens that are not padding)",
+            file=sys.stderr,
+        )
     return stats
+
+
+def pack_records(
+    records: list[tuple[np.ndarray, np.ndarray]], window: int, pad_id: int
+) -> list[Window]:
+    """Records (ids, labels), each at most ``window`` long, laid in order into windows: a record
+    goes into the current window if it fits, else the window is padded and a new one started.
+    Returns (ids, labels, document ids) per window; a record's first label is IGNORE_INDEX (the
+    previous record's last token would predict it), the padding is one more document."""
+    windows: list[Window] = []
+    ids_w, labels_w, docs_w = (np.empty(0, np.int64),) * 3
+    for ids, labels in records:
+        if len(ids_w) + len(ids) > window:
+            windows.append(_pad_packed(ids_w, labels_w, docs_w, window, pad_id))
+            ids_w, labels_w, docs_w = (np.empty(0, np.int64),) * 3
+        labels = labels.copy()
+        labels[0] = IGNORE_INDEX
+        document = np.full(len(ids), docs_w[-1] + 1 if len(docs_w) else 0, np.int64)
+        ids_w = np.concatenate([ids_w, ids])
+        labels_w = np.concatenate([labels_w, labels])
+        docs_w = np.concatenate([docs_w, document])
+    if len(ids_w):
+        windows.append(_pad_packed(ids_w, labels_w, docs_w, window, pad_id))
+    return windows
+
+
+def _pad_packed(
+    ids: np.ndarray, labels: np.ndarray, docs: np.ndarray, window: int, pad_id: int
+) -> Window:
+    ids_w, labels_w = _pad(ids, labels, window, pad_id)
+    docs_w = np.full(window, docs[-1] + 1, dtype=np.int64)  # the padding: a document of its own
+    docs_w[: len(docs)] = docs
+    return ids_w, labels_w, docs_w
 
 
 def check_records(src: Source, cache_dir: str, streaming: bool = False) -> None:
@@ -186,22 +246,19 @@ def _pad(
     return ids_w, labels_w
 
 
-def _write(
-    path: Path, rows: list[tuple[np.ndarray, np.ndarray]], window: int, vocab_size: int
-) -> None:
-    """Two fixed-size list columns: ``input_ids`` (the tokenizer's dtype) and ``labels`` (int32)."""
+def _write(path: Path, rows: list[Window], window: int, vocab_size: int, pack: bool) -> None:
+    """Fixed-size list columns: ``input_ids`` (the tokenizer's dtype) and ``labels`` (int32), and
+    ``documents`` (int32) when packed."""
     dtype = token_dtype(vocab_size)
-    ids = np.stack([r[0] for r in rows]) if rows else np.empty((0, window), dtype=np.int64)
-    labels = np.stack([r[1] for r in rows]) if rows else np.empty((0, window), dtype=np.int64)
-    columns = [
-        pa.FixedSizeListArray.from_arrays(pa.array(ids.astype(dtype).ravel()), window),
-        pa.FixedSizeListArray.from_arrays(pa.array(labels.astype(np.int32).ravel()), window),
-    ]
-    schema = pa.schema(
-        [
-            ("input_ids", pa.list_(pa.from_numpy_dtype(dtype), window)),
-            ("labels", pa.list_(pa.int32(), window)),
-        ]
-    )
+    kinds = [("input_ids", dtype), ("labels", np.dtype(np.int32))]
+    kinds += [("documents", np.dtype(np.int32))] if pack else []
+    columns, fields = [], []
+    for i, (name, kind) in enumerate(kinds):
+        values = np.stack([r[i] for r in rows]) if rows else np.empty((0, window), np.int64)
+        columns.append(
+            pa.FixedSizeListArray.from_arrays(pa.array(values.astype(kind).ravel()), window)
+        )
+        fields.append((name, pa.list_(pa.from_numpy_dtype(kind), window)))
+    schema = pa.schema(fields)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         writer.write_batch(pa.record_batch(columns, schema))

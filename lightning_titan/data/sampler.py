@@ -98,6 +98,9 @@ class PackedSequences(Dataset):
         # instruction records (records.py) carry their labels; plain text's targets are its ids
         has_labels = "labels" in self._dataset.column_names
         self._label_chunks = self._column("labels") if has_labels else None
+        # packed records: each token's document id (records.py)
+        has_documents = "documents" in self._dataset.column_names
+        self._document_chunks = self._column("documents") if has_documents else None
         sizes = [len(c) for c in self._chunks]
         self._starts = np.cumsum([0, *sizes])
 
@@ -116,12 +119,16 @@ class PackedSequences(Dataset):
 
     def __getitems__(self, indices: list[int]) -> np.ndarray:
         """A whole batch at once; the DataLoader calls this instead of one ``__getitem__`` per row.
-        [b, S+1] ids, or [b, 2, S+1] ids and labels where the split has labels."""
+        [b, S+1] ids, or [b, 2, S+1] ids and labels where the split has labels, or [b, 3, S+1]
+        ids, labels and document ids where its records are packed."""
         idx = np.asarray(indices, dtype=np.int64)
         ids = self._rows(self._chunks, idx)
         if self._label_chunks is None:
             return ids
-        return np.stack([ids.astype(np.int64), self._rows(self._label_chunks, idx)], axis=1)
+        rows = [ids.astype(np.int64), self._rows(self._label_chunks, idx).astype(np.int64)]
+        if self._document_chunks is not None:
+            rows.append(self._rows(self._document_chunks, idx).astype(np.int64))
+        return np.stack(rows, axis=1)
 
     def _rows(self, chunks: list[np.ndarray], idx: np.ndarray) -> np.ndarray:
         if len(chunks) == 1:

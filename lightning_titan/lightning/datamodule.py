@@ -39,6 +39,7 @@ class TitanDataModule(DataPipeline, L.LightningDataModule):
         cache_dir: str | None = None,
         format: str = "auto",
         train_on: str = "responses",
+        pack: bool | None = None,
     ) -> None:
         # the signature is written out (not **kwargs): LightningCLI and the reference read it
         super().__init__(
@@ -61,6 +62,7 @@ class TitanDataModule(DataPipeline, L.LightningDataModule):
             cache_dir=cache_dir,
             format=format,
             train_on=train_on,
+            pack=pack,
         )
         # `seed` is left out: TitanLM has a `seed` hparam too, and Lightning refuses to log two different
         # values under one key (the data seed is in this module's state_dict in every checkpoint instead)

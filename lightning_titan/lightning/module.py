@@ -19,6 +19,7 @@ from lightning_titan.lightning.strategy import TitanStrategy
 from lightning_titan.model import compiled, flops
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.lora import LoRA
+from lightning_titan.parallel.batching import unpack_batch
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD
 from lightning_titan.parallel.pipeline.split import StageSplit
@@ -242,7 +243,7 @@ class TitanLM(L.LightningModule):
         )
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        inputs, targets = batch
+        inputs, targets, documents = unpack_batch(batch)  # documents: packed records' ids
         strategy, start = self.strategy, time.perf_counter()
         # the whole step (train/step.py): every microbatch's forward and backward in the schedule's
         # order, the grads reduced (overlapped with the last backward), checked and clipped, the
@@ -256,6 +257,7 @@ class TitanLM(L.LightningModule):
             self.loss_fn,
             backward=self.manual_backward,
             index=self.global_step,
+            documents=documents,
         )
 
         tokens = inputs.numel() * strategy.parallel_dims.data_world
@@ -285,10 +287,15 @@ class TitanLM(L.LightningModule):
             self.log(name, torch.tensor(float(value)), prog_bar=name in _PROGRESS_BAR)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        inputs, targets = batch
+        inputs, targets, documents = unpack_batch(batch)
         strategy = self.strategy
         step = strategy.engine.forward_only(
-            self.stage, inputs, targets, self._microbatches(inputs), self.loss_fn
+            self.stage,
+            inputs,
+            targets,
+            self._microbatches(inputs),
+            self.loss_fn,
+            documents=documents,
         )
         self.val_loss.update(step.loss)
 

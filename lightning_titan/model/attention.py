@@ -157,8 +157,10 @@ class Attention(nn.Module):
             self.k_norm = FullQKNorm(k_dim, k_dim * tp, config.norm_eps, tp_group)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
-        """``mask``: additive (``sinks.sdpa_mask``; with sinks, the sink's column first) under
-        context parallelism and on window layers, else None: causal by order."""
+        """``cos``/``sin`` [S, hd], or [b, 1, S, hd] for packed documents (each document's
+        positions); ``mask``: additive (``sinks.sdpa_mask``; with sinks, the sink's column first)
+        [S_q, S_k] under context parallelism and on window layers, [b, 1, S_q, S_k] for packed
+        documents (``model/documents.py``), else None: causal by order."""
         x = gather_sequence(x, self.tp_group)
         b, s, _ = x.shape
         q_BSC, k_BSC, v_BSC = self.wq(x), self.wk(x), self.wv(x)

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_titan.model import lora as adapters
 from lightning_titan.model.attention import Attention, RMSNorm, apply_rope, rope_cos_sin
 from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.documents import document_masks
 from lightning_titan.model.init import init_adapters, init_weights
 from lightning_titan.model.lora import LoRA
 from lightning_titan.model.mla import MLAttention
@@ -255,7 +256,11 @@ class StageModel(nn.Module):
         """Whether chunk ``chunk`` ends with the final norm and the LM head (returns logits)."""
         return chunk == self.head_chunk
 
-    def forward(self, x: Tensor, chunk: int = 0) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, chunk: int = 0, documents: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``documents`` [b, S]: each token's document id in a packed batch, whole on every CP rank
+        and every stage (``model/documents.py``); None: one document a sequence."""
         if self.embeds(chunk):
             if x.dim() != 2 or x.dtype != torch.long:
                 raise ValueError(
@@ -271,11 +276,22 @@ class StageModel(nn.Module):
             seq_len = x.shape[1] * tp_size(self.tp_group) * tp_size(self.cp_group)
         cos, sin = self._rope(seq_len, x.device)
         mask = window_mask = None
-        if tp_size(self.cp_group) > 1:  # RoPE and the causal mask by the tokens' global positions
+        if documents is not None:  # block-diagonal by document, RoPE from each document's start
+            if documents.shape != (x.shape[0], seq_len):
+                raise ValueError(
+                    f"documents {tuple(documents.shape)} do not fit the batch [{x.shape[0]}, {seq_len}]; "
+                    "pass the whole sequences' ids (not a CP rank's slice)"
+                )
+            within, mask, window_mask = document_masks(
+                documents, self.cp_group, self.sliding_window
+            )
+            cos, sin = cos[within].unsqueeze(1), sin[within].unsqueeze(1)  # [b, 1, S/cp, dim]
+        elif tp_size(self.cp_group) > 1:  # RoPE and the causal mask by the tokens' global positions
             mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)
             keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
             cos, sin, mask = cos[mine], sin[mine], attend_mask(mine, keys, 0)
-        if self.sliding_window:  # gpt-oss's window layers, by global positions too
+        # gpt-oss's window layers, by global positions (by document: document_masks)
+        if self.sliding_window and documents is None:
             mine = keys = torch.arange(seq_len, device=x.device)
             if tp_size(self.cp_group) > 1:
                 mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)

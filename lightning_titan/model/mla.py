@@ -95,8 +95,9 @@ class MLAttention(nn.Module):
         return apply_rope(x, cos, sin)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
-        """``cos``/``sin`` [S, qk_rope_head_dim] of this rank's positions; ``mask`` [S_q, S_k] additive
-        (``sinks.sdpa_mask``) under context parallelism, else None: causal by order."""
+        """``cos``/``sin`` [S, qk_rope_head_dim] of this rank's positions ([b, 1, S, ...] for packed
+        documents); ``mask`` [S_q, S_k] additive (``sinks.sdpa_mask``) under context parallelism,
+        [b, 1, S_q, S_k] for packed documents (``model/documents.py``), else None: causal by order."""
         x = gather_sequence(x, self.tp_group)
         b, s, _ = x.shape
         if hasattr(self, "q_proj"):

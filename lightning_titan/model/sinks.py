@@ -64,7 +64,8 @@ SINK_CHANNELS = 8
 def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks_H: Tensor, mask: Tensor | None) -> Tensor:
     """Softmax attention of ``q`` [b, H, S_q, hd] over ``k``, ``v`` [b, H, S_k, hd] (heads repeated
     for GQA) with the sink logit ``sinks_H`` [H] of each head in every query's denominator; ``mask``
-    [S_q, 1 + S_k] additive with the sink's column first (``sdpa_mask(..., sink=True)``), None:
+    [S_q, 1 + S_k] (packed documents: [b, 1, S_q, 1 + S_k]) additive with the sink's column first
+    (``sdpa_mask(..., sink=True)``), None:
     causal by order. Scaled by 1/sqrt(hd), as transformers'
     gpt-oss attention.
 

@@ -8,7 +8,26 @@ the data module call these functions instead of checking on their own.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from torch import Tensor
+
+
+class PackedBatch(NamedTuple):
+    """A batch of packed documents (``data/records.py``, ``model/documents.py``): the plain
+    ``(inputs, targets)`` [b, S] and each token's document id [b, S]. A plain batch stays the pair."""
+
+    inputs: Tensor
+    targets: Tensor
+    documents: Tensor
+
+
+def unpack_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(inputs, targets, documents or None)`` of a loader's batch: the pair, or a PackedBatch."""
+    if isinstance(batch, PackedBatch):
+        return batch.inputs, batch.targets, batch.documents
+    inputs, targets = batch
+    return inputs, targets, None
 
 
 def local_batch_size(global_batch_size: int, data_world: int, ranks: str = "dp*ep") -> int:

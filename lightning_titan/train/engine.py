@@ -168,11 +168,13 @@ class Engine:
         *,
         backward: Callable[[Tensor], None] | None = None,
         tracer: Callable[[str, int, int], object] | None = None,
+        documents: Tensor | None = None,
     ) -> StepLoss:
         """One step's forward and backward over ``num_microbatches`` with the schedule; grads are reduced
         during the last backward (overlapped; the stage runs the others under ``no_sync``), finished
         by ``finish_gradients``. The result carries the MoE layers' routing counts of these
-        forwards (a count left by a forward outside a step is dropped first)."""
+        forwards (a count left by a forward outside a step is dropped first). ``documents`` [b, S]:
+        a packed batch's document ids (``model/documents.py``), None: one document a sequence."""
         take_step_counts(stage_model)
         stage = PipelineStage(
             stage_model,
@@ -185,6 +187,7 @@ class Engine:
             backward=backward,
             accumulate=self.no_sync,
             tracer=tracer,
+            documents=documents,
         )
         sums = stage.run(self.schedule)
         counts = take_step_counts(stage_model)
@@ -201,11 +204,19 @@ class Engine:
         targets: Tensor,
         num_microbatches: int,
         loss_fn: LossFn,
+        documents: Tensor | None = None,
     ) -> StepLoss:
         links = self._links(stage_model, inputs.device)
         objective = self._objective(loss_fn, inputs, targets)
         stage = PipelineStage(
-            stage_model, self.dims, links, inputs, targets, num_microbatches, objective
+            stage_model,
+            self.dims,
+            links,
+            inputs,
+            targets,
+            num_microbatches,
+            objective,
+            documents=documents,
         )
         return global_means(stage.run(None), inputs.shape[0], self.dims.data_world)
 

@@ -103,16 +103,24 @@ class TrainStep:
         *,
         backward: Callable[[Tensor], None] | None = None,
         index: int = 0,
+        documents: Tensor | None = None,
     ) -> StepResult:
         """The whole step on this rank's batch ``inputs``/``targets`` [b, S]. ``backward``: how a
         loss is back-propagated (Lightning's ``manual_backward``; None: ``Tensor.backward``);
-        ``index``: the step's number, for messages."""
+        ``index``: the step's number, for messages; ``documents`` [b, S]: a packed batch's
+        document ids (``model/documents.py``)."""
 
         def forward_backward() -> StepLoss:
             # every microbatch's forward and backward, in the schedule's order; the reducers
             # all-reduce the grads while the last backward runs
             return self.engine.forward_backward(
-                stage, inputs, targets, num_microbatches, loss_fn, backward=backward
+                stage,
+                inputs,
+                targets,
+                num_microbatches,
+                loss_fn,
+                backward=backward,
+                documents=documents,
             )
 
         return self.update(forward_backward, index=index)

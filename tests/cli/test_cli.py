@@ -522,7 +522,8 @@ def test_export_loads_in_transformers_with_our_logits(runs, tmp_path):
 @pytest.mark.timeout(300)
 def test_titan_fit_trains_on_chat_and_prompt_completion_records(tmp_path):
     """A folder of a chat file and a prompt/completion file (format auto: each record as its fields
-    say), one launch: the loss of the answers only is finite and the run ends well."""
+    say), one launch: the loss of the answers only is finite and the run ends well; the records
+    are packed (the default), several a sequence, and the packing efficiency is said."""
     (tmp_path / "sft").mkdir()
     chat = [{"messages": [{"role": "system", "content": "Add one."},
                           {"role": "user", "content": f"{i}"},
@@ -530,10 +531,13 @@ def test_titan_fit_trains_on_chat_and_prompt_completion_records(tmp_path):
     pairs = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(40)]
     for name, rows in (("chat.jsonl", chat), ("pairs.jsonl", pairs)):
         (tmp_path / "sft" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    titan_fit(tmp_path, config("single"), "sft", FORK, f"--data.source={tmp_path / 'sft'}",
-              "--data.val_fraction=0.2", "--data.global_batch_size=8", steps=2)  # fmt: skip
+    out = titan_fit(tmp_path, config("single"), "sft", FORK, f"--data.source={tmp_path / 'sft'}",
+                    "--data.val_fraction=0.2", "--data.global_batch_size=4", steps=2)  # fmt: skip
     losses = curve(tmp_path, "sft")
     assert sorted(losses) == [0, 1] and all(math.isfinite(v) for v in losses.values()), losses
     assert math.isfinite(curve(tmp_path, "sft", "val_loss")[1])
     meta = json.loads(next((tmp_path / "cache" / "packed").glob("*/meta.json")).read_text())
-    assert meta["train"]["sequences"] + meta["validation"]["sequences"] == 80
+    assert meta["packed"] and meta["train"]["documents"] + meta["validation"]["documents"] == 80
+    assert meta["train"]["sequences"] < meta["train"]["documents"]  # several records a sequence
+    efficiency = meta["train"]["packing_efficiency"]
+    assert f"packing efficiency {efficiency:.1%}" in out, out[-3000:]

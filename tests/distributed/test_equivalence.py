@@ -25,7 +25,8 @@ OVERLAP cases run the schedules that overlap one microbatch's forward with anoth
 (1f1b_overlap on one stage, DualPipeV on the V), each rank's two halves handing the rank over at every
 all-to-all they start (checked: they did, and no other schedule did).
 ADAMW cases run ZeRO under torch's foreach and fused AdamW; MASKED cases train on targets partly
-ignored (-100), whose loss is the mean over the step's counted targets.
+ignored (-100), whose loss is the mean over the step's counted targets. PACKED cases pack several
+documents a sequence (block-diagonal causal attention, RoPE from each document's start).
 """
 
 import pytest
@@ -81,6 +82,21 @@ MASKED = {
     ],
     4: [((2, 1, 2), "1f1b:masked:zero2", 2), ((1, 2, 2), "dualpipev:masked", 4)],
     8: [((2, 2, 2), "1f1b:masked", 2)],
+}
+# Packed documents (several a sequence, attention and RoPE positions per document; the targets
+# that would cross a document left out; reference(packed=True)): the ids reach every stage, are cut
+# like the tokens under CP, and hold for sinks with window layers (gpt_oss) and MLA (deepseek)
+PACKED = {
+    2: [
+        ((2, 1, 1), "1f1b:packed", 2),
+        ((1, 2, 1), "1f1b:packed", 2),
+        ((1, 1, 1, 2), "1f1b:packed", 1),
+        ((1, 1, 1, 1, 2), "1f1b:packed", 1),
+        ((1, 1, 1, 1, 2), "1f1b:packed", 1, "gpt_oss"),
+        ((1, 1, 1, 1, 2), "1f1b:packed", 1, "deepseek"),
+    ],
+    4: [((2, 1, 2), "1f1b:packed", 2), ((1, 2, 1, 1, 2), "1f1b:packed", 2, "gpt_oss")],
+    8: [],
 }
 # Tensor parallelism with sequence parallelism, composed with the other axes: (dp, pp, ep, tp)
 TP = {
@@ -291,6 +307,16 @@ def masked_ref(ref):
 
 
 @pytest.fixture(scope="module")
+def packed_refs(ref):
+    """The packed single-process runs: CONFIG's (under None) and the families' in PACKED."""
+    names = {c[3] for cases in PACKED.values() for c in cases if len(c) > 3}
+    out = {name: reference(FAMILY_CONFIGS[name], packed=True) for name in names}
+    out[None] = reference(packed=True)
+    assert out[None]["loss"] != ref["loss"], "packing must change the losses to be tested"
+    return out
+
+
+@pytest.fixture(scope="module")
 def deep_ref():
     return reference(DEEP_CONFIG)
 
@@ -307,7 +333,7 @@ def capacity_ref(ref):
 @pytest.mark.timeout(620)
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_every_layout_equals_one_process(
-    ref, bias_ref, deep_ref, capacity_ref, family_refs, wide_ref, masked_ref, world
+    ref, bias_ref, deep_ref, capacity_ref, family_refs, wide_ref, masked_ref, packed_refs, world
 ):
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
@@ -319,6 +345,8 @@ def test_every_layout_equals_one_process(
     cases += [(lay, s, m, FAMILY_CONFIGS[name]) for lay, s, m, name in FAMILY[world]]
     cases += OVERLAP[world]
     cases += [(lay, s, m, FAMILY_CONFIGS[name]) for lay, s, m, name in OVERLAP_FAMILY[world]]
+    packed_names = {id(FAMILY_CONFIGS[c[3]]): c[3] for c in PACKED[world] if len(c) > 3}
+    cases += [(c[0], c[1], c[2], *(FAMILY_CONFIGS[n] for n in c[3:])) for c in PACKED[world]]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=600, start_method="fork")
     refs = {id(BIAS_CONFIG): (bias_ref, " expert bias"), id(DEEP_CONFIG): (deep_ref, " 8 layers")}
     refs[id(ACKPT_CONFIG)] = (ref, " activation checkpointing")
@@ -331,6 +359,9 @@ def test_every_layout_equals_one_process(
             case_ref = wide_ref
         if ":masked" in schedule:
             case_ref = masked_ref
+        if ":packed" in schedule:
+            name = packed_names.get(id(config[0])) if config else None
+            case_ref, what = packed_refs[name], f" packed {name or ''}"
         assert_matches_reference(case_ref, results, f"{layout} {schedule} M={m}{what}")
         # the overlapped schedules did interleave their halves (and nothing else did)
         paired = schedule.split(":")[0] in OVERLAPPED

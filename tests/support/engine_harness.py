@@ -156,6 +156,30 @@ def global_batch(
     return inputs, targets
 
 
+def global_documents(step: int, config: ModelConfig = CONFIG, batch: int = GLOBAL_BATCH):
+    """Step ``step``'s document ids [B, S] of packed sequences (``model/documents.py``): each row
+    cut at 1 to 3 random places (documents of 1 token too), as packed records are."""
+    g = torch.Generator().manual_seed(2000 + step)
+    s = config.seq_len
+    starts = torch.zeros(batch, s, dtype=torch.long)
+    for row in range(batch):
+        cuts = torch.randperm(s - 1, generator=g)[: 1 + row % 3] + 1
+        starts[row, cuts] = 1
+    return starts.cumsum(dim=1)
+
+
+def packed_batch(step: int, config: ModelConfig, batch: int, masked: bool, packed: bool):
+    """``global_batch`` and None, or ``packed``: with its documents, and no target that is the next
+    document's first token (the data's packing leaves those out: ``data/records.py``)."""
+    inputs, targets = global_batch(step, config, batch, masked)
+    if not packed:
+        return inputs, targets, None
+    documents = global_documents(step, config, batch)
+    targets = targets.clone()
+    targets[:, :-1][documents[:, 1:] != documents[:, :-1]] = IGNORE_INDEX
+    return inputs, targets, documents
+
+
 def train(
     dims: ParallelDims,
     groups: ProcessGroups,
@@ -175,6 +199,7 @@ def train(
     lora: LoRA | None = None,
     save: tuple[int, str] | None = None,
     resume: tuple[int, str] | None = None,
+    packed: bool = False,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
@@ -185,7 +210,8 @@ def train(
     chunks; ``compile`` names a ``torch.compile`` backend to compile the stage with (the result's
     ``graphs``: the graphs the first step compiled, ``recompiled``: those compiled after it);
     ``adamw``: the AdamW implementation (``"foreach"``, ``"fused"``; None: torch's default);
-    ``masked``: targets partly ``IGNORE_INDEX`` (``global_batch``); ``lora``: adapters on a frozen
+    ``masked``: targets partly ``IGNORE_INDEX`` (``global_batch``); ``packed``: several documents a
+    sequence (``packed_batch``), attention and positions per document; ``lora``: adapters on a frozen
     base (the result's ``frozen_moved``: the frozen parameters that changed at all); ``save``: (n,
     path) stop after step n with a sharded checkpoint of model and optimizer at ``path``;
     ``resume``: (n, path) start at step n from the checkpoint at ``path`` (the losses from n on)."""
@@ -246,11 +272,12 @@ def train(
     loss_fn = model.token_loss_sum if compile is not None else loss_fn_for(model, dims)
     graphs_at_start = graphs_after_first = compiled.graphs_compiled()
     for step in range(resume[0] if resume else 0, save[0] if save else steps):
-        inputs, targets = global_batch(step, config, batch, masked)
+        inputs, targets, documents = packed_batch(step, config, batch, masked, packed)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
         result = train_step.run(
-            model, inputs[rows], targets[rows], num_microbatches, loss_fn, index=step
-        )
+            model, inputs[rows], targets[rows], num_microbatches, loss_fn, index=step,
+            documents=None if documents is None else documents[rows],
+        )  # fmt: skip
         losses.append(result.loss)
         auxes.append(result.aux)
         norms.append(result.grad_norm)
@@ -262,11 +289,12 @@ def train(
         save_sharded(save[1], model, [optimizer], {}, layout=layout, zero_shards=shards)
     recompiled = compiled.graphs_compiled() - graphs_after_first  # before the eval's own graphs
     # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
-    inputs, targets = global_batch(0, config, batch, masked)
+    inputs, targets, documents = packed_batch(0, config, batch, masked, packed)
     rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
     val = engine.forward_only(
-        model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims)
-    )
+        model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims),
+        documents=None if documents is None else documents[rows],
+    )  # fmt: skip
     if stream is not None:
         stream.close()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -339,11 +367,15 @@ def reference(
     batch: int = GLOBAL_BATCH,
     masked: bool = False,
     lora: LoRA | None = None,
+    packed: bool = False,
 ) -> dict:
     """The single-process run: one rank, whole batch, one microbatch, no process group."""
     dims = ParallelDims(1, 1, 1, 0)
     groups = ProcessGroups(None, None, None, None)
-    return train(dims, groups, "gpipe", 1, config, steps, batch=batch, masked=masked, lora=lora)
+    return train(
+        dims, groups, "gpipe", 1, config, steps, batch=batch, masked=masked, lora=lora,
+        packed=packed,
+    )  # fmt: skip
 
 
 def run_layouts(
@@ -356,9 +388,10 @@ def run_layouts(
     split probed on rank 0, ``"<name>:compile=aot_eager"`` compiled with that backend, ``"<name>:batch=16"``
     on global batches of 16 sequences (``reference(batch=16)``), ``"<name>:adamw=fused"`` with
     ``AdamW(fused=True)`` (``foreach``), ``"<name>:masked"`` on targets partly ignored
-    (``reference(masked=True)``), ``"<name>:lora"`` with ``LORA``'s adapters on a frozen base
-    (``reference(lora=LORA)``), ``"<name>:save=2"`` stopping after step 2 with a checkpoint in
-    ``ckpt_dir``, ``"<name>:resume=2"`` starting at step 2 from it; ``config`` replaces CONFIG."""
+    (``reference(masked=True)``), ``"<name>:packed"`` on packed documents (``reference(packed=True)``),
+    ``"<name>:lora"`` with ``LORA``'s adapters on a frozen base (``reference(lora=LORA)``),
+    ``"<name>:save=2"`` stopping after step 2 with a checkpoint in ``ckpt_dir``,
+    ``"<name>:resume=2"`` starting at step 2 from it; ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
@@ -377,7 +410,8 @@ def run_layouts(
             strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
             compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
             batch=batch, adamw=next((o[6:] for o in options if o.startswith("adamw=")), None),
-            masked="masked" in options, lora=LORA if "lora" in options else None,
+            masked="masked" in options, packed="packed" in options,
+            lora=LORA if "lora" in options else None,
             save=checkpoint_option(options, "save", ckpt_dir),
             resume=checkpoint_option(options, "resume", ckpt_dir),
         )  # fmt: skip

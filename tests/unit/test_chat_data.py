@@ -16,6 +16,7 @@ from lightning_titan.data import ByteTokenizer, DataPipeline
 from lightning_titan.data.chat import render
 from lightning_titan.data.corpus import Source
 from lightning_titan.data.records import check_records
+from lightning_titan.parallel.batching import PackedBatch
 from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +79,7 @@ def _pipeline(source: Path, cache: Path, **kwargs) -> DataPipeline:
 def test_the_pipeline_serves_one_record_a_window_with_shifted_labels(tmp_path):
     rows = [{"prompt": f"q{i}:", "completion": f"a{i}"} for i in range(8)]
     source = write_jsonl(tmp_path / "pc.jsonl", rows)
-    pipe = _pipeline(source, tmp_path / "cache")
+    pipe = _pipeline(source, tmp_path / "cache", pack=False)
     assert pipe.corpus is not None and pipe.corpus.meta["format"] == "prompt_completion"
     seen = set()
     for inputs, targets in pipe.train_dataloader():
@@ -95,7 +96,7 @@ def test_the_pipeline_serves_one_record_a_window_with_shifted_labels(tmp_path):
             seen.add(i)
     assert seen == set(range(8))
     # train_on="all" in the same cache: a prepared corpus of its own, every token a target
-    every = _pipeline(source, tmp_path / "cache", train_on="all")
+    every = _pipeline(source, tmp_path / "cache", train_on="all", pack=False)
     inputs, targets = next(iter(every.train_dataloader()))
     counted = (targets != X).sum(dim=1)
     lengths = (inputs != EOD).sum(dim=1)  # the record's ids; its end id is the last target
@@ -107,7 +108,7 @@ def test_auto_reads_the_format_from_the_columns_and_text_stays_text(tmp_path):
     write_jsonl(tmp_path / "mix" / "a.jsonl", [CHAT] * 4)
     write_jsonl(tmp_path / "mix" / "b.jsonl", [{"prompt": "p", "completion": "c"}] * 4)
     pipe = _pipeline(tmp_path / "mix", tmp_path / "cache", seq_len=48)
-    assert pipe.corpus is not None and len(pipe.corpus.train) == 8  # both kinds of record
+    assert pipe.corpus is not None and pipe.corpus.meta["train"]["documents"] == 8  # both kinds
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * 100}] * 4)
     plain = _pipeline(text, tmp_path / "cache", seq_len=16, global_batch_size=2)
     _, targets = next(iter(plain.train_dataloader()))
@@ -193,7 +194,7 @@ def test_titan_fit_refuses_a_malformed_record_before_it_starts(tmp_path, monkeyp
 def test_a_record_longer_than_a_window_is_skipped_counted_and_reported(tmp_path, capfd):
     long = {"prompt": "p" * 40, "completion": "c"}
     rows = [{"prompt": "p", "completion": "c"}] * 4 + [long, long]
-    pipe = _pipeline(write_jsonl(tmp_path / "data.jsonl", rows), tmp_path / "cache")
+    pipe = _pipeline(write_jsonl(tmp_path / "data.jsonl", rows), tmp_path / "cache", pack=False)
     assert pipe.corpus is not None and len(pipe.corpus.train) == 4
     assert pipe.corpus.meta["train"]["skipped_too_long"] == 2
     err = capfd.readouterr().err
@@ -203,6 +204,89 @@ def test_a_record_longer_than_a_window_is_skipped_counted_and_reported(tmp_path,
         ValueError, match="has no prompt_completion record that fits seq_len \\+ 1 = 33"
     ):
         _pipeline(write_jsonl(tmp_path / "long.jsonl", [long]), tmp_path / "cache")
+
+
+def test_packed_records_fill_windows_in_order_each_its_own_document(tmp_path, capfd):
+    """The default for records: laid in order while they fit, then padded (a document of its own);
+    each record's targets are those it has alone, the next record's first token never one; the
+    batch carries the document ids; the efficiency is in meta.json and on stderr."""
+    rows = [{"prompt": f"q{i}:", "completion": "a" * (i + 1)} for i in range(8)]
+    source = write_jsonl(tmp_path / "pc.jsonl", rows)
+    pipe = _pipeline(source, tmp_path / "cache", global_batch_size=1)
+    alone = _pipeline(source, tmp_path / "cache", global_batch_size=1, pack=False)
+    assert pipe.corpus is not None and alone.corpus is not None
+    assert pipe.corpus.meta["packed"] and not alone.corpus.meta["packed"]
+    records = [ids_of(f"q{i}:" + "a" * (i + 1)) + [EOD] for i in range(8)]
+    # in order, greedy: 5+6+7+8 = 26 fit 33 (+9 does not); 9+10+11 = 30; 12
+    want_windows = [[0, 1, 2, 3], [4, 5, 6], [7]]
+    meta = pipe.corpus.meta["train"]
+    assert (meta["documents"], meta["sequences"]) == (8, 3)
+    tokens = sum(map(len, records))
+    assert meta["packing_efficiency"] == round(tokens / (3 * 33), 4)
+    assert alone.corpus.meta["train"]["packing_efficiency"] == round(tokens / (8 * 33), 4)
+    assert (
+        f"packed 8 prompt_completion records into 3 sequences of seq_len + 1 = 33 tokens: packing efficiency {tokens / 99:.1%}"
+        in capfd.readouterr().err
+    )
+    seen = []
+    for batch in pipe.train_dataloader():
+        assert isinstance(batch, PackedBatch)
+        inputs, targets, documents = (t[0].tolist() for t in batch)
+        first = int(bytes(inputs[1 : inputs.index(ord(":"))]).decode())
+        group = next(g for g in want_windows if g[0] == first)
+        seen.append(first)
+        start = 0
+        for d, i in enumerate(group):
+            n = len(records[i])
+            assert inputs[start : start + n] == records[i][: 32 - start]
+            assert documents[start : start + n] == [d] * len(documents[start : start + n])
+            prompt = len(f"q{i}:")
+            # targets of the record's tokens: its completion and end id, then not the next record
+            want = [X] * (prompt - 1) + ids_of("a" * (i + 1)) + [EOD]
+            assert targets[start : start + n - 1] == want[: 32 - start]
+            if start + n - 1 < 32:
+                assert targets[start + n - 1] == X  # the next record's (or padding's) first id
+            start += n
+        assert set(documents[start:]) <= {len(group)} and set(targets[start:]) <= {X}
+    assert sorted(seen) == [0, 4, 7]
+    # train_on="all": every target inside a document, none across a boundary
+    every = _pipeline(source, tmp_path / "cache", global_batch_size=1, train_on="all")
+    counted = 0
+    for inputs, targets, documents in every.train_dataloader():
+        same = documents[:, 1:] == documents[:, :-1]
+        inside, next_ids = targets[:, :-1][same], inputs[:, 1:][same]
+        assert ((inside == next_ids) | (inside == X)).all()  # X: the padding's
+        assert (targets[:, :-1][~same] == X).all() and (~same).any()
+        counted += int((targets != X).sum())
+    assert counted == sum(len(r) - 1 for r in records)  # each record's tokens but its first
+
+
+def test_records_prepared_before_packing_are_prepared_again(tmp_path, capfd):
+    """A cache of records prepared one a sequence by an older version (no ``packed`` in its
+    meta.json, under the same key as today's default) is rebuilt, not served unpacked."""
+    source = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "q:", "completion": "a"}] * 8)
+    pipe = _pipeline(source, tmp_path / "cache", global_batch_size=1)
+    assert pipe.corpus is not None
+    meta_file = pipe.corpus.path / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["packed"]
+    meta_file.write_text(json.dumps(meta))
+    capfd.readouterr()
+    again = _pipeline(source, tmp_path / "cache", global_batch_size=1)
+    assert again.corpus is not None and again.corpus.meta["packed"]
+    assert "prepared one a sequence, before packing): rebuilding it" in capfd.readouterr().err
+
+
+def test_packed_text_is_cut_into_documents_at_its_end_ids():
+    from lightning_titan.data.packing import collate_windows
+
+    windows = np.array([[5, 6, EOD, 7, EOD, 8, 9]])
+    batch = collate_windows(windows, text_eod_id=EOD)
+    assert isinstance(batch, PackedBatch)
+    assert batch.documents.tolist() == [[0, 0, 0, 1, 1, 2]]
+    assert batch.targets.tolist() == [[6, EOD, X, EOD, X, 9]]  # not the next document's first
+    inputs, targets = collate_windows(windows)  # unpacked: as before
+    assert targets.tolist() == [[6, EOD, 7, EOD, 8, 9]]
 
 
 def test_padding_is_never_a_target():

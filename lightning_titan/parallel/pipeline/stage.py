@@ -60,6 +60,7 @@ class PipelineStage:
         backward: Callable[[Tensor], None] | None = None,
         accumulate: Callable[[], AbstractContextManager[Any]] = nullcontext,
         tracer: Callable[[str, int, int], object] | None = None,
+        documents: Tensor | None = None,
     ) -> None:
         local_batch = inputs.shape[0]
         self.model, self.links, self.objective = model, links, objective
@@ -70,6 +71,11 @@ class PipelineStage:
         # under CP each rank computes its positions of every sequence (context_parallel)
         self.inputs = split_microbatches(take_local(inputs, model.cp_group), num_microbatches)
         self.targets = split_microbatches(take_local(targets, model.cp_group), num_microbatches)
+        # packed documents' ids [b, S], whole: every chunk of every stage reads them from here (the
+        # model cuts them like the tokens under CP), so nothing but activations goes between stages
+        self.documents = (
+            None if documents is None else split_microbatches(documents, num_microbatches)
+        )
         self.num_microbatches = num_microbatches
         # the targets the loss counts, of this rank's positions (each CP rank its own)
         self.counted = torch.stack([(t != IGNORE_INDEX).sum() for t in self.targets]).sum()
@@ -138,7 +144,8 @@ class PipelineStage:
                 )
             elif grad_enabled:
                 x = x.requires_grad_()
-            out, aux = self.model(x, chunk=chunk)
+            documents = None if self.documents is None else self.documents[i]
+            out, aux = self.model(x, chunk=chunk, documents=documents)
             if grad_enabled:
                 out = probes.fault("forward", out)
             self.aux_sum += aux.detach().sum()
