@@ -21,7 +21,7 @@ from pathlib import Path
 import docstring_parser
 import torch
 
-from lightning_titan import ModelConfig, StageModel, TitanDataModule, TitanLM, TitanStrategy
+from lightning_titan import LoRA, ModelConfig, StageModel, TitanDataModule, TitanLM, TitanStrategy
 from lightning_titan.lightning.callbacks import ExpertLoad, PipelineTimeline
 from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.model.decoder import split_expert_parameters
@@ -223,6 +223,12 @@ def render() -> str:
         "A dataclass; every layout builds its slice of the model these fields describe.",
         "",
         *_table(_model_rows()),
+        "",
+        "## LoRA adapters: `lightning_titan.LoRA` (`TitanLM(lora=...)`)",
+        "",
+        _summary(LoRA) + " See [LoRA fine-tuning](lora.md).",
+        "",
+        *_table(_signature_rows(LoRA, "--model.lora.")),
         "",
         "## Data: `lightning_titan.TitanDataModule`",
         "",

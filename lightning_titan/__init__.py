@@ -5,9 +5,11 @@ from typing import Any
 
 import lightning_titan._floor  # noqa: F401  (first: an older torch is named, not met as a stray error)
 from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.mesh import ParallelDims
 
 __all__ = [
+    "LoRA",
     "ModelConfig",
     "ParallelDims",
     "StageModel",
