@@ -34,6 +34,7 @@ CASES = [
     ((1, 2, 2, 2), "dualpipev:lora", 4),  # the overlapped pairs
     ((2, 2, 2), "zb_h1:lora", 2),  # the W pass: the adapters' weight grads
     ((2, 2, 2), "1f1b:lora", 2, ACKPT_CONFIG),  # recomputed blocks
+    ((2, 2, 2), "1f1b:lora:compile=aot_eager", 2),  # compiled attention, router and head
     ((1, 2, 2, 2), "1f1b:lora", 2, DEEPSEEK),  # MLA's q_a/q_b/kv_a/kv_b/o, shared, dense MLP
 ]
 # an adapter checkpoint written under one layout after step 2, resumed under another (ZeRO-1 there)
