@@ -12,7 +12,8 @@ stored as ``lora_A`` [r * E, in] (expert e's rows ``e*r .. e*r + r``) and ``lora
 alpha doubled so that ``alpha / rank`` stays the same (``rank_pattern``, ``alpha_pattern``): the
 same weights' update, exactly.
 
-Not written: router adapters (transformers 5's routers are no ``nn.Linear``, PEFT would need them as
+Not written: dense and shared MLP adapters of Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3 (peft
+renames their modules' v4 expert names, ``gate_proj`` ..., onto the fused experts), router adapters (transformers 5's routers are no ``nn.Linear``, PEFT would need them as
 ``target_parameters`` of another shape), and gpt-oss's expert adapters (its ``gate_up_proj``
 interleaves gate and up columns and is stored transposed): both are refused by name.
 """
@@ -31,6 +32,11 @@ from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.lora import LoRA, is_adapter
 
 PREFIX = "base_model.model."
+# the model types whose v4 expert names PEFT (0.21) turns into the fused expert parameters when it
+# loads an adapter: any adapted module named like a v4 expert projection goes there, so a dense or
+# shared MLP adapter of these families would land on the experts
+PEFT_REMAPS = {"mixtral", "qwen3_moe", "olmoe", "deepseek_v3"}
+V4_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -54,6 +60,13 @@ def peft_tensors(adapters: dict[str, Tensor], config: ModelConfig, lora: LoRA) -
             continue
         base, factor = module.rsplit(".", 1)  # "...attn.wq", "lora_A"
         (hf_base,) = hf_names(base + ".weight", (0, config.n_experts), family)
+        projection = hf_base.removesuffix(".weight").rsplit(".", 1)[-1]
+        if family.model_type in PEFT_REMAPS and projection in V4_EXPERT_NAMES:
+            raise ValueError(
+                f"the adapter of {hf_base.removesuffix('.weight')} has no PEFT form: peft maps "
+                f"{family.class_name} modules named {projection} onto the fused experts; train "
+                "without the 'mlp' and 'shared' targets for a PEFT export, or export it merged"
+            )
         out[PREFIX + hf_base.removesuffix(".weight") + f".{factor}.weight"] = tensor
     if experts and family.fused_experts:
         raise ValueError(
@@ -96,12 +109,10 @@ def _fused_gate_up(factors: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
 def adapter_config(config: ModelConfig, lora: LoRA, tensors: dict[str, Tensor]) -> dict:
     """``adapter_config.json`` for ``tensors`` (``peft_tensors``'s): the modules and parameters they
     adapt, PEFT's default init, no dropout on expert targets (PEFT has none there)."""
+    # each adapted module by its whole name (PEFT matches a name's ending): a short name such as
+    # gate_proj would also adapt the modules of that name we did not (a dense layer's, a shared one's)
     modules = sorted(
-        {
-            k.removeprefix(PREFIX).rsplit(".", 2)[0].rsplit(".", 1)[-1]
-            for k in tensors
-            if ".mlp.experts." not in k
-        }
+        {k.removeprefix(PREFIX).rsplit(".", 2)[0] for k in tensors if ".mlp.experts." not in k}
     )
     expert_targets = any(".mlp.experts." in k for k in tensors)
     out: dict = {

@@ -48,21 +48,30 @@ def peft_model(folder, adapter_folder):
     return peft.PeftModel.from_pretrained(base, adapter_folder, is_trainable=True).eval()
 
 
+ALL = ("attention", "mlp", "shared", "experts")
+DEEPSEEK_MLPS = ("attention", "mlp", "shared")
+
+
 @pytest.mark.parametrize(
-    "targets, gemm",
+    "family, targets, gemm",
     [
-        (("attention",), "loop"),
-        (("attention", "experts"), "loop"),
-        (("attention", "experts"), "grouped fp32"),
+        ("qwen3_moe", ("attention",), "loop"),
+        ("qwen3_moe", ("attention", "experts"), "loop"),
+        ("qwen3_moe", ("attention", "experts"), "grouped fp32"),
+        ("qwen2_moe", ALL, "grouped fp32"),  # q/k/v biases, the shared expert
+        ("olmoe", ALL, "grouped fp32"),  # the whole-projection QK-norm
+        ("deepseek_v3", ("attention", "experts"), "grouped fp32"),  # latent attention
+        ("deepseek_v3-qproj", ("attention",), "loop"),  # MLA's single q projection
+        ("gpt_oss", ("attention",), "loop"),  # sinks, window layers, o bias; no expert form
     ],
 )
-def test_one_process_equals_peft_on_transformers(tmp_path, targets, gemm):
-    """Same logits, loss and adapter grads as PEFT's LoRA on transformers' Qwen3-MoE, the adapters
-    passed over in PEFT's own folder format (our export): attention targets, and the routed experts'
-    gate, up and down (PEFT's target_parameters on the fused expert tensors), on both expert paths
-    (the per-expert loop, and the grouped GEMMs where the build has them)."""
-    folder = tmp_path / "qwen3"
-    build("qwen3_moe", folder)
+def test_one_process_equals_peft_on_transformers(tmp_path, family, targets, gemm):
+    """Same logits, loss and adapter grads as PEFT's LoRA on the transformers model, the adapters
+    passed over in PEFT's own folder format (our export): attention, dense and shared MLP targets,
+    and the routed experts' gate, up and down (PEFT's target_parameters on the fused expert tensors),
+    on both expert paths (the per-expert loop, and the grouped GEMMs where the build has them)."""
+    folder = tmp_path / family
+    build(family, folder)
     lora = LoRA(rank=4, alpha=6.0, targets=targets)
     ours = ours_from(folder, lora)
     if gemm != "loop":
@@ -102,7 +111,20 @@ def test_one_process_equals_peft_on_transformers(tmp_path, targets, gemm):
         theirs_grad = their_grads[name]
         if name.endswith("base_layer.lora_B.weight"):  # gate_up's B: its blocks we train
             theirs_grad = theirs_grad * (grad != 0)
-        torch.testing.assert_close(grad, theirs_grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            grad, theirs_grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def test_a_peft_export_peft_would_misplace_is_refused(tmp_path):
+    """DeepSeek-V3's dense and shared MLP adapters: peft would put them on the fused experts."""
+    folder = tmp_path / "deepseek"
+    build("deepseek_v3", folder)
+    lora = LoRA(rank=4, targets=DEEPSEEK_MLPS)
+    ours = ours_from(folder, lora)
+    with pytest.raises(ValueError, match="mlp.gate_proj has no PEFT form: peft maps"):
+        hf_adapter.write_peft_folder(tmp_path / "adapter", adapters_of(ours), ours.config, lora)
+    assert not (tmp_path / "adapter").exists()
 
 
 def test_only_the_adapters_train_and_start_at_the_base():
