@@ -33,6 +33,23 @@ def ours_from(folder, lora: LoRA, seed: int = 3) -> StageModel:
     return model
 
 
+def build_mixtral(folder) -> None:
+    """A tiny random Mixtral (hf_tiny's families are the others), weights as hf_tiny draws them."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, tie_word_embeddings=False, sliding_window=None,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+    model.save_pretrained(folder)
+
+
 def adapters_of(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
     return {
         n: (p.grad if grads else p).detach().clone()
@@ -58,6 +75,7 @@ DEEPSEEK_MLPS = ("attention", "mlp", "shared")
         ("qwen3_moe", ("attention",), "loop"),
         ("qwen3_moe", ("attention", "experts"), "loop"),
         ("qwen3_moe", ("attention", "experts"), "grouped fp32"),
+        ("mixtral", ("attention", "experts"), "grouped fp32"),  # peft renames w1/w3/w2
         ("qwen2_moe", ALL, "grouped fp32"),  # q/k/v biases, the shared expert
         ("olmoe", ALL, "grouped fp32"),  # the whole-projection QK-norm
         ("deepseek_v3", ("attention", "experts"), "grouped fp32"),  # latent attention
@@ -71,7 +89,7 @@ def test_one_process_equals_peft_on_transformers(tmp_path, family, targets, gemm
     and the routed experts' gate, up and down (PEFT's target_parameters on the fused expert tensors),
     on both expert paths (the per-expert loop, and the grouped GEMMs where the build has them)."""
     folder = tmp_path / family
-    build(family, folder)
+    build_mixtral(folder) if family == "mixtral" else build(family, folder)
     lora = LoRA(rank=4, alpha=6.0, targets=targets)
     ours = ours_from(folder, lora)
     if gemm != "loop":
