@@ -309,13 +309,18 @@ def main(args: list[str] | None = None) -> None:
             arguments.check_choices_in_argv(argv)
         except ValueError as err:
             raise UsageError(str(err)) from None
-        TitanCLI(
-            *cli_components(),
-            trainer_defaults=TRAINER_DEFAULTS,
-            seed_everything_default=1234,
-            save_config_kwargs={"overwrite": True},
-            args=args,  # None: LightningCLI reads sys.argv itself (both would warn)
-        )
+        try:
+            TitanCLI(
+                *cli_components(),
+                trainer_defaults=TRAINER_DEFAULTS,
+                seed_everything_default=1234,
+                save_config_kwargs={"overwrite": True},
+                args=args,  # None: LightningCLI reads sys.argv itself (both would warn)
+            )
+        except SystemExit as done:
+            if done.code == 0 and asks_for_help(argv):  # the strategy's options after the rest
+                print(arguments.strategy_help())
+            raise
     except UsageError as err:
         if args is not None:  # a Python caller gets the exception
             raise
@@ -324,6 +329,11 @@ def main(args: list[str] | None = None) -> None:
         where = f"rank {rank}/{world}: " if rank is not None and world not in (None, "1") else ""
         print(f"titan: error: {where}{err}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def asks_for_help(argv: list[str]) -> bool:
+    """``titan fit --help`` (or validate, test): the subcommand's own help, not a group's."""
+    return bool(argv) and argv[0] in TitanCLI.subcommands() and ("--help" in argv or "-h" in argv)
 
 
 def check_config_files(argv: list[str]) -> None:

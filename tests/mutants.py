@@ -1271,6 +1271,11 @@ MUTATIONS = {
                                   "    targets = targets.masked_fill(ends, IGNORE_INDEX)\n",
                                   "",
                                   ["tests/unit/test_chat_data.py", "-k", "packed_text"]),
+    # titan fit --help without the strategy's options
+    "cli_help_no_strategy": ("lightning_titan/cli.py",
+                             "                print(arguments.strategy_help())\n",
+                             "                pass\n",
+                             ["tests/cli/test_help.py"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -27,6 +27,41 @@ def strategy_choices() -> dict[str, tuple[Any, ...]]:
     }
 
 
+def strategy_help(width: int = 100) -> str:
+    """TitanStrategy's arguments as ``titan fit --help`` lists them after jsonargparse's own help
+    (which shows a subclass-typed ``--trainer.strategy`` as one line): each flag, its type or
+    choices, its default and its docstring's words."""
+    import inspect
+    import textwrap
+
+    import docstring_parser
+
+    docs = {
+        p.arg_name: " ".join((p.description or "").split())
+        for p in docstring_parser.parse(TitanStrategy.__doc__ or "").params
+    }
+    choices = strategy_choices()
+    lines = [
+        "",
+        "TitanStrategy (--trainer.strategy=titan, the default): set each as "
+        "--trainer.strategy.NAME=VALUE (or --trainer.strategy.init_args.NAME=VALUE)",
+    ]
+    for name, param in inspect.signature(TitanStrategy.__init__).parameters.items():
+        if name == "self" or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            continue
+        kind = (
+            "{" + ",".join(str(c) for c in choices[name]) + "}"
+            if name in choices
+            else str(param.annotation).replace("typing.", "")
+        )
+        default = "" if param.default is param.empty else f" (default: {param.default!r})"
+        lines.append(f"  --trainer.strategy.{name} {kind}{default}")
+        text = docs.get(name, "")
+        if text:
+            lines += textwrap.wrap(text, width, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    return "\n".join(lines)
+
+
 def check_choice(name: str, value: Any, flag: str) -> None:
     """``value`` of the strategy's ``name`` is one of its choices; ``flag``: how the user set it."""
     choices = strategy_choices().get(name)
