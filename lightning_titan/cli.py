@@ -29,13 +29,14 @@ from lightning_titan.data.prepare import default_cache_dir
 from lightning_titan.lightning import arguments
 from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.lightning.datamodule import TitanDataModule
-from lightning_titan.lightning.module import TitanLM
+from lightning_titan.lightning.module import TitanLM, check_base_precision
 from lightning_titan.lightning.progress import StepProgressBar
 from lightning_titan.lightning.quiet import quiet_known_noise
 from lightning_titan.lightning.restarts import RestartingLauncher
 from lightning_titan.lightning.strategy import TitanStrategy
 from lightning_titan.lightning.summary import FitCounts, fit_summary, skipped_warning
 from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.model.lora import LoRA
 from lightning_titan.train.options import check_overlap_threads
 
 __all__ = [
@@ -131,6 +132,7 @@ class TitanCLI(LightningCLI):
         # then the only line printed
         trainer = config.trainer
         strategy, model = check_strategy(trainer), check_model_config(config.get("model"))
+        check_lora(config.get("model"), trainer.get("precision"))
         if strategy is not None:
             module = config.get("model")
             compiled = bool(module.get("compile")) if isinstance(module, Namespace) else False
@@ -249,6 +251,17 @@ def check_model_config(model: Namespace | None) -> ModelConfig | None:
     except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before
         return None
     return None if model.get("init_from") else config
+
+
+def check_lora(model: Namespace | None, precision: Any) -> None:
+    """``--model.lora.*`` built once here, and its base dtype against the precision: one line each."""
+    lora = model.get("lora") if isinstance(model, Namespace) else None
+    if not isinstance(lora, Namespace):
+        return
+    try:
+        check_base_precision(LoRA(**lora.as_dict()), str(precision))
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from None
 
 
 def fix_checkpoint_dirs(trainer: Namespace) -> None:

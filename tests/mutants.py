@@ -1276,6 +1276,16 @@ MUTATIONS = {
                              "                print(arguments.strategy_help())\n",
                              "                pass\n",
                              ["tests/cli/test_help.py"]),
+    # LoRA: base_dtype="bf16" leaves the frozen base in fp32
+    "lora_base_not_stored": ("lightning_titan/model/decoder.py",
+                             "        init_weights(self, self.config, seed, (tp_size(self.tp_group), self.tp_rank))\n        if self.lora is not None:\n            adapters.store_base_(self, self.lora)\n",
+                             "        init_weights(self, self.config, seed, (tp_size(self.tp_group), self.tp_rank))\n",
+                             ["tests/unit/test_lora.py", "-k", "bf16"]),
+    # LoRA: the bf16 base without bf16 autocast is not refused while parsing
+    "lora_base_precision_unchecked": ("lightning_titan/cli.py",
+                                      "        check_lora(config.get(\"model\"), trainer.get(\"precision\"))\n",
+                                      "",
+                                      ["tests/cli/test_errors.py", "-k", "lora"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -27,6 +27,16 @@ from lightning_titan.parallel.pipeline.split import StageSplit
 _PROGRESS_BAR = ("train_loss", "tokens_per_sec")  # the metrics the progress bar shows
 
 
+def check_base_precision(lora: LoRA | None, precision: str) -> None:
+    """A bf16 LoRA base needs bf16 autocast: an fp32 matmul cannot read a bf16 weight."""
+    if lora is not None and lora.base_dtype == "bf16" and "bf16" not in str(precision):
+        raise ValueError(
+            f"lora base_dtype='bf16' keeps the frozen weights in bf16, which precision="
+            f"{precision!r} cannot multiply with its fp32 activations; use "
+            "--trainer.precision=bf16-mixed, or base_dtype='fp32'"
+        )
+
+
 class TitanLM(L.LightningModule):
     """A Mixtral-style MoE language model trained with manual optimization under TitanStrategy.
 
@@ -141,6 +151,7 @@ class TitanLM(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning calls this on every fit/validate
             return
+        check_base_precision(self.lora, self.trainer.precision)
         dims = self.strategy.parallel_dims  # checked against the model by check_layout already
         groups = self.strategy.groups
         self.model = StageModel(

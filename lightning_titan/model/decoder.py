@@ -360,10 +360,15 @@ class StageModel(nn.Module):
         """Layout-free init (``model/init.py``): each value depends on (seed, global name, global
         expert) only, so every layout starts from the same model."""
         init_weights(self, self.config, seed, (tp_size(self.tp_group), self.tp_rank))
+        if self.lora is not None:
+            adapters.store_base_(self, self.lora)
 
     def init_adapters(self, seed: int) -> None:
-        """The LoRA adapters' layout-free init alone (after a base loaded from a folder)."""
+        """The LoRA adapters' layout-free init alone (after a base loaded from a folder), and the
+        frozen base stored in ``lora.base_dtype``."""
         init_adapters(self, seed, (tp_size(self.tp_group), self.tp_rank))
+        if self.lora is not None:
+            adapters.store_base_(self, self.lora)
 
 
 def split_expert_parameters(

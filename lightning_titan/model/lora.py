@@ -36,6 +36,7 @@ ATTENTION = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b")
 GROUPS = {"attention": ATTENTION, "mlp": ("mlp",), "shared": ("shared",)}
 TARGETS = (*ATTENTION, "mlp", "shared", "router", "experts")
 ADAPTER_MARK = "lora_"  # in the name of every adapter parameter, and of no base one
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,16 @@ class LoRA:
         targets: ``attention`` (every attention projection: q, k, v, o, or latent attention's q_a,
             q_b, kv_a, kv_b, o), one of those by name, ``mlp`` (the dense layers' SwiGLU), ``shared``
             (the shared expert), ``router``, ``experts`` (each routed expert's gate, up and down).
+        base_dtype: ``"bf16"`` keeps the frozen projection and expert weights in bf16 (half their
+            bytes; embedding, norms and biases stay fp32), for runs under ``bf16-mixed``, whose
+            autocast computes those matmuls in bf16 anyway: the same numbers as an fp32 base there.
     """
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("attention",)
+    base_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -64,6 +69,10 @@ class LoRA:
             raise ValueError(f"lora alpha={self.alpha!r} must be a finite number (e.g. 2 x rank)")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"lora dropout={self.dropout!r} must be in [0, 1) (0: off)")
+        if self.base_dtype not in BASE_DTYPES:
+            raise ValueError(
+                f"lora base_dtype={self.base_dtype!r} must be one of {sorted(BASE_DTYPES)}"
+            )
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
         object.__setattr__(self, "targets", targets)
         if not targets:
@@ -174,6 +183,21 @@ def merge_(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, MergesAdapters):
             module.merge_adapters_()
+
+
+@torch.no_grad()
+def store_base_(model: nn.Module, lora: LoRA) -> None:
+    """Cast the frozen matrices that matmuls read (``nn.Linear`` weights, the experts' ``w1``, ``w3``,
+    ``w2``) to ``lora.base_dtype``; the embedding, norms and biases keep their dtype."""
+    dtype = BASE_DTYPES[lora.base_dtype]
+    for module in model.modules():
+        names: tuple[str, ...] = ("weight",) if isinstance(module, nn.Linear) else ()
+        if not names and isinstance(module, MergesAdapters):  # the routed experts' stacked weights
+            names = ("w1", "w3", "w2")
+        for name in names:
+            p = getattr(module, name)
+            if isinstance(p, nn.Parameter) and not p.requires_grad and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 def kaiming_bound(fan_in: int) -> float:

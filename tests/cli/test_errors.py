@@ -497,3 +497,23 @@ def test_strategy_choices_are_checked_in_each_form_of_the_flag():
     check_choices_in_argv(["fit", "--trainer.strategy.init_args.zero=1",
                            "--trainer.strategy.init_args.schedule", "zb_h1",
                            "--trainer.strategy.init_args.dp=2", "--trainer.strategy=ddp"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model.lora.base_dtype=bf16"], "precision='32-true'"),
+        (["--model.lora.rank=0"], "lora rank=0 must be an int >= 1"),
+        (["--model.lora.targets=[attention, qkv]"], "lora target 'qkv' is not one of"),
+    ],
+)
+def test_a_bad_lora_option_is_one_line_while_parsing(tmp_path, monkeypatch, args, message):
+    """LoRA's options are checked in the launcher, before any rank starts: a bf16 base without
+    bf16 autocast, a rank or a target that cannot be."""
+    from lightning_titan.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[2] / "configs" / "dp.yaml"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main(["fit", "--config", str(config), *args])
+    assert not (tmp_path / "runs").exists()

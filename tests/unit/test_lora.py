@@ -183,3 +183,51 @@ def test_only_the_adapters_train_and_start_at_the_base():
 def test_bad_options_are_named(kwargs, words):
     with pytest.raises(ValueError, match=words):
         LoRA(**kwargs)
+
+
+def test_a_bf16_base_computes_as_the_fp32_base_under_bf16_autocast():
+    """bf16-mixed casts each matmul's weight to bf16 anyway: a base kept in bf16 gives the same
+    logits and adapter grads, bit for bit, on both expert paths, in half the matrices' bytes."""
+    config = ModelConfig(seq_len=SEQ)
+    targets = ("attention", "experts")
+    tokens = torch.randint(
+        0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1)
+    )
+    for grouped in (False, True):
+        runs = []
+        for base_dtype in ("fp32", "bf16"):
+            model = StageModel(config, lora=LoRA(targets=targets, base_dtype=base_dtype))
+            model.init_weights(5)
+            with torch.no_grad():  # B away from zero, as after some steps
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+            if grouped:
+                probe_grouped_mm(model)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits, aux = model(tokens)
+            (logits.float().square().mean() + aux.sum()).backward()
+            runs.append((model, logits, adapters_of(model, grads=True)))
+        (fp32, logits32, grads32), (bf16, logits16, grads16) = runs
+        assert torch.equal(logits32, logits16)
+        assert grads32.keys() == grads16.keys() and all(
+            torch.equal(grads32[k], grads16[k]) for k in grads32
+        )
+        assert bf16.get_parameter("layers.0.attn.wq.weight").dtype == torch.bfloat16
+        assert bf16.get_parameter("layers.0.moe.experts.w1").dtype == torch.bfloat16
+        assert bf16.get_parameter("embed.weight").dtype == torch.float32  # a lookup: kept
+        assert bf16.get_parameter("layers.0.attn.wq.lora_A.weight").dtype == torch.float32
+        frozen = [(n, p) for n, p in fp32.named_parameters() if not p.requires_grad]
+        bytes32 = sum(p.numel() * p.element_size() for _, p in frozen)
+        bytes16 = sum(
+            bf16.get_parameter(n).numel() * bf16.get_parameter(n).element_size() for n, _ in frozen
+        )
+        assert bytes16 < 0.6 * bytes32
+
+
+def test_a_bf16_base_needs_bf16_mixed():
+    from lightning_titan.lightning.module import check_base_precision
+
+    check_base_precision(LoRA(base_dtype="bf16"), "bf16-mixed")
+    with pytest.raises(ValueError, match="precision='32-true'.*bf16-mixed"):
+        check_base_precision(LoRA(base_dtype="bf16"), "32-true")
