@@ -26,6 +26,7 @@ from lightning_titan.data import records
 from lightning_titan.data.chat import check_options
 from lightning_titan.data.corpus import Source
 from lightning_titan.data.prepare import default_cache_dir
+from lightning_titan.hf import load as hf_load
 from lightning_titan.lightning import arguments
 from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.lightning.datamodule import TitanDataModule
@@ -133,6 +134,7 @@ class TitanCLI(LightningCLI):
         trainer = config.trainer
         strategy, model = check_strategy(trainer), check_model_config(config.get("model"))
         check_lora(config.get("model"), trainer.get("precision"))
+        check_init_from(config.get("model"))
         if strategy is not None:
             module = config.get("model")
             compiled = bool(module.get("compile")) if isinstance(module, Namespace) else False
@@ -251,6 +253,19 @@ def check_model_config(model: Namespace | None) -> ModelConfig | None:
     except Exception:  # noqa: BLE001 - anything else: LightningCLI reports it as before
         return None
     return None if model.get("init_from") else config
+
+
+def check_init_from(model: Namespace | None) -> None:
+    """``--model.init_from``'s folder read (config.json, the tensors' names and shapes) as TitanLM
+    will: a missing, damaged or incomplete folder, or a Hub id, is then one line."""
+    if not isinstance(model, Namespace) or model.get("init_from") is None:
+        return
+    folder, fields = model.get("init_from"), model.get("model")
+    given = ModelConfig(**fields.as_dict()) if isinstance(fields, Namespace) else None
+    try:
+        hf_load.check_folder(folder, hf_load.config_from_folder(folder, given))
+    except (ValueError, OSError) as err:
+        raise UsageError(str(err)) from None
 
 
 def check_lora(model: Namespace | None, precision: Any) -> None:

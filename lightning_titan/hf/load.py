@@ -49,6 +49,13 @@ HF_DEFAULTS = {"rope_theta": 1e6, "rms_norm_eps": 1e-5}
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / "config.json"
+    if not Path(folder).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(folder)):
+        name = str(folder).split("/")[1]
+        raise FileNotFoundError(
+            f"init_from={str(folder)!r} is no folder here; as a Hugging Face Hub id, download it "
+            f"first (huggingface-cli download {folder} --local-dir {name}) and pass the folder "
+            f"(--model.init_from={name})"
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"init_from={str(folder)!r} has no config.json: pass a Hugging Face model folder "

@@ -517,3 +517,27 @@ def test_a_bad_lora_option_is_one_line_while_parsing(tmp_path, monkeypatch, args
     with pytest.raises(ValueError, match=re.escape(message)):
         main(["fit", "--config", str(config), *args])
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d / "absent", "has no config.json: pass a Hugging Face model folder"),
+        (lambda d: "Qwen/Qwen3-30B-A3B", "download it first (huggingface-cli download"),
+        (lambda d: _damaged_config(d), "is not valid JSON"),
+    ],
+)
+def test_a_bad_init_from_is_one_line_while_parsing(tmp_path, monkeypatch, make, message):
+    """A missing folder, a Hub id, a damaged config.json: named before any rank starts."""
+    from lightning_titan.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main(["fit", f"--model.init_from={make(tmp_path)}", "--trainer.max_steps=1"])
+    assert not (tmp_path / "runs").exists()
+
+
+def _damaged_config(folder: Path) -> Path:
+    (folder / "hf").mkdir()
+    (folder / "hf" / "config.json").write_text('{"model_type": "qwen3_moe"')
+    return folder / "hf"

@@ -16,6 +16,7 @@ from lightning_titan import TitanStrategy
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fit_help_names_every_strategy_argument_with_its_help():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
