@@ -96,7 +96,12 @@ PACKED = {
         ((1, 1, 1, 1, 2), "1f1b:packed", 1, "deepseek"),
     ],
     4: [((2, 1, 2), "1f1b:packed", 2), ((1, 2, 1, 1, 2), "1f1b:packed", 2, "gpt_oss")],
-    8: [],
+    8: [
+        ((2, 2, 2), "1f1b:packed", 2),
+        ((1, 2, 2, 2), "1f1b:packed", 2, "gpt_oss"),  # tp2 x pp2 x ep2
+        ((1, 2, 2, 1, 2), "1f1b:packed", 2, "deepseek"),  # cp2 x pp2 x ep2
+        ((2, 2, 2), "dualpipev:packed:batch=16", 4),  # reference(batch=16, packed=True)
+    ],
 }
 # Tensor parallelism with sequence parallelism, composed with the other axes: (dp, pp, ep, tp)
 TP = {
@@ -312,6 +317,7 @@ def packed_refs(ref):
     names = {c[3] for cases in PACKED.values() for c in cases if len(c) > 3}
     out = {name: reference(FAMILY_CONFIGS[name], packed=True) for name in names}
     out[None] = reference(packed=True)
+    out["wide"] = reference(batch=16, packed=True)  # dualpipev's 16-sequence batches
     assert out[None]["loss"] != ref["loss"], "packing must change the losses to be tested"
     return out
 
@@ -362,6 +368,8 @@ def test_every_layout_equals_one_process(
         if ":packed" in schedule:
             name = packed_names.get(id(config[0])) if config else None
             case_ref, what = packed_refs[name], f" packed {name or ''}"
+            if "batch=16" in schedule:
+                case_ref = packed_refs["wide"]
         assert_matches_reference(case_ref, results, f"{layout} {schedule} M={m}{what}")
         # the overlapped schedules did interleave their halves (and nothing else did)
         paired = schedule.split(":")[0] in OVERLAPPED
