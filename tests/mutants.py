@@ -1291,6 +1291,16 @@ MUTATIONS = {
                                 "        check_init_from(config.get(\"model\"))\n",
                                 "",
                                 ["tests/cli/test_errors.py", "-k", "init_from"]),
+    # packed documents' attention by query chunks: each chunk over its own keys only
+    "docs_chunk_own_keys": ("lightning_titan/model/documents.py",
+                            "        keys, values = k[:, :, :end], v[:, :, :end]  # a query sees no later key",
+                            "        keys, values = k[:, :, start:end], v[:, :, start:end]",
+                            ["tests/unit/test_packed_documents.py", "-k", "chunks"]),
+    # ... and by chunks where the keys are not the queries' positions in order (CP)
+    "docs_chunk_cp_unguarded": ("lightning_titan/model/documents.py",
+                                "    if s <= QUERY_CHUNK or mask.shape[-1] != s:",
+                                "    if s <= QUERY_CHUNK:",
+                                ["tests/unit/test_packed_documents.py", "-k", "chunks"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

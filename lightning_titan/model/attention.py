@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_titan.model import lora as adapters
 from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.documents import masked_attention
 from lightning_titan.model.lora import LoRA
 from lightning_titan.model.sinks import AttentionSinks, sink_attention
 from lightning_titan.parallel.context_parallel import gather_keys
@@ -184,7 +185,7 @@ class Attention(nn.Module):
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = masked_attention(q, k, v, mask)
         # each rank's o-projection of its heads is a partial sum of the output
         heads_out = out.transpose(1, 2).reshape(b, s, -1)
         if self.wo.bias is None:

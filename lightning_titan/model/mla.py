@@ -33,6 +33,7 @@ from torch.distributed import ProcessGroup
 from lightning_titan.model import lora as adapters
 from lightning_titan.model.attention import RMSNorm, apply_rope
 from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.documents import masked_attention
 from lightning_titan.model.lora import LoRA
 from lightning_titan.model.yarn import softmax_scale_factor
 from lightning_titan.parallel.context_parallel import gather_keys
@@ -128,6 +129,6 @@ class MLAttention(nn.Module):
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            out = masked_attention(q, k, v, mask, scale=self.scale)
         out = out[..., : self.v_dim]
         return scatter_sequence(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.tp_group)

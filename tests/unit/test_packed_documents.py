@@ -103,3 +103,34 @@ def test_a_packed_sequence_equals_transformers_on_each_document(family, tmp_path
                 got = packed[row : row + 1, start : start + n]
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
                 start += n
+
+
+def test_masked_attention_by_query_chunks_equals_one_call():
+    """Past QUERY_CHUNK queries the masked attention runs chunk by chunk over the keys up to each
+    chunk's end: the same outputs and grads as one call over every key (the hidden keys add 0); with
+    keys in another order than the queries (CP), one call."""
+    from lightning_titan.model.documents import QUERY_CHUNK, document_masks, masked_attention
+    from lightning_titan.model.sinks import sdpa_mask
+
+    s = 2 * QUERY_CHUNK + 37  # three chunks, the last one short
+    g = torch.Generator().manual_seed(0)
+    documents = (torch.rand(2, s, generator=g) < 4 / s).long().cumsum(1)
+    _, mask, _ = document_masks(documents, None, 0)
+    additive = sdpa_mask(mask, torch.float64, sink=False)
+    q, k, v = (torch.randn(2, 4, s, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    # CP-like: this rank's queries are every other position, the keys all of them reversed
+    mine, keys = torch.arange(0, s, 2), torch.arange(s - 1, -1, -1)
+    cases = [
+        (q, k, v, additive),
+        (q[:, :, mine], k[:, :, keys], v[:, :, keys], additive[..., mine, :][..., keys]),
+    ]
+    for (q, k, v, additive), scale in [(c, sc) for c in cases for sc in (None, 0.3)]:
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        chunked = masked_attention(*inputs, additive, scale=scale)
+        chunked.square().sum().backward()
+        whole_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        whole = F.scaled_dot_product_attention(*whole_inputs, attn_mask=additive, scale=scale)
+        whole.square().sum().backward()
+        torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-12)
+        for a, b in zip(inputs, whole_inputs, strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)

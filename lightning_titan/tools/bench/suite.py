@@ -11,6 +11,7 @@
     titan bench --schedules --rounds 3  # pp2/pp4: 1f1b, interleaved_1f1b v2, zb_h1, zbv vs torch's (8 layers)
     titan bench --checkpoint --rounds 5  # only: training blocked by a save, at once vs in the background
     titan bench --lora --d-model 256 --rounds 5  # only: LoRA vs a full fine-tune, state and step time
+    titan bench --packing --rounds 5  # only: packed documents' attention cost, windows' fill
     titan bench --ep-overlap --shared-expert-dim 128 --rounds 5  # all-to-all exposed, before/after pairs
     titan bench --compile --rounds 9  # only: eager vs compiled, one rank, d_model 64/256/512
 
@@ -48,6 +49,7 @@ from lightning_titan.tools.bench import (
     timeline,
 )
 from lightning_titan.tools.bench import lora as lora_bench
+from lightning_titan.tools.bench import packing as packing_bench
 from lightning_titan.tools.bench.cases import (
     PAIRED,
     SCHEDULES_N_LAYERS,
@@ -151,6 +153,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run only the LoRA benchmark (tools/bench/lora.py) into lora.md/json: ep2, LoRA vs "
         "a full fine-tune of the same model, state bytes and step time",
+    )
+    p.add_argument(
+        "--packing",
+        action="store_true",
+        help="run only the packed-documents benchmark (tools/bench/packing.py) into packing.md/json",
     )
     p.add_argument("--compile", action="store_true", help="only: eager vs compiled, one rank")
     p.add_argument("--mfu-d-models", type=int, nargs="+", default=[64, 256, 512])
@@ -334,6 +341,8 @@ def main(argv: list[str] | None = None) -> dict:
         return _one_bench(checkpoint_bench, "checkpoint", args, argv, settings, out, load_before)
     if args.lora:
         return _one_bench(lora_bench, "lora", args, argv, settings, out, load_before)
+    if args.packing:
+        return _one_bench(packing_bench, "packing", args, argv, settings, out, load_before)
     if args.compile:  # tools/bench/compile_cmp.py
         return compile_cmp.write(args, argv, out, _machine(settings, args.note))
 
