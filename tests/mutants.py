@@ -1291,6 +1291,16 @@ MUTATIONS = {
                                 "        check_init_from(config.get(\"model\"))\n",
                                 "",
                                 ["tests/cli/test_errors.py", "-k", "init_from"]),
+    # a longer run resumed from one that reached max_steps starts Lightning's next epoch of data
+    "resume_epoch_by_lightning": ("lightning_titan/data/sampler.py",
+                                  "        epoch = self._resume_at[0] + passes\n",
+                                  "        epoch = self.epoch\n",
+                                  ["tests/distributed/test_data.py", "-k", "longer_run"]),
+    # the train loader has no state Lightning can save: it warns "not resumable" on every resume
+    "loader_not_stateful": ("lightning_titan/data/pipeline.py",
+                            "        if resumable:  # the train loader",
+                            "        if False:  # the train loader",
+                            ["tests/distributed/test_data.py", "-k", "longer_run"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
