@@ -634,9 +634,9 @@ def test_a_longer_run_resumed_from_a_finished_one_goes_on_with_its_epoch(
     full = fit(TitanDataModule(**args), 9, tmp_path)
     fit(TitanDataModule(**args), 4, tmp_path / "ck", last=True)
     last = str(tmp_path / "ck" / "last.ckpt")
-    assert torch.load(last, weights_only=False)["loops"]["fit_loop"]["epoch_progress"]["current"][
-        "completed"
-    ] == 2  # Lightning's epoch rule: the run that reached max_steps closed its epoch
+    loops = torch.load(last, weights_only=False)["loops"]
+    # Lightning's epoch rule: the run that reached max_steps closed its epoch
+    assert loops["fit_loop"]["epoch_progress"]["current"]["completed"] == 2
     resumed = fit(TitanDataModule(**args), 9, tmp_path, ckpt_path=last)
     assert _same_batches(resumed.batches, full.batches[4:])
     assert not [w for w in recwarn if "not resumable" in str(w.message)]

@@ -124,3 +124,22 @@ def test_titan_puts_each_run_of_a_config_in_its_own_folder(tmp_path, launching):
     # a run folder as --ckpt_path: its newest complete checkpoint
     resolved = resolve_ckpt_path("runs/ep/exp", [], None)
     assert resolved == str(Path("runs/ep/exp/checkpoints/last.ckpt"))
+
+
+def test_rank_0_says_from_which_step_a_run_resumes_or_that_a_restart_starts_over(launching):
+    from types import SimpleNamespace
+
+    from lightning_titan.lightning.run_folders import resume_line
+
+    folder = SimpleNamespace(dirpath="runs/ep/version_2/checkpoints")
+    resumed = SimpleNamespace(ckpt_path="runs/ep/version_1/checkpoints/last.ckpt", global_step=6)
+    assert resume_line(resumed) == (
+        "[titan] resuming from step 6 of runs/ep/version_1/checkpoints/last.ckpt"
+    )
+    fresh = SimpleNamespace(ckpt_path=None, global_step=0, checkpoint_callbacks=[folder])
+    assert resume_line(fresh) is None  # a first launch without a checkpoint: nothing to say
+    launching.setenv(RESTART_ENV, "1")
+    assert resume_line(fresh) == (
+        "[titan] restart 1: no complete checkpoint in runs/ep/version_2/checkpoints: "
+        "starting over from step 0"
+    )
