@@ -33,6 +33,15 @@ from lightning_titan.runtime.orphans import LAUNCHER_PID
 # "<pid>:<N>": the version folder the launching process <pid> took, for the ranks it starts (they
 # know its pid from LAUNCHER_PID; a rank started by anything else ignores a value it inherited)
 RUN_ENV = "TITAN_RUN_VERSION"
+# "<pid>:<path>": the checkpoint that process resolved ``last`` (or a folder) to, checksums read
+# once, for the ranks of its first attempt ("<pid>:": none, a new run); a restart resolves again
+RESUME_ENV = "TITAN_RESUME_FROM"
+
+
+def _from_launcher(name: str) -> str | None:
+    """The value the process that started this rank left in ``name`` for it (None: not ours)."""
+    launcher, sep, value = os.environ.get(name, "").partition(":")
+    return value if sep and launcher == os.environ.get(LAUNCHER_PID) else None
 
 
 def _class(namespace: Any) -> type | None:
@@ -56,8 +65,8 @@ def _starts_ranks() -> bool:
 
 def decide_version(root: Path) -> int:
     """The run's version number in ``root`` (a config's folder of runs); see the module's doc."""
-    launcher, _, given = os.environ.get(RUN_ENV, "").partition(":")
-    if given and launcher == os.environ.get(LAUNCHER_PID):  # a rank that process started
+    given = _from_launcher(RUN_ENV)
+    if given:  # a rank that process started
         return int(given)
     if restart_count() > 0:  # torchrun's agent restarted the job: the first attempt's, the newest
         return max(runs.versions(root), default=0)
@@ -118,9 +127,19 @@ def _refuse_taken(root: Path, version: Any, usage_error: Callable[[str], Excepti
 def resolve_ckpt_path(ckpt_path: Any, search: list[Path], root: Path | None) -> str | None:
     """``ckpt_path`` as a checkpoint: ``"last"`` is the newest valid complete one in ``search``
     (None, a new run, when they hold nothing at all); a folder its newest valid complete one."""
-    speak = say if _speaks() else (lambda line: None)
     if ckpt_path is None:
         return None
+    handed = _from_launcher(RESUME_ENV) if restart_count() == 0 else None
+    if handed is not None and (ckpt_path == "last" or Path(str(ckpt_path)).is_dir()):
+        return handed or None
+    resolved = _resolve(ckpt_path, search, root)
+    if _starts_ranks():
+        os.environ[RESUME_ENV] = f"{os.getpid()}:{resolved or ''}"
+    return resolved
+
+
+def _resolve(ckpt_path: Any, search: list[Path], root: Path | None) -> str | None:
+    speak = say if _speaks() else (lambda line: None)
     if ckpt_path == "last":
         found = runs.newest_valid(search, speak)
         if found is not None:

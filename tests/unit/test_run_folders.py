@@ -13,20 +13,26 @@ import pytest
 
 from lightning_titan.checkpoint import files, runs
 from lightning_titan.cli import TitanCLI, UsageError, cli_components
-from lightning_titan.lightning.run_folders import RUN_ENV, decide_version, resolve_ckpt_path
+from lightning_titan.lightning.run_folders import (
+    RESUME_ENV,
+    RUN_ENV,
+    decide_version,
+    resolve_ckpt_path,
+)
 from lightning_titan.runtime.launch import RESTART_ENV
 from lightning_titan.runtime.orphans import LAUNCHER_PID
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTED_BY = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "TORCHELASTIC_RUN_ID",
-              "TORCHELASTIC_RESTART_COUNT", LAUNCHER_PID, RUN_ENV, RESTART_ENV)  # fmt: skip
+              "TORCHELASTIC_RESTART_COUNT", LAUNCHER_PID, RUN_ENV, RESUME_ENV, RESTART_ENV)  # fmt: skip
 
 
 @pytest.fixture
 def launching(monkeypatch):
-    """This process as a user's `titan fit`: started by nothing."""
+    """This process as a user's `titan fit`: started by nothing (and what titan sets here undone)."""
     for name in STARTED_BY:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
@@ -83,7 +89,11 @@ def test_last_and_run_folders_name_the_newest_complete_checkpoint_that_verifies(
     assert runs.resolve(newest) == newest
     assert capfd.readouterr().err == ""
 
+    # the ranks this process starts take its choice, their checksums unread (once is enough)
+    launching.setenv(LAUNCHER_PID, str(os.getpid()))
     _corrupt(newest)
+    assert resolve_ckpt_path("last", search, root) == str(newest)
+    launching.delenv(LAUNCHER_PID)
     assert resolve_ckpt_path("last", search, root) == str(older)
     err = capfd.readouterr().err
     assert err == (
