@@ -6,7 +6,8 @@ parsed, before any rank starts (``checkpoint/runs.py`` holds the file operations
   config never collide, and Lightning never finds a checkpoint folder that is not empty.
 - The process that starts the ranks takes the folder (``mkdir``: two launches get two) and hands its
   number to the ranks it starts, and starts again, in ``RUN_ENV``: a restarted attempt stays in its
-  run's folder. Ranks started elsewhere (torchrun, SLURM) each compute the next free number: none of
+  run's folder. It hands them the checkpoint it resolved ``--ckpt_path`` to as well
+  (``RESUME_ENV``), so that a checkpoint's checksums are read once, not once per rank. Ranks started elsewhere (torchrun, SLURM) each compute the next free number: none of
   them creates it before every rank has joined the process group. Lightning then broadcasts rank
   0's checkpoint folder and log folder to every rank in setup, so the ranks cannot write apart.
 - ``--ckpt_path last`` is the newest complete checkpoint, of any run of the config (of the folders
