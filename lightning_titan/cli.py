@@ -153,7 +153,8 @@ class TitanCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        place_run(config, UsageError)  # its own run folder; ckpt_path "last" or a folder resolved
+        # its own run folder (created when a subcommand runs); ckpt_path "last" or a folder resolved
+        place_run(config, UsageError, claim=self.subcommand is not None)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init

@@ -64,22 +64,26 @@ def _starts_ranks() -> bool:
     return not is_worker() and not started_elsewhere and os.environ.get("NODE_RANK", "0") == "0"
 
 
-def decide_version(root: Path) -> int:
-    """The run's version number in ``root`` (a config's folder of runs); see the module's doc."""
+def decide_version(root: Path, claim: bool = True) -> int:
+    """The run's version number in ``root`` (a config's folder of runs); see the module's doc.
+    ``claim=False``: the next free number, nothing created (a CLI built to look at, not to run)."""
     given = _from_launcher(RUN_ENV)
     if given:  # a rank that process started
         return int(given)
     if restart_count() > 0:  # torchrun's agent restarted the job: the first attempt's, the newest
         return max(runs.versions(root), default=0)
-    if _starts_ranks():
+    if claim and _starts_ranks():
         version = runs.claim_version(root)
         os.environ[RUN_ENV] = f"{os.getpid()}:{version}"  # for the ranks it starts (and restarts)
         return version
     return runs.next_version(root)
 
 
-def place_run(config: Namespace, usage_error: Callable[[str], Exception]) -> None:
-    """Give the parsed ``config`` (one subcommand's) its run folder and a concrete ``ckpt_path``."""
+def place_run(
+    config: Namespace, usage_error: Callable[[str], Exception], claim: bool = True
+) -> None:
+    """Give the parsed ``config`` (one subcommand's) its run folder and a concrete ``ckpt_path``;
+    ``claim``: create the folder now (``decide_version``)."""
     trainer = config.trainer
     checkpoints = [
         c
@@ -94,7 +98,7 @@ def place_run(config: Namespace, usage_error: Callable[[str], Exception]) -> Non
         args = logger.init_args
         root = Path(args.save_dir) / (args.get("name") or "")
         if args.get("version") is None:
-            args.version = decide_version(root)
+            args.version = decide_version(root, claim)
         elif not is_worker() and restart_count() == 0:
             _refuse_taken(root, args.version, usage_error)
         folder = root / (

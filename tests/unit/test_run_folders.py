@@ -120,12 +120,14 @@ def _cli(*args: str) -> TitanCLI:
 
 
 def test_titan_puts_each_run_of_a_config_in_its_own_folder(tmp_path, launching):
+    """A CLI built to look at (no subcommand) creates nothing; its run would be the next folder."""
     launching.chdir(tmp_path)
     for n in (0, 1):
         trainer = _cli().trainer
-        assert trainer.logger.version == n
+        assert trainer.logger.version == n and not (tmp_path / "runs/ep" / f"version_{n}").exists()
         folder = tmp_path / "runs" / "ep" / f"version_{n}" / "checkpoints"
         assert trainer.checkpoint_callback.dirpath == str(folder)
+        folder.mkdir(parents=True)  # as the run's first save would
     named = _cli("--trainer.logger.init_args.version=exp").trainer
     assert named.checkpoint_callback.dirpath == str(tmp_path / "runs/ep/exp/checkpoints")
     _complete(tmp_path / "runs" / "ep" / "exp" / "checkpoints" / "last.ckpt", completed_at=1.0)
