@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_titan.checkpoint import files
@@ -34,6 +34,7 @@ from lightning_titan.lightning.module import TitanLM, check_base_precision
 from lightning_titan.lightning.progress import StepProgressBar
 from lightning_titan.lightning.quiet import quiet_known_noise
 from lightning_titan.lightning.restarts import RestartingLauncher
+from lightning_titan.lightning.run_folders import place_run
 from lightning_titan.lightning.strategy import TitanStrategy
 from lightning_titan.lightning.summary import FitCounts, fit_summary, skipped_warning
 from lightning_titan.model.decoder import ModelConfig
@@ -152,7 +153,8 @@ class TitanCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        fix_checkpoint_dirs(config.trainer)
+        # its own run folder (created when a subcommand runs); ckpt_path "last" or a folder resolved
+        place_run(config, UsageError, claim=self.subcommand is not None)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -277,23 +279,6 @@ def check_lora(model: Namespace | None, precision: Any) -> None:
         check_base_precision(LoRA(**lora.as_dict()), str(precision))
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from None
-
-
-def fix_checkpoint_dirs(trainer: Namespace) -> None:
-    """A ModelCheckpoint without ``dirpath`` saves in <save_dir>/<logger name>/checkpoints: the same
-    folder for every run of a layout (Lightning's default adds version_N), so ``--ckpt_path last``
-    finds the previous run's."""
-    logger = trainer.get("logger")
-    args = logger.get("init_args") if isinstance(logger, Namespace) else None
-    if args is None or not args.get("save_dir") or not args.get("name"):
-        return
-    for callback in trainer.get("callbacks") or []:
-        if not isinstance(callback, Namespace) or "class_path" not in callback:
-            continue
-        module, _, name = callback.class_path.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        if issubclass(cls, ModelCheckpoint) and callback.init_args.get("dirpath") is None:
-            callback.init_args.dirpath = os.path.join(args.save_dir, args.name, "checkpoints")
 
 
 def cli_components() -> tuple[type, type]:

@@ -486,22 +486,24 @@ MUTATIONS = {
     # a restart goes back to the ckpt_path the job was given, though newer ones are complete
     "restart_to_given": ("lightning_titan/lightning/restarts.py",
                          "    if given is not None and files.is_complete_checkpoint(given):\n"
-                         "        found.append(Path(given))\n"
+                         "        if runs.corrupt_reason(Path(given)) is None:\n"
+                         "            found.append(Path(given))\n"
                          "    if found:\n",
                          "    if found and given is None:\n",
                          ["tests/unit/test_restarts.py"]),
     # the same, seen by a restarted job: steps trained twice, -v1 checkpoints
     "restart_to_given_job": ("lightning_titan/lightning/restarts.py",
                              "    if given is not None and files.is_complete_checkpoint(given):\n"
-                             "        found.append(Path(given))\n"
+                             "        if runs.corrupt_reason(Path(given)) is None:\n"
+                             "            found.append(Path(given))\n"
                              "    if found:\n",
                              "    if found and given is None:\n",
                              ["tests/distributed/test_reliability.py", "-k",
                               "restarts_by_itself and launcher"]),
     # a restart resumes an older complete checkpoint of the run's folder than the newest
-    "restart_older_complete": ("lightning_titan/checkpoint/files.py",
-                               "    return max(done, key=completed_at, default=None)",
-                               "    return min(done, key=completed_at, default=None)",
+    "restart_older_complete": ("lightning_titan/checkpoint/runs.py",
+                               "    for path in sorted(complete, key=files.completed_at, reverse=True):",
+                               "    for path in sorted(complete, key=files.completed_at):",
                                ["tests/distributed/test_reliability.py", "-k",
                                 "restarts_by_itself and launcher"]),
     # a restarted CSV logger deletes the earlier launches' metrics.csv when it is created
@@ -1301,6 +1303,46 @@ MUTATIONS = {
                                 "    if s <= QUERY_CHUNK or mask.shape[-1] != s:",
                                 "    if s <= QUERY_CHUNK:",
                                 ["tests/unit/test_packed_documents.py", "-k", "chunks"]),
+    # a longer run resumed from one that reached max_steps starts Lightning's next epoch of data
+    "resume_epoch_by_lightning": ("lightning_titan/data/sampler.py",
+                                  "        epoch = self._resume_at[0] + passes\n",
+                                  "        epoch = self.epoch\n",
+                                  ["tests/distributed/test_data.py", "-k", "longer_run"]),
+    # the train loader has no state Lightning can save: it warns "not resumable" on every resume
+    "loader_not_stateful": ("lightning_titan/data/pipeline.py",
+                            "        if resumable:  # the train loader",
+                            "        if False:  # the train loader",
+                            ["tests/distributed/test_data.py", "-k", "longer_run"]),
+    # every run of a config saves in one checkpoint folder again (last-v1.ckpt, "not empty")
+    "run_folder_shared": ("lightning_titan/lightning/run_folders.py",
+                          "                callback.init_args.dirpath = str(folder / runs.CHECKPOINTS)\n",
+                          "                callback.init_args.dirpath = str(root / runs.CHECKPOINTS)\n",
+                          ["tests/unit/test_run_folders.py", "-k", "own_folder"]),
+    # a rank the launcher started picks the next free version itself, not the launcher's
+    "run_version_not_handed": ("lightning_titan/lightning/run_folders.py",
+                               "    if given:  # a rank that process started",
+                               "    if False:  # a rank that process started",
+                               ["tests/unit/test_run_folders.py", "-k", "launchers"]),
+    # `last` (and a run folder) names the oldest complete checkpoint, not the newest
+    "last_oldest": ("lightning_titan/checkpoint/runs.py",
+                    "    for path in sorted(complete, key=files.completed_at, reverse=True):",
+                    "    for path in sorted(complete, key=files.completed_at):",
+                    ["tests/unit/test_run_folders.py", "-k", "newest"]),
+    # a corrupt newest checkpoint is taken for `last` and by every restart (each fails the same way)
+    "corrupt_not_skipped": ("lightning_titan/checkpoint/runs.py",
+                            '            return f"{name} changed after the save"',
+                            "            pass",
+                            ["tests/unit/test_run_folders.py", "tests/unit/test_restarts.py"]),
+    # rank 0 resumes without saying from which step and checkpoint
+    "resume_unsaid": ("lightning_titan/lightning/strategy.py",
+                      "        if line:\n            supervisor.say(line)\n",
+                      "        if False:\n            supervisor.say(line)\n",
+                      ["tests/cli/test_run_folders.py"]),
+    # every rank a launcher starts reads the checksums of `last` again (N+1 reads of the checkpoint)
+    "resume_reverified_by_ranks": ("lightning_titan/lightning/run_folders.py",
+                                   "    if handed is not None and (",
+                                   "    if False and (",
+                                   ["tests/unit/test_run_folders.py", "-k", "newest"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -31,7 +31,7 @@ _SIBLING_KINDS = ("tmp", "old", "del")
 WHAT_A_CHECKPOINT_IS = (
     f"a TitanStrategy checkpoint is a directory holding {DCP_METADATA}, {META_FILE} and {MARKER} "
     "(with its .distcp shards), written by TitanStrategy.save_checkpoint, e.g. "
-    "runs/<name>/checkpoints/last.ckpt"
+    "runs/<name>/version_N/checkpoints/last.ckpt"
 )
 
 

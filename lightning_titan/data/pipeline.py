@@ -27,6 +27,7 @@ from lightning_titan.data.checks import (
     check_split_sizes,
 )
 from lightning_titan.data.corpus import Source, default_corpus_texts
+from lightning_titan.data.loader import ResumableLoader
 from lightning_titan.data.packing import collate_windows
 from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, prepare, prepare_and_load
 from lightning_titan.data.records import check_records
@@ -206,8 +207,8 @@ class DataPipeline:
             self._train_stream = self._stream(validation=False)
             if self._pending is not None:
                 self._train_stream.load_state_dict(self._own_stream_state(self._pending))
-            return self._loader(self._train_stream)
-        epoch, start = (0, 0) if self._pending is None else self._map_position(self._pending)
+            return self._loader(self._train_stream, resumable=True)
+        epoch, start = self._map_position(self._pending) if self._pending else (0, 0)
         self._train_sampler = LayoutFreeSampler(
             len(self._require_corpus().train),
             self.global_batch_size,
@@ -217,7 +218,9 @@ class DataPipeline:
             epoch=epoch,
             start_batch=start,
         )
-        return self._loader(PackedSequences(self._require_corpus().train), self._train_sampler)
+        return self._loader(
+            PackedSequences(self._require_corpus().train), self._train_sampler, resumable=True
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_fraction == 0:
@@ -246,9 +249,12 @@ class DataPipeline:
         if self._layout is None:
             return {}
         state = {"mode": self._mode, "global_batch_size": self.global_batch_size, "seed": self.seed}
-        epoch, in_epoch, total = self._consumed()
+        total = self._consumed()
         if not self.streaming:
+            # the position is `batches`; the epoch and batch in it are derived (and read by older ones)
+            epoch, in_epoch = divmod(total, self._batches_per_epoch())
             state.update(
+                batches=total,
                 epoch=epoch,
                 batches_in_epoch=in_epoch,
                 num_sequences=len(self._require_corpus().train),
@@ -270,25 +276,47 @@ class DataPipeline:
             check_resume(state, self._mode, self.global_batch_size, self.seed)
             self._pending = dict(state)
 
-    def _consumed(self) -> tuple[int, int, int]:
-        """(epoch, batches in it, batches in all) consumed by training: what the loader has served (exact
-        with num_workers=0). TitanDataModule reads its fitting Trainer's loop instead."""
+    def _consumed(self) -> int:
+        """Global batches training has consumed since it began, over every epoch: the data position
+        (what the loader has served, exact with num_workers=0). TitanDataModule reads its fitting
+        Trainer's loop instead."""
         if self.streaming:
-            served = self._train_stream.batches_served if self._train_stream is not None else 0
-            return 0, served, served
+            return self._train_stream.batches_served if self._train_stream is not None else 0
         if self._train_sampler is None:
-            return (*self._map_position(self._pending), 0) if self._pending else (0, 0, 0)
+            if not self._pending:
+                return 0
+            epoch, start = self._map_position(self._pending)
+            return epoch * self._batches_per_epoch() + start
         epoch, in_epoch = self._train_sampler.served
-        return epoch, in_epoch, epoch * self._train_sampler.num_batches + in_epoch
+        return epoch * self._train_sampler.num_batches + in_epoch
+
+    def _batches_per_epoch(self) -> int:
+        return len(self._require_corpus().train) // self.global_batch_size
 
     def _map_position(self, state: dict) -> tuple[int, int]:
+        """(data epoch, batch in it) to serve next from a saved map-style state."""
         train = self._require_corpus().train
         if state["num_sequences"] != len(train):
             raise ValueError(
                 f"the data state was saved for a corpus of {state['num_sequences']} training sequences, this "
                 f"one has {len(train)}; resume with the same source, tokenizer, seq_len and cap"
             )
-        return state["epoch"], state["batches_in_epoch"]
+        per_epoch = self._batches_per_epoch()
+        batches = state.get("batches", state["epoch"] * per_epoch + state["batches_in_epoch"])
+        return divmod(int(batches), per_epoch)
+
+    def _resume_train(self, batches: int) -> None:
+        """The train loader's position as Lightning gives it back (``ResumableLoader``): serve from
+        there. The data module's own state, restored before the loader was built, holds the same."""
+        if self.streaming:
+            served = self._train_stream.batches_served if self._train_stream is not None else 0
+            if served != batches:  # the stream's place is per rank, in the data module's state
+                raise ValueError(
+                    f"the checkpoint's loop consumed {batches} batches, its data state {served}: "
+                    "resume from a checkpoint this tool wrote whole (the data module's state included)"
+                )
+        elif self._train_sampler is not None:
+            self._train_sampler.resume(*divmod(batches, self._train_sampler.num_batches))
 
     def _own_stream_state(self, state: dict) -> dict:
         if state["data_world"] != self.data_world:
@@ -308,14 +336,15 @@ class DataPipeline:
         tok, cache = self.tokenizer, self.cache_dir
         return prepare(self.src, tok, self.seq_len, self.val_fraction, cache, self.num_proc)
 
-    def _loader(self, dataset: Dataset, sampler: LayoutFreeSampler | None = None) -> DataLoader:
+    def _loader(
+        self, dataset: Dataset, sampler: LayoutFreeSampler | None = None, resumable: bool = False
+    ) -> DataLoader:
         workers = 0 if self.streaming else self.num_workers
         collate: Callable = collate_windows
         text = self.streaming or "format" not in self._require_corpus().meta
         if self.src.pack and text:  # plain text cut into documents at its end ids
             collate = functools.partial(collate_windows, text_eod_id=self.tokenizer.eod_id)
-        return DataLoader(
-            dataset,
+        kwargs: dict[str, Any] = dict(
             batch_size=self.local_batch_size,
             sampler=sampler,
             drop_last=True,
@@ -323,6 +352,11 @@ class DataPipeline:
             collate_fn=collate,
             persistent_workers=workers > 0,
         )
+        if resumable:  # the train loader: Lightning saves and restores its position
+            return ResumableLoader(
+                dataset, position=self._consumed, resume=self._resume_train, **kwargs
+            )
+        return DataLoader(dataset, **kwargs)
 
     def _stream(self, validation: bool) -> StreamingWindows:
         return StreamingWindows(

@@ -27,7 +27,10 @@ class LayoutFreeSampler(DistributedSampler):
     Lightning wraps any other sampler in a ``DistributedSamplerWrapper`` indexed by its own rank.
 
     Resuming at ``(epoch, start_batch)`` serves batches ``start_batch..`` of that epoch, while ``len()``
-    still counts the whole epoch, as Lightning's ``batch_idx`` does when it restarts mid-epoch.
+    still counts the whole epoch, as Lightning's ``batch_idx`` does when it restarts mid-epoch. The data
+    epoch follows the position, not the number ``set_epoch`` is given: the first pass after a resume
+    is the resumed epoch whatever Lightning calls it (a run that reached ``max_steps`` closed
+    Lightning's epoch, and a longer run resumed from it counts one more), each later pass the next.
     """
 
     def __init__(
@@ -55,7 +58,13 @@ class LayoutFreeSampler(DistributedSampler):
         self.num_batches = num_sequences // global_batch_size  # the partial tail batch is dropped
         self.epoch = epoch
         self._resume_at = (epoch, start_batch)
+        self._first_pass: int | None = None  # the set_epoch number of the pass that starts there
         self._served = (epoch, start_batch)  # (epoch, batches whose indices were handed out)
+
+    def resume(self, epoch: int, start_batch: int) -> None:
+        """Serve from batch ``start_batch`` of data epoch ``epoch`` on the next pass."""
+        self._resume_at, self._first_pass = (epoch, start_batch), None
+        self._served = (epoch, start_batch)
 
     def __len__(self) -> int:
         return self.num_batches * self.local_batch_size
@@ -68,8 +77,11 @@ class LayoutFreeSampler(DistributedSampler):
         return order[step * self.global_batch_size : (step + 1) * self.global_batch_size]
 
     def __iter__(self) -> Iterator[int]:
-        epoch = self.epoch
-        start = self._resume_at[1] if epoch == self._resume_at[0] else 0
+        if self._first_pass is None:
+            self._first_pass = self.epoch
+        passes = max(0, self.epoch - self._first_pass)  # stateless: a pass begun again is the same
+        epoch = self._resume_at[0] + passes
+        start = self._resume_at[1] if passes == 0 else 0
         self._served = (epoch, start)
         order = epoch_order(self.num_sequences, self.seed, epoch, self.shuffle)
         b, lo = self.local_batch_size, self.rank * self.local_batch_size

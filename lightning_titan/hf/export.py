@@ -2,7 +2,7 @@
 one it was loaded from, ``hf.arch.architecture_of``), a tensor at a time (``hf/shards.py``); and the
 full model in one process (``load_full_model``).
 
-titan export --ckpt runs/dp_pp_ep/checkpoints/last.ckpt --out mixtral-tiny [--dtype bf16]
+titan export --ckpt runs/dp_pp_ep --out mixtral-tiny [--dtype bf16]   # the runs' newest checkpoint
     [--max-shard-size 5GB] [--peft] [--base FOLDER]
 # then: transformers.AutoModelForCausalLM.from_pretrained("mixtral-tiny")
 """
@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import torch
 from torch import Tensor
 
-from lightning_titan.checkpoint import ModelEntries, consolidate, files, read_checkpoint_info
+from lightning_titan.checkpoint import ModelEntries, consolidate, files, read_checkpoint_info, runs
 from lightning_titan.data.tokenizer import tokenizer_files_of
 from lightning_titan.hf import folder as hf_folder
 from lightning_titan.hf import load as hf_load
@@ -354,7 +354,10 @@ def _write(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="titan export", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--ckpt", required=True, help="a checkpoint directory written by TitanStrategy"
+        "--ckpt",
+        required=True,
+        help="a checkpoint directory written by TitanStrategy, or a run folder (runs/<name>/"
+        "version_N) or a config's runs (runs/<name>): their newest complete checkpoint",
     )
     parser.add_argument("--out", required=True, help="a new directory for the Hugging Face files")
     parser.add_argument(
@@ -386,7 +389,11 @@ def main(argv: list[str] | None = None) -> None:
         max_bytes = shards.size_of(args.max_shard_size)
     except ValueError as e:
         parser.error(str(e))
-    out = export_hf(args.ckpt, args.out, args.dtype, max_bytes, peft=args.peft, base=args.base)
+    try:
+        ckpt = runs.resolve(args.ckpt, say=print)
+    except ValueError as e:
+        parser.error(str(e))
+    out = export_hf(ckpt, args.out, args.dtype, max_bytes, peft=args.peft, base=args.base)
     if args.peft:
         print(f"wrote {out.resolve()} (load with peft.PeftModel.from_pretrained(base, folder))")
     else:

@@ -4,8 +4,9 @@
       global_batch_size: 8    # seq_len is the model's (titan links data.seq_len to it)
 
 What Lightning adds is read off the Trainer: the data rank and world (TitanStrategy's: every stage of
-one pipeline reads the same shard), the training position (the fit loop's, which Lightning restores on
-resume) and the hyper-parameters it logs and checkpoints.
+one pipeline reads the same shard), the training position (the fit loop's count of batches, which
+Lightning restores on resume; the train loader carries it too, ``data/loader.py``) and the
+hyper-parameters it logs and checkpoints.
 """
 
 from __future__ import annotations
@@ -87,11 +88,12 @@ class TitanDataModule(DataPipeline, L.LightningDataModule):
                 )
         super().setup(stage)
 
-    def _consumed(self) -> tuple[int, int, int]:
-        # under fit, read off the loop state Lightning itself restores on resume, so our offset and its
-        # batch_idx agree, and prefetched batches do not count
+    def _consumed(self) -> int:
+        # under fit, read off the loop state Lightning itself restores on resume (its count of batches
+        # over every epoch), so prefetched batches do not count and Lightning's epoch rule does not
+        # matter: a run that reached max_steps closed its epoch, and a longer one resumed from it goes
+        # on with the same data epoch
         trainer = self.trainer
         if trainer is not None and trainer.state.fn == "fit":
-            progress = trainer.fit_loop.epoch_loop.batch_progress
-            return trainer.current_epoch, progress.current.ready, progress.total.ready
+            return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
         return super()._consumed()

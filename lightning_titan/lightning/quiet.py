@@ -69,6 +69,15 @@ def quiet_known_noise() -> None:
         r"pre-optimization state was saved",
         UserWarning,
     )
+    # every run has a run folder of its own (run_folders.py): the one whose checkpoint folder is not
+    # empty is a restarted attempt's, resuming what it holds
+    warnings.filterwarnings(
+        "ignore", r"Checkpoint directory .* exists and is not empty\.", UserWarning
+    )
+    # a resume from another run's checkpoint starts its own top-k in its own run folder, as meant
+    warnings.filterwarnings(
+        "ignore", r"The dirpath has changed from .*, therefore `best_model_score`", UserWarning
+    )
     # TitanLM's epoch-level values are global by construction (every rank logs the same all-reduced
     # mean): a sync_dist mean would only cost a collective. Only these keys: others still warn.
     warnings.filterwarnings(

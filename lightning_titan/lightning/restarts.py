@@ -31,7 +31,7 @@ from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
-from lightning_titan.checkpoint import files
+from lightning_titan.checkpoint import files, runs
 from lightning_titan.lightning.supervisor import LAUNCHER_WAIT_S, describe_exit, say
 from lightning_titan.runtime.launch import RESTART_ENV, restart_count
 from lightning_titan.runtime.orphans import LAUNCHER_PID, die_with_launcher
@@ -43,8 +43,9 @@ def resumed_call(
     function: Callable, args: Sequence[Any], kwargs: dict[str, Any], trainer: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The Trainer call of a restarted rank: the newest complete checkpoint of the trainer's
-    ModelCheckpoint directories (not always ``last``: with ``async_save`` the write of ``last`` may
-    have died with the rank), or the ``ckpt_path`` given if that is newer. A given ``ckpt_path`` is
+    ModelCheckpoint directories whose checksums verify (not always ``last``: with ``async_save`` the
+    write of ``last`` may have died with the rank; a corrupt one is skipped, rank 0 naming it), or
+    the ``ckpt_path`` given if that is newer. A given ``ckpt_path`` is
     only where the first launch began: going back to it would train the steps since again."""
     if restart_count() == 0:
         return tuple(args), kwargs
@@ -54,9 +55,13 @@ def resumed_call(
     bound = signature.bind_partial(*args, **kwargs)
     given = bound.arguments.get("ckpt_path")
     dirs = [c.dirpath for c in getattr(trainer, "checkpoint_callbacks", []) if c.dirpath]
-    found = [p for p in map(files.latest_complete, dirs) if p is not None]
+    speak = say if getattr(trainer, "global_rank", 0) == 0 else (lambda line: None)
+    # the newest whose checksums verify: a corrupt one would fail every attempt the same way
+    newest = runs.newest_valid(dirs, speak)
+    found = [] if newest is None else [newest]
     if given is not None and files.is_complete_checkpoint(given):
-        found.append(Path(given))
+        if runs.corrupt_reason(Path(given)) is None:
+            found.append(Path(given))
     if found:
         bound.arguments["ckpt_path"] = str(max(found, key=files.completed_at))
     return bound.args, bound.kwargs

@@ -21,6 +21,7 @@ from lightning_titan.lightning.connect import connect
 from lightning_titan.lightning.failures import report_failure, unreduced_step_error
 from lightning_titan.lightning.launchers import launcher_for
 from lightning_titan.lightning.layout import Layout
+from lightning_titan.lightning.run_folders import resume_line
 from lightning_titan.lightning.sharded_strategy import ShardedStrategy
 from lightning_titan.lightning.workload import hardware, workload
 from lightning_titan.parallel.dp.zero import ZeroShards
@@ -262,6 +263,9 @@ class TitanStrategy(ShardedStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()  # claims the checkpoint directories
+        line = resume_line(self.module.trainer) if self.global_rank == 0 else None
+        if line:
+            supervisor.say(line)
         # after Lightning registered its signal handlers (Trainer._run)
         self.preemption.install(self.module.trainer, self.world_size)
 

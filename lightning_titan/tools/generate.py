@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_titan.checkpoint import read_checkpoint_info
+from lightning_titan.checkpoint import read_checkpoint_info, runs
 from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 from lightning_titan.hf.export import load_full_model
 from lightning_titan.model.decoder import StageModel
@@ -78,7 +78,12 @@ def tokenizer_of(ckpt: str | Path) -> Tokenizer:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="titan generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", required=True, help="a checkpoint directory written by titan fit")
+    parser.add_argument(
+        "--ckpt",
+        required=True,
+        help="a checkpoint directory written by titan fit, or a run folder (runs/<name>/version_N)"
+        " or a config's runs (runs/<name>): their newest complete checkpoint",
+    )
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens")
     parser.add_argument(
@@ -102,8 +107,12 @@ def main(argv: list[str]) -> None:
         parser.error(f"--top-p={args.top_p} must be in (0, 1]")
     if not Path(args.ckpt).exists():
         parser.error(f"--ckpt={args.ckpt}: no such checkpoint; give a folder titan fit saved")
-    tokenizer = tokenizer_of(args.ckpt)
-    model = load_full_model(args.ckpt)
+    try:
+        ckpt = runs.resolve(args.ckpt, say=lambda line: print(line, file=sys.stderr))
+    except ValueError as e:
+        parser.error(str(e))
+    tokenizer = tokenizer_of(ckpt)
+    model = load_full_model(ckpt)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         parser.error("--prompt is empty: give the text to continue")

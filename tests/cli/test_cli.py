@@ -92,17 +92,16 @@ def assert_same_curves(name: str, got: str, want: str, cwd: Path, rel: dict, ste
 
 def mid_epoch_checkpoint(cwd: Path, name: str) -> list[str]:
     """One more ModelCheckpoint that saves at step 3 inside the epoch, as a run that is stopped (or
-    preempted) mid-epoch has. (A run that simply reaches max_steps ends its epoch: resuming it with a
-    larger max_steps starts the next epoch, which is Lightning's semantics, not a continuation.)"""
+    preempted) mid-epoch has. (A run that reaches max_steps closes Lightning's epoch; its data goes
+    on all the same: tests/distributed/test_data.py.)"""
     return ["--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={cwd / 'mid' / name}",
             f"--trainer.callbacks.every_n_train_steps={STEPS}", "--trainer.callbacks.save_top_k=-1"]  # fmt: skip
 
 
-def last_ckpt(cwd: Path, config_name: str) -> Path:
-    # the configs fix ModelCheckpoint's dirpath (runs/<config>/checkpoints) so `--ckpt_path last` finds
-    # it from a new run: runs of one config with other logger names share it
-    path = cwd / "runs" / config_name / "checkpoints" / "last.ckpt"
-    assert (path / "COMPLETE").exists(), f"{config_name} left no complete last.ckpt"
+def last_ckpt(cwd: Path, name: str) -> Path:
+    # each run saves in its own folder, runs/<logger name>/version_N/checkpoints (the first: 0)
+    path = cwd / "runs" / name / "version_0" / "checkpoints" / "last.ckpt"
+    assert (path / "COMPLETE").exists(), f"{name} left no complete last.ckpt"
     return path
 
 
@@ -182,10 +181,10 @@ def test_every_config_parses(cfg, tmp_path, monkeypatch):
     assert cli.trainer.max_steps == 200 and cli.trainer.strategy.options.gradient_clip_norm == 1.0
     names = {type(c).__name__ for c in cli.trainer.callbacks}
     assert {"LearningRateMonitor", "EarlyStopping", "ModelCheckpoint", "StepProgressBar"} <= names
-    # one name per layout: logs in runs/<layout>/version_N, checkpoints in runs/<layout>/checkpoints
-    assert cli.trainer.logger.name == cfg.stem
+    # one name per layout, a folder per run: logs and checkpoints in runs/<layout>/version_N
+    assert cli.trainer.logger.name == cfg.stem and cli.trainer.logger.version == 0
     assert cli.trainer.checkpoint_callback.dirpath == str(
-        tmp_path / "runs" / cfg.stem / "checkpoints"
+        tmp_path / "runs" / cfg.stem / "version_0" / "checkpoints"
     )
     # set once: data.seq_len is the model's, and seed_everything seeds the init and the data order
     assert cli.datamodule.seq_len == cli.model.config.seq_len == 32

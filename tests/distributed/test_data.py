@@ -562,11 +562,12 @@ class Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(dm, max_steps, tmp, ckpt_path=None, every=None) -> Recorder:
+def fit(dm, max_steps, tmp, ckpt_path=None, every=None, last=False) -> Recorder:
     model = Recorder()
     callbacks = (
         [ModelCheckpoint(dirpath=tmp, every_n_train_steps=every, save_top_k=-1)] if every else []
     )
+    callbacks += [ModelCheckpoint(dirpath=tmp, save_top_k=0, save_last=True)] if last else []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -574,7 +575,7 @@ def fit(dm, max_steps, tmp, ckpt_path=None, every=None) -> Recorder:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=bool(every),
+        enable_checkpointing=bool(callbacks),
         callbacks=callbacks,
         num_sanity_val_steps=0,
         limit_val_batches=0,
@@ -608,6 +609,37 @@ def test_lightning_feeds_batches_and_resumes_mid_epoch(tmp_path, streaming):
     ckpt = next((tmp_path / "ck").glob("*step=3.ckpt"))
     resumed = fit(TitanDataModule(**args), 7, tmp_path, ckpt_path=str(ckpt))
     assert _same_batches(resumed.batches, full.batches[3:])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_longer_run_resumed_from_a_finished_one_goes_on_with_its_epoch(
+    tmp_path, streaming, recwarn
+):
+    """A run that reached max_steps mid-epoch closed Lightning's epoch; resumed with a larger max_steps
+    it serves the uninterrupted run's next batches, and Lightning knows the loader's position (no
+    "not resumable" warning)."""
+    texts = write_jsonl(tmp_path / "docs.jsonl", 8, seed=4, max_len=60)
+    assert 2 <= (len(byte_stream(texts)) // 17) // 4 < 4  # 4 steps end inside the second epoch
+    args = dict(
+        source=str(tmp_path / "docs.jsonl"),
+        cache_dir=str(tmp_path / "c"),
+        seq_len=16,
+        global_batch_size=4,
+        val_fraction=0.0,
+        streaming=streaming,
+        shuffle_buffer=3,
+        steps_per_epoch=3,  # streaming: a finite pass, which Lightning can count
+    )
+    full = fit(TitanDataModule(**args), 9, tmp_path)
+    fit(TitanDataModule(**args), 4, tmp_path / "ck", last=True)
+    last = str(tmp_path / "ck" / "last.ckpt")
+    loops = torch.load(last, weights_only=False)["loops"]
+    # Lightning's epoch rule: the run that reached max_steps closed its epoch
+    assert loops["fit_loop"]["epoch_progress"]["current"]["completed"] == 2
+    resumed = fit(TitanDataModule(**args), 9, tmp_path, ckpt_path=last)
+    assert _same_batches(resumed.batches, full.batches[4:])
+    assert not [w for w in recwarn if "not resumable" in str(w.message)]
 
 
 def test_lightning_keeps_our_sampler_under_ddp(corpus):

@@ -79,8 +79,9 @@ def test_last_refuses_only_where_lightning_would_start_a_new_run(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_titan_fit_ckpt_path_last_with_only_an_interrupted_save_fails(tmp_path):
-    """The configs' checkpoint folder (runs/<name>/checkpoints), as a killed first save left it."""
-    dirpath = _interrupted_save(tmp_path / "runs" / "resume" / "checkpoints")
+    """A run's checkpoint folder (runs/<name>/version_N/checkpoints), as a killed first save left it:
+    ``last`` of a new run finds nothing complete in any run of the config, and says what is there."""
+    dirpath = _interrupted_save(tmp_path / "runs" / "resume" / "version_0" / "checkpoints")
     cmd = [
         sys.executable, "-m", "lightning_titan", "fit", "--config", str(ROOT / "configs" / "pp_ep.yaml"),
         "--trainer.logger.init_args.save_dir=runs", "--trainer.logger.init_args.name=resume",
@@ -90,9 +91,9 @@ def test_titan_fit_ckpt_path_last_with_only_an_interrupted_save_fails(tmp_path):
     env.update(PYTHONPATH=str(ROOT), LIGHTNING_TITAN_CACHE=str(tmp_path / "cache"))
     job = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
     assert job.returncode != 0
-    assert f'ckpt_path="last" found no last checkpoint in {dirpath}' in job.stderr, job.stderr[
-        -3000:
-    ]
+    found = 'ckpt_path="last" found no complete checkpoint in runs/resume/version_0/checkpoints, '
+    found += f"which holds checkpoints/{LEFTOVER} (a save of last.ckpt that was interrupted)"
+    assert found in job.stderr, job.stderr[-3000:]
     assert "leave ckpt_path out" in job.stderr
     assert "Initializing distributed" not in job.stderr  # no rank started
     assert sorted(p.name for p in dirpath.iterdir()) == [LEFTOVER]

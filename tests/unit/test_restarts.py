@@ -97,3 +97,28 @@ def test_a_restarted_launch_appends_to_the_metrics_of_the_earlier_ones(tmp_path,
         ("2", "1.0"),
     ], rows
     assert rows[-1]["lr"] == "0.1"
+
+
+def test_a_restart_skips_a_corrupt_newest_checkpoint_naming_it(tmp_path, monkeypatch, capfd):
+    """A newest checkpoint whose shard fails its checksum would fail every attempt the same way: the
+    restart resumes the newest one that verifies, rank 0 naming the one it skipped."""
+    from lightning_titan.checkpoint.files import checksum
+
+    def saved(path: Path, completed_at: float) -> Path:
+        _complete(path, completed_at)
+        (path / "__0_0.distcp").write_bytes(b"shard")
+        files = {"__0_0.distcp": checksum(path / "__0_0.distcp")}
+        (path / MARKER).write_text(json.dumps({"completed_at": completed_at, "files": files}))
+        return path
+
+    monkeypatch.setenv(RESTART_ENV, "1")
+    ckpt = tmp_path / "ckpt"
+    older = saved(ckpt / "epoch=0-step=2.ckpt", 100.0)
+    newest = saved(ckpt / "last.ckpt", 200.0)
+    (newest / "__0_0.distcp").write_bytes(b"shArd")
+    trainer = SimpleNamespace(
+        checkpoint_callbacks=[SimpleNamespace(dirpath=str(ckpt))], global_rank=0
+    )
+    _, kwargs = resumed_call(_fit, (), {"ckpt_path": str(newest)}, trainer)
+    assert kwargs["ckpt_path"] == str(older)
+    assert f"[titan] skipping corrupt checkpoint {newest}" in capfd.readouterr().err
