@@ -1317,22 +1317,22 @@ MUTATIONS = {
     "run_folder_shared": ("lightning_titan/lightning/run_folders.py",
                           "                callback.init_args.dirpath = str(folder / runs.CHECKPOINTS)\n",
                           "                callback.init_args.dirpath = str(root / runs.CHECKPOINTS)\n",
-                          ["tests/unit/test_run_folders.py", "-k", "own_folder"]),
+                          ["tests/unit/test_run_versions.py", "-k", "own_folder"]),
     # a rank the launcher started picks the next free version itself, not the launcher's
     "run_version_not_handed": ("lightning_titan/lightning/run_folders.py",
                                "    if given:  # a rank that process started",
                                "    if False:  # a rank that process started",
-                               ["tests/unit/test_run_folders.py", "-k", "launchers"]),
+                               ["tests/unit/test_run_versions.py", "-k", "launchers"]),
     # `last` (and a run folder) names the oldest complete checkpoint, not the newest
     "last_oldest": ("lightning_titan/checkpoint/runs.py",
                     "    for path in sorted(complete, key=files.completed_at, reverse=True):",
                     "    for path in sorted(complete, key=files.completed_at):",
-                    ["tests/unit/test_run_folders.py", "-k", "newest"]),
+                    ["tests/unit/test_run_versions.py", "-k", "newest"]),
     # a corrupt newest checkpoint is taken for `last` and by every restart (each fails the same way)
     "corrupt_not_skipped": ("lightning_titan/checkpoint/runs.py",
                             '            return f"{name} changed after the save"',
                             "            pass",
-                            ["tests/unit/test_run_folders.py", "tests/unit/test_restarts.py"]),
+                            ["tests/unit/test_run_versions.py", "tests/unit/test_restarts.py"]),
     # rank 0 resumes without saying from which step and checkpoint
     "resume_unsaid": ("lightning_titan/lightning/strategy.py",
                       "        if line:\n            supervisor.say(line)\n",
@@ -1342,7 +1342,7 @@ MUTATIONS = {
     "resume_reverified_by_ranks": ("lightning_titan/lightning/run_folders.py",
                                    "    if handed is not None and (",
                                    "    if False and (",
-                                   ["tests/unit/test_run_folders.py", "-k", "newest"]),
+                                   ["tests/unit/test_run_versions.py", "-k", "newest"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
