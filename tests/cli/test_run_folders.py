@@ -1,7 +1,7 @@
 """Two runs of one config land in two run folders, the second resuming the first's newest complete
 checkpoint through ``--ckpt_path last`` with no warning about the folder or the loader; a run folder
 or a config's runs is a checkpoint for ``titan export`` and ``titan generate``, which skip a corrupt
-newest checkpoint, naming it (the unit tests: tests/unit/test_run_folders.py)."""
+newest checkpoint, naming it (the unit tests: tests/unit/test_run_versions.py)."""
 
 from __future__ import annotations
 
