@@ -190,7 +190,9 @@ def test_every_cli_flag_in_the_reference_exists():
     cli = TitanCLI(
         *cli_components(), run=False, args=["--config", str(ROOT / "configs" / "dp_pp_ep.yaml")]
     )
-    namespace = cli.parser.parse_args(["--config", str(ROOT / "configs" / "dp_pp_ep.yaml")])
+    # LoRA given, so that its fields (a dataclass defaulting to None) are keys too
+    args = ["--config", str(ROOT / "configs" / "dp_pp_ep.yaml"), "--model.lora.rank=8"]
+    namespace = cli.parser.parse_args(args)
     keys = set(vars(namespace.clone().as_flat()))
     text = _gen_reference().render()
     flags = [f for f in re.findall(r"`--((?:trainer\.strategy|model|data)\.[\w.]+)`", text)
