@@ -28,7 +28,10 @@ from lightning_titan.plan.layouts import Candidate, divisors
 from lightning_titan.plan.precision import FP32, Precision
 from lightning_titan.train.options import TrainOptions, check_overlap
 
-VIRTUAL_STAGES = 2  # interleaved 1F1B is offered with two chunks per rank (zbv has exactly two)
+MAX_VIRTUAL_STAGES = (
+    8  # interleaved 1F1B is offered with 2..8 chunks a rank where the layers divide
+)
+V_CHUNKS = 2  # zbv and dualpipev: exactly two chunks a rank, in a V
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ def step_options(
     recompute: tuple[bool, ...] = (False, True),
     compiled: bool = False,
 ) -> list[StepOptions]:
-    """Schedules x microbatch counts (divisors of the per-rank batch) x recompute that ``degrees``
+    """Schedules (interleaved 1F1B with each v of 2..8 whose chunks split the layers evenly) x
+    microbatch counts (divisors of the per-rank batch) x recompute that ``degrees``
     accept (``compiled``: the model is compiled); pp = 1: 1F1B (the microbatches are gradient
     accumulation: less activation memory) or, with ep > 1, 1f1b_overlap from two microbatches.
     GPipe from two microbatches too: with one it runs 1F1B's order, the same row twice."""
@@ -83,13 +87,18 @@ def step_options(
     out = []
     for ckpt in recompute:
         for schedule in schedules:
-            v = VIRTUAL_STAGES if schedule in {**CHUNKED, **V_SHAPED} else 1
-            for m in divisors(local_batch):
-                options = StepOptions(schedule, m, v, ckpt)
-                if schedule in ("1f1b_overlap", "gpipe") and m == 1:
-                    continue  # one microbatch: nothing to pair or reorder, 1F1B itself
-                if _accepted(config, degrees, options, compiled):
-                    out.append(options)
+            chunks = [1]
+            if schedule in CHUNKED:
+                chunks = list(range(2, MAX_VIRTUAL_STAGES + 1))
+            elif schedule in V_SHAPED:
+                chunks = [V_CHUNKS]
+            for v in chunks:
+                for m in divisors(local_batch):
+                    options = StepOptions(schedule, m, v, ckpt)
+                    if schedule in ("1f1b_overlap", "gpipe") and m == 1:
+                        continue  # one microbatch: nothing to pair or reorder, 1F1B itself
+                    if _accepted(config, degrees, options, compiled):
+                        out.append(options)
     return out
 
 

@@ -9,27 +9,26 @@ config.json, its FP8 quantisation block ignored) on 256 to 2,048 H100s, 8 a node
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import subprocess
+import sys
 import time
 from pathlib import Path
-
-from lightning_titan.tools.plan_cli import main as plan_main
 
 DEEPSEEK_V3 = Path(__file__).resolve().parents[2] / "tests" / "support" / "fixtures" / "deepseek_v3"
 
 
 def timed(config: str, devices: int) -> tuple[float, str]:
-    """Seconds of one ``titan plan`` over ``devices`` H100s, and its last line (first row or why none)."""
-    args = ["--config", config, "--devices", str(devices), "--device", "h100-80gb",
-            "--global-batch", str(4 * devices), "--precision", "bf16-mixed", "--top", "1"]  # fmt: skip
-    out = io.StringIO()
+    """Wall seconds of one ``titan plan`` over ``devices`` H100s in a fresh process (the start of
+    Python and torch included; nothing cached from another size), and its first row or why none."""
+    args = [sys.executable, "-m", "lightning_titan", "plan", "--config", config, "--devices",
+            str(devices), "--device", "h100-80gb", "--global-batch", str(4 * devices),
+            "--precision", "bf16-mixed", "--top", "1"]  # fmt: skip
     start = time.perf_counter()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        plan_main(args)
+    done = subprocess.run(args, capture_output=True, text=True, timeout=3600)
     seconds = time.perf_counter() - start
-    rows = [line for line in out.getvalue().splitlines() if line.startswith("| 1 |")]
-    return seconds, (rows or out.getvalue().splitlines() or [""])[-1]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 1 |")]
+    said = rows or done.stderr.strip().splitlines()[-1:] or [""]
+    return seconds, said[-1]
 
 
 def main() -> None:

@@ -238,3 +238,40 @@ def test_a_quantised_config_json_is_planned_from_its_shapes_with_a_note(tmp_path
     rows = plan_main(["--config", str(tmp_path / "config.json"), "--devices", "2", "--top", "1"])
     out = capsys.readouterr().out
     assert rows and "quantization_config (fp8) is ignored: planning reads the shapes only" in out
+
+
+# ---- 5. every layout the engine runs: virtual stages; published runs ------------------------------
+
+
+def test_interleaved_is_offered_with_every_v_up_to_8_that_splits_the_layers():
+    from lightning_titan.plan.rank import step_options
+
+    sixteen = dataclasses.replace(SMALL, n_layers=16)
+    offered = step_options(sixteen, _layout(pp=2, ep=2), 16, (False,))
+    chunks = {o.virtual_stages for o in offered if o.schedule == "interleaved_1f1b"}
+    assert chunks == {2, 4, 8}  # 16 layers on 2 ranks: 2 v chunks of 8 / v layers
+    twelve = dataclasses.replace(SMALL, n_layers=12)
+    offered = step_options(twelve, _layout(pp=2, ep=2), 16, (False,))
+    assert {o.virtual_stages for o in offered if o.schedule == "interleaved_1f1b"} == {2, 3, 6}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_within_node_published_run_is_predicted_within_a_quarter():
+    """Qwen3-30B-A3B on one node of 8 H100 (NeMo AutoModel: EP8 FSDP8, 21.8 s at a global batch
+    of 512): the planner's prediction for that layout, and it fits the memory model."""
+    from lightning_titan.tools.plan_published import RUNS, predict_run
+
+    (run,) = [r for r in RUNS if r.devices <= 8]
+    p = predict_run(run, search=False)
+    assert p.fits and 0.75 <= p.ratio <= 1.25, (p.theirs.options_label, p.ratio)
+
+
+def test_tp_pp_and_cp_groups_that_span_nodes_use_the_network():
+    params, options = (10**9, 10**10), StepOptions("1f1b", 8)
+    for degrees, term in ((_layout(tp=4, dp=2), "tp"), (_layout(cp=4, dp=2), "cp"),
+                          (_layout(pp=4, dp=2), "pp")):  # fmt: skip
+        inside = predict(SMALL, degrees, 0, options, 256, H100, params).comm[term]
+        spread = dataclasses.replace(H100, per_node=2)  # dp=2 x 4: the group crosses 2 nodes
+        across = predict(SMALL, degrees, 0, options, 256, spread, params).comm[term]
+        assert across > inside > 0, (term, across, inside)
