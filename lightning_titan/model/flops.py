@@ -4,10 +4,9 @@ The count is that of the matmuls (2 FLOPs per multiply-add), as ``torch.utils.fl
 .FlopCounterMode`` counts them (tests/unit/test_flops.py checks the formula against it): per token and
 layer the q/k/v/o projections, the attention scores and their weighted sum over the keys each query
 attends to, as the causal kernels compute them (position ``i`` sees ``i`` keys: ``(S + 1) / 2`` on
-average, Megatron-LM's and the published MFU counts' causal half; a sliding-window layer, gpt-oss's
-even ones, ``min(window, i)``; FlopCounterMode counts the math backend's full ``S x S`` instead),
-the router, K SwiGLU experts
-and a shared expert; once per token the LM head. DeepSeek-V3's latent attention counts its down- and
+average, the causal half published MFU counts use; a sliding-window layer, gpt-oss's even ones,
+``min(window, i)``; FlopCounterMode counts the math backend's full ``S x S`` instead, and the test
+takes the masked part off its count), the router, K SwiGLU experts and a shared expert; once per token the LM head. DeepSeek-V3's latent attention counts its down- and
 up-projections (the keys and values expanded from the latent once per token), and its dense first
 layers one SwiGLU in place of the router and experts. Training is 3x the forward (the backward computes the grads of
 both operands of every matmul). Norms, softmax, dispatch and the optimizer are left out; so is the

@@ -10,9 +10,13 @@ communication, so a reader sees why one layout wins.
   over 6 for ZBV and DualPipeV (two chunks per rank in a V); the replayed order while the pipeline
   never fills;
 - **communication**: bytes per collective per step and rank at the link's bandwidth, plus its
-  latency per message step: the data-parallel all-reduce (or ZeRO's reduce-scatter and all-gather;
-  only what outlasts the last microbatch's backward is exposed), the EP all-to-alls, PP
-  send/recv, TP's sequence all-gather / reduce-scatter, CP's key/value all-gather;
+  latency: the data-parallel all-reduce (or ZeRO's reduce-scatter and all-gather) per 25 MiB bucket
+  the cheaper of NCCL's ring and tree (``reduction``: its latency model, the group's ranks in one
+  node driving as many network adapters; only what outlasts the last microbatch's backward is
+  exposed), the EP all-to-alls by link tier (``dispatch_seconds``: the in-node share on NVLink, the
+  rest on the network, at once; ``Device.dispatch`` "node-dedup" for a dispatcher that sends a token
+  to each node once), PP send/recv, TP's sequence all-gather / reduce-scatter, CP's key/value
+  all-gather (a ring on the network once the group spans nodes);
 - **overlapped schedules** (``1f1b_overlap``, ``dualpipev``): a paired tick runs one microbatch's
   forward with another's backward, each one's EP all-to-alls under the other's compute. For the
   paired share of the forwards (and as many backwards: ``paired_fraction``), the forward's

@@ -91,7 +91,7 @@ def predict_run(run: Published, search: bool = True) -> Prediction:
         if r.options.schedule in run.schedules and r.options.virtual_stages == run.virtual_stages
     ]
     fitting = [r for r in rows if r.memory_bytes <= device.memory]
-    theirs = (fitting or rows or [None])[0]
+    theirs = (fitting or rows)[0] if rows else None
     best = None
     if search:
         first = ranked(run.config, found, run.global_batch, device, precision=BF16, keep=1)

@@ -501,7 +501,9 @@ def test_only_shows_every_layout_it_names(capsys):
     assert "no row for dp3" in printed
     found, _ = candidates(DEFAULT, 8, 16)
     picked, lines = only_rows([fast, slow], DEFAULT, found, 16, H100, Precision(), 2)
-    assert len(lines) == 2 and all(a.cost.step <= b.cost.step for a, b in itertools.pairwise(picked))
+    assert len(lines) == 2 and all(
+        a.cost.step <= b.cost.step for a, b in itertools.pairwise(picked)
+    )
 
 
 def test_times_print_as_plain_milliseconds():

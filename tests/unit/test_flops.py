@@ -114,8 +114,8 @@ def test_window_layers_count_the_keys_they_see():
 
 
 def test_qwen3_235b_a22b_is_its_published_flops_per_token():
-    """About 147 GFLOP a token for training at S = 4096 (Megatron-Bridge's / NeMo's performance
-    tables count the causal half). By hand, per token and layer: q/o projections 2 * 4096 * 2 * 8192,
+    """About 147 GFLOP a token for training at S = 4096, the count published beside its runs (the
+    causal half of the attention). By hand, per token and layer: q/o projections 2 * 4096 * 2 * 8192,
     k/v 2 * 4096 * 2 * 512, attention 2 * (4097 / 2) * 2 * 8192 (causal: (S + 1) / 2 keys on
     average), router 2 * 4096 * 128, 8 experts of 3 * 2 * 4096 * 1536; 94 layers; the head
     2 * 4096 * 151936; times 3 for the backward."""
