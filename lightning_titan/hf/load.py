@@ -117,8 +117,15 @@ def config_from_folder(folder: str | Path, given: ModelConfig | None = None) -> 
     config.json.
 
     A field of ``given`` that is not at its default is explicit: it must equal the folder's value."""
+    return config_from_hf(read_hf_config(folder), folder, given)
+
+
+def config_from_hf(
+    hf: dict[str, Any], folder: str | Path, given: ModelConfig | None = None
+) -> ModelConfig:
+    """``config_from_folder`` from an already read config.json (``titan plan`` drops the keys that
+    do not change the shapes first)."""
     given = given if given is not None else ModelConfig()
-    hf = read_hf_config(folder)
     family = check_supported(hf, given.seq_len, folder)
     values = folder_fields(hf, folder, family)
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

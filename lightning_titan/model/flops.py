@@ -2,10 +2,11 @@
 
 The count is that of the matmuls (2 FLOPs per multiply-add), as ``torch.utils.flop_counter
 .FlopCounterMode`` counts them (tests/unit/test_flops.py checks the formula against it): per token and
-layer the q/k/v/o projections, the attention scores and their weighted sum over the whole sequence
-(like FlopCounterMode and PaLM's formula, not halved for the causal mask; a sliding-window layer,
-gpt-oss's even ones, over the ``min(window, S)`` keys a query may see), the router, K SwiGLU experts
-and a shared expert; once per token the LM head. DeepSeek-V3's latent attention counts its down- and
+layer the q/k/v/o projections, the attention scores and their weighted sum over the keys each query
+attends to, as the causal kernels compute them (position ``i`` sees ``i`` keys: ``(S + 1) / 2`` on
+average, the causal half published MFU counts use; a sliding-window layer, gpt-oss's even ones,
+``min(window, i)``; FlopCounterMode counts the math backend's full ``S x S`` instead, and the test
+takes the masked part off its count), the router, K SwiGLU experts and a shared expert; once per token the LM head. DeepSeek-V3's latent attention counts its down- and
 up-projections (the keys and values expanded from the latent once per token), and its dense first
 layers one SwiGLU in place of the router and experts. Training is 3x the forward (the backward computes the grads of
 both operands of every matmul). Norms, softmax, dispatch and the optimizer are left out; so is the
@@ -45,15 +46,37 @@ GPU_BF16_PEAK: dict[str, float] = {
 }
 
 
-def layer_flops_per_token(config: ModelConfig) -> tuple[int, int]:
-    """Matmul FLOPs of one token's forward through (an MoE layer, a dense layer)."""
-    d, hd, s = config.d_model, config.head_dim, config.seq_len
+def attended_keys(seq_len: int, window: int = 0) -> int:
+    """Keys the queries of one causal sequence attend to, summed over its positions: position ``i``
+    (1-based) sees ``min(window, i)`` keys (``i`` without a window), as the causal and sliding-window
+    kernels compute them (FlashAttention skips the masked blocks): ``S (S + 1) / 2`` causal,
+    ``w (w + 1) / 2 + (S - w) w`` with a window of ``w < S``."""
+    w = min(window, seq_len) if window else seq_len
+    return w * (w + 1) // 2 + (seq_len - w) * w
+
+
+def attention_flops_per_token(config: ModelConfig, window: int = 0) -> float:
+    """FLOPs per token of one layer's scores (q.k) and weighted sum (of v), over the keys each query
+    attends to on average (``attended_keys / S``); ``window``: a sliding-window layer's."""
+    keys = attended_keys(config.seq_len, window) / config.seq_len
+    if config.attention.kind == LATENT:
+        latent = config.attention.latent
+        width = config.n_heads * (latent.nope_dim + latent.rope_dim + latent.v_dim)
+    else:
+        width = 2 * config.n_heads * config.head_dim  # q.k over head_dim, then v's head_dim
+    return 2 * keys * width
+
+
+def layer_flops_per_token(config: ModelConfig, window: int = 0) -> tuple[float, float]:
+    """Matmul FLOPs of one token's forward through (an MoE layer, a dense layer); ``window``: with
+    sliding-window attention over that many keys."""
+    d, hd = config.d_model, config.head_dim
     experts = config.experts
     q_width, kv_width = config.n_heads * hd, config.kv_heads * hd
     projections = 2 * d * (2 * q_width + 2 * kv_width)  # q and o; k and v
-    attention = 2 * 2 * s * q_width  # scores q.k over S keys, then the weighted sum of S values
     if config.attention.kind == LATENT:
-        projections, attention = _latent_attention(config)
+        projections = _latent_projections(config)
+    attention = attention_flops_per_token(config, window)
     router = 2 * d * config.n_experts
     routed = config.top_k * 3 * 2 * d * config.ffn_dim  # gate, up, down per chosen expert
     shared = 3 * 2 * d * experts.shared_dim
@@ -62,21 +85,31 @@ def layer_flops_per_token(config: ModelConfig) -> tuple[int, int]:
     return projections + attention + router + routed + shared, dense_layer
 
 
-def forward_flops_per_token(config: ModelConfig) -> int:
+def mean_layer_flops_per_token(config: ModelConfig) -> float:
+    """One MoE layer's forward FLOPs per token, its attention averaged over the model's full and
+    sliding-window layers: what the planner prices a stage's layer at."""
+    full, _ = layer_flops_per_token(config)
+    windows = config.attention.window_layers(config.n_layers)
+    if not windows:
+        return full
+    window, _ = layer_flops_per_token(config, config.attention.sliding_window)
+    return (full * (config.n_layers - windows) + window * windows) / config.n_layers
+
+
+def forward_flops_per_token(config: ModelConfig) -> float:
     """Matmul FLOPs of one token's forward through the whole model (see the module doc)."""
     moe_layer, dense_layer = layer_flops_per_token(config)
     dense, window = config.experts.dense_layers, config.attention.sliding_window
     head = 2 * config.d_model * config.vocab_size
     total = (config.n_layers - dense) * moe_layer + dense * dense_layer + head
-    if window:  # the window layers (gpt-oss's even ones) see min(window, S) keys
-        s, q_width = config.seq_len, config.n_heads * config.head_dim
-        window_layers = config.attention.window_layers(config.n_layers)
-        total -= window_layers * 2 * 2 * (s - min(window, s)) * q_width
+    if window:  # the window layers (gpt-oss's even ones) see min(window, i) keys at position i
+        saved = attention_flops_per_token(config) - attention_flops_per_token(config, window)
+        total -= config.attention.window_layers(config.n_layers) * saved
     return total
 
 
-def _latent_attention(config: ModelConfig) -> tuple[int, int]:
-    """(projections, attention) FLOPs per token of one multi-head latent attention (model/mla.py)."""
+def _latent_projections(config: ModelConfig) -> int:
+    """Projection FLOPs per token of one multi-head latent attention (model/mla.py)."""
     latent = config.attention.latent
     d, h, rank = config.d_model, config.n_heads, latent.kv_rank
     qk, v = latent.nope_dim + latent.rope_dim, latent.v_dim
@@ -84,10 +117,10 @@ def _latent_attention(config: ModelConfig) -> tuple[int, int]:
     if latent.q_rank:
         q = 2 * latent.q_rank * (d + h * qk)
     kv = 2 * d * (rank + latent.rope_dim) + 2 * rank * h * (latent.nope_dim + v)
-    return q + kv + 2 * h * v * d, 2 * config.seq_len * h * (qk + v)
+    return q + kv + 2 * h * v * d
 
 
-def training_flops_per_token(config: ModelConfig) -> int:
+def training_flops_per_token(config: ModelConfig) -> float:
     """Forward and backward: 3x the forward's matmul FLOPs."""
     return 3 * forward_flops_per_token(config)
 

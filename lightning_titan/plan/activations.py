@@ -178,11 +178,14 @@ def peak_bytes(
     options: StepOptions,
     global_batch: int,
     precision: Precision = FP32,
+    copies: tuple[float, float, float] | None = None,
 ) -> float:
-    """Peak activation bytes of the fullest stage (one rank; tp and cp divide the positions)."""
+    """Peak activation bytes of the fullest stage (one rank; tp and cp divide the positions);
+    ``copies``: ``weight_copy_bytes`` of these degrees, where the caller has them already."""
     pp = degrees["pp"]
     block, ends = per_sequence(config, precision)
-    copies, expert_copies, head_copies = weight_copy_bytes(config, degrees, precision)
+    weights = copies if copies is not None else weight_copy_bytes(config, degrees, precision)
+    block_copies, expert_copies, head_copies = weights
     share = degrees["tp"] * degrees["cp"]  # positions per rank (the head's logits: V/tp of them)
     m = global_batch // (degrees["dp"] * degrees["ep"]) / options.microbatches
     layers = config.n_layers / pp
@@ -192,13 +195,15 @@ def peak_bytes(
     if options.recompute:  # inputs kept, one block's activations live again during its backward
         kept = config.seq_len * config.d_model * STATE_BYTES
         peaks = [
-            (held(options, pp, p) * layers * kept + block) * m / share + copies + expert_copies
+            (held(options, pp, p) * layers * kept + block) * m / share
+            + block_copies
+            + expert_copies
             for p in range(pp)
         ]
         peaks[head] += ends * m / share + head_copies
         return max(peaks)
     peaks = [
-        held(options, pp, p) * layers * (block * m / share + expert_copies) + layers * copies
+        held(options, pp, p) * layers * (block * m / share + expert_copies) + layers * block_copies
         for p in range(pp)
     ]
     peaks[head] += held(options, pp, head) * ends * m / share + head_copies

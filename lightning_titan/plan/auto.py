@@ -124,9 +124,11 @@ def choose(
     fits = [c for c in found if c.state_bytes <= device.memory]
     if not fits:
         smallest = min(found, key=lambda c: c.state_bytes)
-        raise ValueError(f"layout='auto': nothing fits: {shortfall(smallest, device.memory)}")
+        raise ValueError(
+            f"layout='auto': nothing fits: {shortfall(smallest, device.memory, config)}"
+        )
     recompute = (config.activation_checkpointing,)
-    rows = ranked(config, fits, batch, device, recompute, precision, compiled)
+    rows = ranked(config, fits, batch, device, recompute, precision, compiled, keep=1)
     if not rows:
         raise ValueError(
             "layout='auto': the model state fits but no step option's activations do; use "

@@ -10,9 +10,13 @@ communication, so a reader sees why one layout wins.
   over 6 for ZBV and DualPipeV (two chunks per rank in a V); the replayed order while the pipeline
   never fills;
 - **communication**: bytes per collective per step and rank at the link's bandwidth, plus its
-  latency per message step: the data-parallel all-reduce (or ZeRO's reduce-scatter and all-gather;
-  only what outlasts the last microbatch's backward is exposed), the EP all-to-alls, PP
-  send/recv, TP's sequence all-gather / reduce-scatter, CP's key/value all-gather;
+  latency: the data-parallel all-reduce (or ZeRO's reduce-scatter and all-gather) per 25 MiB bucket
+  the cheaper of NCCL's ring and tree (``reduction``: its latency model, the group's ranks in one
+  node driving as many network adapters; only what outlasts the last microbatch's backward is
+  exposed), the EP all-to-alls by link tier (``dispatch_seconds``: the in-node share on NVLink, the
+  rest on the network, at once; ``Device.dispatch`` "node-dedup" for a dispatcher that sends a token
+  to each node once), PP send/recv, TP's sequence all-gather / reduce-scatter, CP's key/value
+  all-gather (a ring on the network once the group spans nodes);
 - **overlapped schedules** (``1f1b_overlap``, ``dualpipev``): a paired tick runs one microbatch's
   forward with another's backward, each one's EP all-to-alls under the other's compute. For the
   paired share of the forwards (and as many backwards: ``paired_fraction``), the forward's
@@ -34,8 +38,9 @@ import math
 from dataclasses import dataclass
 
 from lightning_titan.model.decoder import ModelConfig
-from lightning_titan.model.flops import layer_flops_per_token
+from lightning_titan.model.flops import layer_flops_per_token, mean_layer_flops_per_token
 from lightning_titan.model.options import LATENT
+from lightning_titan.parallel.mesh import GROUPS
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 from lightning_titan.parallel.pipeline.theory import ideal_bubble
 from lightning_titan.parallel.pipeline.zbv import dualpipev_order
@@ -131,6 +136,111 @@ def collective(link: Link, nbytes: float, n: int, units: float, calls: int = 1) 
     return calls * steps * link.latency_s + units * (n - 1) / n * nbytes / link.bandwidth
 
 
+# NCCL's latency model of its ring and tree algorithms (src/graph/tuning.cc, the Simple protocol it
+# runs large buckets in): a ring pays a base and one hop per step, the steps that cross nodes at the
+# network's hop; a tree (all-reduce only) 2 x (a chain through the node's ranks + log2(nodes) network
+# hops), its hop including a 256 kB chunk
+RING_BASE_S = 8.4e-6
+RING_HOP_S = (5.7e-6, 6.6e-6)  # NVLink, network
+TREE_HOP_S = (28e-6, 50e-6)
+DISPATCHERS = {
+    "all-to-all": "this engine's: one copy per chosen expert, a flat all-to-all over the EP group",
+    "node-dedup": "DeepEP's / Megatron's hierarchical dispatcher: one copy of a token per "
+    "destination node over the network, fanned out to that node's experts over NVLink",
+}
+
+
+@functools.cache
+def members_per_node(
+    degrees: tuple[tuple[str, int], ...], varying: tuple[str, ...], per_node: int
+) -> int:
+    """Ranks of one group (the ranks that differ only on the ``varying`` axes) that share a node of
+    ``per_node`` consecutive ranks: those of the first node whose other coordinates are 0 (the
+    launcher gives consecutive ranks to a node; every group has the same share)."""
+    count = 0
+    for rank in range(min(per_node, math.prod(d for _, d in degrees))):
+        fixed_zero = True
+        for axis, degree in reversed(degrees):
+            rank, coord = divmod(rank, degree)
+            fixed_zero &= axis in varying or coord == 0
+        count += fixed_zero
+    return count
+
+
+def _placed(device: Device, degrees: dict[str, int], varying: tuple[str, ...]) -> tuple[int, int]:
+    """(ranks in the group, of them in one node): all of them without an inter-node link."""
+    n = math.prod(degrees[a] for a in varying)
+    if device.inter is None:
+        return n, n
+    return n, members_per_node(tuple(degrees.items()), varying, device.per_node)
+
+
+def reduction(
+    device: Device,
+    degrees: dict[str, int],
+    varying: tuple[str, ...],
+    nbytes: float,
+    units: float,
+    buckets: int,
+) -> float:
+    """Seconds of ``buckets`` equal NCCL reductions of ``nbytes`` in all over the group varying
+    ``varying``: all-reduce (``units`` 2) the cheaper of ring and tree per bucket, reduce-scatter
+    and all-gather (1) the ring. Bandwidth: the ``g`` ranks of the group in one node drive ``g``
+    network links (one adapter per GPU), so the group moves ``min(NVLink, g x network)`` bytes/s per
+    rank once it spans nodes (NCCL's ring and tree bus bandwidth); latency: ``RING_*``, ``TREE_*``."""
+    n, g = _placed(device, degrees, varying)
+    if n == 1 or buckets == 0:
+        return 0.0
+    if device.cores is not None:  # gloo on one machine: the plain ring (collective)
+        return collective(device.intra, nbytes, n, units, buckets)
+    nodes = n // g
+    bw = device.intra.bandwidth
+    if nodes > 1 and device.inter is not None:
+        bw = min(bw, g * device.inter.bandwidth)
+    steps, inter_steps = units * (n - 1), units * (nodes - 1)
+    per_bucket = nbytes / buckets
+    ring = RING_BASE_S + (steps - inter_steps) * RING_HOP_S[0] + inter_steps * RING_HOP_S[1]
+    ring += units * (n - 1) / n * per_bucket / bw
+    best = ring
+    if units == 2:  # NCCL's tree: all-reduce only; reduce up and broadcast down, each the data once
+        depth = (g - 1) * TREE_HOP_S[0] + math.ceil(math.log2(nodes)) * TREE_HOP_S[1]
+        best = min(ring, 2 * depth + 2 * per_bucket / bw)
+    return buckets * best
+
+
+def dispatch_seconds(
+    device: Device, degrees: dict[str, int], copies: float, nbytes: float, experts: int, calls: int
+) -> float:
+    """Seconds of ``calls`` EP all-to-alls, each sending ``copies`` copies of every token (top-K's
+    K; 0 for the count exchange) of ``nbytes`` bytes in all per copy, priced by tier: of a token's
+    copies ``1/ep`` stay on the rank, ``(g-1)/ep`` go to the ``g - 1`` EP peers in its node (NVLink)
+    and ``(ep-g)/ep`` across nodes (network); both tiers run at once, so a call takes the slower
+    one plus one latency of the farthest tier (the sends of one all-to-all leave together).
+    ``device.dispatch == "node-dedup"``: a token crosses to each destination node once, however many
+    of its experts that node holds (under uniform routing a remote node holding ``E/nodes`` of the
+    ``E`` experts receives it with probability ``1 - C(E - E/nodes, K) / C(E, K)``), and is fanned
+    out in the node over NVLink."""
+    ep = degrees["ep"]
+    if ep == 1 or calls == 0:
+        return 0.0
+    _, g = _placed(device, degrees, ("ep",))
+    nodes = ep // g
+    inter = device.inter if nodes > 1 and device.inter is not None else None
+    near = copies * (g - 1) / ep
+    far = copies * (ep - g) / ep
+    if device.dispatch == "node-dedup" and inter is not None and copies:
+        k, local = round(copies), experts // nodes
+        missed = math.comb(experts - local, k) / math.comb(experts, k)
+        far = (nodes - 1) * (1 - missed)  # one copy per remote node the token's experts are on
+        near = copies * (g - 1) / g  # every copy but the receiving rank's own, over NVLink
+    seconds = near * nbytes / device.intra.bandwidth
+    latency = device.intra.latency_s
+    if inter is not None:
+        seconds = max(seconds, far * nbytes / inter.bandwidth)
+        latency = inter.latency_s
+    return calls * latency + seconds
+
+
 def _link(device: Device, degrees: dict[str, int], slowest: str) -> Link:
     """The link a group uses: inter-node when its ranks (up to its slowest axis) span nodes."""
     axes = list(degrees)
@@ -159,8 +269,10 @@ def predict(
     mb_tokens = tokens / m_count
     head = 2 * config.d_model * config.vocab_size
     # the slowest stage's layers: MoE layers wherever there are any (dense ones are the first few)
-    moe_layer, dense_layer = layer_flops_per_token(config)
-    layer = moe_layer if config.experts.dense_layers < config.n_layers else dense_layer
+    # (its attention causal, averaged over full and sliding-window layers: model/flops.py's count)
+    dense_layer = layer_flops_per_token(config)[1]
+    moe = config.experts.dense_layers < config.n_layers
+    layer = mean_layer_flops_per_token(config) if moe else dense_layer
     layers = config.n_layers / pp
     passes = 4 if options.recompute else 3  # forward, backward (2x), and a recomputed forward
     flops = tokens * passes * (layers * layer + head)  # the last stage: it holds the head
@@ -180,11 +292,11 @@ def predict(
         * collective(_link(device, degrees, "pp"), act * wire * m_count * v, 2, 2, m_count * v)
     )
     # ep: dispatch, combine and the count exchange forward, dispatch and combine backward, per MoE layer
-    a2a = mb_tokens * config.top_k * config.d_model * wire
+    token = mb_tokens * config.d_model * wire * m_count  # one copy of every token of the step
     calls = int(layers * m_count)
-    ep_link = _link(device, degrees, "ep")
-    backward = 2 * collective(ep_link, a2a * calls, ep, 1, calls)
-    forward = backward + collective(ep_link, 0, ep, 1, calls)
+    n_e = config.n_experts
+    backward = 2 * dispatch_seconds(device, degrees, config.top_k, token * layers, n_e, calls)
+    forward = backward + dispatch_seconds(device, degrees, 0, 0, n_e, calls)
     comm["ep"] = exposed_all_to_all(options.schedule, pp, m_count, forward, backward, compute)
     # tp: sequence all-gather in (the norm's output), reduce-scatter out (the o-projection's), around
     # each block's attention; and each again backward
@@ -216,16 +328,16 @@ def _data_parallel(
 ) -> float:
     """Exposed seconds of the gradient reduction (and ZeRO's weight all-gather): the reduction
     overlaps the last microbatch's backward (2/3 of its compute); the all-gather follows the step."""
-    dp, ep, cp, tp = degrees["dp"], degrees["ep"], degrees["cp"], degrees["tp"]
     grads, gather = ZERO_FACTOR[zero]
     total = 0.0
     exposed = 0.0
-    for n_params, n in ((params[0], dp * ep * cp), (params[1], dp * cp * tp)):
+    groups = ((params[0], GROUPS["non_expert_dp"]), (params[1], GROUPS["expert_dp"]))
+    for n_params, varying in groups:
         nbytes = n_params * BYTES
-        link = _link(device, degrees, "dp" if dp > 1 else "ep")
         buckets = max(1, math.ceil(nbytes / BUCKET))
-        total += collective(link, nbytes, n, grads, buckets)
-        exposed += collective(link, nbytes, n, gather, buckets)
+        total += reduction(device, degrees, varying, nbytes, grads, buckets)
+        exposed += reduction(device, degrees, varying, nbytes, gather, buckets)
+    # the buckets are reduced as the backward fills them: only what outlasts it is exposed
     return max(0.0, total - 2 / 3 * microbatch_s) + exposed
 
 

@@ -20,6 +20,7 @@ import torch
 from lightning_titan.model.flops import matmul_peak
 
 GB = 1e9
+PER_NODE = 8  # GPUs a node holds by default: an HGX / DGX board of 8, each with its own NIC
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Device:
     intra: Link  # between devices of one node
     inter: Link | None  # between nodes (None: one node only)
     cores: int | None = None  # CPU: the ranks share these cores; None: one device per rank
-    per_node: int = 8
+    per_node: int = 8  # devices a node holds (PER_NODE for the catalogue's GPUs)
+    dispatch: str = "all-to-all"  # how the EP dispatch is priced (plan/cost.py DISPATCHERS)
 
 
 # The backward split's extra fixed cost on a GPU, an assumption (not measured: no GPU here): W's

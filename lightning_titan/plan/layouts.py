@@ -55,7 +55,7 @@ def factorizations(devices: int) -> list[dict[str, int]]:
     return out
 
 
-def _rejection(config: ModelConfig, degrees: dict[str, int], zero: int, batch: int) -> str | None:
+def rejection(config: ModelConfig, degrees: dict[str, int], zero: int, batch: int) -> str | None:
     """Why the strategy would refuse this layout (the first rule's message), or None."""
     dims = ParallelDims(**degrees)
     try:
@@ -77,7 +77,7 @@ def candidates(
     for degrees in factorizations(devices):
         data_parallel = degrees["dp"] * degrees["ep"] * degrees["cp"] * degrees["tp"] > 1
         for zero in LEVELS if data_parallel else (0,):
-            reason = _rejection(config, degrees, zero, global_batch)
+            reason = rejection(config, degrees, zero, global_batch)
             if reason is not None:
                 rejected[reason.split(" ")[0].rstrip(":;,")] += 1
                 continue
@@ -99,13 +99,57 @@ def check_request(devices: int, global_batch: int, device: str) -> None:
         )
 
 
-def shortfall(best: Candidate, memory: float) -> str:
-    """What the layout with the least state per rank lacks, for a model that fits nowhere."""
+# what divides each part of a rank's state (memory.py): named in "nothing fits"
+DIVIDED_BY = {
+    "expert_params": "ep (the experts) and pp (the layers)",
+    "non_expert_params": "tp (attention, embedding, head) and pp; ZeRO up to 2 keeps weights whole",
+    "expert_grads": "ep and pp, and zero=2 over the expert data-parallel group",
+    "non_expert_grads": "tp and pp, and zero=2 over the data-parallel group",
+    "expert_optimizer": "ep and pp, and zero>=1 over the expert data-parallel group",
+    "non_expert_optimizer": "tp and pp, and zero>=1 over the data-parallel group",
+}
+
+
+def _grown(config: ModelConfig, best: Candidate) -> list[str]:
+    """For pp, ep and tp: the next degree the model allows beyond ``best``'s, on that many more
+    devices, with the state it leaves per rank; nothing where the model allows no more."""
+    out = []
+    for axis in ("ep", "pp", "tp"):
+        now = best.degrees[axis]
+        limit = {"ep": config.n_experts, "pp": config.n_layers, "tp": config.n_heads}[axis]
+        for degree in range(now + 1, limit + 1):
+            degrees = {**best.degrees, axis: degree}
+            try:
+                config.validate_layout(degrees["pp"], degrees["ep"], degrees["tp"], degrees["cp"])
+            except ValueError:
+                continue
+            state = sum(fullest_state(config, degrees, best.zero).values())
+            devices = math.prod(degrees.values())
+            out.append(f"{axis}={degree} ({devices} devices): {state / GB:.2f} GB")
+            break
+    return out
+
+
+def shortfall(best: Candidate, memory: float, config: ModelConfig) -> str:
+    """What the layout with the least state per rank lacks, for a model that fits nowhere: its
+    largest term, and the remedies this model allows (the next pp, ep or tp that divides it, with
+    the state it would leave; zero=2 where the smallest is below it)."""
     short = best.state_bytes - memory
+    part, nbytes = max(best.parts.items(), key=lambda kv: kv[1])
+    remedies = _grown(config, best)
+    data_parallel = math.prod(best.degrees.values()) > best.degrees["pp"]
+    if best.zero < 2 and data_parallel:
+        remedies.insert(0, "zero=2 (splits the grads and AdamW moments)")
+    advice = (
+        "; try " + ", or ".join(remedies)
+        if remedies
+        else "; no pp, ep or tp this model allows divides it further, and ZeRO up to 2 keeps "
+        "the weights whole: use a device with more memory (--memory-gb)"
+    )
     return (
         f"the smallest model state per rank is {best.state_bytes / GB:.2f} GB ({best.label}), "
-        f"{short / GB:.2f} GB more than the {memory / GB:.2f} GB a device has: add devices (ep and pp "
-        "divide the state), or use zero=1/2 where a data-parallel group exists"
+        f"{short / GB:.2f} GB more than the {memory / GB:.2f} GB a device has; its largest term is "
+        f"{part} {nbytes / GB:.2f} GB, divided by {DIVIDED_BY[part]}{advice}"
     )
 
 

@@ -18,14 +18,16 @@ exactly (``tests/distributed/test_bench.py``).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from lightning_titan.model.decoder import EXPERT, ModelConfig, StageModel, grad_group_kinds
 from lightning_titan.parallel.dp.zero import cut_dim, owned_rows
-from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.parallel.mesh import AXES, GROUPS, ParallelDims
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.parallel.tensor_parallel import padded_vocab, tp_shards
 
@@ -82,6 +84,7 @@ def local_shape(t: StageTensor, dims: ParallelDims) -> tuple[int, ...]:
     return tuple(shape)
 
 
+@functools.cache
 def _owned_numel(shape: tuple[int, ...], expert: bool, tp_dim: int | None, n: int, q: int) -> int:
     """Elements of a ``shape`` tensor that rank ``q`` of an ``n``-rank ZeRO group owns (never cut
     along the dim TP cuts, ``tp_dim``)."""
@@ -93,25 +96,40 @@ def _owned_numel(shape: tuple[int, ...], expert: bool, tp_dim: int | None, n: in
     return numel // shape[dim] * (stop - start)
 
 
+def group_place(dims: ParallelDims, kind: str) -> tuple[int, int]:
+    """(size, this rank's index) of its group of grad kind ``kind``: ``dims.group_ranks`` without
+    listing the world's groups. A group varies the axes ``GROUPS[kind]`` and sorts its ranks, which
+    orders them by those axes' coordinates in mesh order: the index is their mixed-radix number."""
+    coords, size, index = dims.coords(dims.rank), 1, 0
+    for axis in AXES:
+        if axis in GROUPS[kind]:
+            degree = getattr(dims, axis)
+            size, index = size * degree, index * degree + coords[axis]
+    return size, index
+
+
 def rank_state(
     config: ModelConfig, dims: ParallelDims, zero: int = 0, split: StageSplit | None = None
 ) -> dict[str, int]:
     """Bytes of ``{expert,non_expert}_{params,grads,optimizer}`` on rank ``dims.rank``."""
     out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
-    for t in stage_tensors(config, dims.pp, dims.pp_rank, split):
-        part = "expert" if t.kind == EXPERT else "non_expert"
-        shape = local_shape(t, dims)
+    # each distinct (shape, kind, cut) once, times how many the stage has (its layers repeat them);
+    # each grad kind's group found once (a search over the world's groups)
+    shapes = Counter(
+        (t.shape, t.kind, t.tp_dim) for t in stage_tensors(config, dims.pp, dims.pp_rank, split)
+    )
+    places: dict[str, tuple[int, int]] = {}
+    for (full, kind, tp_dim), count in shapes.items():
+        part = "expert" if kind == EXPERT else "non_expert"
+        shape = local_shape(StageTensor("", full, kind, tp_dim), dims)
         numel = math.prod(shape)
         owned = numel
         if zero:
-            group = dims.group_ranks(t.kind)
-            tp_dim = t.tp_dim if dims.tp > 1 else None
-            owned = _owned_numel(
-                shape, t.kind == EXPERT, tp_dim, len(group), group.index(dims.rank)
-            )
-        out[f"{part}_params"] += BYTES * numel
-        out[f"{part}_grads"] += BYTES * (owned if zero == 2 else numel)
-        out[f"{part}_optimizer"] += BYTES * MOMENTS * owned
+            n, q = places.setdefault(kind, group_place(dims, kind))
+            owned = _owned_numel(shape, kind == EXPERT, tp_dim if dims.tp > 1 else None, n, q)
+        out[f"{part}_params"] += BYTES * numel * count
+        out[f"{part}_grads"] += BYTES * (owned if zero == 2 else numel) * count
+        out[f"{part}_optimizer"] += BYTES * MOMENTS * owned * count
     return out
 
 

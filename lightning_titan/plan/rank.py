@@ -9,6 +9,7 @@ without activation checkpointing and without ``compile``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_titan.model.decoder import ModelConfig
@@ -20,14 +21,17 @@ from lightning_titan.parallel.pipeline.schedules import (
     check_microbatches,
 )
 from lightning_titan.parallel.pipeline.split import StageSplit
-from lightning_titan.plan.activations import peak_bytes
+from lightning_titan.plan.activations import peak_bytes, weight_copy_bytes
 from lightning_titan.plan.cost import StepCost, StepOptions, predict
 from lightning_titan.plan.devices import Device
 from lightning_titan.plan.layouts import Candidate, divisors
 from lightning_titan.plan.precision import FP32, Precision
 from lightning_titan.train.options import TrainOptions, check_overlap
 
-VIRTUAL_STAGES = 2  # interleaved 1F1B is offered with two chunks per rank (zbv has exactly two)
+MAX_VIRTUAL_STAGES = (
+    8  # interleaved 1F1B is offered with 2..8 chunks a rank where the layers divide
+)
+V_CHUNKS = 2  # zbv and dualpipev: exactly two chunks a rank, in a V
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ def step_options(
     recompute: tuple[bool, ...] = (False, True),
     compiled: bool = False,
 ) -> list[StepOptions]:
-    """Schedules x microbatch counts (divisors of the per-rank batch) x recompute that ``degrees``
+    """Schedules (interleaved 1F1B with each v of 2..8 whose chunks split the layers evenly) x
+    microbatch counts (divisors of the per-rank batch) x recompute that ``degrees``
     accept (``compiled``: the model is compiled); pp = 1: 1F1B (the microbatches are gradient
     accumulation: less activation memory) or, with ep > 1, 1f1b_overlap from two microbatches.
     GPipe from two microbatches too: with one it runs 1F1B's order, the same row twice."""
@@ -82,14 +87,103 @@ def step_options(
     out = []
     for ckpt in recompute:
         for schedule in schedules:
-            v = VIRTUAL_STAGES if schedule in {**CHUNKED, **V_SHAPED} else 1
-            for m in divisors(local_batch):
-                options = StepOptions(schedule, m, v, ckpt)
-                if schedule in ("1f1b_overlap", "gpipe") and m == 1:
-                    continue  # one microbatch: nothing to pair or reorder, 1F1B itself
-                if _accepted(config, degrees, options, compiled):
-                    out.append(options)
+            chunks = [1]
+            if schedule in CHUNKED:
+                chunks = list(range(2, MAX_VIRTUAL_STAGES + 1))
+            elif schedule in V_SHAPED:
+                chunks = [V_CHUNKS]
+            for v in chunks:
+                for m in divisors(local_batch):
+                    options = StepOptions(schedule, m, v, ckpt)
+                    if schedule in ("1f1b_overlap", "gpipe") and m == 1:
+                        continue  # one microbatch: nothing to pair or reorder, 1F1B itself
+                    if _accepted(config, degrees, options, compiled):
+                        out.append(options)
     return out
+
+
+class _Prices:
+    """What a search prices once and shares between layouts: the step options of each (pp, ep > 1,
+    local batch), the weight copies of each (ep, tp), the activation peak of each layout without its
+    zero level (ZeRO does not change the activations)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        global_batch: int,
+        device: Device,
+        recompute: tuple[bool, ...],
+        precision: Precision,
+        compiled: bool,
+    ) -> None:
+        self.config, self.batch, self.device = config, global_batch, device
+        self.recompute, self.precision, self.compiled = recompute, precision, compiled
+        self._options: dict[tuple, list[StepOptions]] = {}
+        self._copies: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self._peaks: dict[tuple, float] = {}
+
+    def options(self, degrees: dict[str, int]) -> list[StepOptions]:
+        pp, ep = degrees["pp"], degrees["ep"]
+        local = self.batch // (degrees["dp"] * ep)
+        key = (pp, ep > 1, local)  # all that step_options' checks read of a layout
+        if key not in self._options:
+            self._options[key] = step_options(
+                self.config, degrees, local, self.recompute, self.compiled
+            )
+        return self._options[key]
+
+    def activations(self, degrees: dict[str, int], options: StepOptions) -> float:
+        key = (*degrees.values(), options)
+        if key not in self._peaks:
+            copies_key = (degrees["ep"], degrees["tp"])
+            if copies_key not in self._copies:
+                self._copies[copies_key] = weight_copy_bytes(self.config, degrees, self.precision)
+            self._peaks[key] = peak_bytes(
+                self.config, degrees, options, self.batch, self.precision, self._copies[copies_key]
+            )
+        return self._peaks[key]
+
+    def predict(self, c: Candidate, options: StepOptions) -> StepCost:
+        params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
+        return predict(
+            self.config, c.degrees, c.zero, options, self.batch, self.device, params, self.precision
+        )
+
+    def rows(self, c: Candidate, fitting: bool = True) -> list[Ranked]:
+        """``c`` with each step option (``fitting``: those whose memory fits the device)."""
+        out = []
+        for options in self.options(c.degrees):
+            activations = self.activations(c.degrees, options)
+            if fitting and c.state_bytes + activations > self.device.memory:
+                continue
+            out.append(Ranked(c, options, self.predict(c, options), activations))
+        return out
+
+    def lower_bound(self, c: Candidate) -> float:
+        """No step option of ``c`` is predicted faster than this: one microbatch's compute without
+        recompute and the fixed costs of one pass each (more microbatches only add passes), no
+        bubble, the PP, TP and CP bytes (the same whatever M) with one microbatch's latencies, the
+        data-parallel term with the most backward to hide under, the EP bytes unless an overlapped
+        schedule could hide them, and the optimizer."""
+        one = self.predict(c, StepOptions())
+        hidden = one.comm["dp"]
+        if True in self.recompute:  # a longer backward hides more of the reduction
+            hidden = min(hidden, self.predict(c, StepOptions(recompute=True)).comm["dp"])
+        overlappable = c.degrees["ep"] > 1 and False in self.recompute and not self.compiled
+        ep = 0.0 if overlappable else one.comm["ep"]
+        comm = one.comm["pp"] + one.comm["tp"] + one.comm["cp"] + ep + hidden
+        return one.compute + comm + one.optimizer
+
+
+def _undominated(found: list[Candidate]) -> list[Candidate]:
+    """``found`` without the zero=1 layouts whose zero=2 twin is there: the same step options and
+    activations, no more state (the grads are split too) and less data-parallel traffic (a
+    reduce-scatter where zero=1 all-reduces), so it ranks ahead of every zero=1 row."""
+    twins = {tuple(c.degrees.values()) for c in found if c.zero == 2}
+    return [c for c in found if not (c.zero == 1 and tuple(c.degrees.values()) in twins)]
+
+
+Progress = Callable[[int, int, "Ranked | None"], None]
 
 
 def ranked(
@@ -100,21 +194,42 @@ def ranked(
     recompute: tuple[bool, ...] = (False, True),
     precision: Precision = FP32,
     compiled: bool = False,
+    keep: int | None = None,
+    progress: Progress | None = None,
+    fitting: bool = True,
 ) -> list[Ranked]:
     """Every candidate with every step option whose state and activations fit the device's
     memory, fastest predicted first; activations and payloads in ``precision``'s dtypes
-    (``compiled``: the model is compiled, which the overlapped schedules refuse)."""
-    rows = []
-    for c in found:
-        params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
-        local = global_batch // (c.degrees["dp"] * c.degrees["ep"])
-        for options in step_options(config, c.degrees, local, recompute, compiled):
-            activations = peak_bytes(config, c.degrees, options, global_batch, precision)
-            if c.state_bytes + activations > device.memory:
-                continue
-            cost = predict(
-                config, c.degrees, c.zero, options, global_batch, device, params, precision
-            )
-            rows.append(Ranked(c, options, cost, activations))
-    rows.sort(key=lambda r: (r.cost.step, r.candidate.state_bytes))
+    (``compiled``: the model is compiled, which the overlapped schedules refuse).
+
+    ``keep``: only the ``keep`` fastest rows, found without pricing every layout: the zero=1
+    layouts that their zero=2 twins dominate are dropped, and the others are priced in the order
+    of a lower bound on their step time (``_Prices.lower_bound``) until that bound passes the
+    ``keep``-th fastest row found, after which no layout can enter the first ``keep``.
+    ``progress(priced, of, fastest so far)`` is called after each layout priced. ``fitting=False``:
+    the rows that do not fit the memory too (``titan plan --only`` shows what a layout would cost)."""
+    prices = _Prices(config, global_batch, device, recompute, precision, compiled)
+    order, bounds = list(found), {}
+    if keep is not None:
+        order = _undominated(found)
+        bounds = {id(c): prices.lower_bound(c) for c in order}
+        order.sort(key=lambda c: bounds[id(c)])
+    rows: list[Ranked] = []
+    best: Ranked | None = None
+    for done, c in enumerate(order, 1):
+        if keep is not None and len(rows) >= keep and bounds[id(c)] > rows[-1].cost.step:
+            break  # every layout left is bounded above the keep-th row
+        new = prices.rows(c, fitting)
+        rows.extend(new)
+        best = min([*new, best] if best else new, key=_fastest, default=None)
+        if keep is not None:
+            rows.sort(key=_fastest)
+            del rows[keep:]
+        if progress is not None:
+            progress(done, len(order), best)
+    rows.sort(key=_fastest)
     return rows
+
+
+def _fastest(r: Ranked) -> tuple[float, int]:
+    return r.cost.step, r.candidate.state_bytes

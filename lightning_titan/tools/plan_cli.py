@@ -20,20 +20,26 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
-from dataclasses import fields
+import time
+from dataclasses import fields, replace
 from pathlib import Path
 
-from lightning_titan.hf.load import config_from_folder
+from lightning_titan.hf.load import config_from_folder, config_from_hf, read_hf_config
 from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.parallel.mesh import AXES
 from lightning_titan.plan.auto import cost_device, device_memory
-from lightning_titan.plan.devices import Device
+from lightning_titan.plan.cost import DISPATCHERS
+from lightning_titan.plan.devices import PER_NODE, Device
 from lightning_titan.plan.layouts import (
     DEVICES,
     GB,
+    Candidate,
     candidates,
     check_request,
+    rejection,
     shortfall,
     total_params,
 )
@@ -64,7 +70,33 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--global-batch", type=int, help="sequences per step (default: the config's)"
     )
-    parser.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        help="nodes the devices are spread over (default: --devices / --per-node)",
+    )
+    parser.add_argument(
+        "--per-node",
+        type=int,
+        help=f"devices per node (default: {PER_NODE} for a GPU, all of them for the cpu)",
+    )
+    parser.add_argument(
+        "--nvlink-gbs",
+        type=float,
+        help="GB/s per device each way inside a node (default: the device's NVLink)",
+    )
+    parser.add_argument(
+        "--network-gbs",
+        type=float,
+        help="GB/s per device each way across nodes (default: the device's one network adapter)",
+    )
+    parser.add_argument(
+        "--dispatch",
+        choices=sorted(DISPATCHERS),
+        default="all-to-all",
+        help="how the EP dispatch is priced: "
+        + "; ".join(f"{k}: {v}" for k, v in sorted(DISPATCHERS.items())),
+    )
     parser.add_argument(
         "--precision",
         choices=PRECISIONS,
@@ -93,7 +125,7 @@ def model_and_batch(path: str, seq_len: int | None = None) -> tuple[ModelConfig,
     hf = Path(path)
     if hf.name == "config.json" or hf.is_dir():
         folder = hf.parent if hf.name == "config.json" else hf
-        return config_from_folder(folder, ModelConfig(seq_len=seq_len or HF_SEQ_LEN)), 16, FP32
+        return shapes_of(folder, seq_len or HF_SEQ_LEN), 16, FP32
     composed = compose_config(path)
     init_from = (composed.get("model") or {}).get("init_from")
     model = (composed.get("model") or {}).get("model") or {}
@@ -111,6 +143,56 @@ def model_and_batch(path: str, seq_len: int | None = None) -> tuple[ModelConfig,
     return config, int(data.get("global_batch_size", 16)), precision
 
 
+def shapes_of(folder: Path, seq_len: int) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder's config.json, for planning: its quantisation block
+    (DeepSeek-V3's FP8 ``quantization_config``, gpt-oss's MXFP4) says how the published weights are
+    stored, not their shapes, so it is dropped with a note; the plan prices ``--precision``."""
+    hf = read_hf_config(folder)
+    quantization = hf.pop("quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        print(
+            f"titan plan: note: {folder}/config.json's quantization_config ({method}) is ignored: "
+            "planning reads the shapes only, and prices the weights, activations and payloads in "
+            "--precision's dtypes"
+        )
+    return config_from_hf(hf, folder, ModelConfig(seq_len=seq_len))
+
+
+def nodes_of(args: argparse.Namespace) -> int:
+    """--nodes, or the nodes --per-node (default ``PER_NODE`` GPUs) makes of --devices; they must
+    agree where both are given."""
+    per_node = args.per_node
+    if per_node is not None and (per_node < 1 or args.devices % per_node):
+        raise ValueError(f"--per-node={per_node} must divide --devices={args.devices}")
+    if args.nodes is not None:
+        if per_node is not None and args.nodes * per_node != args.devices:
+            raise ValueError(
+                f"--nodes={args.nodes} x --per-node={per_node} is not --devices={args.devices}: "
+                "give one of them"
+            )
+        return args.nodes
+    if per_node is not None:
+        return args.devices // per_node
+    if args.device == "cpu" or args.devices % PER_NODE:
+        return 1
+    return max(1, args.devices // PER_NODE)
+
+
+def with_links(device: Device, args: argparse.Namespace) -> Device:
+    """``device`` with the link bandwidths and the dispatcher the flags give."""
+    for flag, value in (("--nvlink-gbs", args.nvlink_gbs), ("--network-gbs", args.network_gbs)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag}={value} must be > 0 (GB/s per device each way)")
+    intra = device.intra
+    if args.nvlink_gbs is not None:
+        intra = replace(intra, bandwidth=args.nvlink_gbs * GB)
+    inter = device.inter
+    if args.network_gbs is not None and inter is not None:
+        inter = replace(inter, bandwidth=args.network_gbs * GB)
+    return replace(device, intra=intra, inter=inter, dispatch=args.dispatch)
+
+
 def describe(device: Device, nodes: int) -> str:
     """What the step times are computed from, on one line."""
     inter = device.inter if nodes > 1 else None
@@ -124,6 +206,7 @@ def describe(device: Device, nodes: int) -> str:
             if inter is not None
             else ""
         )
+        + f"; {device.per_node} per node; EP dispatch priced as {device.dispatch}"
     )
 
 
@@ -168,17 +251,107 @@ def overlay(r: Ranked) -> str:
     return "".join(f"{k}: {v}\n" for k, v in keys.items())
 
 
-def shown_rows(
-    rows: list[Ranked], only: list[str] | None, top: int
+def parse_layout(name: str) -> dict[str, int] | None:
+    """``dp16xep8xtp2`` (a row's layout; ``single``) as degrees in mesh order, None if it is not one."""
+    degrees = dict.fromkeys(AXES, 1)
+    if name == "single":
+        return degrees
+    for part in name.split("x"):
+        match = re.fullmatch(r"(dp|pp|ep|cp|tp)([1-9][0-9]*)", part)
+        if match is None or degrees[match[1]] != 1:
+            return None
+        degrees[match[1]] = int(match[2])
+    return degrees
+
+
+def only_rows(
+    names: list[str],
+    config: ModelConfig,
+    found: list[Candidate],
+    batch: int,
+    device: Device,
+    precision: Precision,
+    top: int,
 ) -> tuple[list[Ranked], list[str]]:
-    """The rows to print, fastest first, and the ``only`` layouts that have none: without ``only``
-    the fastest ``top``; with it, each named layout's fastest ``top`` (every ZeRO level of it), so
-    that a slow one is not cut by a fast one's many step options."""
-    if not only:
-        return rows[:top], []
-    per_layout = {name: [r for r in rows if r.label.split(" ")[0] == name][:top] for name in only}
-    keep = {id(r) for chosen in per_layout.values() for r in chosen}
-    return [r for r in rows if id(r) in keep], [n for n, chosen in per_layout.items() if not chosen]
+    """``--only``: each named layout's fastest ``top`` rows whether they fit or not, fastest first,
+    and one line per name: its fastest row's time and memory (and what does not fit), or why it has
+    no row (not a layout, another number of devices, the strategy's own rule that refuses it)."""
+    devices = math.prod(found[0].degrees.values()) if found else None
+    rows: list[Ranked] = []
+    lines = []
+    for name in names:
+        degrees = parse_layout(name)
+        if degrees is None:
+            lines.append(
+                f"no row for {name}: not a layout (axes dp, pp, ep, cp, tp with their degrees, "
+                "joined by x, in any order: dp2xpp2xep2; or single)"
+            )
+            continue
+        world = math.prod(degrees.values())
+        if devices is not None and world != devices:
+            lines.append(f"no row for {name}: {world} devices, not the {devices} planned for")
+            continue
+        mine = [c for c in found if c.degrees == degrees]
+        if not mine:
+            why = rejection(config, degrees, 0, batch) or "no layout of these devices is accepted"
+            lines.append(f"no row for {name}: the strategy refuses it: {why}")
+            continue
+        priced = ranked(config, mine, batch, device, precision=precision, fitting=False)
+        if not priced:
+            lines.append(f"no row for {name}: no step option the strategy accepts")
+            continue
+        rows += priced[:top]
+        fastest, fits = priced[0], [r for r in priced if r.memory_bytes <= device.memory]
+        line = (
+            f"{name}: fastest {_ms(fastest.cost.step)} ms per step (zero={fastest.candidate.zero} "
+            f"{fastest.options_label}), {fastest.memory_bytes / GB:.2f} GB of "
+            f"{device.memory / GB:.2f} GB (state {fastest.candidate.state_bytes / GB:.2f} + "
+            f"activations {fastest.activation_bytes / GB:.2f})"
+        )
+        if fastest.memory_bytes > device.memory:
+            line += ": does not fit; " + (
+                f"its fastest row that fits: {_ms(fits[0].cost.step)} ms "
+                f"(zero={fits[0].candidate.zero} {fits[0].options_label}, "
+                f"{fits[0].memory_bytes / GB:.2f} GB)"
+                if fits
+                else "no row of it fits, the least memory of its rows is "
+                f"{min(r.memory_bytes for r in priced) / GB:.2f} GB"
+            )
+        lines.append(line)
+    rows.sort(key=lambda r: (r.cost.step, r.candidate.state_bytes))
+    return rows, lines
+
+
+class Progress:
+    """One line on stderr while the search runs (rewritten in place on a terminal, else a line
+    every few seconds), and the last count when it ends: layouts priced of those left after
+    pruning, the fastest row so far."""
+
+    def __init__(self, every_s: float = 2.0) -> None:
+        self.every_s, self.start = every_s, time.perf_counter()
+        self.last, self.shown = self.start, False
+        self.tty = sys.stderr.isatty()
+        self.state: tuple[int, int, Ranked | None] | None = None
+
+    def __call__(self, priced: int, of: int, best: Ranked | None) -> None:
+        self.state = (priced, of, best)
+        if time.perf_counter() - self.last >= self.every_s:
+            self._show(priced, of, best)
+
+    def _show(self, priced: int, of: int, best: Ranked | None) -> None:
+        self.last, self.shown = time.perf_counter(), True
+        fastest = f", fastest so far {_ms(best.cost.step)} ms ({best.label})" if best else ""
+        seconds = self.last - self.start
+        line = f"titan plan: priced {priced} of {of} layouts in {seconds:.0f} s{fastest}"
+        end = "" if self.tty else "\n"
+        print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """The last count (the layouts left unpriced were bounded out)."""
+        if self.state is not None:
+            self._show(*self.state)
+        if self.shown and self.tty:
+            print(file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> list[Ranked]:
@@ -194,7 +367,9 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
                 f"--check runs on this machine's CPU ranks, not --device={args.device}"
             )
         memory = device_memory(args.device, args.memory_gb, args.devices)
-        device = cost_device(args.device, memory, args.devices, args.nodes, config)
+        nodes = nodes_of(args)
+        device = cost_device(args.device, memory, args.devices, nodes, config)
+        device = with_links(device, args)
     except (ValueError, OSError) as error:
         parser.error(str(error))
     if args.check:
@@ -207,36 +382,63 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     fits = [c for c in found if c.state_bytes <= memory]
     print(
         f"titan plan: {total_params(config):,} parameters on {args.devices} x {args.device} "
-        f"({memory / GB:.2f} GB each) on {args.nodes} node(s), global batch {batch}, "
+        f"({memory / GB:.2f} GB each) on {nodes} node(s), global batch {batch}, "
         f"{precision.name}: {len(found)} "
         f"layouts the strategy accepts, {len(fits)} whose model state fits"
     )
-    print(describe(device, args.nodes))
+    print(describe(device, nodes))
     if rejected:
         print("rejected: " + ", ".join(f"{n} by {rule}" for rule, n in rejected.most_common()))
+    if args.only:
+        return _print_only(args, config, found, batch, device, precision)
     if not found:
         sys.exit("titan plan: no layout of these devices splits this model and batch evenly")
     if not fits:
-        sys.exit(f"titan plan: nothing fits: {shortfall(found[0], memory)}")
-    rows = ranked(config, fits, batch, device, precision=precision)
+        sys.exit(f"titan plan: nothing fits: {shortfall(found[0], memory, config)}")
+    progress = Progress()
+    rows = ranked(
+        config, fits, batch, device, precision=precision, keep=args.top, progress=progress
+    )
+    progress.close()
     if not rows:
         sys.exit(
             "titan plan: the model state fits but no step option's activations do: use more "
             "microbatches, activation checkpointing, or more devices"
         )
-    shown, missing = shown_rows(rows, args.only, args.top)
-    if shown:
-        print("\n".join(table(shown, memory)))
-    if missing:
-        print(
-            f"titan plan: no row for {', '.join(missing)}: not a layout these devices, model and "
-            "batch allow, or its state and activations do not fit"
-        )
+    print("\n".join(table(rows, memory)))
+    _footer(precision)
+    if args.out:
+        Path(args.out).write_text(overlay(rows[0]))
+        print(f"titan plan: wrote {rows[0].label} {rows[0].options_label} to {args.out}")
+    return rows
+
+
+def _footer(precision: Precision) -> None:
     print(
         "(ms per step; comm columns are the collectives' exposed time; of memory: model state and "
         f"peak activations of the fullest rank; priced as {precision.label()})"
     )
-    if args.out and shown:  # the first row printed: with --only, the fastest of those layouts
-        Path(args.out).write_text(overlay(shown[0]))
-        print(f"titan plan: wrote {shown[0].label} {shown[0].options_label} to {args.out}")
+
+
+def _print_only(
+    args: argparse.Namespace,
+    config: ModelConfig,
+    found: list[Candidate],
+    batch: int,
+    device: Device,
+    precision: Precision,
+) -> list[Ranked]:
+    """``--only``: the named layouts' rows (those that do not fit too) and a line for each name;
+    ``--out`` writes the fastest row that fits."""
+    rows, lines = only_rows(args.only, config, found, batch, device, precision, args.top)
+    if rows:
+        print("\n".join(table(rows, device.memory)))
+    for line in lines:
+        print(f"titan plan: {line}")
+    if rows:
+        _footer(precision)
+    fits = [r for r in rows if r.memory_bytes <= device.memory]
+    if args.out and fits:
+        Path(args.out).write_text(overlay(fits[0]))
+        print(f"titan plan: wrote {fits[0].label} {fits[0].options_label} to {args.out}")
     return rows

@@ -50,7 +50,7 @@ from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.tools.bench.cases import OURS, Case, Settings
 from lightning_titan.tools.bench.worker import run_world
 from lightning_titan.tools.plan_check import check, spearman
-from lightning_titan.tools.plan_cli import _ms, shown_rows, table
+from lightning_titan.tools.plan_cli import _ms, only_rows, table
 from lightning_titan.tools.plan_cli import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -455,7 +455,7 @@ def test_layout_auto_plans_in_the_trainers_precision():
 
 def test_rows_are_ranked_by_predicted_step_time(capsys):
     rows = plan_main(["--config", str(CONFIGS / "dp_pp_ep.yaml"), "--devices", "8",
-                      "--device", "h100-80gb", "--nodes", "2", "--top", "5"])  # fmt: skip
+                      "--device", "h100-80gb", "--nodes", "2", "--top", "1000"])  # fmt: skip
     printed = capsys.readouterr().out
     assert [r.cost.step for r in rows] == sorted(r.cost.step for r in rows)
     assert len({(r.options.schedule, r.options.recompute) for r in rows}) >= 6
@@ -499,9 +499,11 @@ def test_only_shows_every_layout_it_names(capsys):
     shown = [cells[1] for cells in rows if cells[0][2:].isdigit()]
     assert shown.count(fast) == 2 and shown.count(slow) == 2, shown
     assert "no row for dp3" in printed
-    picked, missing = shown_rows(everything, [fast, slow], 2)
-    assert missing == [] and all(a.cost.step <= b.cost.step for a, b in itertools.pairwise(picked))
-    assert shown_rows(everything, None, 3) == (everything[:3], [])  # without --only: one list
+    found, _ = candidates(DEFAULT, 8, 16)
+    picked, lines = only_rows([fast, slow], DEFAULT, found, 16, H100, Precision(), 2)
+    assert len(lines) == 2 and all(
+        a.cost.step <= b.cost.step for a, b in itertools.pairwise(picked)
+    )
 
 
 def test_times_print_as_plain_milliseconds():

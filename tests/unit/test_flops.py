@@ -75,6 +75,11 @@ def test_step_flops_within_2_percent_of_flop_counter(name):
         pad = latent.nope_dim + latent.rope_dim - latent.v_dim
         per_token = 3 * 2 * config.seq_len * config.n_heads * pad  # forward and backward
         expected -= config.n_layers * batch * config.seq_len * per_token
+    # the math backend multiplies the whole S x S and masks; the formula counts the causal keys only
+    s = config.seq_len
+    full = flops.attention_flops_per_token(config) * s * s / flops.attended_keys(s)  # all S keys
+    masked = full * (s * s - flops.attended_keys(s)) / (s * s)
+    expected -= 3 * config.n_layers * batch * s * masked
     formula = flops.step_flops(config, batch * config.seq_len)
     assert formula == pytest.approx(expected, rel=0.02), (name, formula, expected)
 
@@ -88,15 +93,44 @@ def test_formula_terms_scale_as_they_should():
     assert flops.training_flops_per_token(base) == 3 * flops.forward_flops_per_token(base)
 
 
+def test_causal_and_window_keys_are_counted_position_by_position():
+    """Position i (1-based) attends to i keys, min(w, i) under a window of w."""
+    assert flops.attended_keys(4) == 1 + 2 + 3 + 4
+    assert flops.attended_keys(6, window=3) == 1 + 2 + 3 + 3 + 3 + 3
+    assert flops.attended_keys(4, window=64) == flops.attended_keys(4)  # wider than the sequence
+
+
 def test_window_layers_count_the_keys_they_see():
-    """gpt-oss: the even layers of 3 attend to 4 of 16 keys (the odd one to all 16)."""
+    """gpt-oss: the even layers of 3 attend to min(4, i) of the i keys before them (16 positions)."""
     full = ModelConfig(n_layers=3, seq_len=16)
     window = dataclasses.replace(full, sliding_window=4)
     q_width = full.n_heads * full.head_dim
-    saved = 2 * 2 * (16 - 4) * q_width  # scores and weighted sum over the 12 keys out of reach
+    causal = sum(range(1, 17))  # 136 keys over the 16 positions
+    windowed = 1 + 2 + 3 + 4 * 13  # 58
+    saved = 2 * 2 * (causal - windowed) / 16 * q_width  # per token: scores and weighted sum
     assert flops.forward_flops_per_token(full) - flops.forward_flops_per_token(window) == 2 * saved
     wide = dataclasses.replace(full, sliding_window=64)  # wider than the sequence: nothing saved
     assert flops.forward_flops_per_token(wide) == flops.forward_flops_per_token(full)
+
+
+def test_qwen3_235b_a22b_is_its_published_flops_per_token():
+    """About 147 GFLOP a token for training at S = 4096, the count published beside its runs (the
+    causal half of the attention). By hand, per token and layer: q/o projections 2 * 4096 * 2 * 8192,
+    k/v 2 * 4096 * 2 * 512, attention 2 * (4097 / 2) * 2 * 8192 (causal: (S + 1) / 2 keys on
+    average), router 2 * 4096 * 128, 8 experts of 3 * 2 * 4096 * 1536; 94 layers; the head
+    2 * 4096 * 151936; times 3 for the backward."""
+    qwen = ModelConfig(vocab_size=151936, d_model=4096, n_layers=94, n_heads=64, n_kv_heads=4,
+                       attn_head_dim=128, ffn_dim=1536, n_experts=128, top_k=8, seq_len=4096,
+                       qk_norm="head")  # fmt: skip
+    layer = (2 * 4096 * (2 * 8192 + 2 * 512) + 2 * 4097 / 2 * 2 * 8192 + 2 * 4096 * 128
+             + 8 * 3 * 2 * 4096 * 1536)  # fmt: skip
+    by_hand = 3 * (94 * layer + 2 * 4096 * 151936)
+    assert by_hand == pytest.approx(148.34e9, rel=1e-4)
+    assert flops.training_flops_per_token(qwen) == pytest.approx(by_hand, rel=1e-12)
+    assert flops.training_flops_per_token(qwen) == pytest.approx(147e9, rel=0.015)
+    # not halved: 167 GFLOP, the count of a kernel that multiplies every masked block
+    causal = flops.attention_flops_per_token(qwen)
+    assert 3 * 94 * (causal * 2 * 4096 / 4097 - causal) == pytest.approx(18.9e9, rel=0.01)
 
 
 def test_peak_is_a_probe_on_cpu_and_the_catalogue_on_a_known_gpu(monkeypatch):
