@@ -25,7 +25,8 @@ class Layout:
         o = options
         if layout == "auto":
             step = dict(zero=o.zero, schedule=o.schedule, virtual_stages=o.virtual_stages)
-            check_auto_arguments({**degrees, **step, "num_microbatches": o.num_microbatches})
+            given = {**degrees, **step, "num_microbatches": o.num_microbatches}
+            check_auto_arguments({**given, "stage_layers": o.stage_layers})
         self.degrees = check_degrees(**degrees)  # -1 is resolved once the world size is known
         self.auto = layout == "auto"
         pp = degrees["pp"]

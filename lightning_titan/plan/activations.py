@@ -179,23 +179,25 @@ def peak_bytes(
     global_batch: int,
     precision: Precision = FP32,
     copies: tuple[float, float, float] | None = None,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> float:
     """Peak activation bytes of the fullest stage (one rank; tp and cp divide the positions);
-    ``copies``: ``weight_copy_bytes`` of these degrees, where the caller has them already."""
+    ``copies``: ``weight_copy_bytes`` of these degrees, where the caller has them already;
+    ``stage_layers``: layers per stage (None: ``n_layers / pp`` each)."""
     pp = degrees["pp"]
     block, ends = per_sequence(config, precision)
     weights = copies if copies is not None else weight_copy_bytes(config, degrees, precision)
     block_copies, expert_copies, head_copies = weights
     share = degrees["tp"] * degrees["cp"]  # positions per rank (the head's logits: V/tp of them)
     m = global_batch // (degrees["dp"] * degrees["ep"]) / options.microbatches
-    layers = config.n_layers / pp
+    layers = stage_layers or (config.n_layers / pp,) * pp
     head = (
         0 if options.schedule in V_SHAPED else pp - 1
     )  # the rank with the embedding, head and loss
     if options.recompute:  # inputs kept, one block's activations live again during its backward
         kept = config.seq_len * config.d_model * STATE_BYTES
         peaks = [
-            (held(options, pp, p) * layers * kept + block) * m / share
+            (held(options, pp, p) * layers[p] * kept + block) * m / share
             + block_copies
             + expert_copies
             for p in range(pp)
@@ -203,7 +205,8 @@ def peak_bytes(
         peaks[head] += ends * m / share + head_copies
         return max(peaks)
     peaks = [
-        held(options, pp, p) * layers * (block * m / share + expert_copies) + layers * block_copies
+        held(options, pp, p) * layers[p] * (block * m / share + expert_copies)
+        + layers[p] * block_copies
         for p in range(pp)
     ]
     peaks[head] += held(options, pp, head) * ends * m / share + head_copies

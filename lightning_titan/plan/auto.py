@@ -33,6 +33,7 @@ CHOSEN_DEFAULTS = {
     "schedule": "1f1b",
     "virtual_stages": 1,
     "num_microbatches": None,
+    "stage_layers": None,
 }
 
 
@@ -46,6 +47,7 @@ class Choice:
     virtual_stages: int
     num_microbatches: int
     summary: str  # one line: the layout, its options and its predicted step
+    stage_layers: tuple[int, ...] | None = None  # layers per stage (None: even)
 
     def applied_to(self, options: TrainOptions) -> TrainOptions:
         """``options`` with the chosen step options, as if they had been given."""
@@ -55,6 +57,7 @@ class Choice:
             schedule=self.schedule,
             virtual_stages=self.virtual_stages,
             num_microbatches=self.num_microbatches,
+            stage_layers=self.stage_layers,
         )
 
 
@@ -139,8 +142,9 @@ def choose(
 
 def _as_choice(r: Ranked) -> Choice:
     o = r.options
+    split = f" stage_layers {r.candidate.split_label}" if r.candidate.stage_layers else ""
     summary = (
-        f"{r.label.split(' ')[0]} zero={r.candidate.zero} {r.options_label}, predicted "
+        f"{r.label.split(' ')[0]}{split} zero={r.candidate.zero} {r.options_label}, predicted "
         f"{r.cost.step * 1e3:,.3g} ms per step"
     )
     return Choice(
@@ -150,6 +154,7 @@ def _as_choice(r: Ranked) -> Choice:
         o.virtual_stages,
         o.microbatches,
         summary,
+        r.candidate.stage_layers,
     )
 
 

@@ -42,6 +42,7 @@ from lightning_titan.model.flops import layer_flops_per_token, mean_layer_flops_
 from lightning_titan.model.options import LATENT
 from lightning_titan.parallel.mesh import GROUPS
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
+from lightning_titan.parallel.pipeline.split import StageCosts, balance
 from lightning_titan.parallel.pipeline.theory import ideal_bubble
 from lightning_titan.parallel.pipeline.zbv import dualpipev_order
 from lightning_titan.plan.devices import Device, Link
@@ -82,6 +83,29 @@ class StepCost:
     @property
     def bubble_fraction(self) -> float:
         return self.bubble / (self.compute + self.bubble) if self.bubble else 0.0
+
+
+def stage_flops(config: ModelConfig) -> tuple[float, float, float]:
+    """Matmul FLOPs per token of (the embedding, one layer, the head and loss) as ``predict`` prices
+    them: the embedding is a lookup (no matmul), a layer is an MoE layer wherever the model has any
+    (its attention causal, averaged over full and sliding-window layers), the head ``2 D V``."""
+    dense_layer = layer_flops_per_token(config)[1]
+    moe = config.experts.dense_layers < config.n_layers
+    layer = mean_layer_flops_per_token(config) if moe else dense_layer
+    return 0.0, layer, 2.0 * config.d_model * config.vocab_size
+
+
+@functools.cache
+def _balanced(config_key: str, flops: tuple[float, float, float], n_layers: int, pp: int) -> tuple:
+    return tuple(balance(StageCosts(*flops), n_layers, pp))
+
+
+def balanced_split(config: ModelConfig, pp: int) -> tuple[int, ...]:
+    """Layers per stage that make the slowest of ``pp`` stages fastest in ``predict``'s compute:
+    ``split.balance`` (what ``stage_layers="auto"`` runs on probed times) on ``stage_flops``, so
+    the last stage, which also runs the head and the loss, holds fewer layers where the head
+    weighs. Raises where ``pp`` stages cannot each hold a layer (the first and last may hold 0)."""
+    return _balanced(repr(config), stage_flops(config), config.n_layers, pp)
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -257,29 +281,79 @@ def predict(
     device: Device,
     params: tuple[int, int],
     precision: Precision = FP32,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> StepCost:
     """The step time of ``degrees`` (dp, pp, ep, cp, tp) with ``options``; ``params`` is the
     (non-expert, expert) parameter count of the fullest rank (``plan/memory.py``); payloads in the
-    dtypes ``precision`` sends."""
+    dtypes ``precision`` sends; ``stage_layers``: layers per stage (None: ``n_layers / pp`` each).
+    Each stage is priced with its layers (the first with the embedding, the last with the head and
+    loss); the slowest one's compute and collectives are the step's, its compute sets the bubble."""
+    pp, world = degrees["pp"], math.prod(degrees.values())
+    counts = stage_layers or (config.n_layers / pp,) * pp
+    terms = [
+        _stage(config, degrees, options, global_batch, device, precision, n, first, head)
+        for n, first, head in _slowest_candidates(config, counts)
+    ]
+    compute, comm = max(terms, key=lambda t: t[0] + sum(t[1].values()))
+    comm = dict(comm)
+    m_count = options.microbatches
+    idle = bubble_fraction(options.schedule, pp, m_count, options.virtual_stages)
+    bubble = compute * idle / (1 - idle)
+    comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count)
+    optimizer = _optimizer(degrees, zero, params, device)
+
+    busy = compute + sum(comm.values()) + optimizer
+    step = busy + bubble
+    if device.cores is not None and world > device.cores:
+        step = max(step, world * busy / device.cores)  # the ranks take turns on the cores
+    return StepCost(compute, bubble, comm, optimizer, step)
+
+
+def _slowest_candidates(
+    config: ModelConfig, counts: tuple[float, ...]
+) -> list[tuple[float, bool, bool]]:
+    """The (layers, holds the embedding, holds the head) of the stages that could be the slowest:
+    each distinct one but those another stage outdoes in layers, in extra FLOPs and in extra
+    passes at once (an even split leaves the last stage alone, or the first where the embedding
+    outweighs the head)."""
+    embed, _, head = stage_flops(config)
+    last = len(counts) - 1
+    stages = {(n, s == 0, s == last) for s, n in enumerate(counts)}
+
+    def work(stage: tuple[float, bool, bool]) -> tuple[float, float, int]:
+        n, first, has_head = stage
+        return n, first * embed + has_head * head, int(first or has_head)
+
+    def outdone(a: tuple, b: tuple) -> bool:  # b at least as slow (the first of equals kept)
+        wa, wb = work(a), work(b)
+        return a != b and all(x >= y for x, y in zip(wb, wa, strict=True)) and (wb != wa or b < a)
+
+    return sorted(a for a in stages if not any(outdone(a, b) for b in stages))
+
+
+def _stage(
+    config: ModelConfig,
+    degrees: dict[str, int],
+    options: StepOptions,
+    global_batch: int,
+    device: Device,
+    precision: Precision,
+    layers: float,
+    first: bool,
+    head: bool,
+) -> tuple[float, dict[str, float]]:
+    """(compute seconds, the PP, EP, TP and CP terms) of a stage of ``layers`` layers (``first``: it
+    holds the embedding, ``head``: the head and the loss), per step."""
     dp, pp, ep, cp, tp = (degrees[a] for a in ("dp", "pp", "ep", "cp", "tp"))
-    world = math.prod(degrees.values())
     m_count, v = options.microbatches, options.virtual_stages
     b = global_batch // (dp * ep)
     tokens = b * config.seq_len / (tp * cp)  # positions this rank computes per step
     mb_tokens = tokens / m_count
-    head = 2 * config.d_model * config.vocab_size
-    # the slowest stage's layers: MoE layers wherever there are any (dense ones are the first few)
-    # (its attention causal, averaged over full and sliding-window layers: model/flops.py's count)
-    dense_layer = layer_flops_per_token(config)[1]
-    moe = config.experts.dense_layers < config.n_layers
-    layer = mean_layer_flops_per_token(config) if moe else dense_layer
-    layers = config.n_layers / pp
+    embed, layer, head_flops = stage_flops(config)
     passes = 4 if options.recompute else 3  # forward, backward (2x), and a recomputed forward
-    flops = tokens * passes * (layers * layer + head)  # the last stage: it holds the head
+    flops = tokens * passes * (layers * layer + first * embed + head * head_flops)
     per_pass = device.pass_s + (device.split_s if options.schedule in SPLIT_BACKWARD else 0.0)
-    compute = flops / device.flops + m_count * (layers + 1) * per_pass
-    idle = bubble_fraction(options.schedule, pp, m_count, v)
-    bubble = compute * idle / (1 - idle)
+    compute = flops / device.flops + m_count * (layers + (first or head)) * per_pass
 
     comm = {}
     wire = precision.wire
@@ -308,14 +382,7 @@ def predict(
     if config.attention.kind == LATENT:  # the latent and the shared RoPE key (model/mla.py)
         kv = mb_tokens * cp * (latent.kv_rank + latent.rope_dim) * wire
     comm["cp"] = 2 * collective(_link(device, degrees, "cp"), kv * calls, cp, 1, calls)
-    comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count)
-    optimizer = _optimizer(degrees, zero, params, device)
-
-    busy = compute + sum(comm.values()) + optimizer
-    step = busy + bubble
-    if device.cores is not None and world > device.cores:
-        step = max(step, world * busy / device.cores)  # the ranks take turns on the cores
-    return StepCost(compute, bubble, comm, optimizer, step)
+    return compute, comm
 
 
 def _data_parallel(

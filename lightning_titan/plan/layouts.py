@@ -17,6 +17,8 @@ from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.parallel.batching import local_batch_size
 from lightning_titan.parallel.dp.zero import LEVELS
 from lightning_titan.parallel.mesh import AXES, ParallelDims
+from lightning_titan.parallel.pipeline.split import StageSplit
+from lightning_titan.plan.cost import balanced_split
 from lightning_titan.plan.memory import fullest_state, layout_state
 from lightning_titan.train.options import TrainOptions, check_trainer_clipping
 
@@ -34,11 +36,26 @@ class Candidate:
     zero: int
     state_bytes: int  # params + grads + optimizer state on the rank that holds the most
     parts: dict[str, int]  # that rank's bytes by part (bench.memory.state_bytes' keys)
+    stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: n_layers / pp
 
     @property
     def label(self) -> str:
         parts = [f"{a}{n}" for a, n in self.degrees.items() if n > 1] or ["single"]
         return "x".join(parts) + (f" zero{self.zero}" if self.zero else "")
+
+    @property
+    def split_label(self) -> str:
+        """The layers per stage, runs of equal counts as ``count*stages`` (``4*15,1``); "" when
+        even."""
+        if self.stage_layers is None:
+            return ""
+        runs: list[list[int]] = []
+        for n in self.stage_layers:
+            if runs and runs[-1][0] == n:
+                runs[-1][1] += 1
+            else:
+                runs.append([n, 1])
+        return ",".join(f"{n}*{k}" if k > 1 else f"{n}" for n, k in runs)
 
 
 def divisors(n: int) -> list[int]:
@@ -55,11 +72,18 @@ def factorizations(devices: int) -> list[dict[str, int]]:
     return out
 
 
-def rejection(config: ModelConfig, degrees: dict[str, int], zero: int, batch: int) -> str | None:
+def rejection(
+    config: ModelConfig,
+    degrees: dict[str, int],
+    zero: int,
+    batch: int,
+    stage_layers: tuple[int, ...] | None = None,
+) -> str | None:
     """Why the strategy would refuse this layout (the first rule's message), or None."""
     dims = ParallelDims(**degrees)
     try:
-        config.validate_layout(dims.pp, dims.ep, dims.tp, dims.cp)
+        split = StageSplit(1, stage_layers)
+        config.validate_layout(dims.pp, dims.ep, dims.tp, dims.cp, split)
         local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")
         check_trainer_clipping(dims, TrainOptions(zero=zero), None)
     except ValueError as error:
@@ -67,22 +91,42 @@ def rejection(config: ModelConfig, degrees: dict[str, int], zero: int, batch: in
     return None
 
 
+def splits(config: ModelConfig, pp: int) -> list[tuple[int, ...] | None]:
+    """The ways the planner cuts the layers over ``pp`` stages: evenly (None) where ``pp`` divides
+    them, and the split that balances the stages' predicted compute (``cost.balanced_split``: the
+    head and loss on the last stage count as work) where it differs from the even one; [None] where
+    no split fits (the strategy's rule then says why)."""
+    even = config.n_layers % pp == 0
+    out: list[tuple[int, ...] | None] = [None] if even else []
+    if pp > 1:
+        try:
+            balanced = balanced_split(config, pp)
+        except ValueError:
+            balanced = None
+        if balanced is not None and (not even or len(set(balanced)) > 1):
+            out.append(balanced)
+    return out or [None]
+
+
 def candidates(
     config: ModelConfig, devices: int, global_batch: int
 ) -> tuple[list[Candidate], Counter[str]]:
-    """The accepted layouts (every zero level where a data-parallel group exists), and how many
-    were rejected by each rule (keyed by the start of its message: ``n_heads=4``, ...)."""
+    """The accepted layouts (every zero level where a data-parallel group exists; each pipeline
+    split of ``splits``), and how many were rejected by each rule (keyed by the start of its
+    message: ``n_heads=4``, ...)."""
     accepted: list[Candidate] = []
     rejected: Counter[str] = Counter()
     for degrees in factorizations(devices):
         data_parallel = degrees["dp"] * degrees["ep"] * degrees["cp"] * degrees["tp"] > 1
-        for zero in LEVELS if data_parallel else (0,):
-            reason = rejection(config, degrees, zero, global_batch)
-            if reason is not None:
-                rejected[reason.split(" ")[0].rstrip(":;,")] += 1
-                continue
-            fullest = fullest_state(config, degrees, zero)
-            accepted.append(Candidate(degrees, zero, sum(fullest.values()), fullest))
+        for layers in splits(config, degrees["pp"]):
+            for zero in LEVELS if data_parallel else (0,):
+                reason = rejection(config, degrees, zero, global_batch, layers)
+                if reason is not None:
+                    rejected[reason.split(" ")[0].rstrip(":;,")] += 1
+                    continue
+                fullest = fullest_state(config, degrees, zero, layers)
+                state = sum(fullest.values())
+                accepted.append(Candidate(degrees, zero, state, fullest, layers))
     return accepted, rejected
 
 
@@ -110,20 +154,35 @@ DIVIDED_BY = {
 }
 
 
+def _most_layers(config: ModelConfig, pp: int, stage_layers: tuple[int, ...] | None) -> float:
+    return max(stage_layers) if stage_layers else config.n_layers / pp
+
+
 def _grown(config: ModelConfig, best: Candidate) -> list[str]:
-    """For pp, ep and tp: the next degree the model allows beyond ``best``'s, on that many more
-    devices, with the state it leaves per rank; nothing where the model allows no more."""
+    """For pp, ep and tp: the next degree the model allows beyond ``best``'s (for pp: the next
+    whose stages hold fewer layers), on that many more devices, with the state it leaves per rank;
+    nothing where the model allows no more."""
     out = []
     for axis in ("ep", "pp", "tp"):
         now = best.degrees[axis]
         limit = {"ep": config.n_experts, "pp": config.n_layers, "tp": config.n_heads}[axis]
         for degree in range(now + 1, limit + 1):
             degrees = {**best.degrees, axis: degree}
+            layers = best.stage_layers
+            if axis == "pp":  # the split whose fullest stage holds the fewest layers
+                layers = min(splits(config, degree), key=lambda s: _most_layers(config, degree, s))
+            if axis == "pp" and _most_layers(config, degree, layers) >= _most_layers(
+                config, now, best.stage_layers
+            ):
+                continue  # a stage still holds as many layers: no less state
             try:
-                config.validate_layout(degrees["pp"], degrees["ep"], degrees["tp"], degrees["cp"])
+                split = StageSplit(1, layers)
+                config.validate_layout(
+                    degrees["pp"], degrees["ep"], degrees["tp"], degrees["cp"], split
+                )
             except ValueError:
                 continue
-            state = sum(fullest_state(config, degrees, best.zero).values())
+            state = sum(fullest_state(config, degrees, best.zero, layers).values())
             devices = math.prod(degrees.values())
             out.append(f"{axis}={degree} ({devices} devices): {state / GB:.2f} GB")
             break

@@ -139,12 +139,19 @@ def layout_state(config: ModelConfig, degrees: dict[str, int], zero: int = 0) ->
     return [rank_state(config, ParallelDims(**degrees, rank=r), zero) for r in range(world)]
 
 
-def fullest_state(config: ModelConfig, degrees: dict[str, int], zero: int = 0) -> dict[str, int]:
-    """``rank_state`` of the rank that holds the most, without counting every rank: on each stage
+def fullest_state(
+    config: ModelConfig,
+    degrees: dict[str, int],
+    zero: int = 0,
+    stage_layers: tuple[int, ...] | None = None,
+) -> dict[str, int]:
+    """``rank_state`` of the rank that holds the most (the layers cut as ``stage_layers`` says, one
+    count per stage; None: evenly), without counting every rank: on each stage
     the first rank of every group (a ``torch.chunk``-style ZeRO split gives the first rank the
     largest rows; the other axes cut equal shapes), then the fullest stage (64 devices: seconds
     instead of minutes)."""
     dims = ParallelDims(**degrees)
+    split = StageSplit(1, stage_layers)
     firsts = [dims.rank_of(0, p, 0) for p in range(dims.pp)]
-    states = [rank_state(config, ParallelDims(**degrees, rank=r), zero) for r in firsts]
+    states = [rank_state(config, ParallelDims(**degrees, rank=r), zero, split) for r in firsts]
     return max(states, key=lambda s: sum(s.values()))

@@ -55,13 +55,17 @@ class Ranked:
 
 
 def _accepted(
-    config: ModelConfig, degrees: dict[str, int], options: StepOptions, compiled: bool
+    config: ModelConfig,
+    degrees: dict[str, int],
+    options: StepOptions,
+    compiled: bool,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> bool:
     pp, v = degrees["pp"], options.virtual_stages
     try:
         train = TrainOptions(schedule=options.schedule, virtual_stages=v)
         check_microbatches(options.schedule, options.microbatches, pp, v)
-        StageSplit(v).counts(config.n_layers, pp)
+        StageSplit(v, stage_layers).counts(config.n_layers, pp)  # one count per stage: v = 1
         check_overlap(
             ParallelDims(**degrees), train, recompute=options.recompute, compiled=compiled
         )
@@ -76,10 +80,12 @@ def step_options(
     local_batch: int,
     recompute: tuple[bool, ...] = (False, True),
     compiled: bool = False,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> list[StepOptions]:
     """Schedules (interleaved 1F1B with each v of 2..8 whose chunks split the layers evenly) x
     microbatch counts (divisors of the per-rank batch) x recompute that ``degrees``
-    accept (``compiled``: the model is compiled); pp = 1: 1F1B (the microbatches are gradient
+    accept (``compiled``: the model is compiled; ``stage_layers``: an uneven split, one count per
+    stage, which only the one-chunk schedules run); pp = 1: 1F1B (the microbatches are gradient
     accumulation: less activation memory) or, with ep > 1, 1f1b_overlap from two microbatches.
     GPipe from two microbatches too: with one it runs 1F1B's order, the same row twice."""
     pp = degrees["pp"]
@@ -97,7 +103,7 @@ def step_options(
                     options = StepOptions(schedule, m, v, ckpt)
                     if schedule in ("1f1b_overlap", "gpipe") and m == 1:
                         continue  # one microbatch: nothing to pair or reorder, 1F1B itself
-                    if _accepted(config, degrees, options, compiled):
+                    if _accepted(config, degrees, options, compiled, stage_layers):
                         out.append(options)
     return out
 
@@ -122,38 +128,54 @@ class _Prices:
         self._copies: dict[tuple[int, int], tuple[float, float, float]] = {}
         self._peaks: dict[tuple, float] = {}
 
-    def options(self, degrees: dict[str, int]) -> list[StepOptions]:
+    def options(self, c: Candidate) -> list[StepOptions]:
+        degrees = c.degrees
         pp, ep = degrees["pp"], degrees["ep"]
         local = self.batch // (degrees["dp"] * ep)
-        key = (pp, ep > 1, local)  # all that step_options' checks read of a layout
+        key = (pp, ep > 1, local, c.stage_layers)  # all that step_options' checks read of a layout
         if key not in self._options:
             self._options[key] = step_options(
-                self.config, degrees, local, self.recompute, self.compiled
+                self.config, degrees, local, self.recompute, self.compiled, c.stage_layers
             )
         return self._options[key]
 
-    def activations(self, degrees: dict[str, int], options: StepOptions) -> float:
-        key = (*degrees.values(), options)
+    def activations(self, c: Candidate, options: StepOptions) -> float:
+        degrees = c.degrees
+        key = (*degrees.values(), c.stage_layers, options)
         if key not in self._peaks:
             copies_key = (degrees["ep"], degrees["tp"])
             if copies_key not in self._copies:
                 self._copies[copies_key] = weight_copy_bytes(self.config, degrees, self.precision)
             self._peaks[key] = peak_bytes(
-                self.config, degrees, options, self.batch, self.precision, self._copies[copies_key]
+                self.config,
+                degrees,
+                options,
+                self.batch,
+                self.precision,
+                self._copies[copies_key],
+                c.stage_layers,
             )
         return self._peaks[key]
 
     def predict(self, c: Candidate, options: StepOptions) -> StepCost:
         params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
         return predict(
-            self.config, c.degrees, c.zero, options, self.batch, self.device, params, self.precision
+            self.config,
+            c.degrees,
+            c.zero,
+            options,
+            self.batch,
+            self.device,
+            params,
+            self.precision,
+            c.stage_layers,
         )
 
     def rows(self, c: Candidate, fitting: bool = True) -> list[Ranked]:
         """``c`` with each step option (``fitting``: those whose memory fits the device)."""
         out = []
-        for options in self.options(c.degrees):
-            activations = self.activations(c.degrees, options)
+        for options in self.options(c):
+            activations = self.activations(c, options)
             if fitting and c.state_bytes + activations > self.device.memory:
                 continue
             out.append(Ranked(c, options, self.predict(c, options), activations))
@@ -179,8 +201,8 @@ def _undominated(found: list[Candidate]) -> list[Candidate]:
     """``found`` without the zero=1 layouts whose zero=2 twin is there: the same step options and
     activations, no more state (the grads are split too) and less data-parallel traffic (a
     reduce-scatter where zero=1 all-reduces), so it ranks ahead of every zero=1 row."""
-    twins = {tuple(c.degrees.values()) for c in found if c.zero == 2}
-    return [c for c in found if not (c.zero == 1 and tuple(c.degrees.values()) in twins)]
+    twins = {(*c.degrees.values(), c.stage_layers) for c in found if c.zero == 2}
+    return [c for c in found if not (c.zero == 1 and (*c.degrees.values(), c.stage_layers) in twins)]
 
 
 Progress = Callable[[int, int, "Ranked | None"], None]

@@ -228,13 +228,19 @@ def table(rows: list[Ranked], memory: float) -> list[str]:
         c, cost = r.candidate, r.cost
         parts = [sum(v for n, v in c.parts.items() if n.endswith(k)) / scale for k in PARTS]
         lines.append(
-            f"| {i} | {c.label.split(' ')[0]} | {c.zero} | {r.options_label} | "
+            f"| {i} | {layout_cell(c)} | {c.zero} | {r.options_label} | "
             f"{c.state_bytes / scale:,.3f} | {' / '.join(f'{v:,.3f}' for v in parts)} | "
             f"{r.activation_bytes / scale:,.3f} | {r.memory_bytes / memory:.0%} | {_ms(cost.compute)} | {_ms(cost.bubble)} "
             f"({cost.bubble_fraction:.0%}) | {' | '.join(_ms(cost.comm[t]) for t in TERMS)} | "
             f"{_ms(cost.optimizer)} | **{_ms(cost.step)}** |"
         )
     return lines
+
+
+def layout_cell(c: Candidate) -> str:
+    """The layout, and its layers per stage where they are not even (``pp16xdp4 [4*15,1]``)."""
+    layout = c.label.split(" ")[0]
+    return f"{layout} [{c.split_label}]" if c.stage_layers else layout
 
 
 def overlay(r: Ranked) -> str:
@@ -246,6 +252,9 @@ def overlay(r: Ranked) -> str:
     keys["trainer.strategy.init_args.schedule"] = o.schedule
     keys["trainer.strategy.init_args.num_microbatches"] = o.microbatches
     keys["trainer.strategy.init_args.virtual_stages"] = o.virtual_stages
+    # layers per stage; null (even) replaces a split the config may give
+    split = c.stage_layers
+    keys["trainer.strategy.init_args.stage_layers"] = list(split) if split else "null"
     # model.model is a class-valued block: a dotted key sets its fields under init_args
     keys["model.model.init_args.activation_checkpointing"] = str(o.recompute).lower()
     return "".join(f"{k}: {v}\n" for k, v in keys.items())
@@ -304,14 +313,14 @@ def only_rows(
         fastest, fits = priced[0], [r for r in priced if r.memory_bytes <= device.memory]
         line = (
             f"{name}: fastest {_ms(fastest.cost.step)} ms per step (zero={fastest.candidate.zero} "
-            f"{fastest.options_label}), {fastest.memory_bytes / GB:.2f} GB of "
+            f"{fastest.options_label}{_split(fastest)}), {fastest.memory_bytes / GB:.2f} GB of "
             f"{device.memory / GB:.2f} GB (state {fastest.candidate.state_bytes / GB:.2f} + "
             f"activations {fastest.activation_bytes / GB:.2f})"
         )
         if fastest.memory_bytes > device.memory:
             line += ": does not fit; " + (
                 f"its fastest row that fits: {_ms(fits[0].cost.step)} ms "
-                f"(zero={fits[0].candidate.zero} {fits[0].options_label}, "
+                f"(zero={fits[0].candidate.zero} {fits[0].options_label}{_split(fits[0])}, "
                 f"{fits[0].memory_bytes / GB:.2f} GB)"
                 if fits
                 else "no row of it fits, the least memory of its rows is "
@@ -320,6 +329,10 @@ def only_rows(
         lines.append(line)
     rows.sort(key=lambda r: (r.cost.step, r.candidate.state_bytes))
     return rows, lines
+
+
+def _split(r: Ranked) -> str:
+    return f" stage_layers {r.candidate.split_label}" if r.candidate.stage_layers else ""
 
 
 class Progress:
@@ -409,7 +422,10 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     _footer(precision)
     if args.out:
         Path(args.out).write_text(overlay(rows[0]))
-        print(f"titan plan: wrote {rows[0].label} {rows[0].options_label} to {args.out}")
+        print(
+            f"titan plan: wrote {rows[0].label} {rows[0].options_label}{_split(rows[0])} to "
+            f"{args.out}"
+        )
     return rows
 
 
@@ -440,5 +456,8 @@ def _print_only(
     fits = [r for r in rows if r.memory_bytes <= device.memory]
     if args.out and fits:
         Path(args.out).write_text(overlay(fits[0]))
-        print(f"titan plan: wrote {fits[0].label} {fits[0].options_label} to {args.out}")
+        print(
+            f"titan plan: wrote {fits[0].label} {fits[0].options_label}{_split(fits[0])} to "
+            f"{args.out}"
+        )
     return rows

@@ -193,9 +193,9 @@ def test_only_prints_each_layout_with_its_reason_or_its_cost(capsys):
     time and memory."""
     rows = plan_main(["--config", str(DEEPSEEK_V3_JSON), "--devices", "256", "--device",
                       "h100-80gb", "--global-batch", "1024", "--precision", "bf16-mixed",
-                      "--only", "pp8xep32", "ep128xtp2", "dp3", "ep2xfoo", "--top", "1"])  # fmt: skip
+                      "--only", "pp64xep4", "ep128xtp2", "dp3", "ep2xfoo", "--top", "1"])  # fmt: skip
     out = capsys.readouterr().out
-    assert "no row for pp8xep32: the strategy refuses it: n_layers=61" in out
+    assert "no row for pp64xep4: the strategy refuses it: n_layers=61" in out
     assert "no row for dp3: 3 devices, not the 256 planned for" in out
     assert "no row for ep2xfoo: not a layout" in out
     line = next(x for x in out.splitlines() if x.startswith("titan plan: ep128xtp2: fastest"))
@@ -205,17 +205,18 @@ def test_only_prints_each_layout_with_its_reason_or_its_cost(capsys):
 
 
 def test_nothing_fits_names_the_term_and_a_remedy_the_model_allows(capsys):
-    """DeepSeek-V3 on 256 H100: the smallest is already zero2 and 61 layers split only into 61
-    stages: neither zero=1/2 nor a small pp is advised; the largest term is named."""
+    """DeepSeek-V3 on 64 H100: the smallest is already zero2 with 2 layers a stage (pp32, split
+    unevenly): neither zero=1/2 nor pp=33 (still 2 layers a stage) is advised, but the first pp
+    whose stages hold one layer; the largest term is named."""
     with pytest.raises(SystemExit) as stop:
-        plan_main(["--config", str(DEEPSEEK_V3_JSON), "--devices", "256", "--device",
+        plan_main(["--config", str(DEEPSEEK_V3_JSON), "--devices", "64", "--device",
                    "h100-80gb", "--global-batch", "1024"])  # fmt: skip
     said = str(stop.value.code)
-    assert "nothing fits" in said and "(ep128xtp2 zero2)" in said
-    assert "its largest term is non_expert_params" in said
+    assert "nothing fits" in said and "(pp32xep2 zero2)" in said
+    assert "its largest term is expert_optimizer" in said
     assert "zero=1" not in said and "zero=2 (" not in said
-    assert "pp=61 (15616 devices)" in said and "pp=2" not in said
-    assert "ep=256 (512 devices)" in said
+    assert "pp=61 (122 devices)" in said and "pp=33" not in said
+    assert "ep=4 (128 devices)" in said
 
 
 def test_nothing_fits_advises_zero2_where_the_smallest_is_below_it():

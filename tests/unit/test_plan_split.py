@@ -1,0 +1,155 @@
+"""``titan plan`` searches uneven pipeline splits: the split that balances the stages' predicted
+compute (the last stage runs the head and the loss too), priced stage by stage (the slowest sets
+the pace, the fullest the memory, with the state model the engine's measured bytes are held to),
+shown in the table and written to ``--out`` as ``stage_layers``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_titan.cli import TitanCLI, check_config_files, cli_components
+from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.parallel.mesh import AXES, ParallelDims
+from lightning_titan.parallel.pipeline.split import StageSplit
+from lightning_titan.plan.activations import peak_bytes
+from lightning_titan.plan.cost import StepOptions, balanced_split, predict, stage_flops
+from lightning_titan.plan.devices import GPUS
+from lightning_titan.plan.layouts import candidates, splits
+from lightning_titan.plan.memory import rank_state
+from lightning_titan.plan.rank import ranked, step_options
+from lightning_titan.tools.plan_cli import main as plan_main
+from lightning_titan.tools.plan_cli import shapes_of
+
+ROOT = Path(__file__).resolve().parents[2]
+DEEPSEEK_V3_DIR = ROOT / "tests" / "support" / "fixtures" / "deepseek_v3"
+H100 = GPUS["h100-80gb"]
+SMALL = ModelConfig(vocab_size=257, d_model=64, n_layers=3, n_heads=4, ffn_dim=128, n_experts=4)
+
+
+def _layout(**degrees: int) -> dict[str, int]:
+    return {a: degrees.get(a, 1) for a in AXES}
+
+
+def _naive(n_layers: int, pp: int) -> tuple[int, ...]:
+    """The remainder on the first stages: what a split that ignores the head does."""
+    base, extra = divmod(n_layers, pp)
+    return tuple(base + (s < extra) for s in range(pp))
+
+
+def _stage_seconds(config: ModelConfig, counts: tuple[int, ...], tokens: float) -> list[float]:
+    """Each stage's forward + backward FLOPs over the device's throughput (the embedding is free)."""
+    embed, layer, head = stage_flops(config)
+    last = len(counts) - 1
+    return [
+        3 * tokens * (n * layer + (s == 0) * embed + (s == last) * head) / H100.flops
+        for s, n in enumerate(counts)
+    ]
+
+
+def test_deepseek_v3_is_split_over_16_stages_better_than_naively(capsys):
+    """61 layers (prime) allowed only pp=1 evenly; pp=16 (the published PP) now has a split that
+    sums to 61, whose slowest stage is faster than the naive split's, and ``predict`` paces the
+    pipeline by that slowest stage."""
+    config = shapes_of(DEEPSEEK_V3_DIR, 4096)
+    capsys.readouterr()
+    (split,) = splits(config, 16)
+    assert split is not None and len(split) == 16 and sum(split) == 61
+    assert split[-1] < max(split)  # the head's stage holds fewer layers
+    naive = _naive(61, 16)
+    ours, theirs = _stage_seconds(config, split, 1), _stage_seconds(config, naive, 1)
+    assert max(ours) < max(theirs)
+    assert max(ours) - min(ours) < max(theirs) - min(theirs)
+    # without EP (whose per-layer all-to-alls the split does not weigh) compute sets the pace
+    degrees, options = _layout(pp=16, dp=16), StepOptions("1f1b", 16)
+    balanced = predict(config, degrees, 0, options, 256, H100, (1, 1), stage_layers=split)
+    naive_cost = predict(config, degrees, 0, options, 256, H100, (1, 1), stage_layers=naive)
+    assert balanced.compute < naive_cost.compute and balanced.step < naive_cost.step
+    tokens = 256 // 16 * config.seq_len  # a rank's 16 sequences' positions
+    per_pass = 16 * 5 * H100.pass_s  # M=16 passes of the slowest stage's 4 layers and the embedding
+    slowest = max(_stage_seconds(config, split, tokens))
+    assert balanced.compute == pytest.approx(slowest + per_pass, rel=1e-6)
+    # every pp from 2 to 32 now splits 61 layers; 64 stages cannot (each middle one needs a layer)
+    assert all(splits(config, pp)[0] is not None for pp in (2, 4, 8, 16, 32))
+    assert splits(config, 64) == [None]
+
+
+def test_an_even_split_is_priced_as_before_and_kept_where_it_divides():
+    """pp dividing the layers keeps the even split (None, the strategy's default), and the
+    balanced one beside it only where it differs; an explicit even split prices as None does."""
+    deep = ModelConfig(vocab_size=50000, d_model=64, n_layers=8, n_heads=4, ffn_dim=128, n_experts=4)
+    assert splits(SMALL, 1) == [None]
+    assert splits(deep, 2) == [None, balanced_split(deep, 2)] and balanced_split(deep, 2)[1] < 4
+    flat = ModelConfig(vocab_size=64, d_model=64, n_layers=8, n_heads=4, ffn_dim=128, n_experts=4)
+    assert splits(flat, 2) == [None]  # a tiny head: the balanced split is the even one
+    degrees = _layout(pp=2, ep=2)
+    for options in (StepOptions("1f1b", 2), StepOptions("gpipe", 4, recompute=True)):
+        even = predict(deep, degrees, 0, options, 16, H100, (1, 1))
+        explicit = predict(deep, degrees, 0, options, 16, H100, (1, 1), stage_layers=(4, 4))
+        assert even == explicit
+        assert peak_bytes(deep, degrees, options, 16) == peak_bytes(
+            deep, degrees, options, 16, stage_layers=(4, 4)
+        )
+
+
+def test_an_uneven_candidates_state_is_rank_state_of_its_split():
+    """The planner's memory per stage is ``rank_state(config, dims, zero, split)``, the function
+    tests/distributed/test_equivalence.py holds to the bytes measured under SPLIT cases: the
+    candidate's state is that of its fullest rank over every rank, and differs from the even
+    split's."""
+    found, _ = candidates(SMALL, 4, 16)
+    uneven = [c for c in found if c.stage_layers is not None]
+    assert uneven and all(c.degrees["pp"] > 1 and sum(c.stage_layers) == 3 for c in uneven)
+    for c in uneven:
+        split = StageSplit(1, c.stage_layers)
+        world = math.prod(c.degrees.values())
+        every = [rank_state(SMALL, ParallelDims(**c.degrees, rank=r), c.zero, split) for r in range(world)]
+        assert c.state_bytes == max(sum(s.values()) for s in every), c.label
+        assert c.parts in every
+        layers = [0] * c.degrees["pp"]
+        for r in range(world):
+            dims = ParallelDims(**c.degrees, rank=r)
+            layers[dims.pp_rank] = sum(1 for _ in range(*split.chunk_ranges(3, dims.pp, dims.pp_rank)[0]))
+        assert tuple(layers) == c.stage_layers
+
+
+def test_uneven_splits_run_the_one_chunk_schedules_and_show_in_the_table(capsys):
+    """An uneven split has one count per stage: 1F1B, GPipe and ZB-H1 run it, not the chunked or V
+    schedules; its rows rank with the others and name the split."""
+    found, _ = candidates(SMALL, 2, 16)
+    uneven = next(c for c in found if c.stage_layers is not None)
+    options = step_options(SMALL, uneven.degrees, 16, stage_layers=uneven.stage_layers)
+    assert options and {o.virtual_stages for o in options} == {1}
+    assert {o.schedule for o in options} == {"1f1b", "gpipe", "zb_h1"}
+    rows = ranked(SMALL, [uneven], 16, H100)
+    assert rows and all(r.candidate.stage_layers == uneven.stage_layers for r in rows)
+
+
+def test_out_carries_stage_layers_to_titan_fit(tmp_path, monkeypatch, capsys):
+    """A 3-layer model on pp=2: ``--only pp2`` prints the split in the table and ``--out`` writes it
+    as ``stage_layers``, which ``titan fit`` builds its strategy with; an even row writes null."""
+    base = tmp_path / "three.yaml"
+    base.write_text(f"config: {ROOT / 'configs' / 'base.yaml'}\nmodel.model.init_args.n_layers: 3\n")
+    overlay = tmp_path / "layout.yaml"
+    rows = plan_main(["--config", str(base), "--devices", "2", "--device", "h100-80gb",
+                      "--only", "pp2", "--top", "1", "--out", str(overlay)])  # fmt: skip
+    printed = capsys.readouterr().out
+    split = rows[0].candidate.stage_layers
+    assert split is not None and sum(split) == 3
+    cell = ",".join(map(str, split))
+    assert f"| 1 | pp2 [{cell}] |" in printed and f"stage_layers {cell} to " in printed
+    keys = yaml.safe_load(overlay.read_text())
+    assert keys["trainer.strategy.init_args.stage_layers"] == list(split)
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(base), "--config", str(overlay)]
+    check_config_files(args)
+    cli = TitanCLI(*cli_components(), run=False, args=args)
+    assert cli.trainer.strategy.options.stage_layers == split
+    assert cli.trainer.strategy.parallel_dims.pp == 2
+    even = plan_main(["--config", str(base), "--devices", "2", "--device", "h100-80gb",
+                      "--only", "ep2", "--top", "1", "--out", str(overlay)])  # fmt: skip
+    assert even[0].candidate.stage_layers is None
+    assert yaml.safe_load(overlay.read_text())["trainer.strategy.init_args.stage_layers"] is None
