@@ -110,8 +110,8 @@ MUTATIONS = {
                             "return 4", ["tests/cli/test_plan.py", "-k", "bf16_prices"]),
     # the planner keeps one copy of each expert's bf16 weights per step, not per held microbatch
     "plan_expert_copies_once": ("lightning_titan/plan/activations.py",
-                                "held(options, pp, p) * layers * (block * m / share + expert_copies)",
-                                "held(options, pp, p) * layers * block * m / share + layers * expert_copies",
+                                "held(options, pp, p) * layers[p] * (block * m / share + expert_copies)",
+                                "held(options, pp, p) * layers[p] * block * m / share + layers[p] * expert_copies",
                                 ["tests/cli/test_plan.py", "-k", "bf16_activation"]),
     # issue 16: ZeRO-1 without its all-gather (other ranks' rows never arrive), through the strategy
     "zero_no_gather": ("lightning_titan/train/step.py",
@@ -833,6 +833,36 @@ MUTATIONS = {
                              "            self._show(*self.state)\n",
                              "            pass\n",
                              ["tests/unit/test_plan_scale.py", "-k", "stderr"]),
+    # the balanced split ignores the head's work on the last stage (the naive split)
+    "plan_split_no_head": ("lightning_titan/plan/cost.py",
+                           "    return 0.0, layer, 2.0 * config.d_model * config.vocab_size",
+                           "    return 0.0, layer, 0.0",
+                           ["tests/unit/test_plan_split.py", "-k", "deepseek"]),
+    # the planner's state of an uneven split counted as the even split's
+    "plan_split_state_even": ("lightning_titan/plan/memory.py",
+                              "rank_state(config, ParallelDims(**degrees, rank=r), zero, split)",
+                              "rank_state(config, ParallelDims(**degrees, rank=r), zero)",
+                              ["tests/unit/test_plan_split.py", "-k", "rank_state"]),
+    # an uneven split priced by its last stage only
+    "plan_split_last_stage": ("lightning_titan/plan/cost.py",
+                              "for n, first, head in _slowest_candidates(config, counts)",
+                              "for n, first, head in [(counts[-1], len(counts) == 1, True)]",
+                              ["tests/unit/test_plan_split.py", "-k", "deepseek"]),
+    # --out drops the split (titan fit would cut the layers evenly or refuse)
+    "plan_out_no_split": ("lightning_titan/tools/plan_cli.py",
+                          "= list(split) if split else \"null\"",
+                          "= \"null\"",
+                          ["tests/unit/test_plan_split.py", "-k", "out_carries"]),
+    # activations of an uneven split priced as the even split's
+    "plan_split_activations_even": ("lightning_titan/plan/activations.py",
+                                    "    layers = stage_layers or (config.n_layers / pp,) * pp",
+                                    "    layers = (config.n_layers / pp,) * pp",
+                                    ["tests/unit/test_plan_split.py", "-k", "even_split"]),
+    # layout="auto" drops the chosen split
+    "plan_auto_split_dropped": ("lightning_titan/plan/auto.py",
+                                "            stage_layers=self.stage_layers,\n",
+                                "",
+                                ["tests/unit/test_plan_split.py", "-k", "one_chunk"]),
     # titan plan prints times with %g ("3.26e+03")
     "plan_ms_exponent": ("lightning_titan/tools/plan_cli.py",
                          '    return f"{ms:,.{digits}f}"',

@@ -16,12 +16,14 @@ from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.parallel.mesh import AXES, ParallelDims
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.activations import peak_bytes
+from lightning_titan.plan.auto import _as_choice
 from lightning_titan.plan.cost import StepOptions, balanced_split, predict, stage_flops
 from lightning_titan.plan.devices import GPUS
 from lightning_titan.plan.layouts import candidates, splits
 from lightning_titan.plan.memory import rank_state
 from lightning_titan.plan.rank import ranked, step_options
 from lightning_titan.tools.plan_cli import main as plan_main
+from lightning_titan.train.options import TrainOptions
 from lightning_titan.tools.plan_cli import shapes_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +95,10 @@ def test_an_even_split_is_priced_as_before_and_kept_where_it_divides():
         assert peak_bytes(deep, degrees, options, 16) == peak_bytes(
             deep, degrees, options, 16, stage_layers=(4, 4)
         )
+    # 1F1B holds two microbatches on the first stage: its fifth layer raises the peak
+    options = StepOptions("1f1b", 4)
+    fuller = peak_bytes(deep, degrees, options, 16, stage_layers=(5, 3))
+    assert fuller > peak_bytes(deep, degrees, options, 16)
 
 
 def test_an_uneven_candidates_state_is_rank_state_of_its_split():
@@ -126,6 +132,9 @@ def test_uneven_splits_run_the_one_chunk_schedules_and_show_in_the_table(capsys)
     assert {o.schedule for o in options} == {"1f1b", "gpipe", "zb_h1"}
     rows = ranked(SMALL, [uneven], 16, H100)
     assert rows and all(r.candidate.stage_layers == uneven.stage_layers for r in rows)
+    # layout="auto" takes the split with the layout
+    options = _as_choice(rows[0]).applied_to(TrainOptions())
+    assert options.stage_layers == uneven.stage_layers
 
 
 def test_out_carries_stage_layers_to_titan_fit(tmp_path, monkeypatch, capsys):
