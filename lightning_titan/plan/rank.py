@@ -202,7 +202,9 @@ def _undominated(found: list[Candidate]) -> list[Candidate]:
     activations, no more state (the grads are split too) and less data-parallel traffic (a
     reduce-scatter where zero=1 all-reduces), so it ranks ahead of every zero=1 row."""
     twins = {(*c.degrees.values(), c.stage_layers) for c in found if c.zero == 2}
-    return [c for c in found if not (c.zero == 1 and (*c.degrees.values(), c.stage_layers) in twins)]
+    return [
+        c for c in found if not (c.zero == 1 and (*c.degrees.values(), c.stage_layers) in twins)
+    ]
 
 
 Progress = Callable[[int, int, "Ranked | None"], None]

@@ -23,8 +23,8 @@ from lightning_titan.plan.layouts import candidates, splits
 from lightning_titan.plan.memory import rank_state
 from lightning_titan.plan.rank import ranked, step_options
 from lightning_titan.tools.plan_cli import main as plan_main
-from lightning_titan.train.options import TrainOptions
 from lightning_titan.tools.plan_cli import shapes_of
+from lightning_titan.train.options import TrainOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEPSEEK_V3_DIR = ROOT / "tests" / "support" / "fixtures" / "deepseek_v3"
@@ -82,7 +82,9 @@ def test_deepseek_v3_is_split_over_16_stages_better_than_naively(capsys):
 def test_an_even_split_is_priced_as_before_and_kept_where_it_divides():
     """pp dividing the layers keeps the even split (None, the strategy's default), and the
     balanced one beside it only where it differs; an explicit even split prices as None does."""
-    deep = ModelConfig(vocab_size=50000, d_model=64, n_layers=8, n_heads=4, ffn_dim=128, n_experts=4)
+    deep = ModelConfig(
+        vocab_size=50000, d_model=64, n_layers=8, n_heads=4, ffn_dim=128, n_experts=4
+    )
     assert splits(SMALL, 1) == [None]
     assert splits(deep, 2) == [None, balanced_split(deep, 2)] and balanced_split(deep, 2)[1] < 4
     flat = ModelConfig(vocab_size=64, d_model=64, n_layers=8, n_heads=4, ffn_dim=128, n_experts=4)
@@ -113,13 +115,17 @@ def test_an_uneven_candidates_state_is_rank_state_of_its_split():
     for c in uneven:
         split = StageSplit(1, c.stage_layers)
         world = math.prod(c.degrees.values())
-        every = [rank_state(SMALL, ParallelDims(**c.degrees, rank=r), c.zero, split) for r in range(world)]
+        every = [
+            rank_state(SMALL, ParallelDims(**c.degrees, rank=r), c.zero, split)
+            for r in range(world)
+        ]
         assert c.state_bytes == max(sum(s.values()) for s in every), c.label
         assert c.parts in every
         layers = [0] * c.degrees["pp"]
         for r in range(world):
             dims = ParallelDims(**c.degrees, rank=r)
-            layers[dims.pp_rank] = sum(1 for _ in range(*split.chunk_ranges(3, dims.pp, dims.pp_rank)[0]))
+            ((start, end),) = split.chunk_ranges(3, dims.pp, dims.pp_rank)
+            layers[dims.pp_rank] = end - start
         assert tuple(layers) == c.stage_layers
 
 
@@ -142,7 +148,9 @@ def test_out_carries_stage_layers_to_titan_fit(tmp_path, monkeypatch, capsys):
     """A 3-layer model on pp=2: ``--only pp2`` prints the split in the table and ``--out`` writes it
     as ``stage_layers``, which ``titan fit`` builds its strategy with; an even row writes null."""
     base = tmp_path / "three.yaml"
-    base.write_text(f"config: {ROOT / 'configs' / 'base.yaml'}\nmodel.model.init_args.n_layers: 3\n")
+    base.write_text(
+        f"config: {ROOT / 'configs' / 'base.yaml'}\nmodel.model.init_args.n_layers: 3\n"
+    )
     overlay = tmp_path / "layout.yaml"
     rows = plan_main(["--config", str(base), "--devices", "2", "--device", "h100-80gb",
                       "--only", "pp2", "--top", "1", "--out", str(overlay)])  # fmt: skip
