@@ -290,9 +290,10 @@ def predict(
     loss); the slowest one's compute and collectives are the step's, its compute sets the bubble."""
     pp, world = degrees["pp"], math.prod(degrees.values())
     counts = stage_layers or (config.n_layers / pp,) * pp
+    flops = stage_flops(config)  # once: a ModelConfig's derived fields are not cached
     terms = [
-        _stage(config, degrees, options, global_batch, device, precision, n, first, head)
-        for n, first, head in _slowest_candidates(config, counts)
+        _stage(config, degrees, options, global_batch, device, precision, flops, n, first, head)
+        for n, first, head in _slowest_candidates(flops, counts)
     ]
     compute, comm = max(terms, key=lambda t: t[0] + sum(t[1].values()))
     comm = dict(comm)
@@ -310,13 +311,13 @@ def predict(
 
 
 def _slowest_candidates(
-    config: ModelConfig, counts: tuple[float, ...]
+    flops: tuple[float, float, float], counts: tuple[float, ...]
 ) -> list[tuple[float, bool, bool]]:
     """The (layers, holds the embedding, holds the head) of the stages that could be the slowest:
     each distinct one but those another stage outdoes in layers, in extra FLOPs and in extra
     passes at once (an even split leaves the last stage alone, or the first where the embedding
-    outweighs the head)."""
-    embed, _, head = stage_flops(config)
+    outweighs the head); ``flops``: ``stage_flops``."""
+    embed, _, head = flops
     last = len(counts) - 1
     stages = {(n, s == 0, s == last) for s, n in enumerate(counts)}
 
@@ -338,18 +339,20 @@ def _stage(
     global_batch: int,
     device: Device,
     precision: Precision,
+    flops_per_token: tuple[float, float, float],
     layers: float,
     first: bool,
     head: bool,
 ) -> tuple[float, dict[str, float]]:
     """(compute seconds, the PP, EP, TP and CP terms) of a stage of ``layers`` layers (``first``: it
-    holds the embedding, ``head``: the head and the loss), per step."""
+    holds the embedding, ``head``: the head and the loss; ``flops_per_token``: ``stage_flops``),
+    per step."""
     dp, pp, ep, cp, tp = (degrees[a] for a in ("dp", "pp", "ep", "cp", "tp"))
     m_count, v = options.microbatches, options.virtual_stages
     b = global_batch // (dp * ep)
     tokens = b * config.seq_len / (tp * cp)  # positions this rank computes per step
     mb_tokens = tokens / m_count
-    embed, layer, head_flops = stage_flops(config)
+    embed, layer, head_flops = flops_per_token
     passes = 4 if options.recompute else 3  # forward, backward (2x), and a recomputed forward
     flops = tokens * passes * (layers * layer + first * embed + head * head_flops)
     per_pass = device.pass_s + (device.split_s if options.schedule in SPLIT_BACKWARD else 0.0)

@@ -116,9 +116,13 @@ def candidates(
     message: ``n_heads=4``, ...)."""
     accepted: list[Candidate] = []
     rejected: Counter[str] = Counter()
+    cuts: dict[int, list[tuple[int, ...] | None]] = {}  # splits of each pp, found once
     for degrees in factorizations(devices):
         data_parallel = degrees["dp"] * degrees["ep"] * degrees["cp"] * degrees["tp"] > 1
-        for layers in splits(config, degrees["pp"]):
+        pp = degrees["pp"]
+        if pp not in cuts:
+            cuts[pp] = splits(config, pp)
+        for layers in cuts[pp]:
             for zero in LEVELS if data_parallel else (0,):
                 reason = rejection(config, degrees, zero, global_batch, layers)
                 if reason is not None:
