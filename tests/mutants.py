@@ -845,7 +845,7 @@ MUTATIONS = {
                               ["tests/unit/test_plan_split.py", "-k", "rank_state"]),
     # an uneven split priced by its last stage only
     "plan_split_last_stage": ("lightning_titan/plan/cost.py",
-                              "for n, first, head in _slowest_candidates(config, counts)",
+                              "for n, first, head in _slowest_candidates(flops, counts)",
                               "for n, first, head in [(counts[-1], len(counts) == 1, True)]",
                               ["tests/unit/test_plan_split.py", "-k", "deepseek"]),
     # --out drops the split (titan fit would cut the layers evenly or refuse)
