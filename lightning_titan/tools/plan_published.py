@@ -1,6 +1,6 @@
 """``titan plan`` against published bf16 training runs on H100s: for each run, the planner's
 prediction for the layout the publisher ran (its fastest step option of that layout, within what
-the publisher states: schedule, virtual stages), whether that layout fits the planner's memory
+the publisher states: schedule, virtual stages, the layers per stage: even unless it says), whether that layout fits the planner's memory
 model, and the planner's own first row on the same devices, global batch and sequence length.
 
     python -m lightning_titan.tools.plan_published          # the table in docs/choosing_a_layout.md
@@ -48,6 +48,7 @@ class Published:
     virtual_stages: int
     seconds: tuple[float, float]  # the published step time (a range where they give one)
     published_label: str  # the layout as the publisher writes it
+    stage_layers: tuple[int, ...] | None = None  # the layers per stage it ran (None: even)
 
 
 RUNS = (
@@ -84,7 +85,11 @@ def predict_run(run: Published, search: bool = True) -> Prediction:
     assert math.prod(degrees.values()) == run.devices, run
     with contextlib.redirect_stdout(io.StringIO()):
         found, _ = candidates(run.config, run.devices, run.global_batch)
-    mine = [c for c in found if c.degrees == degrees and c.zero == run.zero]
+    mine = [
+        c
+        for c in found
+        if c.degrees == degrees and c.zero == run.zero and c.stage_layers == run.stage_layers
+    ]
     rows = [
         r
         for r in ranked(run.config, mine, run.global_batch, device, precision=BF16, fitting=False)
@@ -99,6 +104,12 @@ def predict_run(run: Published, search: bool = True) -> Prediction:
     return Prediction(run, theirs, bool(fitting), best)
 
 
+def _label(r: Ranked) -> str:
+    """The row's layout and zero level, and its layers per stage where uneven."""
+    split = f" [{r.candidate.split_label}]" if r.candidate.stage_layers else ""
+    return r.label + split
+
+
 def table(predictions: list[Prediction]) -> list[str]:
     lines = [
         "| run | devices | global batch | published layout | published step s | planner, that "
@@ -110,8 +121,8 @@ def table(predictions: list[Prediction]) -> list[str]:
         run, r, best = p.run, p.theirs, p.best
         low, high = run.seconds
         published = f"{low:.2f}" if low == high else f"{low:.2f}-{high:.2f}"
-        mine = f"{r.label} {r.options_label}" if r else "not accepted"
-        best_label = f"{best.label} {best.options_label}" if best else "nothing fits"
+        mine = f"{_label(r)} {r.options_label}" if r else "not accepted"
+        best_label = f"{_label(best)} {best.options_label}" if best else "nothing fits"
         lines.append(
             f"| {run.model} ({run.source}) | {run.devices} | {run.global_batch} | "
             f"{run.published_label} | {published} | {mine} | "
