@@ -1408,6 +1408,16 @@ MUTATIONS = {
                                    "    if handed is not None and (",
                                    "    if False and (",
                                    ["tests/unit/test_run_versions.py", "-k", "newest"]),
+    # the planner counts grads and optimizer state for LoRA's frozen base
+    "plan_lora_frozen_state": ("lightning_titan/plan/memory.py",
+                               "        if not trained:\n            continue\n",
+                               "",
+                               ["tests/unit/test_plan_lora.py", "-k", "frozen"]),
+    # the planner prices a frozen base's backward as a full one
+    "plan_lora_backward_full": ("lightning_titan/plan/cost.py",
+                                "    passes = (2 if frozen_base else 3) + (1 if options.recompute else 0)",
+                                "    passes = 3 + (1 if options.recompute else 0)",
+                                ["tests/unit/test_plan_lora.py", "-k", "frozen"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -257,10 +257,13 @@ def predict(
     device: Device,
     params: tuple[int, int],
     precision: Precision = FP32,
+    frozen_base: bool = False,
 ) -> StepCost:
     """The step time of ``degrees`` (dp, pp, ep, cp, tp) with ``options``; ``params`` is the
-    (non-expert, expert) parameter count of the fullest rank (``plan/memory.py``); payloads in the
-    dtypes ``precision`` sends."""
+    (non-expert, expert) count of the fullest rank's trained parameters (``plan/memory.py``): what
+    its reductions carry and its optimizer steps; payloads in the dtypes ``precision`` sends.
+    ``frozen_base`` (LoRA): the base's weight-gradient GEMMs are skipped, a backward is one pass
+    (the input grads), the adapters' own work left out (a rank-r product per projection)."""
     dp, pp, ep, cp, tp = (degrees[a] for a in ("dp", "pp", "ep", "cp", "tp"))
     world = math.prod(degrees.values())
     m_count, v = options.microbatches, options.virtual_stages
@@ -274,7 +277,9 @@ def predict(
     moe = config.experts.dense_layers < config.n_layers
     layer = mean_layer_flops_per_token(config) if moe else dense_layer
     layers = config.n_layers / pp
-    passes = 4 if options.recompute else 3  # forward, backward (2x), and a recomputed forward
+    # forward, backward (input and weight grads: 2x; the input grads alone under a frozen base),
+    # and a recomputed forward
+    passes = (2 if frozen_base else 3) + (1 if options.recompute else 0)
     flops = tokens * passes * (layers * layer + head)  # the last stage: it holds the head
     per_pass = device.pass_s + (device.split_s if options.schedule in SPLIT_BACKWARD else 0.0)
     compute = flops / device.flops + m_count * (layers + 1) * per_pass
