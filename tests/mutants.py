@@ -1418,6 +1418,11 @@ MUTATIONS = {
                                 "    passes = (2 if frozen_base else 3) + (1 if options.recompute else 0)",
                                 "    passes = 3 + (1 if options.recompute else 0)",
                                 ["tests/unit/test_plan_lora.py", "-k", "frozen"]),
+    # a rank's one-write line fails under a notebook's stderr (no file descriptor)
+    "say_needs_fileno": ("lightning_titan/lightning/supervisor.py",
+                         "    except (OSError, ValueError):  # a notebook's stream (ipykernel) has no descriptor",
+                         "    except ImportError:",
+                         ["tests/unit/test_run_versions.py", "-k", "descriptor"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -71,7 +71,13 @@ def say(line: str) -> None:
     PIPE_BUF (4 KiB) bytes whole, so lines of different ranks never interleave."""
     data = line.encode(errors="replace")[:4000].rstrip(b"\n") + b"\n"
     sys.stderr.flush()
-    os.write(sys.stderr.fileno(), data)
+    try:
+        fd = sys.stderr.fileno()
+    except (OSError, ValueError):  # a notebook's stream (ipykernel) has no descriptor
+        sys.stderr.write(data.decode(errors="replace"))
+        sys.stderr.flush()
+        return
+    os.write(fd, data)
 
 
 def describe_exit(code: int) -> str:
