@@ -1398,6 +1398,12 @@ MUTATIONS = {
                             '            return f"{name} changed after the save"',
                             "            pass",
                             ["tests/unit/test_run_versions.py", "tests/unit/test_restarts.py"]),
+    # a stopped rank outlives a launcher killed with SIGKILL (it cannot act on the death signal)
+    "reaper_absent": ("lightning_titan/runtime/orphans.py",
+                      "    reap(int(sys.argv[1]), [int(line) for line in sys.stdin])",
+                      "    pass",
+                      ["tests/distributed/test_reliability.py", "-k",
+                       "launcher_killed_during_start_up"]),
     # rank 0 resumes without saying from which step and checkpoint
     "resume_unsaid": ("lightning_titan/lightning/strategy.py",
                       "        if line:\n            supervisor.say(line)\n",

@@ -40,7 +40,7 @@ from lightning_titan.lightning.config_files import compose_config
 from lightning_titan.lightning.supervisor import describe_exit, failure_report
 from lightning_titan.runtime.faults import NOTE_HOLD_S, Fault
 from lightning_titan.runtime.launch import free_port
-from lightning_titan.runtime.orphans import running
+from lightning_titan.runtime.orphans import process_state, running
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_CONFIG = ROOT / "configs" / "pp_ep.yaml"
@@ -1112,7 +1112,8 @@ env = dict(os.environ, TITAN_LAUNCHER_PID=str(os.getpid()))
 with orphans.die_with_launcher(shim):
     starting = shim.subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     started = shim.subprocess.Popen([sys.executable, "-c", started], env=env)
-print(starting.pid, started.pid, flush=True)
+    stopped = shim.subprocess.Popen([sys.executable, "-c", started.args[-1]], env=env)
+print(starting.pid, started.pid, stopped.pid, flush=True)
 started.wait()
 """.replace("LOAD", repr(_LOAD_ORPHANS))
 )
@@ -1121,7 +1122,8 @@ started.wait()
 @pytest.mark.timeout(120)
 def test_ranks_die_with_a_launcher_killed_during_start_up(tmp_path):
     """kill -9 of the launcher: a rank still starting (no code of ours ran yet) ends at once, one that
-    watches it (from its first import of lightning_titan) within orphans.GONE_S; both within 10 s."""
+    watches it (from its first import of lightning_titan) within orphans.GONE_S, and a stopped one
+    (SIGSTOP: it cannot act on any signal) is killed by the reaper; all within 10 s."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("TITAN_LAUNCHER_PID", None)
     parent = subprocess.Popen(
@@ -1130,7 +1132,10 @@ def test_ranks_die_with_a_launcher_killed_during_start_up(tmp_path):
     )  # fmt: skip
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert parent.stdout.readline().strip() == "ready"
+        assert [parent.stdout.readline().strip() for _ in range(2)] == ["ready"] * 2
+        os.kill(pids[2], signal.SIGSTOP)
+        while process_state(pids[2]) != "T":
+            time.sleep(0.01)
         parent.kill()
         killed = time.monotonic()
         while any(_leftovers(parent.pid, "no-marker")) and time.monotonic() - killed < 20:
@@ -1142,7 +1147,9 @@ def test_ranks_die_with_a_launcher_killed_during_start_up(tmp_path):
         _kill(_leftovers(parent.pid, "no-marker"))
         parent.kill()
         parent.wait()
-    assert f"the launcher (pid {parent.pid}) is gone" in parent.stderr.read()
+    said = parent.stderr.read()
+    assert f"the launcher (pid {parent.pid}) is gone" in said
+    assert f"rank pid {pids[2]} is stopped (SIGSTOP) 7 s after its launcher" in said, said
 
 
 _KILLED_RUN_ON_RANKS = """
