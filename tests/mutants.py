@@ -1404,6 +1404,16 @@ MUTATIONS = {
                       "    pass",
                       ["tests/distributed/test_reliability.py", "-k",
                        "launcher_killed_during_start_up"]),
+    # a restart after a stopped rank stalled the job blames the rank that timed out waiting for it
+    "restart_stalled_unnamed": ("lightning_titan/lightning/restarts.py",
+                                "                if failed and stalled:",
+                                "                if False:",
+                                ["tests/unit/test_restarts.py", "-k", "stopped_rank"]),
+    # a restart with no checkpoint left says it resumes "the newest complete checkpoint"
+    "restart_from_nothing_unsaid": ("lightning_titan/lightning/restarts.py",
+                                    "                resumes = restart_checkpoint(given, trainer)",
+                                    '                resumes = Path("the newest complete checkpoint")',
+                                    ["tests/unit/test_restarts.py", "-k", "stopped_rank"]),
     # rank 0 resumes without saying from which step and checkpoint
     "resume_unsaid": ("lightning_titan/lightning/strategy.py",
                       "        if line:\n            supervisor.say(line)\n",
