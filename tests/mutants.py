@@ -1414,6 +1414,11 @@ MUTATIONS = {
                                     "                resumes = restart_checkpoint(given, trainer)",
                                     '                resumes = Path("the newest complete checkpoint")',
                                     ["tests/unit/test_restarts.py", "-k", "stopped_rank"]),
+    # a connection closed by a node lost whole is reported with no rank or host named
+    "lost_node_unnamed": ("lightning_titan/lightning/failures.py",
+                          "    blamed = blamed or supervisor.lost_hosts(exception, rank=rank, peers=peers)",
+                          "    pass",
+                          ["tests/distributed/test_reliability.py", "-k", "lost_node"]),
     # rank 0 resumes without saying from which step and checkpoint
     "resume_unsaid": ("lightning_titan/lightning/strategy.py",
                       "        if line:\n            supervisor.say(line)\n",

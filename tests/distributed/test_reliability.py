@@ -371,6 +371,30 @@ def test_failure_report_names_the_dead_peer():
     )
 
 
+def test_a_connection_closed_from_a_lost_node_names_its_ranks(capfd):
+    """No rank of this host died or stopped, none announced a death (the lost node held the store,
+    and nobody is left there to say): the closed connection is blamed on the other host's ranks,
+    by host; any other error, or one host only, blames nobody."""
+    from lightning_titan.lightning.failures import report_failure
+    from lightning_titan.runtime.peers import lost_hosts
+
+    host = socket.gethostname()
+    peers = [(host, os.getpid()), (host, os.getppid()), ("node1", 1), ("node1", 2)]
+    closed = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:5046\ndetails")
+    report_failure(closed, None, None, trainer=None, peers=peers, grace_s=1.0)
+    assert capfd.readouterr().err.strip() == (
+        f"[titan] the launcher failed: a rank of another host closed its connection, none on "
+        f"this one ({host}) died: ranks 2, 3 on node1 (a node lost, or its network); "
+        "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:5046"
+    )
+    assert lost_hosts(RuntimeError("Timed out"), rank=0, peers=peers) == ""
+    assert lost_hosts(closed, rank=0, peers=peers[:2]) == ""
+    three = [*peers, ("node2", 3)]
+    assert "ranks 2, 3 on node1; rank 4 on node2 (a node lost" in lost_hosts(
+        closed, rank=1, peers=three
+    )
+
+
 # -- 1. bad input -------------------------------------------------------------------------------------
 # Found while the Trainer and the CLI's objects are built, or by TitanStrategy.preflight in the launcher
 # before any rank starts (tests/support/scripts/bad_input.py: one process, many command lines).
@@ -1023,30 +1047,60 @@ def _signal_on_fault(signum: int | None) -> Callable[[subprocess.Popen, str], No
     return on_line
 
 
+def _seen_at(text: str) -> tuple[list[float], Callable[[subprocess.Popen, str], None]]:
+    """An ``on_stderr`` and the list it fills with when ``text`` was first seen, in seconds from
+    this call (made just before the launch: on the clock of ``Job.fault_at``)."""
+    seen: list[float] = []
+    first = time.monotonic()
+
+    def on_line(launcher: subprocess.Popen, line: str) -> None:
+        if text in line and not seen:
+            seen.append(time.monotonic() - first)
+
+    return seen, on_line
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_a_rank_stopped_during_a_background_write_is_named_within_the_timeout(work):
     """Rank 1 stops (SIGSTOP) inside the last step's background write (its shards written, the
     ranks' checksum agreement to come), so rank 0's writer waits in a collective of its own group
     and its main thread, at the end of fit, for that write. Within the collective timeout
     (timeout_minutes, as a synchronous save's collectives) the job fails naming the stopped rank,
     which the launcher kills. Again with a SIGTERM to the launcher once the rank is stopped: the
-    stop it asks for cannot be agreed on; the job still ends within the timeout, with 143."""
+    stop it asks for cannot be agreed on; the job still ends within the timeout, with 143. Again
+    with max_restarts=1: the attempt ends within the same bound, the launcher names the stopped
+    rank (not rank 0, which timed out waiting for it) and the restart finishes the run."""
     root, cache = work
     bound_s = STALL_MINUTES * 60
     fault = f"rank=1,step={STEPS - 1},phase=checkpoint_save,action=stop"
     stopped = r"rank 1 \(pid (\d+)\) is stopped \(SIGSTOP\) and stalled the job"
-    for run, signum in (("stall_save", None), ("stall_save_term", signal.SIGTERM)):
+    restarts = "--trainer.strategy.init_args.max_restarts=1"
+    for run, signum, extra in (("stall_save", None, []), ("stall_save_term", signal.SIGTERM, []),
+                               ("stall_save_restart", None, [restarts])):  # fmt: skip
         config = write_config(root, run, EP2, timeout_minutes=STALL_MINUTES)
-        job = titan_fit(config, root, cache, fault=fault, on_stderr=_signal_on_fault(signum),
-                        timeout=120)  # fmt: skip
+        restarted, on_restart = _seen_at("restarting every rank")
+        on_stderr = on_restart if extra else _signal_on_fault(signum)
+        job = titan_fit(config, root, cache, *extra, fault=fault, on_stderr=on_stderr,
+                        timeout=240 if extra else 120)  # fmt: skip
         assert job.fault_at is not None, job.stderr[-3000:]
+        named = re.search(rf"\[titan\] rank 0/2 .*failed: {stopped}", job.stderr)
+        assert named, job.stderr[-3000:]
+        if extra:  # the stalled attempt's end: the launcher's restart line
+            assert restarted, job.stderr[-3000:]
+            down = restarted[0] - job.fault_at
+            print(f"{run}: {down:.1f} s from the stop to the restart, rc {job.returncode}")
+            assert down < bound_s + STALL_GRACE_S, f"{run}: {down:.1f} s to the restart"
+            assert job.returncode == 0, job.stderr[-3000:]
+            assert job.stderr.count("TITAN_FAULT fired") == 1, job.stderr[-3000:]
+            assert re.search(rf"\[titan\] {stopped}: restarting every rank \(1 of 1\) from \S+",
+                             job.stderr), job.stderr[-3000:]  # fmt: skip
+            assert "[titan] resuming from step" in job.stderr, job.stderr[-3000:]
+            continue
         down = job.seconds - job.fault_at
         print(f"{run}: {down:.1f} s from the stop to every rank gone, rc {job.returncode}")
         assert down < bound_s + STALL_GRACE_S, f"{run}: {down:.1f} s to every rank gone"
         assert job.returncode == (1 if signum is None else 143), job.stderr[-3000:]
-        named = re.search(rf"\[titan\] rank 0/2 .*failed: {stopped}", job.stderr)
-        assert named, job.stderr[-3000:]
         assert f"rank 1 (pid {named.group(1)}) is stopped (SIGSTOP): killing it" in job.stderr
         if signum is not None:
             assert "got SIGTERM: stopping after this step, saving last" in job.stderr
