@@ -84,8 +84,10 @@ def restart_line(
         where = f"from {resumes}"
     else:
         dirs = [str(c.dirpath) for c in getattr(trainer, "checkpoint_callbacks", []) if c.dirpath]
-        where = f"over from step 0: no complete checkpoint in {', '.join(dirs) or 'no checkpoint folder'}"
-    return f"[titan] rank {rank} {why}: restarting every rank ({attempt + 1} of {max_restarts}) {where}"
+        held = ", ".join(dirs) or "no checkpoint folder"
+        where = f"over from step 0: no complete checkpoint in {held}"
+    every = f"restarting every rank ({attempt + 1} of {max_restarts})"
+    return f"[titan] rank {rank} {why}: {every} {where}"
 
 
 def keep_logger_versions(trainer: Any) -> None:

@@ -163,7 +163,8 @@ def reap(launcher: int, pids: list[int], poll_s: float = 0.25) -> None:
         time.sleep(0.1)
     for pid in left():
         how = "is stopped (SIGSTOP)" if process_state(pid) in ("T", "t") else "is still running"
-        line = f"[titan] rank pid {pid} {how} {REAP_AFTER_S:g} s after its launcher (pid {launcher}) died: killing it\n"
+        after = f"{REAP_AFTER_S:g} s after its launcher (pid {launcher}) died"
+        line = f"[titan] rank pid {pid} {how} {after}: killing it\n"
         os.write(2, line.encode())
         try:
             os.kill(pid, signal.SIGKILL)

@@ -1106,6 +1106,35 @@ def test_a_rank_stopped_during_a_background_write_is_named_within_the_timeout(wo
             assert "got SIGTERM: stopping after this step, saving last" in job.stderr
 
 
+def _kill_launcher_once_stopped(launcher: subprocess.Popen, line: str) -> None:
+    """An ``on_stderr``: SIGKILL to the launcher once the rank TITAN_FAULT stopped is stopped."""
+    fired = re.search(r"TITAN_FAULT fired: rank \d+ \(pid (\d+)\) stop", line)
+    if fired:
+        deadline = time.monotonic() + 10
+        while process_state(int(fired.group(1))) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(launcher.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_stopped_rank_is_gone_soon_after_its_launcher_is_killed(work):
+    """Rank 1 of a 2-rank fit stops (SIGSTOP) at step 3, then the launcher (rank 0) is killed with
+    SIGKILL: the stopped rank cannot act on the launcher's death signal, and the reaper started with
+    the ranks kills it; every rank is gone within seconds (launch() fails on any left behind)."""
+    root, cache = work
+    config = write_config(root, "stopped_orphan", EP2, async_save=False)
+    job = titan_fit(config, root, cache, fault="rank=1,step=3,phase=forward,action=stop",
+                    on_stderr=_kill_launcher_once_stopped, timeout=120)  # fmt: skip
+    assert job.fault_at is not None, job.stderr[-3000:]
+    assert job.returncode == -signal.SIGKILL, job.stderr[-3000:]
+    down = job.seconds - job.fault_at
+    print(f"stopped_orphan: {down:.1f} s from the stop to every rank gone")
+    assert down < 15, f"{down:.1f} s to every rank gone"
+    assert re.search(r"\[titan\] rank pid \d+ is stopped \(SIGSTOP\) 7 s after its launcher",
+                     job.stderr), job.stderr[-3000:]  # fmt: skip
+
+
 def _dead_rank_job(tmp_path: Path, mode: str, **kwargs) -> Job:
     out = tmp_path / mode
     cmd = [sys.executable, str(SCRIPTS / "dead_rank.py"), mode, str(out)]
