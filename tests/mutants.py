@@ -485,19 +485,13 @@ MUTATIONS = {
                               ["tests/distributed/test_resume_last.py"]),
     # a restart goes back to the ckpt_path the job was given, though newer ones are complete
     "restart_to_given": ("lightning_titan/lightning/restarts.py",
-                         "    if given is not None and files.is_complete_checkpoint(given):\n"
-                         "        if runs.corrupt_reason(Path(given)) is None:\n"
-                         "            found.append(Path(given))\n"
-                         "    if found:\n",
-                         "    if found and given is None:\n",
+                         "    return max(found, key=files.completed_at) if found else None",
+                         "    return max(found, key=files.completed_at) if found and given is None else None",
                          ["tests/unit/test_restarts.py"]),
     # the same, seen by a restarted job: steps trained twice, -v1 checkpoints
     "restart_to_given_job": ("lightning_titan/lightning/restarts.py",
-                             "    if given is not None and files.is_complete_checkpoint(given):\n"
-                             "        if runs.corrupt_reason(Path(given)) is None:\n"
-                             "            found.append(Path(given))\n"
-                             "    if found:\n",
-                             "    if found and given is None:\n",
+                             "    return max(found, key=files.completed_at) if found else None",
+                             "    return max(found, key=files.completed_at) if found and given is None else None",
                              ["tests/distributed/test_reliability.py", "-k",
                               "restarts_by_itself and launcher"]),
     # a restart resumes an older complete checkpoint of the run's folder than the newest
@@ -1419,6 +1413,11 @@ MUTATIONS = {
                           "    blamed = blamed or supervisor.lost_hosts(exception, rank=rank, peers=peers)",
                           "    pass",
                           ["tests/distributed/test_reliability.py", "-k", "lost_node"]),
+    # a SIGTERM to a restarting launcher waits for good on a stopped rank (it cannot save `last`)
+    "restart_sigterm_unbounded": ("lightning_titan/lightning/restarts.py",
+                                  "self._stop_all(signal.SIGTERM, self.grace_s)",
+                                  "self._stop_all(signal.SIGTERM, 3600.0)",
+                                  ["tests/unit/test_restarts.py", "-k", "sigterm"]),
     # rank 0 resumes without saying from which step and checkpoint
     "resume_unsaid": ("lightning_titan/lightning/strategy.py",
                       "        if line:\n            supervisor.say(line)\n",
