@@ -1418,6 +1418,11 @@ MUTATIONS = {
                                   "self._stop_all(signal.SIGTERM, self.grace_s)",
                                   "self._stop_all(signal.SIGTERM, 3600.0)",
                                   ["tests/unit/test_restarts.py", "-k", "sigterm"]),
+    # the same, seen by two torchrun "nodes" when node 0 is killed whole
+    "lost_node_unnamed_job": ("lightning_titan/lightning/failures.py",
+                              "    blamed = blamed or supervisor.lost_hosts(exception, rank=rank, peers=peers)",
+                              "    pass",
+                              ["tests/distributed/test_multinode.py", "-k", "lost_whole"]),
     # rank 0 resumes without saying from which step and checkpoint
     "resume_unsaid": ("lightning_titan/lightning/strategy.py",
                       "        if line:\n            supervisor.say(line)\n",
