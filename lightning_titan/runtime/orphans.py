@@ -10,10 +10,10 @@ for ``timeout_minutes`` (the launcher holds the rendezvous store: ``launch.hoste
   sets an alarm of ``GONE_S`` instead, time for the rank's own failure report (its collectives fail
   when the launcher dies); a thread that polls the parent pid covers the rest (fork, spawn).
 
-Neither reaches a stopped rank (SIGSTOP, a debugger): it cannot act on a signal until it runs again,
-and would hold the job's ports and pipes for good. So ``die_with_launcher`` also starts a reaper, this
-file run on its own (``reap``): when the launcher is gone it gives the ranks ``REAP_AFTER_S`` to leave
-by themselves, then SIGKILLs what is left (SIGKILL ends a stopped process too).
+Neither reaches a stopped rank (SIGSTOP, a debugger): it cannot act on a signal until it runs
+again, and would hold the job's ports and pipes for good. So ``die_with_launcher`` also starts a
+reaper, this file run on its own (``reap``): when the launcher is gone it gives the ranks
+``REAP_AFTER_S`` to leave by themselves, then SIGKILLs what is left (SIGKILL ends a stopped one too).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def running(pid: int) -> bool:
 
 
 def _started_at(pid: int) -> str | None:
-    """When ``pid`` started (clock ticks since boot, /proc): a pid reused by another process differs."""
+    """When ``pid`` started (clock ticks since boot, /proc): a reused pid's differs."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[19]
@@ -147,8 +147,8 @@ class die_with_launcher:  # noqa: N801 - used like a function: ``with die_with_l
 
 
 def reap(launcher: int, pids: list[int], poll_s: float = 0.25) -> None:
-    """The reaper's loop: while ``launcher`` (its parent) lives, wait for ``pids`` to end; once it is
-    gone, give them ``REAP_AFTER_S`` to leave by themselves, then SIGKILL the ones still there."""
+    """The reaper's loop: while ``launcher`` (its parent) lives, wait for ``pids`` to end; once it
+    is gone, give them ``REAP_AFTER_S`` to leave by themselves, then SIGKILL the ones still there."""
     started = {pid: _started_at(pid) for pid in pids}
 
     def left() -> list[int]:

@@ -1,8 +1,9 @@
 """Rank death without our launcher: two torchrun "nodes" on this machine (2 x 2 ranks, each node
 with a host name of its own, ``TITAN_HOST``, so that no rank sees the other node's processes), one
-rank of node 0 dies mid-step (or node 0 whole: node 1 names its ranks). torchrun's agent sees only its own workers; node 1 learns of the death
-from the ranks themselves (``runtime/peer_watch.py``): every process of both nodes is gone within
-seconds, not ``timeout_minutes``, and ``--ckpt_path last`` continues the uninterrupted curve.
+rank of node 0 dies mid-step (or node 0 whole: node 1 names its ranks). torchrun's agent sees only
+its own workers; node 1 learns of the death from the ranks themselves (``runtime/peer_watch.py``):
+every process of both nodes is gone within seconds, not ``timeout_minutes``, and ``--ckpt_path
+last`` continues the uninterrupted curve.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def test_a_killed_rank_under_torchrun_takes_both_nodes_down_and_last_resumes(
     reference,  # noqa: F811
 ):
     """kill -9 of rank 1 (node 0) in step 2's forward: both nodes are down within 60 s, a rank of
-    node 1 names rank 1 (or node 0's ranks, where gloo's closed connection came first), and the same two torchrun commands with ``--ckpt_path=last`` continue the
-    uninterrupted curve (reference: pp=2 on 2 ranks; here dp=2 x pp=2, within rel 1e-5)."""
+    node 1 names rank 1 (or node 0's ranks, where gloo's closed connection came first), and the same
+    two torchrun commands with ``--ckpt_path=last`` continue the uninterrupted curve (reference:
+    pp=2 on 2 ranks; here dp=2 x pp=2, within rel 1e-5)."""
     root, cache = work
     run = "two_nodes"
     config = write_config(root, run, DP2_PP2, async_save=False)  # `last` of step 2 complete
@@ -129,8 +131,8 @@ def test_a_killed_rank_under_torchrun_takes_both_nodes_down_and_last_resumes(
 
 
 def _kill_node_0(launcher: subprocess.Popen, line: str) -> None:
-    """An ``on_stderr``: once rank 0 holds in its step (TITAN_FAULT's note), SIGKILL every process of
-    node 0 (its agent, which serves the store, and its ranks): a node lost whole."""
+    """An ``on_stderr``: once rank 0 holds in its step (TITAN_FAULT's note), SIGKILL every process
+    of node 0 (its agent, which serves the store, and its ranks): a node lost whole."""
     if "TITAN_FAULT fired" not in line:
         return
     time.sleep(1.0)  # node 1's ranks in their collective with node 0
