@@ -1398,6 +1398,12 @@ MUTATIONS = {
                       "    pass",
                       ["tests/distributed/test_reliability.py", "-k",
                        "launcher_killed_during_start_up"]),
+    # the same, seen in a 2-rank fit whose launcher (rank 0) is killed while rank 1 is stopped
+    "reaper_absent_job": ("lightning_titan/runtime/orphans.py",
+                          "    reap(int(sys.argv[1]), [int(line) for line in sys.stdin])",
+                          "    pass",
+                          ["tests/distributed/test_reliability.py", "-k",
+                           "gone_soon_after_its_launcher"]),
     # a restart after a stopped rank stalled the job blames the rank that timed out waiting for it
     "restart_stalled_unnamed": ("lightning_titan/lightning/restarts.py",
                                 "                if failed and stalled:",
