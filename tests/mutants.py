@@ -485,19 +485,13 @@ MUTATIONS = {
                               ["tests/distributed/test_resume_last.py"]),
     # a restart goes back to the ckpt_path the job was given, though newer ones are complete
     "restart_to_given": ("lightning_titan/lightning/restarts.py",
-                         "    if given is not None and files.is_complete_checkpoint(given):\n"
-                         "        if runs.corrupt_reason(Path(given)) is None:\n"
-                         "            found.append(Path(given))\n"
-                         "    if found:\n",
-                         "    if found and given is None:\n",
+                         "    return max(found, key=files.completed_at) if found else None",
+                         "    return max(found, key=files.completed_at) if found and given is None else None",
                          ["tests/unit/test_restarts.py"]),
     # the same, seen by a restarted job: steps trained twice, -v1 checkpoints
     "restart_to_given_job": ("lightning_titan/lightning/restarts.py",
-                             "    if given is not None and files.is_complete_checkpoint(given):\n"
-                             "        if runs.corrupt_reason(Path(given)) is None:\n"
-                             "            found.append(Path(given))\n"
-                             "    if found:\n",
-                             "    if found and given is None:\n",
+                             "    return max(found, key=files.completed_at) if found else None",
+                             "    return max(found, key=files.completed_at) if found and given is None else None",
                              ["tests/distributed/test_reliability.py", "-k",
                               "restarts_by_itself and launcher"]),
     # a restart resumes an older complete checkpoint of the run's folder than the newest
@@ -1398,6 +1392,43 @@ MUTATIONS = {
                             '            return f"{name} changed after the save"',
                             "            pass",
                             ["tests/unit/test_run_versions.py", "tests/unit/test_restarts.py"]),
+    # a stopped rank outlives a launcher killed with SIGKILL (it cannot act on the death signal)
+    "reaper_absent": ("lightning_titan/runtime/orphans.py",
+                      "    reap(int(sys.argv[1]), [int(line) for line in sys.stdin])",
+                      "    pass",
+                      ["tests/distributed/test_reliability.py", "-k",
+                       "launcher_killed_during_start_up"]),
+    # the same, seen in a 2-rank fit whose launcher (rank 0) is killed while rank 1 is stopped
+    "reaper_absent_job": ("lightning_titan/runtime/orphans.py",
+                          "    reap(int(sys.argv[1]), [int(line) for line in sys.stdin])",
+                          "    pass",
+                          ["tests/distributed/test_reliability.py", "-k",
+                           "gone_soon_after_its_launcher"]),
+    # a restart after a stopped rank stalled the job blames the rank that timed out waiting for it
+    "restart_stalled_unnamed": ("lightning_titan/lightning/restarts.py",
+                                "                if failed and stalled:",
+                                "                if False:",
+                                ["tests/unit/test_restarts.py", "-k", "stopped_rank"]),
+    # a restart with no checkpoint left says it resumes "the newest complete checkpoint"
+    "restart_from_nothing_unsaid": ("lightning_titan/lightning/restarts.py",
+                                    "                resumes = restart_checkpoint(given, trainer)",
+                                    '                resumes = Path("the newest complete checkpoint")',
+                                    ["tests/unit/test_restarts.py", "-k", "stopped_rank"]),
+    # a connection closed by a node lost whole is reported with no rank or host named
+    "lost_node_unnamed": ("lightning_titan/lightning/failures.py",
+                          "    blamed = blamed or supervisor.lost_hosts(exception, rank=rank, peers=peers)",
+                          "    pass",
+                          ["tests/distributed/test_reliability.py", "-k", "lost_node"]),
+    # a SIGTERM to a restarting launcher waits for good on a stopped rank (it cannot save `last`)
+    "restart_sigterm_unbounded": ("lightning_titan/lightning/restarts.py",
+                                  "self._stop_all(signal.SIGTERM, self.grace_s)",
+                                  "self._stop_all(signal.SIGTERM, 3600.0)",
+                                  ["tests/unit/test_restarts.py", "-k", "sigterm"]),
+    # the same, seen by two torchrun "nodes" when node 0 is killed whole
+    "lost_node_unnamed_job": ("lightning_titan/lightning/failures.py",
+                              "    blamed = blamed or supervisor.lost_hosts(exception, rank=rank, peers=peers)",
+                              "    pass",
+                              ["tests/distributed/test_multinode.py", "-k", "lost_whole"]),
     # rank 0 resumes without saying from which step and checkpoint
     "resume_unsaid": ("lightning_titan/lightning/strategy.py",
                       "        if line:\n            supervisor.say(line)\n",

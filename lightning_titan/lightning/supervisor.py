@@ -48,6 +48,7 @@ from lightning_titan.runtime.peers import (
     dead_peers,
     failure_report,
     gather_peers,
+    lost_hosts,
 )
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "dead_peers",
     "failure_report",
     "gather_peers",
+    "lost_hosts",
     "watch_launcher",
 ]
 LAUNCHER_WAIT_S = 3.0  # after a rank died: how long the launcher's own failure may take to start
