@@ -809,8 +809,8 @@ MUTATIONS = {
                            ["tests/unit/test_plan_scale.py", "-k", "quantised"]),
     # --only drops a named layout's rows that do not fit
     "plan_only_fitting": ("lightning_titan/tools/plan_cli.py",
-                          "            config, mine, batch, device, precision=precision, fitting=False, lora=lora",
-                          "            config, mine, batch, device, precision=precision, lora=lora",
+                          "priced = ranked(config, mine, batch, device, precision=precision, fitting=False, lora=lora)",
+                          "priced = ranked(config, mine, batch, device, precision=precision, lora=lora)",
                           ["tests/unit/test_plan_scale.py", "-k", "only_prints"]),
     # "nothing fits" advises zero=2 to a layout that is zero2 already
     "plan_remedy_zero_always": ("lightning_titan/plan/layouts.py",
