@@ -832,6 +832,31 @@ def test_a_killed_rank_restarts_by_itself_and_continues_the_curve(work, referenc
         assert float(curve[step]) == pytest.approx(float(reference[step]), rel=1e-5), step
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_rank_killed_before_the_first_checkpoint_restarts_from_step_0_and_says_so(
+    work, reference
+):
+    """kill -9 of rank 1 at step 1, before any checkpoint is complete (every 2 steps, the first
+    written in the background at step 2): the launcher says the restart starts over from step 0 and
+    why, the job ends with rc 0, every step is in the run's CSV (the first attempt's rows kept, the
+    restart's appended), and the curve from step 0 is the uninterrupted run's."""
+    root, cache = work
+    run = "restart_from_nothing"
+    config = write_config(root, run, PP2, every=2, async_save=True)
+    job = launch(RESTARTERS["launcher"](config), root, cache, config, timeout=300,
+                 fault="rank=1,step=1,phase=forward,action=kill")  # fmt: skip
+    assert job.fault_at is not None, job.stderr[-3000:]
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert re.search(r"restarting every rank \(1 of 2\) over from step 0: no complete checkpoint",
+                     job.stderr), job.stderr[-3000:]  # fmt: skip
+    (steps,) = logged_steps(root, run)
+    assert set(steps) == set(range(STEPS)) and steps[-(STEPS):] == list(range(STEPS)), steps
+    curve = losses(root, run)
+    for step in range(STEPS):
+        assert float(curve[step]) == pytest.approx(float(reference[step]), rel=1e-5), step
+
+
 # -- a dead rank while the launcher's own collective cannot fail (NCCL's case) ---------------------------
 
 
