@@ -164,8 +164,17 @@ def byte_tokenizer_files() -> dict[str, dict]:
         "eos_token": eod,
         "model_max_length": 1 << 30,
         "clean_up_tokenization_spaces": False,
+        "chat_template": BYTE_CHAT_TEMPLATE,
     }
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
+
+
+# the built-in chat template (data/chat.py) in the jinja transformers' apply_chat_template reads:
+# each turn its header <|role|> and a newline, its content, then the end-of-document token
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "<|endoftext|>{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -37,9 +37,11 @@ def report_failure(
         who, rank = f"rank {dims.rank}/{dims.world_size} ({where})", dims.rank
     else:  # no rank started yet (popen), or the parent of fork/spawn ranks
         who, rank = "the launcher", 0
-    # this host's dead peers, shared with the other nodes; or what another node's rank found
+    # this host's dead peers, shared with the other nodes; or what another node's rank found; or,
+    # for a connection closed from a node lost whole (nobody left there to say), that node's ranks
     blamed = supervisor.blamed_peers(exception, rank=rank, peers=peers)
     blamed = supervisor.watched_blame(exception, blamed)
+    blamed = blamed or supervisor.lost_hosts(exception, rank=rank, peers=peers)
     supervisor.say(supervisor.failure_report(exception, who=who, blamed=blamed))
     if distributed():
         # a dead or stopped peer's fault: the report names it, and this rank's traceback (gloo's

@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_titan.checkpoint import files, runs
 from lightning_titan.lightning.supervisor import LAUNCHER_WAIT_S, describe_exit, say
 from lightning_titan.runtime.launch import RESTART_ENV, restart_count
-from lightning_titan.runtime.orphans import LAUNCHER_PID, die_with_launcher
+from lightning_titan.runtime.orphans import LAUNCHER_PID, die_with_launcher, process_state
 
 VERSIONS_ENV = "TITAN_LOGGER_VERSIONS"  # the first launch's logger versions, for every restart
 
@@ -42,29 +42,52 @@ VERSIONS_ENV = "TITAN_LOGGER_VERSIONS"  # the first launch's logger versions, fo
 def resumed_call(
     function: Callable, args: Sequence[Any], kwargs: dict[str, Any], trainer: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The Trainer call of a restarted rank: the newest complete checkpoint of the trainer's
-    ModelCheckpoint directories whose checksums verify (not always ``last``: with ``async_save`` the
-    write of ``last`` may have died with the rank; a corrupt one is skipped, rank 0 naming it), or
-    the ``ckpt_path`` given if that is newer. A given ``ckpt_path`` is
-    only where the first launch began: going back to it would train the steps since again."""
+    """The Trainer call of a restarted rank: ``ckpt_path`` set to ``restart_checkpoint``'s."""
     if restart_count() == 0:
         return tuple(args), kwargs
     signature = inspect.signature(function)
     if "ckpt_path" not in signature.parameters:
         return tuple(args), kwargs
     bound = signature.bind_partial(*args, **kwargs)
-    given = bound.arguments.get("ckpt_path")
-    dirs = [c.dirpath for c in getattr(trainer, "checkpoint_callbacks", []) if c.dirpath]
     speak = say if getattr(trainer, "global_rank", 0) == 0 else (lambda line: None)
+    found = restart_checkpoint(bound.arguments.get("ckpt_path"), trainer, speak)
+    if found is not None:
+        bound.arguments["ckpt_path"] = str(found)
+    return bound.args, bound.kwargs
+
+
+def restart_checkpoint(
+    given: Any, trainer: Any, speak: Callable[[str], None] = lambda line: None
+) -> Path | None:
+    """What a restart resumes: the newest complete checkpoint of the trainer's ModelCheckpoint
+    directories whose checksums verify (not always ``last``: with ``async_save`` the write of
+    ``last`` may have died with the rank; a corrupt one is skipped, ``speak`` naming it), or the
+    ``ckpt_path`` given if that is newer. A given ``ckpt_path`` is only where the first launch
+    began: going back to it would train the steps since again. None: nothing to resume (the
+    folders were emptied or deleted, or no save finished): the restart starts over."""
+    dirs = [c.dirpath for c in getattr(trainer, "checkpoint_callbacks", []) if c.dirpath]
     # the newest whose checksums verify: a corrupt one would fail every attempt the same way
     newest = runs.newest_valid(dirs, speak)
     found = [] if newest is None else [newest]
     if given is not None and files.is_complete_checkpoint(given):
         if runs.corrupt_reason(Path(given)) is None:
             found.append(Path(given))
-    if found:
-        bound.arguments["ckpt_path"] = str(max(found, key=files.completed_at))
-    return bound.args, bound.kwargs
+    return max(found, key=files.completed_at) if found else None
+
+
+def restart_line(
+    rank: int, why: str, attempt: int, max_restarts: int, resumes: Path | None, trainer: Any
+) -> str:
+    """The launcher's line when it restarts every rank: who brought the attempt down, and from
+    which checkpoint the next one resumes, or that it starts over from step 0 and why."""
+    if resumes is not None:
+        where = f"from {resumes}"
+    else:
+        dirs = [str(c.dirpath) for c in getattr(trainer, "checkpoint_callbacks", []) if c.dirpath]
+        held = ", ".join(dirs) or "no checkpoint folder"
+        where = f"over from step 0: no complete checkpoint in {held}"
+    every = f"restarting every rank ({attempt + 1} of {max_restarts})"
+    return f"[titan] rank {rank} {why}: {every} {where}"
 
 
 def keep_logger_versions(trainer: Any) -> None:
@@ -108,6 +131,18 @@ class _AppendingWriter(ExperimentWriter):
         pass  # Lightning's deletes metrics.csv here
 
 
+def _given_ckpt_path(function: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    try:
+        called = inspect.signature(function).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return None
+    return called.get("ckpt_path")
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    return process_state(proc.pid) in ("T", "t")
+
+
 class RestartingLauncher(_Launcher):
     """Starts every rank of this node, and all of them again when one dies (``max_restarts`` times).
     A SIGTERM or Ctrl+C here stops every rank (they save ``last`` after the step) and restarts none."""
@@ -128,6 +163,7 @@ class RestartingLauncher(_Launcher):
         self.max_restarts, self.grace_s = max_restarts, grace_s
         self.procs: list[subprocess.Popen] = []
         self._stopping = 0  # the signal that asked this launcher to stop, or 0
+        self._why = ""  # how the last attempt's cause failed, where its exit code does not say it
 
     @property
     @override
@@ -148,13 +184,13 @@ class RestartingLauncher(_Launcher):
                     return None
                 if self._stopping or code in (130, 143):  # stopped, `last` saved: no failure
                     raise SystemExit(128 + self._stopping if self._stopping else code)
+                why = self._why or describe_exit(code)
                 if attempt == self.max_restarts:
-                    say(f"[titan] rank {rank} {describe_exit(code)}: no restart left of {attempt}")
+                    say(f"[titan] rank {rank} {why}: no restart left of {attempt}")
                     raise SystemExit(1)
-                say(
-                    f"[titan] rank {rank} {describe_exit(code)}: restarting every rank "
-                    f"({attempt + 1} of {self.max_restarts}) from the newest complete checkpoint"
-                )
+                given = _given_ckpt_path(function, args, kwargs)
+                resumes = restart_checkpoint(given, trainer)
+                say(restart_line(rank, why, attempt, self.max_restarts, resumes, trainer))
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -188,10 +224,20 @@ class RestartingLauncher(_Launcher):
                 failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 break
             if failed or all(c == 0 for c in codes):
+                # a stopped rank (SIGSTOP) stalled the others until their collective timeout: it is
+                # the cause, though the others exited first; seen before it is killed below
+                stalled = [r for r, c in enumerate(codes) if c is None and _stopped(self.procs[r])]
                 # the others' collectives fail at once under gloo: time to report and flush their
                 # logs; NCCL does not notice a dead peer, so they are killed after that
                 self._stop_all(None, min(LAUNCHER_WAIT_S, self.grace_s))
+                if failed and stalled:
+                    r = stalled[0]
+                    self._why = (
+                        f"(pid {self.procs[r].pid}) is stopped (SIGSTOP) and stalled the job"
+                    )
+                    return r, self.procs[r].returncode
                 break
+        self._why = ""
         # a rank killed by a signal is the cause; the others' errors followed (both seen in one poll)
         return min(failed, key=lambda rc: rc[1] >= 0) if failed else (0, 0)
 

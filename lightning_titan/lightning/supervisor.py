@@ -48,6 +48,7 @@ from lightning_titan.runtime.peers import (
     dead_peers,
     failure_report,
     gather_peers,
+    lost_hosts,
 )
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "dead_peers",
     "failure_report",
     "gather_peers",
+    "lost_hosts",
     "watch_launcher",
 ]
 LAUNCHER_WAIT_S = 3.0  # after a rank died: how long the launcher's own failure may take to start
@@ -71,7 +73,13 @@ def say(line: str) -> None:
     PIPE_BUF (4 KiB) bytes whole, so lines of different ranks never interleave."""
     data = line.encode(errors="replace")[:4000].rstrip(b"\n") + b"\n"
     sys.stderr.flush()
-    os.write(sys.stderr.fileno(), data)
+    try:
+        fd = sys.stderr.fileno()
+    except (OSError, ValueError):  # a notebook's stream (ipykernel) has no descriptor
+        sys.stderr.write(data.decode(errors="replace"))
+        sys.stderr.flush()
+        return
+    os.write(fd, data)
 
 
 def describe_exit(code: int) -> str:

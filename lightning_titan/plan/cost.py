@@ -281,18 +281,34 @@ def predict(
     device: Device,
     params: tuple[int, int],
     precision: Precision = FP32,
+    frozen_base: bool = False,
     stage_layers: tuple[int, ...] | None = None,
 ) -> StepCost:
     """The step time of ``degrees`` (dp, pp, ep, cp, tp) with ``options``; ``params`` is the
-    (non-expert, expert) parameter count of the fullest rank (``plan/memory.py``); payloads in the
-    dtypes ``precision`` sends; ``stage_layers``: layers per stage (None: ``n_layers / pp`` each).
+    (non-expert, expert) count of the fullest rank's trained parameters (``plan/memory.py``): what
+    its reductions carry and its optimizer steps; payloads in the dtypes ``precision`` sends.
+    ``frozen_base`` (LoRA): the base's weight-gradient GEMMs are skipped, a backward is one pass
+    (the input grads), the adapters' own work left out (a rank-r product per projection).
+    ``stage_layers``: layers per stage (None: ``n_layers / pp`` each).
     Each stage is priced with its layers (the first with the embedding, the last with the head and
     loss); the slowest one's compute and collectives are the step's, its compute sets the bubble."""
     pp, world = degrees["pp"], math.prod(degrees.values())
     counts = stage_layers or (config.n_layers / pp,) * pp
     flops = stage_flops(config)  # once: a ModelConfig's derived fields are not cached
     terms = [
-        _stage(config, degrees, options, global_batch, device, precision, flops, n, first, head)
+        _stage(
+            config,
+            degrees,
+            options,
+            global_batch,
+            device,
+            precision,
+            flops,
+            frozen_base,
+            n,
+            first,
+            head,
+        )
         for n, first, head in _slowest_candidates(flops, counts)
     ]
     compute, comm = max(terms, key=lambda t: t[0] + sum(t[1].values()))
@@ -340,20 +356,23 @@ def _stage(
     device: Device,
     precision: Precision,
     flops_per_token: tuple[float, float, float],
+    frozen_base: bool,
     layers: float,
     first: bool,
     head: bool,
 ) -> tuple[float, dict[str, float]]:
     """(compute seconds, the PP, EP, TP and CP terms) of a stage of ``layers`` layers (``first``: it
-    holds the embedding, ``head``: the head and the loss; ``flops_per_token``: ``stage_flops``),
-    per step."""
+    holds the embedding, ``head``: the head and the loss; ``flops_per_token``: ``stage_flops``;
+    ``frozen_base``: as ``predict``), per step."""
     dp, pp, ep, cp, tp = (degrees[a] for a in ("dp", "pp", "ep", "cp", "tp"))
     m_count, v = options.microbatches, options.virtual_stages
     b = global_batch // (dp * ep)
     tokens = b * config.seq_len / (tp * cp)  # positions this rank computes per step
     mb_tokens = tokens / m_count
     embed, layer, head_flops = flops_per_token
-    passes = 4 if options.recompute else 3  # forward, backward (2x), and a recomputed forward
+    # forward, backward (input and weight grads: 2x; the input grads alone under a frozen base),
+    # and a recomputed forward
+    passes = (2 if frozen_base else 3) + (1 if options.recompute else 0)
     flops = tokens * passes * (layers * layer + first * embed + head * head_flops)
     per_pass = device.pass_s + (device.split_s if options.schedule in SPLIT_BACKWARD else 0.0)
     compute = flops / device.flops + m_count * (layers + (first or head)) * per_pass

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.batching import local_batch_size
 from lightning_titan.parallel.dp.zero import LEVELS
 from lightning_titan.parallel.mesh import AXES, ParallelDims
@@ -109,11 +110,11 @@ def splits(config: ModelConfig, pp: int) -> list[tuple[int, ...] | None]:
 
 
 def candidates(
-    config: ModelConfig, devices: int, global_batch: int
+    config: ModelConfig, devices: int, global_batch: int, lora: LoRA | None = None
 ) -> tuple[list[Candidate], Counter[str]]:
     """The accepted layouts (every zero level where a data-parallel group exists; each pipeline
     split of ``splits``), and how many were rejected by each rule (keyed by the start of its
-    message: ``n_heads=4``, ...)."""
+    message: ``n_heads=4``, ...); ``lora``: the state of LoRA's adapters over a frozen base."""
     accepted: list[Candidate] = []
     rejected: Counter[str] = Counter()
     cuts: dict[int, list[tuple[int, ...] | None]] = {}  # splits of each pp, found once
@@ -128,7 +129,7 @@ def candidates(
                 if reason is not None:
                     rejected[reason.split(" ")[0].rstrip(":;,")] += 1
                     continue
-                fullest = fullest_state(config, degrees, zero, layers)
+                fullest = fullest_state(config, degrees, zero, lora, layers)
                 state = sum(fullest.values())
                 accepted.append(Candidate(degrees, zero, state, fullest, layers))
     return accepted, rejected
@@ -162,7 +163,7 @@ def _most_layers(config: ModelConfig, pp: int, stage_layers: tuple[int, ...] | N
     return max(stage_layers) if stage_layers else config.n_layers / pp
 
 
-def _grown(config: ModelConfig, best: Candidate) -> list[str]:
+def _grown(config: ModelConfig, best: Candidate, lora: LoRA | None = None) -> list[str]:
     """For pp, ep and tp: the next degree the model allows beyond ``best``'s (for pp: the next
     whose stages hold fewer layers), on that many more devices, with the state it leaves per rank;
     nothing where the model allows no more."""
@@ -186,20 +187,20 @@ def _grown(config: ModelConfig, best: Candidate) -> list[str]:
                 )
             except ValueError:
                 continue
-            state = sum(fullest_state(config, degrees, best.zero, layers).values())
+            state = sum(fullest_state(config, degrees, best.zero, lora, layers).values())
             devices = math.prod(degrees.values())
             out.append(f"{axis}={degree} ({devices} devices): {state / GB:.2f} GB")
             break
     return out
 
 
-def shortfall(best: Candidate, memory: float, config: ModelConfig) -> str:
+def shortfall(best: Candidate, memory: float, config: ModelConfig, lora: LoRA | None = None) -> str:
     """What the layout with the least state per rank lacks, for a model that fits nowhere: its
     largest term, and the remedies this model allows (the next pp, ep or tp that divides it, with
     the state it would leave; zero=2 where the smallest is below it)."""
     short = best.state_bytes - memory
     part, nbytes = max(best.parts.items(), key=lambda kv: kv[1])
-    remedies = _grown(config, best)
+    remedies = _grown(config, best, lora)
     data_parallel = math.prod(best.degrees.values()) > best.degrees["pp"]
     if best.zero < 2 and data_parallel:
         remedies.insert(0, "zero=2 (splits the grads and AdamW moments)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_titan.model.decoder import EXPERT, ModelConfig, StageModel, grad_group_kinds
+from lightning_titan.model.lora import LoRA, store_base_
 from lightning_titan.parallel.dp.zero import cut_dim, owned_rows
 from lightning_titan.parallel.mesh import AXES, GROUPS, ParallelDims
 from lightning_titan.parallel.pipeline.split import StageSplit
@@ -45,31 +46,40 @@ class StageTensor:
     shape: tuple[int, ...]
     kind: str  # model.EXPERT, TP_SHARDED or SEQUENCE: the group its grad is summed over
     tp_dim: int | None  # the dim TP cuts, None when whole on every TP rank
+    trained: bool = True  # False: LoRA's frozen base (no grad, no optimizer state)
+    itemsize: int = BYTES  # the weight's bytes an element (LoRA's base may be bf16)
 
 
 def stage_tensors(
-    config: ModelConfig, pp: int, pp_rank: int, split: StageSplit | None = None
+    config: ModelConfig,
+    pp: int,
+    pp_rank: int,
+    split: StageSplit | None = None,
+    lora: LoRA | None = None,
 ) -> tuple[StageTensor, ...]:
     """The parameters pipeline rank ``pp_rank`` of ``pp`` holds (its chunks as ``split`` cuts the
-    layers; None: evenly) at full size (ep = tp = 1), built on meta."""
+    layers; None: evenly) at full size (ep = tp = 1), built on meta; with ``lora``, its adapters
+    too, the base frozen and stored as ``lora.base_dtype`` says."""
     split = split or StageSplit()
-    key = (repr(config), pp, pp_rank, repr(split))  # a ModelConfig is not hashable: its fields
+    key = (repr(config), pp, pp_rank, repr(split), repr(lora))  # ModelConfig is not hashable
     if key not in _STAGES:
-        _STAGES[key] = _build_stage_tensors(config, pp, pp_rank, split)
+        _STAGES[key] = _build_stage_tensors(config, pp, pp_rank, split, lora)
     return _STAGES[key]
 
 
-_STAGES: dict[tuple[str, int, int, str], tuple[StageTensor, ...]] = {}
+_STAGES: dict[tuple[str, int, int, str, str], tuple[StageTensor, ...]] = {}
 
 
 def _build_stage_tensors(
-    config: ModelConfig, pp: int, pp_rank: int, split: StageSplit
+    config: ModelConfig, pp: int, pp_rank: int, split: StageSplit, lora: LoRA | None
 ) -> tuple[StageTensor, ...]:
     with torch.device("meta"):
-        model = StageModel(config, pp_rank=pp_rank, pp=pp, split=split)
+        model = StageModel(config, pp_rank=pp_rank, pp=pp, split=split, lora=lora)
+        if lora is not None:
+            store_base_(model, lora)
     cut = {pid: shard.dim for pid, shard in tp_shards(model).items()}
     return tuple(
-        StageTensor(name, tuple(p.shape), kind, cut.get(id(p)))
+        StageTensor(name, tuple(p.shape), kind, cut.get(id(p)), p.requires_grad, p.element_size())
         for name, p, kind in grad_group_kinds(model)
     )
 
@@ -109,40 +119,63 @@ def group_place(dims: ParallelDims, kind: str) -> tuple[int, int]:
 
 
 def rank_state(
-    config: ModelConfig, dims: ParallelDims, zero: int = 0, split: StageSplit | None = None
+    config: ModelConfig,
+    dims: ParallelDims,
+    zero: int = 0,
+    split: StageSplit | None = None,
+    lora: LoRA | None = None,
 ) -> dict[str, int]:
-    """Bytes of ``{expert,non_expert}_{params,grads,optimizer}`` on rank ``dims.rank``."""
+    """Bytes of ``{expert,non_expert}_{params,grads,optimizer}`` on rank ``dims.rank`` (``lora``:
+    grads and optimizer state of the adapters only, the base in its stored dtype)."""
     out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
-    # each distinct (shape, kind, cut) once, times how many the stage has (its layers repeat them);
-    # each grad kind's group found once (a search over the world's groups)
-    shapes = Counter(
-        (t.shape, t.kind, t.tp_dim) for t in stage_tensors(config, dims.pp, dims.pp_rank, split)
-    )
+    # each distinct (shape, kind, cut, ...) once, times how many the stage has (its layers repeat
+    # them); each grad kind's group found once (a search over the world's groups)
+    tensors = stage_tensors(config, dims.pp, dims.pp_rank, split, lora)
+    shapes = Counter((t.shape, t.kind, t.tp_dim, t.trained, t.itemsize) for t in tensors)
     places: dict[str, tuple[int, int]] = {}
-    for (full, kind, tp_dim), count in shapes.items():
+    for (full, kind, tp_dim, trained, itemsize), count in shapes.items():
         part = "expert" if kind == EXPERT else "non_expert"
         shape = local_shape(StageTensor("", full, kind, tp_dim), dims)
         numel = math.prod(shape)
+        out[f"{part}_params"] += itemsize * numel * count
+        if not trained:
+            continue
         owned = numel
         if zero:
             n, q = places.setdefault(kind, group_place(dims, kind))
             owned = _owned_numel(shape, kind == EXPERT, tp_dim if dims.tp > 1 else None, n, q)
-        out[f"{part}_params"] += BYTES * numel * count
         out[f"{part}_grads"] += BYTES * (owned if zero == 2 else numel) * count
         out[f"{part}_optimizer"] += BYTES * MOMENTS * owned * count
     return out
 
 
-def layout_state(config: ModelConfig, degrees: dict[str, int], zero: int = 0) -> list[dict]:
+def trained_params(
+    config: ModelConfig, dims: ParallelDims, lora: LoRA | None = None
+) -> tuple[int, int]:
+    """(non-expert, expert) elements of the trained parameters rank ``dims.rank`` holds: what its
+    gradient reductions carry and its optimizer steps (all of them without ``lora``)."""
+    counts = [0, 0]
+    for t in stage_tensors(config, dims.pp, dims.pp_rank, None, lora):
+        if t.trained:
+            counts[t.kind == EXPERT] += math.prod(local_shape(t, dims))
+    return counts[0], counts[1]
+
+
+def layout_state(
+    config: ModelConfig, degrees: dict[str, int], zero: int = 0, lora: LoRA | None = None
+) -> list[dict]:
     """``rank_state`` of every rank of the layout ``degrees`` (dp, pp, ep, cp, tp), in rank order."""
     world = math.prod(degrees.values())
-    return [rank_state(config, ParallelDims(**degrees, rank=r), zero) for r in range(world)]
+    return [
+        rank_state(config, ParallelDims(**degrees, rank=r), zero, lora=lora) for r in range(world)
+    ]
 
 
 def fullest_state(
     config: ModelConfig,
     degrees: dict[str, int],
     zero: int = 0,
+    lora: LoRA | None = None,
     stage_layers: tuple[int, ...] | None = None,
 ) -> dict[str, int]:
     """``rank_state`` of the rank that holds the most (the layers cut as ``stage_layers`` says, one
@@ -153,5 +186,7 @@ def fullest_state(
     dims = ParallelDims(**degrees)
     split = StageSplit(1, stage_layers)
     firsts = [dims.rank_of(0, p, 0) for p in range(dims.pp)]
-    states = [rank_state(config, ParallelDims(**degrees, rank=r), zero, split) for r in firsts]
+    states = [
+        rank_state(config, ParallelDims(**degrees, rank=r), zero, split, lora) for r in firsts
+    ]
     return max(states, key=lambda s: sum(s.values()))

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import (
     CHUNKED,
@@ -25,6 +26,7 @@ from lightning_titan.plan.activations import peak_bytes, weight_copy_bytes
 from lightning_titan.plan.cost import StepCost, StepOptions, predict
 from lightning_titan.plan.devices import Device
 from lightning_titan.plan.layouts import Candidate, divisors
+from lightning_titan.plan.memory import trained_params
 from lightning_titan.plan.precision import FP32, Precision
 from lightning_titan.train.options import TrainOptions, check_overlap
 
@@ -121,9 +123,11 @@ class _Prices:
         recompute: tuple[bool, ...],
         precision: Precision,
         compiled: bool,
+        lora: LoRA | None = None,
     ) -> None:
         self.config, self.batch, self.device = config, global_batch, device
         self.recompute, self.precision, self.compiled = recompute, precision, compiled
+        self.lora = lora
         self._options: dict[tuple, list[StepOptions]] = {}
         self._copies: dict[tuple[int, int], tuple[float, float, float]] = {}
         self._peaks: dict[tuple, float] = {}
@@ -158,18 +162,14 @@ class _Prices:
         return self._peaks[key]
 
     def predict(self, c: Candidate, options: StepOptions) -> StepCost:
-        params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
+        if self.lora is None:
+            params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
+        else:  # the adapters (the first stage's: a stage's are alike)
+            params = trained_params(self.config, ParallelDims(**c.degrees), self.lora)
         return predict(
-            self.config,
-            c.degrees,
-            c.zero,
-            options,
-            self.batch,
-            self.device,
-            params,
-            self.precision,
-            c.stage_layers,
-        )
+            self.config, c.degrees, c.zero, options, self.batch, self.device, params,
+            self.precision, frozen_base=self.lora is not None, stage_layers=c.stage_layers,
+        )  # fmt: skip
 
     def rows(self, c: Candidate, fitting: bool = True) -> list[Ranked]:
         """``c`` with each step option (``fitting``: those whose memory fits the device)."""
@@ -221,6 +221,7 @@ def ranked(
     keep: int | None = None,
     progress: Progress | None = None,
     fitting: bool = True,
+    lora: LoRA | None = None,
 ) -> list[Ranked]:
     """Every candidate with every step option whose state and activations fit the device's
     memory, fastest predicted first; activations and payloads in ``precision``'s dtypes
@@ -231,8 +232,9 @@ def ranked(
     of a lower bound on their step time (``_Prices.lower_bound``) until that bound passes the
     ``keep``-th fastest row found, after which no layout can enter the first ``keep``.
     ``progress(priced, of, fastest so far)`` is called after each layout priced. ``fitting=False``:
-    the rows that do not fit the memory too (``titan plan --only`` shows what a layout would cost)."""
-    prices = _Prices(config, global_batch, device, recompute, precision, compiled)
+    the rows that do not fit the memory too (``titan plan --only`` shows what a layout would cost).
+    ``lora``: LoRA's adapters train over a frozen base (``candidates(..., lora)``'s state)."""
+    prices = _Prices(config, global_batch, device, recompute, precision, compiled, lora)
     order, bounds = list(found), {}
     if keep is not None:
         order = _undominated(found)

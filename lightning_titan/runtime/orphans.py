@@ -9,6 +9,11 @@ for ``timeout_minutes`` (the launcher holds the rendezvous store: ``launch.hoste
 - ``watch_launcher``, from the first import of this package (standard library only): the signal then
   sets an alarm of ``GONE_S`` instead, time for the rank's own failure report (its collectives fail
   when the launcher dies); a thread that polls the parent pid covers the rest (fork, spawn).
+
+Neither reaches a stopped rank (SIGSTOP, a debugger): it cannot act on a signal until it runs
+again, and would hold the job's ports and pipes for good. So ``die_with_launcher`` also starts a
+reaper, this file run on its own (``reap``): when the launcher is gone it gives the ranks
+``REAP_AFTER_S`` to leave by themselves, then SIGKILLs what is left (SIGKILL ends a stopped one too).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import ctypes
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -24,6 +30,7 @@ from typing import Any
 
 LAUNCHER_PID = "TITAN_LAUNCHER_PID"  # set by TitanLauncher for the ranks it starts
 GONE_S = 5.0  # after the launcher died: how long a rank's own failure report may take
+REAP_AFTER_S = GONE_S + 2.0  # then the reaper SIGKILLs a rank still there (a stopped one)
 PARENT_GONE = signal.SIGUSR2  # what the kernel sends a rank when its launcher dies
 _PR_SET_PDEATHSIG = 1
 _watching = threading.Event()
@@ -48,6 +55,15 @@ def process_state(pid: int) -> str | None:
 
 def running(pid: int) -> bool:
     return process_state(pid) not in (None, "Z", "X")  # a zombie is dead, only not reaped yet
+
+
+def _started_at(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot, /proc): a reused pid's differs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def launcher_pid() -> int | None:
@@ -96,17 +112,29 @@ def _pdeathsig() -> Any:
 
 class die_with_launcher:  # noqa: N801 - used like a function: ``with die_with_launcher(module):``
     """Within it, ``module.subprocess.Popen`` (Lightning's launcher's) starts processes that get
-    ``PARENT_GONE`` when this process dies."""
+    ``PARENT_GONE`` when this process dies, and that a reaper SIGKILLs if they are still there
+    ``REAP_AFTER_S`` later (``reap``)."""
 
     def __init__(self, module: Any) -> None:
         self.module, self.real = module, module.subprocess
         self.set_signal = _pdeathsig()
+        self.reaper: subprocess.Popen | None = None
 
     def __getattr__(self, name: str) -> Any:  # the stand-in for the ``subprocess`` module
         return getattr(self.real, name)
 
     def Popen(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - subprocess.Popen's name
-        return self.real.Popen(*args, preexec_fn=self.set_signal, **kwargs)
+        proc = self.real.Popen(*args, preexec_fn=self.set_signal, **kwargs)
+        if self.reaper is None:
+            # standard library only, without the package (torch) or its folder on the path: ~50 ms
+            command = [sys.executable, "-I", "-S", __file__, str(os.getpid())]
+            self.reaper = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+            )
+        assert self.reaper.stdin is not None
+        self.reaper.stdin.write(f"{proc.pid}\n")
+        self.reaper.stdin.flush()
+        return proc
 
     def __enter__(self) -> None:
         if self.set_signal is not None:
@@ -114,3 +142,36 @@ class die_with_launcher:  # noqa: N801 - used like a function: ``with die_with_l
 
     def __exit__(self, *exc: object) -> None:
         self.module.subprocess = self.real
+        if self.reaper is not None and self.reaper.stdin is not None:
+            self.reaper.stdin.close()  # every rank is started: the reaper has their pids
+
+
+def reap(launcher: int, pids: list[int], poll_s: float = 0.25) -> None:
+    """The reaper's loop: while ``launcher`` (its parent) lives, wait for ``pids`` to end; once it
+    is gone, give them ``REAP_AFTER_S`` to leave by themselves, then SIGKILL the ones still there."""
+    started = {pid: _started_at(pid) for pid in pids}
+
+    def left() -> list[int]:
+        return [p for p, at in started.items() if running(p) and _started_at(p) == at]
+
+    while os.getppid() == launcher and left():
+        time.sleep(poll_s)
+    if os.getppid() == launcher:
+        return  # every rank ended with its launcher alive
+    deadline = time.monotonic() + REAP_AFTER_S
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left():
+        how = "is stopped (SIGSTOP)" if process_state(pid) in ("T", "t") else "is still running"
+        after = f"{REAP_AFTER_S:g} s after its launcher (pid {launcher}) died"
+        line = f"[titan] rank pid {pid} {how} {after}: killing it\n"
+        os.write(2, line.encode())
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+if __name__ == "__main__":  # the reaper: the launcher's pid as argument, the ranks' pids on stdin
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl+C is for the ranks
+    reap(int(sys.argv[1]), [int(line) for line in sys.stdin])

@@ -102,6 +102,37 @@ def blamed_peers(
     return blamed
 
 
+def lost_hosts(
+    exception: BaseException,
+    *,
+    rank: int | None = None,
+    peers: Sequence[tuple[str, int]] | None = None,
+) -> str:
+    """``a rank of another host closed its connection, none on this one (node1) died: rank 0, rank 1
+    on node0 (a node lost, or its network); ``: the blame for a closed connection when no peer on
+    this host is dead or stopped and no rank announced one (``blamed_peers`` found nothing): the
+    peer that closed it ran on another host, and when one node is lost whole nobody is left there to
+    say which rank, so the other hosts' ranks are named. "" for any other error, or on one host."""
+    first_line = (str(exception).strip().splitlines() or [""])[0]
+    if not peers or not any(words in first_line for words in PEER_GONE):
+        return ""
+    host = host_name() if rank is None else peers[rank][0]
+    others: dict[str, list[int]] = {}
+    for r, (h, _) in enumerate(peers):
+        if h != host:
+            others.setdefault(h, []).append(r)
+    if not others:
+        return ""
+    where = "; ".join(
+        f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))} on {h}"
+        for h, rs in others.items()
+    )
+    return (
+        f"a rank of another host closed its connection, none on this one ({host}) died: {where} "
+        "(a node lost, or its network); "
+    )
+
+
 def failure_report(
     exception: BaseException,
     *,

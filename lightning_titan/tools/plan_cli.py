@@ -26,9 +26,12 @@ import time
 from dataclasses import fields, replace
 from pathlib import Path
 
+import torch
+
 from lightning_titan.hf.load import config_from_folder, config_from_hf, read_hf_config
 from lightning_titan.lightning.config_files import compose_config
-from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.mesh import AXES
 from lightning_titan.plan.auto import cost_device, device_memory
 from lightning_titan.plan.cost import DISPATCHERS
@@ -103,6 +106,24 @@ def _parser() -> argparse.ArgumentParser:
         help="the dtypes activations and payloads are priced in (default: the config's "
         "trainer.precision, else 32-true); state is fp32 under either",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        help="plan LoRA fine-tuning: adapters of this rank over a frozen base (default: the "
+        "config's model.lora, else a full fine-tune)",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default="attention",
+        help="with --lora-rank: the adapted projections, comma-separated (default attention; "
+        "e.g. attention,experts)",
+    )
+    parser.add_argument(
+        "--lora-base-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="with --lora-rank: the frozen base's dtype (bf16 needs bf16-mixed)",
+    )
     parser.add_argument("--top", type=int, default=20, help="rows to print")
     parser.add_argument(
         "--only",
@@ -117,6 +138,25 @@ def _parser() -> argparse.ArgumentParser:
         "--devices) for a few steps: predicted against measured, and their rank correlation",
     )
     return parser
+
+
+def lora_of(args: argparse.Namespace) -> LoRA | None:
+    """The LoRA to plan: ``--lora-rank`` and its targets and base dtype, else the titan config's
+    ``model.lora`` (None: a full fine-tune)."""
+    if args.lora_rank is not None:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        return LoRA(rank=args.lora_rank, targets=targets, base_dtype=args.lora_base_dtype)
+    if Path(args.config).name == "config.json" or Path(args.config).is_dir():
+        return None
+    lora = (compose_config(args.config).get("model") or {}).get("lora")
+    return LoRA(**lora) if isinstance(lora, dict) else None
+
+
+def trained_total(config: ModelConfig, lora: LoRA) -> int:
+    """The whole model's trained (adapter) parameters."""
+    with torch.device("meta"):
+        model = StageModel(config, lora=lora)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def model_and_batch(path: str, seq_len: int | None = None) -> tuple[ModelConfig, int, Precision]:
@@ -281,6 +321,7 @@ def only_rows(
     device: Device,
     precision: Precision,
     top: int,
+    lora: LoRA | None = None,
 ) -> tuple[list[Ranked], list[str]]:
     """``--only``: each named layout's fastest ``top`` rows whether they fit or not, fastest first,
     and one line per name: its fastest row's time and memory (and what does not fit), or why it has
@@ -305,7 +346,7 @@ def only_rows(
             why = rejection(config, degrees, 0, batch) or "no layout of these devices is accepted"
             lines.append(f"no row for {name}: the strategy refuses it: {why}")
             continue
-        priced = ranked(config, mine, batch, device, precision=precision, fitting=False)
+        priced = ranked(config, mine, batch, device, precision=precision, fitting=False, lora=lora)
         if not priced:
             lines.append(f"no row for {name}: no step option the strategy accepts")
             continue
@@ -372,6 +413,7 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config, batch, precision = model_and_batch(args.config, args.seq_len)
+        lora = lora_of(args)
         batch = args.global_batch if args.global_batch is not None else batch
         precision = Precision(args.precision) if args.precision else precision
         check_request(args.devices, batch, args.device)
@@ -390,7 +432,7 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
 
         check(config, batch, args.devices, memory, precision=precision)
         return []
-    found, rejected = candidates(config, args.devices, batch)
+    found, rejected = candidates(config, args.devices, batch, lora)
     found.sort(key=lambda c: (c.state_bytes, c.zero, -c.degrees["dp"]))
     fits = [c for c in found if c.state_bytes <= memory]
     print(
@@ -400,18 +442,22 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
         f"layouts the strategy accepts, {len(fits)} whose model state fits"
     )
     print(describe(device, nodes))
+    if lora is not None:
+        print(f"LoRA rank {lora.rank} on {', '.join(lora.targets)} over a frozen {lora.base_dtype} "
+              f"base: {trained_total(config, lora):,} trained parameters")  # fmt: skip
     if rejected:
         print("rejected: " + ", ".join(f"{n} by {rule}" for rule, n in rejected.most_common()))
     if args.only:
-        return _print_only(args, config, found, batch, device, precision)
+        return _print_only(args, config, found, batch, device, precision, lora)
     if not found:
         sys.exit("titan plan: no layout of these devices splits this model and batch evenly")
     if not fits:
-        sys.exit(f"titan plan: nothing fits: {shortfall(found[0], memory, config)}")
+        sys.exit(f"titan plan: nothing fits: {shortfall(found[0], memory, config, lora)}")
     progress = Progress()
     rows = ranked(
-        config, fits, batch, device, precision=precision, keep=args.top, progress=progress
-    )
+        config, fits, batch, device, precision=precision, keep=args.top, progress=progress,
+        lora=lora,
+    )  # fmt: skip
     progress.close()
     if not rows:
         sys.exit(
@@ -443,10 +489,11 @@ def _print_only(
     batch: int,
     device: Device,
     precision: Precision,
+    lora: LoRA | None = None,
 ) -> list[Ranked]:
     """``--only``: the named layouts' rows (those that do not fit too) and a line for each name;
     ``--out`` writes the fastest row that fits."""
-    rows, lines = only_rows(args.only, config, found, batch, device, precision, args.top)
+    rows, lines = only_rows(args.only, config, found, batch, device, precision, args.top, lora)
     if rows:
         print("\n".join(table(rows, device.memory)))
     for line in lines:

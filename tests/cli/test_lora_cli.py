@@ -1,5 +1,6 @@
 """LoRA through the CLI: `titan fit --model.init_from=<Qwen3-MoE folder> --model.lora...` under ep2
-trains the adapters on the folder's frozen weights and saves adapter-only checkpoints; `titan export`
+trains the adapters on the folder's frozen weights and saves adapter-only checkpoints (in the
+background); `titan export`
 writes them as a PEFT adapter folder that peft loads onto the transformers model with our logits, or
 merged into the base as a Qwen3-MoE folder that transformers loads with the same logits."""
 
@@ -41,6 +42,7 @@ def test_a_lora_fine_tune_exports_as_a_peft_adapter_and_merged(tmp_path):
         "--model.lora.targets=[attention, experts]", "--trainer.max_steps=3",
         "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1",
         "--model.warmup_steps=0", "--trainer.strategy.init_args.start_method=fork",
+        "--trainer.strategy.init_args.async_save=true",  # the adapters saved in the background
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -23,6 +23,8 @@ from engine_harness import (
 
 from lightning_titan.checkpoint import consolidate
 from lightning_titan.model.lora import is_adapter
+from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.plan.memory import rank_state, trained_params
 from lightning_titan.runtime.launch import run_on_ranks
 
 DEEPSEEK = FAMILY_CONFIGS["deepseek"]  # latent attention, a shared expert, a dense first layer
@@ -72,8 +74,16 @@ def test_lora_equals_one_process_under_every_layout(tmp_path):
         results = [per_rank[rank][i] for rank in range(8)]
         case_ref = refs[id(config[0] if config else CONFIG)]
         assert_matches_reference(case_ref, results, f"{layout} {schedule} M={m} lora")
-        for r in results:
+        zero = next((int(o[-1]) for o in schedule.split(":") if o.startswith("zero")), 0)
+        for rank, r in enumerate(results):
             where = (layout, schedule, r["coords"])
+            # titan plan's state model knows LoRA: every rank's bytes, exactly as measured
+            dims = ParallelDims(*layout[:3], rank, *layout[3:])
+            model = config[0] if config else CONFIG
+            assert rank_state(model, dims, zero, r["split"], LORA) == r["state"], where
+            if r["split"].virtual_stages == 1 and r["split"].stage_layers is None:
+                trained = sum(w.numel() for n, w in r["weights"].items() if is_adapter(n))
+                assert sum(trained_params(model, dims, LORA)) == trained, where
             assert r["frozen_moved"] == [], where  # the base bit for bit
             adapters = [w for n, w in r["weights"].items() if is_adapter(n)]
             adapter_numel = sum(w.numel() for w in adapters)

@@ -1,18 +1,22 @@
 """Rank death without our launcher: two torchrun "nodes" on this machine (2 x 2 ranks, each node
 with a host name of its own, ``TITAN_HOST``, so that no rank sees the other node's processes), one
-rank of node 0 dies mid-step. torchrun's agent sees only its own workers; node 1 learns of the death
-from the ranks themselves (``runtime/peer_watch.py``): every process of both nodes is gone within
-seconds, not ``timeout_minutes``, and ``--ckpt_path last`` continues the uninterrupted curve.
+rank of node 0 dies mid-step (or node 0 whole: node 1 names its ranks). torchrun's agent sees only
+its own workers; node 1 learns of the death from the ranks themselves (``runtime/peer_watch.py``):
+every process of both nodes is gone within seconds, not ``timeout_minutes``, and ``--ckpt_path
+last`` continues the uninterrupted curve.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -89,8 +93,9 @@ def test_a_killed_rank_under_torchrun_takes_both_nodes_down_and_last_resumes(
     reference,  # noqa: F811
 ):
     """kill -9 of rank 1 (node 0) in step 2's forward: both nodes are down within 60 s, a rank of
-    node 1 names rank 1 (or gloo's closed connection, where it came first), and the same two torchrun commands with ``--ckpt_path=last`` continue the
-    uninterrupted curve (reference: pp=2 on 2 ranks; here dp=2 x pp=2, within rel 1e-5)."""
+    node 1 names rank 1 (or node 0's ranks, where gloo's closed connection came first), and the same
+    two torchrun commands with ``--ckpt_path=last`` continue the uninterrupted curve (reference:
+    pp=2 on 2 ranks; here dp=2 x pp=2, within rel 1e-5)."""
     root, cache = work
     run = "two_nodes"
     config = write_config(root, run, DP2_PP2, async_save=False)  # `last` of step 2 complete
@@ -103,8 +108,14 @@ def test_a_killed_rank_under_torchrun_takes_both_nodes_down_and_last_resumes(
     print(f"kill -9 to every process of both nodes gone: {down:.1f} s")
     assert down < DOWN_WITHIN_S, f"both nodes took {down:.1f} s to come down:\n{job.stderr[-3000:]}"
     # node 1 learns it from the watch, or first from gloo's own error on a collective with node 0
-    # (a closed connection: gloo notices a dead peer, NCCL would not; the test above is that case)
-    gloo_first = re.search(r"\[titan\] rank [23]/4\b.*Connection closed by peer", job.stderr)
+    # (a closed connection: gloo notices a dead peer, NCCL would not; the test above is that case),
+    # which names node 0's ranks when nobody announced which one died
+    gloo_first = re.search(
+        r"\[titan\] rank [23]/4\b.*failed: a rank of another host closed its connection, none on "
+        r"this one \(node1\) died: ranks 0, 1 on node0 \(a node lost, or its network\); "
+        r".*Connection closed by peer",
+        job.stderr,
+    )
     assert named_on_node_1(job.stderr, 1, "no longer running") or gloo_first, said(job)
     resumes_at = _global_step(root / run / "ckpt" / "last.ckpt")  # saved after steps 0 and 1
     assert resumes_at == 2, resumes_at
@@ -117,6 +128,49 @@ def test_a_killed_rank_under_torchrun_takes_both_nodes_down_and_last_resumes(
     assert sorted(curve) == list(range(STEPS))
     for step, loss in curve.items():
         assert float(loss) == pytest.approx(float(reference[step]), rel=1e-5), step
+
+
+def _kill_node_0(launcher: subprocess.Popen, line: str) -> None:
+    """An ``on_stderr``: once rank 0 holds in its step (TITAN_FAULT's note), SIGKILL every process
+    of node 0 (its agent, which serves the store, and its ranks): a node lost whole."""
+    if "TITAN_FAULT fired" not in line:
+        return
+    time.sleep(1.0)  # node 1's ranks in their collective with node 0
+    for entry in Path("/proc").iterdir():
+        try:
+            node_0 = (
+                entry.name.isdigit() and b"TITAN_HOST=node0\0" in (entry / "environ").read_bytes()
+            )
+        except OSError:
+            continue
+        if node_0 and int(entry.name) != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_lost_whole_is_named_by_the_other_node(
+    work,  # noqa: F811 - the fixtures of test_reliability
+):
+    """Node 0 (its torchrun agent, which serves the store, and both its ranks) is killed at once in
+    step 2: nobody is left there to say which rank died, and node 1's ranks see gloo's closed
+    connection. A rank of node 1 names node 0's ranks and host; both nodes are down in seconds."""
+    root, cache = work
+    config = write_config(root, "lost_node", DP2_PP2, async_save=False)
+    fit = ["-m", "lightning_titan", "fit", "--config", str(config), "--trainer.num_nodes=2"]
+    job = launch(two_nodes(*fit), root, cache, config, timeout=240, on_stderr=_kill_node_0,
+                 fault="rank=0,step=2,phase=forward,action=note")  # fmt: skip
+    assert job.fault_at is not None, job.stderr[-3000:]
+    assert job.returncode != 0, job.stderr[-3000:]
+    down = job.seconds - job.fault_at
+    print(f"node 0 lost to every process of both nodes gone: {down:.1f} s")
+    assert down < DOWN_WITHIN_S, f"both nodes took {down:.1f} s to come down:\n{said(job)}"
+    named = (
+        r"\[titan\] rank [23]/4\b.*failed: a rank of another host closed its connection, none on "
+        r"this one \(node1\) died: ranks 0, 1 on node0 \(a node lost, or its network\)"
+    )
+    assert re.search(named, job.stderr), said(job)
 
 
 # -- the watch itself, in this process (a store of its own, peers made up) ------------------------------

@@ -349,3 +349,27 @@ def test_a_chat_template_that_refuses_a_record_or_rewrites_past_turns_is_named(t
     tok = _template_tokenizer(tmp_path / "moving", moving)
     with pytest.raises(ValueError, match="renders a turn differently once later turns follow"):
         render({"messages": [_turn(), _turn("assistant"), _turn()]}, "chat", tok, "responses")
+
+
+def test_the_exported_byte_tokenizer_renders_chats_as_the_built_in_template(tmp_path):
+    """What `titan export` writes for the byte tokenizer carries the built-in template as a chat
+    template: transformers' apply_chat_template gives the ids we trained on, and with
+    add_generation_prompt the assistant's header to generate after."""
+    from transformers import AutoTokenizer
+
+    from lightning_titan.data.tokenizer import ByteTokenizer
+    from lightning_titan.hf.export import byte_tokenizer_files
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name, content in byte_tokenizer_files().items():
+        (folder / name).write_text(json.dumps(content))
+    theirs = AutoTokenizer.from_pretrained(folder)
+    turns = [("system", "be brief"), ("user", "hi é"), ("assistant", "ok"), ("user", "more")]
+    messages = [{"role": r, "content": c} for r, c in turns]
+    ours = render({"messages": [*messages, {"role": "assistant", "content": "x"}]}, "chat",
+                  ByteTokenizer(), "all")  # fmt: skip
+    prompt = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = prompt if isinstance(prompt, list) else list(prompt["input_ids"])  # a BatchEncoding
+    assert prompt == ours.ids.tolist()[: len(prompt)]
+    assert ours.ids.tolist()[len(prompt) :] == ids_of("x") + [EOD]

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import re
+import shutil
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -122,3 +126,99 @@ def test_a_restart_skips_a_corrupt_newest_checkpoint_naming_it(tmp_path, monkeyp
     _, kwargs = resumed_call(_fit, (), {"ckpt_path": str(newest)}, trainer)
     assert kwargs["ckpt_path"] == str(older)
     assert f"[titan] skipping corrupt checkpoint {newest}" in capfd.readouterr().err
+
+
+# a rank of the fake job below: attempt 0 rank 1 stops itself, rank 0 (its peer, stalled) deletes
+# the checkpoint folder and fails; attempt 1 ends clean
+_RANK = """
+import os, shutil, signal, sys, time
+rank, attempt = os.environ["LOCAL_RANK"], os.environ["TITAN_RESTART_COUNT"]
+if attempt == "0" and rank == "1":
+    os.kill(os.getpid(), signal.SIGSTOP)
+if attempt == "0":
+    time.sleep(1.0)
+    shutil.rmtree(sys.argv[1])
+    sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_restart_names_a_stopped_rank_and_says_what_it_resumes(tmp_path, monkeypatch, capfd):
+    """Rank 1 stopped (SIGSTOP) stalls rank 0, which fails first: the launcher names the stopped
+    rank as the cause, not rank 0's exit. Between the attempts the checkpoint folder is deleted:
+    the restart line says it starts over from step 0 and why, not "from the newest complete
+    checkpoint". With a complete checkpoint it names that one."""
+    from contextlib import nullcontext
+
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    from lightning_titan.lightning.restarts import RestartingLauncher, restart_line
+
+    ckpt = tmp_path / "ckpt"
+    saved = _complete(ckpt / "last.ckpt", completed_at=1.0)
+    command = [sys.executable, "-I", "-c", _RANK, str(ckpt)]
+    monkeypatch.setattr(subprocess_script, "_basic_subprocess_cmd", lambda: command)
+    env = SimpleNamespace(main_address="127.0.0.1", main_port=1)
+    launcher = RestartingLauncher(lambda *a: None, nullcontext, env, 2, 1, grace_s=0.5)
+    trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(ckpt))], loggers=[])
+    assert launcher.launch(_fit, trainer=trainer, ckpt_path=None) is None
+    err = capfd.readouterr().err
+    assert re.search(
+        r"\[titan\] rank 1 \(pid \d+\) is stopped \(SIGSTOP\) and stalled the job: restarting "
+        rf"every rank \(1 of 1\) over from step 0: no complete checkpoint in {re.escape(str(ckpt))}",
+        err,
+    ), err
+    trainer_with = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(ckpt))])
+    saved = _complete(ckpt / "last.ckpt", completed_at=1.0)
+    line = restart_line(1, "was killed by SIGKILL", 0, 2, saved, trainer_with)
+    assert line == (
+        f"[titan] rank 1 was killed by SIGKILL: restarting every rank (1 of 2) from {saved}"
+    )
+
+
+# attempt 0: rank 1 stops itself, rank 0 waits for it for good (a SIGTERM cannot be agreed on)
+_STALLED = """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if os.environ["LOCAL_RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_a_restarting_launcher_with_a_stopped_rank_exits_143_within_the_grace(
+    tmp_path, monkeypatch
+):
+    """A SIGTERM while a stopped rank stalls the job: no restart, every rank gone (the stopped
+    one and the one waiting for it killed after grace_s), exit 143; and a restart after the
+    checkpoint folder was deleted resumes nothing (the rank starts over), whatever it had."""
+    import signal
+    import threading
+    import time
+    from contextlib import nullcontext
+
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    from lightning_titan.lightning.restarts import RestartingLauncher
+
+    command = [sys.executable, "-I", "-c", _STALLED]
+    monkeypatch.setattr(subprocess_script, "_basic_subprocess_cmd", lambda: command)
+    env = SimpleNamespace(main_address="127.0.0.1", main_port=1)
+    launcher = RestartingLauncher(lambda *a: None, nullcontext, env, 2, 1, grace_s=1.0)
+    trainer = SimpleNamespace(checkpoint_callbacks=[], loggers=[])
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as stopped:
+        launcher.launch(_fit, trainer=trainer)
+    assert stopped.value.code == 143
+    assert time.monotonic() - start < 1.5 + 1.0 + 2.0
+    assert all(p.poll() is not None for p in launcher.procs)
+
+    ckpt = tmp_path / "ckpt"
+    _complete(ckpt / "last.ckpt", completed_at=1.0)
+    shutil.rmtree(ckpt)  # between the attempts
+    monkeypatch.setenv(RESTART_ENV, "1")
+    folder = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(ckpt))])
+    assert resumed_call(_fit, (), {}, folder)[1].get("ckpt_path") is None

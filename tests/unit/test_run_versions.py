@@ -155,3 +155,21 @@ def test_rank_0_says_from_which_step_a_run_resumes_or_that_a_restart_starts_over
         "[titan] restart 1: no complete checkpoint in runs/ep/version_2/checkpoints: "
         "starting over from step 0"
     )
+
+
+def test_a_line_to_a_stream_without_a_descriptor_is_written_not_raised(monkeypatch):
+    """A notebook's stderr (ipykernel's stream) has no file descriptor: the ranks' one-write lines
+    ("resuming from step N ...") go through its write instead of failing the run."""
+    import io
+    import sys
+
+    from lightning_titan.lightning.supervisor import say
+
+    class NotebookStream(io.StringIO):
+        def fileno(self) -> int:
+            raise io.UnsupportedOperation("fileno")
+
+    stream = NotebookStream()
+    monkeypatch.setattr(sys, "stderr", stream)
+    say("[titan] resuming from step 2 of last.ckpt")
+    assert stream.getvalue() == "[titan] resuming from step 2 of last.ckpt\n"

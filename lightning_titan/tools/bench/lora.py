@@ -23,7 +23,7 @@ from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.mesh import ParallelDims, build_process_groups
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.tools.bench.memory import state_bytes
-from lightning_titan.tools.bench.paired import Ratio, mark
+from lightning_titan.tools.bench.paired import compare, mark
 from lightning_titan.tools.bench.runners import TitanRunner
 
 LAYOUT = {"dp": 1, "pp": 1, "ep": 2}
@@ -87,12 +87,10 @@ def run(
         {k: max(r["rounds"][i][k] for r in per_rank) for k in ("full", "lora")}
         for i in range(rounds)
     ]
-    full = {"rounds_ms": [r["full"] for r in slowest]}
-    lora = {"rounds_ms": [r["lora"] for r in slowest]}
-    ratio = Ratio.of(lora, full)
+    ratio, medians = compare(slowest, "lora", "full")
     return {
         "rounds": slowest,
-        "median_ms": {k: statistics.median(r[k] for r in slowest) for k in ("full", "lora")},
+        "median_ms": medians,
         "lora_over_full": ratio.cell,
         "met": ratio.at_most(TARGET),
         "state": per_rank[0]["state"],

@@ -24,7 +24,7 @@ import torch
 from lightning_titan.data.records import pack_records
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
-from lightning_titan.tools.bench.paired import Ratio, mark
+from lightning_titan.tools.bench.paired import compare, mark
 from lightning_titan.tools.bench.runners import TitanRunner
 
 SEQ_LENS = (256, 1024)
@@ -59,12 +59,10 @@ def _mask_cost(config: ModelConfig, rounds: int, steps: int) -> dict[str, Any]:
     timed(None), timed(documents)  # warm-up
     rows = [{"causal": timed(None), "documents": timed(documents)} for _ in range(rounds)]
     runner.close()
-    causal = {"rounds_ms": [r["causal"] for r in rows]}
-    docs = {"rounds_ms": [r["documents"] for r in rows]}
-    ratio = Ratio.of(docs, causal)
+    ratio, medians = compare(rows, "documents", "causal")
     return {
         "seq_len": s,
-        "median_ms": {k: statistics.median(r[k] for r in rows) for k in ("causal", "documents")},
+        "median_ms": medians,
         "ratio": ratio.cell,
         "met": ratio.at_most(TARGET),
         "documents_per_sequence": float(documents.max(dim=1).values.float().mean() + 1),

@@ -78,6 +78,13 @@ class Ratio:
         return f"{self.median:.2f}x ({lo:.2f}-{hi:.2f})"
 
 
+def compare(rows: list[dict[str, float]], a: str, b: str) -> tuple[Ratio, dict[str, float]]:
+    """``a``'s time over ``b``'s, paired per round (``rows``: one ``{name: ms}`` a round), and each
+    one's median over the rounds."""
+    ratio = Ratio.of({"rounds_ms": [r[a] for r in rows]}, {"rounds_ms": [r[b] for r in rows]})
+    return ratio, {k: statistics.median(r[k] for r in rows) for k in (a, b)}
+
+
 def step_and_cpu(a: dict, b: dict) -> tuple[Ratio, Ratio]:
     """``a``'s step time and CPU time per step against ``b``'s, over the same rounds."""
     return Ratio.of(a, b), Ratio.of(a, b, "rounds_cpu_ms", "cpu_ms")
