@@ -150,12 +150,16 @@ def rank_state(
 
 
 def trained_params(
-    config: ModelConfig, dims: ParallelDims, lora: LoRA | None = None
+    config: ModelConfig,
+    dims: ParallelDims,
+    lora: LoRA | None = None,
+    split: StageSplit | None = None,
 ) -> tuple[int, int]:
-    """(non-expert, expert) elements of the trained parameters rank ``dims.rank`` holds: what its
-    gradient reductions carry and its optimizer steps (all of them without ``lora``)."""
+    """(non-expert, expert) elements of the trained parameters rank ``dims.rank`` holds (its layers
+    as ``split`` cuts them; None: evenly): what its gradient reductions carry and its optimizer
+    steps (all of them without ``lora``)."""
     counts = [0, 0]
-    for t in stage_tensors(config, dims.pp, dims.pp_rank, None, lora):
+    for t in stage_tensors(config, dims.pp, dims.pp_rank, split, lora):
         if t.trained:
             counts[t.kind == EXPERT] += math.prod(local_shape(t, dims))
     return counts[0], counts[1]

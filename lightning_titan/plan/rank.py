@@ -164,8 +164,9 @@ class _Prices:
     def predict(self, c: Candidate, options: StepOptions) -> StepCost:
         if self.lora is None:
             params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
-        else:  # the adapters (the first stage's: a stage's are alike)
-            params = trained_params(self.config, ParallelDims(**c.degrees), self.lora)
+        else:  # the adapters of the first stage (of its split: an even split's stages are alike)
+            split = StageSplit(1, c.stage_layers)
+            params = trained_params(self.config, ParallelDims(**c.degrees), self.lora, split)
         return predict(
             self.config, c.degrees, c.zero, options, self.batch, self.device, params,
             self.precision, frozen_base=self.lora is not None, stage_layers=c.stage_layers,

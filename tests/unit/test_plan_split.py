@@ -13,6 +13,7 @@ import yaml
 
 from lightning_titan.cli import TitanCLI, check_config_files, cli_components
 from lightning_titan.model.decoder import ModelConfig
+from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.mesh import AXES, ParallelDims
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.activations import peak_bytes
@@ -139,6 +140,9 @@ def test_uneven_splits_run_the_one_chunk_schedules_and_show_in_the_table(capsys)
     assert {o.schedule for o in options} == {"1f1b", "gpipe", "zb_h1"}
     rows = ranked(SMALL, [uneven], 16, H100)
     assert rows and all(r.candidate.stage_layers == uneven.stage_layers for r in rows)
+    # LoRA's adapters over the split's stages (the reductions carry the first stage's)
+    lora = ranked(SMALL, [uneven], 16, H100, lora=LoRA(rank=4, targets=("attention",)))
+    assert lora and lora[0].cost.step > 0
     # layout="auto" takes the split with the layout
     options = _as_choice(rows[0]).applied_to(TrainOptions())
     assert options.stage_layers == uneven.stage_layers
