@@ -6,6 +6,8 @@ shown in the table and written to ``--out`` as ``stage_layers``."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,27 @@ def test_out_carries_stage_layers_to_titan_fit(tmp_path, monkeypatch, capsys):
                       "--only", "ep2", "--top", "1", "--out", str(overlay)])  # fmt: skip
     assert even[0].candidate.stage_layers is None
     assert yaml.safe_load(overlay.read_text())["trainer.strategy.init_args.stage_layers"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_uneven_plan_trains_under_titan_fit(tmp_path):
+    """`titan plan --out` of an uneven split, then `titan fit` with it: one step on 2 CPU ranks,
+    the stages built with the planned layers."""
+    base = tmp_path / "three.yaml"
+    base.write_text(
+        f"config: {ROOT / 'configs' / 'base.yaml'}\nmodel.model.init_args.n_layers: 3\n"
+    )
+    plan = ["plan", "--config", str(base), "--devices", "2", "--only", "pp2", "--top", "1",
+            "--out", "layout.yaml"]  # fmt: skip
+    fit = ["fit", "--config", str(base), "--config", "layout.yaml", "--trainer.max_steps=1",
+           "--trainer.limit_val_batches=0"]  # fmt: skip
+    said = []
+    for args in (plan, fit):
+        proc = subprocess.run([sys.executable, "-m", "lightning_titan", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=280)  # fmt: skip
+        assert proc.returncode == 0, (args, proc.stderr[-3000:])
+        said.append(proc.stdout)
+    split = yaml.safe_load((tmp_path / "layout.yaml").read_text())
+    assert sum(split["trainer.strategy.init_args.stage_layers"]) == 3
+    assert "final train_loss" in said[1], said[1][-2000:]
