@@ -135,8 +135,8 @@ MUTATIONS = {
                                   ["tests/distributed/test_equivalence.py", "-k", "2]"]),
     # ZeRO-1: the gather puts each rank's updated rows in another rank's place (engine layouts)
     "zero_gather_misplaced": ("lightning_titan/parallel/dp/zero.py",
-                              "rows = s.rows(s.param.detach(), q)",
-                              "rows = s.rows(s.param.detach(), n - 1 - q)",
+                              "rows = s.rows(s.param.data, q)",
+                              "rows = s.rows(s.param.data, n - 1 - q)",
                               ["tests/distributed/test_equivalence.py", "-k", "2"]),
     # ZeRO: every rank packs its rows into rank 0's chunk of the all-gather buffer
     "zero_pack_first_slot": ("lightning_titan/parallel/dp/zero.py",
@@ -168,6 +168,37 @@ MUTATIONS = {
                               "        param.grad = None  # ZeRO-2",
                               "        pass  # ZeRO-2",
                               ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # ZeRO-3: a block's backward runs on its freed parameters (no gather on its output's grad)
+    "zero3_no_regather": ("lightning_titan/parallel/dp/zero3.py",
+                          "x.register_hook(lambda grad: self.gather(unit))",
+                          "x.register_hook(lambda grad: None)",
+                          ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3: a block stays whole after its forward (every block whole by the forward's end)
+    "zero3_kept_after_forward": ("lightning_titan/parallel/dp/zero3.py",
+                                 "        def hook(module: nn.Module, args: tuple, output: Any) -> None:\n            self.release(unit)\n",
+                                 "        def hook(module: nn.Module, args: tuple, output: Any) -> None:\n",
+                                 ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3: a block stays whole after its backward
+    "zero3_kept_after_backward": ("lightning_titan/parallel/dp/zero3.py",
+                                  "        ctx.release()\n",
+                                  "        pass\n",
+                                  ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3: the stage's embedding and head stay whole between steps
+    "zero3_rest_kept": ("lightning_titan/train/engine.py",
+                        "            self.sharded_params.release_all()\n        for g",
+                        "            pass\n        for g",
+                        ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3: the full parameters' storage is never freed (no memory saved)
+    "zero3_storage_kept": ("lightning_titan/parallel/dp/zero.py",
+                           "            s.param.data.untyped_storage().resize_(0)\n        self.dense_shards",
+                           "            pass\n        self.dense_shards",
+                           ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3: the gather writes through views autograd versions (a backward after a re-gather sees
+    # its saved weights modified in place)
+    "zero3_views_versioned": ("lightning_titan/parallel/dp/zero.py",
+                              "self.own = [s.rows(s.param.data) for s in shards]",
+                              "self.own = [s.rows(s.param.detach()) for s in shards]",
+                              ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-2 / TP on two gloo ranks: the sum adds the chunk sent away, not this rank's own
     "reduce_scatter_pair_sum": ("lightning_titan/parallel/collectives.py",
                                 "pending = _SumOnWait(work, output, None, own=chunks[me])",

@@ -52,7 +52,8 @@ class TitanStrategy(ShardedStrategy):
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
         bucket_cap_mb: size of a gradient all-reduce bucket.
         reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
-        zero: 1 splits each parameter's optimizer state over its data-parallel group (ZeRO-1), 2 also its grads.
+        zero: 1 splits each parameter's optimizer state over its data-parallel group (ZeRO-1), 2 also its grads,
+            3 also the parameters (gathered per block; pp=1, no activation checkpointing or checkpoints yet).
         gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
         timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds);
             also bounds a wait for an ``async_save`` write and that write's collectives.
@@ -84,7 +85,7 @@ class TitanStrategy(ShardedStrategy):
         microbatch_size: int | None = None,
         bucket_cap_mb: float = 25.0,
         reducer: Literal["bucketed", "per_param"] = "bucketed",
-        zero: Literal[0, 1, 2] = 0,
+        zero: Literal[0, 1, 2, 3] = 0,
         gradient_clip_norm: float | None = None,
         timeout_minutes: float = 30.0,
         on_nonfinite: Literal["raise", "skip"] = "raise",

@@ -253,10 +253,12 @@ def train(
     # what `titan bench` measures (and `titan plan` predicts), read around the optimizer's update:
     # the grads it reads, the most held (before the update or after it, before zero_grad), and
     # the state bytes by part after it
-    measured = {"grad_bytes": 0, "state": None}
+    measured = {"grad_bytes": 0, "state": None, "held_param_bytes": 0, "gathered_peak": 0}
 
     def before_update(*_) -> None:
         measured["grad_bytes"] = held_grad_bytes(model, optimizer)
+        # between steps (the grads reduced, zero=3's blocks freed): the parameters' bytes held
+        measured["held_param_bytes"] = held_param_bytes(model, optimizer)
 
     def after_update(*_) -> None:
         measured["grad_bytes"] = max(measured["grad_bytes"], held_grad_bytes(model, optimizer))
@@ -264,6 +266,7 @@ def train(
 
     optimizer.register_step_pre_hook(before_update)
     optimizer.register_step_post_hook(after_update)
+    watch_gathered(model, measured)
     b = batch // dims.data_world
     handovers = overlap.handovers()
     losses, auxes, norms, dropped = [], [], [], []
@@ -297,8 +300,11 @@ def train(
     )  # fmt: skip
     if stream is not None:
         stream.close()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with engine.whole_params():  # zero=3: gathered to be read
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    cut = {id(s.param) for g in engine.zero_groups for s in g.shards.values()}
+    blocks_cut = [_nbytes(p for p in b.parameters() if id(p) in cut) for b in model.layers.values()]
     engine.remove()
     moments = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     return {
@@ -314,6 +320,22 @@ def train(
         "state": measured["state"],
         "grad_bytes": measured["grad_bytes"],
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "held_param_bytes": measured["held_param_bytes"],
+        # the most parameter storage whole at once in a forward or backward, beyond the rows
+        "gathered_peak": measured["gathered_peak"],
+        # zero=3's units, whole, of the parameters ZeRO cuts: the rest of the stage (embedding,
+        # norm, head) and the largest block; and the bytes of those it does not cut
+        "rest_bytes": _nbytes(p for p in model.parameters() if id(p) in cut) - sum(blocks_cut),
+        "block_bytes": max(blocks_cut, default=0),
+        "uncut_bytes": _nbytes(p for p in model.parameters() if id(p) not in cut),
+        # zero=3's gathers run in the backward, while ZeRO-2's reducer has borrowed the kept
+        # buffer for a reduce-scatter: they must gather through another (a race gloo may not show)
+        "gather_buffer_borrowed": any(
+            unit.untyped_storage()._cdata == kept.untyped_storage()._cdata
+            for g in engine.zero_groups
+            for unit in g.unit_kept.values()
+            for kept in g.kept.values()
+        ),
         # dense copies of strided rows, for an optimizer that steps views wrongly (AdamW fused)
         "dense_bytes": sum(
             s.leaf.numel() * s.leaf.element_size()
@@ -347,6 +369,40 @@ def watch_rows(model: StageModel, config: ModelConfig, dims: ParallelDims) -> li
         if isinstance(m, MoELayer):
             m.register_forward_hook(hook)
     return ratios
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages ``tensors`` live in (zero=3 frees a parameter's: 0 bytes)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage._cdata] = storage.nbytes()  # the StorageImpl's address
+    return sum(storages.values())
+
+
+def held_param_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the storages the model's parameters and the optimizer's (ZeRO's leaves) live in."""
+    leaves = [p for g in optimizer.param_groups for p in g["params"]]
+    return storage_bytes([*model.parameters(), *leaves])
+
+
+def watch_gathered(model: StageModel, measured: dict) -> None:
+    """``measured["gathered_peak"]``: the most bytes of the model's parameter storages seen at a
+    block's forward (after its gather) and at each parameter's grad accumulation in a backward."""
+
+    def look(*_) -> None:
+        now = storage_bytes(model.parameters())
+        measured["gathered_peak"] = max(measured["gathered_peak"], now)
+
+    for block in model.layers.values():
+        block.register_forward_pre_hook(look)  # after the engine's (registered first): gathered
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(look)
 
 
 def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

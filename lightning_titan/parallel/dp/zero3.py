@@ -1,0 +1,129 @@
+"""ZeRO-3: each rank keeps only its rows of every sharded parameter between the parameter's uses.
+
+The rows are the ZeRO-1 shards' leaves (``zero.py``), dense copies with their own storage, which the
+optimizer steps; the full parameter's storage is freed (``untyped_storage().resize_(0)``, as FSDP1
+does: the parameter object stays, and so do its views and the tensors autograd saved of it, all
+holding the same storage, which a gather refills in place). The model is cut into units: each
+decoder block, and the rest of the stage (embedding, final norm, head) as one more.
+
+When a unit's parameters are whole:
+
+- a block: gathered by a forward pre-hook, freed by its forward post-hook; gathered again by a hook
+  on the grad of its output hidden states (the first grad to reach the block's weights: the
+  per-sequence aux loss's grad reaches the block earlier, but only through nodes that read no
+  weight, the router's softmax waiting for both), and freed by a hook on the grad of its input
+  (the block's backward is done: every node reading a weight lies on a path to its input). Each
+  forward and backward of every microbatch gathers once (``reshard_after_forward``).
+- the rest: gathered before the stage's forward and kept until the step's grads are reduced
+  (``release_all``): the head runs first in the backward and the embedding last, so it would be
+  gathered twice a microbatch for little memory.
+
+The grads are ZeRO-2's (``zero_grads.py``): reduce-scattered into the leaves. Every rank of a group
+runs the same blocks in the same order (pp=1), so the gathers match across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_titan.parallel.dp.zero import ZeroGroup
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """The identity on a block's input; its backward (the block's own is done then) frees the block."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, release: Any) -> Tensor:
+        ctx.release = release
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.release()
+        return grad, None
+
+
+class ShardedParams:
+    """The units of a stage whose parameters zero=3 gathers and frees (module doc).
+
+    ``blocks``: the modules gathered around their own forward and backward (the decoder blocks);
+    ``stage``: the module whose forward needs the rest of the parameters (its embedding, norm, head).
+    ``groups``: the ZeroGroups built with ``units=self.units`` (each unit: a block's parameters, then
+    the rest).
+    """
+
+    def __init__(self, stage: nn.Module, blocks: Sequence[nn.Module]) -> None:
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        self.blocks = list(blocks)
+        self.units: list[list[nn.Parameter]] = [list(b.parameters()) for b in blocks]
+        self.units.append([p for p in stage.parameters() if id(p) not in in_blocks])
+        self.rest = len(self.units) - 1
+        self.groups: list[ZeroGroup] = []
+        self.gathered = [True] * len(self.units)  # whole until ``shard`` frees them
+        self.sharded = False
+        self._handles: list[RemovableHandle] = [stage.register_forward_pre_hook(self._pre_stage)]
+        for u, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._pre_block(u)))
+            self._handles.append(block.register_forward_hook(self._post_block(u)))
+
+    def shard(self, groups: Sequence[ZeroGroup]) -> None:
+        """Once the optimizer steps the leaves: keep only the rows from here on."""
+        self.groups = list(groups)
+        for g in self.groups:
+            g.keep_rows_only()
+        self.gathered = [False] * len(self.units)
+        self.sharded = True
+
+    def gather(self, unit: int) -> None:
+        if self.sharded and not self.gathered[unit]:
+            for g in self.groups:
+                g.gather_unit(unit)
+            self.gathered[unit] = True
+
+    def release(self, unit: int) -> None:
+        if self.sharded and self.gathered[unit]:
+            for g in self.groups:
+                g.release_unit(unit)
+            self.gathered[unit] = False
+
+    def release_all(self) -> None:
+        """After the step's grads are reduced: nothing but the rows until the next forward."""
+        for unit in range(len(self.units)):
+            self.release(unit)
+
+    def gather_all(self) -> None:
+        """Every parameter whole (to read the model: a test, an export); ``release_all`` undoes it."""
+        for unit in range(len(self.units)):
+            self.gather(unit)
+
+    def _pre_stage(self, module: nn.Module, args: tuple) -> None:
+        self.gather(self.rest)
+
+    def _pre_block(self, unit: int) -> Any:
+        def hook(module: nn.Module, args: tuple) -> tuple | None:
+            self.gather(unit)
+            x = args[0] if args else None
+            if self.sharded and torch.is_grad_enabled() and isinstance(x, Tensor):
+                if x.requires_grad:
+                    return (_ReleaseAfterBackward.apply(x, lambda: self.release(unit)), *args[1:])
+            return None
+
+        return hook
+
+    def _post_block(self, unit: int) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self.release(unit)
+            x = output[0] if isinstance(output, tuple) else output
+            if self.sharded and isinstance(x, Tensor) and x.requires_grad:
+                x.register_hook(lambda grad: self.gather(unit))
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
