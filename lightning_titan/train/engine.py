@@ -145,7 +145,7 @@ class Engine:
             raise ValueError(
                 f"zero=3 gathers the blocks of one StageModel; this module holds {len(stages)}"
             )
-        check_zero3(3, dims.pp, recompute=stages[0].config.activation_checkpointing)
+        check_zero3(3, dims.pp)
         blocks = [m for m in stages[0].modules() if isinstance(m, Block)]
         return ShardedParams(stages[0], blocks)
 

@@ -214,7 +214,7 @@ def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None
     any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
     mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
     check_trainer_clipping(dims, options, work.trainer_clip)
-    check_zero3(options.zero, dims.pp, recompute=work.recompute)
+    check_zero3(options.zero, dims.pp)
     check_overlap(dims, options, recompute=work.recompute, compiled=work.compiled)
     if work.check_layout is not None:  # TitanLM: layers/experts split, data fits the model
         work.check_layout(dims, options.split)
@@ -224,18 +224,11 @@ def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None
         options.microbatches(local, pp=dims.pp)
 
 
-def check_zero3(zero: int, pp: int, *, recompute: bool = False) -> None:
-    """What zero=3 runs with so far: one pipeline stage, no activation checkpointing (the CLI runs
-    it while it parses, the launcher before any rank starts, the engine again)."""
-    if zero != 3:
-        return
-    if pp > 1:
+def check_zero3(zero: int, pp: int) -> None:
+    """What zero=3 runs with so far: one pipeline stage (the CLI runs it while it parses, the
+    launcher before any rank starts, the engine again)."""
+    if zero == 3 and pp > 1:
         raise ValueError(f"zero=3 runs with pp=1 for now (got pp={pp}); use zero=2 with pp>1")
-    if recompute:
-        raise ValueError(
-            "zero=3 does not run with activation_checkpointing=true yet (its recompute would need "
-            "the block gathered again); turn activation checkpointing off or use zero=2"
-        )
 
 
 def check_overlap(

@@ -6,14 +6,16 @@ run (per-step loss, aux, grad norm rtol 1e-5, final weights atol 1e-5, gathered 
 checks memory: between steps (the grads reduced, before the update) the parameters and the
 optimizer's leaves hold each rank's share of the weights (within 5 %: rows cut unevenly), and in a
 forward or backward at most one block whole beyond the rest of the stage (embedding, norm, head,
-kept for the step) and the parameters nothing cuts. The options it does not run with yet are
-refused in one line, at every place ``zero`` is checked.
+kept for the step) and the parameters nothing cuts; under activation checkpointing too (the recompute
+gathers the block and keeps it for its backward). What it does not run with yet (pp > 1,
+checkpoints) is refused in one line, at every place ``zero`` is checked.
 """
 
 from types import SimpleNamespace
 
 import pytest
 from engine_harness import (
+    ACKPT_CONFIG,
     CONFIG,
     MAX_NORM,
     assert_matches_reference,
@@ -32,6 +34,8 @@ CASES = {
         ((2, 1, 1), "1f1b:zero3", 1),
         ((2, 1, 1), "gpipe:zero3", 2),
         ((2, 1, 1), "1f1b:zero3:adamw=fused", 2),
+        ((2, 1, 1), "1f1b:zero3", 2, ACKPT_CONFIG),  # the recompute inside the backward gathers
+        ((2, 1, 1), "1f1b:zero3:late_stop", 1, ACKPT_CONFIG),  # and runs the block to its end
         ((1, 1, 2), "1f1b:zero3", 2),  # ep2: the experts whole, the rest over ep
         ((1, 1, 1, 2), "1f1b:zero3", 1),  # tp2: the norms, routers and experts over tp
         ((1, 1, 1, 1, 2), "1f1b:zero3", 1),  # cp2
@@ -80,9 +84,9 @@ def shares(result: dict, layout: tuple) -> tuple[float, int]:
 def test_zero3_equals_one_process_and_holds_its_rows(ref, world):
     cases = CASES[world]
     per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=580, start_method="fork")
-    for i, (layout, schedule, m) in enumerate(cases):
+    for i, (layout, schedule, m, *config) in enumerate(cases):
         results = [per_rank[r][i] for r in range(world)]
-        label = f"{layout} {schedule} M={m}"
+        label = f"{layout} {schedule} M={m}{' activation checkpointing' if config else ''}"
         assert_matches_reference(ref, results, label)
         for r in results:
             rows, whole = shares(r, layout)
@@ -103,9 +107,7 @@ def test_zero3_refuses_what_it_does_not_run_with_yet():
         ValueError, match=r"^zero=3 runs with pp=1 for now \(got pp=2\); use zero=2"
     ):
         check_zero3(3, 2)
-    with pytest.raises(ValueError, match="zero=3 does not run with activation_checkpointing"):
-        check_zero3(3, 1, recompute=True)
-    check_zero3(2, 4, recompute=True)  # other levels: nothing to refuse here
+    check_zero3(2, 4)  # other levels: nothing to refuse here
     with pytest.raises(ValueError, match="zero=3 reduce-scatters flat gradient buckets"):
         TrainOptions(zero=3, reducer="per_param")
     with pytest.raises(ValueError, match="or 3 \\(and the parameters\\)"):

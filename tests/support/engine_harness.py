@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 from nccl_strict import StrictStream, strict_links
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from lightning_titan.checkpoint import load_sharded, save_sharded
 from lightning_titan.model import compiled
@@ -447,7 +448,9 @@ def run_layouts(
     (``reference(masked=True)``), ``"<name>:packed"`` on packed documents (``reference(packed=True)``),
     ``"<name>:lora"`` with ``LORA``'s adapters on a frozen base (``reference(lora=LORA)``),
     ``"<name>:save=2"`` stopping after step 2 with a checkpoint in ``ckpt_dir``,
-    ``"<name>:resume=2"`` starting at step 2 from it; ``config`` replaces CONFIG."""
+    ``"<name>:resume=2"`` starting at step 2 from it, ``"<name>:late_stop"`` with activation
+    checkpointing's recompute running each block's whole forward (torch stops it early, after the
+    last tensor the backward needs); ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
@@ -460,17 +463,19 @@ def run_layouts(
             microbatch = batch // dims.data_world // m
             counts, _ = auto_split.agree(config, dims.pp, split.virtual_stages, microbatch, cpu)
             split = StageSplit(split.virtual_stages, counts, split.v_shape)
-        result = train(
-            dims, build_process_groups(dims), name, m, config,
-            paired_p2p="paired" in options, zero=zero, split=split,
-            strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
-            compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
-            batch=batch, adamw=next((o[6:] for o in options if o.startswith("adamw=")), None),
-            masked="masked" in options, packed="packed" in options,
-            lora=LORA if "lora" in options else None,
-            save=checkpoint_option(options, "save", ckpt_dir),
-            resume=checkpoint_option(options, "resume", ckpt_dir),
-        )  # fmt: skip
+        # late_stop: activation checkpointing's recompute runs each block's whole forward
+        with set_checkpoint_early_stop("late_stop" not in options):
+            result = train(
+                dims, build_process_groups(dims), name, m, config,
+                paired_p2p="paired" in options, zero=zero, split=split,
+                strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
+                compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
+                batch=batch, adamw=next((o[6:] for o in options if o.startswith("adamw=")), None),
+                masked="masked" in options, packed="packed" in options,
+                lora=LORA if "lora" in options else None,
+                save=checkpoint_option(options, "save", ckpt_dir),
+                resume=checkpoint_option(options, "resume", ckpt_dir),
+            )  # fmt: skip
         result["split"] = split
         out.append(result)
     return out

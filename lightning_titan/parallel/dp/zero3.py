@@ -13,7 +13,9 @@ When a unit's parameters are whole:
   per-sequence aux loss's grad reaches the block earlier, but only through nodes that read no
   weight, the router's softmax waiting for both), and freed by a hook on the grad of its input
   (the block's backward is done: every node reading a weight lies on a path to its input). Each
-  forward and backward of every microbatch gathers once (``reshard_after_forward``).
+  forward and backward of every microbatch gathers once (``reshard_after_forward``). Activation
+  checkpointing's recompute runs the block's forward inside its backward, after the gather: the
+  block is then kept whole for the backward that reads what the recompute saved.
 - the rest: gathered before the stage's forward and kept until the step's grads are reduced
   (``release_all``): the head runs first in the backward and the embedding last, so it would be
   gathered twice a microbatch for little memory.
@@ -65,6 +67,9 @@ class ShardedParams:
         self.rest = len(self.units) - 1
         self.groups: list[ZeroGroup] = []
         self.gathered = [True] * len(self.units)  # whole until ``shard`` frees them
+        # a block from its output's grad to its input's: a forward then is activation
+        # checkpointing's recompute, which the backward after it reads (kept whole)
+        self.in_backward = [False] * len(self.units)
         self.sharded = False
         self._handles: list[RemovableHandle] = [stage.register_forward_pre_hook(self._pre_stage)]
         for u, block in enumerate(self.blocks):
@@ -91,6 +96,14 @@ class ShardedParams:
                 g.release_unit(unit)
             self.gathered[unit] = False
 
+    def _backward_starts(self, unit: int) -> None:
+        self.in_backward[unit] = True
+        self.gather(unit)
+
+    def _backward_done(self, unit: int) -> None:
+        self.in_backward[unit] = False
+        self.release(unit)
+
     def release_all(self) -> None:
         """After the step's grads are reduced: nothing but the rows until the next forward."""
         for unit in range(len(self.units)):
@@ -110,17 +123,20 @@ class ShardedParams:
             x = args[0] if args else None
             if self.sharded and torch.is_grad_enabled() and isinstance(x, Tensor):
                 if x.requires_grad:
-                    return (_ReleaseAfterBackward.apply(x, lambda: self.release(unit)), *args[1:])
+                    done = lambda: self._backward_done(unit)  # noqa: E731
+                    return (_ReleaseAfterBackward.apply(x, done), *args[1:])
             return None
 
         return hook
 
     def _post_block(self, unit: int) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self.in_backward[unit]:  # the recompute: its backward comes next
+                return
             self.release(unit)
             x = output[0] if isinstance(output, tuple) else output
             if self.sharded and isinstance(x, Tensor) and x.requires_grad:
-                x.register_hook(lambda grad: self.gather(unit))
+                x.register_hook(lambda grad: self._backward_starts(unit))
 
         return hook
 
