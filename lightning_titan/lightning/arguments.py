@@ -130,6 +130,6 @@ def check_layout_fits(strategy: TitanStrategy, config: ModelConfig | None, train
         strategy.layout.resolve(world, 0)
         degrees = strategy.parallel_dims.degrees
     split = {a: degrees[a] for a in ("pp", "ep", "tp", "cp")}
-    check_zero3(strategy.options.zero, degrees["pp"])
+    check_zero3(strategy.options.zero, degrees["pp"], strategy.options.schedule)
     if config is not None and -1 not in split.values():
         config.validate_layout(**split, split=strategy.options.split)

@@ -80,7 +80,10 @@ class Engine:
         self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
         self.zero = zero
         # zero=3: the units gathered around their use (None below zero=3)
-        self.sharded_params = self._sharded_params(module, dims) if zero == 3 else None
+        self.sharded_params: ShardedParams | None = None
+        if zero == 3:
+            check_zero3(zero, dims.pp, schedule)
+            self.sharded_params = self._sharded_params(module)
         kinds = grad_group_kinds(module)
         self.expert_params = [p for _, p, kind in kinds if kind == EXPERT]
         scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
@@ -138,14 +141,13 @@ class Engine:
             )
 
     @staticmethod
-    def _sharded_params(module: nn.Module, dims: ParallelDims) -> ShardedParams:
+    def _sharded_params(module: nn.Module) -> ShardedParams:
         """zero=3's units: each decoder block, and the rest of the stage (``parallel/dp/zero3.py``)."""
         stages = [m for m in module.modules() if isinstance(m, StageModel)]
         if len(stages) != 1:
             raise ValueError(
                 f"zero=3 gathers the blocks of one StageModel; this module holds {len(stages)}"
             )
-        check_zero3(3, dims.pp)
         blocks = [m for m in stages[0].modules() if isinstance(m, Block)]
         return ShardedParams(stages[0], blocks)
 

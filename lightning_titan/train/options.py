@@ -67,6 +67,7 @@ class Workload:
     trainer_clip: float | None = None  # Trainer(gradient_clip_val=...), Lightning's own clipping
     # the module's own check that it splits over the layout and its data fits it (TitanLM's)
     check_layout: Callable[[ParallelDims, StageSplit], None] | None = None
+    saves_checkpoints: bool = False  # the Trainer has a checkpoint callback (ModelCheckpoint)
 
     @property
     def recompute(self) -> bool:
@@ -214,7 +215,13 @@ def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None
     any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
     mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
     check_trainer_clipping(dims, options, work.trainer_clip)
-    check_zero3(options.zero, dims.pp)
+    check_zero3(options.zero, dims.pp, options.schedule)
+    if options.zero == 3 and work.saves_checkpoints:
+        raise ValueError(
+            "zero=3 does not save checkpoints yet (each rank holds only its rows of the parameters):"
+            " set --trainer.enable_checkpointing=false (Trainer(enable_checkpointing=False)), or "
+            "use zero=2"
+        )
     check_overlap(dims, options, recompute=work.recompute, compiled=work.compiled)
     if work.check_layout is not None:  # TitanLM: layers/experts split, data fits the model
         work.check_layout(dims, options.split)
@@ -224,11 +231,23 @@ def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None
         options.microbatches(local, pp=dims.pp)
 
 
-def check_zero3(zero: int, pp: int) -> None:
-    """What zero=3 runs with so far: one pipeline stage (the CLI runs it while it parses, the
-    launcher before any rank starts, the engine again)."""
-    if zero == 3 and pp > 1:
+ZERO3_SCHEDULES = ("gpipe", "1f1b")  # one stage's microbatches one after another
+
+
+def check_zero3(zero: int, pp: int, schedule: str) -> None:
+    """What zero=3 runs with so far: one pipeline stage, its microbatches one at a time (an
+    overlapped schedule runs one's forward beside another's backward, which would free the blocks
+    the other reads). The CLI runs it while it parses, the launcher before any rank starts, the
+    engine again."""
+    if zero != 3:
+        return
+    if pp > 1:
         raise ValueError(f"zero=3 runs with pp=1 for now (got pp={pp}); use zero=2 with pp>1")
+    if schedule not in ZERO3_SCHEDULES:
+        raise ValueError(
+            f"zero=3 runs with schedule 'gpipe' or '1f1b' for now (got {schedule!r}); use "
+            f"schedule='1f1b', or zero=2 with {schedule!r}"
+        )
 
 
 def check_overlap(

@@ -24,8 +24,9 @@ from engine_harness import (
 )
 
 from lightning_titan.parallel.dp.zero import ZeroShards
+from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.runtime.launch import run_on_ranks
-from lightning_titan.train.options import TrainOptions, check_zero3
+from lightning_titan.train.options import TrainOptions, Workload, check_zero3, preflight
 
 # (layout (dp, pp, ep[, tp[, cp]]), schedule, M): pp=1 under every other axis, one and two
 # microbatches, the fused AdamW (whose leaves zero=3 makes dense anyway)
@@ -106,8 +107,11 @@ def test_zero3_refuses_what_it_does_not_run_with_yet():
     with pytest.raises(
         ValueError, match=r"^zero=3 runs with pp=1 for now \(got pp=2\); use zero=2"
     ):
-        check_zero3(3, 2)
-    check_zero3(2, 4)  # other levels: nothing to refuse here
+        check_zero3(3, 2, "1f1b")
+    with pytest.raises(ValueError, match=r"^zero=3 runs with schedule 'gpipe' or '1f1b' for now"):
+        check_zero3(3, 1, "1f1b_overlap")
+    check_zero3(3, 1, "gpipe")
+    check_zero3(2, 4, "zbv")  # other levels: nothing to refuse here
     with pytest.raises(ValueError, match="zero=3 reduce-scatters flat gradient buckets"):
         TrainOptions(zero=3, reducer="per_param")
     with pytest.raises(ValueError, match="or 3 \\(and the parameters\\)"):
@@ -118,7 +122,7 @@ def test_zero3_refuses_what_it_does_not_run_with_yet():
     ZeroShards([SimpleNamespace(shards={}, unit_buckets=[])]).check_whole("load")  # zero<=2
 
 
-def test_the_strategy_and_the_command_refuse_zero3_with_pp():
+def test_the_command_refuses_zero3_where_it_does_not_run_yet():
     """The launcher's preflight and the command's parse-time check name the same fix."""
     from lightning_titan import TitanStrategy
     from lightning_titan.lightning.arguments import check_layout_fits
@@ -126,4 +130,15 @@ def test_the_strategy_and_the_command_refuse_zero3_with_pp():
     trainer = SimpleNamespace(devices=4, num_nodes=1, accelerator="cpu")
     with pytest.raises(ValueError, match="zero=3 runs with pp=1 for now"):
         check_layout_fits(TitanStrategy(dp=2, pp=2, zero=3), CONFIG, trainer)
+    with pytest.raises(ValueError, match="zero=3 runs with schedule 'gpipe' or '1f1b'"):
+        check_layout_fits(
+            TitanStrategy(dp=2, ep=2, zero=3, schedule="1f1b_overlap"), CONFIG, trainer
+        )
     check_layout_fits(TitanStrategy(dp=4, zero=3), CONFIG, trainer)
+    # the launcher's checks: before any rank starts, not at the first save after training
+    dims = ParallelDims(2, 1, 1, 0)
+    with pytest.raises(ValueError, match="zero=3 does not save checkpoints yet"):
+        preflight(dims, TrainOptions(zero=3), Workload(saves_checkpoints=True))
+    with pytest.raises(ValueError, match="zero=3 runs with pp=1 for now"):
+        preflight(ParallelDims(1, 2, 1, 0), TrainOptions(zero=3), Workload())
+    preflight(dims, TrainOptions(zero=3), Workload())
