@@ -188,6 +188,11 @@ MUTATIONS = {
                                  "            if self.in_backward[unit]:  # the recompute",
                                  "            if False:  # the recompute",
                                  ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3: a checkpoint loaded into the whole parameters, the leaves (what trains) left as they were
+    "zero3_load_rows_not_taken": ("lightning_titan/train/engine.py",
+                                  "            self.sharded_params.take_rows()\n",
+                                  "            pass\n",
+                                  ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: the stage's embedding and head stay whole between steps
     "zero3_rest_kept": ("lightning_titan/train/engine.py",
                         "            self.sharded_params.release_all()\n        for g",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -141,6 +141,11 @@ class TitanStrategy(ShardedStrategy):
         if self._engine is None:
             raise RuntimeError("the engine exists only after the strategy's setup()")
         return self._engine
+
+    @override
+    def whole_params(self) -> AbstractContextManager[None]:
+        # zero=3: gathered for a save or a load (before setup the parameters are whole)
+        return nullcontext() if self._engine is None else self._engine.whole_params()
 
     @property
     def train_step(self) -> TrainStep:

@@ -30,7 +30,6 @@ def workload(module: Any, datamodule: Any, trainer: Any = None) -> Workload:
         global_batch_size=batch if isinstance(batch, int) else None,
         trainer_clip=getattr(trainer, "gradient_clip_val", None),
         check_layout=check_layout if callable(check) else None,
-        saves_checkpoints=bool(getattr(trainer, "checkpoint_callbacks", None)),
     )
 
 

@@ -306,8 +306,9 @@ class Engine:
 
     @contextmanager
     def whole_params(self) -> Iterator[None]:
-        """Every parameter whole inside (zero=3 gathers them all, and frees them after): to read
-        the model's weights between steps. Every rank of the model's groups enters it together."""
+        """Every parameter whole inside (zero=3 gathers them all; after, each rank's rows are taken
+        from them, where a checkpoint load may have written, and they are freed): to save, load or
+        read the model between steps. Every rank of the model's groups enters it together."""
         if self.sharded_params is None:
             yield
             return
@@ -315,6 +316,7 @@ class Engine:
         try:
             yield
         finally:
+            self.sharded_params.take_rows()
             self.sharded_params.release_all()
 
     def update_router_bias(self, counts: StepCounts, skip: bool = False) -> None:

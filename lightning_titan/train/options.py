@@ -67,7 +67,6 @@ class Workload:
     trainer_clip: float | None = None  # Trainer(gradient_clip_val=...), Lightning's own clipping
     # the module's own check that it splits over the layout and its data fits it (TitanLM's)
     check_layout: Callable[[ParallelDims, StageSplit], None] | None = None
-    saves_checkpoints: bool = False  # the Trainer has a checkpoint callback (ModelCheckpoint)
 
     @property
     def recompute(self) -> bool:
@@ -216,12 +215,6 @@ def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None
     mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
     check_trainer_clipping(dims, options, work.trainer_clip)
     check_zero3(options.zero, dims.pp, options.schedule)
-    if options.zero == 3 and work.saves_checkpoints:
-        raise ValueError(
-            "zero=3 does not save checkpoints yet (each rank holds only its rows of the parameters):"
-            " set --trainer.enable_checkpointing=false (Trainer(enable_checkpointing=False)), or "
-            "use zero=2"
-        )
     check_overlap(dims, options, recompute=work.recompute, compiled=work.compiled)
     if work.check_layout is not None:  # TitanLM: layers/experts split, data fits the model
         work.check_layout(dims, options.split)

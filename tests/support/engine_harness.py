@@ -249,7 +249,8 @@ def train(
     engine.shard_optimizers([optimizer])
     shards = ZeroShards(engine.zero_groups)
     if resume is not None:
-        load_sharded(resume[1], model, [optimizer], zero_shards=shards)
+        with engine.whole_params():  # zero=3: loaded into the whole parameters, then the rows
+            load_sharded(resume[1], model, [optimizer], zero_shards=shards)
     train_step = TrainStep(engine, optimizer, max_norm=MAX_NORM)  # the step TitanLM runs
     # what `titan bench` measures (and `titan plan` predicts), read around the optimizer's update:
     # the grads it reads, the most held (before the update or after it, before zero_grad), and
@@ -290,7 +291,8 @@ def train(
             graphs_after_first = compiled.graphs_compiled()
     if save is not None:
         layout = {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "tp": dims.tp, "cp": dims.cp}
-        save_sharded(save[1], model, [optimizer], {}, layout=layout, zero_shards=shards)
+        with engine.whole_params():  # zero=3: the checkpoint holds the whole model's tensors
+            save_sharded(save[1], model, [optimizer], {}, layout=layout, zero_shards=shards)
     recompiled = compiled.graphs_compiled() - graphs_after_first  # before the eval's own graphs
     # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
     inputs, targets, documents = packed_batch(0, config, batch, masked, packed)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -459,16 +459,18 @@ class ZeroShards:
         groups = list(groups)
         self._by_param = {pid: s for g in groups for pid, s in g.shards.items()}
         self._by_leaf = {id(s.leaf): s for s in self._by_param.values()}
-        # zero=3: the parameters hold nothing between steps, only the leaves their rows
-        self.rows_only = any(g.unit_buckets for g in groups)
 
     def check_whole(self, what: str) -> None:
-        """Refuse a checkpoint ``what`` ("save", "load") of parameters that exist only as rows."""
-        if self.rows_only:
+        """Refuse a checkpoint ``what`` ("save", "load") while a parameter exists only as this rank's
+        rows (zero=3 between its uses): ``Engine.whole_params`` gathers them for it."""
+        if any(s.param.numel() and not s.param.untyped_storage().nbytes() for s in self):
             raise ValueError(
-                f"checkpoints do not {what} under zero=3 yet (each rank holds only its rows of the "
-                "parameters); train with zero=2 to save or resume"
+                f"a checkpoint {what} under zero=3 needs the parameters whole: run it inside "
+                "Engine.whole_params() (TitanStrategy does)"
             )
+
+    def __iter__(self) -> Iterator[ZeroShard]:
+        return iter(self._by_param.values())
 
     def __len__(self) -> int:
         return len(self._by_param)

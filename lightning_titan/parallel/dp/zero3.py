@@ -110,9 +110,18 @@ class ShardedParams:
             self.release(unit)
 
     def gather_all(self) -> None:
-        """Every parameter whole (to read the model: a test, an export); ``release_all`` undoes it."""
+        """Every parameter whole (to read or write the model: a checkpoint, a test); ``take_rows``
+        then ``release_all`` undo it."""
         for unit in range(len(self.units)):
             self.gather(unit)
+
+    @torch.no_grad()
+    def take_rows(self) -> None:
+        """Each leaf from its rows of the whole parameter, which a checkpoint load may have
+        written since ``gather_all``."""
+        for g in self.groups:
+            for s in g.shards.values():
+                s.leaf.copy_(s.rows(s.param.data))
 
     def _pre_stage(self, module: nn.Module, args: tuple) -> None:
         self.gather(self.rest)
