@@ -53,7 +53,7 @@ class TitanStrategy(ShardedStrategy):
         bucket_cap_mb: size of a gradient all-reduce bucket.
         reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
         zero: 1 splits each parameter's optimizer state over its data-parallel group (ZeRO-1), 2 also its grads,
-            3 also the parameters (gathered per block; pp=1, no checkpoints yet).
+            3 also the parameters (gathered per block; pp=1 with gpipe or 1f1b for now).
         gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
         timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds);
             also bounds a wait for an ``async_save`` write and that write's collectives.
