@@ -46,6 +46,8 @@ CASES = {
     4: [
         ((2, 1, 2), "1f1b:zero3", 2),  # dp2 x ep2
         ((2, 1, 1, 2), "1f1b:zero3", 1),  # dp2 x tp2
+        ((4, 1, 1), "gpipe:zero3", 2),  # dp4: rows cut unevenly (61 vocabulary rows)
+        ((2, 1, 1, 1, 2), "1f1b:zero3", 1),  # dp2 x cp2
     ],
 }
 
