@@ -193,6 +193,12 @@ MUTATIONS = {
                                   "            self.sharded_params.take_rows()\n",
                                   "            pass\n",
                                   ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3: the engine taken off the model (teardown) leaves it as rows only (a later use reads
+    # freed parameters)
+    "zero3_removed_as_rows": ("lightning_titan/train/engine.py",
+                              "            if whole:\n                self.sharded_params.gather_all()\n",
+                              "            pass\n",
+                              ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: the stage's embedding and head stay whole between steps
     "zero3_rest_kept": ("lightning_titan/train/engine.py",
                         "            self.sharded_params.release_all()\n        for g",

@@ -11,7 +11,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
@@ -347,7 +347,9 @@ class TitanStrategy(ShardedStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
-            self._engine.remove()
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+            self._engine.remove(whole=not failed)  # zero=3: the model whole again after fit
             self._engine = None
         super().teardown()
 

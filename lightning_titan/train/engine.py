@@ -327,8 +327,13 @@ class Engine:
         whether there is an all-reduce)."""
         balance.update_expert_bias(self.balanced_layers, counts, self.groups.sequence_dp, skip=skip)
 
-    def remove(self) -> None:
+    def remove(self, whole: bool = True) -> None:
+        """Take the engine's hooks off the model. ``whole`` (zero=3): gather the parameters first,
+        so the model is whole and trained after it (a collective: every rank removes together;
+        False after a failure, where a peer may be gone)."""
         for r in self.reducers:
             r.remove()
         if self.sharded_params is not None:
+            if whole:
+                self.sharded_params.gather_all()
             self.sharded_params.remove()

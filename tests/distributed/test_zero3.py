@@ -115,6 +115,7 @@ def test_zero3_equals_one_process_and_holds_its_rows(ref, world, tmp_path):
         if ":zero3" not in schedule:
             continue
         for r in results:
+            assert r["whole_after_remove"], (label, r["coords"], "the model is not whole after it")
             rows, whole = shares(r, layout)
             held = r["held_param_bytes"]
             # between steps: the rows (in the leaves) and the parameters nothing cuts, nothing more

@@ -309,6 +309,13 @@ def train(
     cut = {id(s.param) for g in engine.zero_groups for s in g.shards.values()}
     blocks_cut = [_nbytes(p for p in b.parameters() if id(p) in cut) for b in model.layers.values()]
     engine.remove()
+    # the model whole and trained once the engine is gone (zero=3 gathers it: a later use, an
+    # export, reads the parameters as they are)
+    whole_after = all(
+        p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        and torch.equal(p.detach(), weights[n])
+        for n, p in model.named_parameters()
+    )
     moments = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     return {
         "loss": losses,
@@ -324,6 +331,7 @@ def train(
         "grad_bytes": measured["grad_bytes"],
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "held_param_bytes": measured["held_param_bytes"],
+        "whole_after_remove": whole_after,
         # the most parameter storage whole at once in a forward or backward, beyond the rows
         "gathered_peak": measured["gathered_peak"],
         # zero=3's units, whole, of the parameters ZeRO cuts: the rest of the stage (embedding,
