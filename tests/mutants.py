@@ -205,9 +205,9 @@ MUTATIONS = {
                         "            pass\n        for g",
                         ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: the full parameters' storage is never freed (no memory saved)
-    "zero3_storage_kept": ("lightning_titan/parallel/dp/zero.py",
-                           "            s.param.data.untyped_storage().resize_(0)\n        self.dense_shards",
-                           "            pass\n        self.dense_shards",
+    "zero3_storage_kept": ("lightning_titan/parallel/dp/zero3.py",
+                           "        s.param.data.untyped_storage().resize_(0)\n    group.dense_shards",
+                           "        pass\n    group.dense_shards",
                            ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: the gather writes through views autograd versions (a backward after a re-gather sees
     # its saved weights modified in place)

@@ -207,41 +207,6 @@ class ZeroGroup:
         for s in self.shards.values():
             s.leaf.grad = None
 
-    def keep_rows_only(self) -> None:
-        """zero=3, once the optimizer holds the leaves: every leaf becomes a dense copy of its rows
-        and each sharded parameter's storage is freed (resized to nothing; the parameter object,
-        its views and the tensors autograd saved of it keep the storage, which ``gather_unit``
-        fills again). Between its block's uses a rank then holds only its rows."""
-        for s in self.shards.values():
-            if not s.dense:  # a dense leaf (``densify``) has its own storage already
-                s.leaf.data = s.leaf.data.clone(memory_format=torch.contiguous_format)
-        for s in self.shards.values():
-            s.param.data.untyped_storage().resize_(0)
-        self.dense_shards = list(self.shards.values())
-
-    @torch.no_grad()
-    def gather_unit(self, unit: int) -> None:
-        """zero=3: unit ``unit``'s sharded parameters whole again from every rank's rows (its
-        leaves), one all-gather per bucket. Written through ``.data`` views, which autograd does
-        not version: the backward reads the tensors its forward saved, refilled here."""
-        for bucket in self.unit_buckets[unit]:
-            for s in bucket.shards:
-                storage = s.param.data.untyped_storage()
-                if storage.nbytes() == 0:
-                    storage.resize_(s.param.numel() * s.param.element_size())
-            leaves = [s.leaf.detach() for s in bucket.shards]
-            torch._foreach_copy_(bucket.mine, leaves)
-            with probes.span("all_gather", "zero=3 params"):
-                all_gather_(bucket.buffer, self.group)
-            torch._foreach_copy_(bucket.dst, bucket.theirs)
-            torch._foreach_copy_(bucket.own, leaves)
-
-    def release_unit(self, unit: int) -> None:
-        """zero=3: unit ``unit``'s sharded parameters back to their rows only (their storage freed)."""
-        for bucket in self.unit_buckets[unit]:
-            for s in bucket.shards:
-                s.param.data.untyped_storage().resize_(0)
-
     @torch.no_grad()
     def gather(self) -> None:
         """Every rank's updated rows into every rank's parameters, one all-gather per bucket; then

@@ -33,7 +33,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_titan.parallel.collectives import all_gather_
 from lightning_titan.parallel.dp.zero import ZeroGroup
+from lightning_titan.runtime import probes
 
 
 class _ReleaseAfterBackward(torch.autograd.Function):
@@ -80,20 +82,20 @@ class ShardedParams:
         """Once the optimizer steps the leaves: keep only the rows from here on."""
         self.groups = list(groups)
         for g in self.groups:
-            g.keep_rows_only()
+            keep_rows_only(g)
         self.gathered = [False] * len(self.units)
         self.sharded = True
 
     def gather(self, unit: int) -> None:
         if self.sharded and not self.gathered[unit]:
             for g in self.groups:
-                g.gather_unit(unit)
+                gather_unit(g, unit)
             self.gathered[unit] = True
 
     def release(self, unit: int) -> None:
         if self.sharded and self.gathered[unit]:
             for g in self.groups:
-                g.release_unit(unit)
+                release_unit(g, unit)
             self.gathered[unit] = False
 
     def _backward_starts(self, unit: int) -> None:
@@ -152,3 +154,40 @@ class ShardedParams:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def keep_rows_only(group: ZeroGroup) -> None:
+    """Once the optimizer holds ``group``'s leaves: every leaf becomes a dense copy of its rows and
+    each sharded parameter's storage is freed (resized to nothing; the parameter object, its views
+    and the tensors autograd saved of it keep the storage, which ``gather_unit`` fills again)."""
+    for s in group.shards.values():
+        if not s.dense:  # a dense leaf (``densify``) has its own storage already
+            s.leaf.data = s.leaf.data.clone(memory_format=torch.contiguous_format)
+    for s in group.shards.values():
+        s.param.data.untyped_storage().resize_(0)
+    group.dense_shards = list(group.shards.values())
+
+
+@torch.no_grad()
+def gather_unit(group: ZeroGroup, unit: int) -> None:
+    """Unit ``unit``'s sharded parameters of ``group`` whole again from every rank's rows (its
+    leaves), one all-gather per bucket. Written through ``.data`` views, which autograd does not
+    version: the backward reads the tensors its forward saved, refilled here."""
+    for bucket in group.unit_buckets[unit]:
+        for s in bucket.shards:
+            storage = s.param.data.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(s.param.numel() * s.param.element_size())
+        leaves = [s.leaf.detach() for s in bucket.shards]
+        torch._foreach_copy_(bucket.mine, leaves)
+        with probes.span("all_gather", "zero=3 params"):
+            all_gather_(bucket.buffer, group.group)
+        torch._foreach_copy_(bucket.dst, bucket.theirs)
+        torch._foreach_copy_(bucket.own, leaves)
+
+
+def release_unit(group: ZeroGroup, unit: int) -> None:
+    """Unit ``unit``'s sharded parameters of ``group`` back to their rows only (storage freed)."""
+    for bucket in group.unit_buckets[unit]:
+        for s in bucket.shards:
+            s.param.data.untyped_storage().resize_(0)
