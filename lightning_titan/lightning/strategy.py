@@ -30,7 +30,13 @@ from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
 from lightning_titan.runtime.agreement import SetupPhase
 from lightning_titan.train.engine import Engine
-from lightning_titan.train.options import Schedule, TrainOptions, check_precision, preflight
+from lightning_titan.train.options import (
+    Schedule,
+    TrainOptions,
+    check_precision,
+    check_zero3,
+    preflight,
+)
 from lightning_titan.train.step import TrainStep
 
 
@@ -213,6 +219,9 @@ class TitanStrategy(ShardedStrategy):
         check_precision(self.precision_plugin.precision)
         # with layout="auto", once chosen (preflight, or setup_environment's agreement)
         self.layout.resolve(self.num_nodes * self.num_processes, self.global_rank)
+        if not self.layout.waiting:
+            o = self.options
+            check_zero3(o.zero, self.parallel_dims.pp, o.schedule)
 
     @override
     def _configure_launcher(self) -> None:
