@@ -1,4 +1,6 @@
-"""ZeRO-1 (and ZeRO-2's rows): the ranks of a data-parallel group split the optimizer state.
+"""ZeRO-1 (and ZeRO-2's and ZeRO-3's rows): the ranks of a data-parallel group split the optimizer
+state. ZeRO-3 (``zero3.py``) keeps only these rows of the parameters, gathered per block by buckets
+of their own (``units``).
 
 Each parameter is cut into row ranges along one dimension (dim 0; dim 1 for stacked experts, whose
 dim 0 is the experts, and for a weight TP cuts along dim 0: ``cut_dim``), ``torch.chunk``-style:
