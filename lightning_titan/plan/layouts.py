@@ -21,6 +21,7 @@ from lightning_titan.parallel.mesh import AXES, ParallelDims
 from lightning_titan.plan.memory import fullest_state, layout_state
 from lightning_titan.train.options import TrainOptions, check_trainer_clipping
 
+PRICED = tuple(z for z in LEVELS if z < 3)  # the zero levels the planner prices (not zero=3 yet)
 GB = 1e9
 # usable memory per device in bytes (the card's; CUDA's own context and the allocator's slack are the
 # user's margin, see --reserve-gb)
@@ -78,7 +79,7 @@ def candidates(
     rejected: Counter[str] = Counter()
     for degrees in factorizations(devices):
         data_parallel = degrees["dp"] * degrees["ep"] * degrees["cp"] * degrees["tp"] > 1
-        for zero in LEVELS if data_parallel else (0,):
+        for zero in PRICED if data_parallel else (0,):
             reason = rejection(config, degrees, zero, global_batch)
             if reason is not None:
                 rejected[reason.split(" ")[0].rstrip(":;,")] += 1
