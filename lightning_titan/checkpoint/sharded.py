@@ -68,6 +68,7 @@ def save_sharded(
     ``zero_shards``: under zero>0, the shards whose leaves the optimizers step (``ZeroShards`` of
     the engine's ``zero_groups``).
     """
+    zero_shards.check_whole("save")
     if background is not None:
         background.wait()
     path = Path(path)
@@ -322,6 +323,7 @@ def load_sharded(
     lets ``meta.pt`` and non-tensor values hold any object (only for checkpoints you trust).
     ``zero_shards``: as for ``save_sharded``.
     """
+    zero_shards.check_whole("load")
     path = Path(path)
     plan, error = None, None
     options = _LoadOptions(expect_layout, weights_only, tuple(allow_config_change), zero_shards)

@@ -5,6 +5,7 @@ TitanStrategy (``strategy.py``) builds the layout, the step and the checkpoints 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -144,7 +145,8 @@ class ShardedStrategy(ParallelStrategy):
             )
         path, layout = self.broadcast(str(filepath)), self.checkpoint_layout()
         optimizers, shards = self.optimizers, self.zero_shards
-        self.checkpoints.save(path, checkpoint, self.module, optimizers, layout, shards)
+        with self.whole_params():
+            self.checkpoints.save(path, checkpoint, self.module, optimizers, layout, shards)
 
     @override
     def load_checkpoint(
@@ -152,7 +154,13 @@ class ShardedStrategy(ParallelStrategy):
     ) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))
         optimizers, shards = self.optimizers, self.zero_shards
-        return self.checkpoints.load(path, self.module, optimizers, weights_only, shards)
+        with self.whole_params():
+            return self.checkpoints.load(path, self.module, optimizers, weights_only, shards)
+
+    def whole_params(self) -> AbstractContextManager[None]:
+        """Every parameter whole inside, for a save or a load (a subclass whose parameters are
+        sharded between steps, zero=3, gathers them)."""
+        return nullcontext()
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

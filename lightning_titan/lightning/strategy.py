@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -11,7 +11,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
@@ -30,7 +30,13 @@ from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
 from lightning_titan.runtime.agreement import SetupPhase
 from lightning_titan.train.engine import Engine
-from lightning_titan.train.options import Schedule, TrainOptions, check_precision, preflight
+from lightning_titan.train.options import (
+    Schedule,
+    TrainOptions,
+    check_precision,
+    check_zero3,
+    preflight,
+)
 from lightning_titan.train.step import TrainStep
 
 
@@ -52,7 +58,8 @@ class TitanStrategy(ShardedStrategy):
         microbatch_size: sequences per microbatch, instead of ``num_microbatches``.
         bucket_cap_mb: size of a gradient all-reduce bucket.
         reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
-        zero: 1 splits each parameter's optimizer state over its data-parallel group (ZeRO-1), 2 also its grads.
+        zero: 1 splits each parameter's optimizer state over its data-parallel group (ZeRO-1), 2 also its grads,
+            3 also the parameters (gathered per block; pp=1 with gpipe or 1f1b for now).
         gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
         timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds);
             also bounds a wait for an ``async_save`` write and that write's collectives.
@@ -84,7 +91,7 @@ class TitanStrategy(ShardedStrategy):
         microbatch_size: int | None = None,
         bucket_cap_mb: float = 25.0,
         reducer: Literal["bucketed", "per_param"] = "bucketed",
-        zero: Literal[0, 1, 2] = 0,
+        zero: Literal[0, 1, 2, 3] = 0,
         gradient_clip_norm: float | None = None,
         timeout_minutes: float = 30.0,
         on_nonfinite: Literal["raise", "skip"] = "raise",
@@ -140,6 +147,11 @@ class TitanStrategy(ShardedStrategy):
         if self._engine is None:
             raise RuntimeError("the engine exists only after the strategy's setup()")
         return self._engine
+
+    @override
+    def whole_params(self) -> AbstractContextManager[None]:
+        # zero=3: gathered for a save or a load (before setup the parameters are whole)
+        return nullcontext() if self._engine is None else self._engine.whole_params()
 
     @property
     def train_step(self) -> TrainStep:
@@ -207,6 +219,9 @@ class TitanStrategy(ShardedStrategy):
         check_precision(self.precision_plugin.precision)
         # with layout="auto", once chosen (preflight, or setup_environment's agreement)
         self.layout.resolve(self.num_nodes * self.num_processes, self.global_rank)
+        if not self.layout.waiting:
+            o = self.options
+            check_zero3(o.zero, self.parallel_dims.pp, o.schedule)
 
     @override
     def _configure_launcher(self) -> None:
@@ -341,7 +356,9 @@ class TitanStrategy(ShardedStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
-            self._engine.remove()
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+            self._engine.remove(whole=not failed)  # zero=3: the model whole again after fit
             self._engine = None
         super().teardown()
 

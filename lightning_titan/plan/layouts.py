@@ -23,6 +23,7 @@ from lightning_titan.plan.cost import balanced_split
 from lightning_titan.plan.memory import fullest_state, layout_state
 from lightning_titan.train.options import TrainOptions, check_trainer_clipping
 
+PRICED = tuple(z for z in LEVELS if z < 3)  # the zero levels the planner prices (not zero=3 yet)
 GB = 1e9
 # usable memory per device in bytes (the card's; CUDA's own context and the allocator's slack are the
 # user's margin, see --reserve-gb)
@@ -124,7 +125,7 @@ def candidates(
         if pp not in cuts:
             cuts[pp] = splits(config, pp)
         for layers in cuts[pp]:
-            for zero in LEVELS if data_parallel else (0,):
+            for zero in PRICED if data_parallel else (0,):
                 reason = rejection(config, degrees, zero, global_batch, layers)
                 if reason is not None:
                     rejected[reason.split(" ")[0].rstrip(":;,")] += 1

@@ -26,6 +26,7 @@ from lightning_titan.model.decoder import (
     EXPERT,
     SEQUENCE,
     TP_SHARDED,
+    Block,
     StageModel,
     grad_group_kinds,
 )
@@ -36,6 +37,7 @@ from lightning_titan.parallel.dp import zero as zero_levels
 from lightning_titan.parallel.dp import zero_grads
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
 from lightning_titan.parallel.dp.reducer import GradReducer
+from lightning_titan.parallel.dp.zero3 import ShardedParams
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
 from lightning_titan.parallel.pipeline.p2p import StageLinks
 from lightning_titan.parallel.pipeline.schedules import get_schedule
@@ -49,6 +51,7 @@ from lightning_titan.train.objective import (
     count_targets,
     global_means,
 )
+from lightning_titan.train.options import check_zero3
 
 
 class Engine:
@@ -76,6 +79,11 @@ class Engine:
             )
         self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
         self.zero = zero
+        # zero=3: the units gathered around their use (None below zero=3)
+        self.sharded_params: ShardedParams | None = None
+        if zero == 3:
+            check_zero3(zero, dims.pp, schedule)
+            self.sharded_params = self._sharded_params(module)
         kinds = grad_group_kinds(module)
         self.expert_params = [p for _, p, kind in kinds if kind == EXPERT]
         scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
@@ -91,11 +99,13 @@ class Engine:
         def reducer_over(params: list[nn.Parameter], group: dist.ProcessGroup) -> GradReducer:
             if zero and group is not None and dist.get_world_size(group) > 1:
                 params = [p for p in params if p.requires_grad]
+                units = None if self.sharded_params is None else self.sharded_params.units
                 shards = zero_levels.ZeroGroup(
-                    params, expert_ids, group, bucket_cap_mb=bucket_cap_mb, tp_shards=cut_by_tp
-                )
+                    params, expert_ids, group, bucket_cap_mb=bucket_cap_mb, tp_shards=cut_by_tp,
+                    units=units,
+                )  # fmt: skip
                 self.zero_groups.append(shards)
-                if zero == 2:
+                if zero >= 2:
                     return zero_grads.ShardedGradReducer(
                         params, shards, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
                     )
@@ -129,6 +139,17 @@ class Engine:
                 "data-parallel group to split the optimizer state over; use dp > 1 (or ep > 1)",
                 stacklevel=2,
             )
+
+    @staticmethod
+    def _sharded_params(module: nn.Module) -> ShardedParams:
+        """zero=3's units: each decoder block, and the rest of the stage (``parallel/dp/zero3.py``)."""
+        stages = [m for m in module.modules() if isinstance(m, StageModel)]
+        if len(stages) != 1:
+            raise ValueError(
+                f"zero=3 gathers the blocks of one StageModel; this module holds {len(stages)}"
+            )
+        blocks = [m for m in stages[0].modules() if isinstance(m, Block)]
+        return ShardedParams(stages[0], blocks)
 
     @torch.no_grad()
     def broadcast_replicated(self) -> None:
@@ -240,7 +261,7 @@ class Engine:
         for r in self.reducers:
             r.finish()
         with probes.span("all_reduce", "grad norm"):
-            if self.zero == 2 and self.zero_groups:  # the grads are shards now
+            if self.zero >= 2 and self.zero_groups:  # the grads are shards now
                 return zero_grads.clip_shard_grads_(
                     self.reducers, self.zero_groups, max_norm, self.groups
                 )
@@ -258,22 +279,45 @@ class Engine:
         """Under zero>0, make each optimizer update only this rank's shards (see ``zero``)."""
         for optimizer in optimizers:
             zero_levels.shard_optimizer(optimizer, self.zero_groups)
+        if self.sharded_params is not None:  # zero=3: only the rows from here on
+            self.sharded_params.shard(self.zero_groups)
 
     def bind_shard_grads(self, drop: bool = False) -> None:
         """Under zero>0, just before the optimizer step: the shards' reduced grads (None: ``drop``, a
         skipped step). zero=2's reducers set them in ``finish_gradients`` already (clipping scaled
         them there): only a drop is left to do."""
+        if self.sharded_params is not None:  # zero=3: the grads are reduced, the blocks not needed
+            self.sharded_params.release_all()
         for g in self.zero_groups:
-            g.take_rows()
+            if self.sharded_params is None:  # zero=3: the leaves are the only copy of the rows
+                g.take_rows()
             if drop:
                 g.drop_grads()
             elif self.zero == 1:
                 g.bind_grads()
 
     def gather_params(self) -> None:
-        """Under zero>0, just after the optimizer step: every rank's parameters whole again."""
+        """Under zero 1 and 2, just after the optimizer step: every rank's parameters whole again
+        (zero=3 gathers each block when it runs)."""
+        if self.sharded_params is not None:
+            return
         for g in self.zero_groups:
             g.gather()
+
+    @contextmanager
+    def whole_params(self) -> Iterator[None]:
+        """Every parameter whole inside (zero=3 gathers them all; after, each rank's rows are taken
+        from them, where a checkpoint load may have written, and they are freed): to save, load or
+        read the model between steps. Every rank of the model's groups enters it together."""
+        if self.sharded_params is None:
+            yield
+            return
+        self.sharded_params.gather_all()
+        try:
+            yield
+        finally:
+            self.sharded_params.take_rows()
+            self.sharded_params.release_all()
 
     def update_router_bias(self, counts: StepCounts, skip: bool = False) -> None:
         """Just after the optimizer step: move the MoE layers' expert biases by the step's global
@@ -283,6 +327,13 @@ class Engine:
         whether there is an all-reduce)."""
         balance.update_expert_bias(self.balanced_layers, counts, self.groups.sequence_dp, skip=skip)
 
-    def remove(self) -> None:
+    def remove(self, whole: bool = True) -> None:
+        """Take the engine's hooks off the model. ``whole`` (zero=3): gather the parameters first,
+        so the model is whole and trained after it (a collective: every rank removes together;
+        False after a failure, where a peer may be gone)."""
         for r in self.reducers:
             r.remove()
+        if self.sharded_params is not None:
+            if whole:
+                self.sharded_params.gather_all()
+            self.sharded_params.remove()

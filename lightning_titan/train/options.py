@@ -144,12 +144,13 @@ class TrainOptions:
         if self.zero not in ZERO_LEVELS or isinstance(self.zero, bool):
             raise ValueError(
                 f"zero={self.zero!r} is not a ZeRO level; choose 0 (every replica holds the whole "
-                "optimizer state), 1 (each data-parallel group splits it) or 2 (and the gradients)"
+                "optimizer state), 1 (each data-parallel group splits it), 2 (and the gradients) "
+                "or 3 (and the parameters)"
             )
-        if self.zero == 2 and self.reducer != "bucketed":
+        if self.zero >= 2 and self.reducer != "bucketed":
             raise ValueError(
-                f"zero=2 reduce-scatters flat gradient buckets; reducer={self.reducer!r} has none: "
-                "use reducer='bucketed' with zero=2"
+                f"zero={self.zero} reduce-scatters flat gradient buckets; reducer={self.reducer!r} "
+                f"has none: use reducer='bucketed' with zero={self.zero}"
             )
         if self.start_method not in START_METHODS:
             raise ValueError(
@@ -213,6 +214,7 @@ def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None
     any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
     mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
     check_trainer_clipping(dims, options, work.trainer_clip)
+    check_zero3(options.zero, dims.pp, options.schedule)
     check_overlap(dims, options, recompute=work.recompute, compiled=work.compiled)
     if work.check_layout is not None:  # TitanLM: layers/experts split, data fits the model
         work.check_layout(dims, options.split)
@@ -220,6 +222,25 @@ def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None
     if batch is not None and batch > 0:
         local = local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")
         options.microbatches(local, pp=dims.pp)
+
+
+ZERO3_SCHEDULES = ("gpipe", "1f1b")  # one stage's microbatches one after another
+
+
+def check_zero3(zero: int, pp: int, schedule: str) -> None:
+    """What zero=3 runs with so far: one pipeline stage, its microbatches one at a time (an
+    overlapped schedule runs one's forward beside another's backward, which would free the blocks
+    the other reads). The CLI runs it while it parses, the launcher before any rank starts, the
+    engine again."""
+    if zero != 3:
+        return
+    if pp > 1:
+        raise ValueError(f"zero=3 runs with pp=1 for now (got pp={pp}); use zero=2 with pp>1")
+    if schedule not in ZERO3_SCHEDULES:
+        raise ValueError(
+            f"zero=3 runs with schedule 'gpipe' or '1f1b' for now (got {schedule!r}); use "
+            f"schedule='1f1b', or zero=2 with {schedule!r}"
+        )
 
 
 def check_overlap(

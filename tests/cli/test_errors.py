@@ -488,7 +488,7 @@ def test_strategy_choices_are_checked_in_each_form_of_the_flag():
     for argv, message in [
         (["--trainer.strategy.init_args.schedule", "gpipee"], "schedule='gpipee' is not one of"),
         (["--trainer.strategy.schedule=zbv2"], "did you mean --trainer.strategy.schedule=zbv?"),
-        (["--trainer.strategy.init_args.zero=3"], "zero='3' is not one of 0, 1, 2"),
+        (["--trainer.strategy.init_args.zero=4"], "zero='4' is not one of 0, 1, 2, 3"),
         (["--trainer.strategy.init_args.reducer=ring"], "e.g. --trainer.strategy.init_args."
                                                         "reducer=bucketed"),
     ]:  # fmt: skip

@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 from nccl_strict import StrictStream, strict_links
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from lightning_titan.checkpoint import load_sharded, save_sharded
 from lightning_titan.model import compiled
@@ -248,15 +249,18 @@ def train(
     engine.shard_optimizers([optimizer])
     shards = ZeroShards(engine.zero_groups)
     if resume is not None:
-        load_sharded(resume[1], model, [optimizer], zero_shards=shards)
+        with engine.whole_params():  # zero=3: loaded into the whole parameters, then the rows
+            load_sharded(resume[1], model, [optimizer], zero_shards=shards)
     train_step = TrainStep(engine, optimizer, max_norm=MAX_NORM)  # the step TitanLM runs
     # what `titan bench` measures (and `titan plan` predicts), read around the optimizer's update:
     # the grads it reads, the most held (before the update or after it, before zero_grad), and
     # the state bytes by part after it
-    measured = {"grad_bytes": 0, "state": None}
+    measured = {"grad_bytes": 0, "state": None, "held_param_bytes": 0, "gathered_peak": 0}
 
     def before_update(*_) -> None:
         measured["grad_bytes"] = held_grad_bytes(model, optimizer)
+        # between steps (the grads reduced, zero=3's blocks freed): the parameters' bytes held
+        measured["held_param_bytes"] = held_param_bytes(model, optimizer)
 
     def after_update(*_) -> None:
         measured["grad_bytes"] = max(measured["grad_bytes"], held_grad_bytes(model, optimizer))
@@ -264,6 +268,7 @@ def train(
 
     optimizer.register_step_pre_hook(before_update)
     optimizer.register_step_post_hook(after_update)
+    watch_gathered(model, measured)
     b = batch // dims.data_world
     handovers = overlap.handovers()
     losses, auxes, norms, dropped = [], [], [], []
@@ -286,7 +291,8 @@ def train(
             graphs_after_first = compiled.graphs_compiled()
     if save is not None:
         layout = {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "tp": dims.tp, "cp": dims.cp}
-        save_sharded(save[1], model, [optimizer], {}, layout=layout, zero_shards=shards)
+        with engine.whole_params():  # zero=3: the checkpoint holds the whole model's tensors
+            save_sharded(save[1], model, [optimizer], {}, layout=layout, zero_shards=shards)
     recompiled = compiled.graphs_compiled() - graphs_after_first  # before the eval's own graphs
     # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
     inputs, targets, documents = packed_batch(0, config, batch, masked, packed)
@@ -297,9 +303,19 @@ def train(
     )  # fmt: skip
     if stream is not None:
         stream.close()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with engine.whole_params():  # zero=3: gathered to be read
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    cut = {id(s.param) for g in engine.zero_groups for s in g.shards.values()}
+    blocks_cut = [_nbytes(p for p in b.parameters() if id(p) in cut) for b in model.layers.values()]
     engine.remove()
+    # the model whole and trained once the engine is gone (zero=3 gathers it: a later use, an
+    # export, reads the parameters as they are)
+    whole_after = all(
+        p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        and torch.equal(p.detach(), weights[n])
+        for n, p in model.named_parameters()
+    )
     moments = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     return {
         "loss": losses,
@@ -314,6 +330,23 @@ def train(
         "state": measured["state"],
         "grad_bytes": measured["grad_bytes"],
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "held_param_bytes": measured["held_param_bytes"],
+        "whole_after_remove": whole_after,
+        # the most parameter storage whole at once in a forward or backward, beyond the rows
+        "gathered_peak": measured["gathered_peak"],
+        # zero=3's units, whole, of the parameters ZeRO cuts: the rest of the stage (embedding,
+        # norm, head) and the largest block; and the bytes of those it does not cut
+        "rest_bytes": _nbytes(p for p in model.parameters() if id(p) in cut) - sum(blocks_cut),
+        "block_bytes": max(blocks_cut, default=0),
+        "uncut_bytes": _nbytes(p for p in model.parameters() if id(p) not in cut),
+        # zero=3's gathers run in the backward, while ZeRO-2's reducer has borrowed the kept
+        # buffer for a reduce-scatter: they must gather through another (a race gloo may not show)
+        "gather_buffer_borrowed": any(
+            unit.untyped_storage()._cdata == kept.untyped_storage()._cdata
+            for g in engine.zero_groups
+            for unit in g.unit_kept.values()
+            for kept in g.kept.values()
+        ),
         # dense copies of strided rows, for an optimizer that steps views wrongly (AdamW fused)
         "dense_bytes": sum(
             s.leaf.numel() * s.leaf.element_size()
@@ -347,6 +380,40 @@ def watch_rows(model: StageModel, config: ModelConfig, dims: ParallelDims) -> li
         if isinstance(m, MoELayer):
             m.register_forward_hook(hook)
     return ratios
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages ``tensors`` live in (zero=3 frees a parameter's: 0 bytes)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage._cdata] = storage.nbytes()  # the StorageImpl's address
+    return sum(storages.values())
+
+
+def held_param_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the storages the model's parameters and the optimizer's (ZeRO's leaves) live in."""
+    leaves = [p for g in optimizer.param_groups for p in g["params"]]
+    return storage_bytes([*model.parameters(), *leaves])
+
+
+def watch_gathered(model: StageModel, measured: dict) -> None:
+    """``measured["gathered_peak"]``: the most bytes of the model's parameter storages seen at a
+    block's forward (after its gather) and at each parameter's grad accumulation in a backward."""
+
+    def look(*_) -> None:
+        now = storage_bytes(model.parameters())
+        measured["gathered_peak"] = max(measured["gathered_peak"], now)
+
+    for block in model.layers.values():
+        block.register_forward_pre_hook(look)  # after the engine's (registered first): gathered
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(look)
 
 
 def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -391,7 +458,9 @@ def run_layouts(
     (``reference(masked=True)``), ``"<name>:packed"`` on packed documents (``reference(packed=True)``),
     ``"<name>:lora"`` with ``LORA``'s adapters on a frozen base (``reference(lora=LORA)``),
     ``"<name>:save=2"`` stopping after step 2 with a checkpoint in ``ckpt_dir``,
-    ``"<name>:resume=2"`` starting at step 2 from it; ``config`` replaces CONFIG."""
+    ``"<name>:resume=2"`` starting at step 2 from it, ``"<name>:late_stop"`` with activation
+    checkpointing's recompute running each block's whole forward (torch stops it early, after the
+    last tensor the backward needs); ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
@@ -404,17 +473,19 @@ def run_layouts(
             microbatch = batch // dims.data_world // m
             counts, _ = auto_split.agree(config, dims.pp, split.virtual_stages, microbatch, cpu)
             split = StageSplit(split.virtual_stages, counts, split.v_shape)
-        result = train(
-            dims, build_process_groups(dims), name, m, config,
-            paired_p2p="paired" in options, zero=zero, split=split,
-            strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
-            compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
-            batch=batch, adamw=next((o[6:] for o in options if o.startswith("adamw=")), None),
-            masked="masked" in options, packed="packed" in options,
-            lora=LORA if "lora" in options else None,
-            save=checkpoint_option(options, "save", ckpt_dir),
-            resume=checkpoint_option(options, "resume", ckpt_dir),
-        )  # fmt: skip
+        # late_stop: activation checkpointing's recompute runs each block's whole forward
+        with set_checkpoint_early_stop("late_stop" not in options):
+            result = train(
+                dims, build_process_groups(dims), name, m, config,
+                paired_p2p="paired" in options, zero=zero, split=split,
+                strict_p2p=STRICT_DEADLINE_S if "strict" in options else None,
+                compile=next((o.split("=")[1] for o in options if o.startswith("compile=")), None),
+                batch=batch, adamw=next((o[6:] for o in options if o.startswith("adamw=")), None),
+                masked="masked" in options, packed="packed" in options,
+                lora=LORA if "lora" in options else None,
+                save=checkpoint_option(options, "save", ckpt_dir),
+                resume=checkpoint_option(options, "resume", ckpt_dir),
+            )  # fmt: skip
         result["split"] = split
         out.append(result)
     return out

@@ -1,4 +1,6 @@
-"""ZeRO-1 (and ZeRO-2's rows): the ranks of a data-parallel group split the optimizer state.
+"""ZeRO-1 (and ZeRO-2's and ZeRO-3's rows): the ranks of a data-parallel group split the optimizer
+state. ZeRO-3 (``zero3.py``) keeps only these rows of the parameters, gathered per block by buckets
+of their own (``units``).
 
 Each parameter is cut into row ranges along one dimension (dim 0; dim 1 for stacked experts, whose
 dim 0 is the experts, and for a weight TP cuts along dim 0: ``cut_dim``), ``torch.chunk``-style:
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +55,7 @@ from lightning_titan.parallel.mesh import group_mesh
 from lightning_titan.parallel.tensor_parallel import TpShard, real_size
 from lightning_titan.runtime import probes
 
-LEVELS = (0, 1, 2)
+LEVELS = (0, 1, 2, 3)
 
 
 def owned_rows(size: int, n: int, q: int) -> tuple[int, int]:
@@ -121,8 +123,12 @@ class ZeroGroup:
         *,
         bucket_cap_mb: float,
         tp_shards: dict[int, TpShard] | None = None,
+        units: Sequence[Sequence[nn.Parameter]] | None = None,
     ) -> None:
-        """``tp_shards``: ``id(weight) -> TpShard`` of the weights TP cuts (``tp_shards(model)``)."""
+        """``tp_shards``: ``id(weight) -> TpShard`` of the weights TP cuts (``tp_shards(model)``).
+        ``units`` (zero=3): the parameters gathered together before a block runs (``zero3.py``),
+        each unit's shards gathered by its own buckets through a buffer of their own; None: the
+        whole group is gathered once after the optimizer step (zero<=2)."""
         self.group = group
         self.n, self.q = dist.get_world_size(group), dist.get_rank(group)
         self.shards: dict[int, ZeroShard] = {}
@@ -136,15 +142,32 @@ class ZeroGroup:
             leaf = nn.Parameter(p.detach().narrow(dim, start, stop - start))
             self.shards[id(p)] = ZeroShard(p, dim, start, stop, leaf, group, self.n, tp=tp)
         self.dense_shards: list[ZeroShard] = []  # leaves that copy their rows (``densify``)
+        cap = bucket_cap_mb * 1024 * 1024
         sharded = [s.param for s in self.shards.values()]
-        self.buckets = [
-            _GatherBucket([self.shards[id(sharded[i])] for i in indices], self.n, self.q)
-            for indices in assign_buckets(sharded, bucket_cap_mb * 1024 * 1024)
-        ]
+        self.buckets = [] if units is not None else self._buckets(sharded, cap)
         self.kept: dict[torch.dtype, Tensor] = {}  # the gather buffer of each dtype (module doc)
         for dtype in {b.dtype for b in self.buckets}:  # each the size of its dtype's largest bucket
             same = [b for b in self.buckets if b.dtype == dtype]
             self.reserve(same[0].shards[0].param, max(b.slot for b in same) * self.n)
+        # zero=3: each unit's buckets, bound to a buffer of their own: the re-gathers run during
+        # the backward, while ZeRO-2's reducer has borrowed ``kept`` for a reduce-scatter
+        self.unit_buckets = [
+            self._buckets([p for p in unit if id(p) in self.shards], cap) for unit in units or ()
+        ]
+        self.unit_kept: dict[torch.dtype, Tensor] = {}
+        flat = [b for unit in self.unit_buckets for b in unit]
+        for dtype in {b.dtype for b in flat}:
+            same = [b for b in flat if b.dtype == dtype]
+            like = same[0].shards[0].param
+            buffer = self.unit_kept[dtype] = like.new_empty(max(b.slot for b in same) * self.n)
+            for b in same:
+                b.bind(buffer[: b.slot * self.n], self.q)
+
+    def _buckets(self, params: list[nn.Parameter], cap: float) -> list[_GatherBucket]:
+        return [
+            _GatherBucket([self.shards[id(params[i])] for i in indices], self.n, self.q)
+            for indices in assign_buckets(params, cap)
+        ]
 
     def reserve(self, like: Tensor, numel: int) -> None:
         """The kept buffer of ``like``'s dtype (and device), grown to at least ``numel`` elements; every
@@ -211,8 +234,10 @@ class _GatherBucket:
 
     def __init__(self, shards: list[ZeroShard], n: int, me: int) -> None:
         self.shards = shards
-        # views (detached: no autograd history); the params' storage stays put, as for the leaves
-        self.own = [s.rows(s.param.detach()) for s in shards]
+        # views of ``.data``: no autograd history and a version counter of their own, so that a
+        # zero=3 gather between a forward and its backward is not an in-place change to autograd;
+        # they hold the parameters' storage, which zero=3 frees and refills (resize_) in place
+        self.own = [s.rows(s.param.data) for s in shards]
         self.pack: list[tuple[int, torch.Size, tuple[int, ...]]] = []
         self.dst: list[Tensor] = []
         self.unpack: list[tuple[int, torch.Size, tuple[int, ...]]] = []
@@ -221,7 +246,7 @@ class _GatherBucket:
         for s, own in zip(shards, self.own, strict=True):
             self.pack.append((offset, own.shape, _contiguous_strides(own.shape)))
             if s.size % n == 0:  # the other ranks' rows at once: (ranks, *rows) against their slots
-                rows_N = s.param.detach().unflatten(s.dim, (n, s.size // n)).movedim(s.dim, 0)
+                rows_N = s.param.data.unflatten(s.dim, (n, s.size // n)).movedim(s.dim, 0)
                 for lo, hi in ((0, me), (me + 1, n)):  # before this rank, after it
                     if hi > lo:
                         self.dst.append(rows_N[lo:hi])
@@ -229,7 +254,7 @@ class _GatherBucket:
                         self.unpack.append((lo * slot + offset, rows_N[lo:hi].shape, strides))
             else:
                 for q in [r for r in range(n) if r != me]:
-                    rows = s.rows(s.param.detach(), q)
+                    rows = s.rows(s.param.data, q)
                     self.dst.append(rows)
                     self.unpack.append(
                         (q * slot + offset, rows.shape, _contiguous_strides(rows.shape))
@@ -398,8 +423,21 @@ class ZeroShards:
     table lives."""
 
     def __init__(self, groups: Iterable[ZeroGroup] = ()) -> None:
+        groups = list(groups)
         self._by_param = {pid: s for g in groups for pid, s in g.shards.items()}
         self._by_leaf = {id(s.leaf): s for s in self._by_param.values()}
+
+    def check_whole(self, what: str) -> None:
+        """Refuse a checkpoint ``what`` ("save", "load") while a parameter exists only as this rank's
+        rows (zero=3 between its uses): ``Engine.whole_params`` gathers them for it."""
+        if any(s.param.numel() and not s.param.untyped_storage().nbytes() for s in self):
+            raise ValueError(
+                f"a checkpoint {what} under zero=3 needs the parameters whole: run it inside "
+                "Engine.whole_params() (TitanStrategy does)"
+            )
+
+    def __iter__(self) -> Iterator[ZeroShard]:
+        return iter(self._by_param.values())
 
     def __len__(self) -> int:
         return len(self._by_param)

@@ -49,8 +49,12 @@ def state_bytes(
     of strided rows, is found in the ``engine``'s shards)."""
     optimizer = local_optimizer(optimizer)
     grad_bytes = zero2_grad_bytes(engine)
-    dense = {} if engine is None else {
-        id(s.leaf): s.param for g in engine.zero_groups for s in g.dense_shards
+    # zero=3: a sharded parameter holds its rows only (its leaf), between steps
+    param_bytes = grad_bytes if engine is not None and engine.zero == 3 else None
+    # a shard's leaf stands for its parameter (a dense one has a storage of its own; under zero=3
+    # the parameters' storages are freed, all at address 0, so they are told apart by id)
+    shard_param = {} if engine is None else {
+        id(s.leaf): s.param for g in engine.zero_groups for s in g.shards.values()
     }  # fmt: skip
     expert, _ = split_expert_parameters(model)
     expert_ids = {id(p) for _, p in expert}
@@ -58,12 +62,15 @@ def state_bytes(
     out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
     for p in model.parameters():
         part = "expert" if id(p) in expert_ids else "non_expert"
-        out[f"{part}_params"] += _nbytes([p])
+        out[f"{part}_params"] += (param_bytes or {}).get(id(p), _nbytes([p]))
         if p.requires_grad:  # a frozen parameter (LoRA's base) gets no grad
             out[f"{part}_grads"] += (grad_bytes or {}).get(id(p), _nbytes([p]))
     for group in optimizer.param_groups:
         for leaf in group["params"]:
-            is_expert = _storage(dense.get(id(leaf), leaf)) in expert_storage
+            param = shard_param.get(id(leaf))
+            is_expert = (
+                id(param) in expert_ids if param is not None else _storage(leaf) in expert_storage
+            )
             part = "expert" if is_expert else "non_expert"
             state = optimizer.state.get(leaf, {}).values()
             out[f"{part}_optimizer"] += _nbytes(
@@ -73,8 +80,8 @@ def state_bytes(
 
 
 def zero2_grad_bytes(engine: Any) -> dict[int, int] | None:
-    """Under zero=2, the grad bytes a rank keeps per parameter id: its rows (else None: whole)."""
-    if engine is None or engine.zero != 2:
+    """Under zero>=2, the grad bytes a rank keeps per parameter id: its rows (else None: whole)."""
+    if engine is None or engine.zero < 2:
         return None
     return {
         pid: s.leaf.numel() * s.leaf.element_size()

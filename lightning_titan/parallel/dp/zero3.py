@@ -1,0 +1,193 @@
+"""ZeRO-3: each rank keeps only its rows of every sharded parameter between the parameter's uses.
+
+The rows are the ZeRO-1 shards' leaves (``zero.py``), dense copies with their own storage, which the
+optimizer steps; the full parameter's storage is freed (``untyped_storage().resize_(0)``, as FSDP1
+does: the parameter object stays, and so do its views and the tensors autograd saved of it, all
+holding the same storage, which a gather refills in place). The model is cut into units: each
+decoder block, and the rest of the stage (embedding, final norm, head) as one more.
+
+When a unit's parameters are whole:
+
+- a block: gathered by a forward pre-hook, freed by its forward post-hook; gathered again by a hook
+  on the grad of its output hidden states (the first grad to reach the block's weights: the
+  per-sequence aux loss's grad reaches the block earlier, but only through nodes that read no
+  weight, the router's softmax waiting for both), and freed by a hook on the grad of its input
+  (the block's backward is done: every node reading a weight lies on a path to its input). Each
+  forward and backward of every microbatch gathers once (``reshard_after_forward``). Activation
+  checkpointing's recompute runs the block's forward inside its backward, after the gather: the
+  block is then kept whole for the backward that reads what the recompute saved.
+- the rest: gathered before the stage's forward and kept until the step's grads are reduced
+  (``release_all``): the head runs first in the backward and the embedding last, so it would be
+  gathered twice a microbatch for little memory.
+
+The grads are ZeRO-2's (``zero_grads.py``): reduce-scattered into the leaves. Every rank of a group
+runs the same blocks in the same order (pp=1), so the gathers match across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_titan.parallel.collectives import all_gather_
+from lightning_titan.parallel.dp.zero import ZeroGroup
+from lightning_titan.runtime import probes
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """The identity on a block's input; its backward (the block's own is done then) frees the block."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, release: Any) -> Tensor:
+        ctx.release = release
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.release()
+        return grad, None
+
+
+class ShardedParams:
+    """The units of a stage whose parameters zero=3 gathers and frees (module doc).
+
+    ``blocks``: the modules gathered around their own forward and backward (the decoder blocks);
+    ``stage``: the module whose forward needs the rest of the parameters (its embedding, norm, head).
+    ``groups``: the ZeroGroups built with ``units=self.units`` (each unit: a block's parameters, then
+    the rest).
+    """
+
+    def __init__(self, stage: nn.Module, blocks: Sequence[nn.Module]) -> None:
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        self.blocks = list(blocks)
+        self.units: list[list[nn.Parameter]] = [list(b.parameters()) for b in blocks]
+        self.units.append([p for p in stage.parameters() if id(p) not in in_blocks])
+        self.rest = len(self.units) - 1
+        self.groups: list[ZeroGroup] = []
+        self.gathered = [True] * len(self.units)  # whole until ``shard`` frees them
+        # a block from its output's grad to its input's: a forward then is activation
+        # checkpointing's recompute, which the backward after it reads (kept whole)
+        self.in_backward = [False] * len(self.units)
+        self.sharded = False
+        self._handles: list[RemovableHandle] = [stage.register_forward_pre_hook(self._pre_stage)]
+        for u, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._pre_block(u)))
+            self._handles.append(block.register_forward_hook(self._post_block(u)))
+
+    def shard(self, groups: Sequence[ZeroGroup]) -> None:
+        """Once the optimizer steps the leaves: keep only the rows from here on."""
+        self.groups = list(groups)
+        for g in self.groups:
+            keep_rows_only(g)
+        self.gathered = [False] * len(self.units)
+        self.sharded = True
+
+    def gather(self, unit: int) -> None:
+        if self.sharded and not self.gathered[unit]:
+            for g in self.groups:
+                gather_unit(g, unit)
+            self.gathered[unit] = True
+
+    def release(self, unit: int) -> None:
+        if self.sharded and self.gathered[unit]:
+            for g in self.groups:
+                release_unit(g, unit)
+            self.gathered[unit] = False
+
+    def _backward_starts(self, unit: int) -> None:
+        self.in_backward[unit] = True
+        self.gather(unit)
+
+    def _backward_done(self, unit: int) -> None:
+        self.in_backward[unit] = False
+        self.release(unit)
+
+    def release_all(self) -> None:
+        """After the step's grads are reduced: nothing but the rows until the next forward."""
+        for unit in range(len(self.units)):
+            self.release(unit)
+
+    def gather_all(self) -> None:
+        """Every parameter whole (to read or write the model: a checkpoint, a test); ``take_rows``
+        then ``release_all`` undo it."""
+        for unit in range(len(self.units)):
+            self.gather(unit)
+
+    @torch.no_grad()
+    def take_rows(self) -> None:
+        """Each leaf from its rows of the whole parameter, which a checkpoint load may have
+        written since ``gather_all``."""
+        for g in self.groups:
+            for s in g.shards.values():
+                s.leaf.copy_(s.rows(s.param.data))
+
+    def _pre_stage(self, module: nn.Module, args: tuple) -> None:
+        self.gather(self.rest)
+
+    def _pre_block(self, unit: int) -> Any:
+        def hook(module: nn.Module, args: tuple) -> tuple | None:
+            self.gather(unit)
+            x = args[0] if args else None
+            if self.sharded and torch.is_grad_enabled() and isinstance(x, Tensor):
+                if x.requires_grad:
+                    done = lambda: self._backward_done(unit)  # noqa: E731
+                    return (_ReleaseAfterBackward.apply(x, done), *args[1:])
+            return None
+
+        return hook
+
+    def _post_block(self, unit: int) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self.in_backward[unit]:  # the recompute: its backward comes next
+                return
+            self.release(unit)
+            x = output[0] if isinstance(output, tuple) else output
+            if self.sharded and isinstance(x, Tensor) and x.requires_grad:
+                x.register_hook(lambda grad: self._backward_starts(unit))
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def keep_rows_only(group: ZeroGroup) -> None:
+    """Once the optimizer holds ``group``'s leaves: every leaf becomes a dense copy of its rows and
+    each sharded parameter's storage is freed (resized to nothing; the parameter object, its views
+    and the tensors autograd saved of it keep the storage, which ``gather_unit`` fills again)."""
+    for s in group.shards.values():
+        if not s.dense:  # a dense leaf (``densify``) has its own storage already
+            s.leaf.data = s.leaf.data.clone(memory_format=torch.contiguous_format)
+    for s in group.shards.values():
+        s.param.data.untyped_storage().resize_(0)
+    group.dense_shards = list(group.shards.values())
+
+
+@torch.no_grad()
+def gather_unit(group: ZeroGroup, unit: int) -> None:
+    """Unit ``unit``'s sharded parameters of ``group`` whole again from every rank's rows (its
+    leaves), one all-gather per bucket. Written through ``.data`` views, which autograd does not
+    version: the backward reads the tensors its forward saved, refilled here."""
+    for bucket in group.unit_buckets[unit]:
+        for s in bucket.shards:
+            storage = s.param.data.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(s.param.numel() * s.param.element_size())
+        leaves = [s.leaf.detach() for s in bucket.shards]
+        torch._foreach_copy_(bucket.mine, leaves)
+        with probes.span("all_gather", "zero=3 params"):
+            all_gather_(bucket.buffer, group.group)
+        torch._foreach_copy_(bucket.dst, bucket.theirs)
+        torch._foreach_copy_(bucket.own, leaves)
+
+
+def release_unit(group: ZeroGroup, unit: int) -> None:
+    """Unit ``unit``'s sharded parameters of ``group`` back to their rows only (storage freed)."""
+    for bucket in group.unit_buckets[unit]:
+        for s in bucket.shards:
+            s.param.data.untyped_storage().resize_(0)
