@@ -23,7 +23,6 @@ import yaml
 
 from lightning_titan.cli import TitanCLI, check_config_files, cli_components
 from lightning_titan.model.decoder import ModelConfig
-from lightning_titan.parallel.dp.zero import LEVELS
 from lightning_titan.parallel.mesh import AXES
 from lightning_titan.parallel.pipeline.schedules import (
     CHUNKED,
@@ -42,7 +41,7 @@ from lightning_titan.plan.cost import (
     predict,
 )
 from lightning_titan.plan.devices import GPUS, Link
-from lightning_titan.plan.layouts import candidates, factorizations, total_params
+from lightning_titan.plan.layouts import PRICED, candidates, factorizations, total_params
 from lightning_titan.plan.memory import layout_state
 from lightning_titan.plan.precision import Precision
 from lightning_titan.plan.rank import ranked, step_options
@@ -380,7 +379,7 @@ def test_cost_terms_grow_with_their_axis():
     ep8 = predict(DEFAULT, _layout(ep=8), 0, options, 256, two_nodes, params)
     assert ep8.comm["ep"] > cost(ep=8).comm["ep"]
     # ZeRO-1 adds the weight all-gather to zero=0's all-reduce; ZeRO-2 halves the reduction
-    z = [predict(DEFAULT, _layout(dp=8), zero, StepOptions(), 8, H100, params) for zero in LEVELS]
+    z = [predict(DEFAULT, _layout(dp=8), zero, StepOptions(), 8, H100, params) for zero in PRICED]
     assert z[1].comm["dp"] > z[0].comm["dp"] and z[2].comm["dp"] < z[1].comm["dp"]
     # recompute: a third more compute
     again = predict(DEFAULT, _layout(dp=8), 0, StepOptions(recompute=True), 8, H100, params)
