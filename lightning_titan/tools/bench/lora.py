@@ -1,13 +1,14 @@
 """LoRA against a full fine-tune of the same model: trained parameters, state bytes, step time.
 
-    titan bench --lora                          # ep2 on 2 ranks, d_model 256, 5 rounds
-    titan bench --lora --rounds 9 --d-model 512
+    titan bench --lora --d-model 256 --ffn-dim 512 --rounds 7   # one process
+    titan bench --lora --d-model 256 --lora-layout ep2          # two ranks, ep2
 
 On every rank, two runners of the same model and batches: the full fine-tune (every weight trains)
 and LoRA (``rank`` 16 on the attention projections and the routed experts; the base frozen). Each
 round times ``steps`` steps of one, then of the other; the round's number is the slowest rank's,
 and the ratio LoRA / full is paired per round. The state table is one rank's bytes (the
-``state_bytes`` the planner is held to).
+``state_bytes`` the planner is held to). One process by default: on two CPU ranks sharing two
+cores the step is mostly the ranks' exchanges and waits, which LoRA does not change.
 """
 
 from __future__ import annotations
@@ -26,16 +27,22 @@ from lightning_titan.tools.bench.memory import state_bytes
 from lightning_titan.tools.bench.paired import compare, mark
 from lightning_titan.tools.bench.runners import TitanRunner
 
-LAYOUT = {"dp": 1, "pp": 1, "ep": 2}
+LAYOUTS = {"single": {"dp": 1, "pp": 1, "ep": 1}, "ep2": {"dp": 1, "pp": 1, "ep": 2}}
 ADAPTERS = LoRA(rank=16, alpha=32.0, targets=("attention", "experts"))
 TARGET = 0.80  # LoRA's step at most this share of the full fine-tune's (no base weight grads)
 
 
 def _worker(
-    rank: int, world: int, config: ModelConfig, global_batch: int, rounds: int, steps: int
+    rank: int,
+    world: int,
+    config: ModelConfig,
+    global_batch: int,
+    rounds: int,
+    steps: int,
+    layout: dict[str, int],
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
-    dims = ParallelDims(**LAYOUT, rank=rank)
+    dims = ParallelDims(**layout, rank=rank)
     groups = build_process_groups(dims)
     runners = {
         name: TitanRunner(
@@ -76,12 +83,18 @@ def _worker(
 
 
 def run(
-    config: ModelConfig, global_batch: int, rounds: int, steps: int, timeout_s: float
+    config: ModelConfig,
+    global_batch: int,
+    rounds: int,
+    steps: int,
+    timeout_s: float,
+    layout: str = "single",
 ) -> dict[str, Any]:
     """The slowest rank's step per round for each, the paired ratio LoRA / full, rank 0's state."""
-    world = LAYOUT["dp"] * LAYOUT["pp"] * LAYOUT["ep"]
+    degrees = LAYOUTS[layout]
+    world = degrees["dp"] * degrees["pp"] * degrees["ep"]
     per_rank = run_on_ranks(
-        _worker, world, config, global_batch, rounds, steps, timeout_s=timeout_s
+        _worker, world, config, global_batch, rounds, steps, degrees, timeout_s=timeout_s
     )
     slowest = [
         {k: max(r["rounds"][i][k] for r in per_rank) for k in ("full", "lora")}
@@ -94,6 +107,7 @@ def run(
         "lora_over_full": ratio.cell,
         "met": ratio.at_most(TARGET),
         "state": per_rank[0]["state"],
+        "layout": layout,
         "config": {
             "d_model": config.d_model,
             "ffn_dim": config.ffn_dim,
@@ -121,7 +135,7 @@ def markdown(result: dict[str, Any], command: str, machine: str) -> str:
     ]
     return "\n".join([
         f"`{command}`", "", machine, "",
-        f"| ep2, {ADAPTERS.targets} rank {ADAPTERS.rank} | full fine-tune | LoRA |",
+        f"| {result['layout']}, {ADAPTERS.targets} rank {ADAPTERS.rank} | full fine-tune | LoRA |",
         "|---|---|---|", *rows, "",
         f"LoRA / full step time: {result['lora_over_full']} (target <= {TARGET:.2f}: "
         f"{mark(result['met'])}). Medians of {len(result['rounds'])} rounds; ratio paired per "

@@ -151,8 +151,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lora",
         action="store_true",
-        help="run only the LoRA benchmark (tools/bench/lora.py) into lora.md/json: ep2, LoRA vs "
-        "a full fine-tune of the same model, state bytes and step time",
+        help="run only the LoRA benchmark (tools/bench/lora.py) into lora.md/json: LoRA vs a full "
+        "fine-tune of the same model, state bytes and step time (--lora-layout)",
+    )
+    p.add_argument(
+        "--lora-layout",
+        choices=("single", "ep2"),
+        default="single",
+        help="--lora's layout: one process (default) or ep2 on two ranks",
     )
     p.add_argument(
         "--packing",
@@ -291,12 +297,14 @@ def _one_bench(
     settings: Settings,
     out: Path,
     load_before: str,
+    **options: Any,
 ) -> dict:
-    """One of the benchmarks with a ``run`` and a ``markdown`` of their own (checkpoint, lora)."""
+    """One of the benchmarks with a ``run`` and a ``markdown`` of their own (checkpoint, lora,
+    packing); ``options``: that benchmark's own keywords."""
     started = time.perf_counter()
     command = "titan bench " + shlex.join(argv)
     result = bench.run(
-        settings.config, settings.global_batch, args.rounds, args.steps, args.timeout
+        settings.config, settings.global_batch, args.rounds, args.steps, args.timeout, **options
     )
     result["machine"] = _machine(settings, args.note) + f"; load {load_before} -> {_load()}"
     table = bench.markdown(result, command, result["machine"])
@@ -340,7 +348,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.checkpoint:
         return _one_bench(checkpoint_bench, "checkpoint", args, argv, settings, out, load_before)
     if args.lora:
-        return _one_bench(lora_bench, "lora", args, argv, settings, out, load_before)
+        return _one_bench(
+            lora_bench, "lora", args, argv, settings, out, load_before, layout=args.lora_layout
+        )
     if args.packing:
         return _one_bench(packing_bench, "packing", args, argv, settings, out, load_before)
     if args.compile:  # tools/bench/compile_cmp.py
