@@ -19,8 +19,8 @@ def test_the_lora_guide_runs(tmp_path):
     proc = run_guide(text, tmp_path, {"--trainer.max_steps=20": "--trainer.max_steps=3"}, 500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "LoRA" in proc.stdout + proc.stderr  # the end summary's trained-parameter line
-    # generate.py: the PEFT adapter on the base and the merged model generate the same bytes
-    assert proc.stdout.strip().splitlines()[-1].startswith("True b'")
+    # generate.py: the PEFT adapter on the base and the merged fp32 model give the same logits
+    assert proc.stdout.strip().splitlines()[-1].startswith("True "), proc.stdout[-500:]
 
 
 @pytest.mark.slow
