@@ -1441,9 +1441,14 @@ MUTATIONS = {
                                 ["tests/cli/test_errors.py", "-k", "init_from"]),
     # packed documents' attention by query chunks: each chunk over its own keys only
     "docs_chunk_own_keys": ("lightning_titan/model/documents.py",
-                            "        keys, values = k[:, :, :end], v[:, :, :end]  # a query sees no later key",
+                            "        keys, values = k[:, :, first:end], v[:, :, first:end]  # a query sees no later key",
                             "        keys, values = k[:, :, start:end], v[:, :, start:end]",
                             ["tests/unit/test_packed_documents.py", "-k", "chunks"]),
+    # each chunk's keys from its documents' start: the latest start over the batch, not the earliest
+    "docs_key_start_latest": ("lightning_titan/model/documents.py",
+                              "    return tuple(first_BS[:, ::QUERY_CHUNK].amin(dim=0).tolist())",
+                              "    return tuple(first_BS[:, ::QUERY_CHUNK].amax(dim=0).tolist())",
+                              ["tests/unit/test_packed_documents.py"]),
     # ... and by chunks where the keys are not the queries' positions in order (CP)
     "docs_chunk_cp_unguarded": ("lightning_titan/model/documents.py",
                                 "    if s <= QUERY_CHUNK or mask.shape[-1] != s:",

@@ -157,7 +157,14 @@ class Attention(nn.Module):
             self.q_norm = FullQKNorm(q_dim, q_dim * tp, config.norm_eps, tp_group)
             self.k_norm = FullQKNorm(k_dim, k_dim * tp, config.norm_eps, tp_group)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        key_starts: tuple[int, ...] | None = None,
+    ) -> Tensor:
         """``cos``/``sin`` [S, hd], or [b, 1, S, hd] for packed documents (each document's
         positions); ``mask``: additive (``sinks.sdpa_mask``; with sinks, the sink's column first)
         [S_q, S_k] under context parallelism and on window layers, [b, 1, S_q, S_k] for packed
@@ -185,7 +192,7 @@ class Attention(nn.Module):
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            out = masked_attention(q, k, v, mask)
+            out = masked_attention(q, k, v, mask, key_starts=key_starts)
         # each rank's o-projection of its heads is a partial sum of the output
         heads_out = out.transpose(1, 2).reshape(b, s, -1)
         if self.wo.bias is None:

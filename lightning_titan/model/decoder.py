@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_titan.model import lora as adapters
 from lightning_titan.model.attention import Attention, RMSNorm, apply_rope, rope_cos_sin
 from lightning_titan.model.config import ModelConfig
-from lightning_titan.model.documents import document_masks
+from lightning_titan.model.documents import QUERY_CHUNK, chunk_key_starts, document_masks
 from lightning_titan.model.init import init_adapters, init_weights
 from lightning_titan.model.lora import LoRA
 from lightning_titan.model.mla import MLAttention
@@ -124,20 +124,31 @@ class Block(nn.Module):
             )
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        key_starts: tuple[int, ...] | None = None,
     ) -> tuple[Tensor, Tensor]:
-        x, h = self.attend(x, cos, sin, mask)
+        x, h = self.attend(x, cos, sin, mask, key_starts)
         if self.moe is None:  # a dense layer: no aux loss
             return x + self.mlp(h), torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         moe_out, aux = self.moe(h, self.shared_expert)  # the shared expert runs under its exchanges
         return x + moe_out, aux
 
     def attend(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        key_starts: tuple[int, ...] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The residual stream after attention, and its MoE-normed copy: the block's part without
-        data-dependent shapes (``model/compiled.py`` compiles it)."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        data-dependent shapes (``model/compiled.py`` compiles it; the packed documents' key starts
+        are ints that vary by batch, which dynamo takes as dynamic after their first change)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, key_starts)
         return x, self.moe_norm(x)
 
 
@@ -275,7 +286,7 @@ class StageModel(nn.Module):
         else:
             seq_len = x.shape[1] * tp_size(self.tp_group) * tp_size(self.cp_group)
         cos, sin = self._rope(seq_len, x.device)
-        mask = window_mask = None
+        mask = window_mask = key_starts = None
         if documents is not None:  # block-diagonal by document, RoPE from each document's start
             if documents.shape != (x.shape[0], seq_len):
                 raise ValueError(
@@ -285,6 +296,8 @@ class StageModel(nn.Module):
             within, mask, window_mask = document_masks(
                 documents, self.cp_group, self.sliding_window
             )
+            if tp_size(self.cp_group) == 1 and seq_len > QUERY_CHUNK:  # masked_attention's chunks
+                key_starts = chunk_key_starts(documents)
             cos, sin = cos[within].unsqueeze(1), sin[within].unsqueeze(1)  # [b, 1, S/cp, dim]
         elif tp_size(self.cp_group) > 1:  # RoPE and the causal mask by the tokens' global positions
             mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)
@@ -306,9 +319,11 @@ class StageModel(nn.Module):
         for block in (self.layers[str(i)] for i in range(*self.chunk_ranges[chunk])):
             layer_mask = window_mask if block.sliding else mask
             if self.config.activation_checkpointing and torch.is_grad_enabled():
-                x, block_aux = checkpoint(block, x, cos, sin, layer_mask, use_reentrant=False)
+                x, block_aux = checkpoint(
+                    block, x, cos, sin, layer_mask, key_starts, use_reentrant=False
+                )
             else:
-                x, block_aux = block(x, cos, sin, layer_mask)
+                x, block_aux = block(x, cos, sin, layer_mask, key_starts)
             aux = aux + block_aux
         if self.heads(chunk):
             x = self.head(x)

@@ -75,23 +75,41 @@ def check_documents(documents: Tensor, inputs_shape: torch.Size) -> None:
 QUERY_CHUNK = 128  # queries a masked attention call takes at a time (``masked_attention``)
 
 
+def chunk_key_starts(documents_BS: Tensor) -> tuple[int, ...]:
+    """For each ``QUERY_CHUNK`` of queries, the first key any of them can see: the start of the
+    document of the chunk's first query, the earliest over the batch's sequences (a later query's
+    document starts no earlier). One read of [S / QUERY_CHUNK] ids to the host a forward (a sync
+    on CUDA), for every layer."""
+    starts = torch.arange(documents_BS.shape[1], device=documents_BS.device)
+    first_BS = starts - document_positions(documents_BS)
+    return tuple(first_BS[:, ::QUERY_CHUNK].amin(dim=0).tolist())
+
+
 def masked_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    scale: float | None = None,
+    key_starts: tuple[int, ...] | None = None,
 ) -> Tensor:
     """``scaled_dot_product_attention`` of ``q`` [b, H, S, hd] over ``k``, ``v`` with an additive
     causal ``mask`` [..., S, S_k]; where the keys are the queries' positions in order (``S_k == S``:
-    no CP), ``QUERY_CHUNK`` queries at a time, each over the keys up to its last query only. With ``is_causal`` the kernel skips the
-    blocks above the diagonal; with an explicit mask it computes them all (1.6x the causal kernel's
-    time at 1,024 tokens on CPU): the chunks leave most of them out. Each query's softmax runs over
-    the same keys as in one call, less ones its mask hides."""
+    no CP), ``QUERY_CHUNK`` queries at a time, each over the keys up to its last query only, and
+    from ``key_starts`` (``chunk_key_starts``: the first key the chunk's documents reach) when
+    given. With ``is_causal`` the kernel skips the blocks above the diagonal; with an explicit mask
+    it computes them all (1.6x the causal kernel's time at 1,024 tokens on CPU): the chunks leave
+    them out, and the key starts the blocks of earlier documents too. Each query's softmax runs
+    over the same keys as in one call, less ones its mask hides."""
     s = q.shape[2]
     if s <= QUERY_CHUNK or mask.shape[-1] != s:  # short, or keys in another order (CP): one call
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     out = []
-    for start in range(0, s, QUERY_CHUNK):
+    for i, start in enumerate(range(0, s, QUERY_CHUNK)):
         end = min(start + QUERY_CHUNK, s)
-        queries, mask_QK = q[:, :, start:end], mask[..., start:end, :end]
-        keys, values = k[:, :, :end], v[:, :, :end]  # a query sees no later key
+        first = 0 if key_starts is None else key_starts[i]
+        queries, mask_QK = q[:, :, start:end], mask[..., start:end, first:end]
+        keys, values = k[:, :, first:end], v[:, :, first:end]  # a query sees no later key
         out.append(
             F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask_QK, scale=scale)
         )

@@ -95,7 +95,14 @@ class MLAttention(nn.Module):
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return apply_rope(x, cos, sin)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        key_starts: tuple[int, ...] | None = None,
+    ) -> Tensor:
         """``cos``/``sin`` [S, qk_rope_head_dim] of this rank's positions ([b, 1, S, ...] for packed
         documents); ``mask`` [S_q, S_k] additive (``sinks.sdpa_mask``) under context parallelism,
         [b, 1, S_q, S_k] for packed documents (``model/documents.py``), else None: causal by order."""
@@ -129,6 +136,6 @@ class MLAttention(nn.Module):
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
-            out = masked_attention(q, k, v, mask, scale=self.scale)
+            out = masked_attention(q, k, v, mask, scale=self.scale, key_starts=key_starts)
         out = out[..., : self.v_dim]
         return scatter_sequence(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.tp_group)

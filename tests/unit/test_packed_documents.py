@@ -18,6 +18,8 @@ from lightning_titan.model.documents import document_masks, document_positions
 S = 16
 # two sequences: lengths of their documents (the second ends in a padding "document")
 SPLITS = [(5, 7, 4), (9, 3, 4)]
+# past QUERY_CHUNK (128) tokens the masked attention runs by chunks, each from its documents' start
+LONG_SPLITS = [(100, 90, 60, 50), (170, 30, 80, 20)]
 BASE = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, ffn_dim=24, n_experts=4, top_k=2)
 KINDS = {
     "gqa": dict(n_kv_heads=2),
@@ -47,17 +49,19 @@ def test_positions_restart_at_each_document_and_the_mask_is_block_diagonal_causa
     assert window is not None and torch.equal(window[:, 0], want & (q - k < 2))
 
 
+@pytest.mark.parametrize("splits", [SPLITS, LONG_SPLITS], ids=["short", "long"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_a_packed_sequence_equals_each_document_alone(kind):
+def test_a_packed_sequence_equals_each_document_alone(kind, splits):
     torch.manual_seed(0)
-    model = StageModel(ModelConfig(**BASE, **KINDS[kind], seq_len=S)).eval()
+    s = sum(splits[0])
+    model = StageModel(ModelConfig(**BASE, **KINDS[kind], seq_len=s)).eval()
     model.init_weights(0)
-    tokens = torch.randint(0, 61, (len(SPLITS), S))
-    docs = documents_of(SPLITS)
+    tokens = torch.randint(0, 61, (len(splits), s))
+    docs = documents_of(splits)
     with torch.no_grad():
         packed, _ = model(tokens, documents=docs)
         plain, _ = model(tokens)
-        for row, lengths in enumerate(SPLITS):
+        for row, lengths in enumerate(splits):
             start = 0
             for n in lengths:
                 ids = tokens[row : row + 1, start : start + n]
@@ -69,8 +73,9 @@ def test_a_packed_sequence_equals_each_document_alone(kind):
                 torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
                 start += n
     # the first document is the plain sequence's start; a later one is not (the check can fail)
-    torch.testing.assert_close(packed[:, :5], plain[:, :5], atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(packed[:, 5:], plain[:, 5:], atol=1e-3)
+    first = min(lengths[0] for lengths in splits)
+    torch.testing.assert_close(packed[:, :first], plain[:, :first], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(packed[:, first:], plain[:, first:], atol=1e-3)
 
 
 def test_documents_that_do_not_fit_the_batch_are_refused():
@@ -107,26 +112,36 @@ def test_a_packed_sequence_equals_transformers_on_each_document(family, tmp_path
 
 def test_masked_attention_by_query_chunks_equals_one_call():
     """Past QUERY_CHUNK queries the masked attention runs chunk by chunk over the keys up to each
-    chunk's end: the same outputs and grads as one call over every key (the hidden keys add 0); with
-    keys in another order than the queries (CP), one call."""
-    from lightning_titan.model.documents import QUERY_CHUNK, document_masks, masked_attention
+    chunk's end, and from its documents' first key when given the key starts: the same outputs and
+    grads as one call over every key (the hidden keys add 0); with keys in another order than the
+    queries (CP), one call. The key starts are each chunk's first visible key over the batch."""
+    from lightning_titan.model.documents import (
+        QUERY_CHUNK,
+        chunk_key_starts,
+        document_masks,
+        masked_attention,
+    )
     from lightning_titan.model.sinks import sdpa_mask
 
     s = 2 * QUERY_CHUNK + 37  # three chunks, the last one short
     g = torch.Generator().manual_seed(0)
-    documents = (torch.rand(2, s, generator=g) < 4 / s).long().cumsum(1)
+    documents = (torch.rand(2, s, generator=g) < 8 / s).long().cumsum(1)
     _, mask, _ = document_masks(documents, None, 0)
+    starts = chunk_key_starts(documents)
+    visible = mask[:, 0, ::QUERY_CHUNK].int().argmax(dim=-1)  # each chunk's first query's first key
+    assert starts == tuple(visible.amin(dim=0).tolist()) and starts[0] == 0 and starts[-1] > 0
     additive = sdpa_mask(mask, torch.float64, sink=False)
     q, k, v = (torch.randn(2, 4, s, 8, generator=g, dtype=torch.float64) for _ in range(3))
     # CP-like: this rank's queries are every other position, the keys all of them reversed
     mine, keys = torch.arange(0, s, 2), torch.arange(s - 1, -1, -1)
     cases = [
-        (q, k, v, additive),
-        (q[:, :, mine], k[:, :, keys], v[:, :, keys], additive[..., mine, :][..., keys]),
+        (q, k, v, additive, None),
+        (q, k, v, additive, starts),
+        (q[:, :, mine], k[:, :, keys], v[:, :, keys], additive[..., mine, :][..., keys], None),
     ]
-    for (q, k, v, additive), scale in [(c, sc) for c in cases for sc in (None, 0.3)]:
+    for (q, k, v, additive, key_starts), scale in [(c, sc) for c in cases for sc in (None, 0.3)]:
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        chunked = masked_attention(*inputs, additive, scale=scale)
+        chunked = masked_attention(*inputs, additive, scale=scale, key_starts=key_starts)
         chunked.square().sum().backward()
         whole_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         whole = F.scaled_dot_product_attention(*whole_inputs, attn_mask=additive, scale=scale)
