@@ -96,11 +96,17 @@ PACKED = {
         ((1, 1, 1, 1, 2), "1f1b:packed", 1, "deepseek"),
     ],
     4: [((2, 1, 2), "1f1b:packed", 2), ((1, 2, 1, 1, 2), "1f1b:packed", 2, "gpt_oss")],
+    # every 8-rank layout with the default model, gpt-oss and DeepSeek-V3: dp2 x pp2 x ep2,
+    # tp2 x pp2 x ep2, cp2 x pp2 x ep2, and DualPipeV's dp2 x pp2 x ep2 (16-sequence batches)
     8: [
-        ((2, 2, 2), "1f1b:packed", 2),
-        ((1, 2, 2, 2), "1f1b:packed", 2, "gpt_oss"),  # tp2 x pp2 x ep2
-        ((1, 2, 2, 1, 2), "1f1b:packed", 2, "deepseek"),  # cp2 x pp2 x ep2
-        ((2, 2, 2), "dualpipev:packed:batch=16", 4),  # reference(batch=16, packed=True)
+        (layout, schedule, m, *family)
+        for layout, schedule, m in [
+            ((2, 2, 2), "1f1b:packed", 2),
+            ((1, 2, 2, 2), "1f1b:packed", 2),
+            ((1, 2, 2, 1, 2), "1f1b:packed", 2),
+            ((2, 2, 2), "dualpipev:packed:batch=16", 4),  # reference(batch=16, packed=True)
+        ]
+        for family in [(), ("gpt_oss",), ("deepseek",)]
     ],
 }
 # Tensor parallelism with sequence parallelism, composed with the other axes: (dp, pp, ep, tp)
@@ -317,7 +323,11 @@ def packed_refs(ref):
     names = {c[3] for cases in PACKED.values() for c in cases if len(c) > 3}
     out = {name: reference(FAMILY_CONFIGS[name], packed=True) for name in names}
     out[None] = reference(packed=True)
-    out["wide"] = reference(batch=16, packed=True)  # dualpipev's 16-sequence batches
+    # dualpipev's 16-sequence batches: ("wide", None) for CONFIG, ("wide", name) for a family
+    wide = {c[3] if len(c) > 3 else None for cs in PACKED.values() for c in cs if "batch=16" in c[1]}
+    for name in wide:
+        config = () if name is None else (FAMILY_CONFIGS[name],)
+        out["wide", name] = reference(*config, batch=16, packed=True)
     assert out[None]["loss"] != ref["loss"], "packing must change the losses to be tested"
     return out
 
@@ -369,7 +379,7 @@ def test_every_layout_equals_one_process(
             name = packed_names.get(id(config[0])) if config else None
             case_ref, what = packed_refs[name], f" packed {name or ''}"
             if "batch=16" in schedule:
-                case_ref = packed_refs["wide"]
+                case_ref = packed_refs["wide", name]
         assert_matches_reference(case_ref, results, f"{layout} {schedule} M={m}{what}")
         # the overlapped schedules did interleave their halves (and nothing else did)
         paired = schedule.split(":")[0] in OVERLAPPED
