@@ -36,7 +36,12 @@ from lightning_titan.lightning.quiet import quiet_known_noise
 from lightning_titan.lightning.restarts import RestartingLauncher
 from lightning_titan.lightning.run_folders import place_run
 from lightning_titan.lightning.strategy import TitanStrategy
-from lightning_titan.lightning.summary import FitCounts, fit_summary, skipped_warning
+from lightning_titan.lightning.summary import (
+    FitCounts,
+    draw_loss_curve,
+    fit_summary,
+    skipped_warning,
+)
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.lora import LoRA
 from lightning_titan.train.options import check_overlap_threads
@@ -175,7 +180,8 @@ class TitanCLI(LightningCLI):
             return  # this process trained no rank: its rank 0 printed the summary
         if self.trainer.is_global_zero:
             seconds = time.perf_counter() - self.started
-            print(fit_summary(self.trainer, self.model, seconds), flush=True)
+            curve = draw_loss_curve(self.trainer)
+            print(fit_summary(self.trainer, self.model, seconds, curve), flush=True)
             warning = skipped_warning(self.trainer)
             if warning:
                 print(warning, file=sys.stderr, flush=True)

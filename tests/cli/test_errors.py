@@ -415,6 +415,7 @@ SUMMARY = (
     r"^peak memory        \d+ MiB a rank \(host max RSS\)$",
     r"^layout             dp=1 pp=1 ep=1 \(1 ranks\)$",
     r"^logs               \S+/runs/lightning_logs/version_0/metrics\.csv$",
+    r"^loss curve         \S+/runs/lightning_logs/version_0/loss_curve\.png$",
     r"^checkpoints        \S+/runs/lightning_logs/version_0/checkpoints$",
 )
 
@@ -424,7 +425,8 @@ SUMMARY = (
 def test_titan_fit_without_a_config_trains_the_default_model_under_titan_strategy(tmp_path):
     """Not Lightning's strategy="auto" (SingleDeviceStrategy, which TitanLM refuses); on a new data
     cache (built and saved in this run), quiet but for progress, and ending with the summary."""
-    done = titan_fit(tmp_path, "--trainer.limit_val_batches=0", "--trainer.max_steps=2")
+    done = titan_fit(tmp_path, "--trainer.limit_val_batches=0", "--trainer.max_steps=2",
+                     "--trainer.log_every_n_steps=1")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
     for what, text in NOISE.items():
@@ -433,6 +435,9 @@ def test_titan_fit_without_a_config_trains_the_default_model_under_titan_strateg
     for field in SUMMARY:
         assert re.search(field, summary, flags=re.M), (field, summary)
     assert (tmp_path / "cache").is_dir()  # the data was prepared (and saved) by this run
+    # rank 0 drew the loss curve in the run folder, beside metrics.csv
+    png = tmp_path / "runs" / "lightning_logs" / "version_0" / "loss_curve.png"
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 @pytest.mark.slow  # one `titan` process (about 15 s)
