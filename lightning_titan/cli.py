@@ -24,6 +24,7 @@ from lightning_titan.checkpoint import files
 from lightning_titan.checkpoint.storage import short_cause
 from lightning_titan.data import records
 from lightning_titan.data.chat import check_options
+from lightning_titan.data.checks import TooLittleData
 from lightning_titan.data.corpus import Source
 from lightning_titan.data.prepare import default_cache_dir
 from lightning_titan.hf import load as hf_load
@@ -347,6 +348,12 @@ def main(args: list[str] | None = None) -> None:
         rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
         where = f"rank {rank}/{world}: " if rank is not None and world not in (None, "1") else ""
         print(f"titan: error: {where}{err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except TooLittleData as err:  # found alike on every rank (data/checks.py): rank 0 says it
+        if args is not None:
+            raise
+        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+            print(f"titan: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

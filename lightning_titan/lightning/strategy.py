@@ -29,6 +29,7 @@ from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_pro
 from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
 from lightning_titan.runtime.agreement import SetupPhase
+from lightning_titan.data.checks import TooLittleData
 from lightning_titan.train.engine import Engine
 from lightning_titan.train.options import (
     Schedule,
@@ -340,6 +341,8 @@ class TitanStrategy(ShardedStrategy):
         if self.preemption.handles(exception, trainer, self, grace_s):
             return
         self._setup_phase.fail(exception)
+        if isinstance(exception, TooLittleData):
+            return  # found alike on every rank: the command's one line (cli.main), no rank report
         env, peers = self.cluster_environment, self._peers
         # a stop asked for (SIGTERM) that a failure overtook, e.g. a peer stalled in a background
         # save: the exit code still says "terminated", and a restarting launcher does not restart

@@ -546,3 +546,48 @@ def _damaged_config(folder: Path) -> Path:
     (folder / "hf").mkdir()
     (folder / "hf" / "config.json").write_text('{"model_type": "qwen3_moe"')
     return folder / "hf"
+
+
+def _tiny_corpus(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "a.txt").write_text("hello world, a small corpus. " * 30)  # 13 windows of 65 tokens
+    return folder
+
+
+@pytest.mark.timeout(120)
+def test_a_split_too_small_for_one_batch_names_its_size_and_the_fix(tmp_path):
+    """Each split packs into fewer seq_len+1 windows than one global batch: the message names the
+    split, its windows and tokens, what one batch needs, and the fixes."""
+    from lightning_titan.data.checks import TooLittleData
+
+    source = str(_tiny_corpus(tmp_path / "tiny"))
+    cases = {  # (val_fraction, global_batch_size) -> what the message says
+        (0.0, 16): ("the training split packs into 13 sequences of 65 tokens (", "tokens from 1 "
+                    "documents)", "(1040 tokens)"),
+        (0.1, 2): ("the validation split packs into 0 sequences of 65 tokens", "(130 tokens)",
+                   "raise val_fraction (or set it to 0: no validation)"),
+    }  # fmt: skip
+    for (val_fraction, batch), says in cases.items():
+        dm = TitanDataModule(source=source, cache_dir=str(tmp_path / "cache"), seq_len=64,
+                             val_fraction=val_fraction, global_batch_size=batch)  # fmt: skip
+        with pytest.raises(TooLittleData) as info:
+            dm.bind(0, 1).setup("fit")
+        message = str(info.value)
+        assert f"needs global_batch_size={batch} of them" in message, message
+        assert all(s in message for s in says), (says, message)
+        assert "give more text (source / max_bytes)" in message, message
+        assert message.endswith("or lower global_batch_size or seq_len"), message
+
+
+@pytest.mark.slow  # one `titan fit` on one rank that stops in the data's setup (about 20 s)
+@pytest.mark.timeout(200)
+def test_a_split_too_small_for_one_batch_is_one_line_from_the_ranks(tmp_path):
+    """Found in the data's setup on the ranks, not while parsing: no traceback, no rank report, the
+    message as the last line, exit status 2."""
+    source = _tiny_corpus(tmp_path / "tiny")
+    done = titan_fit(tmp_path, f"--data.source={source}", "--trainer.enable_progress_bar=false")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert lines[-1].startswith("titan: error: the validation split packs into 0 sequences"), lines
+    assert "Traceback" not in done.stderr and "failed:" not in done.stderr, done.stderr[-3000:]
+    assert "== titan fit" not in done.stdout, done.stdout[-2000:]
