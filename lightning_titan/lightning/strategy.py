@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
+from lightning_titan.data.checks import TooLittleData
 from lightning_titan.lightning import preemption, supervisor
 from lightning_titan.lightning.connect import connect
 from lightning_titan.lightning.failures import report_failure, unreduced_step_error
@@ -29,7 +30,6 @@ from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_pro
 from lightning_titan.plan import auto
 from lightning_titan.runtime import faults
 from lightning_titan.runtime.agreement import SetupPhase
-from lightning_titan.data.checks import TooLittleData
 from lightning_titan.train.engine import Engine
 from lightning_titan.train.options import (
     Schedule,

@@ -16,7 +16,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_titan.lightning import plots
-
 from lightning_titan.model import flops
 from lightning_titan.model.decoder import ModelConfig, StageModel
 
