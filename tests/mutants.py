@@ -1318,6 +1318,11 @@ MUTATIONS = {
                                     "        if isinstance(exception, TooLittleData):\n",
                                     "        if False:\n",
                                     ["tests/cli/test_errors.py", "-k", "one_line_from_the_ranks", "-m", "slow"]),
+    # a forked rank's TooLittleData reaches the parent as torch's traceback text
+    "too_little_data_fork_text": ("lightning_titan/lightning/launchers.py",
+                                  "    return TooLittleData(said[-1][len(prefix) :]) if said else None\n",
+                                  "    return None\n",
+                                  ["tests/cli/test_errors.py", "-k", "forked_rank"]),
     # PipelineTimeline writes into the working directory, not the run's log folder
     "timeline_in_cwd": ("lightning_titan/lightning/callbacks.py",
                         "        self.out_dir = in_run_folder(trainer, self.out_dir)\n",

@@ -591,3 +591,23 @@ def test_a_split_too_small_for_one_batch_is_one_line_from_the_ranks(tmp_path):
     assert lines[-1].startswith("titan: error: the validation split packs into 0 sequences"), lines
     assert "Traceback" not in done.stderr and "failed:" not in done.stderr, done.stderr[-3000:]
     assert "== titan fit" not in done.stdout, done.stdout[-2000:]
+
+
+def test_a_forked_rank_that_found_too_little_data_raises_it_in_the_parent():
+    """Under start_method=fork torch hands the parent a rank's traceback as text: the launcher raises
+    the rank's TooLittleData again (the command's one line, a notebook's exception); other errors
+    stay torch's."""
+    from torch.multiprocessing import ProcessRaisedException
+
+    from lightning_titan.data.checks import TooLittleData
+    from lightning_titan.lightning.launchers import found_alike
+
+    said = "the training split packs into 3 sequences of 65 tokens (...); give more text"
+    traceback = ("\n\n-- Process 1 terminated with the following error:\nTraceback (most recent "
+                 'call last):\n  File "x.py", line 1, in f\n    raise TooLittleData(\n'
+                 f"lightning_titan.data.checks.TooLittleData: {said}\n")  # fmt: skip
+    found = found_alike(ProcessRaisedException(traceback, 1, 123))
+    assert isinstance(found, TooLittleData) and str(found) == said
+    other = traceback.replace("lightning_titan.data.checks.TooLittleData", "ValueError")
+    assert found_alike(ProcessRaisedException(other, 1, 123)) is None
+    assert found_alike(TooLittleData(said)) is None  # not a rank's: raised as it is
