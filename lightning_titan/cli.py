@@ -24,6 +24,7 @@ from lightning_titan.checkpoint import files
 from lightning_titan.checkpoint.storage import short_cause
 from lightning_titan.data import records
 from lightning_titan.data.chat import check_options
+from lightning_titan.data.checks import TooLittleData
 from lightning_titan.data.corpus import Source
 from lightning_titan.data.prepare import default_cache_dir
 from lightning_titan.hf import load as hf_load
@@ -36,7 +37,12 @@ from lightning_titan.lightning.quiet import quiet_known_noise
 from lightning_titan.lightning.restarts import RestartingLauncher
 from lightning_titan.lightning.run_folders import place_run
 from lightning_titan.lightning.strategy import TitanStrategy
-from lightning_titan.lightning.summary import FitCounts, fit_summary, skipped_warning
+from lightning_titan.lightning.summary import (
+    FitCounts,
+    draw_loss_curve,
+    fit_summary,
+    skipped_warning,
+)
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.lora import LoRA
 from lightning_titan.train.options import check_overlap_threads
@@ -175,7 +181,8 @@ class TitanCLI(LightningCLI):
             return  # this process trained no rank: its rank 0 printed the summary
         if self.trainer.is_global_zero:
             seconds = time.perf_counter() - self.started
-            print(fit_summary(self.trainer, self.model, seconds), flush=True)
+            curve = draw_loss_curve(self.trainer)
+            print(fit_summary(self.trainer, self.model, seconds, curve), flush=True)
             warning = skipped_warning(self.trainer)
             if warning:
                 print(warning, file=sys.stderr, flush=True)
@@ -341,6 +348,12 @@ def main(args: list[str] | None = None) -> None:
         rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
         where = f"rank {rank}/{world}: " if rank is not None and world not in (None, "1") else ""
         print(f"titan: error: {where}{err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except TooLittleData as err:  # found alike on every rank (data/checks.py): rank 0 says it
+        if args is not None:
+            raise
+        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+            print(f"titan: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -1288,6 +1288,41 @@ MUTATIONS = {
                                     "    quiet_lightning_chatter()\n    # Lightning 2.6",
                                     "    # Lightning 2.6",
                                     ["tests/cli/test_errors.py", "-k", "without_a_config", "-m", "slow"]),
+    # the loss curve keeps the first row of a step a restarted attempt redid, not the last
+    "loss_curve_first_row": ("lightning_titan/lightning/summary.py",
+                             '{int(r["step"]): float(r[key]) for r in rows if r.get(key)}',
+                             '{int(r["step"]): float(r[key]) for r in reversed(rows) if r.get(key)}',
+                             ["tests/unit/test_fit_summary.py", "-k", "loss_curve"]),
+    # the loss curve without the val loss
+    "loss_curve_no_val": ("lightning_titan/lightning/summary.py",
+                          '    return curve("train_loss"), curve("val_loss")\n',
+                          '    return curve("train_loss"), []\n',
+                          ["tests/unit/test_fit_summary.py", "-k", "loss_curve"]),
+    # `titan fit` draws no loss curve (and its summary names none)
+    "loss_curve_not_drawn": ("lightning_titan/cli.py",
+                             "            curve = draw_loss_curve(self.trainer)\n",
+                             "            curve = None\n",
+                             ["tests/cli/test_errors.py", "-k", "without_a_config", "-m", "slow"]),
+    # a WandbLogger's files (and the run's checkpoints) outside the run folder
+    "wandb_no_run_folder": ("lightning_titan/lightning/run_folders.py",
+                            "        args.save_dir = str(folder)\n",
+                            "        pass\n",
+                            ["tests/unit/test_run_versions.py", "-k", "weights_and_biases"]),
+    # a split too small for one batch: a plain ValueError, reported as a rank's failure
+    "too_little_data_plain": ("lightning_titan/data/checks.py",
+                              "            raise TooLittleData(\n",
+                              "            raise ValueError(\n",
+                              ["tests/cli/test_errors.py", "-k", "split_too_small"]),
+    # the ranks report it as their failure, with a traceback
+    "too_little_data_rank_report": ("lightning_titan/lightning/strategy.py",
+                                    "        if isinstance(exception, TooLittleData):\n",
+                                    "        if False:\n",
+                                    ["tests/cli/test_errors.py", "-k", "one_line_from_the_ranks", "-m", "slow"]),
+    # a forked rank's TooLittleData reaches the parent as torch's traceback text
+    "too_little_data_fork_text": ("lightning_titan/lightning/launchers.py",
+                                  "    return TooLittleData(said[-1][len(prefix) :]) if said else None\n",
+                                  "    return None\n",
+                                  ["tests/cli/test_errors.py", "-k", "forked_rank"]),
     # PipelineTimeline writes into the working directory, not the run's log folder
     "timeline_in_cwd": ("lightning_titan/lightning/callbacks.py",
                         "        self.out_dir = in_run_folder(trainer, self.out_dir)\n",

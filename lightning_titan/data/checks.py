@@ -48,20 +48,31 @@ def check_counts(max_bytes: int | None, steps_per_epoch: int | None, val_batches
         )
 
 
+class TooLittleData(ValueError):
+    """A split that cannot fill one global batch. Every rank finds it alike (each packs the same
+    corpus) in the data's setup, before the data's first collective: ``titan`` prints the message
+    alone, exit status 2, as it does for a bad value on the command line."""
+
+
 def check_split_sizes(corpus: PackedCorpus, global_batch_size: int, val_fraction: float) -> None:
-    """Each split used must fill at least one global batch."""
+    """Each split used must fill at least one global batch of ``seq_len + 1``-token windows."""
     window = corpus.meta["seq_len"] + 1
     for split, rows in (("train", corpus.train), ("validation", corpus.validation)):
         if split == "validation" and val_fraction == 0:
             continue
         if len(rows) < global_batch_size:
             stats = corpus.meta[split]
-            fix = "raise val_fraction, " if split == "validation" else ""
-            raise ValueError(
-                f"the {'training' if split == 'train' else split} split packs into {len(rows)} sequences of "
-                f"{window} tokens ({stats['tokens']} tokens from {stats['documents']} documents) but one "
-                f"global batch needs global_batch_size={global_batch_size}; give more text (source / "
-                f"max_bytes), {fix}or lower global_batch_size or seq_len"
+            fix = (
+                "raise val_fraction (or set it to 0: no validation), "
+                if split == "validation"
+                else ""
+            )
+            raise TooLittleData(
+                f"the {'training' if split == 'train' else split} split packs into {len(rows)} "
+                f"sequences of {window} tokens ({stats['tokens']} tokens from {stats['documents']} "
+                f"documents) but one global batch needs global_batch_size={global_batch_size} of "
+                f"them ({global_batch_size * window} tokens); give more text (source / max_bytes), "
+                f"{fix}or lower global_batch_size or seq_len"
             )
 
 

@@ -38,8 +38,10 @@ from lightning.pytorch.strategies.launchers import (
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.call import _interrupt
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.multiprocessing import ProcessRaisedException
 from typing_extensions import override
 
+from lightning_titan.data.checks import TooLittleData
 from lightning_titan.lightning.checkpoint_hooks import refuse_missing_last
 from lightning_titan.lightning.restarts import (
     RestartingLauncher,
@@ -253,6 +255,17 @@ def launcher_for(strategy: Any, start_method: str) -> Any:
     return TitanForkLauncher(strategy, start_method, strategy.options.grace_s)
 
 
+def found_alike(error: BaseException) -> TooLittleData | None:
+    """A forked rank's ``TooLittleData`` (every rank finds it alike) as the parent's own, for the
+    command's one line or a notebook's exception: torch hands the parent only the rank's traceback,
+    as text, whose last line is the class and the (one-line) message. None: another error."""
+    if not isinstance(error, ProcessRaisedException):
+        return None
+    prefix = f"{TooLittleData.__module__}.{TooLittleData.__qualname__}: "
+    said = [line for line in str(error).splitlines() if line.startswith(prefix)]
+    return TooLittleData(said[-1][len(prefix) :]) if said else None
+
+
 class TitanForkLauncher(_MultiProcessingLauncher):
     """Lightning's fork/spawn launcher (notebooks), where the parent is no rank: an interrupt or a
     SIGTERM there stops every rank, instead of returning while they train on. The ranks get SIGTERM
@@ -279,6 +292,9 @@ class TitanForkLauncher(_MultiProcessingLauncher):
             preempted = self.procs and all(p.exitcode == 143 for p in self.procs)
             if not isinstance(err, KeyboardInterrupt) and (self._sigterm or preempted):
                 raise SystemExit(128 + signal.SIGTERM) from err  # every rank saved `last`
+            found = found_alike(err)
+            if found is not None:
+                raise found from None
             raise
         finally:
             if main:

@@ -1,5 +1,5 @@
-"""PNG charts: the measured pipeline timeline (Gantt), expert load, and the benchmark's summaries;
-the timeline as a Chrome trace too.
+"""PNG charts: a run's loss curve, the measured pipeline timeline (Gantt), expert load, and the
+benchmark's summaries; the timeline as a Chrome trace too.
 
 Uses matplotlib's object API with the Agg canvas, so it never switches a notebook's backend.
 """
@@ -46,6 +46,30 @@ def _figure(width: float, height: float) -> Any:
     fig = Figure(figsize=(width, height), dpi=110)
     FigureCanvasAgg(fig)
     return fig
+
+
+Curve = Sequence[tuple[int, float]]
+
+
+def plot_loss_curve(train: Curve, val: Curve, path: str | Path, title: str = "") -> None:
+    """``train`` and ``val``: (step, loss) pairs; the train loss a line, the val loss a line with
+    markers (its few points), on one step axis."""
+    if not train:
+        raise ValueError("no train_loss to plot: log at least one step")
+    fig = _figure(7, 4)
+    ax = fig.add_subplot()
+    ax.plot([s for s, _ in train], [v for _, v in train], color="#4C72B0", linewidth=1.0,
+            label="train_loss")  # fmt: skip
+    if val:
+        ax.plot([s for s, _ in val], [v for _, v in val], color="#C44E52", linewidth=1.0,
+                marker="o", markersize=3, label="val_loss")  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def plot_gantt(

@@ -2,8 +2,9 @@
 parsed, before any rank starts (``checkpoint/runs.py`` holds the file operations).
 
 - Each launch gets its own run folder, ``<save_dir>/<name>/version_N`` (or the logger's ``version``
-  as named), and its ModelCheckpoints without a ``dirpath`` save in its ``checkpoints/``: reruns of a
-  config never collide, and Lightning never finds a checkpoint folder that is not empty.
+  as named; CSV, TensorBoard and Weights & Biases loggers), and its ModelCheckpoints without a
+  ``dirpath`` save in its ``checkpoints/``: reruns of a config never collide, and Lightning never
+  finds a checkpoint folder that is not empty.
 - The process that starts the ranks takes the folder (``mkdir``: two launches get two) and hands its
   number to the ranks it starts, and starts again, in ``RUN_ENV``: a restarted attempt stays in its
   run's folder. It hands them the checkpoint it resolved ``--ckpt_path`` to as well
@@ -24,7 +25,7 @@ from typing import Any
 
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
 from lightning_titan.checkpoint import files, runs
 from lightning_titan.lightning.supervisor import is_worker, say
@@ -92,18 +93,9 @@ def place_run(
     ]
     given = [Path(c.init_args.dirpath) for c in checkpoints if c.init_args.get("dirpath")]
     root, search = None, list(given)
-    logger = trainer.get("logger")
-    cls = _class(logger)
-    if cls is not None and issubclass(cls, (CSVLogger, TensorBoardLogger)):
-        args = logger.init_args
-        root = Path(args.save_dir) / (args.get("name") or "")
-        if args.get("version") is None:
-            args.version = decide_version(root, claim)
-        elif not is_worker() and restart_count() == 0:
-            _refuse_taken(root, args.version, usage_error)
-        folder = root / (
-            f"version_{args.version}" if isinstance(args.version, int) else args.version
-        )
+    placed = _place_logger(trainer.get("logger"), usage_error, claim)
+    if placed is not None:
+        root, folder = placed
         for callback in checkpoints:
             if not callback.init_args.get("dirpath"):
                 callback.init_args.dirpath = str(folder / runs.CHECKPOINTS)
@@ -114,6 +106,35 @@ def place_run(
         config.ckpt_path = resolve_ckpt_path(config.ckpt_path, search, root)
     except ValueError as err:
         raise usage_error(str(err)) from None
+
+
+def _place_logger(
+    logger: Any, usage_error: Callable[[str], Exception], claim: bool
+) -> tuple[Path, Path] | None:
+    """(the config's folder of runs, this run's folder) for the logger's arguments, its version
+    decided; None: a logger that chooses its own folder, or none. Weights & Biases has no version
+    folder of its own: its ``save_dir`` becomes the run folder (``wandb/`` inside it), named as a
+    CSV logger's would be by its ``name`` (else its ``project``)."""
+    cls = _class(logger)
+    if cls is None:
+        return None
+    args = logger.init_args
+    if issubclass(cls, WandbLogger):
+        root = Path(args.get("save_dir") or ".") / (
+            args.get("name") or args.get("project") or "lightning_logs"
+        )
+        folder = root / f"version_{decide_version(root, claim)}"
+        args.save_dir = str(folder)
+        return root, folder
+    if not issubclass(cls, (CSVLogger, TensorBoardLogger)):
+        return None
+    root = Path(args.save_dir) / (args.get("name") or "")
+    if args.get("version") is None:
+        args.version = decide_version(root, claim)
+    elif not is_worker() and restart_count() == 0:
+        _refuse_taken(root, args.version, usage_error)
+    version = args.version
+    return root, root / (f"version_{version}" if isinstance(version, int) else version)
 
 
 def _refuse_taken(root: Path, version: Any, usage_error: Callable[[str], Exception]) -> None:

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
+from lightning_titan.data.checks import TooLittleData
 from lightning_titan.lightning import preemption, supervisor
 from lightning_titan.lightning.connect import connect
 from lightning_titan.lightning.failures import report_failure, unreduced_step_error
@@ -340,6 +341,8 @@ class TitanStrategy(ShardedStrategy):
         if self.preemption.handles(exception, trainer, self, grace_s):
             return
         self._setup_phase.fail(exception)
+        if isinstance(exception, TooLittleData):
+            return  # found alike on every rank: the command's one line (cli.main), no rank report
         env, peers = self.cluster_environment, self._peers
         # a stop asked for (SIGTERM) that a failure overtook, e.g. a peer stalled in a background
         # save: the exit code still says "terminated", and a restarting launcher does not restart

@@ -1,9 +1,10 @@
 """The lines ``titan fit`` prints when training ends: the final loss, how long the run took and how
 fast it trained (mean tokens/s and MFU after the first step), the memory peak per rank, the layout,
-and where the metrics and checkpoints went."""
+and where the metrics, the loss curve and the checkpoints went."""
 
 from __future__ import annotations
 
+import csv
 import resource
 import sys
 import time
@@ -12,7 +13,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
 
+from lightning_titan.lightning import plots
 from lightning_titan.model import flops
 from lightning_titan.model.decoder import ModelConfig, StageModel
 
@@ -148,7 +151,50 @@ def memory_line(metrics: dict[str, Any]) -> str | None:
     return None
 
 
-def fit_summary(trainer: Any, module: Any, wall_seconds: float | None = None) -> str:
+LOSS_CURVE = "loss_curve.png"  # beside metrics.csv in the run folder
+
+
+def losses(metrics_csv: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(train, val): the (step, loss) pairs of a CSVLogger's file, by step. A step logged twice (a
+    restarted attempt redoes the steps after its checkpoint, appending) keeps its last row."""
+    with open(metrics_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+
+    def curve(key: str) -> list[tuple[int, float]]:
+        return sorted({int(r["step"]): float(r[key]) for r in rows if r.get(key)}.items())
+
+    return curve("train_loss"), curve("val_loss")
+
+
+def draw_loss_curve(trainer: Any) -> str:
+    """Rank 0, as the fit ends: the run folder's ``metrics.csv`` (every attempt of this run; a run
+    resumed with ``--ckpt_path`` has a new folder, its curve starting where it resumed) drawn as
+    ``loss_curve.png`` beside it. Returns its path, or why there is none, for the summary."""
+    logger = trainer.logger
+    if not isinstance(logger, CSVLogger) or not logger.log_dir:
+        return "n/a (drawn from the CSVLogger's metrics.csv; this run logs elsewhere)"
+    folder = Path(logger.log_dir)
+    if not plots.available():
+        return "n/a (pip install matplotlib)"
+    metrics = folder / "metrics.csv"
+    few = "no step logged yet: the Trainer logs every log_every_n_steps (50 by default) steps"
+    if not metrics.is_file():
+        return f"n/a ({few})"
+    try:
+        train, val = losses(metrics)
+    except (OSError, ValueError, KeyError) as err:  # a damaged file: the run itself went well
+        return f"n/a ({metrics}: {type(err).__name__}: {err})"
+    if not train:
+        return f"n/a (no train_loss in {metrics}: {few})"
+    path = folder / LOSS_CURVE
+    plots.plot_loss_curve(train, val, path, title=f"{folder.parent.name}/{folder.name}")
+    return str(path.resolve())
+
+
+def fit_summary(
+    trainer: Any, module: Any, wall_seconds: float | None = None, loss_curve: str | None = None
+) -> str:
+    """``loss_curve``: what ``draw_loss_curve`` returned (None: not drawn, no line)."""
     metrics = trainer.callback_metrics
     steps, skipped = fit_counts(trainer)
     lines = ["", "== titan fit: done"]
@@ -176,7 +222,12 @@ def fit_summary(trainer: Any, module: Any, wall_seconds: float | None = None) ->
     if trained < params:  # LoRA: the adapters
         lines.append(f"trained            {trained:,} parameters ({trained / params:.2%}, LoRA)")
     if trainer.logger is not None and trainer.logger.log_dir:
-        lines.append(f"logs               {Path(trainer.logger.log_dir).resolve()}/metrics.csv")
+        logs = Path(trainer.logger.log_dir).resolve()  # TensorBoard's: its event files
+        if isinstance(trainer.logger, CSVLogger):
+            logs = logs / "metrics.csv"
+        lines.append(f"logs               {logs}")
+    if loss_curve is not None:
+        lines.append(f"loss curve         {loss_curve}")
     if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
         lines.append(f"checkpoints        {Path(trainer.checkpoint_callback.dirpath).resolve()}")
     return "\n".join(lines)

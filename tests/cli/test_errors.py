@@ -415,6 +415,7 @@ SUMMARY = (
     r"^peak memory        \d+ MiB a rank \(host max RSS\)$",
     r"^layout             dp=1 pp=1 ep=1 \(1 ranks\)$",
     r"^logs               \S+/runs/lightning_logs/version_0/metrics\.csv$",
+    r"^loss curve         \S+/runs/lightning_logs/version_0/loss_curve\.png$",
     r"^checkpoints        \S+/runs/lightning_logs/version_0/checkpoints$",
 )
 
@@ -424,7 +425,8 @@ SUMMARY = (
 def test_titan_fit_without_a_config_trains_the_default_model_under_titan_strategy(tmp_path):
     """Not Lightning's strategy="auto" (SingleDeviceStrategy, which TitanLM refuses); on a new data
     cache (built and saved in this run), quiet but for progress, and ending with the summary."""
-    done = titan_fit(tmp_path, "--trainer.limit_val_batches=0", "--trainer.max_steps=2")
+    done = titan_fit(tmp_path, "--trainer.limit_val_batches=0", "--trainer.max_steps=2",
+                     "--trainer.log_every_n_steps=1")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
     for what, text in NOISE.items():
@@ -433,6 +435,9 @@ def test_titan_fit_without_a_config_trains_the_default_model_under_titan_strateg
     for field in SUMMARY:
         assert re.search(field, summary, flags=re.M), (field, summary)
     assert (tmp_path / "cache").is_dir()  # the data was prepared (and saved) by this run
+    # rank 0 drew the loss curve in the run folder, beside metrics.csv
+    png = tmp_path / "runs" / "lightning_logs" / "version_0" / "loss_curve.png"
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 @pytest.mark.slow  # one `titan` process (about 15 s)
@@ -541,3 +546,68 @@ def _damaged_config(folder: Path) -> Path:
     (folder / "hf").mkdir()
     (folder / "hf" / "config.json").write_text('{"model_type": "qwen3_moe"')
     return folder / "hf"
+
+
+def _tiny_corpus(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "a.txt").write_text("hello world, a small corpus. " * 30)  # 13 windows of 65 tokens
+    return folder
+
+
+@pytest.mark.timeout(120)
+def test_a_split_too_small_for_one_batch_names_its_size_and_the_fix(tmp_path):
+    """Each split packs into fewer seq_len+1 windows than one global batch: the message names the
+    split, its windows and tokens, what one batch needs, and the fixes."""
+    from lightning_titan.data.checks import TooLittleData
+
+    source = str(_tiny_corpus(tmp_path / "tiny"))
+    cases = {  # (val_fraction, global_batch_size) -> what the message says
+        (0.0, 16): ("the training split packs into 13 sequences of 65 tokens (", "tokens from 1 "
+                    "documents)", "(1040 tokens)"),
+        (0.1, 2): ("the validation split packs into 0 sequences of 65 tokens", "(130 tokens)",
+                   "raise val_fraction (or set it to 0: no validation)"),
+    }  # fmt: skip
+    for (val_fraction, batch), says in cases.items():
+        dm = TitanDataModule(source=source, cache_dir=str(tmp_path / "cache"), seq_len=64,
+                             val_fraction=val_fraction, global_batch_size=batch)  # fmt: skip
+        with pytest.raises(TooLittleData) as info:
+            dm.bind(0, 1).setup("fit")
+        message = str(info.value)
+        assert f"needs global_batch_size={batch} of them" in message, message
+        assert all(s in message for s in says), (says, message)
+        assert "give more text (source / max_bytes)" in message, message
+        assert message.endswith("or lower global_batch_size or seq_len"), message
+
+
+@pytest.mark.slow  # one `titan fit` on one rank that stops in the data's setup (about 20 s)
+@pytest.mark.timeout(200)
+def test_a_split_too_small_for_one_batch_is_one_line_from_the_ranks(tmp_path):
+    """Found in the data's setup on the ranks, not while parsing: no traceback, no rank report, the
+    message as the last line, exit status 2."""
+    source = _tiny_corpus(tmp_path / "tiny")
+    done = titan_fit(tmp_path, f"--data.source={source}", "--trainer.enable_progress_bar=false")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert lines[-1].startswith("titan: error: the validation split packs into 0 sequences"), lines
+    assert "Traceback" not in done.stderr and "failed:" not in done.stderr, done.stderr[-3000:]
+    assert "== titan fit" not in done.stdout, done.stdout[-2000:]
+
+
+def test_a_forked_rank_that_found_too_little_data_raises_it_in_the_parent():
+    """Under start_method=fork torch hands the parent a rank's traceback as text: the launcher raises
+    the rank's TooLittleData again (the command's one line, a notebook's exception); other errors
+    stay torch's."""
+    from torch.multiprocessing import ProcessRaisedException
+
+    from lightning_titan.data.checks import TooLittleData
+    from lightning_titan.lightning.launchers import found_alike
+
+    said = "the training split packs into 3 sequences of 65 tokens (...); give more text"
+    traceback = ("\n\n-- Process 1 terminated with the following error:\nTraceback (most recent "
+                 'call last):\n  File "x.py", line 1, in f\n    raise TooLittleData(\n'
+                 f"lightning_titan.data.checks.TooLittleData: {said}\n")  # fmt: skip
+    found = found_alike(ProcessRaisedException(traceback, 1, 123))
+    assert isinstance(found, TooLittleData) and str(found) == said
+    other = traceback.replace("lightning_titan.data.checks.TooLittleData", "ValueError")
+    assert found_alike(ProcessRaisedException(other, 1, 123)) is None
+    assert found_alike(TooLittleData(said)) is None  # not a rank's: raised as it is

@@ -65,3 +65,39 @@ def test_two_runs_of_a_config_get_two_folders_and_last_is_the_newest(tmp_path: P
     assert f"[titan] skipping corrupt checkpoint {Path('runs/ep/version_1/checkpoints')}" in (
         done.stderr
     ), done.stderr[-2000:]
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} of every event file in ``folder`` (TFRecord framing: length, its CRC,
+    the event, its CRC), read with tensorboardX's protobuf classes."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            length = int.from_bytes(data[at : at + 8], "little")
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+@pytest.mark.slow  # one `titan fit` of two steps on one rank (about 20 s)
+@pytest.mark.timeout(300)
+def test_a_tensorboard_run_writes_its_events_and_files_into_its_run_folder(tmp_path: Path) -> None:
+    """--trainer.logger=TensorBoardLogger: the event files, holding the train loss of each step, the
+    checkpoints and a callback's plot all land in runs/<name>/version_0; the summary names it."""
+    done = titan(tmp_path, "fit", "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+                 "--trainer.logger.init_args.save_dir=runs", "--trainer.logger.init_args.name=tb",
+                 "--trainer.max_steps=2", "--trainer.log_every_n_steps=1",
+                 "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+                 "--trainer.callbacks+=lightning_titan.lightning.callbacks.ExpertLoad")  # fmt: skip
+    folder = tmp_path / "runs" / "tb" / "version_0"
+    losses = tensorboard_scalars(folder)["train_loss"]
+    assert sorted(losses) == [0, 1] and all(3 < v < 8 for v in losses.values()), losses
+    assert (folder / "expert_load.png").is_file()
+    assert next((folder / "checkpoints").glob("*.ckpt/COMPLETE"))
+    assert f"logs               {folder.resolve()}\n" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "runs"]  # nothing elsewhere

@@ -175,3 +175,42 @@ def test_the_callbacks_write_into_the_run_log_folder(tmp_path):
     relative = PipelineTimeline(out_dir="tl")
     relative.on_train_start(no_logger, nn.Linear(1, 1))
     assert relative.out_dir == tmp_path / "tl"
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_loss_curve_is_drawn_beside_metrics_csv_and_named_in_the_summary(tmp_path, monkeypatch):
+    """The run folder's metrics.csv as loss_curve.png, train and val loss; a step a restarted attempt
+    redid keeps its last row; without the CSV logger or matplotlib the summary says why there is none."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_titan.lightning import plots
+
+    logger = CSVLogger(str(tmp_path / "runs"), name="job", version=2)
+    folder = Path(logger.log_dir)
+    folder.mkdir(parents=True)
+    (folder / "metrics.csv").write_text(
+        "epoch,step,train_loss,val_loss\n0,0,9.0,\n0,1,8.0,\n0,1,,8.5\n0,2,7.0,\n"
+        "0,1,7.5,\n"  # step 1 again, after a restart: the later row counts
+    )
+    assert summary.losses(folder / "metrics.csv") == ([(0, 9.0), (1, 7.5), (2, 7.0)], [(1, 8.5)])
+    drawn: list = []
+    real = plots.plot_loss_curve
+    monkeypatch.setattr(plots, "plot_loss_curve", lambda *a, **k: (drawn.append(a), real(*a, **k)))
+    trainer = SimpleNamespace(**{**vars(fake_trainer(ParallelDims(1, 1, 1, 0))), "logger": logger})
+    curve = summary.draw_loss_curve(trainer)
+    assert curve == str((folder / "loss_curve.png").resolve())
+    assert (folder / "loss_curve.png").read_bytes().startswith(PNG)
+    assert drawn[0][:2] == ([(0, 9.0), (1, 7.5), (2, 7.0)], [(1, 8.5)])
+    text = fit_summary(trainer, SimpleNamespace(config=CONFIG), loss_curve=curve)
+    assert f"loss curve         {curve}" in text.splitlines()
+    assert f"logs               {(folder / 'metrics.csv').resolve()}" in text.splitlines()
+    # the reasons there is none
+    tensorboard = SimpleNamespace(**{**vars(trainer), "logger": TensorBoardLogger(str(tmp_path))})
+    assert summary.draw_loss_curve(tensorboard).startswith("n/a (drawn from the CSVLogger's")
+    empty = CSVLogger(str(tmp_path / "runs"), name="job", version=3)
+    none_logged = SimpleNamespace(**{**vars(trainer), "logger": empty})
+    assert "log_every_n_steps" in summary.draw_loss_curve(none_logged)
+    monkeypatch.setattr(plots, "available", lambda: False)
+    assert summary.draw_loss_curve(trainer) == "n/a (pip install matplotlib)"

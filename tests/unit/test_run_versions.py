@@ -173,3 +173,29 @@ def test_a_line_to_a_stream_without_a_descriptor_is_written_not_raised(monkeypat
     monkeypatch.setattr(sys, "stderr", stream)
     say("[titan] resuming from step 2 of last.ckpt")
     assert stream.getvalue() == "[titan] resuming from step 2 of last.ckpt\n"
+
+
+def test_a_weights_and_biases_run_gets_a_run_folder_too(tmp_path, launching):
+    """WandbLogger has no version folder: its save_dir becomes the run's, runs/<name>/version_N (a
+    launch takes the next), where the checkpoints and the callbacks' files go as with the CSV logger
+    (wandb need not be installed to place it)."""
+    from jsonargparse import Namespace
+
+    from lightning_titan.lightning.run_folders import place_run
+
+    launching.chdir(tmp_path)
+
+    def placed(**init_args: object) -> tuple[str, str]:
+        logger = Namespace(class_path="lightning.pytorch.loggers.WandbLogger",
+                           init_args=Namespace(offline=True, **init_args))  # fmt: skip
+        checkpoint = Namespace(class_path="lightning.pytorch.callbacks.ModelCheckpoint",
+                               init_args=Namespace(dirpath=None))  # fmt: skip
+        config = Namespace(trainer=Namespace(logger=logger, callbacks=[checkpoint]))
+        place_run(config, UsageError)
+        return logger.init_args.save_dir, checkpoint.init_args.dirpath
+
+    for n in (0, 1):
+        folder = Path("runs", "sweep", f"version_{n}")
+        assert placed(save_dir="runs", name="sweep") == (str(folder), str(folder / "checkpoints"))
+        assert (tmp_path / folder).is_dir()  # taken by this launch
+    assert placed(project="titan")[0] == str(Path("titan", "version_0"))  # no name: the project
