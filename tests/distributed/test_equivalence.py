@@ -324,7 +324,9 @@ def packed_refs(ref):
     out = {name: reference(FAMILY_CONFIGS[name], packed=True) for name in names}
     out[None] = reference(packed=True)
     # dualpipev's 16-sequence batches: ("wide", None) for CONFIG, ("wide", name) for a family
-    wide = {c[3] if len(c) > 3 else None for cs in PACKED.values() for c in cs if "batch=16" in c[1]}
+    wide = {
+        c[3] if len(c) > 3 else None for cs in PACKED.values() for c in cs if "batch=16" in c[1]
+    }
     for name in wide:
         config = () if name is None else (FAMILY_CONFIGS[name],)
         out["wide", name] = reference(*config, batch=16, packed=True)
