@@ -204,6 +204,25 @@ MUTATIONS = {
                         "            self.sharded_params.release_all()\n        for g",
                         "            pass\n        for g",
                         ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3 under a pipeline: each block freed after its forward as at pp=1 (gathered again in the
+    # backward: the stage is not whole through the step)
+    "zero3_pp_blocks_freed": ("lightning_titan/parallel/dp/zero3.py",
+                              "enumerate(self.blocks if reshard_after_forward else ())",
+                              "enumerate(self.blocks)",
+                              ["tests/distributed/test_zero3.py", "-k", "equals and 4"]),
+    # ZeRO-3 under a pipeline: the stage freed after a microbatch's forward (a later backward reads
+    # freed parameters)
+    "zero3_pp_freed_after_forward": ("lightning_titan/parallel/dp/zero3.py",
+                                     "        self.reshard_after_forward = reshard_after_forward\n",
+                                     "        self.reshard_after_forward = reshard_after_forward\n"
+                                     "        stage.register_forward_hook(lambda *_: None if "
+                                     "reshard_after_forward else self.release_all())\n",
+                                     ["tests/distributed/test_zero3.py", "-k", "equals and 4"]),
+    # ZeRO-3: an evaluation leaves the parameters it gathered whole until the next step
+    "zero3_eval_kept": ("lightning_titan/train/engine.py",
+                        "  # zero=3: its rows only again, as between steps\n            self.sharded_params.release_all()\n",
+                        "  # zero=3: its rows only again, as between steps\n            pass\n",
+                        ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: the full parameters' storage is never freed (no memory saved)
     "zero3_storage_kept": ("lightning_titan/parallel/dp/zero3.py",
                            "        s.param.data.untyped_storage().resize_(0)\n    group.dense_shards",

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 from lightning_titan.lightning.strategy import TitanStrategy
 from lightning_titan.model.config import ModelConfig
-from lightning_titan.train.options import check_zero3
 
 # the flags that set a strategy argument: --trainer.strategy.init_args.<name> or --trainer.strategy.<name>
 STRATEGY_FLAGS = ("--trainer.strategy.init_args.", "--trainer.strategy.")
@@ -130,6 +129,5 @@ def check_layout_fits(strategy: TitanStrategy, config: ModelConfig | None, train
         strategy.layout.resolve(world, 0)
         degrees = strategy.parallel_dims.degrees
     split = {a: degrees[a] for a in ("pp", "ep", "tp", "cp")}
-    check_zero3(strategy.options.zero, degrees["pp"], strategy.options.schedule)
     if config is not None and -1 not in split.values():
         config.validate_layout(**split, split=strategy.options.split)

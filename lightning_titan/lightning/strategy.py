@@ -35,7 +35,6 @@ from lightning_titan.train.options import (
     Schedule,
     TrainOptions,
     check_precision,
-    check_zero3,
     preflight,
 )
 from lightning_titan.train.step import TrainStep
@@ -60,7 +59,9 @@ class TitanStrategy(ShardedStrategy):
         bucket_cap_mb: size of a gradient all-reduce bucket.
         reducer: ``"bucketed"`` (overlapped with backward) or ``"per_param"`` (a benchmark baseline).
         zero: 1 splits each parameter's optimizer state over its data-parallel group (ZeRO-1), 2 also its grads,
-            3 also the parameters (gathered per block; pp=1 with gpipe or 1f1b for now).
+            3 also the parameters between steps (at pp=1 under gpipe or 1f1b each block is gathered
+            for its forward and again for its backward; under a pipeline or another schedule the
+            stage is gathered once a step and kept whole until its grads are reduced).
         gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
         timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds);
             also bounds a wait for an ``async_save`` write and that write's collectives.
@@ -220,9 +221,6 @@ class TitanStrategy(ShardedStrategy):
         check_precision(self.precision_plugin.precision)
         # with layout="auto", once chosen (preflight, or setup_environment's agreement)
         self.layout.resolve(self.num_nodes * self.num_processes, self.global_rank)
-        if not self.layout.waiting:
-            o = self.options
-            check_zero3(o.zero, self.parallel_dims.pp, o.schedule)
 
     @override
     def _configure_launcher(self) -> None:

@@ -51,7 +51,7 @@ from lightning_titan.train.objective import (
     count_targets,
     global_means,
 )
-from lightning_titan.train.options import check_zero3
+from lightning_titan.train.options import zero3_reshards_after_forward
 
 
 class Engine:
@@ -82,8 +82,9 @@ class Engine:
         # zero=3: the units gathered around their use (None below zero=3)
         self.sharded_params: ShardedParams | None = None
         if zero == 3:
-            check_zero3(zero, dims.pp, schedule)
-            self.sharded_params = self._sharded_params(module)
+            self.sharded_params = self._sharded_params(
+                module, reshard_after_forward=zero3_reshards_after_forward(dims.pp, schedule)
+            )
         kinds = grad_group_kinds(module)
         self.expert_params = [p for _, p, kind in kinds if kind == EXPERT]
         scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
@@ -141,7 +142,7 @@ class Engine:
             )
 
     @staticmethod
-    def _sharded_params(module: nn.Module) -> ShardedParams:
+    def _sharded_params(module: nn.Module, *, reshard_after_forward: bool) -> ShardedParams:
         """zero=3's units: each decoder block, and the rest of the stage (``parallel/dp/zero3.py``)."""
         stages = [m for m in module.modules() if isinstance(m, StageModel)]
         if len(stages) != 1:
@@ -149,7 +150,7 @@ class Engine:
                 f"zero=3 gathers the blocks of one StageModel; this module holds {len(stages)}"
             )
         blocks = [m for m in stages[0].modules() if isinstance(m, Block)]
-        return ShardedParams(stages[0], blocks)
+        return ShardedParams(stages[0], blocks, reshard_after_forward=reshard_after_forward)
 
     @torch.no_grad()
     def broadcast_replicated(self) -> None:
@@ -197,6 +198,8 @@ class Engine:
         forwards (a count left by a forward outside a step is dropped first). ``documents`` [b, S]:
         a packed batch's document ids (``model/documents.py``), None: one document a sequence."""
         take_step_counts(stage_model)
+        if self.sharded_params is not None:  # zero=3 under a pipeline: the stage whole for the step
+            self.sharded_params.gather_for_step()
         stage = PipelineStage(
             stage_model,
             self.dims,
@@ -229,6 +232,8 @@ class Engine:
     ) -> StepLoss:
         links = self._links(stage_model, inputs.device)
         objective = self._objective(loss_fn, inputs, targets)
+        if self.sharded_params is not None:  # zero=3 under a pipeline: the stage whole meanwhile
+            self.sharded_params.gather_for_step()
         stage = PipelineStage(
             stage_model,
             self.dims,
@@ -239,7 +244,10 @@ class Engine:
             objective,
             documents=documents,
         )
-        return global_means(stage.run(None), inputs.shape[0], self.dims.data_world)
+        sums = stage.run(None)
+        if self.sharded_params is not None:  # zero=3: its rows only again, as between steps
+            self.sharded_params.release_all()
+        return global_means(sums, inputs.shape[0], self.dims.data_world)
 
     @staticmethod
     def _objective(loss_fn: LossFn, inputs: Tensor, targets: Tensor) -> Objective:

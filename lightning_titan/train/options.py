@@ -214,7 +214,6 @@ def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None
     any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a
     mistake fails in seconds with the same message everywhere and no rank waits in a collective."""
     check_trainer_clipping(dims, options, work.trainer_clip)
-    check_zero3(options.zero, dims.pp, options.schedule)
     check_overlap(dims, options, recompute=work.recompute, compiled=work.compiled)
     if work.check_layout is not None:  # TitanLM: layers/experts split, data fits the model
         work.check_layout(dims, options.split)
@@ -224,23 +223,18 @@ def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None
         options.microbatches(local, pp=dims.pp)
 
 
-ZERO3_SCHEDULES = ("gpipe", "1f1b")  # one stage's microbatches one after another
+# the schedules under which zero=3 frees each block after its forward (one stage, its microbatches
+# one after another); under the others the stage is kept whole for the step
+ZERO3_PER_BLOCK_SCHEDULES = ("gpipe", "1f1b")
 
 
-def check_zero3(zero: int, pp: int, schedule: str) -> None:
-    """What zero=3 runs with so far: one pipeline stage, its microbatches one at a time (an
-    overlapped schedule runs one's forward beside another's backward, which would free the blocks
-    the other reads). The CLI runs it while it parses, the launcher before any rank starts, the
-    engine again."""
-    if zero != 3:
-        return
-    if pp > 1:
-        raise ValueError(f"zero=3 runs with pp=1 for now (got pp={pp}); use zero=2 with pp>1")
-    if schedule not in ZERO3_SCHEDULES:
-        raise ValueError(
-            f"zero=3 runs with schedule 'gpipe' or '1f1b' for now (got {schedule!r}); use "
-            f"schedule='1f1b', or zero=2 with {schedule!r}"
-        )
+def zero3_reshards_after_forward(pp: int, schedule: str) -> bool:
+    """zero=3's choice (``parallel/dp/zero3.py``): each block gathered for its forward and again for
+    its backward where one stage runs its microbatches one at a time (pp=1 under gpipe or 1f1b);
+    under a pipeline, an overlapped or a split-backward schedule, the stage gathered once a step and
+    kept whole until its grads are reduced (as FSDP2 does under pipeline parallelism: a stage's
+    microbatches would otherwise gather every block twice each)."""
+    return pp == 1 and schedule in ZERO3_PER_BLOCK_SCHEDULES
 
 
 def check_overlap(

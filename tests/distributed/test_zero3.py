@@ -1,15 +1,17 @@
-"""zero=3 (each rank keeps only its rows of the parameters, gathered per block) trains the model of
+"""zero=3 (each rank keeps only its rows of the parameters between their uses) trains the model of
 one process, and holds what it says.
 
 One spawn per world size runs every case; the parent compares each rank with the single-process
 run (per-step loss, aux, grad norm rtol 1e-5, final weights atol 1e-5, gathered to be read) and
 checks memory: between steps (the grads reduced, before the update) the parameters and the
-optimizer's leaves hold each rank's share of the weights (within 5 %: rows cut unevenly), and in a
-forward or backward at most one block whole beyond the rest of the stage (embedding, norm, head,
-kept for the step) and the parameters nothing cuts; under activation checkpointing too (the recompute
-gathers the block and keeps it for its backward). A zero=3 checkpoint resumes at zero=0 under
-another layout and the other way round, exactly. What it does not run with yet (pp > 1, the
-overlapped and multi-chunk schedules) is refused in one line, at every place ``zero`` is checked.
+optimizer's leaves hold each rank's share of the weights (within 5 %: rows cut unevenly), after an
+evaluation too. During
+the step, where each block is gathered around its use (pp=1 under gpipe or 1f1b): at most one block
+whole beyond the rest of the stage (embedding, norm, head, kept for the step) and the parameters
+nothing cuts; under activation checkpointing too (the recompute gathers the block and keeps it for
+its backward). Under a pipeline and the other schedules: the whole stage at every forward and
+every grad accumulation of the step. A zero=3 checkpoint resumes at zero=0 under another layout
+and the other way round, and one saved under a pipeline resumes at pp=1, exactly.
 """
 
 from types import SimpleNamespace
@@ -28,10 +30,17 @@ from engine_harness import (
 from lightning_titan.parallel.dp.zero import ZeroShards
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.runtime.launch import run_on_ranks
-from lightning_titan.train.options import TrainOptions, Workload, check_zero3, preflight
+from lightning_titan.train.options import (
+    TrainOptions,
+    Workload,
+    preflight,
+    zero3_reshards_after_forward,
+)
 
 # (layout (dp, pp, ep[, tp[, cp]]), schedule, M): pp=1 under every other axis, one and two
-# microbatches, the fused AdamW (whose leaves zero=3 makes dense anyway)
+# microbatches, the fused AdamW (whose leaves zero=3 makes dense anyway); pp=2 under the schedules
+# (the W pass of zb_h1 and zbv, two chunks, the overlapped V) and pp=1 under those that keep the
+# stage whole too
 CASES = {
     2: [
         ((2, 1, 1), "1f1b:zero3", 1),
@@ -42,12 +51,21 @@ CASES = {
         ((1, 1, 2), "1f1b:zero3", 2),  # ep2: the experts whole, the rest over ep
         ((1, 1, 1, 2), "1f1b:zero3", 1),  # tp2: the norms, routers and experts over tp
         ((1, 1, 1, 1, 2), "1f1b:zero3", 1),  # cp2
+        ((1, 1, 2), "1f1b_overlap:zero3", 2),  # pp=1, overlapped: kept whole for the step
+        ((2, 1, 1), "zb_h1:zero3", 2),  # pp=1, the W pass after the B pass
     ],
     4: [
         ((2, 1, 2), "1f1b:zero3", 2),  # dp2 x ep2
         ((2, 1, 1, 2), "1f1b:zero3", 1),  # dp2 x tp2
         ((4, 1, 1), "gpipe:zero3", 2),  # dp4: rows cut unevenly (61 vocabulary rows)
         ((2, 1, 1, 1, 2), "1f1b:zero3", 1),  # dp2 x cp2
+        ((2, 2, 1), "1f1b:zero3", 2),  # dp2 x pp2: each stage whole for its step
+        ((2, 2, 1), "gpipe:zero3", 2, ACKPT_CONFIG),  # the recompute reads the kept blocks
+        ((2, 2, 1), "zb_h1:zero3", 4),  # the W pass, after later microbatches' forwards
+        ((2, 2, 1), "interleaved_1f1b:v2:zero3", 2),  # two chunks a rank
+        ((2, 2, 1), "zbv:zero3", 4),  # the V, with its W pass
+        ((1, 2, 2), "dualpipev:zero3", 4),  # pp2 x ep2, overlapped; the experts whole (dp=1)
+        ((1, 2, 1, 2), "1f1b:zero3", 2),  # pp2 x tp2
     ],
 }
 
@@ -60,7 +78,11 @@ CHECKPOINTS = {
         ((1, 1, 1, 2), "1f1b:save=2", 1),
         ((2, 1, 1), "1f1b:zero3:resume=2", 2),
     ],
-    4: [],
+    # a zero=3 save under a pipeline resumed at pp=1 (and zero=3)
+    4: [
+        ((2, 2, 1), "1f1b:zero3:save=2", 2),
+        ((4, 1, 1), "gpipe:zero3:resume=2", 2),
+    ],
 }
 
 
@@ -120,24 +142,24 @@ def test_zero3_equals_one_process_and_holds_its_rows(ref, world, tmp_path):
             held = r["held_param_bytes"]
             # between steps: the rows (in the leaves) and the parameters nothing cuts, nothing more
             assert abs(held / (rows + whole) - 1) <= 0.05, (label, r["coords"], held, rows, whole)
+            # and after an evaluation's forwards
+            assert r["held_after_eval"] == held, (label, r["coords"], r["held_after_eval"], held)
+            assert r["uncut_bytes"] == whole, (label, r["coords"], r["uncut_bytes"], whole)
+            assert not r["gather_buffer_borrowed"], (label, "the gathers use the reducer's buffer")
+            if not zero3_reshards_after_forward(layout[1], schedule.split(":")[0]):
+                # the stage whole at every forward and grad accumulation of the step, kept from
+                # its first forward to the reduce-scatter
+                seen = (r["gathered_low"], r["gathered_peak"])
+                assert seen == (r["param_bytes"],) * 2, (label, r["coords"], seen)
+                continue
             # at any moment of a forward or backward: the rest of the stage and one block whole
             # beyond that (the parameters' storages; the leaves are apart)
-            assert r["uncut_bytes"] == whole, (label, r["coords"], r["uncut_bytes"], whole)
             limit = whole + r["rest_bytes"] + r["block_bytes"]
             assert r["gathered_peak"] <= limit, (label, r["coords"], r["gathered_peak"], limit)
             assert r["gathered_peak"] < r["param_bytes"], (label, "every block was whole at once")
-            assert not r["gather_buffer_borrowed"], (label, "the gathers use the reducer's buffer")
 
 
-def test_zero3_refuses_what_it_does_not_run_with_yet():
-    with pytest.raises(
-        ValueError, match=r"^zero=3 runs with pp=1 for now \(got pp=2\); use zero=2"
-    ):
-        check_zero3(3, 2, "1f1b")
-    with pytest.raises(ValueError, match=r"^zero=3 runs with schedule 'gpipe' or '1f1b' for now"):
-        check_zero3(3, 1, "1f1b_overlap")
-    check_zero3(3, 1, "gpipe")
-    check_zero3(2, 4, "zbv")  # other levels: nothing to refuse here
+def test_zero3_refuses_what_it_does_not_run_with():
     with pytest.raises(ValueError, match="zero=3 reduce-scatters flat gradient buckets"):
         TrainOptions(zero=3, reducer="per_param")
     with pytest.raises(ValueError, match="or 3 \\(and the parameters\\)"):
@@ -154,20 +176,23 @@ def test_zero3_refuses_what_it_does_not_run_with_yet():
         shards.check_whole("save")
 
 
-def test_the_command_refuses_zero3_where_it_does_not_run_yet():
-    """The launcher's preflight and the command's parse-time check name the same fix."""
+def test_zero3_frees_each_block_after_its_forward_only_where_one_stage_runs_one_microbatch():
+    assert zero3_reshards_after_forward(1, "1f1b") and zero3_reshards_after_forward(1, "gpipe")
+    for pp, schedule in [(2, "1f1b"), (2, "gpipe"), (1, "1f1b_overlap"), (1, "zb_h1"), (2, "zbv")]:
+        assert not zero3_reshards_after_forward(pp, schedule), (pp, schedule)
+
+
+def test_the_command_takes_zero3_under_a_pipeline_and_every_schedule():
+    """The command's parse-time check and the launcher's preflight let zero=3 through under pp > 1
+    and the overlapped schedules."""
     from lightning_titan import TitanStrategy
     from lightning_titan.lightning.arguments import check_layout_fits
 
     trainer = SimpleNamespace(devices=4, num_nodes=1, accelerator="cpu")
-    with pytest.raises(ValueError, match="zero=3 runs with pp=1 for now"):
-        check_layout_fits(TitanStrategy(dp=2, pp=2, zero=3), CONFIG, trainer)
-    with pytest.raises(ValueError, match="zero=3 runs with schedule 'gpipe' or '1f1b'"):
-        check_layout_fits(
-            TitanStrategy(dp=2, ep=2, zero=3, schedule="1f1b_overlap"), CONFIG, trainer
-        )
+    check_layout_fits(TitanStrategy(dp=2, pp=2, zero=3), CONFIG, trainer)
+    check_layout_fits(TitanStrategy(dp=2, ep=2, zero=3, schedule="1f1b_overlap"), CONFIG, trainer)
+    check_layout_fits(TitanStrategy(pp=2, ep=2, zero=3, schedule="dualpipev"), CONFIG, trainer)
     check_layout_fits(TitanStrategy(dp=4, zero=3), CONFIG, trainer)
     # the launcher's checks, before any rank starts
-    with pytest.raises(ValueError, match="zero=3 runs with pp=1 for now"):
-        preflight(ParallelDims(1, 2, 1, 0), TrainOptions(zero=3), Workload())
+    preflight(ParallelDims(1, 2, 1, 0), TrainOptions(zero=3), Workload())
     preflight(ParallelDims(2, 1, 1, 0), TrainOptions(zero=3), Workload())

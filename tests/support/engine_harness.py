@@ -255,7 +255,10 @@ def train(
     # what `titan bench` measures (and `titan plan` predicts), read around the optimizer's update:
     # the grads it reads, the most held (before the update or after it, before zero_grad), and
     # the state bytes by part after it
-    measured = {"grad_bytes": 0, "state": None, "held_param_bytes": 0, "gathered_peak": 0}
+    measured = {
+        "grad_bytes": 0, "state": None, "held_param_bytes": 0, "gathered_peak": 0,
+        "gathered_low": None,
+    }  # fmt: skip
 
     def before_update(*_) -> None:
         measured["grad_bytes"] = held_grad_bytes(model, optimizer)
@@ -301,6 +304,7 @@ def train(
         model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims),
         documents=None if documents is None else documents[rows],
     )  # fmt: skip
+    held_after_eval = held_param_bytes(model, optimizer)  # zero=3: the rows only again
     if stream is not None:
         stream.close()
     with engine.whole_params():  # zero=3: gathered to be read
@@ -331,9 +335,11 @@ def train(
         "grad_bytes": measured["grad_bytes"],
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "held_param_bytes": measured["held_param_bytes"],
+        "held_after_eval": held_after_eval,
         "whole_after_remove": whole_after,
         # the most parameter storage whole at once in a forward or backward, beyond the rows
         "gathered_peak": measured["gathered_peak"],
+        "gathered_low": measured["gathered_low"],  # and the least (None: never looked)
         # zero=3's units, whole, of the parameters ZeRO cuts: the rest of the stage (embedding,
         # norm, head) and the largest block; and the bytes of those it does not cut
         "rest_bytes": _nbytes(p for p in model.parameters() if id(p) in cut) - sum(blocks_cut),
@@ -402,12 +408,15 @@ def held_param_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 
 def watch_gathered(model: StageModel, measured: dict) -> None:
-    """``measured["gathered_peak"]``: the most bytes of the model's parameter storages seen at a
-    block's forward (after its gather) and at each parameter's grad accumulation in a backward."""
+    """``measured["gathered_peak"]`` (``"gathered_low"``): the most (least) bytes of the model's
+    parameter storages seen at a block's forward (after its gather) and at each parameter's grad
+    accumulation in a backward."""
 
     def look(*_) -> None:
         now = storage_bytes(model.parameters())
         measured["gathered_peak"] = max(measured["gathered_peak"], now)
+        low = measured["gathered_low"]
+        measured["gathered_low"] = now if low is None else min(low, now)
 
     for block in model.layers.values():
         block.register_forward_pre_hook(look)  # after the engine's (registered first): gathered

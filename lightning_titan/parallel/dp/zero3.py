@@ -6,7 +6,8 @@ does: the parameter object stays, and so do its views and the tensors autograd s
 holding the same storage, which a gather refills in place). The model is cut into units: each
 decoder block, and the rest of the stage (embedding, final norm, head) as one more.
 
-When a unit's parameters are whole:
+When a unit's parameters are whole depends on ``reshard_after_forward`` (FSDP's name for the
+choice). True, where one stage runs its microbatches one at a time (pp=1 under gpipe or 1f1b):
 
 - a block: gathered by a forward pre-hook, freed by its forward post-hook; gathered again by a hook
   on the grad of its output hidden states (the first grad to reach the block's weights: the
@@ -20,8 +21,15 @@ When a unit's parameters are whole:
   (``release_all``): the head runs first in the backward and the embedding last, so it would be
   gathered twice a microbatch for little memory.
 
+False, under a pipeline (pp > 1) and the schedules that run one microbatch's forward beside another's
+backward or split the backward (B then W): every unit is gathered once, before the step's first
+forward (``gather_for_step``), and kept whole until the step's grads are reduced (``release_all``).
+A stage's blocks are then read by microbatches in flight at once, in whatever order the schedule
+runs them, and nothing is gathered in a forward or a backward (none on an overlapped thread): the
+stage whole during the step, its rows only between steps, one all-gather a parameter a step.
+
 The grads are ZeRO-2's (``zero_grads.py``): reduce-scattered into the leaves. Every rank of a group
-runs the same blocks in the same order (pp=1), so the gathers match across ranks.
+runs the same stage's blocks in the same order, so the gathers match across ranks.
 """
 
 from __future__ import annotations
@@ -58,10 +66,13 @@ class ShardedParams:
     ``blocks``: the modules gathered around their own forward and backward (the decoder blocks);
     ``stage``: the module whose forward needs the rest of the parameters (its embedding, norm, head).
     ``groups``: the ZeroGroups built with ``units=self.units`` (each unit: a block's parameters, then
-    the rest).
+    the rest). ``reshard_after_forward``: each block freed after its forward and gathered again for
+    its backward (True), or the whole stage kept from the step's first forward to its end (False).
     """
 
-    def __init__(self, stage: nn.Module, blocks: Sequence[nn.Module]) -> None:
+    def __init__(
+        self, stage: nn.Module, blocks: Sequence[nn.Module], *, reshard_after_forward: bool = True
+    ) -> None:
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         self.blocks = list(blocks)
         self.units: list[list[nn.Parameter]] = [list(b.parameters()) for b in blocks]
@@ -73,8 +84,9 @@ class ShardedParams:
         # checkpointing's recompute, which the backward after it reads (kept whole)
         self.in_backward = [False] * len(self.units)
         self.sharded = False
+        self.reshard_after_forward = reshard_after_forward
         self._handles: list[RemovableHandle] = [stage.register_forward_pre_hook(self._pre_stage)]
-        for u, block in enumerate(self.blocks):
+        for u, block in enumerate(self.blocks if reshard_after_forward else ()):
             self._handles.append(block.register_forward_pre_hook(self._pre_block(u)))
             self._handles.append(block.register_forward_hook(self._post_block(u)))
 
@@ -106,6 +118,13 @@ class ShardedParams:
         self.in_backward[unit] = False
         self.release(unit)
 
+    def gather_for_step(self) -> None:
+        """Before a step's (or an evaluation's) first forward, on the schedule's thread: every unit
+        whole for the step (``reshard_after_forward=False``); otherwise the hooks gather each unit
+        at its use."""
+        if not self.reshard_after_forward:
+            self.gather_all()
+
     def release_all(self) -> None:
         """After the step's grads are reduced: nothing but the rows until the next forward."""
         for unit in range(len(self.units)):
@@ -126,7 +145,11 @@ class ShardedParams:
                 s.leaf.copy_(s.rows(s.param.data))
 
     def _pre_stage(self, module: nn.Module, args: tuple) -> None:
-        self.gather(self.rest)
+        # a forward outside a step (kept whole: every unit; a no-op once ``gather_for_step`` ran)
+        if self.reshard_after_forward:
+            self.gather(self.rest)
+        else:
+            self.gather_all()
 
     def _pre_block(self, unit: int) -> Any:
         def hook(module: nn.Module, args: tuple) -> tuple | None:
