@@ -218,6 +218,16 @@ MUTATIONS = {
                                      "        stage.register_forward_hook(lambda *_: None if "
                                      "reshard_after_forward else self.release_all())\n",
                                      ["tests/distributed/test_zero3.py", "-k", "equals and 4"]),
+    # ZeRO-3 under a pipeline: the optimizer's rows a second copy beside the whole stage in the step
+    "zero3_pp_leaves_copied": ("lightning_titan/parallel/dp/zero3.py",
+                               "leaves_in_place=not self.reshard_after_forward",
+                               "leaves_in_place=False",
+                               ["tests/distributed/test_zero3.py", "-k", "equals and 4"]),
+    # ZeRO-3 under a pipeline: freeing the stage leaves the leaves views of the freed storage
+    "zero3_pp_leaf_view_freed": ("lightning_titan/parallel/dp/zero3.py",
+                                 "            if not s.dense:\n                s.leaf.data = s.leaf.data.clone(",
+                                 "            if False:\n                s.leaf.data = s.leaf.data.clone(",
+                                 ["tests/distributed/test_zero3.py", "-k", "equals and 4"]),
     # ZeRO-3: an evaluation leaves the parameters it gathered whole until the next step
     "zero3_eval_kept": ("lightning_titan/train/engine.py",
                         "  # zero=3: its rows only again, as between steps\n            self.sharded_params.release_all()\n",

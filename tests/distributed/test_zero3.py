@@ -10,7 +10,7 @@ the step, where each block is gathered around its use (pp=1 under gpipe or 1f1b)
 whole beyond the rest of the stage (embedding, norm, head, kept for the step) and the parameters
 nothing cuts; under activation checkpointing too (the recompute gathers the block and keeps it for
 its backward). Under a pipeline and the other schedules: the whole stage at every forward and
-every grad accumulation of the step. A zero=3 checkpoint resumes at zero=0 under another layout
+every grad accumulation of the step, the optimizer's rows views into it. A zero=3 checkpoint resumes at zero=0 under another layout
 and the other way round, and one saved under a pipeline resumes at pp=1, exactly.
 """
 
@@ -148,9 +148,10 @@ def test_zero3_equals_one_process_and_holds_its_rows(ref, world, tmp_path):
             assert not r["gather_buffer_borrowed"], (label, "the gathers use the reducer's buffer")
             if not zero3_reshards_after_forward(layout[1], schedule.split(":")[0]):
                 # the stage whole at every forward and grad accumulation of the step, kept from
-                # its first forward to the reduce-scatter
-                seen = (r["gathered_low"], r["gathered_peak"])
-                assert seen == (r["param_bytes"],) * 2, (label, r["coords"], seen)
+                # its first forward to the reduce-scatter, each rank's rows held inside it (no
+                # second copy: zero=2's peak)
+                seen = (r["gathered_low"], r["gathered_peak"], r["with_leaves_peak"])
+                assert seen == (r["param_bytes"],) * 3, (label, r["coords"], seen)
                 continue
             # at any moment of a forward or backward: the rest of the stage and one block whole
             # beyond that (the parameters' storages; the leaves are apart)

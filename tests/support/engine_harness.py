@@ -257,7 +257,7 @@ def train(
     # the state bytes by part after it
     measured = {
         "grad_bytes": 0, "state": None, "held_param_bytes": 0, "gathered_peak": 0,
-        "gathered_low": None,
+        "gathered_low": None, "with_leaves_peak": 0,
     }  # fmt: skip
 
     def before_update(*_) -> None:
@@ -271,7 +271,7 @@ def train(
 
     optimizer.register_step_pre_hook(before_update)
     optimizer.register_step_post_hook(after_update)
-    watch_gathered(model, measured)
+    watch_gathered(model, optimizer, measured)
     b = batch // dims.data_world
     handovers = overlap.handovers()
     losses, auxes, norms, dropped = [], [], [], []
@@ -340,6 +340,7 @@ def train(
         # the most parameter storage whole at once in a forward or backward, beyond the rows
         "gathered_peak": measured["gathered_peak"],
         "gathered_low": measured["gathered_low"],  # and the least (None: never looked)
+        "with_leaves_peak": measured["with_leaves_peak"],  # the optimizer's leaves' storages too
         # zero=3's units, whole, of the parameters ZeRO cuts: the rest of the stage (embedding,
         # norm, head) and the largest block; and the bytes of those it does not cut
         "rest_bytes": _nbytes(p for p in model.parameters() if id(p) in cut) - sum(blocks_cut),
@@ -407,16 +408,20 @@ def held_param_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return storage_bytes([*model.parameters(), *leaves])
 
 
-def watch_gathered(model: StageModel, measured: dict) -> None:
+def watch_gathered(model: StageModel, optimizer: torch.optim.Optimizer, measured: dict) -> None:
     """``measured["gathered_peak"]`` (``"gathered_low"``): the most (least) bytes of the model's
     parameter storages seen at a block's forward (after its gather) and at each parameter's grad
-    accumulation in a backward."""
+    accumulation in a backward; ``"with_leaves_peak"``: the most with the optimizer's leaves (ZeRO's
+    rows) counted too."""
+    leaves = [p for g in optimizer.param_groups for p in g["params"]]
 
     def look(*_) -> None:
         now = storage_bytes(model.parameters())
         measured["gathered_peak"] = max(measured["gathered_peak"], now)
         low = measured["gathered_low"]
         measured["gathered_low"] = now if low is None else min(low, now)
+        with_leaves = storage_bytes([*model.parameters(), *leaves])
+        measured["with_leaves_peak"] = max(measured["with_leaves_peak"], with_leaves)
 
     for block in model.layers.values():
         block.register_forward_pre_hook(look)  # after the engine's (registered first): gathered

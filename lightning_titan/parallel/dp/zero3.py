@@ -26,7 +26,9 @@ backward or split the backward (B then W): every unit is gathered once, before t
 forward (``gather_for_step``), and kept whole until the step's grads are reduced (``release_all``).
 A stage's blocks are then read by microbatches in flight at once, in whatever order the schedule
 runs them, and nothing is gathered in a forward or a backward (none on an overlapped thread): the
-stage whole during the step, its rows only between steps, one all-gather a parameter a step.
+stage whole during the step, its rows only between steps, one all-gather a parameter a step. While
+whole, each leaf is a view of its rows in the parameter (no second copy of them: the step's peak is
+zero=2's); freeing the unit copies them out again.
 
 The grads are ZeRO-2's (``zero_grads.py``): reduce-scattered into the leaves. Every rank of a group
 runs the same stage's blocks in the same order, so the gathers match across ranks.
@@ -101,7 +103,7 @@ class ShardedParams:
     def gather(self, unit: int) -> None:
         if self.sharded and not self.gathered[unit]:
             for g in self.groups:
-                gather_unit(g, unit)
+                gather_unit(g, unit, leaves_in_place=not self.reshard_after_forward)
             self.gathered[unit] = True
 
     def release(self, unit: int) -> None:
@@ -192,10 +194,12 @@ def keep_rows_only(group: ZeroGroup) -> None:
 
 
 @torch.no_grad()
-def gather_unit(group: ZeroGroup, unit: int) -> None:
+def gather_unit(group: ZeroGroup, unit: int, leaves_in_place: bool = False) -> None:
     """Unit ``unit``'s sharded parameters of ``group`` whole again from every rank's rows (its
     leaves), one all-gather per bucket. Written through ``.data`` views, which autograd does not
-    version: the backward reads the tensors its forward saved, refilled here."""
+    version: the backward reads the tensors its forward saved, refilled here. ``leaves_in_place``:
+    each leaf then becomes a view of its rows in the whole parameter (kept whole for a step: one
+    copy of the rows; ``release_unit`` makes it a dense copy again)."""
     for bucket in group.unit_buckets[unit]:
         for s in bucket.shards:
             storage = s.param.data.untyped_storage()
@@ -207,10 +211,16 @@ def gather_unit(group: ZeroGroup, unit: int) -> None:
             all_gather_(bucket.buffer, group.group)
         torch._foreach_copy_(bucket.dst, bucket.theirs)
         torch._foreach_copy_(bucket.own, leaves)
+        if leaves_in_place:
+            for s in bucket.shards:
+                s.leaf.data = s.rows(s.param.data)
 
 
 def release_unit(group: ZeroGroup, unit: int) -> None:
-    """Unit ``unit``'s sharded parameters of ``group`` back to their rows only (storage freed)."""
+    """Unit ``unit``'s sharded parameters of ``group`` back to their rows only (storage freed; a
+    leaf that is a view of its rows there copied out first)."""
     for bucket in group.unit_buckets[unit]:
         for s in bucket.shards:
+            if not s.dense:
+                s.leaf.data = s.leaf.data.clone(memory_format=torch.contiguous_format)
             s.param.data.untyped_storage().resize_(0)
