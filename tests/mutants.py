@@ -233,6 +233,21 @@ MUTATIONS = {
                         "  # zero=3: its rows only again, as between steps\n            self.sharded_params.release_all()\n",
                         "  # zero=3: its rows only again, as between steps\n            pass\n",
                         ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # the planner: zero=3 at pp=1 priced as gathering once a step (not each block twice a microbatch)
+    "plan_zero3_gathers_once": ("lightning_titan/plan/cost.py",
+                                "gathers = 2.0 * m_count  # the blocks'",
+                                "gathers = 1.0  # the blocks'",
+                                ["tests/cli/test_plan.py", "-k", "zero3"]),
+    # the planner: zero=3 at pp=1 priced as holding the whole stage in the step
+    "plan_zero3_whole_stage": ("lightning_titan/plan/memory.py",
+                               "    rest = units.pop(\"\", 0)\n    return rest + max(units.values(), default=0)\n",
+                               "    return sum(units.values())\n",
+                               ["tests/cli/test_plan.py", "-k", "zero3"]),
+    # the planner: zero=3's parameters priced whole between steps (as zero=2's)
+    "plan_zero3_rows_whole": ("lightning_titan/plan/memory.py",
+                              "itemsize * (owned if zero == 3 else numel) * count",
+                              "itemsize * numel * count",
+                              ["tests/cli/test_plan.py", "-k", "zero3"]),
     # ZeRO-3: the full parameters' storage is never freed (no memory saved)
     "zero3_storage_kept": ("lightning_titan/parallel/dp/zero3.py",
                            "        s.param.data.untyped_storage().resize_(0)\n    group.dense_shards",

@@ -48,10 +48,13 @@ from lightning_titan.parallel.pipeline.zbv import dualpipev_order
 from lightning_titan.plan.devices import Device, Link
 from lightning_titan.plan.precision import FP32, Precision
 from lightning_titan.plan.precision import STATE_BYTES as BYTES
+from lightning_titan.train.options import zero3_reshards_after_forward
 
 BUCKET = 25 * 2**20  # the reducer's default bucket_cap_mb
-ZERO_FACTOR = {0: (2.0, 0.0), 1: (2.0, 1.0), 2: (1.0, 1.0)}  # (grad reduction, weight all-gather)
-# in units of (n-1)/n * bytes: a ring all-reduce is 2, a reduce-scatter or an all-gather 1
+# (grad reduction, weight all-gather) in units of (n-1)/n * bytes: a ring all-reduce is 2, a
+# reduce-scatter or an all-gather 1; zero=3 gathers once a step where it keeps the stage whole, and
+# each block for its forward and again for its backward, every microbatch, where it does not
+ZERO_FACTOR = {0: (2.0, 0.0), 1: (2.0, 1.0), 2: (1.0, 1.0), 3: (1.0, 1.0)}
 
 
 @dataclass(frozen=True)
@@ -316,7 +319,10 @@ def predict(
     m_count = options.microbatches
     idle = bubble_fraction(options.schedule, pp, m_count, options.virtual_stages)
     bubble = compute * idle / (1 - idle)
-    comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count)
+    gathers = 1.0  # the weights' all-gathers a step
+    if zero == 3 and zero3_reshards_after_forward(pp, options.schedule):
+        gathers = 2.0 * m_count  # the blocks' (the rest of the stage is gathered once: left out)
+    comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count, gathers)
     optimizer = _optimizer(degrees, zero, params, device)
 
     busy = compute + sum(comm.values()) + optimizer
@@ -414,10 +420,13 @@ def _data_parallel(
     params: tuple[int, int],
     device: Device,
     microbatch_s: float,
+    gathers: float = 1.0,
 ) -> float:
-    """Exposed seconds of the gradient reduction (and ZeRO's weight all-gather): the reduction
-    overlaps the last microbatch's backward (2/3 of its compute); the all-gather follows the step."""
+    """Exposed seconds of the gradient reduction (and ZeRO's weight all-gather, ``gathers`` times a
+    step): the reduction overlaps the last microbatch's backward (2/3 of its compute); the
+    all-gathers follow the step or, zero=3, hold up the block that waits for them."""
     grads, gather = ZERO_FACTOR[zero]
+    gather *= gathers
     total = 0.0
     exposed = 0.0
     groups = ((params[0], GROUPS["non_expert_dp"]), (params[1], GROUPS["expert_dp"]))

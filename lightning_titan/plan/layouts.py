@@ -20,10 +20,14 @@ from lightning_titan.parallel.dp.zero import LEVELS
 from lightning_titan.parallel.mesh import AXES, ParallelDims
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.cost import balanced_split
-from lightning_titan.plan.memory import fullest_state, layout_state
-from lightning_titan.train.options import TrainOptions, check_trainer_clipping
+from lightning_titan.plan.memory import fullest_state, gathered_bytes, layout_state
+from lightning_titan.train.options import (
+    TrainOptions,
+    check_trainer_clipping,
+    zero3_reshards_after_forward,
+)
 
-PRICED = tuple(z for z in LEVELS if z < 3)  # the zero levels the planner prices (not zero=3 yet)
+PRICED = LEVELS  # the zero levels the planner prices
 GB = 1e9
 # usable memory per device in bytes (the card's; CUDA's own context and the allocator's slack are the
 # user's margin, see --reserve-gb)
@@ -36,9 +40,14 @@ class Candidate:
 
     degrees: dict[str, int]
     zero: int
-    state_bytes: int  # params + grads + optimizer state on the rank that holds the most
-    parts: dict[str, int]  # that rank's bytes by part (bench.memory.state_bytes' keys)
+    state_bytes: (
+        int  # params + grads + optimizer state on the rank that holds the most, at its peak
+    )
+    parts: dict[
+        str, int
+    ]  # that rank's bytes by part between steps (bench.memory.state_bytes' keys)
     stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: n_layers / pp
+    gathered_bytes: int = 0  # zero=3: the parameters whole during the step beyond ``parts``
 
     @property
     def label(self) -> str:
@@ -126,14 +135,37 @@ def candidates(
             cuts[pp] = splits(config, pp)
         for layers in cuts[pp]:
             for zero in PRICED if data_parallel else (0,):
+                if zero == 3 and pp > 1:
+                    # the stage kept whole for the step: zero=2's peak and traffic (``gathered``)
+                    continue
                 reason = rejection(config, degrees, zero, global_batch, layers)
                 if reason is not None:
                     rejected[reason.split(" ")[0].rstrip(":;,")] += 1
                     continue
                 fullest = fullest_state(config, degrees, zero, lora, layers)
-                state = sum(fullest.values())
-                accepted.append(Candidate(degrees, zero, state, fullest, layers))
+                gathered = fullest_gathered(config, degrees, lora, layers) if zero == 3 else 0
+                state = sum(fullest.values()) + gathered
+                accepted.append(Candidate(degrees, zero, state, fullest, layers, gathered))
     return accepted, rejected
+
+
+def fullest_gathered(
+    config: ModelConfig,
+    degrees: dict[str, int],
+    lora: LoRA | None = None,
+    stage_layers: tuple[int, ...] | None = None,
+) -> int:
+    """zero=3's ``gathered_bytes`` on the stage that gathers the most (the first rank of each), as
+    the strategy runs it on ``degrees`` (``train.options.zero3_reshards_after_forward``; the
+    planner's pp=1 schedule is 1f1b)."""
+    dims = ParallelDims(**degrees)
+    split = StageSplit(1, stage_layers)
+    per_block = zero3_reshards_after_forward(dims.pp, "1f1b")
+    return max(
+        gathered_bytes(config, ParallelDims(**degrees, rank=dims.rank_of(0, p, 0)), split, lora,
+                       reshard_after_forward=per_block)
+        for p in range(dims.pp)
+    )  # fmt: skip
 
 
 def check_request(devices: int, global_batch: int, device: str) -> None:
@@ -151,10 +183,12 @@ def check_request(devices: int, global_batch: int, device: str) -> None:
 
 # what divides each part of a rank's state (memory.py): named in "nothing fits"
 DIVIDED_BY = {
-    "expert_params": "ep (the experts) and pp (the layers)",
-    "non_expert_params": "tp (attention, embedding, head) and pp; ZeRO up to 2 keeps weights whole",
-    "expert_grads": "ep and pp, and zero=2 over the expert data-parallel group",
-    "non_expert_grads": "tp and pp, and zero=2 over the data-parallel group",
+    "expert_params": "ep (the experts) and pp (the layers), and zero=3 over the expert data-parallel "
+    "group",
+    "non_expert_params": "tp (attention, embedding, head) and pp, and zero=3 over the data-parallel "
+    "group",
+    "expert_grads": "ep and pp, and zero>=2 over the expert data-parallel group",
+    "non_expert_grads": "tp and pp, and zero>=2 over the data-parallel group",
     "expert_optimizer": "ep and pp, and zero>=1 over the expert data-parallel group",
     "non_expert_optimizer": "tp and pp, and zero>=1 over the data-parallel group",
 }
@@ -189,6 +223,8 @@ def _grown(config: ModelConfig, best: Candidate, lora: LoRA | None = None) -> li
             except ValueError:
                 continue
             state = sum(fullest_state(config, degrees, best.zero, lora, layers).values())
+            if best.zero == 3:
+                state += fullest_gathered(config, degrees, lora, layers)
             devices = math.prod(degrees.values())
             out.append(f"{axis}={degree} ({devices} devices): {state / GB:.2f} GB")
             break
@@ -208,8 +244,8 @@ def shortfall(best: Candidate, memory: float, config: ModelConfig, lora: LoRA | 
     advice = (
         "; try " + ", or ".join(remedies)
         if remedies
-        else "; no pp, ep or tp this model allows divides it further, and ZeRO up to 2 keeps "
-        "the weights whole: use a device with more memory (--memory-gb)"
+        else "; no pp, ep or tp this model allows divides it further: use a device with more "
+        "memory (--memory-gb)"
     )
     return (
         f"the smallest model state per rank is {best.state_bytes / GB:.2f} GB ({best.label}), "

@@ -8,8 +8,9 @@ layout then gives every rank its part of each tensor the way the strategy cuts i
 - experts: ``1/ep`` of the stacked experts (dim 0);
 - TP-cut weights: ``padded / tp`` rows or columns (the vocabulary padded to a multiple of tp);
 - under ZeRO, the rows ``zero.owned_rows`` gives this rank of the parameter's own data-parallel group
-  (the group of its grad kind), of its optimizer state (zero >= 1) and of its grad (zero = 2), cut
-  along the dim ``zero.cut_dim`` picks (never the one TP cuts).
+  (the group of its grad kind), of its optimizer state (zero >= 1), of its grad (zero >= 2) and of
+  the parameter itself between steps (zero = 3), cut along the dim ``zero.cut_dim`` picks (never
+  the one TP cuts). What zero=3 gathers during a step comes on top: ``gathered_bytes``.
 
 Bytes are those ``bench.memory.state_bytes`` measures on a rank after a step (fp32 weights, grads and
 AdamW's two moments; bf16-mixed keeps fp32 weights too), keyed the same way, so the two compare
@@ -137,16 +138,47 @@ def rank_state(
         part = "expert" if kind == EXPERT else "non_expert"
         shape = local_shape(StageTensor("", full, kind, tp_dim), dims)
         numel = math.prod(shape)
-        out[f"{part}_params"] += itemsize * numel * count
-        if not trained:
+        if not trained:  # LoRA's frozen base: whole, no grad, no state
+            out[f"{part}_params"] += itemsize * numel * count
             continue
         owned = numel
         if zero:
             n, q = places.setdefault(kind, group_place(dims, kind))
             owned = _owned_numel(shape, kind == EXPERT, tp_dim if dims.tp > 1 else None, n, q)
-        out[f"{part}_grads"] += BYTES * (owned if zero == 2 else numel) * count
+        out[f"{part}_params"] += itemsize * (owned if zero == 3 else numel) * count
+        out[f"{part}_grads"] += BYTES * (owned if zero >= 2 else numel) * count
         out[f"{part}_optimizer"] += BYTES * MOMENTS * owned * count
     return out
+
+
+def gathered_bytes(
+    config: ModelConfig,
+    dims: ParallelDims,
+    split: StageSplit | None = None,
+    lora: LoRA | None = None,
+    reshard_after_forward: bool = True,
+) -> int:
+    """zero=3: the bytes of parameters whole during a step on rank ``dims.rank``, beyond the rows
+    ``rank_state`` counts (``parallel/dp/zero3.py``). ``reshard_after_forward`` (pp=1 under gpipe or
+    1f1b): one block at a time and the rest of the stage (embedding, final norm, head) whole
+    beside the rows, so the largest block plus the rest; otherwise the whole stage, kept for the
+    step, the rows inside it."""
+    units: Counter[str] = Counter()
+    for t in stage_tensors(config, dims.pp, dims.pp_rank, split, lora):
+        if not t.trained:
+            continue
+        shape = local_shape(t, dims)
+        numel = math.prod(shape)
+        n, q = group_place(dims, t.kind)
+        owned = _owned_numel(shape, t.kind == EXPERT, t.tp_dim if dims.tp > 1 else None, n, q)
+        if n == 1 or owned == numel:
+            continue  # no group cuts it: whole in the state already
+        block = t.name.split(".")[1] if t.name.startswith("layers.") else ""
+        units[block] += t.itemsize * (numel if reshard_after_forward else numel - owned)
+    if not reshard_after_forward:
+        return sum(units.values())
+    rest = units.pop("", 0)
+    return rest + max(units.values(), default=0)
 
 
 def trained_params(

@@ -28,7 +28,11 @@ from lightning_titan.plan.devices import Device
 from lightning_titan.plan.layouts import Candidate, divisors
 from lightning_titan.plan.memory import trained_params
 from lightning_titan.plan.precision import FP32, Precision
-from lightning_titan.train.options import TrainOptions, check_overlap
+from lightning_titan.train.options import (
+    TrainOptions,
+    check_overlap,
+    zero3_reshards_after_forward,
+)
 
 MAX_VIRTUAL_STAGES = (
     8  # interleaved 1F1B is offered with 2..8 chunks a rank where the layers divide
@@ -141,6 +145,8 @@ class _Prices:
             self._options[key] = step_options(
                 self.config, degrees, local, self.recompute, self.compiled, c.stage_layers
             )
+        if c.zero == 3:  # priced gathered per block (layouts.fullest_gathered): those schedules
+            return [o for o in self._options[key] if zero3_reshards_after_forward(pp, o.schedule)]
         return self._options[key]
 
     def activations(self, c: Candidate, options: StepOptions) -> float:
@@ -162,7 +168,7 @@ class _Prices:
         return self._peaks[key]
 
     def predict(self, c: Candidate, options: StepOptions) -> StepCost:
-        if self.lora is None:
+        if self.lora is None and c.zero < 3:  # zero=3's parts hold its rows of the parameters
             params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
         else:  # the adapters of the first stage (of its split: an even split's stages are alike)
             split = StageSplit(1, c.stage_layers)

@@ -22,8 +22,8 @@ import torch
 import yaml
 
 from lightning_titan.cli import TitanCLI, check_config_files, cli_components
-from lightning_titan.model.decoder import ModelConfig
-from lightning_titan.parallel.mesh import AXES
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.parallel.mesh import AXES, ParallelDims
 from lightning_titan.parallel.pipeline.schedules import (
     CHUNKED,
     OVERLAPPED,
@@ -42,7 +42,7 @@ from lightning_titan.plan.cost import (
 )
 from lightning_titan.plan.devices import GPUS, Link
 from lightning_titan.plan.layouts import PRICED, candidates, factorizations, total_params
-from lightning_titan.plan.memory import layout_state
+from lightning_titan.plan.memory import gathered_bytes, layout_state, rank_state
 from lightning_titan.plan.precision import Precision
 from lightning_titan.plan.rank import ranked, step_options
 from lightning_titan.runtime.launch import run_on_ranks
@@ -381,9 +381,59 @@ def test_cost_terms_grow_with_their_axis():
     # ZeRO-1 adds the weight all-gather to zero=0's all-reduce; ZeRO-2 halves the reduction
     z = [predict(DEFAULT, _layout(dp=8), zero, StepOptions(), 8, H100, params) for zero in PRICED]
     assert z[1].comm["dp"] > z[0].comm["dp"] and z[2].comm["dp"] < z[1].comm["dp"]
+    # ZeRO-3 gathers each block for its forward and its backward too
+    assert z[3].comm["dp"] > z[2].comm["dp"]
     # recompute: a third more compute
     again = predict(DEFAULT, _layout(dp=8), 0, StepOptions(recompute=True), 8, H100, params)
     assert again.compute > z[0].compute
+
+
+def test_zero3_prices_its_rows_between_steps_and_what_it_gathers_in_the_step():
+    """zero=3 holds its rows of every parameter between steps (the optimizer's rows, in fp32: half
+    its two moments); in the step at pp=1 the largest block and the rest of the stage (embedding,
+    norm, head) whole beside them, gathered for each block's forward and backward of every
+    microbatch; under a pipeline the whole stage, the rows inside it, gathered once: zero=2's peak
+    and bytes, so the planner offers zero=2 there."""
+    dims = ParallelDims(dp=8, pp=1, ep=1, rank=0)
+    state = rank_state(DEFAULT, dims, 3)
+    assert 2 * state["non_expert_params"] == state["non_expert_optimizer"]
+    assert 2 * state["expert_params"] == state["expert_optimizer"]
+    with torch.device("meta"):
+        model = StageModel(DEFAULT)
+    nbytes = [sum(p.numel() * 4 for p in b.parameters()) for b in model.layers.values()]
+    rest = sum(p.numel() * 4 for p in model.parameters()) - sum(nbytes)
+    assert gathered_bytes(DEFAULT, dims) == max(nbytes) + rest
+    # pp=2: the stage whole for the step, each rank's rows inside it, as zero=2 holds it
+    for r in range(8):
+        staged = ParallelDims(dp=4, pp=2, ep=1, rank=r)
+        rows = rank_state(DEFAULT, staged, 3)
+        whole = rank_state(DEFAULT, staged, 2)
+        kept = gathered_bytes(DEFAULT, staged, reshard_after_forward=False)
+        assert kept + rows["non_expert_params"] + rows["expert_params"] == (
+            whole["non_expert_params"] + whole["expert_params"]
+        )
+    # the candidates: zero=3 at pp=1 with the step's gathers on top of its rows; none at pp > 1
+    found, _ = candidates(DEFAULT, 8, 16)
+    zero3 = [c for c in found if c.zero == 3]
+    assert zero3 and all(c.degrees["pp"] == 1 for c in zero3)
+    for c in zero3:
+        assert c.gathered_bytes > 0 and c.state_bytes == sum(c.parts.values()) + c.gathered_bytes
+    dp8 = next(c for c in zero3 if c.degrees["dp"] == 8)
+    assert dp8.gathered_bytes == max(nbytes) + rest
+    two = next(c for c in found if c.zero == 2 and c.degrees == dp8.degrees)
+    assert dp8.state_bytes < two.state_bytes  # the weights split too
+    # the bytes: per microbatch at pp=1 (each block twice); once a step under a pipeline (zero=2's)
+    params = (10**8, 10**9)
+
+    def dp_seconds(zero: int, m: int, pp: int = 1) -> float:
+        layout = _layout(dp=8 // pp, pp=pp)
+        return predict(DEFAULT, layout, zero, StepOptions("1f1b", m), 64, H100, params).comm["dp"]
+
+    assert dp_seconds(3, 4) > dp_seconds(3, 1) > dp_seconds(2, 1)
+    assert dp_seconds(3, 4, pp=2) == dp_seconds(2, 4, pp=2)
+    # the step options of a zero=3 layout at pp=1: those it gathers per block under
+    options = {r.options.schedule for r in ranked(DEFAULT, [dp8], 16, H100)}
+    assert options == {"1f1b"}, options
 
 
 def test_bf16_prices_each_payload_in_the_dtype_it_travels_in():
@@ -574,7 +624,8 @@ def test_the_fullest_rank_is_found_without_counting_every_rank(devices):
     """candidates() counts one rank per stage; every rank's count (layout_state) agrees."""
     for c in candidates(DEFAULT, devices, 16)[0]:
         every = layout_state(DEFAULT, c.degrees, c.zero)
-        assert c.state_bytes == max(sum(s.values()) for s in every), c.label
+        peak = max(sum(s.values()) for s in every) + c.gathered_bytes  # zero=3: during the step
+        assert c.state_bytes == peak, c.label
 
 
 # -- TitanStrategy(layout="auto") -----------------------------------------------------------------

@@ -29,6 +29,7 @@ from engine_harness import (
 
 from lightning_titan.parallel.dp.zero import ZeroShards
 from lightning_titan.parallel.mesh import ParallelDims
+from lightning_titan.plan.memory import gathered_bytes, rank_state
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.options import (
     TrainOptions,
@@ -136,7 +137,17 @@ def test_zero3_equals_one_process_and_holds_its_rows(ref, world, tmp_path):
             assert_matches_reference(later if ":resume=" in schedule else ref, results, label)
         if ":zero3" not in schedule:
             continue
-        for r in results:
+        per_block = zero3_reshards_after_forward(layout[1], schedule.split(":")[0])
+        for rank, r in enumerate(results):
+            # what `titan plan` predicts for this rank: its rows between steps, and what it
+            # gathers in the step on top of them
+            dims = ParallelDims(*layout[:3], rank, *layout[3:])
+            model_config = config[0] if config else CONFIG
+            state = rank_state(model_config, dims, 3, r["split"])
+            gathered = gathered_bytes(model_config, dims, r["split"], None, per_block)
+            assert state["expert_params"] + state["non_expert_params"] == r["held_param_bytes"]
+            in_step = r["rest_bytes"] + r["block_bytes"] if per_block else r["param_bytes"]
+            assert gathered + (0 if per_block else r["held_param_bytes"]) == in_step, label
             assert r["whole_after_remove"], (label, r["coords"], "the model is not whole after it")
             rows, whole = shares(r, layout)
             held = r["held_param_bytes"]
@@ -146,7 +157,7 @@ def test_zero3_equals_one_process_and_holds_its_rows(ref, world, tmp_path):
             assert r["held_after_eval"] == held, (label, r["coords"], r["held_after_eval"], held)
             assert r["uncut_bytes"] == whole, (label, r["coords"], r["uncut_bytes"], whole)
             assert not r["gather_buffer_borrowed"], (label, "the gathers use the reducer's buffer")
-            if not zero3_reshards_after_forward(layout[1], schedule.split(":")[0]):
+            if not per_block:
                 # the stage whole at every forward and grad accumulation of the step, kept from
                 # its first forward to the reduce-scatter, each rank's rows held inside it (no
                 # second copy: zero=2's peak)
