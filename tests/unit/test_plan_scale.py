@@ -205,15 +205,26 @@ def test_only_prints_each_layout_with_its_reason_or_its_cost(capsys):
 
 
 def test_nothing_fits_names_the_term_and_a_remedy_the_model_allows(capsys):
-    """DeepSeek-V3 on 64 H100: the smallest is already zero2 with 2 layers a stage (pp32, split
-    unevenly): neither zero=1/2 nor pp=33 (still 2 layers a stage) is advised, but the first pp
-    whose stages hold one layer; the largest term is named."""
+    """DeepSeek-V3 on 64 H100: the smallest is zero3 (the weights split too, at pp=1); the largest
+    term is named, and the next ep, pp and tp. Below zero=3, the smallest is zero2 with 2 layers a
+    stage (pp32, split unevenly): neither zero=1/2 nor pp=33 (still 2 layers a stage) is advised,
+    but the first pp whose stages hold one layer."""
+    from lightning_titan.plan.layouts import shortfall
+    from lightning_titan.tools.plan_cli import shapes_of
+
     with pytest.raises(SystemExit) as stop:
         plan_main(["--config", str(DEEPSEEK_V3_JSON), "--devices", "64", "--device",
                    "h100-80gb", "--global-batch", "1024"])  # fmt: skip
     said = str(stop.value.code)
-    assert "nothing fits" in said and "(pp32xep2 zero2)" in said
+    assert "nothing fits" in said and "(ep16xtp4 zero3)" in said
     assert "its largest term is expert_optimizer" in said
+    assert "zero=1" not in said and "zero=2 (" not in said
+    assert "ep=32 (128 devices)" in said
+    config = shapes_of(DEEPSEEK_V3_JSON.parent, 4096)
+    found, _ = candidates(config, 64, 1024)
+    best = min((c for c in found if c.zero < 3), key=lambda c: c.state_bytes)
+    said = shortfall(best, H100.memory, config)
+    assert "(pp32xep2 zero2)" in said and "its largest term is expert_optimizer" in said
     assert "zero=1" not in said and "zero=2 (" not in said
     assert "pp=61 (122 devices)" in said and "pp=33" not in said
     assert "ep=4 (128 devices)" in said
