@@ -40,12 +40,8 @@ class Candidate:
 
     degrees: dict[str, int]
     zero: int
-    state_bytes: (
-        int  # params + grads + optimizer state on the rank that holds the most, at its peak
-    )
-    parts: dict[
-        str, int
-    ]  # that rank's bytes by part between steps (bench.memory.state_bytes' keys)
+    state_bytes: int  # params + grads + optimizer state of the fullest rank, at the step's peak
+    parts: dict[str, int]  # its bytes by part between steps (bench.memory.state_bytes' keys)
     stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: n_layers / pp
     gathered_bytes: int = 0  # zero=3: the parameters whole during the step beyond ``parts``
 
@@ -183,10 +179,8 @@ def check_request(devices: int, global_batch: int, device: str) -> None:
 
 # what divides each part of a rank's state (memory.py): named in "nothing fits"
 DIVIDED_BY = {
-    "expert_params": "ep (the experts) and pp (the layers), and zero=3 over the expert data-parallel "
-    "group",
-    "non_expert_params": "tp (attention, embedding, head) and pp, and zero=3 over the data-parallel "
-    "group",
+    "expert_params": "ep (the experts), pp (the layers), and zero=3 over the expert DP group",
+    "non_expert_params": "tp (attention, embedding, head), pp, and zero=3 over the DP group",
     "expert_grads": "ep and pp, and zero>=2 over the expert data-parallel group",
     "non_expert_grads": "tp and pp, and zero>=2 over the data-parallel group",
     "expert_optimizer": "ep and pp, and zero>=1 over the expert data-parallel group",

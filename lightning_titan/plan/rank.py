@@ -170,7 +170,7 @@ class _Prices:
     def predict(self, c: Candidate, options: StepOptions) -> StepCost:
         if self.lora is None and c.zero < 3:  # zero=3's parts hold its rows of the parameters
             params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
-        else:  # the adapters of the first stage (of its split: an even split's stages are alike)
+        else:  # zero=3, LoRA: the first stage's trained parameters (an even split's are alike)
             split = StageSplit(1, c.stage_layers)
             params = trained_params(self.config, ParallelDims(**c.degrees), self.lora, split)
         return predict(
