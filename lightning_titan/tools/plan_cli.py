@@ -478,7 +478,8 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
 def _footer(precision: Precision) -> None:
     print(
         "(ms per step; comm columns are the collectives' exposed time; of memory: model state and "
-        f"peak activations of the fullest rank; priced as {precision.label()})"
+        "peak activations of the fullest rank; zero=3's state adds the weights it gathers in the "
+        f"step to its parts, which are between steps; priced as {precision.label()})"
     )
 
 
