@@ -4,14 +4,14 @@ one process, and holds what it says.
 One spawn per world size runs every case; the parent compares each rank with the single-process
 run (per-step loss, aux, grad norm rtol 1e-5, final weights atol 1e-5, gathered to be read) and
 checks memory: between steps (the grads reduced, before the update) the parameters and the
-optimizer's leaves hold each rank's share of the weights (within 5 %: rows cut unevenly), after an
-evaluation too. During
-the step, where each block is gathered around its use (pp=1 under gpipe or 1f1b): at most one block
-whole beyond the rest of the stage (embedding, norm, head, kept for the step) and the parameters
-nothing cuts; under activation checkpointing too (the recompute gathers the block and keeps it for
-its backward). Under a pipeline and the other schedules: the whole stage at every forward and
-every grad accumulation of the step, the optimizer's rows views into it. A zero=3 checkpoint resumes at zero=0 under another layout
-and the other way round, and one saved under a pipeline resumes at pp=1, exactly.
+optimizer's leaves hold each rank's share of the weights (within 5 %: rows cut unevenly; exactly
+the rows `titan plan` prices), after an evaluation too. During the step, where each block is
+gathered around its use (pp=1 under gpipe or 1f1b): at most one block whole beyond the rest of the
+stage (embedding, norm, head, kept for the step) and the parameters nothing cuts; under activation
+checkpointing too (the recompute gathers the block and keeps it for its backward). Under a pipeline
+and the other schedules: the whole stage at every forward and every grad accumulation of the step,
+the optimizer's rows views into it. A zero=3 checkpoint resumes at zero=0 under another layout and
+the other way round, and one saved under a pipeline resumes at pp=1, exactly.
 """
 
 from types import SimpleNamespace
@@ -71,7 +71,8 @@ CASES = {
 }
 
 # checkpoints, in this order on the same path: a zero=3 save resumed at zero=0 under another layout,
-# and a zero=0 save under tp2 resumed at zero=3 (each save: steps 0-1; each resume: steps 2-4)
+# and a zero=0 save under tp2 resumed at zero=3 (each save: steps 0-1; each resume: steps 2-4); on
+# four ranks a zero=3 save under dp2 x pp2 resumed at dp4
 CHECKPOINTS = {
     2: [
         ((2, 1, 1), "1f1b:zero3:save=2", 1),
