@@ -87,6 +87,25 @@ def build(family: str, folder: Path, seed: int = 0, shard: bool = True, **overri
     return model
 
 
+def build_mixtral(folder: Path):
+    """A tiny random Mixtral (``FAMILIES`` are the others; Mixtral is our own default shape), weights
+    drawn as ``build`` draws them."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, tie_word_embeddings=False, sliding_window=None,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+    model.save_pretrained(folder)
+    return model.eval()
+
+
 def save_tokenizer(folder: Path) -> None:
     """A word-level tokenizer of VOCAB ids (60 words and an end-of-text token) into ``folder``."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -1,12 +1,34 @@
-"""`titan generate`'s decoding: greedy equals transformers' greedy `generate` on the exported model;
-sampling keeps to the top-p nucleus and is seeded."""
+"""`titan generate`'s decoding: greedy equals transformers' greedy `generate` for a tiny model of
+every family (loaded from its folder) and on our exported model; sampling keeps to the top-p nucleus
+and is seeded."""
 
 import pytest
 import torch
+from hf_tiny import FAMILIES, VOCAB, build, build_mixtral
 
 from lightning_titan import ModelConfig, StageModel
+from lightning_titan.hf import load as hf_load
 from lightning_titan.hf.export import write_hf_folder
 from lightning_titan.tools.generate import generate, next_token
+
+NEW = 12
+SEQ = 15  # the last token is picked from all 4 + 11 before it: the window is exactly seq_len
+
+
+@pytest.mark.parametrize("family", ["mixtral", *FAMILIES])
+def test_greedy_generation_equals_transformers_for_every_family(tmp_path, family):
+    """Every attention kind (GQA with RoPE, QK-norms, biases, gpt-oss's window of 5 and sinks, MLA
+    with YaRN) past its window: the tokens transformers' greedy ``generate`` picks, one by one."""
+    theirs = build_mixtral(tmp_path) if family == "mixtral" else build(family, tmp_path)
+    model = StageModel(hf_load.config_from_folder(tmp_path, ModelConfig(seq_len=SEQ))).eval()
+    hf_load.load_stage(model, tmp_path)
+    prompt = torch.randint(0, VOCAB - 1, (4,), generator=torch.Generator().manual_seed(1)).tolist()
+    eos = theirs.generation_config.eos_token_id  # OLMoE's; the others have none
+    ours = generate(model, prompt, NEW, stop_ids=() if eos is None else (eos,))
+    out = theirs.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=VOCAB - 1
+    )[0, len(prompt) :].tolist()
+    assert ours == (out[:-1] if out[-1] == eos else out)
 
 
 def test_greedy_generation_equals_transformers_on_the_exported_model(tmp_path):

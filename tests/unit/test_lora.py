@@ -7,7 +7,7 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_tiny import VOCAB, build
+from hf_tiny import VOCAB, build, build_mixtral
 
 from lightning_titan.hf import adapter as hf_adapter
 from lightning_titan.hf import load as hf_load
@@ -31,23 +31,6 @@ def ours_from(folder, lora: LoRA, seed: int = 3) -> StageModel:
             if name.endswith(("lora_B.weight", "_lora_B")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     return model
-
-
-def build_mixtral(folder) -> None:
-    """A tiny random Mixtral (hf_tiny's families are the others), weights as hf_tiny draws them."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=64, tie_word_embeddings=False, sliding_window=None,
-    )  # fmt: skip
-    model = transformers.MixtralForCausalLM(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
-    model.save_pretrained(folder)
 
 
 def adapters_of(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
