@@ -447,6 +447,46 @@ MUTATIONS = {
                                 "        token = next_token(logits[0, -1].float().cpu(), temperature, top_p, generator)\n",
                                 "        token = next_token(logits[0, 0].float().cpu(), temperature, top_p, generator)\n",
                                 ["tests/unit/test_generate.py"]),
+    # the uncached window one token short of seq_len (the last token read without the first)
+    "generate_window_short": ("lightning_titan/tools/generate.py",
+                              "            logits, _ = model(torch.tensor([ids[-seq_len:]], device=device))\n",
+                              "            logits, _ = model(torch.tensor([ids[-seq_len + 1 :]], device=device))\n",
+                              ["tests/unit/test_generate.py"]),
+    # generation never uses its KV cache (right tokens, a whole forward each)
+    "generate_cache_unused": ("lightning_titan/tools/generate.py",
+                              "        if cache is not None and len(ids) <= seq_len:  # the tokens the cache does not hold yet\n",
+                              "        if False:\n",
+                              ["tests/unit/test_generate.py", "-k", "cache"]),
+    # the cache stops one token before it is full
+    "generate_cache_short": ("lightning_titan/tools/generate.py",
+                             "        if cache is not None and len(ids) <= seq_len:  # the tokens the cache does not hold yet\n",
+                             "        if cache is not None and len(ids) < seq_len:\n",
+                             ["tests/unit/test_generate.py", "-k", "cache"]),
+    # the new token's RoPE from position 0, not after the held tokens
+    "kv_cache_rope_restarts": ("lightning_titan/model/kv_cache.py",
+                               "        return cos[positions], sin[positions], attend_mask(positions, keys, 0), window_mask\n",
+                               "        return cos[:new], sin[:new], attend_mask(positions, keys, 0), window_mask\n",
+                               ["tests/unit/test_generate.py", "-k", "every_family and cached"]),
+    # gpt-oss's window layers see every held key when decoding with the cache
+    "kv_cache_window_ignored": ("lightning_titan/model/kv_cache.py",
+                                "        window_mask = attend_mask(positions, keys, window) if window else None\n",
+                                "        window_mask = attend_mask(positions, keys, 0) if window else None\n",
+                                ["tests/unit/test_generate.py", "-k", "gpt_oss-cached"]),
+    # the cache counts no positions: every token is position 0 and sees the first key only
+    "kv_cache_length_kept": ("lightning_titan/model/kv_cache.py",
+                             "        self.length = end\n",
+                             "        pass\n",
+                             ["tests/unit/test_generate.py", "-k", "every_family and cached"]),
+    # --chat asks without the assistant's header (the model continues the user's turn)
+    "chat_reply_headless": ("lightning_titan/data/chat.py",
+                            "    return user + tokenizer.encode(_header(\"assistant\"))\n",
+                            "    return user\n",
+                            ["tests/unit/test_chat_data.py", "-k", "reply"]),
+    # --chat in a tokenizer's own template without its generation prompt
+    "chat_template_no_generation_prompt": ("lightning_titan/data/chat.py",
+                                           "        return [int(i) for i in _apply(tokenizer, turns, generation_prompt=True)]\n",
+                                           "        return [int(i) for i in _apply(tokenizer, turns, generation_prompt=False)]\n",
+                                           ["tests/unit/test_chat_data.py", "-k", "reply"]),
     # a config.json nested past the parser: Python's RecursionError, not the file named
     "hf_json_depth_raw": ("lightning_titan/hf/folder.py",
                           "    except RecursionError:  # json's decoder recurses once per nesting level\n",

@@ -81,6 +81,23 @@ def render(record: object, data_format: str, tokenizer: Tokenizer, train_on: str
     return Rendered(np.concatenate(ids), np.concatenate(labels))
 
 
+def reply_prompt(text: str, tokenizer: Tokenizer) -> list[int]:
+    """The ids that ask for the assistant's reply to ``text`` as one user turn, rendered as ``render``
+    renders a chat: in the tokenizer's own template with its generation prompt where it has one,
+    else in the built-in one (the user turn, then the assistant's header). BadRecord if the
+    template refuses it."""
+    turns = [{"role": "user", "content": text}]
+    if isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template:
+        return [int(i) for i in _apply(tokenizer, turns, generation_prompt=True)]
+    user = [*tokenizer.encode(_header("user")), *tokenizer.encode(text), tokenizer.eod_id]
+    return user + tokenizer.encode(_header("assistant"))
+
+
+def _header(role: str) -> str:
+    """The built-in template's header of a turn."""
+    return f"<|{role}|>\n"
+
+
 def _in_template(messages: list[dict], tokenizer: HFTokenizer, train_on: str) -> Rendered:
     """The targets of assistant turn i are the ids between the prompt for it (turns before i and the
     generation prompt) and the end of turn i, whatever the template puts around them (its end-of-turn
@@ -140,7 +157,7 @@ def _chat(record: dict) -> list[tuple[str, bool, bool]]:
             raise BadRecord(f"turn {i} has role {_show(role)}; a role is one of {list(ROLES)}")
         if not isinstance(content, str):
             raise BadRecord(f"turn {i} ({role}) has content {_show(content)}; content is a string")
-        pieces.append((f"<|{role}|>\n", False, False))
+        pieces.append((_header(role), False, False))
         pieces.append((content, role == "assistant", True))
     if not any(turn["role"] == "assistant" for turn in messages):
         raise BadRecord("has no assistant turn: nothing to learn from it")

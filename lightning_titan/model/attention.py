@@ -22,6 +22,7 @@ from torch.distributed import ProcessGroup
 from lightning_titan.model import lora as adapters
 from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.documents import masked_attention
+from lightning_titan.model.kv_cache import LayerCache
 from lightning_titan.model.lora import LoRA
 from lightning_titan.model.sinks import AttentionSinks, sink_attention
 from lightning_titan.parallel.context_parallel import gather_keys
@@ -164,10 +165,12 @@ class Attention(nn.Module):
         sin: Tensor,
         mask: Tensor | None = None,
         key_starts: tuple[int, ...] | None = None,
+        cache: LayerCache | None = None,
     ) -> Tensor:
         """``cos``/``sin`` [S, hd], or [b, 1, S, hd] for packed documents (each document's
         positions); ``mask``: additive (``sinks.sdpa_mask``; with sinks, the sink's column first)
-        [S_q, S_k] under context parallelism and on window layers, [b, 1, S_q, S_k] for packed
+        [S_q, S_k] under context parallelism, on window layers and with a ``cache`` (generation:
+        the earlier tokens' k and v, ``model/kv_cache.py``), [b, 1, S_q, S_k] for packed
         documents (``model/documents.py``), else None: causal by order."""
         x = gather_sequence(x, self.tp_group)
         b, s, _ = x.shape
@@ -183,6 +186,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # every CP rank's keys and values, before the GQA repeat (fewer bytes on the wire)
         k, v = gather_keys(k, self.cp_group), gather_keys(v, self.cp_group)
+        if cache is not None:  # the earlier tokens' keys and values, then these
+            k, v = cache.extend(k, v)
         # KV head j serves query heads j*rep .. (j+1)*rep-1, as HF's repeat_kv.
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:

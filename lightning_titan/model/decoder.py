@@ -26,6 +26,7 @@ from lightning_titan.model.attention import Attention, RMSNorm, apply_rope, rope
 from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.documents import QUERY_CHUNK, chunk_key_starts, document_masks
 from lightning_titan.model.init import init_adapters, init_weights
+from lightning_titan.model.kv_cache import KVCache, LayerCache
 from lightning_titan.model.lora import LoRA
 from lightning_titan.model.mla import MLAttention
 from lightning_titan.model.moe.experts import GroupedExperts
@@ -130,8 +131,9 @@ class Block(nn.Module):
         sin: Tensor,
         mask: Tensor | None = None,
         key_starts: tuple[int, ...] | None = None,
+        cache: LayerCache | None = None,
     ) -> tuple[Tensor, Tensor]:
-        x, h = self.attend(x, cos, sin, mask, key_starts)
+        x, h = self.attend(x, cos, sin, mask, key_starts, cache)
         if self.moe is None:  # a dense layer: no aux loss
             return x + self.mlp(h), torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         moe_out, aux = self.moe(h, self.shared_expert)  # the shared expert runs under its exchanges
@@ -144,11 +146,12 @@ class Block(nn.Module):
         sin: Tensor,
         mask: Tensor | None = None,
         key_starts: tuple[int, ...] | None = None,
+        cache: LayerCache | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The residual stream after attention, and its MoE-normed copy: the block's part without
         data-dependent shapes (``model/compiled.py`` compiles it; the packed documents' key starts
         are ints that vary by batch, which dynamo takes as dynamic after their first change)."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, key_starts)
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, key_starts, cache)
         return x, self.moe_norm(x)
 
 
@@ -268,10 +271,15 @@ class StageModel(nn.Module):
         return chunk == self.head_chunk
 
     def forward(
-        self, x: Tensor, chunk: int = 0, documents: Tensor | None = None
+        self,
+        x: Tensor,
+        chunk: int = 0,
+        documents: Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``documents`` [b, S]: each token's document id in a packed batch, whole on every CP rank
-        and every stage (``model/documents.py``); None: one document a sequence."""
+        and every stage (``model/documents.py``); None: one document a sequence. ``cache``
+        (``model/kv_cache.py``, generation only): the earlier tokens' keys, ``x`` the tokens after."""
         if self.embeds(chunk):
             if x.dim() != 2 or x.dtype != torch.long:
                 raise ValueError(
@@ -287,7 +295,11 @@ class StageModel(nn.Module):
             seq_len = x.shape[1] * tp_size(self.tp_group) * tp_size(self.cp_group)
         cos, sin = self._rope(seq_len, x.device)
         mask = window_mask = key_starts = None
-        if documents is not None:  # block-diagonal by document, RoPE from each document's start
+        if cache is not None:  # positions and masks continue after the held tokens
+            self._check_cacheable(documents)
+            table = self._rope(cache.capacity, x.device)
+            cos, sin, mask, window_mask = cache.step(seq_len, *table, self.sliding_window)
+        elif documents is not None:  # block-diagonal by document, RoPE from each document's start
             if documents.shape != (x.shape[0], seq_len):
                 raise ValueError(
                     f"documents {tuple(documents.shape)} do not fit the batch [{x.shape[0]}, {seq_len}]; "
@@ -304,7 +316,7 @@ class StageModel(nn.Module):
             keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
             cos, sin, mask = cos[mine], sin[mine], attend_mask(mine, keys, 0)
         # gpt-oss's window layers, by global positions (by document: document_masks)
-        if self.sliding_window and documents is None:
+        if self.sliding_window and documents is None and cache is None:
             mine = keys = torch.arange(seq_len, device=x.device)
             if tp_size(self.cp_group) > 1:
                 mine = context_parallel.local_positions(seq_len, self.cp_group, x.device)
@@ -316,18 +328,27 @@ class StageModel(nn.Module):
             None if m is None else sdpa_mask(m, dtype, sink) for m in (mask, window_mask)
         )
         aux = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
-        for block in (self.layers[str(i)] for i in range(*self.chunk_ranges[chunk])):
+        for i in range(*self.chunk_ranges[chunk]):
+            block = self.layers[str(i)]
             layer_mask = window_mask if block.sliding else mask
             if self.config.activation_checkpointing and torch.is_grad_enabled():
                 x, block_aux = checkpoint(
                     block, x, cos, sin, layer_mask, key_starts, use_reentrant=False
                 )
             else:
-                x, block_aux = block(x, cos, sin, layer_mask, key_starts)
+                layer_cache = None if cache is None else cache.layer(i)
+                x, block_aux = block(x, cos, sin, layer_mask, key_starts, layer_cache)
             aux = aux + block_aux
         if self.heads(chunk):
             x = self.head(x)
         return x, aux
+
+    def _check_cacheable(self, documents: Tensor | None) -> None:
+        if documents is not None or self.num_chunks > 1 or self.tp_group or self.cp_group:
+            raise ValueError(
+                "a KV cache takes one document a sequence on a model of one chunk without tp or "
+                "cp (generation's); run this forward without cache"
+            )
 
     def head(self, x: Tensor) -> Tensor:
         """The last stage's final norm and LM head: hidden states [b, S/(cp*tp), D] -> this rank's

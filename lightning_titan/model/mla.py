@@ -34,6 +34,7 @@ from lightning_titan.model import lora as adapters
 from lightning_titan.model.attention import RMSNorm, apply_rope
 from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.documents import masked_attention
+from lightning_titan.model.kv_cache import LayerCache
 from lightning_titan.model.lora import LoRA
 from lightning_titan.model.yarn import softmax_scale_factor
 from lightning_titan.parallel.context_parallel import gather_keys
@@ -102,9 +103,11 @@ class MLAttention(nn.Module):
         sin: Tensor,
         mask: Tensor | None = None,
         key_starts: tuple[int, ...] | None = None,
+        cache: LayerCache | None = None,
     ) -> Tensor:
         """``cos``/``sin`` [S, qk_rope_head_dim] of this rank's positions ([b, 1, S, ...] for packed
-        documents); ``mask`` [S_q, S_k] additive (``sinks.sdpa_mask``) under context parallelism,
+        documents); ``mask`` [S_q, S_k] additive (``sinks.sdpa_mask``) under context parallelism
+        and with a ``cache`` (generation: the earlier tokens' latents, ``model/kv_cache.py``),
         [b, 1, S_q, S_k] for packed documents (``model/documents.py``), else None: causal by order."""
         x = gather_sequence(x, self.tp_group)
         b, s, _ = x.shape
@@ -121,6 +124,8 @@ class MLAttention(nn.Module):
         k_rot = self._rotate(k_rot_BSC.unsqueeze(1), cos, sin)  # [b, 1, S, rope]
         # every CP rank's latent and shared RoPE key: rank + rope channels a token
         latent, k_rot = gather_keys(latent, self.cp_group), gather_keys(k_rot, self.cp_group)
+        if cache is not None:  # the earlier tokens' latents and shared keys, then these
+            latent, k_rot = cache.extend(latent, k_rot)
         s_k = latent.shape[2]
         kv = self.kv_b_proj(latent.squeeze(1)).view(b, s_k, self.n_heads, self.nope + self.v_dim)
         k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)

@@ -21,9 +21,11 @@ import torch
 from torch import Tensor
 
 from lightning_titan.checkpoint import read_checkpoint_info, runs
+from lightning_titan.data.chat import reply_prompt
 from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 from lightning_titan.hf.export import load_full_model
 from lightning_titan.model.decoder import StageModel
+from lightning_titan.model.kv_cache import KVCache
 
 
 def next_token(
@@ -52,14 +54,23 @@ def generate(
     top_p: float = 1.0,
     stop_ids: tuple[int, ...] = (),
     seed: int = 0,
+    kv_cache: bool = True,
 ) -> list[int]:
-    """The ids ``model`` continues ``prompt_ids`` with (not including the prompt)."""
+    """The ids ``model`` continues ``prompt_ids`` with (not including the prompt).
+
+    With ``kv_cache`` the prompt runs once and each new token alone, over the held keys; once the
+    text is longer than ``seq_len``, each token is a forward over the last ``seq_len`` tokens, as
+    without the cache (positions past ``seq_len`` are ones the model never saw)."""
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
+    seq_len = model.config.seq_len
+    cache = KVCache(seq_len) if kv_cache else None
     ids, new = list(prompt_ids), []
     for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-model.config.seq_len :]], device=device)
-        logits, _ = model(window)
+        if cache is not None and len(ids) <= seq_len:  # the tokens the cache does not hold yet
+            logits, _ = model(torch.tensor([ids[cache.length :]], device=device), cache=cache)
+        else:
+            logits, _ = model(torch.tensor([ids[-seq_len:]], device=device))
         token = next_token(logits[0, -1].float().cpu(), temperature, top_p, generator)
         if token in stop_ids:
             break
@@ -93,6 +104,18 @@ def _parser() -> argparse.ArgumentParser:
         "--top-p", type=float, default=1.0, help="sample from the tokens of this much probability"
     )
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="ask for the reply to the prompt as one user turn, in the tokenizer's chat template"
+        " (the built-in one where it has none, as titan fit renders chats); prints the reply",
+    )
+    parser.add_argument(
+        "--no-kv-cache",
+        dest="kv_cache",
+        action="store_false",
+        help="run each token as a forward over the whole text (slower; the same tokens)",
+    )
     return parser
 
 
@@ -113,7 +136,10 @@ def main(argv: list[str]) -> None:
         parser.error(str(e))
     tokenizer = tokenizer_of(ckpt)
     model = load_full_model(ckpt)
-    prompt = tokenizer.encode(args.prompt)
+    try:
+        prompt = reply_prompt(args.prompt, tokenizer) if args.chat else tokenizer.encode(args.prompt)
+    except ValueError as e:  # a chat template that refuses the turn
+        parser.error(f"--chat: the prompt {e}")
     if not prompt:
         parser.error("--prompt is empty: give the text to continue")
     ids = generate(
@@ -124,5 +150,7 @@ def main(argv: list[str]) -> None:
         top_p=args.top_p,
         stop_ids=(tokenizer.eod_id,),
         seed=args.seed,
+        kv_cache=args.kv_cache,
     )
-    sys.stdout.write(args.prompt + tokenizer.decode(ids) + "\n")
+    reply = tokenizer.decode(ids)
+    sys.stdout.write((reply if args.chat else args.prompt + reply) + "\n")

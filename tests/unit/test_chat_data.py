@@ -13,7 +13,7 @@ import torch
 
 from lightning_titan.cli import UsageError, main
 from lightning_titan.data import ByteTokenizer, DataPipeline
-from lightning_titan.data.chat import render
+from lightning_titan.data.chat import render, reply_prompt
 from lightning_titan.data.corpus import Source
 from lightning_titan.data.records import check_records
 from lightning_titan.parallel.batching import PackedBatch
@@ -349,6 +349,28 @@ def test_a_chat_template_that_refuses_a_record_or_rewrites_past_turns_is_named(t
     tok = _template_tokenizer(tmp_path / "moving", moving)
     with pytest.raises(ValueError, match="renders a turn differently once later turns follow"):
         render({"messages": [_turn(), _turn("assistant"), _turn()]}, "chat", tok, "responses")
+
+
+def test_a_reply_prompt_is_the_user_turn_then_the_assistant_header_of_the_template(tmp_path):
+    """``titan generate --chat``'s prompt: in the built-in template, in the exported byte tokenizer's
+    copy of it (the same ids), in a tokenizer's own template, and refused as a record is."""
+    from lightning_titan.data.tokenizer import HFTokenizer
+    from lightning_titan.hf.export import byte_tokenizer_files
+
+    want = ids_of("<|user|>\nhi é") + [EOD] + ids_of("<|assistant|>\n")
+    assert reply_prompt("hi é", ByteTokenizer()) == want
+    folder = tmp_path / "exported"
+    folder.mkdir()
+    for name, content in byte_tokenizer_files().items():
+        (folder / name).write_text(json.dumps(content))
+    assert reply_prompt("hi é", HFTokenizer(str(folder))) == want
+    chatml = _template_tokenizer(tmp_path / "chatml", CHATML)
+    assert reply_prompt("hi", chatml) == ids_of(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    strict = "{% if messages[0].role != 'system' %}{{ raise_exception('start with a system turn') }}{% endif %}"
+    with pytest.raises(ValueError, match="cannot be rendered in the chat template .*system turn"):
+        reply_prompt("hi", _template_tokenizer(tmp_path / "strict", strict + CHATML))
 
 
 def test_the_exported_byte_tokenizer_renders_chats_as_the_built_in_template(tmp_path):
