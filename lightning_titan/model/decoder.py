@@ -296,9 +296,11 @@ class StageModel(nn.Module):
         cos, sin = self._rope(seq_len, x.device)
         mask = window_mask = key_starts = None
         if cache is not None:  # positions and masks continue after the held tokens
-            self._check_cacheable(documents)
+            split = self.num_chunks > 1 or tp_size(self.tp_group) * tp_size(self.cp_group) > 1
             table = self._rope(cache.capacity, x.device)
-            cos, sin, mask, window_mask = cache.step(seq_len, *table, self.sliding_window)
+            cos, sin, mask, window_mask = cache.step(
+                seq_len, *table, self.sliding_window, cacheable=documents is None and not split
+            )
         elif documents is not None:  # block-diagonal by document, RoPE from each document's start
             if documents.shape != (x.shape[0], seq_len):
                 raise ValueError(
@@ -342,13 +344,6 @@ class StageModel(nn.Module):
         if self.heads(chunk):
             x = self.head(x)
         return x, aux
-
-    def _check_cacheable(self, documents: Tensor | None) -> None:
-        if documents is not None or self.num_chunks > 1 or self.tp_group or self.cp_group:
-            raise ValueError(
-                "a KV cache takes one document a sequence on a model of one chunk without tp or "
-                "cp (generation's); run this forward without cache"
-            )
 
     def head(self, x: Tensor) -> Tensor:
         """The last stage's final norm and LM head: hidden states [b, S/(cp*tp), D] -> this rank's

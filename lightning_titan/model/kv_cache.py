@@ -66,11 +66,18 @@ class KVCache:
         return self._layers[index]
 
     def step(
-        self, new: int, cos: Tensor, sin: Tensor, window: int
+        self, new: int, cos: Tensor, sin: Tensor, window: int, cacheable: bool = True
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """For ``new`` tokens after the held ones: their rows of the RoPE tables ``cos``/``sin``
         [capacity, dim], and the bool masks [new, length + new] (True: attend) of every layer and of
-        the window layers (None without a ``window``); then counts them as held."""
+        the window layers (None without a ``window``); then counts them as held. ``cacheable``:
+        False where the forward is one of packed documents, or of a model cut by tp, cp or chunks
+        (each rank would hold a slice of the keys), which a cache refuses."""
+        if not cacheable:
+            raise ValueError(
+                "a KV cache takes one document a sequence on a model of one chunk without tp or "
+                "cp (generation's); run this forward without cache"
+            )
         end = self.length + new
         if end > self.capacity:
             raise ValueError(

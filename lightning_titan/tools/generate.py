@@ -1,13 +1,20 @@
 """``titan generate``: text from a training checkpoint, on one process.
 
+    titan generate --ckpt runs/dp_pp_ep --prompt "def main():" --max-new-tokens 40
+    titan generate --ckpt runs/chat --chat --prompt "23+45"
+
 The whole model is loaded in this process (``hf.export.load_full_model``: a model that fits one
 machine), with the tokenizer the run trained with (the data module's, or the ``init_from`` folder's).
-Each new token is one forward of the model over the last ``seq_len`` tokens (no KV cache: the cost of
-a token grows with the text, which is fine for looking at what a small run learned, not for serving).
+The prompt runs in one forward, then each new token alone, over every layer's cached keys and values
+(``model/kv_cache.py``: GQA, gpt-oss's window layers and sinks, DeepSeek-V3's latents). The model
+never saw positions past ``seq_len``: once the text is longer, each token is a forward over the last
+``seq_len`` tokens, as ``--no-kv-cache`` runs every token (the same tokens, slower).
 ``--temperature 0`` (the default) is greedy decoding, as ``transformers``' ``generate(do_sample=False)``;
 above 0 the logits are divided by it and sampled, from the smallest set of tokens whose probability
 reaches ``--top-p``. Generation stops at the tokenizer's end-of-document token or after
-``--max-new-tokens``.
+``--max-new-tokens``. ``--chat`` asks for the reply to the prompt as one user turn, rendered as
+``titan fit`` renders chat records (``data/chat.py``: the tokenizer's own chat template, else the
+built-in one), and prints the reply alone.
 """
 
 from __future__ import annotations
@@ -137,7 +144,9 @@ def main(argv: list[str]) -> None:
     tokenizer = tokenizer_of(ckpt)
     model = load_full_model(ckpt)
     try:
-        prompt = reply_prompt(args.prompt, tokenizer) if args.chat else tokenizer.encode(args.prompt)
+        prompt = (
+            reply_prompt(args.prompt, tokenizer) if args.chat else tokenizer.encode(args.prompt)
+        )
     except ValueError as e:  # a chat template that refuses the turn
         parser.error(f"--chat: the prompt {e}")
     if not prompt:
