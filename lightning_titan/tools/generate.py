@@ -121,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-kv-cache",
         dest="kv_cache",
         action="store_false",
-        help="run each token as a forward over the whole text (slower; the same tokens)",
+        help="run each token as a forward over the last seq_len tokens (slower; the same tokens)",
     )
     return parser
 
