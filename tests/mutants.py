@@ -444,13 +444,13 @@ MUTATIONS = {
                                ["tests/unit/test_generate.py"]),
     # generation reads the logits of the first position, not the last
     "generate_first_position": ("lightning_titan/tools/generate.py",
-                                "        token = next_token(logits[0, -1].float().cpu(), temperature, top_p, generator)\n",
-                                "        token = next_token(logits[0, 0].float().cpu(), temperature, top_p, generator)\n",
+                                "        return out[0, -1]\n",
+                                "        return out[0, 0]\n",
                                 ["tests/unit/test_generate.py"]),
     # the uncached window one token short of seq_len (the last token read without the first)
     "generate_window_short": ("lightning_titan/tools/generate.py",
-                              "            logits, _ = model(torch.tensor([ids[-seq_len:]], device=device))\n",
-                              "            logits, _ = model(torch.tensor([ids[-seq_len + 1 :]], device=device))\n",
+                              "            window, cache = torch.tensor([ids[-seq_len:]], device=device), None\n",
+                              "            window, cache = torch.tensor([ids[-seq_len + 1 :]], device=device), None\n",
                               ["tests/unit/test_generate.py"]),
     # generation never uses its KV cache (right tokens, a whole forward each)
     "generate_cache_unused": ("lightning_titan/tools/generate.py",
@@ -487,6 +487,11 @@ MUTATIONS = {
                                            "        return [int(i) for i in _apply(tokenizer, turns, generation_prompt=True)]\n",
                                            "        return [int(i) for i in _apply(tokenizer, turns, generation_prompt=False)]\n",
                                            ["tests/unit/test_chat_data.py", "-k", "reply"]),
+    # under a pipeline the first stage's pick (none) is broadcast, not the last stage's
+    "generate_pp_first_stage_token": ("lightning_titan/tools/generate.py",
+                                      "    last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)\n",
+                                      "    last = dist.get_global_rank(pp_group, 0)\n",
+                                      ["tests/distributed/test_generate.py"]),
     # a config.json nested past the parser: Python's RecursionError, not the file named
     "hf_json_depth_raw": ("lightning_titan/hf/folder.py",
                           "    except RecursionError:  # json's decoder recurses once per nesting level\n",

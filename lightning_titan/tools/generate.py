@@ -15,6 +15,10 @@ reaches ``--top-p``. Generation stops at the tokenizer's end-of-document token o
 ``--max-new-tokens``. ``--chat`` asks for the reply to the prompt as one user turn, rendered as
 ``titan fit`` renders chat records (``data/chat.py``: the tokenizer's own chat template, else the
 built-in one), and prints the reply alone.
+
+The command runs one process; ``generate(..., pp_group=...)`` runs the same loop on the ranks of a
+pipeline, each rank holding its stage's layers and experts (ranks built as ``titan fit`` builds
+them: ``parallel.mesh.build_process_groups``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_titan.checkpoint import read_checkpoint_info, runs
 from lightning_titan.data.chat import reply_prompt
@@ -62,12 +68,23 @@ def generate(
     stop_ids: tuple[int, ...] = (),
     seed: int = 0,
     kv_cache: bool = True,
+    pp_group: ProcessGroup | None = None,
 ) -> list[int]:
     """The ids ``model`` continues ``prompt_ids`` with (not including the prompt).
 
     With ``kv_cache`` the prompt runs once and each new token alone, over the held keys; once the
     text is longer than ``seq_len``, each token is a forward over the last ``seq_len`` tokens, as
-    without the cache (positions past ``seq_len`` are ones the model never saw)."""
+    without the cache (positions past ``seq_len`` are ones the model never saw).
+
+    ``pp_group``: ``model`` is one pipeline stage (one chunk) of the ranks of this group, in stage
+    order, each holding its own cache; every rank of the group calls this and gets the same ids
+    (the last stage picks each token and broadcasts it). The EP ranks of a stage run the same text
+    in their own pipelines, so their dispatches pair up."""
+    if pp_group is not None and model.num_chunks > 1:
+        raise ValueError(
+            f"generation takes one chunk a pipeline rank, not {model.num_chunks}: build the stages "
+            "without virtual stages"
+        )
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     seq_len = model.config.seq_len
@@ -75,15 +92,47 @@ def generate(
     ids, new = list(prompt_ids), []
     for _ in range(max_new_tokens):
         if cache is not None and len(ids) <= seq_len:  # the tokens the cache does not hold yet
-            logits, _ = model(torch.tensor([ids[cache.length :]], device=device), cache=cache)
+            window = torch.tensor([ids[cache.length :]], device=device)
         else:
-            logits, _ = model(torch.tensor([ids[-seq_len:]], device=device))
-        token = next_token(logits[0, -1].float().cpu(), temperature, top_p, generator)
+            window, cache = torch.tensor([ids[-seq_len:]], device=device), None
+        logits_V = _last_logits(model, window, cache, pp_group)
+        token = -1
+        if logits_V is not None:
+            token = next_token(logits_V.float().cpu(), temperature, top_p, generator)
+        if pp_group is not None:  # the last stage's pick, on every stage
+            token = _from_last_stage(token, pp_group, device)
         if token in stop_ids:
             break
         ids.append(token)
         new.append(token)
     return new
+
+
+def _last_logits(
+    model: StageModel, ids: Tensor, cache: KVCache | None, pp_group: ProcessGroup | None
+) -> Tensor | None:
+    """The last position's logits [V] of ``ids`` [1, S] on the last stage, None on the others: each
+    stage runs its layers on what the previous one sent ([1, S, D]) and sends its output on."""
+    stage = 0 if pp_group is None else dist.get_rank(pp_group)
+    x = ids
+    if not model.is_first_stage:
+        assert pp_group is not None  # a model without the embedding is a pipeline stage
+        dtype = next(model.parameters()).dtype
+        x = ids.new_empty(*ids.shape, model.config.d_model, dtype=dtype)
+        dist.recv(x, src=dist.get_global_rank(pp_group, stage - 1), group=pp_group)
+    out, _ = model(x, cache=cache)
+    if model.is_last_stage:
+        return out[0, -1]
+    assert pp_group is not None
+    dist.send(out.contiguous(), dst=dist.get_global_rank(pp_group, stage + 1), group=pp_group)
+    return None
+
+
+def _from_last_stage(token: int, pp_group: ProcessGroup, device: torch.device) -> int:
+    held = torch.tensor([token], device=device)
+    last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
+    dist.broadcast(held, src=last, group=pp_group)
+    return int(held)
 
 
 def tokenizer_of(ckpt: str | Path) -> Tokenizer:
