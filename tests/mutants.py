@@ -491,7 +491,7 @@ MUTATIONS = {
     "generate_pp_first_stage_token": ("lightning_titan/tools/generate.py",
                                       "    last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)\n",
                                       "    last = dist.get_global_rank(pp_group, 0)\n",
-                                      ["tests/distributed/test_generate.py"]),
+                                      ["tests/distributed/test_generate_stages.py"]),
     # a config.json nested past the parser: Python's RecursionError, not the file named
     "hf_json_depth_raw": ("lightning_titan/hf/folder.py",
                           "    except RecursionError:  # json's decoder recurses once per nesting level\n",
