@@ -352,7 +352,7 @@ MUTATIONS = {
                            "params, group, scale=2 * scale if params[0] is self.expert_params[0] else scale, bucket_cap_mb",
                            ["tests/cli/test_cli.py", "-k", "single_process_curve"]),
     # issue 14: the sequence-parallel region's grads (norms, routers) not summed over the TP ranks
-    "tp_norms_unreduced": ("lightning_titan/model/decoder.py",
+    "tp_norms_unreduced": ("lightning_titan/model/grad_kinds.py",
                            'EXPERT, TP_SHARDED, SEQUENCE = "expert_dp", "non_expert_dp", "sequence_dp"',
                            'EXPERT, TP_SHARDED, SEQUENCE = "expert_dp", "non_expert_dp", "non_expert_dp"',
                            ["tests/distributed/test_reference.py", "-k", "tp2"]),
@@ -382,7 +382,7 @@ MUTATIONS = {
                         "            sequence_group=tp_group,\n",
                         ["tests/distributed/test_equivalence.py", "-k", "2"]),
     # issue 14: the norm counts the TP copies of the norms and routers on every TP rank
-    "tp_norm_counts_copies": ("lightning_titan/model/decoder.py",
+    "tp_norm_counts_copies": ("lightning_titan/model/grad_kinds.py",
                               'SEQUENCE: ("ep", "tp")}',
                               'SEQUENCE: ("ep",)}',
                               ["tests/distributed/test_reference.py", "-k", "tp2"]),

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_titan.model.decoder import split_expert_parameters
+from lightning_titan.model.grad_kinds import split_expert_parameters
 from lightning_titan.parallel.dp import zero
 from lightning_titan.parallel.tensor_parallel import as_global, tp_shards
 

@@ -10,8 +10,8 @@ Under tensor parallelism the factors are cut to match the base weight's cut: a c
 projection (rows cut) cuts ``B``'s rows and holds ``A`` whole, its grad a partial sum over the TP
 ranks' heads; a row-parallel one (columns cut) cuts ``A``'s columns and holds ``B`` whole, and the
 adapter's output is a partial sum that the projection's own reduction adds up. The whole factors
-are then summed over the group like a norm's grads (``decoder.SEQUENCE``), the cut ones reduced like
-the base weight's (``decoder.TP_SHARDED``): ``grad_group_kinds`` tells them apart by ``tp_cuts``.
+are then summed over the group like a norm's grads (``grad_kinds.SEQUENCE``), the cut ones reduced like
+the base weight's (``grad_kinds.TP_SHARDED``): ``grad_group_kinds`` tells them apart by ``tp_cuts``.
 
 The routed experts' adapters are per expert, stacked like their weights (``GroupedExperts``:
 ``w1_lora_A`` [E, D, rank] and ``w1_lora_B`` [E, rank, F] for ``y = x @ w1``), and run in grouped

@@ -17,7 +17,7 @@ Tensor parallelism splits the heads: ``q_proj``/``q_b_proj`` and ``kv_b_proj`` r
 The down-projections ``q_a_proj``, ``kv_a_proj`` and their norms stay whole on every TP rank (as in
 Megatron): they are small, and every head needs their whole output. They run on the gathered
 sequence, so each rank's grad holds its heads' part of it, and the sum over the TP group that the
-sequence-parallel weights get (``decoder.SEQUENCE``) completes it.
+sequence-parallel weights get (``grad_kinds.SEQUENCE``) completes it.
 
 Context parallelism gathers the latent (and the rotated shared key), ``kv_lora_rank +
 qk_rope_head_dim`` channels a token, not the expanded heads; each rank expands all keys itself.

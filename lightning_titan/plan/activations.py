@@ -33,7 +33,8 @@ from dataclasses import replace
 
 import torch
 
-from lightning_titan.model.decoder import EXPERT, ModelConfig, StageModel
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.grad_kinds import EXPERT
 from lightning_titan.model.moe.experts import probe_grouped_mm
 from lightning_titan.model.options import LATENT
 from lightning_titan.parallel.mesh import ParallelDims

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_titan.model.decoder import EXPERT, ModelConfig, StageModel, grad_group_kinds
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.grad_kinds import EXPERT, grad_group_kinds
 from lightning_titan.model.lora import LoRA, store_base_
 from lightning_titan.parallel.dp.zero import cut_dim, owned_rows
 from lightning_titan.parallel.mesh import AXES, GROUPS, ParallelDims

@@ -21,13 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_titan.model.decoder import (
+from lightning_titan.model.decoder import Block, StageModel
+from lightning_titan.model.grad_kinds import (
     COPIED_OVER,
     EXPERT,
     SEQUENCE,
     TP_SHARDED,
-    Block,
-    StageModel,
     grad_group_kinds,
 )
 from lightning_titan.model.moe import balance

@@ -1012,7 +1012,7 @@ def test_the_state_tables_expected_shares_follow_the_split(pp, split):
     """Per rank, the arithmetic the state table prints beside the measured shares, against the
     parameters a stage model of that split holds: uneven, interleaved and the V (rank 0 holds the
     embedding and the head) included."""
-    from lightning_titan.model.decoder import split_expert_parameters
+    from lightning_titan.model.grad_kinds import split_expert_parameters
     from lightning_titan.tools.bench.memory import tp_cut_bytes
     from lightning_titan.tools.bench.tp_report import expected_tp_shares
 

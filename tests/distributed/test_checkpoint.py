@@ -32,7 +32,8 @@ from lightning_titan.checkpoint import (
     remove_checkpoint,
     save_sharded,
 )
-from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.grad_kinds import split_expert_parameters
 from lightning_titan.parallel.dp import zero
 from lightning_titan.parallel.mesh import ParallelDims, build_process_groups
 from lightning_titan.parallel.pipeline.split import StageSplit

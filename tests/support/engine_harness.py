@@ -14,7 +14,8 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from lightning_titan.checkpoint import load_sharded, save_sharded
 from lightning_titan.model import compiled
-from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.grad_kinds import split_expert_parameters
 from lightning_titan.model.lora import LoRA
 from lightning_titan.model.moe.capacity import expert_capacity
 from lightning_titan.model.moe.layer import MoELayer

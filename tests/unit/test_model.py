@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_titan.hf.export import hf_mixtral_state_dict
-from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.grad_kinds import split_expert_parameters
 from lightning_titan.model.moe.experts import GroupedExperts
 from lightning_titan.model.moe.router import route
 

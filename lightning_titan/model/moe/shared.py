@@ -4,7 +4,7 @@ scaled per token by a sigmoid gate, ``y = sigmoid(x @ g) * (silu(x @ w1) * (x @ 
 size), added as they are; the same module is DeepSeek-V3's dense MLP of its first layers.
 
 It runs where the MoE layer runs, on this rank's tokens (under TP its sequence slice), and is held
-whole on every rank of a stage: its grads sum over dp x ep x tp like the router's (``decoder.SEQUENCE``).
+whole on every rank of a stage: its grads sum over dp x ep x tp like the router's (``grad_kinds.SEQUENCE``).
 The weights are ``nn.Linear`` in Hugging Face orientation (``w1.weight`` is ``gate_proj.weight``);
 with ``lora`` the three projections get adapters (the gate does not).
 

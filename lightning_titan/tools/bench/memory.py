@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_titan.model.decoder import split_expert_parameters
+from lightning_titan.model.grad_kinds import split_expert_parameters
 from lightning_titan.parallel.tensor_parallel import tp_shards
 from lightning_titan.plan.memory import PARTS
 

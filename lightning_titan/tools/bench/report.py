@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from lightning_titan.model.decoder import StageModel, split_expert_parameters
+from lightning_titan.model.decoder import StageModel
+from lightning_titan.model.grad_kinds import split_expert_parameters
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.split import AUTO
 from lightning_titan.parallel.tensor_parallel import tp_shards

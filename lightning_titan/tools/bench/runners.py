@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_titan.model.decoder import ModelConfig, StageModel, split_expert_parameters
+from lightning_titan.model.decoder import ModelConfig, StageModel
+from lightning_titan.model.grad_kinds import split_expert_parameters
 from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups

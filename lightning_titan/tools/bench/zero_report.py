@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_titan.model.decoder import EXPERT, SEQUENCE, TP_SHARDED
+from lightning_titan.model.grad_kinds import EXPERT, SEQUENCE, TP_SHARDED
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.plan.memory import PARTS
 from lightning_titan.tools.bench.cases import DDP_ZERO, FSDP2, OURS, ZERO1, ZERO2
