@@ -24,7 +24,7 @@ import torch
 from lightning_titan import LoRA, ModelConfig, StageModel, TitanDataModule, TitanLM, TitanStrategy
 from lightning_titan.lightning.callbacks import ExpertLoad, PipelineTimeline
 from lightning_titan.lightning.config_files import compose_config
-from lightning_titan.model.decoder import split_expert_parameters
+from lightning_titan.model.grad_kinds import split_expert_parameters
 from lightning_titan.parallel.tensor_parallel import padded_vocab, tp_shards
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from matplotlib.patches import Rectangle
 
 from lightning_titan import ModelConfig, ParallelDims, StageModel, TitanStrategy
-from lightning_titan.model.decoder import split_expert_parameters
+from lightning_titan.model.grad_kinds import split_expert_parameters
 from lightning_titan.parallel.mesh import GROUP_KINDS, build_process_groups
 from lightning_titan.runtime.launch import run_on_ranks
 

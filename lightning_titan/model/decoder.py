@@ -149,7 +149,7 @@ class Block(nn.Module):
         """The residual stream after attention, and its MoE-normed copy: the block's part without
         data-dependent shapes (``model/compiled.py`` compiles it; the packed documents' key starts
         are ints that vary by batch, which dynamo takes as dynamic after their first change)."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, key_starts, cache)
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, key_starts=key_starts, cache=cache)
         return x, self.moe_norm(x)
 
 
