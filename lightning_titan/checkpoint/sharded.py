@@ -75,7 +75,7 @@ def save_sharded(
     error, token, state, info_bytes = None, None, {}, b""
     fence: Fence = DeviceHooks().record_fence()
     try:
-        state = keys.model_entries(model)
+        state = keys.model_entries(model, zero_shards)
         state.update(keys.optimizer_entries(model, optimizers, zero_shards).state_dict())
         if _rank() == 0:
             since = lock.acquire(path.parent)
@@ -248,7 +248,7 @@ def _plan_load(
     metadata = reader.read_metadata(path)
     reader.check_layout(path, plan.info["layout"], options.expect_layout)
     config = plan.info.get("model_config")
-    model_entries = keys.model_entries(model)
+    model_entries = keys.model_entries(model, options.zero_shards)
     problems = reader.check_entries(model_entries, metadata)
     if problems:  # another shape: no config change can allow that
         raise reader.mismatch(path, config, model, problems)

@@ -74,20 +74,25 @@ def _rows(tensor: Tensor, param: Tensor) -> bool:
     return tensor.dim() == param.dim() and tensor.dim() > 0 and tensor.shape[0] == param.shape[0]
 
 
-def model_entries(model: nn.Module) -> dict[str, Tensor]:
+def model_entries(
+    model: nn.Module, zero_shards: zero.ZeroShards = zero.NO_SHARDS
+) -> dict[str, Tensor]:
     """Every trained parameter and persistent buffer of ``model`` under its layout-free key, as
     views. A frozen parameter (LoRA's base) is left out: it is rebuilt from where it came from (the
-    ``init_from`` folder or the seed), so a LoRA checkpoint holds the adapters (a few MB)."""
+    ``init_from`` folder or the seed), so a LoRA checkpoint holds the adapters (a few MB). A bf16
+    parameter with an fp32 master (``zero_shards.masters``) is its master: the checkpoint is the
+    same fp32 one whatever the parameters' dtype, and a load writes the masters."""
     starts, shards = expert_starts(model), tp_shards(model)
     entries: dict[str, Tensor] = {}
-    for name, value in model.state_dict(keep_vars=True).items():
-        if not isinstance(value, Tensor):
+    for name, param in model.state_dict(keep_vars=True).items():
+        if not isinstance(param, Tensor):
             continue
-        if isinstance(value, nn.Parameter) and not value.requires_grad:
+        if isinstance(param, nn.Parameter) and not param.requires_grad:
             continue
-        start = starts.get(id(value))
+        start = starts.get(id(param))
+        value = zero_shards.weight(param)
         if start is None:
-            shard = shards.get(id(value))
+            shard = shards.get(id(param))
             entries[MODEL + name] = (
                 value.detach() if shard is None else as_global(value.detach(), shard)
             )
@@ -163,7 +168,8 @@ def optimizer_entries(
                     "model's parameters"
                 )
             state, shard = optimizer.state.get(p, {}), zero_shards.of_leaf(p)
-            start = starts.get(id(zero_shards.full_param(p)))
+            full = zero_shards.full_param(p)  # p itself, or the parameter of a shard or master
+            start = starts.get(id(full))
             for state_name, value in state.items():
                 key = param_key(i, name) + state_name
                 if isinstance(value, Tensor) and shard is not None and value.shape == p.shape:
@@ -174,8 +180,8 @@ def optimizer_entries(
                     for row in range(value.shape[0]):
                         key = param_key(i, expert_key(name, start + row)) + state_name
                         out.tensors[key] = value.detach()[row]
-                elif isinstance(value, Tensor) and id(p) in shards and value.shape == p.shape:
-                    out.tensors[key] = as_global(value.detach(), shards[id(p)])
+                elif isinstance(value, Tensor) and id(full) in shards and value.shape == p.shape:
+                    out.tensors[key] = as_global(value.detach(), shards[id(full)])
                 elif isinstance(value, Tensor):
                     out.tensors[key] = value.detach()
                 else:

@@ -40,6 +40,17 @@ from lightning_titan.train.options import (
 from lightning_titan.train.step import TrainStep
 
 
+def check_param_precision(param_dtype: str, plugin: Any) -> None:
+    """bf16 weights need bf16 autocast: an fp32 matmul cannot read a bf16 weight (and a 16-bit
+    true precision would make the masters bf16 too)."""
+    precision = str(getattr(plugin, "precision", ""))
+    if param_dtype == "bf16" and precision != "bf16-mixed":
+        raise ValueError(
+            f"param_dtype='bf16' keeps the weights in bf16, which precision={precision!r} cannot "
+            "multiply with its activations; use --trainer.precision=bf16-mixed, or param_dtype='fp32'"
+        )
+
+
 class TitanStrategy(ShardedStrategy):
     """DP, PP, EP, CP and TP composed, for a stage-local model built in ``configure_model``.
 
@@ -62,6 +73,9 @@ class TitanStrategy(ShardedStrategy):
             3 also the parameters between steps (at pp=1 under gpipe or 1f1b each block is gathered
             for its forward and again for its backward; under a pipeline or another schedule the
             stage is gathered once a step and kept whole until its grads are reduced).
+        param_dtype: ``"bf16"`` stores the trainable weights in bf16 (what forward and backward
+            read) and steps fp32 master copies of them, reducing the grads in fp32; checkpoints hold
+            the fp32 masters. Needs ``--trainer.precision=bf16-mixed`` and zero=0 for now.
         gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
         timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds);
             also bounds a wait for an ``async_save`` write and that write's collectives.
@@ -94,6 +108,7 @@ class TitanStrategy(ShardedStrategy):
         bucket_cap_mb: float = 25.0,
         reducer: Literal["bucketed", "per_param"] = "bucketed",
         zero: Literal[0, 1, 2, 3] = 0,
+        param_dtype: Literal["fp32", "bf16"] = "fp32",
         gradient_clip_norm: float | None = None,
         timeout_minutes: float = 30.0,
         on_nonfinite: Literal["raise", "skip"] = "raise",
@@ -117,6 +132,7 @@ class TitanStrategy(ShardedStrategy):
             start_method=start_method,
             max_restarts=max_restarts,
             zero=zero,
+            param_dtype=param_dtype,
             virtual_stages=TrainOptions.chunks_for(schedule, virtual_stages),
             stage_layers=stage_layers,
         )  # checked first: a bad timeout_minutes is named before it becomes a timedelta
@@ -256,6 +272,7 @@ class TitanStrategy(ShardedStrategy):
         assert self.accelerator is not None and self.model is not None
         self._setup_phase.end()  # a rank that failed in configure_model is heard before any broadcast
         self.accelerator.setup(trainer)
+        check_param_precision(self.options.param_dtype, self.precision_plugin)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._engine is not None:
@@ -269,7 +286,8 @@ class TitanStrategy(ShardedStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._engine.shard_optimizers(self.optimizers)
-            self.zero_shards = ZeroShards(self._engine.zero_groups)  # the checkpoints' keys
+            # the checkpoints' keys (and bf16 weights' fp32 masters, saved as the weights)
+            self.zero_shards = ZeroShards(self._engine.zero_groups, self._engine.masters)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)

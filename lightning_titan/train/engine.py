@@ -35,6 +35,7 @@ from lightning_titan.model.moe.layer import StepCounts, take_step_counts
 from lightning_titan.parallel.dp import zero as zero_levels
 from lightning_titan.parallel.dp import zero_grads
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
+from lightning_titan.parallel.dp.master import MasterWeights, masters_of, parameter_dtype
 from lightning_titan.parallel.dp.reducer import GradReducer
 from lightning_titan.parallel.dp.zero3 import ShardedParams
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
@@ -70,14 +71,23 @@ class Engine:
         bucket_cap_mb: float = 25.0,
         reducer: str = "bucketed",
         zero: int = 0,
+        param_dtype: str = "fp32",
     ) -> None:
+        """``param_dtype="bf16"``: the trainable parameters are stored in bf16 and the optimizer
+        steps fp32 masters of them (``parallel/dp/master.py``; zero 0 for now)."""
         get_schedule(schedule)
+        dtype = parameter_dtype(param_dtype)
         if zero not in zero_levels.LEVELS:
             raise ValueError(
                 f"zero={zero!r} is not a ZeRO level; choose one of {zero_levels.LEVELS}"
             )
         self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
         self.zero = zero
+        if dtype != torch.float32 and zero:
+            raise ValueError(
+                f"param_dtype={param_dtype!r} with zero={zero} is not built yet: its fp32 masters "
+                "are whole on every rank; use zero=0 with it, or param_dtype='fp32'"
+            )
         # zero=3: the units gathered around their use (None below zero=3)
         self.sharded_params: ShardedParams | None = None
         if zero == 3:
@@ -85,6 +95,10 @@ class Engine:
                 module, reshard_after_forward=zero3_reshards_after_forward(dims.pp, schedule)
             )
         kinds = grad_group_kinds(module)
+        # bf16 weights: the fp32 masters, taken before the cast (they start at the fp32 init)
+        self.masters: MasterWeights | None = None
+        if dtype != torch.float32:
+            self.masters = MasterWeights([p for _, p, _ in kinds], dtype)
         self.expert_params = [p for _, p, kind in kinds if kind == EXPERT]
         scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
         # 1/data_world = 1/dp (the expert-DP average) / ep: an expert owner sums every EP rank's
@@ -110,8 +124,9 @@ class Engine:
                         params, shards, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
                     )
             return GradReducer(
-                params, group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
-            )
+                params, group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer,
+                masters=self.masters,
+            )  # fmt: skip
 
         # parameters whose grads sum over the same ranks share a reducer: fewer, fuller buckets
         # (with cp = tp = ep = 1 every kind is the DP group: one reducer)
@@ -167,8 +182,13 @@ class Engine:
             group = getattr(self.groups, kind)
             ranks = self.dims.group_ranks(kind)
             if len(ranks) > 1:
-                for t in tensors:
-                    dist.broadcast(t.data, src=ranks[0], group=group)
+                for t in tensors:  # a bf16 parameter's fp32 master, which the parameter then takes
+                    master = None if self.masters is None else self.masters.of(t)
+                    dist.broadcast(
+                        (t if master is None else master).data, src=ranks[0], group=group
+                    )
+        if self.masters is not None:
+            self.masters.write_back()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -272,8 +292,12 @@ class Engine:
                 return zero_grads.clip_shard_grads_(
                     self.reducers, self.zero_groups, max_norm, self.groups
                 )
+            # bf16 weights: the reduced fp32 grads are the masters'
             return clip_grad_norm_(
-                self.params, max_norm, counted=self.norm_params, group=self.groups.model
+                masters_of(self.masters, self.params),
+                max_norm,
+                counted=masters_of(self.masters, self.norm_params),
+                group=self.groups.model,
             )
 
     @property
@@ -285,6 +309,8 @@ class Engine:
     def shard_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Under zero>0, make each optimizer update only this rank's shards (see ``zero``)."""
         for optimizer in optimizers:
+            if self.masters is not None:  # bf16 weights: the optimizer steps their fp32 masters
+                self.masters.step_masters(optimizer)
             zero_levels.shard_optimizer(optimizer, self.zero_groups)
         if self.sharded_params is not None:  # zero=3: only the rows from here on
             self.sharded_params.shard(self.zero_groups)
@@ -305,7 +331,9 @@ class Engine:
 
     def gather_params(self) -> None:
         """Under zero 1 and 2, just after the optimizer step: every rank's parameters whole again
-        (zero=3 gathers each block when it runs)."""
+        (zero=3 gathers each block when it runs). bf16 weights: each takes its updated master."""
+        if self.masters is not None:
+            self.masters.write_back()
         if self.sharded_params is not None:
             return
         for g in self.zero_groups:
@@ -317,7 +345,11 @@ class Engine:
         from them, where a checkpoint load may have written, and they are freed): to save, load or
         read the model between steps. Every rank of the model's groups enters it together."""
         if self.sharded_params is None:
-            yield
+            try:
+                yield
+            finally:  # bf16 weights: a load wrote the masters (the checkpoint's fp32 weights)
+                if self.masters is not None:
+                    self.masters.write_back()
             return
         self.sharded_params.gather_all()
         try:
@@ -340,6 +372,8 @@ class Engine:
         False after a failure, where a peer may be gone)."""
         for r in self.reducers:
             r.remove()
+        if self.masters is not None:  # bf16 weights: the model is its fp32 masters again
+            self.masters.restore()
         if self.sharded_params is not None:
             if whole:
                 self.sharded_params.gather_all()

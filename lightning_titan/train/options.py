@@ -19,6 +19,7 @@ from lightning_titan.parallel.batching import (
     local_batch_size,
     num_microbatches,
 )
+from lightning_titan.parallel.dp.master import parameter_dtype
 from lightning_titan.parallel.dp.zero import LEVELS as ZERO_LEVELS
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import (
@@ -89,6 +90,7 @@ class TrainOptions:
     start_method: str = "popen"
     max_restarts: int = 0
     zero: int = 0
+    param_dtype: str = "fp32"
     virtual_stages: int = 1
     stage_layers: Sequence[int] | str | None = None  # a tuple once validated, or "auto"
 
@@ -152,6 +154,13 @@ class TrainOptions:
                 f"zero={self.zero} reduce-scatters flat gradient buckets; reducer={self.reducer!r} "
                 f"has none: use reducer='bucketed' with zero={self.zero}"
             )
+        parameter_dtype(self.param_dtype)
+        if self.param_dtype != "fp32" and (self.zero or self.reducer != "bucketed"):
+            raise ValueError(
+                f"param_dtype={self.param_dtype!r} needs zero=0 and reducer='bucketed' for now "
+                f"(got zero={self.zero}, reducer={self.reducer!r}): its fp32 masters are whole on "
+                "every rank and its grads are reduced in fp32 buckets; or use param_dtype='fp32'"
+            )
         if self.start_method not in START_METHODS:
             raise ValueError(
                 f"start_method={self.start_method!r} is unknown; {_choose(START_METHODS)}"
@@ -184,6 +193,7 @@ class TrainOptions:
             "bucket_cap_mb": self.bucket_cap_mb,
             "reducer": self.reducer,
             "zero": self.zero,
+            "param_dtype": self.param_dtype,
         }
 
     def resolved(self, work: Workload, dims: ParallelDims, device: torch.device) -> TrainOptions:

@@ -202,6 +202,7 @@ def train(
     save: tuple[int, str] | None = None,
     resume: tuple[int, str] | None = None,
     packed: bool = False,
+    param_dtype: str = "fp32",
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
@@ -216,13 +217,19 @@ def train(
     sequence (``packed_batch``), attention and positions per document; ``lora``: adapters on a frozen
     base (the result's ``frozen_moved``: the frozen parameters that changed at all); ``save``: (n,
     path) stop after step n with a sharded checkpoint of model and optimizer at ``path``;
-    ``resume``: (n, path) start at step n from the checkpoint at ``path`` (the losses from n on)."""
+    ``resume``: (n, path) start at step n from the checkpoint at ``path`` (the losses from n on);
+    ``param_dtype="bf16"``: bf16 weights over fp32 masters, the step under bf16 autocast as
+    Lightning's bf16-mixed runs it (the result's ``weights`` are then the masters)."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
     model = stage_model(dims, groups, config, split, lora)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     if compile is not None:  # the torch.compile backend
         compiled.compile_stage(model, split_backward=schedule in SPLIT_BACKWARD, backend=compile)
-    engine = Engine(model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb, zero=zero)
+    engine = Engine(
+        model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb, zero=zero,
+        param_dtype=param_dtype,
+    )  # fmt: skip
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=param_dtype == "bf16")
     if paired_p2p:
         make_links = engine._links
 
@@ -248,7 +255,7 @@ def train(
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1, eps=1e-3, **variant)
     engine.shard_optimizers([optimizer])
-    shards = ZeroShards(engine.zero_groups)
+    shards = ZeroShards(engine.zero_groups, engine.masters)
     if resume is not None:
         with engine.whole_params():  # zero=3: loaded into the whole parameters, then the rows
             load_sharded(resume[1], model, [optimizer], zero_shards=shards)
@@ -283,10 +290,11 @@ def train(
     for step in range(resume[0] if resume else 0, save[0] if save else steps):
         inputs, targets, documents = packed_batch(step, config, batch, masked, packed)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
-        result = train_step.run(
-            model, inputs[rows], targets[rows], num_microbatches, loss_fn, index=step,
-            documents=None if documents is None else documents[rows],
-        )  # fmt: skip
+        with autocast:
+            result = train_step.run(
+                model, inputs[rows], targets[rows], num_microbatches, loss_fn, index=step,
+                documents=None if documents is None else documents[rows],
+            )  # fmt: skip
         losses.append(result.loss)
         auxes.append(result.aux)
         norms.append(result.grad_norm)
@@ -301,15 +309,23 @@ def train(
     # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
     inputs, targets, documents = packed_batch(0, config, batch, masked, packed)
     rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
-    val = engine.forward_only(
-        model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims),
-        documents=None if documents is None else documents[rows],
-    )  # fmt: skip
+    with autocast:
+        val = engine.forward_only(
+            model, inputs[rows], targets[rows], num_microbatches, loss_fn_for(model, dims),
+            documents=None if documents is None else documents[rows],
+        )  # fmt: skip
     held_after_eval = held_param_bytes(model, optimizer)  # zero=3: the rows only again
     if stream is not None:
         stream.close()
     with engine.whole_params():  # zero=3: gathered to be read
-        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        weights = {n: shards.weight(p).detach().clone() for n, p in model.named_parameters()}
+    # bf16 weights: what each parameter holds next to its master (the parameters are the fp32
+    # masters again once the engine is removed)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    master_bytes = sum(m.numel() * m.element_size() for _, m in engine.masters or ())
+    params_are_masters_rounded = engine.masters is None or all(
+        torch.equal(p.detach(), m.detach().to(p.dtype)) for p, m in engine.masters
+    )
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     cut = {id(s.param) for g in engine.zero_groups for s in g.shards.values()}
     blocks_cut = [_nbytes(p for p in b.parameters() if id(p) in cut) for b in model.layers.values()]
@@ -334,7 +350,13 @@ def train(
         "state_numel": sum(v.numel() for v in moments),
         "state": measured["state"],
         "grad_bytes": measured["grad_bytes"],
-        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "param_bytes": param_bytes,
+        "master_bytes": master_bytes,
+        # the dtypes the reducers sum grads in (bf16 weights: fp32 buckets)
+        "reduce_dtypes": {
+            b.buffer.dtype for r in engine.reducers for b in r._buckets if b.buffer is not None
+        },
+        "params_are_masters_rounded": params_are_masters_rounded,
         "held_param_bytes": measured["held_param_bytes"],
         "held_after_eval": held_after_eval,
         "whole_after_remove": whole_after,
@@ -450,13 +472,14 @@ def reference(
     masked: bool = False,
     lora: LoRA | None = None,
     packed: bool = False,
+    param_dtype: str = "fp32",
 ) -> dict:
     """The single-process run: one rank, whole batch, one microbatch, no process group."""
     dims = ParallelDims(1, 1, 1, 0)
     groups = ProcessGroups(None, None, None, None)
     return train(
         dims, groups, "gpipe", 1, config, steps, batch=batch, masked=masked, lora=lora,
-        packed=packed,
+        packed=packed, param_dtype=param_dtype,
     )  # fmt: skip
 
 
@@ -475,7 +498,8 @@ def run_layouts(
     ``"<name>:save=2"`` stopping after step 2 with a checkpoint in ``ckpt_dir``,
     ``"<name>:resume=2"`` starting at step 2 from it, ``"<name>:late_stop"`` with activation
     checkpointing's recompute running each block's whole forward (torch stops it early, after the
-    last tensor the backward needs); ``config`` replaces CONFIG."""
+    last tensor the backward needs), ``"<name>:bf16"`` with bf16 weights over fp32 masters
+    (``reference(param_dtype="bf16")``); ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
@@ -500,6 +524,7 @@ def run_layouts(
                 lora=LORA if "lora" in options else None,
                 save=checkpoint_option(options, "save", ckpt_dir),
                 resume=checkpoint_option(options, "resume", ckpt_dir),
+                param_dtype="bf16" if "bf16" in options else "fp32",
             )  # fmt: skip
         result["split"] = split
         out.append(result)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_titan.parallel.dp.master import MasterWeights
 from lightning_titan.runtime import probes
 
 MODES = ("bucketed", "per_param")
@@ -113,7 +114,10 @@ class GradReducer:
         scale: float,
         bucket_cap_mb: float = 25.0,
         mode: str = "bucketed",
+        masters: MasterWeights | None = None,
     ) -> None:
+        """``masters`` (``param_dtype="bf16"``): the buckets of parameters with an fp32 master are
+        fp32, and the reduced grad goes to the master's ``.grad`` (``parallel/dp/master.py``)."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not a reducer mode; choose one of {MODES}")
         if not (isinstance(bucket_cap_mb, (int, float)) and math.isfinite(bucket_cap_mb)) or (
@@ -125,6 +129,11 @@ class GradReducer:
             )
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale={scale!r} must be a positive finite factor (1/group size)")
+        if masters is not None and len(masters) and mode != "bucketed":
+            raise ValueError(
+                f"param_dtype='bf16' reduces the grads in fp32 buckets; reducer={mode!r} reduces "
+                "each bf16 grad in place: use reducer='bucketed' with it"
+            )
         params = [p for p in params if p.requires_grad]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter appears twice in params; pass each parameter once")
@@ -132,6 +141,7 @@ class GradReducer:
         self.group = group
         self.scale = float(scale)
         self.mode = mode
+        self.masters = masters
         # inside no_sync(): the hooks do nothing. State of the reducer's own, set and restored by its
         # context manager around the caller's backward: autograd, not the caller, calls the hooks
         self._accumulating = False
@@ -166,9 +176,10 @@ class GradReducer:
             total += p.numel()
         buffer = None
         if self.mode == "bucketed":
-            buffer = torch.zeros(
-                total + len(params) + 2, dtype=params[0].dtype, device=params[0].device
-            )
+            # bf16 grads of parameters with an fp32 master are summed in fp32 (the copy in casts)
+            has_master = self.masters is not None and self.masters.of(params[0]) is not None
+            dtype = torch.float32 if has_master else params[0].dtype
+            buffer = torch.zeros(total + len(params) + 2, dtype=dtype, device=params[0].device)
         bucket = _Bucket(params, offsets, buffer)
         bucket.reset()
         return bucket
@@ -292,8 +303,12 @@ class GradReducer:
         """
         if self._trivial:
             for p in self.params:
-                if p.grad is not None and self.scale != 1.0:
-                    p.grad.mul_(self.scale)
+                holder = self._holder(p)
+                if holder is not p:  # the master's fp32 grad; the bf16 one goes
+                    holder.grad = None if p.grad is None else p.grad.to(holder.dtype)
+                    p.grad = None
+                if holder.grad is not None and self.scale != 1.0:
+                    holder.grad.mul_(self.scale)
             return
         order = self.launch_order
         for b in order:
@@ -323,8 +338,11 @@ class GradReducer:
             return None
         # one device-to-host read per bucket (each is a stream sync on CUDA)
         flags = bucket.buffer[bucket.numel :].tolist()
-        for slot, p in enumerate(bucket.params):
+        for slot, param in enumerate(bucket.params):
             reduced = self._slice(bucket, slot)
+            p = self._holder(param)
+            if p is not param:
+                param.grad = None  # the bf16 grad is in the bucket now; the master takes the sum
             if flags[slot] == 0:
                 p.grad = None
             elif p.grad is None:
@@ -332,6 +350,10 @@ class GradReducer:
             else:
                 p.grad.copy_(reduced)
         return flags[-2:]
+
+    def _holder(self, param: nn.Parameter) -> nn.Parameter:
+        """Where ``param``'s reduced grad goes: its fp32 master, or itself."""
+        return param if self.masters is None else self.masters.grad_holder(param)
 
     def _hook_counts(self) -> list[list[float]]:
         """Per bucket, on how many ranks (all its hooks fired, it launched from a hook). "bucketed"

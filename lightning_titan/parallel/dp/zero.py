@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from lightning_titan.parallel.collectives import all_gather_
+from lightning_titan.parallel.dp.master import MasterWeights
 from lightning_titan.parallel.dp.reducer import assign_buckets
 from lightning_titan.parallel.mesh import group_mesh
 from lightning_titan.parallel.tensor_parallel import TpShard, real_size
@@ -422,10 +423,15 @@ class ZeroShards:
     Keyed by ``id``: every shard holds its parameter and its leaf, so the ids stay theirs while the
     table lives."""
 
-    def __init__(self, groups: Iterable[ZeroGroup] = ()) -> None:
+    def __init__(
+        self, groups: Iterable[ZeroGroup] = (), masters: MasterWeights | None = None
+    ) -> None:
+        """``masters`` (``param_dtype="bf16"``): the fp32 masters the optimizers step in place of
+        the bf16 parameters, which a checkpoint saves as the weights (``parallel/dp/master.py``)."""
         groups = list(groups)
         self._by_param = {pid: s for g in groups for pid, s in g.shards.items()}
         self._by_leaf = {id(s.leaf): s for s in self._by_param.values()}
+        self.masters = masters
 
     def check_whole(self, what: str) -> None:
         """Refuse a checkpoint ``what`` ("save", "load") while a parameter exists only as this rank's
@@ -451,9 +457,17 @@ class ZeroShards:
         return self._by_leaf.get(id(tensor))
 
     def full_param(self, tensor: Tensor) -> Tensor:
-        """The model parameter an optimizer's tensor belongs to (itself unless it is a shard's leaf)."""
+        """The model parameter an optimizer's tensor belongs to (itself unless it is a shard's leaf
+        or a master)."""
         shard = self.of_leaf(tensor)
-        return tensor if shard is None else shard.param
+        if shard is not None:
+            return shard.param
+        return tensor if self.masters is None else self.masters.param_of(tensor)
+
+    def weight(self, param: Tensor) -> Tensor:
+        """What a checkpoint holds as ``param``'s value: its fp32 master, or itself."""
+        master = None if self.masters is None else self.masters.of(param)
+        return param if master is None else master
 
 
 NO_SHARDS = ZeroShards()  # zero=0: every optimizer tensor is a whole parameter (nothing mutates it)

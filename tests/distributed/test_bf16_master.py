@@ -1,0 +1,142 @@
+"""bf16 weights over fp32 master weights (``param_dtype="bf16"``, ``parallel/dp/master.py``).
+
+One process against the policy written plainly here (a bf16 copy of fp32 master parameters, the
+engine's forward and backward on it, the grads cast to fp32, torch's clip and AdamW on the masters,
+the masters cast back): a bug every layout shares cannot hide behind the layouts agreeing. Then one
+2-rank spawn: dp2, ep2 and pp2 against one process with bf16 weights, and a checkpoint saved by a
+bf16 run, resumed by an fp32 run (which must hold exactly the saved masters) and saved again, then
+resumed by a bf16 run (which must repeat the uninterrupted run's steps bit for bit).
+
+Tolerances. One process against the plain policy: the same bf16 matmuls on the same weights, so
+the losses are equal and the rest agrees to fp32 rounding of the clip (torch's norm sums the
+per-tensor norms in another order): measured, norms within 1 ulp, weights within 1.2e-8.
+Layouts against one process: a layout sums a weight's grad over tokens in other pieces (dp2: each
+rank's half of the batch is a bf16 matmul, rounded to bf16 before the fp32 sum; pp2 and ep2 cut
+the same sums elsewhere), so the grads differ by bf16 rounding (2^-8 relative), and Adam turns
+such a difference on a small grad into a good part of lr (1e-2) on its weight. Measured over 5
+steps: losses within 7.1e-5 relative, norms within 1.9e-3 relative, weights within 8.9e-4; the
+bounds below are about 3x those. The same dp2 with fp32 weights agrees to 1.2e-7
+(test_equivalence.py holds fp32 layouts to 1e-5): the looser bound is bf16's rounding, not the
+layout's; the bugs a layout could bring (a grad scaled twice, a replica not updated, a master not
+written back) move the norm by 2x or the weights by a whole step.
+"""
+
+import pytest
+import torch
+from engine_harness import (
+    CONFIG,
+    GLOBAL_BATCH,
+    MAX_NORM,
+    STEPS,
+    expected_slice,
+    global_batch,
+    loss_fn_for,
+    reference,
+    run_layouts,
+    stage_model,
+)
+from torch import nn
+
+from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
+from lightning_titan.runtime.launch import run_on_ranks
+from lightning_titan.train.engine import Engine
+from lightning_titan.train.options import TrainOptions
+
+LAYOUTS = [((2, 1, 1), "1f1b:bf16", 1), ((1, 1, 2), "1f1b:bf16", 2), ((1, 2, 1), "1f1b:bf16", 2)]
+# save at step 2 under bf16 weights; resume under fp32 weights (no step) and save; resume under bf16
+CHECKPOINTS = [
+    ((2, 1, 1), "1f1b:bf16:save=2", 1),
+    ((2, 1, 1), "1f1b:resume=2:save=2", 1),
+    ((2, 1, 1), "1f1b:bf16:resume=2", 1),
+]
+
+
+def plain_policy() -> dict:
+    """The policy as a reader would write it, on one process: fp32 masters, a bf16 model."""
+    dims, groups = ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None)
+    torch.manual_seed(0)
+    model = stage_model(dims, groups, CONFIG)
+    names = [n for n, _ in model.named_parameters()]
+    masters = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    # fp32 engine options: forward and backward only (one rank: its reducer does nothing)
+    engine = Engine(model, dims, groups, schedule="gpipe", bucket_cap_mb=0.01)
+    optimizer = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, eps=1e-3)
+    losses, norms = [], []
+    for step in range(STEPS):
+        inputs, targets = global_batch(step, CONFIG, GLOBAL_BATCH)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = engine.forward_backward(model, inputs, targets, 1, loss_fn_for(model, dims))
+        for p, master in zip(model.parameters(), masters, strict=True):
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        norms.append(torch.nn.utils.clip_grad_norm_(masters, MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for p, master in zip(model.parameters(), masters, strict=True):
+                p.copy_(master)
+        losses.append(loss.loss.item())
+    engine.remove()
+    return {"loss": losses, "norm": norms, "weights": dict(zip(names, masters, strict=True))}
+
+
+@pytest.mark.timeout(120)
+def test_one_process_is_the_plain_policy() -> None:
+    ref = reference(param_dtype="bf16")
+    plain = plain_policy()
+    torch.testing.assert_close(ref["loss"], plain["loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ref["norm"], plain["norm"], rtol=1e-6, atol=0)
+    for name, weight in plain["weights"].items():
+        torch.testing.assert_close(ref["weights"][name], weight.detach(), rtol=0, atol=1e-6)
+    # the parameters were bf16 (half the fp32 run's bytes), each its master rounded, and the run
+    # is not the fp32 one (the option did something)
+    fp32 = reference()
+    assert ref["param_bytes"] * 2 == fp32["param_bytes"], (ref["param_bytes"], fp32["param_bytes"])
+    assert ref["master_bytes"] == fp32["param_bytes"]
+    assert ref["params_are_masters_rounded"]
+    assert ref["loss"][-1] != fp32["loss"][-1]
+    assert ref["whole_after_remove"]  # the model is its fp32 masters once the engine is gone
+
+
+def assert_close_to(ref: dict, r: dict, where: str) -> None:
+    def say(m: str) -> str:
+        return f"{where}: {m}"
+
+    torch.testing.assert_close(r["loss"], ref["loss"], rtol=2e-4, atol=0, msg=say)
+    torch.testing.assert_close(r["norm"], ref["norm"], rtol=6e-3, atol=0, msg=say)
+    for name, local in r["weights"].items():
+        expected = expected_slice(r, name, ref["weights"][name])
+        assert local.dtype == torch.float32, (where, name, local.dtype)  # the masters
+        torch.testing.assert_close(local, expected, rtol=0, atol=3e-3, msg=say)
+    assert r["params_are_masters_rounded"], where
+    assert r["reduce_dtypes"] <= {torch.float32}, (where, r["reduce_dtypes"])  # fp32 buckets
+
+
+@pytest.mark.timeout(300)
+def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
+    ref = reference(param_dtype="bf16")
+    per_rank = run_on_ranks(
+        run_layouts, 2, LAYOUTS + CHECKPOINTS, str(tmp_path), timeout_s=280, start_method="fork"
+    )
+    for i, (layout, schedule, _) in enumerate(LAYOUTS):
+        for r in per_rank:
+            assert_close_to(ref, r[i], f"{layout} {schedule}")
+    dp2 = [r[0] for r in per_rank]
+    saved, fp32_loaded, resumed = ([r[len(LAYOUTS) + k] for r in per_rank] for k in range(3))
+    for s, f, res, whole in zip(saved, fp32_loaded, resumed, dp2, strict=True):
+        for name, master in s["weights"].items():  # an fp32 run loads the bf16 run's masters
+            assert f["weights"][name].dtype == torch.float32
+            assert torch.equal(f["weights"][name], master), name
+        # a bf16 run from the fp32 run's checkpoint repeats the uninterrupted steps exactly
+        assert res["loss"] == whole["loss"][2:], (res["loss"], whole["loss"])
+        for name, weight in res["weights"].items():
+            assert torch.equal(weight, whole["weights"][name]), name
+
+
+def test_options_refuse_what_is_not_built() -> None:
+    with pytest.raises(ValueError, match="param_dtype='bf16' needs zero=0"):
+        TrainOptions(param_dtype="bf16", zero=1)
+    with pytest.raises(ValueError, match="param_dtype='fp16' is not a parameter dtype"):
+        TrainOptions(param_dtype="fp16")
