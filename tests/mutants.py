@@ -1670,6 +1670,36 @@ MUTATIONS = {
                          "    except (OSError, ValueError):  # a notebook's stream (ipykernel) has no descriptor",
                          "    except ImportError:",
                          ["tests/unit/test_run_versions.py", "-k", "descriptor"]),
+    # bf16 weights: the grads of the bf16 parameters summed in bf16 buckets, not fp32
+    "master_reduce_bf16": ("lightning_titan/parallel/dp/reducer.py",
+                           "            dtype = torch.float32 if has_master else params[0].dtype\n",
+                           "            dtype = params[0].dtype\n",
+                           ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # bf16 weights: the masters taken after the cast (they start at the init's bf16 rounding)
+    "master_from_rounded": ("lightning_titan/parallel/dp/master.py",
+                            "            master = nn.Parameter(p.detach().to(torch.float32, copy=True))\n            p.data = p.data.to(dtype)\n",
+                            "            p.data = p.data.to(dtype)\n            master = nn.Parameter(p.detach().to(torch.float32, copy=True))\n",
+                            ["tests/distributed/test_bf16_master.py", "-k", "plain"]),
+    # bf16 weights: the parameters never take their updated masters
+    "master_not_written_back": ("lightning_titan/train/engine.py",
+                                "        if self.masters is not None:\n            self.masters.write_back()\n        if self.sharded_params is not None:\n            return\n",
+                                "        if self.sharded_params is not None:\n            return\n",
+                                ["tests/distributed/test_bf16_master.py", "-k", "plain"]),
+    # bf16 weights: the norm read off the parameters' grads (the masters hold the reduced ones)
+    "master_clip_params": ("lightning_titan/train/engine.py",
+                           "                masters_of(self.masters, self.params),\n",
+                           "                self.params,\n",
+                           ["tests/distributed/test_bf16_master.py", "-k", "plain"]),
+    # bf16 weights: a checkpoint holds the bf16 parameters, not the fp32 masters
+    "master_ckpt_bf16": ("lightning_titan/checkpoint/state.py",
+                         "        value = zero_shards.weight(param)\n",
+                         "        value = param\n",
+                         ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # bf16 weights: a load writes the masters, and the parameters keep their old values
+    "master_load_not_cast": ("lightning_titan/train/engine.py",
+                             "            finally:  # bf16 weights: a load wrote the masters (the checkpoint's fp32 weights)\n                if self.masters is not None:\n                    self.masters.write_back()\n",
+                             "            finally:  # bf16 weights: a load wrote the masters (the checkpoint's fp32 weights)\n                pass\n",
+                             ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -90,6 +90,10 @@ def model_entries(
         if isinstance(param, nn.Parameter) and not param.requires_grad:
             continue
         start = starts.get(id(param))
+        rows = zero_shards.of_param(param)
+        if rows is not None and rows.master:  # this rank's rows of the fp32 master
+            entries.update(_shard_entries(MODEL, name, "", rows.leaf.detach(), rows, start))
+            continue
         value = zero_shards.weight(param)
         if start is None:
             shard = shards.get(id(param))
@@ -136,14 +140,15 @@ def optimizer_param_name(
 
 
 def _shard_entries(
-    i: int, name: str, state_name: str, value: Tensor, shard: zero.ZeroShard, start: int | None
+    prefix: str, name: str, suffix: str, value: Tensor, shard: zero.ZeroShard, start: int | None
 ) -> dict[str, Tensor]:
-    """A ZeRO shard's state tensor as its rows of the whole parameter's state (per expert for
-    stacked experts), so that the checkpoint holds one logical tensor under any zero level."""
+    """A ZeRO shard's tensor (its state, or a bf16 parameter's fp32 master rows) as its rows of the
+    whole parameter's, under ``prefix + name + suffix`` (per expert for stacked experts), so that
+    the checkpoint holds one logical tensor under any zero level."""
     if start is None:
-        return {param_key(i, name) + state_name: zero.as_dtensor(value, shard, shard.param.shape)}
+        return {prefix + name + suffix: zero.as_dtensor(value, shard, shard.param.shape)}
     return {
-        param_key(i, expert_key(name, start + row)) + state_name: zero.as_dtensor(
+        prefix + expert_key(name, start + row) + suffix: zero.as_dtensor(
             value[row], shard, shard.param.shape[1:]
         )
         for row in range(value.shape[0])
@@ -174,7 +179,9 @@ def optimizer_entries(
                 key = param_key(i, name) + state_name
                 if isinstance(value, Tensor) and shard is not None and value.shape == p.shape:
                     out.tensors.update(
-                        _shard_entries(i, name, state_name, value.detach(), shard, start)
+                        _shard_entries(
+                            optim_prefix(i), name, "/" + state_name, value.detach(), shard, start
+                        )
                     )
                 elif isinstance(value, Tensor) and start is not None and _rows(value, p):
                     for row in range(value.shape[0]):

@@ -83,10 +83,11 @@ class Engine:
             )
         self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
         self.zero = zero
-        if dtype != torch.float32 and zero:
+        if dtype != torch.float32 and zero >= 2:
             raise ValueError(
-                f"param_dtype={param_dtype!r} with zero={zero} is not built yet: its fp32 masters "
-                "are whole on every rank; use zero=0 with it, or param_dtype='fp32'"
+                f"param_dtype={param_dtype!r} with zero={zero} is not built yet (its reducer "
+                "reduce-scatters in the parameters' dtype); use zero 0 or 1 with it, or "
+                "param_dtype='fp32'"
             )
         # zero=3: the units gathered around their use (None below zero=3)
         self.sharded_params: ShardedParams | None = None
@@ -138,6 +139,9 @@ class Engine:
         self.reducers = [
             reducer_over(params, getattr(groups, kind)) for kind, params in by_ranks.values()
         ]
+        if self.masters is not None:  # zero=1: a rank keeps the masters of its rows only
+            for g in self.zero_groups:
+                g.take_masters(self.masters)
         # the norm counts a copy on the first rank of the axes it is copied over (parallel/dp/clipping.py)
         coords = dims.coords(dims.rank)
         self.norm_params = [
@@ -327,13 +331,19 @@ class Engine:
             if drop:
                 g.drop_grads()
             elif self.zero == 1:
-                g.bind_grads()
+                g.bind_grads(None if self.masters is None else self._reduced_grad)
+
+    def _reduced_grad(self, param: nn.Parameter) -> Tensor | None:
+        """bf16 weights: ``param``'s reduced fp32 grad (``MasterWeights.grad_holder``)."""
+        assert self.masters is not None
+        return self.masters.grad_holder(param).grad
 
     def gather_params(self) -> None:
         """Under zero 1 and 2, just after the optimizer step: every rank's parameters whole again
         (zero=3 gathers each block when it runs). bf16 weights: each takes its updated master."""
         if self.masters is not None:
             self.masters.write_back()
+            self.masters.drop_held_grads()
         if self.sharded_params is not None:
             return
         for g in self.zero_groups:
@@ -350,6 +360,8 @@ class Engine:
             finally:  # bf16 weights: a load wrote the masters (the checkpoint's fp32 weights)
                 if self.masters is not None:
                     self.masters.write_back()
+                    for g in self.zero_groups:  # zero=1: the rows of every rank's masters
+                        g.gather()
             return
         self.sharded_params.gather_all()
         try:
@@ -374,6 +386,8 @@ class Engine:
             r.remove()
         if self.masters is not None:  # bf16 weights: the model is its fp32 masters again
             self.masters.restore()
+            for g in self.zero_groups if whole else ():  # zero=1: the rows gathered
+                g.restore_masters()
         if self.sharded_params is not None:
             if whole:
                 self.sharded_params.gather_all()

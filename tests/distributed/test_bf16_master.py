@@ -3,9 +3,11 @@
 One process against the policy written plainly here (a bf16 copy of fp32 master parameters, the
 engine's forward and backward on it, the grads cast to fp32, torch's clip and AdamW on the masters,
 the masters cast back): a bug every layout shares cannot hide behind the layouts agreeing. Then one
-2-rank spawn: dp2, ep2 and pp2 against one process with bf16 weights, and a checkpoint saved by a
-bf16 run, resumed by an fp32 run (which must hold exactly the saved masters) and saved again, then
-resumed by a bf16 run (which must repeat the uninterrupted run's steps bit for bit).
+2-rank spawn: dp2, ep2, pp2, and zero=1 over dp2 and over ep2 (each rank the masters of its rows)
+against one process with bf16 weights; a checkpoint saved by a bf16 run (zero=0, and zero=1: the
+masters' rows), resumed by an fp32 run (which must hold exactly the saved masters) and saved again,
+then resumed by a bf16 run (which must repeat the uninterrupted run's steps bit for bit); and the
+bytes each rank holds.
 
 Tolerances. One process against the plain policy: the same bf16 matmuls on the same weights, so
 the losses are equal and the rest agrees to fp32 rounding of the clip (torch's norm sums the
@@ -42,12 +44,23 @@ from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.engine import Engine
 from lightning_titan.train.options import TrainOptions
 
-LAYOUTS = [((2, 1, 1), "1f1b:bf16", 1), ((1, 1, 2), "1f1b:bf16", 2), ((1, 2, 1), "1f1b:bf16", 2)]
-# save at step 2 under bf16 weights; resume under fp32 weights (no step) and save; resume under bf16
+LAYOUTS = [
+    ((2, 1, 1), "1f1b:bf16", 1),
+    ((1, 1, 2), "1f1b:bf16", 2),
+    ((1, 2, 1), "1f1b:bf16", 2),
+    ((2, 1, 1), "1f1b:bf16:zero1", 1),
+    ((1, 1, 2), "1f1b:bf16:zero1", 2),  # the non-expert masters cut over the ep2 group
+]
+# save at step 2 under bf16 weights; resume under fp32 weights (no step) and save; resume under
+# bf16: at zero=0 (the uninterrupted run: LAYOUTS[0]), and from zero=1's master rows through an
+# fp32 zero=0 run back to zero=1 (LAYOUTS[3])
 CHECKPOINTS = [
     ((2, 1, 1), "1f1b:bf16:save=2", 1),
     ((2, 1, 1), "1f1b:resume=2:save=2", 1),
     ((2, 1, 1), "1f1b:bf16:resume=2", 1),
+    ((2, 1, 1), "1f1b:bf16:zero1:save=2", 1),
+    ((2, 1, 1), "1f1b:resume=2:save=2", 1),
+    ((2, 1, 1), "1f1b:bf16:zero1:resume=2", 1),
 ]
 
 
@@ -123,20 +136,47 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
     for i, (layout, schedule, _) in enumerate(LAYOUTS):
         for r in per_rank:
             assert_close_to(ref, r[i], f"{layout} {schedule}")
-    dp2 = [r[0] for r in per_rank]
-    saved, fp32_loaded, resumed = ([r[len(LAYOUTS) + k] for r in per_rank] for k in range(3))
-    for s, f, res, whole in zip(saved, fp32_loaded, resumed, dp2, strict=True):
-        for name, master in s["weights"].items():  # an fp32 run loads the bf16 run's masters
-            assert f["weights"][name].dtype == torch.float32
-            assert torch.equal(f["weights"][name], master), name
-        # a bf16 run from the fp32 run's checkpoint repeats the uninterrupted steps exactly
-        assert res["loss"] == whole["loss"][2:], (res["loss"], whole["loss"])
-        for name, weight in res["weights"].items():
-            assert torch.equal(weight, whole["weights"][name]), name
+    for chain, uninterrupted in ((0, 0), (3, 3)):
+        first = len(LAYOUTS) + chain
+        for r in per_rank:
+            saved, fp32_loaded, resumed = r[first : first + 3]
+            whole = r[uninterrupted]
+            for name, master in saved["weights"].items():  # an fp32 run loads the masters
+                assert fp32_loaded["weights"][name].dtype == torch.float32
+                assert torch.equal(fp32_loaded["weights"][name], master), (chain, name)
+            # a bf16 run from the fp32 run's checkpoint repeats the uninterrupted steps exactly
+            assert resumed["loss"] == whole["loss"][2:], (chain, resumed["loss"], whole["loss"])
+            for name, weight in resumed["weights"].items():
+                assert torch.equal(weight, whole["weights"][name]), (chain, name)
+    # bytes per rank: bf16 parameters (2 a parameter), and under zero=1 over dp2 the fp32 masters
+    # and AdamW's two fp32 moments of half the rows each (4 / 2 and 8 / 2); at zero=0 whole
+    numel = ref["master_bytes"] // 4  # the model's parameters (one process: every master whole)
+    for zero, i in ((0, 0), (1, 3)):
+        ranks = [r[i] for r in per_rank]
+        for r in ranks:
+            assert r["param_bytes"] == 2 * numel, (zero, r["param_bytes"], numel)
+            share = 1 if zero == 0 else 2
+            assert abs(r["master_bytes"] - 4 * numel / share) <= 256, (zero, r["master_bytes"])
+            assert abs(r["moment_bytes"] - 8 * numel / share) <= 512, (zero, r["moment_bytes"])
+        if zero:  # every row's master and moments on exactly one rank
+            assert sum(r["master_bytes"] for r in ranks) == 4 * numel
+            assert sum(r["moment_bytes"] for r in ranks) == 8 * numel
+
+
+def test_precision_must_be_bf16_mixed() -> None:
+    from types import SimpleNamespace
+
+    from lightning_titan.lightning.strategy import check_param_precision
+
+    check_param_precision("bf16", SimpleNamespace(precision="bf16-mixed"))
+    check_param_precision("fp32", SimpleNamespace(precision="32-true"))
+    for precision in ("32-true", "bf16-true", "16-mixed"):
+        with pytest.raises(ValueError, match="use --trainer.precision=bf16-mixed"):
+            check_param_precision("bf16", SimpleNamespace(precision=precision))
 
 
 def test_options_refuse_what_is_not_built() -> None:
-    with pytest.raises(ValueError, match="param_dtype='bf16' needs zero=0"):
-        TrainOptions(param_dtype="bf16", zero=1)
+    with pytest.raises(ValueError, match="param_dtype='bf16' needs zero 0 or 1"):
+        TrainOptions(param_dtype="bf16", zero=2)
     with pytest.raises(ValueError, match="param_dtype='fp16' is not a parameter dtype"):
         TrainOptions(param_dtype="fp16")

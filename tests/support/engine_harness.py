@@ -322,7 +322,16 @@ def train(
     # bf16 weights: what each parameter holds next to its master (the parameters are the fp32
     # masters again once the engine is removed)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    master_bytes = sum(m.numel() * m.element_size() for _, m in engine.masters or ())
+    master_bytes = sum(m.numel() * m.element_size() for _, m in engine.masters or ()) + sum(
+        s.leaf.numel() * s.leaf.element_size()
+        for g in engine.zero_groups
+        for s in g.shards.values()
+        if s.master
+    )  # whole masters, and under ZeRO the rows'
+    moment_bytes = sum(
+        v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+        if v.dim() > 0
+    )  # fmt: skip
     params_are_masters_rounded = engine.masters is None or all(
         torch.equal(p.detach(), m.detach().to(p.dtype)) for p, m in engine.masters
     )
@@ -332,11 +341,14 @@ def train(
     engine.remove()
     # the model whole and trained once the engine is gone (zero=3 gathers it: a later use, an
     # export, reads the parameters as they are)
+    # (bf16 weights: each the fp32 master of what it held, its rounding; ZeRO-cut ones gathered)
     whole_after = all(
         p.untyped_storage().nbytes() == p.numel() * p.element_size()
-        and torch.equal(p.detach(), weights[n])
+        and torch.equal(p.detach().to(weights[n].dtype), weights[n])
         for n, p in model.named_parameters()
     )
+    if engine.masters is not None:  # bf16 weights: the result's weights are the fp32 masters
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     moments = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     return {
         "loss": losses,
@@ -352,6 +364,7 @@ def train(
         "grad_bytes": measured["grad_bytes"],
         "param_bytes": param_bytes,
         "master_bytes": master_bytes,
+        "moment_bytes": moment_bytes,
         # the dtypes the reducers sum grads in (bf16 weights: fp32 buckets)
         "reduce_dtypes": {
             b.buffer.dtype for r in engine.reducers for b in r._buckets if b.buffer is not None

@@ -14,7 +14,12 @@ cannot move by less than 2^-8. A step then is:
     write back      each parameter takes its master rounded to bf16 (``write_back``)
 
 Masters are taken from the parameters before they are cast, so they start at the fp32 init (or the
-fp32 checkpoint), not at its bf16 rounding. A checkpoint saves the masters under the parameters'
+fp32 checkpoint), not at its bf16 rounding. Under ZeRO (``ZeroGroup.take_masters``) a rank keeps the master of only
+its rows: the ZeRO shard's leaf, which the optimizer steps, becomes a dense fp32 copy of them
+(``ZeroShard.master``), the full fp32 master goes, and after the step the group's all-gather of the
+updated rows into the parameters runs in bf16 (half the bytes). The reduced fp32 grad of such a
+parameter is held by a stand-in of its shape with one element of storage (``grad_holder``): what
+the clip reads before the rows are bound. A checkpoint saves the masters under the parameters'
 names (``checkpoint/state.py``): it is the same fp32 checkpoint a run with fp32 weights writes, and
 either run resumes from the other's.
 """
@@ -35,8 +40,9 @@ class MasterWeights:
     ``dtype`` here (the frozen ones, with no optimizer, keep their dtype)."""
 
     def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype) -> None:
-        self._master: dict[int, nn.Parameter] = {}
+        self._master: dict[int, nn.Parameter] = {}  # whole masters (rows: the ZeRO leaves)
         self._param: dict[int, nn.Parameter] = {}  # id(master) -> its parameter
+        self._holder: dict[int, nn.Parameter] = {}  # a ZeRO-cut parameter's fp32 grad holder
         self.params: list[nn.Parameter] = []
         for p in params:
             if not (p.requires_grad and p.is_floating_point()) or id(p) in self._master:
@@ -50,16 +56,36 @@ class MasterWeights:
         return len(self.params)
 
     def __iter__(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
-        """(parameter, its master) pairs."""
-        return ((p, self._master[id(p)]) for p in self.params)
+        """(parameter, its whole master) pairs (not the ZeRO-cut ones: their leaves are rows)."""
+        return ((p, self._master[id(p)]) for p in self.params if id(p) in self._master)
 
     def of(self, param: Tensor) -> nn.Parameter | None:
         """The master of model parameter ``param``, None for one without (frozen, or not bf16)."""
         return self._master.get(id(param))
 
     def grad_holder(self, param: nn.Parameter) -> nn.Parameter:
-        """Where ``param``'s reduced grad lives: its master's ``.grad`` (fp32), or its own."""
-        return self._master.get(id(param), param)
+        """Where ``param``'s reduced grad lives: its master's ``.grad`` (fp32), the stand-in of a
+        ZeRO-cut one, or its own."""
+        holder = self._holder.get(id(param))
+        return holder if holder is not None else self._master.get(id(param), param)
+
+    def pop(self, param: nn.Parameter) -> nn.Parameter | None:
+        """Hand ``param``'s whole master over (None: it has none) to a ZeRO shard, which keeps
+        this rank's rows of it (``ZeroGroup.take_masters``); its reduced fp32 grad is held from
+        then on by a stand-in of its shape with one element of storage (a grad must match its
+        tensor's shape, and the clip reads it whole)."""
+        master = self._master.pop(id(param), None)
+        if master is not None:
+            del self._param[id(master)]
+            stand_in = torch.zeros((), dtype=torch.float32, device=param.device)
+            self._holder[id(param)] = nn.Parameter(stand_in.expand(param.shape))
+        return master
+
+    def drop_held_grads(self) -> None:
+        """After the step: the stand-ins' whole fp32 grads go (the optimizer's zero_grad does not
+        see them)."""
+        for holder in self._holder.values():
+            holder.grad = None
 
     def param_of(self, tensor: Tensor) -> Tensor:
         """The model parameter an optimizer's ``tensor`` stands for (itself unless a master)."""
@@ -77,20 +103,17 @@ class MasterWeights:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        """Every parameter takes its master, rounded to the parameter's dtype."""
-        if self.params:
-            torch._foreach_copy_([p.data for p in self.params], list(self._master.values()))
+        """Every parameter with a whole master takes it, rounded to the parameter's dtype (a
+        ZeRO-cut one takes its rows by the group's gather: ``ZeroGroup.gather``)."""
+        whole = [(p, self._master[id(p)]) for p in self.params if id(p) in self._master]
+        if whole:
+            torch._foreach_copy_([p.data for p, _ in whole], [m for _, m in whole])
 
     @torch.no_grad()
-    def take_from_params(self) -> None:
-        """Every master takes its parameter (a broadcast wrote the parameters: both stay equal
-        only where the parameter holds the master exactly, i.e. right after a ``write_back``)."""
-        for p, master in self:
-            master.copy_(p.detach())
-
     def restore(self) -> None:
-        """Every parameter becomes its fp32 master (the engine is removed: the model after training
-        is the fp32 one the optimizer stepped, and a new engine takes its masters from it)."""
+        """Every parameter with a whole master becomes it (the engine is removed: the model after
+        training is the fp32 one the optimizer stepped, and a new engine takes its masters from
+        it; ZeRO-cut ones: ``ZeroGroup.restore_masters``)."""
         for p, master in self:
             p.data = master.data
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,7 @@ class ZeroShard:
     group: dist.ProcessGroup
     n: int
     tp: TpShard | None = None  # the weight is this TP rank's part of the full model's (tp > 1)
+    master: bool = False  # the leaf is the fp32 master of the rows of a bf16 parameter (master.py)
 
     @property
     def dense(self) -> bool:
@@ -182,6 +183,31 @@ class ZeroGroup:
                 if b.dtype == like.dtype:
                     b.bind(kept[: b.slot * self.n], self.q)
 
+    @torch.no_grad()
+    def take_masters(self, masters: MasterWeights) -> None:
+        """bf16 weights: each shard's leaf becomes the fp32 master of its rows (a dense copy of
+        them), and the whole master goes (``parallel/dp/master.py``)."""
+        for s in self.shards.values():
+            master = masters.pop(s.param)
+            if master is not None:
+                s.leaf.data = s.rows(master.detach()).clone(memory_format=torch.contiguous_format)
+                s.master = True
+        self.dense_shards = [s for s in self.shards.values() if s.dense]
+
+    @torch.no_grad()
+    def restore_masters(self) -> None:
+        """bf16 weights, the engine removed: each parameter whose master this group cut becomes
+        its fp32 master, whole (one all-gather of the rows, padded to the largest rank's, each)."""
+        for s in self.shards.values():
+            if not s.master:
+                continue
+            rows = s.leaf.detach().movedim(s.dim, 0)
+            padded = rows.new_zeros((math.ceil(s.size / self.n), *rows.shape[1:]))
+            padded[: rows.shape[0]] = rows
+            parts = [torch.empty_like(padded) for _ in range(self.n)]
+            dist.all_gather(parts, padded, group=self.group)
+            s.param.data = torch.cat(parts)[: s.size].movedim(0, s.dim).contiguous()
+
     def densify(self) -> None:
         """For an optimizer that steps strided tensors wrongly (``steps_strided_views``): each leaf
         whose rows are strided becomes a dense copy of them (same leaf, new storage)."""
@@ -190,12 +216,15 @@ class ZeroGroup:
                 s.leaf.data = s.leaf.data.clone(memory_format=torch.contiguous_format)
         self.dense_shards = [s for s in self.shards.values() if s.dense]
 
-    def bind_grads(self) -> None:
+    def bind_grads(self, grad_of: Callable[[nn.Parameter], Tensor | None] | None = None) -> None:
         """ZeRO-1, just before the optimizer step: each shard's grad is its rows of the reduced,
         clipped full grad (a view; a dense copy for a dense leaf), None where that is. ZeRO-2's
-        reducer writes the shards' grads itself, in ``finish()`` (``parallel/dp/zero_grads.py``)."""
+        reducer writes the shards' grads itself, in ``finish()`` (``parallel/dp/zero_grads.py``).
+        ``grad_of``: where a parameter's reduced grad is (bf16 weights: the fp32 one of
+        ``MasterWeights.grad_holder``); None: its ``.grad``."""
         for s in self.shards.values():
-            grad = None if s.param.grad is None else s.rows(s.param.grad)
+            full = s.param.grad if grad_of is None else grad_of(s.param)
+            grad = None if full is None else s.rows(full)
             s.leaf.grad = grad.contiguous() if grad is not None and s.dense else grad
 
     @torch.no_grad()
@@ -203,7 +232,8 @@ class ZeroGroup:
         """Just before the optimizer step: each dense leaf takes its rows, which a checkpoint load
         or a broadcast may have written since the last step (a view leaf sees them already)."""
         for s in self.dense_shards:
-            s.leaf.copy_(s.rows(s.param.detach()))
+            if not s.master:  # a master's rows are the fp32 original of the parameter's
+                s.leaf.copy_(s.rows(s.param.detach()))
 
     def drop_grads(self) -> None:
         """A skipped step (non-finite): no shard has a grad, so the optimizer updates nothing."""
