@@ -368,7 +368,7 @@ MUTATIONS = {
                            ["tests/distributed/test_equivalence.py", "-k", "2"]),
     # issue 14: the optimizer state of a TP-cut weight saved as the rank's local tensor
     "tp_ckpt_local_state": ("lightning_titan/checkpoint/state.py",
-                            "elif isinstance(value, Tensor) and id(p) in shards and value.shape == p.shape:",
+                            "elif isinstance(value, Tensor) and id(full) in shards and value.shape == p.shape:",
                             "elif False:",
                             ["tests/distributed/test_checkpoint.py", "-k", "save_under_one"]),
     # issue 15: RoPE at the local order's positions instead of the tokens' global ones
@@ -1682,8 +1682,8 @@ MUTATIONS = {
                             ["tests/distributed/test_bf16_master.py", "-k", "plain"]),
     # bf16 weights: the parameters never take their updated masters
     "master_not_written_back": ("lightning_titan/train/engine.py",
-                                "        if self.masters is not None:\n            self.masters.write_back()\n        if self.sharded_params is not None:\n            return\n",
-                                "        if self.sharded_params is not None:\n            return\n",
+                                "            self.masters.write_back()\n            self.masters.drop_held_grads()\n",
+                                "            self.masters.drop_held_grads()\n",
                                 ["tests/distributed/test_bf16_master.py", "-k", "plain"]),
     # bf16 weights: the norm read off the parameters' grads (the masters hold the reduced ones)
     "master_clip_params": ("lightning_titan/train/engine.py",
@@ -1692,14 +1692,29 @@ MUTATIONS = {
                            ["tests/distributed/test_bf16_master.py", "-k", "plain"]),
     # bf16 weights: a checkpoint holds the bf16 parameters, not the fp32 masters
     "master_ckpt_bf16": ("lightning_titan/checkpoint/state.py",
-                         "        value = zero_shards.weight(param)\n",
-                         "        value = param\n",
+                         "        weight = zero_shards.weight(value).detach()  # a whole master for a bf16 parameter\n",
+                         "        weight = value.detach()\n",
                          ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
     # bf16 weights: a load writes the masters, and the parameters keep their old values
     "master_load_not_cast": ("lightning_titan/train/engine.py",
                              "            finally:  # bf16 weights: a load wrote the masters (the checkpoint's fp32 weights)\n                if self.masters is not None:\n                    self.masters.write_back()\n",
                              "            finally:  # bf16 weights: a load wrote the masters (the checkpoint's fp32 weights)\n                pass\n",
                              ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # bf16 weights under zero=1: each step's rows of the bf16 parameters overwrite the fp32 masters
+    "master_rows_rounded": ("lightning_titan/parallel/dp/zero.py",
+                            "            if not s.master:  # a master's rows are the fp32 original of the parameter's\n",
+                            "            if True:\n",
+                            ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # bf16 weights under zero=1: a rank keeps the whole fp32 masters besides its rows
+    "master_rows_kept_whole": ("lightning_titan/parallel/dp/master.py",
+                               "        master = self._master.pop(id(param), None)\n",
+                               "        master = self._master.get(id(param))\n",
+                               ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # bf16 weights under zero=1: the shards' grads bound from the bf16 grads (None: dropped), not the fp32 reduced ones
+    "master_rows_bf16_grads": ("lightning_titan/train/engine.py",
+                               "                g.bind_grads(None if self.masters is None else self._reduced_grad)\n",
+                               "                g.bind_grads()\n",
+                               ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

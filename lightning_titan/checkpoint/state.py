@@ -84,25 +84,23 @@ def model_entries(
     same fp32 one whatever the parameters' dtype, and a load writes the masters."""
     starts, shards = expert_starts(model), tp_shards(model)
     entries: dict[str, Tensor] = {}
-    for name, param in model.state_dict(keep_vars=True).items():
-        if not isinstance(param, Tensor):
+    for name, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, Tensor):
             continue
-        if isinstance(param, nn.Parameter) and not param.requires_grad:
+        if isinstance(value, nn.Parameter) and not value.requires_grad:
             continue
-        start = starts.get(id(param))
-        rows = zero_shards.of_param(param)
+        start = starts.get(id(value))
+        rows = zero_shards.of_param(value)
         if rows is not None and rows.master:  # this rank's rows of the fp32 master
             entries.update(_shard_entries(MODEL, name, "", rows.leaf.detach(), rows, start))
             continue
-        value = zero_shards.weight(param)
+        weight = zero_shards.weight(value).detach()  # a whole master for a bf16 parameter
         if start is None:
-            shard = shards.get(id(param))
-            entries[MODEL + name] = (
-                value.detach() if shard is None else as_global(value.detach(), shard)
-            )
+            shard = shards.get(id(value))
+            entries[MODEL + name] = weight if shard is None else as_global(weight, shard)
         else:
-            for row in range(value.shape[0]):
-                entries[MODEL + expert_key(name, start + row)] = value.detach()[row]
+            for row in range(weight.shape[0]):
+                entries[MODEL + expert_key(name, start + row)] = weight[row]
     return entries
 
 

@@ -186,11 +186,10 @@ class Engine:
             group = getattr(self.groups, kind)
             ranks = self.dims.group_ranks(kind)
             if len(ranks) > 1:
-                for t in tensors:  # a bf16 parameter's fp32 master, which the parameter then takes
-                    master = None if self.masters is None else self.masters.of(t)
-                    dist.broadcast(
-                        (t if master is None else master).data, src=ranks[0], group=group
-                    )
+                if self.masters is not None:  # a bf16 parameter's fp32 master (it then takes it)
+                    tensors = [m if (m := self.masters.of(t)) is not None else t for t in tensors]
+                for t in tensors:
+                    dist.broadcast(t.data, src=ranks[0], group=group)
         if self.masters is not None:
             self.masters.write_back()
 

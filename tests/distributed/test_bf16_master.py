@@ -109,6 +109,7 @@ def test_one_process_is_the_plain_policy() -> None:
     assert ref["param_bytes"] * 2 == fp32["param_bytes"], (ref["param_bytes"], fp32["param_bytes"])
     assert ref["master_bytes"] == fp32["param_bytes"]
     assert ref["params_are_masters_rounded"]
+    assert ref["masters_finer"]
     assert ref["loss"][-1] != fp32["loss"][-1]
     assert ref["whole_after_remove"]  # the model is its fp32 masters once the engine is gone
 
@@ -124,6 +125,7 @@ def assert_close_to(ref: dict, r: dict, where: str) -> None:
         assert local.dtype == torch.float32, (where, name, local.dtype)  # the masters
         torch.testing.assert_close(local, expected, rtol=0, atol=3e-3, msg=say)
     assert r["params_are_masters_rounded"], where
+    assert r["masters_finer"], where  # fp32 masters, not rounded to bf16 at any step
     assert r["reduce_dtypes"] <= {torch.float32}, (where, r["reduce_dtypes"])  # fp32 buckets
 
 

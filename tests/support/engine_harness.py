@@ -328,6 +328,12 @@ def train(
         for s in g.shards.values()
         if s.master
     )  # whole masters, and under ZeRO the rows'
+    # the masters hold more than bf16 can (every one of them rounded: the updates are lost)
+    masters_finer = engine.masters is None or any(
+        not torch.equal(m, m.bfloat16().float())
+        for m in [m for _, m in engine.masters]
+        + [s.leaf.detach() for g in engine.zero_groups for s in g.shards.values() if s.master]
+    )
     moment_bytes = sum(
         v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
         if v.dim() > 0
@@ -365,6 +371,7 @@ def train(
         "param_bytes": param_bytes,
         "master_bytes": master_bytes,
         "moment_bytes": moment_bytes,
+        "masters_finer": masters_finer,
         # the dtypes the reducers sum grads in (bf16 weights: fp32 buckets)
         "reduce_dtypes": {
             b.buffer.dtype for r in engine.reducers for b in r._buckets if b.buffer is not None
