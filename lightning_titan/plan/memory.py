@@ -35,6 +35,7 @@ from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.parallel.tensor_parallel import padded_vocab, tp_shards
 
 BYTES = 4  # fp32 weights, grads and moments
+BF16_BYTES = 2  # param_dtype="bf16": the weights the forward reads (over fp32 masters)
 MOMENTS = 2  # AdamW: exp_avg and exp_avg_sq (its step count is a scalar: not counted)
 
 PARTS = ("params", "grads", "optimizer")  # what a rank holds per parameter: state_bytes' keys
@@ -126,9 +127,13 @@ def rank_state(
     zero: int = 0,
     split: StageSplit | None = None,
     lora: LoRA | None = None,
+    param_dtype: str = "fp32",
 ) -> dict[str, int]:
     """Bytes of ``{expert,non_expert}_{params,grads,optimizer}`` on rank ``dims.rank`` (``lora``:
-    grads and optimizer state of the adapters only, the base in its stored dtype)."""
+    grads and optimizer state of the adapters only, the base in its stored dtype).
+    ``param_dtype="bf16"``: the trained weights 2 bytes an element, their fp32 masters counted with
+    the optimizer state (cut as it is under ZeRO), the grads fp32 (``parallel/dp/master.py``)."""
+    masters = param_dtype != "fp32"
     out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
     # each distinct (shape, kind, cut, ...) once, times how many the stage has (its layers repeat
     # them); each grad kind's group found once (a search over the world's groups)
@@ -146,9 +151,10 @@ def rank_state(
         if zero:
             n, q = places.setdefault(kind, group_place(dims, kind))
             owned = _owned_numel(shape, kind == EXPERT, tp_dim if dims.tp > 1 else None, n, q)
-        out[f"{part}_params"] += itemsize * (owned if zero == 3 else numel) * count
+        stored = BF16_BYTES if masters else itemsize
+        out[f"{part}_params"] += stored * (owned if zero == 3 else numel) * count
         out[f"{part}_grads"] += BYTES * (owned if zero >= 2 else numel) * count
-        out[f"{part}_optimizer"] += BYTES * MOMENTS * owned * count
+        out[f"{part}_optimizer"] += BYTES * (MOMENTS + masters) * owned * count
     return out
 
 

@@ -40,6 +40,7 @@ from engine_harness import (
 from torch import nn
 
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
+from lightning_titan.plan.memory import rank_state
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.engine import Engine
 from lightning_titan.train.options import TrainOptions
@@ -136,8 +137,12 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
         run_layouts, 2, LAYOUTS + CHECKPOINTS, str(tmp_path), timeout_s=280, start_method="fork"
     )
     for i, (layout, schedule, _) in enumerate(LAYOUTS):
-        for r in per_rank:
+        zero = 1 if ":zero1" in schedule else 0
+        for rank, r in enumerate(per_rank):
             assert_close_to(ref, r[i], f"{layout} {schedule}")
+            # the planner's state model prices bf16 weights as the step held them
+            predicted = rank_state(CONFIG, ParallelDims(*layout, rank), zero, param_dtype="bf16")
+            assert predicted == r[i]["state"], (layout, schedule, rank, predicted, r[i]["state"])
     for chain, uninterrupted in ((0, 0), (3, 3)):
         first = len(LAYOUTS) + chain
         for r in per_rank:

@@ -46,8 +46,11 @@ def state_bytes(
     ``engine``'s zero=2, its rows) and optimizer state, split into expert and non-expert parts. Under
     ZeRO the optimizer holds shards of the parameters: their state counts for the parameter they are
     cut from, which a shard's leaf, a view of its rows, shares its storage with (a dense leaf, a copy
-    of strided rows, is found in the ``engine``'s shards)."""
+    of strided rows, is found in the ``engine``'s shards). bf16 weights (the ``engine``'s masters):
+    a weight's fp32 master counts as its optimizer state (cut as that is under ZeRO), and its
+    grad as the fp32 one the reducer hands the master."""
     optimizer = local_optimizer(optimizer)
+    masters = None if engine is None else engine.masters
     grad_bytes = zero2_grad_bytes(engine)
     # zero=3: a sharded parameter holds its rows only (its leaf), between steps
     param_bytes = grad_bytes if engine is not None and engine.zero == 3 else None
@@ -56,6 +59,11 @@ def state_bytes(
     shard_param = {} if engine is None else {
         id(s.leaf): s.param for g in engine.zero_groups for s in g.shards.values()
     }  # fmt: skip
+    shard_param.update({id(m): p for p, m in masters or ()})  # a whole master: its parameter
+    # the optimizer's tensors that are masters (bf16 weights): counted with its state
+    is_master = {id(m) for _, m in masters or ()} | {
+        id(s.leaf) for g in engine.zero_groups for s in g.shards.values() if s.master
+    } if masters is not None else set()  # fmt: skip
     expert, _ = split_expert_parameters(model)
     expert_ids = {id(p) for _, p in expert}
     expert_storage = {_storage(p) for _, p in expert}
@@ -64,7 +72,9 @@ def state_bytes(
         part = "expert" if id(p) in expert_ids else "non_expert"
         out[f"{part}_params"] += (param_bytes or {}).get(id(p), _nbytes([p]))
         if p.requires_grad:  # a frozen parameter (LoRA's base) gets no grad
-            out[f"{part}_grads"] += (grad_bytes or {}).get(id(p), _nbytes([p]))
+            reduced = p if masters is None else masters.grad_holder(p)  # fp32 for a bf16 weight
+            whole = _nbytes([p]) // p.element_size() * reduced.element_size()
+            out[f"{part}_grads"] += (grad_bytes or {}).get(id(p), whole)
     for group in optimizer.param_groups:
         for leaf in group["params"]:
             param = shard_param.get(id(leaf))
@@ -75,7 +85,7 @@ def state_bytes(
             state = optimizer.state.get(leaf, {}).values()
             out[f"{part}_optimizer"] += _nbytes(
                 t for t in state if isinstance(t, Tensor) and t.dim()
-            )
+            ) + (_nbytes([leaf]) if id(leaf) in is_master else 0)
     return out
 
 
