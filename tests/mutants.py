@@ -1697,8 +1697,8 @@ MUTATIONS = {
                          ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
     # bf16 weights: a load writes the masters, and the parameters keep their old values
     "master_load_not_cast": ("lightning_titan/train/engine.py",
-                             "            finally:  # bf16 weights: a load wrote the masters (the checkpoint's fp32 weights)\n                if self.masters is not None:\n                    self.masters.write_back()\n",
-                             "            finally:  # bf16 weights: a load wrote the masters (the checkpoint's fp32 weights)\n                pass\n",
+                             "                    self.masters.write_back()\n                    for g in self.zero_groups:  # zero=1: the rows of every rank's masters\n                        g.gather()\n",
+                             "                    pass\n",
                              ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
     # bf16 weights under zero=1: each step's rows of the bf16 parameters overwrite the fp32 masters
     "master_rows_rounded": ("lightning_titan/parallel/dp/zero.py",

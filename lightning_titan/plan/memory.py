@@ -151,8 +151,9 @@ def rank_state(
         if zero:
             n, q = places.setdefault(kind, group_place(dims, kind))
             owned = _owned_numel(shape, kind == EXPERT, tp_dim if dims.tp > 1 else None, n, q)
-        stored = BF16_BYTES if masters else itemsize
-        out[f"{part}_params"] += stored * (owned if zero == 3 else numel) * count
+        if masters:  # the trained weights in bf16 (LoRA's frozen base kept its own above)
+            itemsize = BF16_BYTES
+        out[f"{part}_params"] += itemsize * (owned if zero == 3 else numel) * count
         out[f"{part}_grads"] += BYTES * (owned if zero >= 2 else numel) * count
         out[f"{part}_optimizer"] += BYTES * (MOMENTS + masters) * owned * count
     return out
