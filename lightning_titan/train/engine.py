@@ -83,11 +83,10 @@ class Engine:
             )
         self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
         self.zero = zero
-        if dtype != torch.float32 and zero >= 2:
+        if dtype != torch.float32 and zero == 3:
             raise ValueError(
-                f"param_dtype={param_dtype!r} with zero={zero} is not built yet (its reducer "
-                "reduce-scatters in the parameters' dtype); use zero 0 or 1 with it, or "
-                "param_dtype='fp32'"
+                f"param_dtype={param_dtype!r} with zero=3 is not built yet (its gathers run "
+                "around each block's use); use zero 0, 1 or 2 with it, or param_dtype='fp32'"
             )
         # zero=3: the units gathered around their use (None below zero=3)
         self.sharded_params: ShardedParams | None = None
@@ -122,8 +121,9 @@ class Engine:
                 self.zero_groups.append(shards)
                 if zero >= 2:
                     return zero_grads.ShardedGradReducer(
-                        params, shards, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer
-                    )
+                        params, shards, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer,
+                        masters=self.masters,
+                    )  # fmt: skip
             return GradReducer(
                 params, group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=reducer,
                 masters=self.masters,

@@ -155,11 +155,11 @@ class TrainOptions:
                 f"has none: use reducer='bucketed' with zero={self.zero}"
             )
         parameter_dtype(self.param_dtype)
-        if self.param_dtype != "fp32" and (self.zero >= 2 or self.reducer != "bucketed"):
+        if self.param_dtype != "fp32" and (self.zero == 3 or self.reducer != "bucketed"):
             raise ValueError(
-                f"param_dtype={self.param_dtype!r} needs zero 0 or 1 and reducer='bucketed' for now "
-                f"(got zero={self.zero}, reducer={self.reducer!r}): its grads are reduced in fp32 "
-                "all-reduce buckets; or use param_dtype='fp32'"
+                f"param_dtype={self.param_dtype!r} needs zero 0, 1 or 2 and reducer='bucketed' for "
+                f"now (got zero={self.zero}, reducer={self.reducer!r}): its grads are reduced in "
+                "fp32 buckets; or use param_dtype='fp32'"
             )
         if self.start_method not in START_METHODS:
             raise ValueError(

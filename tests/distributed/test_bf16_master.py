@@ -3,8 +3,9 @@
 One process against the policy written plainly here (a bf16 copy of fp32 master parameters, the
 engine's forward and backward on it, the grads cast to fp32, torch's clip and AdamW on the masters,
 the masters cast back): a bug every layout shares cannot hide behind the layouts agreeing. Then one
-2-rank spawn: dp2, ep2, pp2, and zero=1 over dp2 and over ep2 (each rank the masters of its rows)
-against one process with bf16 weights; a checkpoint saved by a bf16 run (zero=0, and zero=1: the
+2-rank spawn: dp2, ep2, pp2, and zero=1 and zero=2 over dp2 and over ep2 (each rank the masters of
+its rows; at zero=2 also only its rows of the fp32 grads) against one process with bf16 weights,
+and the planner's state model against the bytes each held; a checkpoint saved by a bf16 run (zero=0, and zero=1: the
 masters' rows), resumed by an fp32 run (which must hold exactly the saved masters) and saved again,
 then resumed by a bf16 run (which must repeat the uninterrupted run's steps bit for bit); and the
 bytes each rank holds.
@@ -51,6 +52,8 @@ LAYOUTS = [
     ((1, 2, 1), "1f1b:bf16", 2),
     ((2, 1, 1), "1f1b:bf16:zero1", 1),
     ((1, 1, 2), "1f1b:bf16:zero1", 2),  # the non-expert masters cut over the ep2 group
+    ((2, 1, 1), "1f1b:bf16:zero2", 1),  # and the fp32 grads reduce-scattered into the rows
+    ((1, 1, 2), "1f1b:bf16:zero2", 2),
 ]
 # save at step 2 under bf16 weights; resume under fp32 weights (no step) and save; resume under
 # bf16: at zero=0 (the uninterrupted run: LAYOUTS[0]), and from zero=1's master rows through an
@@ -137,7 +140,7 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
         run_layouts, 2, LAYOUTS + CHECKPOINTS, str(tmp_path), timeout_s=280, start_method="fork"
     )
     for i, (layout, schedule, _) in enumerate(LAYOUTS):
-        zero = 1 if ":zero1" in schedule else 0
+        zero = next((int(o[-1]) for o in schedule.split(":") if o.startswith("zero")), 0)
         for rank, r in enumerate(per_rank):
             assert_close_to(ref, r[i], f"{layout} {schedule}")
             # the planner's state model prices bf16 weights as the step held them
@@ -183,7 +186,7 @@ def test_precision_must_be_bf16_mixed() -> None:
 
 
 def test_options_refuse_what_is_not_built() -> None:
-    with pytest.raises(ValueError, match="param_dtype='bf16' needs zero 0 or 1"):
-        TrainOptions(param_dtype="bf16", zero=2)
+    with pytest.raises(ValueError, match="param_dtype='bf16' needs zero 0, 1 or 2"):
+        TrainOptions(param_dtype="bf16", zero=3)
     with pytest.raises(ValueError, match="param_dtype='fp16' is not a parameter dtype"):
         TrainOptions(param_dtype="fp16")

@@ -355,6 +355,10 @@ class GradReducer:
         """Where ``param``'s reduced grad goes: its fp32 master, or itself."""
         return param if self.masters is None else self.masters.grad_holder(param)
 
+    def reduced_grad(self, param: nn.Parameter) -> Tensor | None:
+        """``param``'s reduced grad after ``finish()`` (bf16 weights: its master's, fp32)."""
+        return self._holder(param).grad
+
     def _hook_counts(self) -> list[list[float]]:
         """Per bucket, on how many ranks (all its hooks fired, it launched from a hook). "bucketed"
         reads them from the flags that travelled with the bucket (filled in after the waits);

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from lightning_titan.parallel.collectives import reduce_scatter
 from lightning_titan.parallel.dp.clipping import clip_counted_grad_norm_
+from lightning_titan.parallel.dp.master import MasterWeights
 from lightning_titan.parallel.dp.reducer import GradReducer, _Bucket
 from lightning_titan.parallel.dp.zero import ZeroGroup, ZeroShard
 from lightning_titan.parallel.mesh import ProcessGroups
@@ -75,7 +76,10 @@ class ShardedGradReducer(GradReducer):
         scale: float,
         bucket_cap_mb: float = 25.0,
         mode: str = "bucketed",
+        masters: MasterWeights | None = None,
     ) -> None:
+        """``masters`` (bf16 weights): the buckets of parameters with an fp32 master reduce-scatter
+        in fp32, into the shards' leaves (their fp32 masters) and the masters of whole ones."""
         if mode != "bucketed":
             raise ValueError(
                 f"zero=2 reduce-scatters flat buckets, reducer={mode!r} has none; use "
@@ -83,8 +87,9 @@ class ShardedGradReducer(GradReducer):
             )
         self.zero_group = zero_group  # _make_bucket, called by the base __init__, reads it
         super().__init__(
-            params, zero_group.group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=mode
-        )
+            params, zero_group.group, scale=scale, bucket_cap_mb=bucket_cap_mb, mode=mode,
+            masters=masters,
+        )  # fmt: skip
         self._borrower: dict[torch.dtype, _Bucket] = {}  # the bucket whose input is the kept buffer
 
     def rows_of(self, param: Tensor) -> ZeroShard | None:
@@ -101,22 +106,25 @@ class ShardedGradReducer(GradReducer):
             total += size
         bucket = _ShardBucket(params, [offset for _, offset, _ in layout], None, layout=layout)
         bucket.grads_numel = total
-        bucket.output = params[0].new_zeros(bucket.slot_numel)
-        self.zero_group.reserve(params[0], self._world * bucket.slot_numel)
+        # bf16 weights: their grads summed in fp32 (the buffer's dtype, not the parameters')
+        has_master = self.masters is not None and self.masters.of(params[0]) is not None
+        dtype = torch.float32 if has_master else params[0].dtype
+        bucket.output = params[0].new_zeros(bucket.slot_numel, dtype=dtype)
+        self.zero_group.reserve(bucket.output, self._world * bucket.slot_numel)
         bucket.reset()
         return bucket
 
     def _fill(self, bucket: _Bucket, slot: int) -> None:
         """Every rank's rows of this slot's grad into that rank's slot, then drop the full grad."""
-        assert isinstance(bucket, _ShardBucket)
+        assert isinstance(bucket, _ShardBucket) and bucket.output is not None
         param, n = bucket.params[slot], self._world
         if bucket.buffer is None:  # this step's input, until its reduce-scatter is done
-            numel = n * bucket.slot_numel
-            if param.dtype not in self._borrower:  # the first bucket to fill borrows the kept one
-                self._borrower[param.dtype] = bucket
-                bucket.buffer = self.zero_group.kept[param.dtype][:numel]
+            numel, dtype = n * bucket.slot_numel, bucket.output.dtype
+            if dtype not in self._borrower:  # the first bucket to fill borrows the kept one
+                self._borrower[dtype] = bucket
+                bucket.buffer = self.zero_group.kept[dtype][:numel]
             else:
-                bucket.buffer = param.new_empty(numel)
+                bucket.buffer = bucket.output.new_empty(numel)
         slots_N = bucket.buffer.view(n, bucket.slot_numel)
         shard, offset, size = bucket.layout[slot]
         grad = param.grad
@@ -151,9 +159,9 @@ class ShardedGradReducer(GradReducer):
     def _write_back(self, bucket: _Bucket) -> list[float] | None:
         assert isinstance(bucket, _ShardBucket) and bucket.output is not None
         bucket.buffer = None  # the full-size input goes: the slot is what this rank keeps
-        if self._borrower.get(bucket.params[0].dtype) is bucket:
-            del self._borrower[bucket.params[0].dtype]  # the gather may use the kept buffer again
         out = bucket.output
+        if self._borrower.get(out.dtype) is bucket:
+            del self._borrower[out.dtype]  # the gather may use the kept buffer again
         if self.scale != 1.0:  # after the sum: 1/n of the multiplications, the flags left as counts
             out[: bucket.grads_numel].mul_(self.scale)
         flags = out[bucket.grads_numel :].tolist()  # one device-to-host read per bucket
@@ -161,8 +169,8 @@ class ShardedGradReducer(GradReducer):
             zip(bucket.params, bucket.layout, strict=True)
         ):
             has_grad = flags[slot] > 0  # on some rank of the group; else None, as in one process
-            if shard is None:
-                p.grad = (
+            if shard is None:  # bf16 weights: its master's grad (fp32)
+                self._holder(p).grad = (
                     out[offset : offset + p.numel()].view(p.shape).clone() if has_grad else None
                 )
             else:
@@ -200,8 +208,9 @@ def clip_shard_grads_(
         # a grad left whole is the same on every rank of its group: count it on the first one
         first = r.group is None or dist.get_rank(r.group) == 0
         for p in r.params:
-            if id(p) not in shards and p.grad is not None:
-                grads.append(p.grad)
+            grad = r.reduced_grad(p)  # bf16 weights: the master's
+            if id(p) not in shards and grad is not None:
+                grads.append(grad)
                 counted.append(first)
     device = next((p.device for r in reducers for p in r.params), torch.device("cpu"))
     return clip_counted_grad_norm_(
