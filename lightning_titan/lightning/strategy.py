@@ -75,7 +75,7 @@ class TitanStrategy(ShardedStrategy):
             stage is gathered once a step and kept whole until its grads are reduced).
         param_dtype: ``"bf16"`` stores the trainable weights in bf16 (what forward and backward
             read) and steps fp32 master copies of them, reducing the grads in fp32; checkpoints hold
-            the fp32 masters. Needs ``--trainer.precision=bf16-mixed`` and zero=0 for now.
+            the fp32 masters. Needs ``--trainer.precision=bf16-mixed``; zero 0, 1 or 2.
         gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
         timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds);
             also bounds a wait for an ``async_save`` write and that write's collectives.

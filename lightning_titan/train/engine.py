@@ -74,7 +74,7 @@ class Engine:
         param_dtype: str = "fp32",
     ) -> None:
         """``param_dtype="bf16"``: the trainable parameters are stored in bf16 and the optimizer
-        steps fp32 masters of them (``parallel/dp/master.py``; zero 0 for now)."""
+        steps fp32 masters of them (``parallel/dp/master.py``; zero 0, 1 or 2)."""
         get_schedule(schedule)
         dtype = parameter_dtype(param_dtype)
         if zero not in zero_levels.LEVELS:

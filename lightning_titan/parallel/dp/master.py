@@ -14,14 +14,15 @@ cannot move by less than 2^-8. A step then is:
     write back      each parameter takes its master rounded to bf16 (``write_back``)
 
 Masters are taken from the parameters before they are cast, so they start at the fp32 init (or the
-fp32 checkpoint), not at its bf16 rounding. Under ZeRO (``ZeroGroup.take_masters``) a rank keeps the master of only
-its rows: the ZeRO shard's leaf, which the optimizer steps, becomes a dense fp32 copy of them
-(``ZeroShard.master``), the full fp32 master goes, and after the step the group's all-gather of the
-updated rows into the parameters runs in bf16 (half the bytes). The reduced fp32 grad of such a
-parameter is held by a stand-in of its shape with one element of storage (``grad_holder``): what
-the clip reads before the rows are bound. A checkpoint saves the masters under the parameters'
-names (``checkpoint/state.py``): it is the same fp32 checkpoint a run with fp32 weights writes, and
-either run resumes from the other's.
+fp32 checkpoint), not at its bf16 rounding. Under ZeRO (``ZeroGroup.take_masters``) a rank keeps
+the master of only its rows: the ZeRO shard's leaf, which the optimizer steps, becomes a dense fp32
+copy of them (``ZeroShard.master``), the whole fp32 master goes, and after the step the group's
+all-gather of the updated rows into the parameters runs in bf16 (half the bytes). At zero=1 the
+reduced fp32 grad of such a parameter is whole until the step, held by a stand-in of its shape with
+one element of storage (``grad_holder``), which the clip reads; at zero=2 the reducer
+reduce-scatters it in fp32 straight into the leaf's grad (``parallel/dp/zero_grads.py``). A
+checkpoint saves the masters under the parameters' names (``checkpoint/state.py``): it is the same
+fp32 checkpoint a run with fp32 weights writes, and either run resumes from the other's.
 """
 
 from __future__ import annotations
