@@ -16,9 +16,9 @@ reaches ``--top-p``. Generation stops at the tokenizer's end-of-document token o
 ``titan fit`` renders chat records (``data/chat.py``: the tokenizer's own chat template, else the
 built-in one), and prints the reply alone.
 
-The command runs one process; ``generate(..., pp_group=...)`` runs the same loop on the ranks of a
-pipeline, each rank holding its stage's layers and experts (ranks built as ``titan fit`` builds
-them: ``parallel.mesh.build_process_groups``).
+``--layout pp2xep2`` runs the same loop on the ranks of a pipeline and expert layout, each rank
+holding its stage's layers and experts and reading only those from the checkpoint
+(``tools/generate_layout.py``): for a model too large for one process.
 """
 
 from __future__ import annotations
@@ -172,6 +172,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="run each token as a forward over the last seq_len tokens (slower; the same tokens)",
     )
+    parser.add_argument(
+        "--layout",
+        help="generate on the ranks of this layout, each holding its stage and experts, e.g. pp2xep2"
+        " (pp and ep, as titan plan prints layouts; gloo on CPUs, a GPU a rank on GPUs)",
+    )
     return parser
 
 
@@ -191,7 +196,6 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
         parser.error(str(e))
     tokenizer = tokenizer_of(ckpt)
-    model = load_full_model(ckpt)
     try:
         prompt = (
             reply_prompt(args.prompt, tokenizer) if args.chat else tokenizer.encode(args.prompt)
@@ -200,15 +204,42 @@ def main(argv: list[str]) -> None:
         parser.error(f"--chat: the prompt {e}")
     if not prompt:
         parser.error("--prompt is empty: give the text to continue")
-    ids = generate(
-        model,
-        prompt,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        stop_ids=(tokenizer.eod_id,),
-        seed=args.seed,
-        kv_cache=args.kv_cache,
-    )
+    if args.layout is None:
+        ids = generate(
+            load_full_model(ckpt),
+            prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            stop_ids=(tokenizer.eod_id,),
+            seed=args.seed,
+            kv_cache=args.kv_cache,
+        )
+    else:
+        ids = _on_layout(parser, args, ckpt, prompt, tokenizer.eod_id)
     reply = tokenizer.decode(ids)
     sys.stdout.write((reply if args.chat else args.prompt + reply) + "\n")
+
+
+def _on_layout(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    ckpt: Path,
+    prompt: list[int],
+    eod_id: int,
+) -> list[int]:
+    from lightning_titan.tools import generate_layout as layout  # it builds on generate() above
+
+    info = read_checkpoint_info(ckpt)
+    try:  # before any rank starts
+        dims = layout.check_layout(args.layout, info, torch.cuda.device_count())
+    except ValueError as e:
+        parser.error(str(e))
+    sampling = layout.Sampling(
+        args.max_new_tokens, args.temperature, args.top_p, (eod_id,), args.seed, args.kv_cache
+    )
+    try:
+        return layout.generate_on_layout(ckpt, dims, info["model_config"], prompt, sampling)
+    except RuntimeError as e:  # a rank's error: its traceback's last line says what went wrong
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        parser.exit(1, f"titan generate --layout={args.layout}: {lines[0]} {lines[-1]}\n")
