@@ -462,6 +462,26 @@ MUTATIONS = {
                              "        if cache is not None and len(ids) <= seq_len:  # the tokens the cache does not hold yet\n",
                              "        if cache is not None and len(ids) < seq_len:\n",
                              ["tests/unit/test_generate.py", "-k", "cache"]),
+    # every rank of a layout builds (and loads) the next stage's layers, not its own
+    "generate_layout_other_stage": ("lightning_titan/tools/generate_layout.py",
+                                    "        pp_rank=dims.pp_rank,\n",
+                                    "        pp_rank=(dims.pp_rank + 1) % pp,\n",
+                                    ["tests/distributed/test_generate_layout.py"]),
+    # every EP rank holds (and loads) EP rank 0's experts
+    "generate_layout_experts_of_rank0": ("lightning_titan/tools/generate_layout.py",
+                                         "        ep_rank=dims.ep_rank,\n",
+                                         "        ep_rank=0,\n",
+                                         ["tests/distributed/test_generate_layout.py"]),
+    # a layout that takes exactly the machine's GPUs is refused
+    "generate_layout_gpus_off_by_one": ("lightning_titan/tools/generate_layout.py",
+                                        "    if gpus and pp * ep > gpus:\n",
+                                        "    if gpus and pp * ep >= gpus:\n",
+                                        ["tests/unit/test_generate_layout.py", "-k", "gpus"]),
+    # a stage loads from a checkpoint of another config whose shapes fit (rope_theta, top_k...)
+    "stage_load_config_unchecked": ("lightning_titan/checkpoint/stage.py",
+                                    '    check_config(path, info.get("model_config"), model)\n',
+                                    "",
+                                    ["tests/unit/test_generate_layout.py", "-k", "another_config"]),
     # the new token's RoPE from position 0, not after the held tokens
     "kv_cache_rope_restarts": ("lightning_titan/model/kv_cache.py",
                                "        return cos[positions], sin[positions], attend_mask(positions, keys, 0), window_mask\n",
