@@ -438,27 +438,27 @@ MUTATIONS = {
                                   "        self.counted = torch.stack([(t == t).sum() for t in self.targets]).sum()\n",
                                   ["tests/distributed/test_reference.py", "-k", "one_process"]),
     # top-p drops the token that crosses the threshold (the nucleus must reach top_p)
-    "generate_nucleus_short": ("lightning_titan/tools/generate.py",
+    "generate_nucleus_short": ("lightning_titan/tools/decoding.py",
                                "    keep = sorted_probs.cumsum(0) - sorted_probs < top_p\n",
                                "    keep = sorted_probs.cumsum(0) < top_p\n",
                                ["tests/unit/test_generate.py"]),
     # generation reads the logits of the first position, not the last
-    "generate_first_position": ("lightning_titan/tools/generate.py",
+    "generate_first_position": ("lightning_titan/tools/decoding.py",
                                 "        return out[0, -1]\n",
                                 "        return out[0, 0]\n",
                                 ["tests/unit/test_generate.py"]),
     # the uncached window one token short of seq_len (the last token read without the first)
-    "generate_window_short": ("lightning_titan/tools/generate.py",
+    "generate_window_short": ("lightning_titan/tools/decoding.py",
                               "            window, cache = torch.tensor([ids[-seq_len:]], device=device), None\n",
                               "            window, cache = torch.tensor([ids[-seq_len + 1 :]], device=device), None\n",
                               ["tests/unit/test_generate.py"]),
     # generation never uses its KV cache (right tokens, a whole forward each)
-    "generate_cache_unused": ("lightning_titan/tools/generate.py",
+    "generate_cache_unused": ("lightning_titan/tools/decoding.py",
                               "        if cache is not None and len(ids) <= seq_len:  # the tokens the cache does not hold yet\n",
                               "        if False:\n",
                               ["tests/unit/test_generate.py", "-k", "cache"]),
     # the cache stops one token before it is full
-    "generate_cache_short": ("lightning_titan/tools/generate.py",
+    "generate_cache_short": ("lightning_titan/tools/decoding.py",
                              "        if cache is not None and len(ids) <= seq_len:  # the tokens the cache does not hold yet\n",
                              "        if cache is not None and len(ids) < seq_len:\n",
                              ["tests/unit/test_generate.py", "-k", "cache"]),
@@ -508,7 +508,7 @@ MUTATIONS = {
                                            "        return [int(i) for i in _apply(tokenizer, turns, generation_prompt=False)]\n",
                                            ["tests/unit/test_chat_data.py", "-k", "reply"]),
     # under a pipeline the first stage's pick (none) is broadcast, not the last stage's
-    "generate_pp_first_stage_token": ("lightning_titan/tools/generate.py",
+    "generate_pp_first_stage_token": ("lightning_titan/tools/decoding.py",
                                       "    last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)\n",
                                       "    last = dist.get_global_rank(pp_group, 0)\n",
                                       ["tests/distributed/test_generate_stages.py"]),

@@ -24,7 +24,7 @@ from lightning_titan.checkpoint.stage import load_stage
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.parallel.mesh import ParallelDims, build_process_groups
 from lightning_titan.runtime.launch import run_on_ranks
-from lightning_titan.tools.generate import generate
+from lightning_titan.tools.decoding import generate
 from lightning_titan.tools.plan_cli import parse_layout
 
 AXES = ("pp", "ep")  # the axes generation runs under
@@ -114,7 +114,9 @@ def _on_rank(
     sampling: Sampling,
 ) -> list[int]:
     # run_on_ranks set this rank's GPU (rank % device_count) under NCCL
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
     dims = ParallelDims(1, pp, ep, rank)
     groups = build_process_groups(dims, device_type="cpu" if device is None else device.type)
     model = StageModel(
