@@ -477,6 +477,11 @@ MUTATIONS = {
                                         "    if gpus and pp * ep > gpus:\n",
                                         "    if gpus and pp * ep >= gpus:\n",
                                         ["tests/unit/test_generate_layout.py", "-k", "gpus"]),
+    # a rank's failure printed without its cause (the traceback's last line)
+    "generate_layout_error_without_cause": ("lightning_titan/tools/generate.py",
+                                            '        why = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"\n',
+                                            "        why = lines[0]\n",
+                                            ["tests/unit/test_generate_layout.py", "-k", "fails"]),
     # a stage loads from a checkpoint of another config whose shapes fit (rope_theta, top_k...)
     "stage_load_config_unchecked": ("lightning_titan/checkpoint/stage.py",
                                     '    check_config(path, info.get("model_config"), model)\n',

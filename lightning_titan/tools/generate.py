@@ -133,7 +133,7 @@ def _on_layout(
     prompt: list[int],
     eod_id: int,
 ) -> list[int]:
-    from lightning_titan.tools import generate_layout as layout
+    from lightning_titan.tools import generate_layout as layout  # the launcher: for --layout only
 
     info = read_checkpoint_info(ckpt)
     try:  # before any rank starts
@@ -145,6 +145,7 @@ def _on_layout(
     )
     try:
         return layout.generate_on_layout(ckpt, dims, info["model_config"], prompt, sampling)
-    except RuntimeError as e:  # a rank's error: its traceback's last line says what went wrong
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        parser.exit(1, f"titan generate --layout={args.layout}: {lines[0]} {lines[-1]}\n")
+    except RuntimeError as e:  # "rank 2 failed:" and its traceback, whose last line says why
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["failed"]
+        why = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+        parser.exit(1, f"titan generate --layout={args.layout}: {why}\n")

@@ -102,3 +102,22 @@ def test_a_world_larger_than_the_gpus_and_lora_are_refused(ckpt):
     lora = {**info, "meta": {"hyper_parameters": {"lora": {"rank": 4}}}}
     with pytest.raises(ValueError, match="LoRA adapters, which generate in one process only"):
         generate_layout.check_layout("pp2", lora, gpus=0)
+
+
+def test_a_rank_that_fails_is_one_line(ckpt, monkeypatch, capsys):
+    from lightning_titan.tools.generate import main
+
+    def failing(*args, **kwargs):
+        raise RuntimeError(
+            "rank 2 failed:\nTraceback (most recent call last):\n  File 'x.py', line 1\n"
+            "ValueError: corrupt checkpoint c: shard __1_0.distcp is 3 bytes\n"
+        )
+
+    monkeypatch.setattr(generate_layout, "generate_on_layout", failing)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ckpt", str(ckpt[0]), "--prompt", "x", "--layout", "pp2xep2"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == (
+        "titan generate --layout=pp2xep2: rank 2 failed: ValueError: corrupt checkpoint c: shard "
+        "__1_0.distcp is 3 bytes\n"
+    )
