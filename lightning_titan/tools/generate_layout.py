@@ -7,9 +7,9 @@ any rank starts (``check_layout``: one line naming the fix). Then one rank per d
 starts on this machine (``runtime.launch.run_on_ranks``: gloo on CPUs; on GPUs NCCL, a GPU a rank).
 Each rank builds its stage of the model (its layers and its experts, as ``titan fit`` builds them),
 reads only those tensors of the checkpoint (``checkpoint.stage.load_stage``) and runs
-``generate(..., pp_group=...)``; the launcher prints rank 0's text. Pipeline and expert parallelism
-only: a KV cache holds whole heads and whole sequences (no tp, no cp), and dp replicas would only
-generate the same text again.
+``generate(..., pp_group=...)``; rank 0's ids come back to the launcher, which prints the text.
+Pipeline and expert parallelism only: a KV cache holds whole heads and whole sequences (no tp, no
+cp), and dp replicas would only generate the same text again.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lightning_titan.tools.decoding import generate
 from lightning_titan.tools.plan_cli import parse_layout
 
 AXES = ("pp", "ep")  # the axes generation runs under
-TIMEOUT_S = 3600.0  # a rank that waits longer than this for a peer fails the launch
+TIMEOUT_S = 3600.0  # the launch's deadline, and how long a rank waits for a peer
 
 
 @dataclass(frozen=True)
