@@ -8,17 +8,20 @@ import itertools
 import json
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_titan.data import DataPipeline
 from lightning_titan.data.corpus import Source
 from lightning_titan.data.packing import collate_windows
 from lightning_titan.data.records import check_records
 from lightning_titan.data.sampler import PackedSequences
+from lightning_titan.lightning.datamodule import TitanDataModule
 from lightning_titan.parallel.batching import PackedBatch
 from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX
 
@@ -165,3 +168,45 @@ def test_a_malformed_record_is_named_as_the_stream_reaches_it(tmp_path, capfd):
     assert loader.dataset.documents.skipped_too_long == 2  # type: ignore[attr-defined]
     err = capfd.readouterr().err
     assert err.count("longer than seq_len + 1 = 33 tokens") == 1 and f"{source}:4, 42 tokens" in err
+
+
+class Recorder(L.LightningModule):
+    """Keeps each batch it trains on (the loss a stand-in: the data is what is tested)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Embedding(257, 257)
+        self.batches: list[tuple[torch.Tensor, ...]] = []
+
+    def training_step(self, batch, batch_idx):
+        assert isinstance(batch, PackedBatch)
+        self.batches.append(tuple(t.clone() for t in batch))
+        logits = self.head(batch.inputs).flatten(0, 1)
+        return torch.nn.functional.cross_entropy(logits, batch.targets.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(dm: TitanDataModule, max_steps: int, root: Path, ckpt_path: str | None = None) -> Recorder:
+    model, every = Recorder(), ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[every],
+                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.mark.timeout(120)
+def test_lightning_trains_on_a_chat_stream_and_resumes_from_its_checkpoint(tmp_path):
+    """TitanDataModule(streaming=True) on a chat file under a Trainer: packed batches, and a run
+    resumed from its step-3 checkpoint trains on the uninterrupted run's batches 3 to 6."""
+    source = write(tmp_path / "c.jsonl", chats(30))
+    args = dict(source=str(source), cache_dir=str(tmp_path / "cache"), seq_len=96, tokenizer="byte",
+                global_batch_size=2, val_fraction=0.0, streaming=True, shuffle_buffer=4)  # fmt: skip
+    full = fit(TitanDataModule(**args), 6, tmp_path / "full")
+    assert len(full.batches) == 6
+    ckpt = next((tmp_path / "full").glob("*step=3.ckpt"))
+    resumed = fit(TitanDataModule(**args), 6, tmp_path / "again", ckpt_path=str(ckpt))
+    assert len(resumed.batches) == 3
+    assert all(_same(a, b) for a, b in zip(resumed.batches, full.batches[3:], strict=True))
