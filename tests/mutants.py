@@ -1553,6 +1553,11 @@ MUTATIONS = {
                                        "        return RecordPacker(self.window, self.tokenizer.eod_id, self.pack, leftover)\n",
                                        "        return RecordPacker(self.window, self.tokenizer.eod_id, self.pack)\n",
                                        ["tests/unit/test_chat_streaming.py", "-k", "resumed"]),
+    # a record packer rebuilt from a leftover with ready windows takes them for its open window
+    "record_packer_ready_reopened": ("lightning_titan/data/packing.py",
+                                     "            full = leftover.shape[1] // window * window  # the open window is never full\n",
+                                     "            full = 0\n",
+                                     ["tests/unit/test_chat_streaming.py", "-k", "rebuilt"]),
     # a streamed record longer than the window packed instead of skipped and counted
     "stream_records_too_long_kept": ("lightning_titan/data/record_stream.py",
                                      "        if len(rendered.ids) > self.window:\n",

@@ -18,12 +18,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_titan.data import DataPipeline
 from lightning_titan.data.corpus import Source
-from lightning_titan.data.packing import collate_windows
+from lightning_titan.data.packing import RecordPacker, collate_windows
 from lightning_titan.data.records import check_records
 from lightning_titan.data.sampler import PackedSequences
 from lightning_titan.lightning.datamodule import TitanDataModule
 from lightning_titan.parallel.batching import PackedBatch
 from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX
+
+EOD = 256  # the byte tokenizer's end-of-document id
 
 
 def chats(n: int, seed: int = 0) -> list[dict]:
@@ -97,7 +99,35 @@ def test_streamed_records_are_the_map_style_windows(tmp_path, case):
     got = list(itertools.islice(iter(loader.dataset), full - 1))
     for i in range(1, full):
         assert torch.equal(got[i - 1], want[i]), (case, i)
+    if options.get("val_fraction"):  # the held-out records: the same hash, the same windows
+        held_out = PackedSequences(mapped.corpus.validation)
+        assert len(held_out) >= 2
+        served = next(iter(stream.val_dataloader()))
+        for a, b in zip(served, collate_windows([held_out[0].astype(np.int64)]), strict=True):
+            assert torch.equal(a, b)
     assert (batch[1] == IGNORE_INDEX).any() and (batch[1] != IGNORE_INDEX).any()
+
+
+def test_a_record_packer_rebuilt_from_its_leftover_goes_on_alike():
+    """Taken or not, the windows ready and the open one are the leftover; a packer rebuilt from it
+    at any point lays the remaining records as the first one does."""
+    rng = np.random.default_rng(0)
+    records = [rng.integers(0, 256, int(n)) for n in rng.integers(1, 12, 40)]
+    for pack in (True, False):
+        whole = RecordPacker(16, EOD, pack)
+        for ids in records:
+            whole.add(ids, ids)
+        whole.flush()
+        want = whole.take()
+        for cut in range(len(records)):
+            first = RecordPacker(16, EOD, pack)
+            for ids in records[:cut]:
+                first.add(ids, ids)  # not taken: ready windows wait in the leftover
+            then = RecordPacker(16, EOD, pack, first.leftover)
+            for ids in records[cut:]:
+                then.add(ids, ids)
+            then.flush()
+            assert np.array_equal(then.take(), want), (pack, cut)
 
 
 def _take(pipe: DataPipeline, n: int) -> list:
