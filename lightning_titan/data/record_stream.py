@@ -2,18 +2,17 @@
 as the map-style preparation does (``records.py``: the same template, labels, held-out hash and
 ``RecordPacker``), so a streamed window is one the map-style path would build from the same records.
 
-Local files are read here, not by a `datasets` builder, so that a record keeps its place ("file:line"
-for JSON Lines, "file record i" for a JSON list, "file row i" for Parquet): a malformed record is
-named as the stream reaches it (the pre-launch check cannot read a whole stream). Each file is one
-shard of the stream, as `datasets` shards files, so shard shuffling and the split by data rank work
-alike; each example is {"where", "record": the record as JSON}. A hub dataset's rows are records as
-they come, named by the dataset and the record's start.
+Local files are read by ``records.placed_records`` (the map-style reader), not by a `datasets`
+builder, so that a record keeps its place ("file:line" for JSON Lines, "file record i" for a JSON
+list, "file row i" for Parquet): a malformed record is named as the stream reaches it (the
+pre-launch check cannot read a whole stream). Each file is one shard of the stream, as `datasets`
+shards files, so shard shuffling and the split by data rank work alike; each example is {"where",
+"record": the record as JSON}. A hub dataset's rows are records as they come, named by the
+dataset and the record's start.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -24,11 +23,11 @@ import numpy as np
 from lightning_titan.data.chat import render
 from lightning_titan.data.corpus import Source, load_documents, local_files
 from lightning_titan.data.packing import RecordPacker
-from lightning_titan.data.readable import file_problem
 from lightning_titan.data.records import (
     held_out_key,
-    json_document,
     named,
+    parse_record,
+    placed_records,
     record_format,
     records_packed,
 )
@@ -54,32 +53,10 @@ def source_stream(
 
 
 def _placed_records(files: list[str]) -> Iterator[dict[str, str]]:
-    """{"where", "record"} of every record of ``files`` (one shard's list), JSON Lines unparsed: a
-    line that is not JSON is named where it is parsed, as the window reads it."""
-    for path in files:
-        if os.path.splitext(path)[1].lower() == ".parquet":
-            import pyarrow.parquet as pq
-
-            row = 0
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
-                for record in batch.to_pylist():
-                    yield {"where": f"{path} row {row}", "record": json.dumps(record, default=str)}
-                    row += 1
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                head = f.read(4096)
-                if head.lstrip().startswith("["):  # one JSON list: it is read whole
-                    rows = json_document(path, head + f.read())
-                    for i, record in enumerate(rows):
-                        yield {"where": f"{path} record {i}", "record": json.dumps(record)}
-                    continue
-                f.seek(0)
-                for number, line in enumerate(f, start=1):
-                    if line.strip():
-                        yield {"where": f"{path}:{number}", "record": line}
-        except UnicodeDecodeError as err:
-            raise ValueError(f"source file {path!r} {file_problem(path, 'json')}") from err
+    """One shard's examples: {"where", "record"} of ``files``, the record unparsed (a line that is
+    not JSON is named where the window parses it)."""
+    for where, text in placed_records(files):
+        yield {"where": where, "record": text}
 
 
 def stream_documents(src: Source, data_format: str, tokenizer: Tokenizer, window: int) -> Documents:
@@ -110,13 +87,8 @@ class RecordDocuments:
         if set(example) != set(_FEATURES):  # a hub dataset's row
             name = self.src.source if isinstance(self.src.source, str) else "source"
             return held_out_key(example), (f"{name} record {held_out_key(example)[:60]}", example)
-        where, text = example["where"], example["record"]
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"{where} is not JSON ({err.msg}); give one JSON object per line"
-            ) from None
+        where = example["where"]
+        record = parse_record(where, example["record"])
         return held_out_key(record), (where, record)
 
     def packer(self, leftover: np.ndarray) -> RecordPacker:

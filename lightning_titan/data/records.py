@@ -70,24 +70,47 @@ def iter_records(src: Source, cache_dir: str) -> Iterator[Record]:
         for i, row in enumerate(rows):
             yield f"{name} row {i}", row
         return
+    for where, text in placed_records(files):
+        yield where, parse_record(where, text)
+
+
+def placed_records(files: list[str]) -> Iterator[tuple[str, str]]:
+    """(where, the record's JSON text) of every record of local files, read as they are needed (a
+    stream reads the same): JSON Lines by line ("file:line"), a file holding one JSON list by index
+    ("file record i", read whole), Parquet by row ("file row i")."""
     for path in files:
+        if _suffix(path) == ".parquet":
+            import pyarrow.parquet as pq
+
+            row = 0
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+                for record in batch.to_pylist():
+                    yield f"{path} row {row}", json.dumps(record, default=str)
+                    row += 1
+            continue
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            with open(path, encoding="utf-8") as f:
+                head = f.read(4096)
+                if head.lstrip().startswith("["):
+                    for i, record in enumerate(json_document(path, head + f.read())):
+                        yield f"{path} record {i}", json.dumps(record)
+                    continue
+                f.seek(0)
+                for number, line in enumerate(f, start=1):
+                    if line.strip():
+                        yield f"{path}:{number}", line
         except UnicodeDecodeError as err:
             raise ValueError(f"source file {path!r} {file_problem(path, 'json')}") from err
-        if text.lstrip().startswith("["):
-            for i, row in enumerate(json_document(path, text)):
-                yield f"{path} record {i}", row
-            continue
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{number}", json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path}:{number} is not JSON ({err.msg}); give one JSON object per line"
-                ) from err
+
+
+def parse_record(where: str, text: str) -> object:
+    """One record from its JSON text; text that is not JSON stops here, named."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{where} is not JSON ({err.msg}); give one JSON object per line"
+        ) from None
 
 
 def json_document(path: str, text: str) -> list:
