@@ -1541,7 +1541,7 @@ MUTATIONS = {
     # streamed records held out by their raw line, not the record the map-style path hashes
     "stream_records_held_out_by_line": ("lightning_titan/data/record_stream.py",
                                         "        return held_out_key(record), (where, record)\n",
-                                        "        return text, (where, record)\n",
+                                        "        return example[\"record\"], (where, record)\n",
                                         ["tests/unit/test_chat_streaming.py", "-k", "map_style"]),
     # a streamed record's leftover saved end to end like text's (its rows run together)
     "stream_record_leftover_flattened": ("lightning_titan/data/streaming.py",
