@@ -1554,10 +1554,45 @@ MUTATIONS = {
                               "            documents = None if self.documents is None or not self.embeds(chunk) else self.documents[i]\n",
                               ["tests/distributed/test_equivalence.py", "-k", "2]"]),
     # packed records: a record's first token stays the previous record's last token's target
-    "pack_first_label": ("lightning_titan/data/records.py",
+    "pack_first_label": ("lightning_titan/data/packing.py",
                          "        labels[0] = IGNORE_INDEX\n",
                          "",
                          ["tests/unit/test_chat_data.py", "-k", "packed_records"]),
+    # packed records: every record of a window given document id 0 (one attention span)
+    "record_packer_one_document": ("lightning_titan/data/packing.py",
+                                   "        document = self._open[2, -1] + 1 if self._open.shape[1] else 0\n",
+                                   "        document = 0\n",
+                                   ["tests/unit/test_chat_data.py", "-k", "packed_records"]),
+    # streamed records held out by their raw line, not the record the map-style path hashes
+    "stream_records_held_out_by_line": ("lightning_titan/data/record_stream.py",
+                                        "        return held_out_key(record), (where, record)\n",
+                                        "        return example[\"record\"], (where, record)\n",
+                                        ["tests/unit/test_chat_streaming.py", "-k", "map_style"]),
+    # a streamed record's leftover saved end to end like text's (its rows run together)
+    "stream_record_leftover_flattened": ("lightning_titan/data/streaming.py",
+                                         "    if parts[-1].ndim == 1:\n",
+                                         "    if True:\n",
+                                         ["tests/unit/test_chat_streaming.py", "-k", "resumed"]),
+    # a resumed record stream starts an empty window (the saved leftover not given to the packer)
+    "stream_record_leftover_dropped": ("lightning_titan/data/record_stream.py",
+                                       "        return RecordPacker(self.window, self.tokenizer.eod_id, self.pack, leftover)\n",
+                                       "        return RecordPacker(self.window, self.tokenizer.eod_id, self.pack)\n",
+                                       ["tests/unit/test_chat_streaming.py", "-k", "resumed"]),
+    # a record packer rebuilt from a leftover with ready windows takes them for its open window
+    "record_packer_ready_reopened": ("lightning_titan/data/packing.py",
+                                     "            full = leftover.shape[1] // window * window  # the open window is never full\n",
+                                     "            full = 0\n",
+                                     ["tests/unit/test_chat_streaming.py", "-k", "rebuilt"]),
+    # a streamed record longer than the window packed instead of skipped and counted
+    "stream_records_too_long_kept": ("lightning_titan/data/record_stream.py",
+                                     "        if len(rendered.ids) > self.window:\n",
+                                     "        if False:\n",
+                                     ["tests/unit/test_chat_streaming.py", "-k", "malformed"]),
+    # a malformed streamed record raised without its file and line
+    "stream_record_unnamed": ("lightning_titan/data/record_stream.py",
+                              "        with named(where, kind):\n",
+                              "        with named(\"a record\", kind):\n",
+                              ["tests/unit/test_chat_streaming.py", "-k", "malformed"]),
     # records cached one a sequence by an older version served as if packed (never rebuilt)
     "pack_stale_cache_served": ("lightning_titan/data/prepare.py",
                                 '    if "format" in meta and "packed" not in meta:',
