@@ -71,7 +71,8 @@ TRAINER_DEFAULTS = {
 OTHER_COMMANDS = {
     "export": "Write a checkpoint as a Hugging Face folder of its family (transformers loads it).",
     "plan": "Rank the layouts a model allows on N devices by their modelled step time and memory.",
-    "generate": "Continue a prompt with a checkpoint's model on one process (greedy or sampled).",
+    "generate": "Continue a prompt with a checkpoint's model, in one process or on a pp x ep "
+    "layout (greedy or sampled).",
     "bench": "Time every composition on 2, 4 and 8 ranks at the same tokens per step.",
     "doctor": "Check a new GPU machine: ep2, dualpipev, background saves and compile against their "
     "references, a pass/fail table (--cpu: the same on CPU ranks).",

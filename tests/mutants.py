@@ -438,30 +438,55 @@ MUTATIONS = {
                                   "        self.counted = torch.stack([(t == t).sum() for t in self.targets]).sum()\n",
                                   ["tests/distributed/test_reference.py", "-k", "one_process"]),
     # top-p drops the token that crosses the threshold (the nucleus must reach top_p)
-    "generate_nucleus_short": ("lightning_titan/tools/generate.py",
+    "generate_nucleus_short": ("lightning_titan/tools/decoding.py",
                                "    keep = sorted_probs.cumsum(0) - sorted_probs < top_p\n",
                                "    keep = sorted_probs.cumsum(0) < top_p\n",
                                ["tests/unit/test_generate.py"]),
     # generation reads the logits of the first position, not the last
-    "generate_first_position": ("lightning_titan/tools/generate.py",
+    "generate_first_position": ("lightning_titan/tools/decoding.py",
                                 "        return out[0, -1]\n",
                                 "        return out[0, 0]\n",
                                 ["tests/unit/test_generate.py"]),
     # the uncached window one token short of seq_len (the last token read without the first)
-    "generate_window_short": ("lightning_titan/tools/generate.py",
+    "generate_window_short": ("lightning_titan/tools/decoding.py",
                               "            window, cache = torch.tensor([ids[-seq_len:]], device=device), None\n",
                               "            window, cache = torch.tensor([ids[-seq_len + 1 :]], device=device), None\n",
                               ["tests/unit/test_generate.py"]),
     # generation never uses its KV cache (right tokens, a whole forward each)
-    "generate_cache_unused": ("lightning_titan/tools/generate.py",
+    "generate_cache_unused": ("lightning_titan/tools/decoding.py",
                               "        if cache is not None and len(ids) <= seq_len:  # the tokens the cache does not hold yet\n",
                               "        if False:\n",
                               ["tests/unit/test_generate.py", "-k", "cache"]),
     # the cache stops one token before it is full
-    "generate_cache_short": ("lightning_titan/tools/generate.py",
+    "generate_cache_short": ("lightning_titan/tools/decoding.py",
                              "        if cache is not None and len(ids) <= seq_len:  # the tokens the cache does not hold yet\n",
                              "        if cache is not None and len(ids) < seq_len:\n",
                              ["tests/unit/test_generate.py", "-k", "cache"]),
+    # every rank of a layout builds (and loads) the next stage's layers, not its own
+    "generate_layout_other_stage": ("lightning_titan/tools/generate_layout.py",
+                                    "        pp_rank=dims.pp_rank,\n",
+                                    "        pp_rank=(dims.pp_rank + 1) % pp,\n",
+                                    ["tests/distributed/test_generate_layout.py"]),
+    # every EP rank holds (and loads) EP rank 0's experts
+    "generate_layout_experts_of_rank0": ("lightning_titan/tools/generate_layout.py",
+                                         "        ep_rank=dims.ep_rank,\n",
+                                         "        ep_rank=0,\n",
+                                         ["tests/distributed/test_generate_layout.py"]),
+    # a layout that takes exactly the machine's GPUs is refused
+    "generate_layout_gpus_off_by_one": ("lightning_titan/tools/generate_layout.py",
+                                        "    if gpus and pp * ep > gpus:\n",
+                                        "    if gpus and pp * ep >= gpus:\n",
+                                        ["tests/unit/test_generate_layout.py", "-k", "gpus"]),
+    # a rank's failure printed without its cause (the traceback's last line)
+    "generate_layout_error_without_cause": ("lightning_titan/tools/generate.py",
+                                            '        why = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"\n',
+                                            "        why = lines[0]\n",
+                                            ["tests/unit/test_generate_layout.py", "-k", "fails"]),
+    # a stage loads from a checkpoint of another config whose shapes fit (rope_theta, top_k...)
+    "stage_load_config_unchecked": ("lightning_titan/checkpoint/stage.py",
+                                    '    check_config(path, info.get("model_config"), model)\n',
+                                    "",
+                                    ["tests/unit/test_generate_layout.py", "-k", "another_config"]),
     # the new token's RoPE from position 0, not after the held tokens
     "kv_cache_rope_restarts": ("lightning_titan/model/kv_cache.py",
                                "        return cos[positions], sin[positions], attend_mask(positions, keys, 0), window_mask\n",
@@ -488,7 +513,7 @@ MUTATIONS = {
                                            "        return [int(i) for i in _apply(tokenizer, turns, generation_prompt=False)]\n",
                                            ["tests/unit/test_chat_data.py", "-k", "reply"]),
     # under a pipeline the first stage's pick (none) is broadcast, not the last stage's
-    "generate_pp_first_stage_token": ("lightning_titan/tools/generate.py",
+    "generate_pp_first_stage_token": ("lightning_titan/tools/decoding.py",
                                       "    last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)\n",
                                       "    last = dist.get_global_rank(pp_group, 0)\n",
                                       ["tests/distributed/test_generate_stages.py"]),
@@ -1529,10 +1554,45 @@ MUTATIONS = {
                               "            documents = None if self.documents is None or not self.embeds(chunk) else self.documents[i]\n",
                               ["tests/distributed/test_equivalence.py", "-k", "2]"]),
     # packed records: a record's first token stays the previous record's last token's target
-    "pack_first_label": ("lightning_titan/data/records.py",
+    "pack_first_label": ("lightning_titan/data/packing.py",
                          "        labels[0] = IGNORE_INDEX\n",
                          "",
                          ["tests/unit/test_chat_data.py", "-k", "packed_records"]),
+    # packed records: every record of a window given document id 0 (one attention span)
+    "record_packer_one_document": ("lightning_titan/data/packing.py",
+                                   "        document = self._open[2, -1] + 1 if self._open.shape[1] else 0\n",
+                                   "        document = 0\n",
+                                   ["tests/unit/test_chat_data.py", "-k", "packed_records"]),
+    # streamed records held out by their raw line, not the record the map-style path hashes
+    "stream_records_held_out_by_line": ("lightning_titan/data/record_stream.py",
+                                        "        return held_out_key(record), (where, record)\n",
+                                        "        return example[\"record\"], (where, record)\n",
+                                        ["tests/unit/test_chat_streaming.py", "-k", "map_style"]),
+    # a streamed record's leftover saved end to end like text's (its rows run together)
+    "stream_record_leftover_flattened": ("lightning_titan/data/streaming.py",
+                                         "    if parts[-1].ndim == 1:\n",
+                                         "    if True:\n",
+                                         ["tests/unit/test_chat_streaming.py", "-k", "resumed"]),
+    # a resumed record stream starts an empty window (the saved leftover not given to the packer)
+    "stream_record_leftover_dropped": ("lightning_titan/data/record_stream.py",
+                                       "        return RecordPacker(self.window, self.tokenizer.eod_id, self.pack, leftover)\n",
+                                       "        return RecordPacker(self.window, self.tokenizer.eod_id, self.pack)\n",
+                                       ["tests/unit/test_chat_streaming.py", "-k", "resumed"]),
+    # a record packer rebuilt from a leftover with ready windows takes them for its open window
+    "record_packer_ready_reopened": ("lightning_titan/data/packing.py",
+                                     "            full = leftover.shape[1] // window * window  # the open window is never full\n",
+                                     "            full = 0\n",
+                                     ["tests/unit/test_chat_streaming.py", "-k", "rebuilt"]),
+    # a streamed record longer than the window packed instead of skipped and counted
+    "stream_records_too_long_kept": ("lightning_titan/data/record_stream.py",
+                                     "        if len(rendered.ids) > self.window:\n",
+                                     "        if False:\n",
+                                     ["tests/unit/test_chat_streaming.py", "-k", "malformed"]),
+    # a malformed streamed record raised without its file and line
+    "stream_record_unnamed": ("lightning_titan/data/record_stream.py",
+                              "        with named(where, kind):\n",
+                              "        with named(\"a record\", kind):\n",
+                              ["tests/unit/test_chat_streaming.py", "-k", "malformed"]),
     # records cached one a sequence by an older version served as if packed (never rebuilt)
     "pack_stale_cache_served": ("lightning_titan/data/prepare.py",
                                 '    if "format" in meta and "packed" not in meta:',

@@ -8,6 +8,7 @@
 - ``storage``: DCP reading that runs no code from the files, writing that names a full disk;
 - ``integrity``: checksums written with a save, checked on load;
 - ``reader``: reading one back in a single process (info, consolidation, checks and messages).
+- ``stage``: one stage of any layout read in its own process, without a collective (generation).
 """
 
 from lightning_titan.checkpoint.background import BackgroundSaves

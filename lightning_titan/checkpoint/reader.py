@@ -323,6 +323,13 @@ def consolidate_optimizers(
     return out
 
 
+def model_prefix(metadata: Metadata) -> str:
+    """What the checkpoint's keys put before a model tensor's name: TitanLM holds the stage as
+    ``self.model``, so its keys start with ``model/model.``; a bare StageModel's with ``model/``."""
+    nested = any(k.startswith(keys.MODEL + "model.") for k in metadata.state_dict_metadata)
+    return keys.MODEL + ("model." if nested else "")
+
+
 class ModelEntries:
     """A checkpoint's model tensors read a few at a time, each into a tensor of its saved shape and
     dtype (what ``titan export`` streams): the files are checked once, here; a ``read`` holds only
@@ -333,10 +340,7 @@ class ModelEntries:
         read_checkpoint_info(self.path, weights_only=weights_only)
         self.metadata = read_metadata(self.path)
         integrity.verify(self.path, integrity.shard_names(self.metadata))
-        saved = self.metadata.state_dict_metadata
-        # TitanLM holds the stage as `self.model`: its keys start with "model/model."
-        nested = any(k.startswith(keys.MODEL + "model.") for k in saved)
-        self.prefix = keys.MODEL + ("model." if nested else "")
+        self.prefix = model_prefix(self.metadata)
 
     def key(self, name: str, expert: int | None) -> str:
         """The checkpoint's key of our tensor ``name`` (of global expert ``expert``'s row)."""

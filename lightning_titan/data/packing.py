@@ -1,5 +1,6 @@
-"""Packing: documents joined by the end-of-document id, cut into windows of S+1 tokens; and the
-batches a loader serves (``collate_windows``)."""
+"""Packing: documents joined by the end-of-document id, cut into windows of S+1 tokens (``Packer``);
+instruction records laid whole into padded windows (``RecordPacker``); and the batches a loader
+serves (``collate_windows``)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,80 @@ class Packer:
         if not self._parts:
             return np.empty(0, dtype=np.int64)
         return self._parts[0] if len(self._parts) == 1 else np.concatenate(self._parts)
+
+
+class RecordPacker:
+    """Records (ids, labels), each at most ``window`` long, into windows the way the map-style
+    preparation lays them (``records.pack_records`` runs this), one record at a time, so that a
+    stream packs alike. Packed: a record joins the current window while it fits, else the window is
+    padded (a document of its own) and a new one started; each window is (ids, labels, document
+    ids) [3, window], a record's first label IGNORE_INDEX (the previous record's last token would
+    predict it). Unpacked: one record a window, padded, (ids, labels) [2, window].
+
+    ``leftover`` [rows, n]: the windows ready but not taken, then the unfinished window; a stream
+    keeps it in its position and gives it back here."""
+
+    def __init__(
+        self, window: int, pad_id: int, pack: bool, leftover: np.ndarray | None = None
+    ) -> None:
+        self.window, self.pad_id, self.pack = window, pad_id, pack
+        self.rows = 3 if pack else 2
+        self._ready: list[np.ndarray] = []
+        self._open = np.empty((self.rows, 0), dtype=np.int64)  # the unfinished window
+        if leftover is not None and np.size(leftover):
+            leftover = np.asarray(leftover, dtype=np.int64).reshape(self.rows, -1)
+            full = leftover.shape[1] // window * window  # the open window is never full
+            self._ready = list(np.moveaxis(leftover[:, :full].reshape(self.rows, -1, window), 1, 0))
+            self._open = leftover[:, full:]
+
+    def add(self, ids: np.ndarray, labels: np.ndarray) -> None:
+        """One rendered record (its labels IGNORE_INDEX where it is no target)."""
+        if not self.pack:
+            self._ready.append(np.stack(pad_record(ids, labels, self.window, self.pad_id)))
+            return
+        if self._open.shape[1] + len(ids) > self.window:
+            self.flush()
+        labels = np.array(labels, dtype=np.int64)
+        labels[0] = IGNORE_INDEX
+        document = self._open[2, -1] + 1 if self._open.shape[1] else 0
+        record = np.stack([ids, labels, np.full(len(ids), document)]).astype(np.int64)
+        self._open = np.concatenate([self._open, record], axis=1)
+        if self._open.shape[1] == self.window:  # full: no record fits any more
+            self.flush()
+
+    def flush(self) -> None:
+        """Pad the unfinished window and make it ready (the end of the records)."""
+        if not self._open.shape[1]:
+            return
+        ids_w, labels_w = pad_record(self._open[0], self._open[1], self.window, self.pad_id)
+        docs_w = np.full(self.window, self._open[2, -1] + 1, dtype=np.int64)  # padding: its own
+        docs_w[: self._open.shape[1]] = self._open[2]
+        self._ready.append(np.stack([ids_w, labels_w, docs_w]))
+        self._open = np.empty((self.rows, 0), dtype=np.int64)
+
+    def take(self) -> np.ndarray:
+        """Every window ready, as [n, rows, window]."""
+        if not self._ready:
+            return np.empty((0, self.rows, self.window), dtype=np.int64)
+        windows, self._ready = np.stack(self._ready), []
+        return windows
+
+    @property
+    def leftover(self) -> np.ndarray:
+        ready = (
+            [np.moveaxis(np.stack(self._ready), 0, 1).reshape(self.rows, -1)] if self._ready else []
+        )
+        return np.concatenate([*ready, self._open], axis=1)
+
+
+def pad_record(
+    ids: np.ndarray, labels: np.ndarray, window: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One window's ids and labels padded to ``window``: the padding is ``pad_id``, never a target."""
+    ids_w = np.full(window, pad_id, dtype=np.int64)
+    labels_w = np.full(window, IGNORE_INDEX, dtype=np.int64)
+    ids_w[: len(ids)], labels_w[: len(labels)] = ids, labels
+    return ids_w, labels_w
 
 
 def split_inputs_targets(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

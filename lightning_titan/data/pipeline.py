@@ -30,9 +30,15 @@ from lightning_titan.data.corpus import Source, default_corpus_texts
 from lightning_titan.data.loader import ResumableLoader
 from lightning_titan.data.packing import collate_windows
 from lightning_titan.data.prepare import PackedCorpus, default_cache_dir, prepare, prepare_and_load
-from lightning_titan.data.records import check_records
+from lightning_titan.data.record_stream import source_stream, stream_documents
+from lightning_titan.data.records import resolve_format
 from lightning_titan.data.sampler import LayoutFreeSampler, PackedSequences
-from lightning_titan.data.streaming import StreamingWindows, check_rank_shard, rank_stream
+from lightning_titan.data.streaming import (
+    Documents,
+    StreamingWindows,
+    check_rank_shard,
+    rank_stream,
+)
 from lightning_titan.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 from lightning_titan.parallel.batching import local_batch_size
 
@@ -62,7 +68,7 @@ class DataPipeline:
     cache_dir: prepared data; default $LIGHTNING_TITAN_CACHE or ~/.cache/lightning_titan.
     format: "auto" (from the columns: text_column, else ``messages``, else ``prompt`` and
         ``completion``), "text", "chat" or "prompt_completion" (instruction records, packed
-        by default (``pack``), map-style only; docs/finetuning.md).
+        by default (``pack``); docs/finetuning.md).
     train_on: instruction records: "responses" (the assistant turns / the completion are the only
         targets) or "all" (every token).
     pack: several documents a sequence, each attending only to itself with positions from 0
@@ -97,11 +103,6 @@ class DataPipeline:
         check_args(seq_len, global_batch_size, val_fraction, streaming, num_workers, shuffle_buffer)
         check_counts(max_bytes, steps_per_epoch, val_batches)
         check_options(format, train_on)
-        if streaming and format in ("chat", "prompt_completion"):
-            raise ValueError(
-                f"format={format!r} with streaming=True: instruction records are read map-style only; "
-                "set streaming=False"
-            )
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
         self.val_fraction, self.streaming, self.num_workers = val_fraction, streaming, num_workers
         self.shuffle_buffer, self.steps_per_epoch = shuffle_buffer, steps_per_epoch
@@ -192,10 +193,8 @@ class DataPipeline:
         self._layout = self._bound or self._unbound_layout()
         local_batch_size(self.global_batch_size, self.data_world)
         if self.streaming:
-            check_records(self.src, self.cache_dir, streaming=True)
-            check_rank_shard(
-                self._make_stream(0), self.src, self.val_fraction, self.data_rank, self.data_world
-            )
+            documents, rank = self._documents(), (self.data_rank, self.data_world)
+            check_rank_shard(self._make_stream(0), self.src, documents, self.val_fraction, *rank)
         else:
             tok, cache = self.tokenizer, self.cache_dir
             args = (self.src, tok, self.seq_len, self.val_fraction, cache, self.num_proc)
@@ -341,7 +340,11 @@ class DataPipeline:
     ) -> DataLoader:
         workers = 0 if self.streaming else self.num_workers
         collate: Callable = collate_windows
-        text = self.streaming or "format" not in self._require_corpus().meta
+        text = (
+            self._stream_format == "text"
+            if self.streaming
+            else "format" not in self._require_corpus().meta
+        )
         if self.src.pack and text:  # plain text cut into documents at its end ids
             collate = functools.partial(collate_windows, text_eod_id=self.tokenizer.eod_id)
         kwargs: dict[str, Any] = dict(
@@ -361,11 +364,9 @@ class DataPipeline:
     def _stream(self, validation: bool) -> StreamingWindows:
         return StreamingWindows(
             make_stream=self._make_stream,
-            encode=self.tokenizer.encode_array,
-            eod_id=self.tokenizer.eod_id,
+            documents=self._documents(),
             seq_len=self.seq_len,
             local_batch_size=self.local_batch_size,
-            column=self.src.column,
             validation=validation,
             val_fraction=self.val_fraction,
             seed=self.seed,
@@ -378,14 +379,16 @@ class DataPipeline:
 
     def _make_stream(self, epoch: int) -> datasets.IterableDataset:
         texts = self._default_texts if self.src.source is None else None
-        return rank_stream(
-            self.src,
-            self.cache_dir,
-            self.seed + epoch,
-            self.data_rank,
-            self.data_world,
-            texts=texts,
-        )
+        args = (self.src, self.cache_dir, self._stream_format, texts, self.data_world)
+        return rank_stream(source_stream(*args), self.seed + epoch, self.data_rank, self.data_world)
+
+    def _documents(self) -> Documents:
+        window = self.seq_len + 1
+        return stream_documents(self.src, self._stream_format, self.tokenizer, window)
+
+    @functools.cached_property
+    def _stream_format(self) -> str:
+        return resolve_format(self.src, self.cache_dir, streaming=True)
 
     @functools.cached_property
     def _default_texts(self) -> list[str]:

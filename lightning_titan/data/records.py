@@ -25,9 +25,9 @@ import pyarrow as pa
 
 from lightning_titan.data.chat import BadRecord, detect_format, pieces, render
 from lightning_titan.data.corpus import Source, is_validation, load_documents, local_files
+from lightning_titan.data.packing import RecordPacker, pad_record
 from lightning_titan.data.readable import file_problem
 from lightning_titan.data.tokenizer import Tokenizer, token_dtype
-from lightning_titan.parallel.tensor_parallel import IGNORE_INDEX
 
 Record = tuple[str, object]  # (where: "file:line" or "row i", the parsed record)
 Window = tuple[np.ndarray, ...]  # ids, labels[, document ids], each [S+1]
@@ -39,8 +39,9 @@ def records_packed(pack: bool | None) -> bool:
     return True if pack is None else pack
 
 
-def resolve_format(src: Source, cache_dir: str) -> str:
-    """The format to read ``src`` as: the one asked for, else from the first record's columns."""
+def resolve_format(src: Source, cache_dir: str, streaming: bool = False) -> str:
+    """The format to read ``src`` as: the one asked for, else from the first record's columns
+    (``streaming``: read from the stream's declared columns rather than preparing the dataset)."""
     if src.data_format != "auto":
         return src.data_format
     if src.source is None:
@@ -55,7 +56,7 @@ def resolve_format(src: Source, cache_dir: str) -> str:
             return "text"
         columns = list(first[1]) if first is not None and isinstance(first[1], dict) else []
     else:
-        columns = list(load_documents(src, cache_dir).column_names or [])
+        columns = list(load_documents(src, cache_dir, streaming=streaming).column_names or [])
     return detect_format(columns, src.text_column)
 
 
@@ -69,27 +70,50 @@ def iter_records(src: Source, cache_dir: str) -> Iterator[Record]:
         for i, row in enumerate(rows):
             yield f"{name} row {i}", row
         return
+    for where, text in placed_records(files):
+        yield where, parse_record(where, text)
+
+
+def placed_records(files: list[str]) -> Iterator[tuple[str, str]]:
+    """(where, the record's JSON text) of every record of local files, read as they are needed (a
+    stream reads the same): JSON Lines by line ("file:line"), a file holding one JSON list by index
+    ("file record i", read whole), Parquet by row ("file row i")."""
     for path in files:
+        if _suffix(path) == ".parquet":
+            import pyarrow.parquet as pq
+
+            row = 0
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+                for record in batch.to_pylist():
+                    yield f"{path} row {row}", json.dumps(record, default=str)
+                    row += 1
+            continue
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            with open(path, encoding="utf-8") as f:
+                head = f.read(4096)
+                if head.lstrip().startswith("["):
+                    for i, record in enumerate(json_document(path, head + f.read())):
+                        yield f"{path} record {i}", json.dumps(record)
+                    continue
+                f.seek(0)
+                for number, line in enumerate(f, start=1):
+                    if line.strip():
+                        yield f"{path}:{number}", line
         except UnicodeDecodeError as err:
             raise ValueError(f"source file {path!r} {file_problem(path, 'json')}") from err
-        if text.lstrip().startswith("["):
-            for i, row in enumerate(_json_document(path, text)):
-                yield f"{path} record {i}", row
-            continue
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{number}", json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path}:{number} is not JSON ({err.msg}); give one JSON object per line"
-                ) from err
 
 
-def _json_document(path: str, text: str) -> list:
+def parse_record(where: str, text: str) -> object:
+    """One record from its JSON text; text that is not JSON stops here, named."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{where} is not JSON ({err.msg}); give one JSON object per line"
+        ) from None
+
+
+def json_document(path: str, text: str) -> list:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as err:
@@ -118,13 +142,13 @@ def build_records(
     tokens = {"train": 0, "validation": 0}
     too_long: list[str] = []
     for where, record in iter_records(src, cache_dir):
-        kind = _record_format(record, data_format, src)
+        kind = record_format(record, data_format, src)
         with named(where, kind):
             rendered = render(record, kind, tokenizer, src.train_on)
         if len(rendered.ids) > window:
             too_long.append(f"{where} ({len(rendered.ids)} tokens)")
             continue
-        split = "validation" if is_validation(_key(record), val_fraction) else "train"
+        split = "validation" if is_validation(held_out_key(record), val_fraction) else "train"
         out[split].append((rendered.ids, rendered.labels))
         tokens[split] += len(rendered.ids)
     kept = len(out["train"]) + len(out["validation"])
@@ -144,7 +168,7 @@ def build_records(
         if pack:
             rows = pack_records(records, window, tokenizer.eod_id)
         else:
-            rows = [_pad(ids, labels, window, tokenizer.eod_id) for ids, labels in records]
+            rows = [pad_record(ids, labels, window, tokenizer.eod_id) for ids, labels in records]
         _write(work / f"{split}.arrow", rows, window, tokenizer.vocab_size, pack)
         n = len(records)
         stats[split] = {"documents": n, "tokens": tokens[split], "sequences": len(rows), "tail": 0}
@@ -165,51 +189,28 @@ def build_records(
 def pack_records(
     records: list[tuple[np.ndarray, np.ndarray]], window: int, pad_id: int
 ) -> list[Window]:
-    """Records (ids, labels), each at most ``window`` long, laid in order into windows: a record
-    goes into the current window if it fits, else the window is padded and a new one started.
-    Returns (ids, labels, document ids) per window; a record's first label is IGNORE_INDEX (the
-    previous record's last token would predict it), the padding is one more document."""
+    """Records (ids, labels), each at most ``window`` long, laid in order into windows of (ids,
+    labels, document ids) as ``RecordPacker`` lays them (a stream packs with the same one)."""
+    packer = RecordPacker(window, pad_id, pack=True)
     windows: list[Window] = []
-    ids_w, labels_w, docs_w = (np.empty(0, np.int64),) * 3
     for ids, labels in records:
-        if len(ids_w) + len(ids) > window:
-            windows.append(_pad_packed(ids_w, labels_w, docs_w, window, pad_id))
-            ids_w, labels_w, docs_w = (np.empty(0, np.int64),) * 3
-        labels = labels.copy()
-        labels[0] = IGNORE_INDEX
-        document = np.full(len(ids), docs_w[-1] + 1 if len(docs_w) else 0, np.int64)
-        ids_w = np.concatenate([ids_w, ids])
-        labels_w = np.concatenate([labels_w, labels])
-        docs_w = np.concatenate([docs_w, document])
-    if len(ids_w):
-        windows.append(_pad_packed(ids_w, labels_w, docs_w, window, pad_id))
-    return windows
-
-
-def _pad_packed(
-    ids: np.ndarray, labels: np.ndarray, docs: np.ndarray, window: int, pad_id: int
-) -> Window:
-    ids_w, labels_w = _pad(ids, labels, window, pad_id)
-    docs_w = np.full(window, docs[-1] + 1, dtype=np.int64)  # the padding: a document of its own
-    docs_w[: len(docs)] = docs
-    return ids_w, labels_w, docs_w
+        packer.add(ids, labels)
+        windows.extend(tuple(w) for w in packer.take())
+    packer.flush()
+    return windows + [tuple(w) for w in packer.take()]
 
 
 def check_records(src: Source, cache_dir: str, streaming: bool = False) -> None:
     """Every record of a local instruction source is well formed, else a ValueError naming its file
-    and line: ``titan fit`` runs this before it starts ranks, so the message is the only line."""
-    if src.source is None or local_files(src.source) is None:
+    and line: ``titan fit`` runs this before it starts ranks, so the message is the only line. A
+    stream is not read whole here: its records are checked as the stream reaches them."""
+    if streaming or src.source is None or local_files(src.source) is None:
         return  # the default corpus is text; a hub dataset is checked as it is prepared
     data_format = resolve_format(src, cache_dir)
     if data_format == "text":
         return
-    if streaming:
-        raise ValueError(
-            f"source {src.source!r} holds {data_format} records, which are read map-style only; "
-            "set streaming=False"
-        )
     for where, record in iter_records(src, cache_dir):
-        kind = _record_format(record, data_format, src)
+        kind = record_format(record, data_format, src)
         with named(where, kind):
             pieces(record, kind)
 
@@ -223,7 +224,7 @@ def named(where: str, kind: str) -> Iterator[None]:
         raise ValueError(f"{where}: this {kind} record {err}; fix or remove it") from None
 
 
-def _record_format(record: object, data_format: str, src: Source) -> str:
+def record_format(record: object, data_format: str, src: Source) -> str:
     """format=auto reads each record as its fields say, so one source may mix chat and
     prompt/completion files; a record that is neither is read as the source's format (and named)."""
     if src.data_format != "auto" or not isinstance(record, dict):
@@ -232,18 +233,9 @@ def _record_format(record: object, data_format: str, src: Source) -> str:
     return data_format if kind == "text" else kind
 
 
-def _key(record: object) -> str:
+def held_out_key(record: object) -> str:
     """What the held-out hash reads: the record, independent of key order and of the file it came from."""
     return json.dumps(record, sort_keys=True, ensure_ascii=False, default=str)
-
-
-def _pad(
-    ids: np.ndarray, labels: np.ndarray, window: int, pad_id: int
-) -> tuple[np.ndarray, np.ndarray]:
-    ids_w = np.full(window, pad_id, dtype=np.int64)
-    labels_w = np.full(window, IGNORE_INDEX, dtype=np.int64)
-    ids_w[: len(ids)], labels_w[: len(labels)] = ids, labels
-    return ids_w, labels_w
 
 
 def _write(path: Path, rows: list[Window], window: int, vocab_size: int, pack: bool) -> None:

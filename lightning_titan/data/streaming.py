@@ -9,6 +9,9 @@ shuffles only the shard order, and documents are shuffled here, in windows of ``
 documents with a permutation seeded by (seed, data rank, pass, window). The position is the stream's
 ``state_dict()`` at the window's start, the documents taken from the window and the packer's leftover
 tokens: small, and restoring it serves exactly the next batch.
+
+What a document is (plain text, or a chat / prompt-completion record: ``record_stream.py``) is the
+stream's ``documents``: how an example is read and held out, and the packer its windows come from.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import datasets
 import numpy as np
@@ -27,13 +30,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import IterableDataset
 
-from lightning_titan.data.corpus import (
-    Source,
-    check_text_column,
-    is_validation,
-    load_documents,
-    reading,
-)
+from lightning_titan.data.corpus import Source, check_text_column, is_validation, reading
 from lightning_titan.data.packing import Packer
 from lightning_titan.data.readable import as_text, check_text_feature
 
@@ -46,7 +43,8 @@ class StreamPosition:
     window: int = 0  # shuffle window within the pass
     window_state: dict | None = None  # stream.state_dict() at the window's start (None: pass start)
     docs_taken: int = 0  # documents of the window already packed
-    leftover: list[int] = field(default_factory=list)  # packed tokens not yet served
+    # packed tokens not yet served: [n] text; [rows, n] records (ids, labels[, document ids])
+    leftover: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -62,12 +60,9 @@ class _Mark:
     leftover: tuple[np.ndarray, ...]
 
     def position(self) -> StreamPosition:
-        tokens: Any = (
-            np.concatenate([np.ravel(part) for part in self.leftover]) if self.leftover else []
-        )
         state = copy.deepcopy(self.window_state)
         return StreamPosition(
-            self.epoch, self.window, state, self.docs_taken, np.asarray(tokens).tolist()
+            self.epoch, self.window, state, self.docs_taken, _joined(self.leftover)
         )
 
     @classmethod
@@ -75,6 +70,55 @@ class _Mark:
         leftover = (np.asarray(position.leftover, dtype=np.int64),)
         state = copy.deepcopy(position.window_state)
         return cls(batches, position.epoch, position.window, state, position.docs_taken, leftover)
+
+
+def _joined(parts: tuple[np.ndarray, ...]) -> list:
+    """The leftover as plain lists: text parts (windows [m, S+1], the packer's rest [n]) end to end;
+    record parts (windows [m, rows, S+1], the packer's rest [rows, n]) row by row, [rows, total]."""
+    if not parts:
+        return []
+    if parts[-1].ndim == 1:
+        return np.concatenate([np.ravel(part) for part in parts]).tolist()
+    rows = parts[-1].shape[0]
+    flat = [np.moveaxis(part, -2, 0).reshape(rows, -1) for part in parts]
+    return np.concatenate(flat, axis=1).tolist()
+
+
+class Documents(Protocol):
+    """What a stream's examples are: read (held-out key, document), checked, packed."""
+
+    def check(self, stream: datasets.IterableDataset) -> None: ...
+
+    def read(self, example: dict) -> tuple[str, Any]: ...
+
+    def packer(self, leftover: np.ndarray) -> Any: ...
+
+    def add(self, packer: Any, document: Any) -> None: ...
+
+
+class TextDocuments:
+    """Plain text: the text column's strings, tokenised, joined by the end id, cut by ``Packer``."""
+
+    def __init__(
+        self, src: Source, encode: Callable[[str], np.ndarray], eod_id: int, window: int
+    ) -> None:
+        self.src, self.encode, self.eod_id, self.window = src, encode, eod_id, window
+
+    def check(self, stream: datasets.IterableDataset) -> None:
+        check_text_column(stream.column_names, self.src.column, self.src.source)
+        check_text_feature(stream.features, self.src.column, self.src.source)
+
+    def read(self, example: dict) -> tuple[str, str]:
+        if self.src.column not in example:
+            check_text_column(list(example), self.src.column, self.src.source)
+        text = as_text(example[self.src.column], self.src.column, self.src.source)
+        return text, text
+
+    def packer(self, leftover: np.ndarray) -> Packer:
+        return Packer(self.window, self.eod_id, leftover)
+
+    def add(self, packer: Packer, text: str) -> None:
+        packer.add(self.encode(text))
 
 
 class StreamingWindows(IterableDataset):
@@ -89,11 +133,9 @@ class StreamingWindows(IterableDataset):
     def __init__(
         self,
         make_stream: Callable[[int], datasets.IterableDataset],
-        encode: Callable[[str], np.ndarray],
-        eod_id: int,
+        documents: Documents,
         seq_len: int,
         local_batch_size: int,
-        column: str,
         validation: bool,
         val_fraction: float,
         seed: int,
@@ -103,9 +145,9 @@ class StreamingWindows(IterableDataset):
         restart: bool = False,
         source: Source | None = None,
     ) -> None:
-        self.make_stream, self.encode, self.eod_id = make_stream, encode, eod_id
+        self.make_stream, self.documents = make_stream, documents
         self.window_len, self.local_batch_size = seq_len + 1, local_batch_size
-        self.column, self.validation, self.val_fraction = column, validation, val_fraction
+        self.validation, self.val_fraction = validation, val_fraction
         self.seed, self.data_rank, self.shuffle_buffer = seed, data_rank, max(1, shuffle_buffer)
         self.batches_per_iter, self.restart = batches_per_iter, restart
         self.source = source  # names the file a read error comes from
@@ -151,7 +193,7 @@ class StreamingWindows(IterableDataset):
         self, pos: StreamPosition, served: int, limit: int | None, record: bool
     ) -> Iterator[torch.Tensor]:
         b, end = self.local_batch_size, None if limit is None else served + limit
-        packer = Packer(self.window_len, self.eod_id, np.asarray(pos.leftover, dtype=np.int64))
+        packer = self.documents.packer(np.asarray(pos.leftover, dtype=np.int64))
         in_batch = 0
         while True:
             stream = self.make_stream(pos.epoch)
@@ -166,7 +208,7 @@ class StreamingWindows(IterableDataset):
                 rng = np.random.default_rng([self.seed, self.data_rank, pos.epoch, pos.window])
                 order = rng.permutation(len(docs))
                 for j in range(pos.docs_taken, len(docs)):
-                    packer.add(self.encode(docs[order[j]]))
+                    self.documents.add(packer, docs[order[j]])
                     pos.docs_taken = j + 1
                     windows = packer.take()
                     for i, window in enumerate(windows):
@@ -193,29 +235,22 @@ class StreamingWindows(IterableDataset):
                 )
             pos.epoch, pos.window, pos.window_state, pos.docs_taken = pos.epoch + 1, 0, None, 0
 
-    def _read_window(self, docs_iter: Iterator[dict]) -> list[str]:
-        docs: list[str] = []
-        name = None if self.source is None else self.source.source
+    def _read_window(self, docs_iter: Iterator[dict]) -> list:
+        docs: list = []
         with reading(self.source) if self.source is not None else contextlib.nullcontext():
             for example in docs_iter:
-                text = as_text(example[self.column], self.column, name)
-                if is_validation(text, self.val_fraction) == self.validation:
-                    docs.append(text)
+                key, document = self.documents.read(example)
+                if is_validation(key, self.val_fraction) == self.validation:
+                    docs.append(document)
                     if len(docs) == self.shuffle_buffer:
                         break
         return docs
 
 
 def rank_stream(
-    src: Source,
-    cache_dir: str,
-    seed: int,
-    data_rank: int,
-    data_world: int,
-    texts: list[str] | None = None,
+    stream: datasets.IterableDataset, seed: int, data_rank: int, data_world: int
 ) -> datasets.IterableDataset:
     """One data rank's documents for one pass: shard order shuffled by ``seed``, then split by data rank."""
-    stream = load_documents(src, cache_dir, streaming=True, texts=texts, data_world=data_world)
     # buffer_size=1 shuffles the shard order only: the buffer is then always empty between examples, so
     # the stream's state_dict() is exact (documents are shuffled in StreamingWindows instead)
     stream = stream.shuffle(seed=seed, buffer_size=1)
@@ -225,20 +260,19 @@ def rank_stream(
 def check_rank_shard(
     stream: datasets.IterableDataset,
     src: Source,
+    documents: Documents,
     val_fraction: float,
     data_rank: int,
     data_world: int,
 ) -> None:
     """Fail in setup, on the rank concerned, rather than hang later: the text column exists and this rank's
     shard holds training (and, if wanted, validation) documents. Reads until it has seen both kinds."""
-    check_text_column(stream.column_names, src.column, src.source)
-    check_text_feature(stream.features, src.column, src.source)
+    documents.check(stream)
     missing = {False} | ({True} if val_fraction > 0 else set())
     with reading(src):
         for example in stream:
-            check_text_column(list(example), src.column, src.source)
-            text = as_text(example[src.column], src.column, src.source)
-            missing.discard(is_validation(text, val_fraction))
+            key, _ = documents.read(example)
+            missing.discard(is_validation(key, val_fraction))
             if not missing:
                 return
     kind = "any" if False in missing else "validation"

@@ -1,5 +1,5 @@
 """The keys and values of the tokens a generation has already run, kept per attention layer, so that
-each new token is one forward of that token alone (``tools/generate.py``).
+each new token is one forward of that token alone (``tools/decoding.py``).
 
 A ``KVCache`` goes to ``StageModel.forward`` only when generating; training passes none, and then no
 line of this file runs. With one, the new tokens take the positions after the held ones: RoPE by

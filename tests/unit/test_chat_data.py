@@ -113,11 +113,6 @@ def test_auto_reads_the_format_from_the_columns_and_text_stays_text(tmp_path):
     plain = _pipeline(text, tmp_path / "cache", seq_len=16, global_batch_size=2)
     _, targets = next(iter(plain.train_dataloader()))
     assert (targets != X).all()  # plain text: every token a target, as before
-    with pytest.raises(ValueError, match="format='chat' with streaming=True"):
-        DataPipeline(source=str(text), format="chat", streaming=True)
-    streamed = DataPipeline(source=str(tmp_path / "mix"), streaming=True, cache_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="holds chat records, which are read map-style only"):
-        streamed.setup()
     with pytest.raises(ValueError, match="format='chatml' is not one of"):
         DataPipeline(format="chatml")
     with pytest.raises(ValueError, match="train_on='assistant' is not one of"):
