@@ -466,12 +466,12 @@ MUTATIONS = {
     "generate_layout_other_stage": ("lightning_titan/tools/generate_layout.py",
                                     "        pp_rank=dims.pp_rank,\n",
                                     "        pp_rank=(dims.pp_rank + 1) % pp,\n",
-                                    ["tests/distributed/test_generate_layout.py"]),
+                                    ["tests/distributed/test_generate_on_ranks.py"]),
     # every EP rank holds (and loads) EP rank 0's experts
     "generate_layout_experts_of_rank0": ("lightning_titan/tools/generate_layout.py",
                                          "        ep_rank=dims.ep_rank,\n",
                                          "        ep_rank=0,\n",
-                                         ["tests/distributed/test_generate_layout.py"]),
+                                         ["tests/distributed/test_generate_on_ranks.py"]),
     # a layout that takes exactly the machine's GPUs is refused
     "generate_layout_gpus_off_by_one": ("lightning_titan/tools/generate_layout.py",
                                         "    if gpus and pp * ep > gpus:\n",

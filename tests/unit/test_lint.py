@@ -4,6 +4,7 @@ layer contracts (import-linter); mypy; every planted-bug target of tests/mutants
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,11 @@ def test_every_mutant_target_is_in_place():
     proc = subprocess.run([sys.executable, "tests/mutants.py", "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_no_two_test_modules_share_a_name():
+    """pytest imports test modules by basename (no __init__.py): two files of one name in different
+    tiers stop the whole suite at collection with "import file mismatch"."""
+    tests = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in tests.rglob("test_*.py"))
+    assert not [name for name, n in names.items() if n > 1]
