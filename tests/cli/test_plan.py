@@ -391,9 +391,9 @@ def test_cost_terms_grow_with_their_axis():
 def test_zero3_prices_its_rows_between_steps_and_what_it_gathers_in_the_step():
     """zero=3 holds its rows of every parameter between steps (the optimizer's rows, in fp32: half
     its two moments); in the step at pp=1 the two largest blocks (one computing, the next
-    prefetched) and the rest of the stage (embedding, norm, head) whole beside them, gathered for each block's forward and backward of every
-    microbatch; under a pipeline the whole stage, the rows inside it, gathered once: zero=2's peak
-    and bytes, so the planner offers zero=2 there."""
+    prefetched) and the rest of the stage (embedding, norm, head) whole beside them, gathered for
+    each block's forward and backward of every microbatch; under a pipeline the whole stage, the
+    rows inside it, gathered once: zero=2's peak and bytes, so the planner offers zero=2 there."""
     dims = ParallelDims(dp=8, pp=1, ep=1, rank=0)
     state = rank_state(DEFAULT, dims, 3)
     assert 2 * state["non_expert_params"] == state["non_expert_optimizer"]

@@ -162,9 +162,7 @@ class ZeroGroup:
         self.unit_kept: dict[torch.dtype, Tensor] = {}
         flat = [b for unit in self.unit_buckets for b in unit]
         for dtype in {b.dtype for b in flat}:
-            size = max(
-                sum(b.slot for b in unit if b.dtype == dtype) for unit in self.unit_buckets
-            )
+            size = max(sum(b.slot for b in unit if b.dtype == dtype) for unit in self.unit_buckets)
             like = next(b for b in flat if b.dtype == dtype).shards[0].param
             buffer = self.unit_kept[dtype] = like.new_empty(size * self.n)
             for unit in self.unit_buckets:
