@@ -140,8 +140,8 @@ MUTATIONS = {
                               ["tests/distributed/test_equivalence.py", "-k", "2"]),
     # ZeRO: every rank packs its rows into rank 0's chunk of the all-gather buffer
     "zero_pack_first_slot": ("lightning_titan/parallel/dp/zero.py",
-                             "buffer.as_strided(sh, st, me * self.slot + at)",
-                             "buffer.as_strided(sh, st, at)",
+                             "buffer.as_strided(sh, st, base + me * self.slot + at)",
+                             "buffer.as_strided(sh, st, base + at)",
                              ["tests/distributed/test_equivalence.py", "-k", "2"]),
     # ZeRO: the unpack leaves out the rank after this one as well as this rank's own rows
     "zero_unpack_skips_next": ("lightning_titan/parallel/dp/zero.py",
@@ -188,6 +188,35 @@ MUTATIONS = {
                                  "            if self.in_backward[unit]:  # the recompute",
                                  "            if False:  # the recompute",
                                  ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3 prefetch: the forward gathers each block when it runs (no next block in flight)
+    "zero3_no_forward_prefetch": ("lightning_titan/parallel/dp/zero3.py",
+                                  "                self.prefetch(unit + 1)",
+                                  "                pass",
+                                  ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3 prefetch: the backward gathers each block when it runs
+    "zero3_no_backward_prefetch": ("lightning_titan/parallel/dp/zero3.py",
+                                   "        self.prefetch(unit - 1)",
+                                   "        pass",
+                                   ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3 prefetch: activation checkpointing's recompute prefetches the next block (freed by
+    # then: a wasted gather, a third block whole)
+    "zero3_recompute_prefetches": ("lightning_titan/parallel/dp/zero3.py",
+                                   "            if not recompute:",
+                                   "            if True:",
+                                   ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3 prefetch: the prefetched block counted whole at its issue (read before it is waited
+    # and copied out)
+    "zero3_prefetch_not_waited": ("lightning_titan/parallel/dp/zero3.py",
+                                  "        self.pending = (unit, [start_gather(g, unit) for g in self.groups])\n",
+                                  "        self.pending = (unit, [start_gather(g, unit) for g in self.groups])\n"
+                                  "        self.gathered[unit] = True\n",
+                                  ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3 prefetch: a unit's buckets gathered through the same slice of the buffer (in flight
+    # at once, they overwrite each other)
+    "zero3_unit_buckets_overlap": ("lightning_titan/parallel/dp/zero.py",
+                                   "b.bind(buffer[at : at + b.slot * self.n], self.q)",
+                                   "b.bind(buffer[: b.slot * self.n], self.q)",
+                                   ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: a checkpoint loaded into the whole parameters, the leaves (what trains) left as they were
     "zero3_load_rows_not_taken": ("lightning_titan/train/engine.py",
                                   "            self.sharded_params.take_rows()\n",
@@ -238,9 +267,14 @@ MUTATIONS = {
                                 "gathers = 2.0 * m_count  # the blocks'",
                                 "gathers = 1.0  # the blocks'",
                                 ["tests/cli/test_plan.py", "-k", "zero3"]),
+    # the planner: zero=3 at pp=1 priced as one block whole in the step (the prefetched one left out)
+    "plan_zero3_no_prefetch": ("lightning_titan/plan/memory.py",
+                               "    return rest + sum(sorted(units.values())[-2:])\n",
+                               "    return rest + max(units.values(), default=0)\n",
+                               ["tests/cli/test_plan.py", "-k", "zero3_prices"]),
     # the planner: zero=3 at pp=1 priced as holding the whole stage in the step
     "plan_zero3_whole_stage": ("lightning_titan/plan/memory.py",
-                               "    rest = units.pop(\"\", 0)\n    return rest + max(units.values(), default=0)\n",
+                               "    rest = units.pop(\"\", 0)\n    return rest + sum(sorted(units.values())[-2:])\n",
                                "    return sum(units.values())\n",
                                ["tests/cli/test_plan.py", "-k", "zero3"]),
     # the planner: zero=3's parameters priced whole between steps (as zero=2's)

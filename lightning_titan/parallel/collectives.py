@@ -97,11 +97,29 @@ def all_gather_(output: Tensor, group: dist.ProcessGroup | None) -> None:
     """Every rank's chunk of ``output`` (contiguous, rank-major: chunk ``q`` is rank ``q``'s) into
     every rank's ``output``; this rank's chunk already holds its part (in place, as NCCL's all-gather
     with the input at its chunk of the output: no copy in)."""
+    start_all_gather_(output, group).wait()
+
+
+class _Works:
+    """Several works waited as one (gloo's all-gather: one broadcast a rank)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
+def start_all_gather_(output: Tensor, group: dist.ProcessGroup | None) -> _Works:
+    """``all_gather_`` issued and not waited: ``output`` must not be read (or this rank's chunk
+    written) before ``wait()`` on what it returns. Every rank of ``group`` must issue its collectives
+    in the same order (the backend pairs them by that order, not by what they are)."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     chunks = output.view(n, -1)
     if output.device.type != "cpu":
-        dist.all_gather_into_tensor(output, chunks[me], group=group)
-        return
+        work = dist.all_gather_into_tensor(output, chunks[me], group=group, async_op=True)
+        return _Works([] if work is None else [work])
     works = [dist.broadcast(chunks[q], group=group, group_src=q, async_op=True) for q in range(n)]
-    for work in works:
-        work.wait()
+    return _Works([w for w in works if w is not None])

@@ -168,9 +168,9 @@ def gathered_bytes(
 ) -> int:
     """zero=3: the bytes of parameters whole during a step on rank ``dims.rank``, beyond the rows
     ``rank_state`` counts (``parallel/dp/zero3.py``). ``reshard_after_forward`` (pp=1 under gpipe or
-    1f1b): one block at a time and the rest of the stage (embedding, final norm, head) whole
-    beside the rows, so the largest block plus the rest; otherwise the whole stage, kept for the
-    step, the rows inside it."""
+    1f1b): the block computing, the next one prefetched, and the rest of the stage (embedding,
+    final norm, head) whole beside the rows, so the two largest blocks plus the rest; otherwise the
+    whole stage, kept for the step, the rows inside it."""
     units: Counter[str] = Counter()
     for t in stage_tensors(config, dims.pp, dims.pp_rank, split, lora):
         if not t.trained:
@@ -186,7 +186,7 @@ def gathered_bytes(
     if not reshard_after_forward:
         return sum(units.values())
     rest = units.pop("", 0)
-    return rest + max(units.values(), default=0)
+    return rest + sum(sorted(units.values())[-2:])
 
 
 def trained_params(

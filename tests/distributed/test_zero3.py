@@ -6,9 +6,11 @@ run (per-step loss, aux, grad norm rtol 1e-5, final weights atol 1e-5, gathered 
 checks memory: between steps (the grads reduced, before the update) the parameters and the
 optimizer's leaves hold each rank's share of the weights (within 5 %: rows cut unevenly; exactly
 the rows `titan plan` prices), after an evaluation too. During the step, where each block is
-gathered around its use (pp=1 under gpipe or 1f1b): at most one block whole beyond the rest of the
-stage (embedding, norm, head, kept for the step) and the parameters nothing cuts; under activation
-checkpointing too (the recompute gathers the block and keeps it for its backward). Under a pipeline
+gathered around its use (pp=1 under gpipe or 1f1b): two blocks whole (the one computing and the
+next one, prefetched) beyond the rest of the stage (embedding, norm, head, kept for the step) and
+the parameters nothing cuts, and no more; every block but each pass's first found in flight, and
+every prefetch used; under activation checkpointing too (the recompute gathers the block, keeps it
+for its backward and prefetches nothing). Under a pipeline
 and the other schedules: the whole stage at every forward and every grad accumulation of the step,
 the optimizer's rows views into it. A zero=3 checkpoint resumes at zero=0 under another layout and
 the other way round, and one saved under a pipeline resumes at pp=1, exactly.
@@ -147,7 +149,7 @@ def test_zero3_equals_one_process_and_holds_its_rows(ref, world, tmp_path):
             state = rank_state(model_config, dims, 3, r["split"])
             gathered = gathered_bytes(model_config, dims, r["split"], None, per_block)
             assert state["expert_params"] + state["non_expert_params"] == r["held_param_bytes"]
-            in_step = r["rest_bytes"] + r["block_bytes"] if per_block else r["param_bytes"]
+            in_step = r["rest_bytes"] + r["two_blocks_bytes"] if per_block else r["param_bytes"]
             assert gathered + (0 if per_block else r["held_param_bytes"]) == in_step, label
             assert r["whole_after_remove"], (label, r["coords"], "the model is not whole after it")
             rows, whole = shares(r, layout)
@@ -165,11 +167,18 @@ def test_zero3_equals_one_process_and_holds_its_rows(ref, world, tmp_path):
                 seen = (r["gathered_low"], r["gathered_peak"], r["with_leaves_peak"])
                 assert seen == (r["param_bytes"],) * 3, (label, r["coords"], seen)
                 continue
-            # at any moment of a forward or backward: the rest of the stage and one block whole
-            # beyond that (the parameters' storages; the leaves are apart)
-            limit = whole + r["rest_bytes"] + r["block_bytes"]
-            assert r["gathered_peak"] <= limit, (label, r["coords"], r["gathered_peak"], limit)
+            # at any moment of a forward or backward: the rest of the stage and two blocks whole
+            # beyond that, the one computing and the next one prefetched (the parameters'
+            # storages, filled from the prefetch's issue; the leaves are apart): reached, no more
+            limit = whole + r["rest_bytes"] + r["two_blocks_bytes"]
+            assert r["gathered_peak"] == limit, (label, r["coords"], r["gathered_peak"], limit)
             assert r["gathered_peak"] < r["param_bytes"], (label, "every block was whole at once")
+            # each forward and backward gathers its first block at once and prefetches the others
+            # (the recompute none), every prefetch used by its block
+            seen = r["block_gathers"]
+            n = r["n_blocks"]
+            assert seen["gathered"] > 0 and seen["wasted"] == 0, (label, r["coords"], seen)
+            assert seen["prefetched"] == (n - 1) * seen["gathered"], (label, r["coords"], seen)
 
 
 def test_zero3_refuses_what_it_does_not_run_with():

@@ -344,6 +344,8 @@ def train(
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     cut = {id(s.param) for g in engine.zero_groups for s in g.shards.values()}
     blocks_cut = [_nbytes(p for p in b.parameters() if id(p) in cut) for b in model.layers.values()]
+    # zero=3's block gathers from its hooks: in flight already (prefetched) or run at once
+    block_gathers = None if engine.sharded_params is None else dict(engine.sharded_params.counts)
     engine.remove()
     # the model whole and trained once the engine is gone (zero=3 gathers it: a later use, an
     # export, reads the parameters as they are)
@@ -388,6 +390,9 @@ def train(
         # norm, head) and the largest block; and the bytes of those it does not cut
         "rest_bytes": _nbytes(p for p in model.parameters() if id(p) in cut) - sum(blocks_cut),
         "block_bytes": max(blocks_cut, default=0),
+        "two_blocks_bytes": sum(sorted(blocks_cut)[-2:]),  # the two largest (a prefetch's peak)
+        "n_blocks": len(blocks_cut),
+        "block_gathers": block_gathers,
         "uncut_bytes": _nbytes(p for p in model.parameters() if id(p) not in cut),
         # zero=3's gathers run in the backward, while ZeRO-2's reducer has borrowed the kept
         # buffer for a reduce-scatter: they must gather through another (a race gloo may not show)

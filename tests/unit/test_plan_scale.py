@@ -216,10 +216,10 @@ def test_nothing_fits_names_the_term_and_a_remedy_the_model_allows(capsys):
         plan_main(["--config", str(DEEPSEEK_V3_JSON), "--devices", "64", "--device",
                    "h100-80gb", "--global-batch", "1024"])  # fmt: skip
     said = str(stop.value.code)
-    assert "nothing fits" in said and "(ep16xtp4 zero3)" in said
+    assert "nothing fits" in said and "(ep32xtp2 zero3)" in said
     assert "its largest term is expert_optimizer" in said
     assert "zero=1" not in said and "zero=2 (" not in said
-    assert "ep=32 (128 devices)" in said
+    assert "ep=64 (128 devices)" in said
     config = shapes_of(DEEPSEEK_V3_JSON.parent, 4096)
     found, _ = candidates(config, 64, 1024)
     best = min((c for c in found if c.zero < 3), key=lambda c: c.state_bytes)

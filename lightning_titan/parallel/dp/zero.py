@@ -152,18 +152,24 @@ class ZeroGroup:
             same = [b for b in self.buckets if b.dtype == dtype]
             self.reserve(same[0].shards[0].param, max(b.slot for b in same) * self.n)
         # zero=3: each unit's buckets, bound to a buffer of their own: the re-gathers run during
-        # the backward, while ZeRO-2's reducer has borrowed ``kept`` for a reduce-scatter
+        # the backward, while ZeRO-2's reducer has borrowed ``kept`` for a reduce-scatter. A unit's
+        # buckets lie one after another in it, so that all of them can be in flight at once (a
+        # prefetch, ``zero3.py``): the buffer of a dtype is the size of the largest unit's buckets
+        # of that dtype, and one unit at a time gathers through it
         self.unit_buckets = [
             self._buckets([p for p in unit if id(p) in self.shards], cap) for unit in units or ()
         ]
         self.unit_kept: dict[torch.dtype, Tensor] = {}
         flat = [b for unit in self.unit_buckets for b in unit]
         for dtype in {b.dtype for b in flat}:
-            same = [b for b in flat if b.dtype == dtype]
-            like = same[0].shards[0].param
-            buffer = self.unit_kept[dtype] = like.new_empty(max(b.slot for b in same) * self.n)
-            for b in same:
-                b.bind(buffer[: b.slot * self.n], self.q)
+            size = max(sum(b.slot for b in unit if b.dtype == dtype) for unit in self.unit_buckets)
+            like = next(b for b in flat if b.dtype == dtype).shards[0].param
+            buffer = self.unit_kept[dtype] = like.new_empty(size * self.n)
+            for unit in self.unit_buckets:
+                at = 0
+                for b in (b for b in unit if b.dtype == dtype):
+                    b.bind(buffer[at : at + b.slot * self.n], self.q)
+                    at += b.slot * self.n
 
     def _buckets(self, params: list[nn.Parameter], cap: float) -> list[_GatherBucket]:
         return [
@@ -295,11 +301,14 @@ class _GatherBucket:
         self.dtype = shards[0].param.dtype
 
     def bind(self, buffer: Tensor, me: int) -> None:
-        """Gather through ``buffer`` (``n * slot`` elements at offset 0 of its storage, kept from step
-        to step): the views of it that the copies in and out use, worked out once."""
+        """Gather through ``buffer`` (``n * slot`` contiguous elements of a buffer kept from step to
+        step): the views of it that the copies in and out use, worked out once."""
         self.buffer = buffer
-        self.mine = [buffer.as_strided(sh, st, me * self.slot + at) for at, sh, st in self.pack]
-        self.theirs = [buffer.as_strided(sh, st, at) for at, sh, st in self.unpack]
+        base = buffer.storage_offset()  # ``as_strided`` counts from the storage's start
+        self.mine = [
+            buffer.as_strided(sh, st, base + me * self.slot + at) for at, sh, st in self.pack
+        ]
+        self.theirs = [buffer.as_strided(sh, st, base + at) for at, sh, st in self.unpack]
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

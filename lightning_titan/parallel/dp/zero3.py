@@ -17,6 +17,15 @@ choice). True, where one stage runs its microbatches one at a time (pp=1 under g
   forward and backward of every microbatch gathers once (``reshard_after_forward``). Activation
   checkpointing's recompute runs the block's forward inside its backward, after the gather: the
   block is then kept whole for the backward that reads what the recompute saved.
+- prefetch (FSDP2's): the gather that makes block ``i`` whole in the forward also issues block
+  ``i + 1``'s all-gather, not waited (``async_op``), whose pre-hook then only waits for it and copies
+  it out; in the backward, block ``i``'s gather issues block ``i - 1``'s. The next block's
+  collective runs while this one computes. The peak is two blocks whole beyond the rows and the
+  rest: the one computing and the one in flight (its storage filled by the gather). No forward
+  prefetch from activation checkpointing's recompute (the next block's backward is done by then).
+  A prefetched unit is waited before anything reads its storage or the gather buffer is reused: at
+  its own gather, at any other unit's gather (one unit in flight at a time), at its release and at
+  ``release_all``.
 - the rest: gathered before the stage's forward and kept until the step's grads are reduced
   (``release_all``): the head runs first in the backward and the embedding last, so it would be
   gathered twice a microbatch for little memory.
@@ -31,7 +40,11 @@ whole, each leaf is a view of its rows in the parameter (no second copy of them:
 zero=2's); freeing the unit copies them out again.
 
 The grads are ZeRO-2's (``zero_grads.py``): reduce-scattered into the leaves. Every rank of a group
-runs the same stage's blocks in the same order, so the gathers match across ranks.
+runs the same stage's blocks in the same order, so the gathers match across ranks. A prefetch is
+issued at the same point of that order on every rank (the hook of the block before it, whose
+position among the reducer's reduce-scatters on the same group is the same on every rank: the
+autograd engine runs a graph's ready nodes in one fixed order), which it must be: gloo and NCCL
+pair a group's collectives by the order each rank issues them, not by what they are.
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_titan.parallel.collectives import all_gather_
+from lightning_titan.parallel.collectives import start_all_gather_
 from lightning_titan.parallel.dp.zero import ZeroGroup
 from lightning_titan.runtime import probes
 
@@ -87,6 +100,12 @@ class ShardedParams:
         self.in_backward = [False] * len(self.units)
         self.sharded = False
         self.reshard_after_forward = reshard_after_forward
+        # the unit whose all-gather is issued and not waited yet (a prefetch), and its works (one
+        # list a group); a pending unit is not ``gathered`` until ``_finish_pending``
+        self.pending: tuple[int, list[list[Any]]] | None = None
+        # the blocks' gathers from the hooks: found in flight (prefetched) or run there and then;
+        # wasted: a prefetch freed (or out of order) before its block used it
+        self.counts = {"prefetched": 0, "gathered": 0, "wasted": 0}
         self._handles: list[RemovableHandle] = [stage.register_forward_pre_hook(self._pre_stage)]
         for u, block in enumerate(self.blocks if reshard_after_forward else ()):
             self._handles.append(block.register_forward_pre_hook(self._pre_block(u)))
@@ -101,12 +120,49 @@ class ShardedParams:
         self.sharded = True
 
     def gather(self, unit: int) -> None:
+        if not self.sharded or self.gathered[unit]:
+            return
+        if self.pending is not None:  # one unit in flight at a time: the gather buffer is its
+            if self._finish_pending() == unit:
+                return
+            self.counts["wasted"] += 1
+        in_place = not self.reshard_after_forward
+        for g in self.groups:
+            finish_gather(g, unit, start_gather(g, unit), leaves_in_place=in_place)
+        self.gathered[unit] = True
+
+    def prefetch(self, unit: int) -> None:
+        """Issue unit ``unit``'s all-gather and return; ``gather(unit)`` waits for it."""
+        if not self.sharded or self.gathered[unit] or not 0 <= unit < len(self.blocks):
+            return
+        if self.pending is not None:
+            if self.pending[0] == unit:
+                return
+            self._finish_pending()
+            self.counts["wasted"] += 1
+        self.pending = (unit, [start_gather(g, unit) for g in self.groups])
+
+    def _finish_pending(self) -> int:
+        """Wait for the unit in flight and copy it out into its parameters; that unit."""
+        assert self.pending is not None
+        unit, works = self.pending
+        self.pending = None
+        for g, work in zip(self.groups, works, strict=True):
+            finish_gather(g, unit, work, leaves_in_place=not self.reshard_after_forward)
+        self.gathered[unit] = True
+        return unit
+
+    def _use(self, unit: int) -> None:
+        """A block's gather from a hook, counted (``counts``)."""
         if self.sharded and not self.gathered[unit]:
-            for g in self.groups:
-                gather_unit(g, unit, leaves_in_place=not self.reshard_after_forward)
-            self.gathered[unit] = True
+            hit = self.pending is not None and self.pending[0] == unit
+            self.counts["prefetched" if hit else "gathered"] += 1
+        self.gather(unit)
 
     def release(self, unit: int) -> None:
+        if self.pending is not None and self.pending[0] == unit:
+            self._finish_pending()  # the collective writes the storage until waited
+            self.counts["wasted"] += 1
         if self.sharded and self.gathered[unit]:
             for g in self.groups:
                 release_unit(g, unit)
@@ -114,7 +170,8 @@ class ShardedParams:
 
     def _backward_starts(self, unit: int) -> None:
         self.in_backward[unit] = True
-        self.gather(unit)
+        self._use(unit)
+        self.prefetch(unit - 1)  # the block whose backward comes next
 
     def _backward_done(self, unit: int) -> None:
         self.in_backward[unit] = False
@@ -129,6 +186,8 @@ class ShardedParams:
 
     def release_all(self) -> None:
         """After the step's grads are reduced: nothing but the rows until the next forward."""
+        if self.pending is not None:
+            self.release(self.pending[0])
         for unit in range(len(self.units)):
             self.release(unit)
 
@@ -155,7 +214,10 @@ class ShardedParams:
 
     def _pre_block(self, unit: int) -> Any:
         def hook(module: nn.Module, args: tuple) -> tuple | None:
-            self.gather(unit)
+            recompute = self.in_backward[unit]  # the next block's backward is done already
+            self._use(unit)
+            if not recompute:
+                self.prefetch(unit + 1)  # the block whose forward comes next
             x = args[0] if args else None
             if self.sharded and torch.is_grad_enabled() and isinstance(x, Tensor):
                 if x.requires_grad:
@@ -184,7 +246,7 @@ class ShardedParams:
 def keep_rows_only(group: ZeroGroup) -> None:
     """Once the optimizer holds ``group``'s leaves: every leaf becomes a dense copy of its rows and
     each sharded parameter's storage is freed (resized to nothing; the parameter object, its views
-    and the tensors autograd saved of it keep the storage, which ``gather_unit`` fills again)."""
+    and the tensors autograd saved of it keep the storage, which ``start_gather`` fills again)."""
     for s in group.shards.values():
         if not s.dense:  # a dense leaf (``densify``) has its own storage already
             s.leaf.data = s.leaf.data.clone(memory_format=torch.contiguous_format)
@@ -194,21 +256,35 @@ def keep_rows_only(group: ZeroGroup) -> None:
 
 
 @torch.no_grad()
-def gather_unit(group: ZeroGroup, unit: int, leaves_in_place: bool = False) -> None:
-    """Unit ``unit``'s sharded parameters of ``group`` whole again from every rank's rows (its
-    leaves), one all-gather per bucket. Written through ``.data`` views, which autograd does not
-    version: the backward reads the tensors its forward saved, refilled here. ``leaves_in_place``:
-    each leaf then becomes a view of its rows in the whole parameter (kept whole for a step: one
-    copy of the rows; ``release_unit`` makes it a dense copy again)."""
+def start_gather(group: ZeroGroup, unit: int) -> list[Any]:
+    """Unit ``unit``'s sharded parameters of ``group``: their storage allocated, every rank's rows
+    (its leaves) packed into the unit's gather buffer and one all-gather per bucket issued, not
+    waited; ``finish_gather`` completes it. Until then nothing may read those storages or the
+    buffer, nor another unit of ``group`` gather (they share the buffer)."""
+    works = []
     for bucket in group.unit_buckets[unit]:
         for s in bucket.shards:
             storage = s.param.data.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(s.param.numel() * s.param.element_size())
-        leaves = [s.leaf.detach() for s in bucket.shards]
-        torch._foreach_copy_(bucket.mine, leaves)
+        torch._foreach_copy_(bucket.mine, [s.leaf.detach() for s in bucket.shards])
+        works.append(start_all_gather_(bucket.buffer, group.group))
+    return works
+
+
+@torch.no_grad()
+def finish_gather(
+    group: ZeroGroup, unit: int, works: list[Any], leaves_in_place: bool = False
+) -> None:
+    """``start_gather``'s parameters whole: each bucket waited, then copied out of the buffer (the
+    other ranks' rows) and from the leaves (this rank's). Written through ``.data`` views, which
+    autograd does not version: the backward reads the tensors its forward saved, refilled here.
+    ``leaves_in_place``: each leaf then becomes a view of its rows in the whole parameter (kept
+    whole for a step: one copy of the rows; ``release_unit`` makes it a dense copy again)."""
+    for bucket, work in zip(group.unit_buckets[unit], works, strict=True):
         with probes.span("all_gather", "zero=3 params"):
-            all_gather_(bucket.buffer, group.group)
+            work.wait()  # before any read of the buffer or the storage
+        leaves = [s.leaf.detach() for s in bucket.shards]
         torch._foreach_copy_(bucket.dst, bucket.theirs)
         torch._foreach_copy_(bucket.own, leaves)
         if leaves_in_place:
