@@ -1,6 +1,6 @@
 """Plant one-line bugs, one at a time, in a copy of the repository and check that the tests kill them.
 
-    python tests/mutants.py            # every mutation
+    python tests/mutants.py --all      # every mutation (an hour and more)
     python tests/mutants.py aux_detach clip_none   # some
     python tests/mutants.py --check    # only check that every target string is still there
 
@@ -1900,6 +1900,11 @@ def missing_targets(names: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    unknown_flags = [a for a in argv if a.startswith("-") and a not in ("--check", "--all")]
+    if unknown_flags or not argv:
+        # every mutant runs its tests (an hour and more): only when asked for by name or --all
+        print(__doc__)
+        return 2 if unknown_flags else 0
     names = [a for a in argv if not a.startswith("--")] or list(MUTATIONS)
     unknown = [n for n in names if n not in MUTATIONS]
     if unknown:
