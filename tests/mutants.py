@@ -962,6 +962,20 @@ MUTATIONS = {
                              "return w * (w + 1) // 2 + (seq_len - w) * w",
                              "return seq_len * w",
                              ["tests/unit/test_flops.py"]),
+    # latent attention's scores counted without the RoPE part of the query-key width
+    "flops_latent_no_rope": ("lightning_titan/model/flops.py",
+                             "width = config.n_heads * (latent.nope_dim + latent.rope_dim + latent.v_dim)",
+                             "width = config.n_heads * (latent.nope_dim + latent.v_dim)",
+                             ["tests/unit/test_flops.py", "-k", "sum_over_positions"]),
+    # a sliding window's first w positions counted as seeing w keys each
+    "flops_window_full_start": ("lightning_titan/model/flops.py",
+                                "return w * (w + 1) // 2 + (seq_len - w) * w",
+                                "return seq_len * w if window else w * (w + 1) // 2",
+                                ["tests/unit/test_flops.py", "-k", "sum_over_positions"]),
+    # the published DeepSeek-V3 runs planned with fewer routed experts a token than it routes
+    "published_dsv3_top6": ("lightning_titan/tools/plan_published.py",
+                               '"num_experts_per_tok": 8,', '"num_experts_per_tok": 6,',
+                               ["tests/unit/test_plan_scale.py", "-k", "publisher_counts"]),
     # the pruned search's bound above what a layout can reach: rows are missed
     "plan_bound_too_high": ("lightning_titan/plan/rank.py",
                             "return one.compute + comm + one.optimizer",

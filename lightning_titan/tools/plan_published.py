@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from lightning_titan.hf.load import config_from_hf
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.parallel.mesh import AXES
 from lightning_titan.plan.devices import GPUS, PER_NODE, on_nodes
@@ -35,6 +36,27 @@ GPT_OSS_120B = ModelConfig(vocab_size=201088, d_model=2880, n_layers=36, n_heads
                            expert_proj_bias=True, router_bias=True)  # fmt: skip
 
 
+# DeepSeek-V3's config.json (huggingface.co/deepseek-ai/DeepSeek-V3), its shapes: the FP8
+# quantization_config says how the published weights are stored, and is left out (bf16 runs)
+DEEPSEEK_V3_JSON = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128,
+    "vocab_size": 129280,
+}  # fmt: skip
+DEEPSEEK_V3 = config_from_hf(DEEPSEEK_V3_JSON, "deepseek-ai/DeepSeek-V3", ModelConfig(seq_len=4096))
+
+
 @dataclass(frozen=True)
 class Published:
     model: str
@@ -49,8 +71,13 @@ class Published:
     seconds: tuple[float, float]  # the published step time (a range where they give one)
     published_label: str  # the layout as the publisher writes it
     stage_layers: tuple[int, ...] | None = None  # the layers per stage it ran (None: even)
+    dispatch: str = "all-to-all"  # how its EP dispatch is priced (plan/cost.py DISPATCHERS)
+    note: str = ""  # what of the published layout the engine cannot express, and what is priced
 
 
+AUTOMODEL = (
+    "NeMo AutoModel, docs.nvidia.com/nemo/automodel/latest/performance/performance-summary.html"
+)
 RUNS = (
     Published("Mixtral-8x7B", MIXTRAL_8X7B,
               "Megatron-LM, megatron/core/transformer/moe/README.md (438-468 TFLOPS/GPU)",
@@ -61,8 +88,39 @@ RUNS = (
     Published("gpt-oss-120b", GPT_OSS_120B, "Megatron-Bridge, performance summary", 64, 1280,
               {"dp": 2, "pp": 4, "ep": 8}, 1, ("1f1b",), 1, (14.07, 14.07),
               "PP4 EP8, distributed optimizer"),
+    # AutoModel's two DeepSeek-V3 runs: FSDP over the 64 (256) ranks of a stage is our zero=2 over
+    # dp x ep; DeepEP's dispatcher (node-dedup); 61 layers split 16, 16, 15, 14 (the planner's
+    # balanced split: the engine splits unevenly with one chunk a rank, so VP8 is priced as v1)
+    Published("DeepSeek-V3", DEEPSEEK_V3, AUTOMODEL, 256, 512, {"pp": 4, "ep": 64}, 2,
+              ("1f1b",), 1, (8.18, 8.18), "PP4 VP8 EP64 FSDP64, DeepEP",
+              (16, 16, 15, 14), "node-dedup", "VP8 priced as v1: 61 layers, split unevenly"),
+    Published("DeepSeek-V3", DEEPSEEK_V3, AUTOMODEL, 1024, 8192, {"dp": 4, "pp": 4, "ep": 64},
+              2, ("1f1b",), 1, (37.87, 37.87), "PP4 VP8 EP64 FSDP256, DeepEP",
+              (16, 16, 15, 14), "node-dedup", "VP8 priced as v1: 61 layers, split unevenly"),
 )  # fmt: skip
 BF16 = Precision("bf16-mixed")
+
+
+@dataclass(frozen=True)
+class Unexpressed:
+    """A published run whose layout this engine cannot run: a row with the reason, no prediction."""
+
+    model: str
+    source: str
+    devices: int
+    global_batch: int
+    published_label: str
+    seconds: str  # as published (with its precision where not bf16)
+    why: str
+
+
+UNEXPRESSED = (
+    Unexpressed("Qwen3-235B-A22B", "Megatron-Bridge, docs/performance-summary.md, 26.02 container",
+                256, 8192, "TP2 PP8 VP4 EP32 (ETP1)", "80.3 (FP8: 1,633 tokens/s/GPU)",
+                "EP32 folded over the TP2 x DP16 ranks of a stage (Parallel Folding: our pp x ep "
+                "x tp would be 512 ranks), and 94 layers over 32 virtual stages (uneven splits "
+                "are one chunk a rank); the H100 row is FP8, none bf16 is published"),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -81,6 +139,7 @@ class Prediction:
 
 def predict_run(run: Published, search: bool = True) -> Prediction:
     device = on_nodes(GPUS["h100-80gb"], run.devices, max(1, run.devices // PER_NODE))
+    device = replace(device, dispatch=run.dispatch)
     degrees = {a: run.layout.get(a, 1) for a in AXES}
     assert math.prod(degrees.values()) == run.devices, run
     with contextlib.redirect_stdout(io.StringIO()):
@@ -110,7 +169,7 @@ def _label(r: Ranked) -> str:
     return r.label + split
 
 
-def table(predictions: list[Prediction]) -> list[str]:
+def table(predictions: list[Prediction], unexpressed: tuple[Unexpressed, ...] = ()) -> list[str]:
     lines = [
         "| run | devices | global batch | published layout | published step s | planner, that "
         "layout (fastest option) | predicted s | predicted / published | fits the memory model | "
@@ -122,21 +181,31 @@ def table(predictions: list[Prediction]) -> list[str]:
         low, high = run.seconds
         published = f"{low:.2f}" if low == high else f"{low:.2f}-{high:.2f}"
         mine = f"{_label(r)} {r.options_label}" if r else "not accepted"
-        best_label = f"{_label(best)} {best.options_label}" if best else "nothing fits"
+        if run.dispatch != "all-to-all":
+            mine += f", {run.dispatch} dispatch"
+        if run.note:
+            mine += f" ({run.note})"
+        best_label = f"{_label(best)} {best.options_label}" if best else "not searched"
+        if best and run.dispatch != "all-to-all":
+            best_label += f", {run.dispatch} dispatch"
+        predicted = (
+            f"{r.cost.step:.2f} | {p.ratio:.2f} | {'yes' if p.fits else 'no'}" if r else "| |"
+        )
         lines.append(
             f"| {run.model} ({run.source}) | {run.devices} | {run.global_batch} | "
-            f"{run.published_label} | {published} | {mine} | "
-            f"{r.cost.step:.2f} | {p.ratio:.2f} | {'yes' if p.fits else 'no'} | {best_label} | "
-            f"{best.cost.step:.2f} |"
-            if r and best
-            else f"| {run.model} | {run.devices} | {run.global_batch} | {run.published_label} | "
-            f"{published} | {mine} | | | | {best_label} | |"
+            f"{run.published_label} | {published} | {mine} | {predicted} | {best_label} | "
+            f"{f'{best.cost.step:.2f}' if best else ''} |"
+        )
+    for u in unexpressed:
+        lines.append(
+            f"| {u.model} ({u.source}) | {u.devices} | {u.global_batch} | {u.published_label} | "
+            f"{u.seconds} | cannot express: {u.why} | | | | | |"
         )
     return lines
 
 
 def main() -> None:
-    print("\n".join(table([predict_run(run) for run in RUNS])))
+    print("\n".join(table([predict_run(run) for run in RUNS], UNEXPRESSED)))
 
 
 if __name__ == "__main__":

@@ -100,6 +100,36 @@ def test_causal_and_window_keys_are_counted_position_by_position():
     assert flops.attended_keys(4, window=64) == flops.attended_keys(4)  # wider than the sequence
 
 
+@pytest.mark.parametrize("window", [0, 5, 31, 32, 64])
+@pytest.mark.parametrize(
+    "name", ["default", "deepseek-v3: latent attention, a dense layer, shared expert"]
+)
+def test_attention_flops_are_a_sum_over_positions(name, window):
+    """Independently of attended_keys' closed form: a loop over the positions of one sequence,
+    query i (1-based) scoring min(window, i) keys (i without a window) and summing as many value
+    rows, 2 FLOPs a multiply-add, each head's q.k over its query-key width (latent: the no-RoPE and
+    RoPE parts) and its weighted sum over its value width; per token the mean over the positions."""
+    config = dataclasses.replace(CONFIGS[name], sliding_window=window)
+    if config.attention.kind == "latent":
+        latent = config.attention.latent
+        qk, v = latent.nope_dim + latent.rope_dim, latent.v_dim
+    else:
+        qk = v = config.head_dim
+    total = 0
+    for i in range(1, config.seq_len + 1):
+        keys = min(window, i) if window else i
+        total += config.n_heads * (2 * keys * qk + 2 * keys * v)
+    assert flops.attention_flops_per_token(config, window) == pytest.approx(
+        total / config.seq_len, rel=1e-12
+    )
+    # the causal mean is about half the full S x S product (plus the diagonal's half position)
+    full = config.n_heads * 2 * config.seq_len * (qk + v)
+    if not window:
+        assert total / config.seq_len == pytest.approx(
+            full * (config.seq_len + 1) / (2 * config.seq_len)
+        )
+
+
 def test_window_layers_count_the_keys_they_see():
     """gpt-oss: the even layers of 3 attend to min(4, i) of the i keys before them (16 positions)."""
     full = ModelConfig(n_layers=3, seq_len=16)
