@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_titan.checkpoint import files, integrity, storage
+from lightning_titan.checkpoint import files, integrity, records, storage
 from lightning_titan.checkpoint import state as keys
 from lightning_titan.checkpoint.storage import UnsafeCheckpointError
 from lightning_titan.model.config import ModelConfig
@@ -347,8 +347,10 @@ class ModelEntries:
         return self.prefix + (name if expert is None else keys.expert_key(name, expert))
 
     def read(self, entries: list[tuple[str, int | None]]) -> list[Tensor]:
-        """Tensors ``entries`` ((name, global expert or None) each), in that order."""
-        state: dict[str, Any] = {}
+        """Tensors ``entries`` ((name, global expert or None) each), in that order, each read into
+        its own new tensor: a read holds its bytes once (``records.read_into``)."""
+        state: dict[str, Any] = {}  # the entries read through DCP
+        read: dict[str, Tensor] = {}
         for name, expert in entries:
             key = self.key(name, expert)
             saved = self.metadata.state_dict_metadata.get(key)
@@ -357,7 +359,12 @@ class ModelEntries:
                     f"corrupt checkpoint {self.path}: it holds no tensor {key!r}, which its "
                     "model config has; use another checkpoint"
                 )
-            state[key] = torch.empty(saved.size, dtype=saved.properties.dtype)
-        with single_process_ok():
-            storage.load(state, self.path, no_dist=True, weights_only=self.weights_only)
-        return [state[self.key(name, expert)] for name, expert in entries]
+            out = torch.empty(saved.size, dtype=saved.properties.dtype)
+            # the bytes straight into ``out``; a record of another form goes through DCP
+            if not records.read_into(self.path, self.metadata, key, out):
+                state[key] = out
+            read[key] = out
+        if state:
+            with single_process_ok():
+                storage.load(state, self.path, no_dist=True, weights_only=self.weights_only)
+        return [read[self.key(name, expert)] for name, expert in entries]

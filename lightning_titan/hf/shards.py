@@ -12,8 +12,8 @@ shard and one group, never the whole model.
 from __future__ import annotations
 
 import json
-import os
 import re
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import torch
 from torch import Tensor
 
+from lightning_titan.checkpoint import records
 from lightning_titan.hf.arch import hf_names
 from lightning_titan.hf.family import Family
 
@@ -139,9 +140,12 @@ def groups_of(
 
 
 def _cast(tensor: Tensor, dtype: torch.dtype | None) -> Tensor:
-    if dtype is not None and tensor.is_floating_point():
-        tensor = tensor.to(dtype)
-    return tensor.contiguous()
+    """``tensor`` in ``dtype`` (floating point only) and contiguous, in one new tensor at most."""
+    if dtype is None or not tensor.is_floating_point():
+        dtype = tensor.dtype
+    if tensor.dtype == dtype and tensor.is_contiguous():
+        return tensor
+    return torch.empty(tensor.shape, dtype=dtype, device=tensor.device).copy_(tensor)
 
 
 def _nbytes(tensor: Tensor) -> int:
@@ -162,12 +166,31 @@ def cut(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return shards
 
 
-def default_mode() -> int:
-    """The mode ``open`` gives a new file: 0o666 less the umask (read by setting it and putting it
-    back at once; a file another thread creates in between gets 0o644 at most)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
+# safetensors' names of the dtypes an export writes
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def header(tensors: list[tuple[str, Tensor]]) -> bytes:
+    """The start of a safetensors file holding ``tensors`` (their names, dtypes and shapes; meta
+    tensors will do) in that order: the JSON header's length (8 bytes, little-endian), then the
+    header, padded with spaces to a multiple of 8 bytes as safetensors' own writer does."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors:
+        end = offset + _nbytes(t)
+        entries[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def _said(n: int) -> str:
@@ -184,8 +207,6 @@ def write_shards(
 ) -> list[str]:
     """Write ``groups`` (each read through ``read``, cast to ``dtype``; None: as read) into
     safetensors files under ``out``; the file names, in order. A line per file on ``progress``."""
-    from safetensors.torch import save_file
-
     made = [g.make(list(g.shapes)) for g in groups]  # on the meta device: names and sizes only
     sizes = [sum(_nbytes(_cast(t, dtype)) for t in m.values()) for m in made]
     shards = cut(sizes, max_shard_size)
@@ -198,19 +219,27 @@ def write_shards(
     weight_map: dict[str, str] = {}
     written_bytes = written_tensors = 0
     for file, shard in zip(names, shards, strict=True):
-        tensors: dict[str, Tensor] = {}
-        for i in shard:
-            # the tensors read are freed here, once cast: a group's sources are never held twice
-            cast = {
-                k: _cast(v, dtype) for k, v in groups[i].make(read(list(groups[i].sources))).items()
-            }
-            tensors.update(cast)
-            weight_map.update(dict.fromkeys(cast, file))
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        os.chmod(out / file, default_mode())  # safetensors creates it 0600
-        written_tensors += len(tensors)
-        written_bytes += sum(_nbytes(t) for t in tensors.values())
-        del tensors
+        planned = [(k, _cast(v, dtype)) for i in shard for k, v in made[i].items()]
+        expected = iter(planned)
+        with open(out / file, "wb") as f:
+            f.write(header(planned))
+            for i in shard:
+                # each tensor goes to the file as soon as it is cast: memory holds one group
+                tensors = groups[i].make(read(list(groups[i].sources)))
+                while tensors:  # popped: each is freed once written
+                    k = next(iter(tensors))
+                    cast = _cast(tensors.pop(k), dtype)
+                    name, want = next(expected)
+                    if (k, cast.shape, cast.dtype) != (name, want.shape, want.dtype):
+                        raise RuntimeError(
+                            f"{file}: {k} {tuple(cast.shape)} {cast.dtype} was read where the "
+                            f"header says {name} {tuple(want.shape)} {want.dtype}"
+                        )
+                    f.write(records.memory_of(cast))
+                    weight_map[k] = file
+                    written_tensors += 1
+                    written_bytes += _nbytes(cast)
+                    del cast
         if progress is not None:
             print(
                 f"titan export: wrote {file}: {written_tensors}/{n_tensors} tensors, "

@@ -168,3 +168,74 @@ def test_fused_and_biased_families_export_in_shards_and_load_back(tmp_path, fami
     held = again.state_dict()
     for name, tensor in model.state_dict().items():  # the expert biases too
         assert torch.equal(held[name], tensor), name
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(f.read().split(f"{field}:")[1].split()[0]) * 1024
+
+
+def test_a_read_holds_a_tensor_once(tmp_path):
+    """64 MB read through ModelEntries: the process's peak RSS grows by one copy of it, not the two
+    of DCP's reader (a fresh tensor, then a copy into the destination)."""
+    import ctypes
+
+    try:  # the high-water mark reset to the current RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("this kernel does not let a process reset its peak RSS (/proc/self/clear_refs)")
+    big = torch.nn.Linear(4096, 4096, bias=False)  # 64 MiB
+    save_sharded(tmp_path / "ckpt", big, [], {}, layout={})
+    entries, nbytes = ModelEntries(tmp_path / "ckpt"), 4096 * 4096 * 4
+    ctypes.CDLL(None).malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = _rss("VmRSS")
+    (got,) = entries.read([("weight", None)])
+    held = _rss("VmHWM") - start
+    assert torch.equal(got, big.weight.detach())
+    # one copy and a few MB of Python and zip parsing; DCP's reader holds 2x
+    assert nbytes <= held < 1.25 * nbytes, held / nbytes
+
+
+def test_expert_rows_and_every_tensor_read_equal_the_saved_ones(tmp_path, monkeypatch):
+    """Each expert's row read alone from its own record, bit for bit, with DCP's reader never used
+    for a plain record; a record DCP wrote with other strides still reads right (through DCP)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lightning_titan.checkpoint import records, storage
+
+    ckpt, model = _checkpoint(tmp_path / "ckpt")
+    entries = ModelEntries(ckpt)
+    wanted, saved = [], []
+    for name, tensor in model.state_dict().items():
+        if shards.is_stacked_experts(name):
+            for e in range(tensor.shape[0]):
+                wanted.append((name, e))
+                saved.append(tensor[e])
+        else:
+            wanted.append((name, None))
+            saved.append(tensor)
+    dcp_load = storage.load
+    monkeypatch.setattr(storage, "load", None)  # a plain record is read without DCP
+    got = entries.read(wanted)
+    assert len(got) > 2 * CONFIG.n_experts
+    for key, a, b in zip(wanted, got, saved, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), key
+    monkeypatch.setattr(storage, "load", dcp_load)
+
+    import torch.distributed.checkpoint as dcp
+
+    odd = {"t": torch.randn(5, 3).t(), "b": torch.randn(3, 4).bfloat16(), "s": torch.tensor(1.5)}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(odd, checkpoint_id=tmp_path / "odd", no_dist=True)
+    metadata = storage.load_metadata(tmp_path / "odd" / ".metadata")
+    direct = {}
+    for key, value in odd.items():
+        assert isinstance(metadata.state_dict_metadata[key], TensorStorageMetadata)
+        out = torch.empty(value.shape, dtype=value.dtype)
+        direct[key] = records.read_into(tmp_path / "odd", metadata, key, out)
+        if direct[key]:
+            assert torch.equal(out, value), key
+    assert direct == {"t": False, "b": True, "s": True}  # t: saved with its transposed strides

@@ -7,15 +7,22 @@ promises: the largest output file plus the largest tensor read (plus what import
 Each is a fresh process whose own peak RSS (VmHWM) is measured: one that only imports the exporter
 (the floor), the export, and with ``--whole`` the whole model loaded in one process and written
 (what the export did before it streamed).
+
+In each process the high-water RSS is reset once everything is imported (``measured``): "above its
+own start" is what the export held at its worst, free of what the imports' allocations left behind;
+"above the floor" is its peak less the import-only process's peak.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,21 +41,79 @@ def config_of(gb: float) -> ModelConfig:
                        top_k=2, vocab_size=vocab, seq_len=64)  # fmt: skip
 
 
-# run in the child after its work: its own high-water RSS. (``wait4``'s ru_maxrss would not do: a
-# child starts from the RSS of this process, which held the model, at the fork.)
-PEAK = "; print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
+HERE = "lightning_titan.tools.bench.export"
 
 
-def peak_rss(code: str, *args: str) -> tuple[int, float]:
-    """The peak RSS (bytes) and seconds of a fresh Python process running ``code`` (``sys.argv[1:]``:
-    ``args``)."""
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", code + PEAK, *args], capture_output=True, text=True
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field of this process, in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        return int(f.read().split(f"{field}:")[1].split()[0]) * 1024
+
+
+def measured(work: Callable[[], object]) -> None:
+    """Run ``work`` in this (fresh) process and print ``start_rss peak_rss``: the RSS after every
+    import, and the high-water RSS from then to the end.
+
+    What the imports and the allocator hold before the work would blur the number: freed heap is
+    handed back (``malloc_trim``) and the high-water mark reset to the current RSS (``5`` into
+    ``/proc/self/clear_refs``) before it starts, so ``peak - start`` is what the work itself held
+    at its worst. Where the kernel refuses the reset, ``start`` is printed as -1."""
+    import ctypes
+
+    import safetensors.torch  # noqa: F401 - imported by the export when it writes: not its memory
+
+    ctypes.CDLL(None).malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        start = _status("VmRSS")
+    except OSError:
+        start = -1
+    work()
+    print(start, _status("VmHWM"))
+
+
+def peak_rss(work: str, *args: str) -> Run:
+    """A fresh Python process running ``measured(work)`` (``work``: ``"module:function"``, called
+    with ``args``); its RSS at the start and at its peak, and its seconds.
+
+    (``wait4``'s ru_maxrss would not do: a child starts from the RSS of this process, which held
+    the model, at the fork.)"""
+    module, function = work.split(":")
+    code = (
+        "import sys; from functools import partial; "
+        "import lightning_titan.hf.export; from lightning_titan.tools.bench.export import measured; "
+        f"from {module} import {function} as work; measured(partial(work, *sys.argv[1:]))"
     )
+    begin = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{code} exited with {proc.returncode}: {proc.stderr[-2000:]}")
-    return int(proc.stdout.split()[-1]) * 1024, time.perf_counter() - start  # kB
+        raise RuntimeError(f"{work} exited with {proc.returncode}: {proc.stderr[-2000:]}")
+    start, peak = (int(x) for x in proc.stdout.split()[-2:])
+    return Run(start, peak, time.perf_counter() - begin)
+
+
+@dataclass(frozen=True)
+class Run:
+    start: int  # RSS once imported (-1: the high-water mark could not be reset)
+    peak: int  # high-water RSS of the whole process
+    seconds: float
+
+
+def nothing(*args: str) -> None:
+    """The import floor's work."""
+
+
+def export(*args: str) -> None:
+    from lightning_titan.hf.export import main as export_main
+
+    export_main(list(args))
+
+
+def whole(ckpt: str, out: str, dtype: str, max_shard_size: str) -> None:
+    from lightning_titan.hf.export import load_full_model, write_hf_folder
+
+    write_hf_folder(load_full_model(ckpt), out, dtype=dtype, max_shard_size=max_shard_size)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--whole", action="store_true", help="also load the whole model and write it"
     )
+    parser.add_argument("--repeat", type=int, default=2, help="exports, each a fresh process")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = parser.parse_args(argv)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_export_"))
@@ -74,30 +140,34 @@ def main(argv: list[str] | None = None) -> None:
     )
     save_sharded(root / "ckpt", model, [], {}, layout={})
     del model
-    floor, _ = peak_rss("import lightning_titan.hf.export, safetensors.torch")
-    out = root / "hf"
-    export = "import sys; from lightning_titan.hf.export import main; main(sys.argv[1:])"
-    rss, seconds = peak_rss(export, "--ckpt", str(root / "ckpt"), "--out", str(out),
-                            "--dtype", args.dtype, "--max-shard-size", args.max_shard_size)  # fmt: skip
-    files = sorted(out.glob("*.safetensors"))
-    largest_file = max(f.stat().st_size for f in files)
-    bound = largest_file + largest_read
+    floor = peak_rss(f"{HERE}:nothing")
     mb = 1e6
-    print(f"checkpoint: {ckpt_bytes / mb:.0f} MB fp32 ({config.n_layers} layers); export "
-          f"{args.dtype}: {len(files)} files, {sum(f.stat().st_size for f in files) / mb:.0f} MB")  # fmt: skip
-    print(f"python + torch + exporter imported: peak RSS {floor / mb:.0f} MB")
-    print(f"titan export: peak RSS {rss / mb:.0f} MB in {seconds:.1f} s; above the floor "
-          f"{(rss - floor) / mb:.0f} MB; bound (largest file {largest_file / mb:.0f} MB + largest "
-          f"tensor read {largest_read / mb:.0f} MB) {bound / mb:.0f} MB")  # fmt: skip
+    print(f"checkpoint: {ckpt_bytes / mb:.0f} MB fp32 ({config.n_layers} layers)")
+    print(f"python + torch + exporter imported (the floor): peak RSS {floor.peak / mb:.0f} MB")
+    for run in range(args.repeat):
+        out = root / f"hf{run}"
+        got = peak_rss(f"{HERE}:export", "--ckpt", str(root / "ckpt"), "--out", str(out),
+                       "--dtype", args.dtype, "--max-shard-size", args.max_shard_size)  # fmt: skip
+        files = sorted(out.glob("*.safetensors"))
+        largest_file = max(f.stat().st_size for f in files)
+        bound = largest_file + largest_read
+        held = got.peak - got.start if got.start >= 0 else got.peak - floor.peak
+        if run == 0:
+            print(f"export {args.dtype}: {len(files)} files, "
+                  f"{sum(f.stat().st_size for f in files) / mb:.0f} MB; bound: largest file "
+                  f"{largest_file / mb:.0f} MB + largest tensor read {largest_read / mb:.0f} MB = "
+                  f"{bound / mb:.0f} MB")  # fmt: skip
+        print(f"titan export, run {run + 1}: peak RSS {got.peak / mb:.0f} MB in {got.seconds:.1f} "
+              f"s; above the floor {(got.peak - floor.peak) / mb:.0f} MB; above its own start "
+              f"{held / mb:.0f} MB = {held / bound:.2f}x the bound")  # fmt: skip
+        shutil.rmtree(out)
     if args.whole:
-        whole = (
-            "import sys; from lightning_titan.hf.export import load_full_model, write_hf_folder; "
-            f"write_hf_folder(load_full_model(sys.argv[1]), sys.argv[2], dtype={args.dtype!r}, "
-            f"max_shard_size={args.max_shard_size!r})"
+        got = peak_rss(f"{HERE}:whole", str(root / "ckpt"), str(root / "whole"), args.dtype,
+                       args.max_shard_size)  # fmt: skip
+        print(
+            f"whole model in one process, then written: peak RSS {got.peak / mb:.0f} MB in "
+            f"{got.seconds:.1f} s"
         )
-        rss_whole, seconds_whole = peak_rss(whole, str(root / "ckpt"), str(root / "whole"))
-        print(f"whole model in one process, then written: peak RSS {rss_whole / mb:.0f} MB in "
-              f"{seconds_whole:.1f} s")  # fmt: skip
 
 
 if __name__ == "__main__":
