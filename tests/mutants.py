@@ -1790,6 +1790,28 @@ MUTATIONS = {
                                  "            grad = r.reduced_grad(p)  # bf16 weights: the master's\n",
                                  "            grad = p.grad\n",
                                  ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # optimizer offload: the updated host copies never come back to the device
+    "offload_no_copy_back": ("lightning_titan/parallel/dp/offload.py",
+                             "            device.copy_(host, non_blocking=self.pinned)\n",
+                             "            pass\n",
+                             ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # optimizer offload: a resume leaves the host copies at their values before the load
+    "offload_no_refresh": ("lightning_titan/parallel/dp/offload.py",
+                           "            host.copy_(device)\n", "            pass\n",
+                           ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # optimizer offload: the device keeps its fp32 masters while the host steps
+    "offload_masters_kept": ("lightning_titan/parallel/dp/offload.py",
+                             "            t.untyped_storage().resize_(0)\n", "            pass\n",
+                             ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # optimizer offload: the CPU step reads the grads of the step before (the buffers not written)
+    "offload_stale_grads": ("lightning_titan/parallel/dp/offload.py",
+                            "            buffer.copy_(grad, non_blocking=self.pinned)\n", "",
+                            ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # optimizer offload: a checkpoint cannot key the host copies by their parameters' names
+    "offload_unkeyed": ("lightning_titan/parallel/dp/zero.py",
+                        "        if self.offload is not None:\n            tensor = self.offload.device_tensor(tensor)\n        return self._by_leaf",
+                        "        return self._by_leaf",
+                        ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
