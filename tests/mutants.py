@@ -995,8 +995,8 @@ MUTATIONS = {
                            ["tests/unit/test_plan_split.py", "-k", "deepseek"]),
     # the planner's state of an uneven split counted as the even split's
     "plan_split_state_even": ("lightning_titan/plan/memory.py",
-                              "rank_state(config, ParallelDims(**degrees, rank=r), zero, split, lora)",
-                              "rank_state(config, ParallelDims(**degrees, rank=r), zero, None, lora)",
+                              "config, ParallelDims(**degrees, rank=r), zero, split, lora, policy.param_dtype,",
+                              "config, ParallelDims(**degrees, rank=r), zero, None, lora, policy.param_dtype,",
                               ["tests/unit/test_plan_split.py", "-k", "rank_state"]),
     # an uneven split priced by its last stage only
     "plan_split_last_stage": ("lightning_titan/plan/cost.py",
@@ -1812,6 +1812,16 @@ MUTATIONS = {
                         "        if self.offload is not None:\n            tensor = self.offload.device_tensor(tensor)\n        return self._by_leaf",
                         "        return self._by_leaf",
                         ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # the planner leaves offload's moments and masters on the device
+    "plan_offload_state_kept": ("lightning_titan/plan/memory.py",
+                                "        if not offload:\n            out[f\"{part}_optimizer\"]",
+                                "        if True:\n            out[f\"{part}_optimizer\"]",
+                                ["tests/cli/test_plan.py", "-k", "offload_prices"]),
+    # the planner's offloaded step forgets the PCIe copies
+    "plan_offload_no_copies": ("lightning_titan/plan/cost.py",
+                               "        copies = owned * 2 * BYTES / device.host_link_bandwidth\n",
+                               "        copies = 0.0\n",
+                               ["tests/cli/test_plan.py", "-k", "offload_prices"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
