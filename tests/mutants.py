@@ -1043,8 +1043,8 @@ MUTATIONS = {
                            ["tests/unit/test_plan_split.py", "-k", "deepseek"]),
     # the planner's state of an uneven split counted as the even split's
     "plan_split_state_even": ("lightning_titan/plan/memory.py",
-                              "rank_state(config, ParallelDims(**degrees, rank=r), zero, split, lora)",
-                              "rank_state(config, ParallelDims(**degrees, rank=r), zero, None, lora)",
+                              "config, ParallelDims(**degrees, rank=r), zero, split, lora, policy.param_dtype,",
+                              "config, ParallelDims(**degrees, rank=r), zero, None, lora, policy.param_dtype,",
                               ["tests/unit/test_plan_split.py", "-k", "rank_state"]),
     # an uneven split priced by its last stage only
     "plan_split_last_stage": ("lightning_titan/plan/cost.py",
@@ -1858,6 +1858,38 @@ MUTATIONS = {
                                  "            grad = r.reduced_grad(p)  # bf16 weights: the master's\n",
                                  "            grad = p.grad\n",
                                  ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # optimizer offload: the updated host copies never come back to the device
+    "offload_no_copy_back": ("lightning_titan/parallel/dp/offload.py",
+                             "            device.copy_(host, non_blocking=self.pinned)\n",
+                             "            pass\n",
+                             ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # optimizer offload: a resume leaves the host copies at their values before the load
+    "offload_no_refresh": ("lightning_titan/parallel/dp/offload.py",
+                           "            host.copy_(device)\n", "            pass\n",
+                           ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # optimizer offload: the device keeps its fp32 masters while the host steps
+    "offload_masters_kept": ("lightning_titan/parallel/dp/offload.py",
+                             "            t.untyped_storage().resize_(0)\n", "            pass\n",
+                             ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # optimizer offload: the CPU step reads the grads of the step before (the buffers not written)
+    "offload_stale_grads": ("lightning_titan/parallel/dp/offload.py",
+                            "            buffer.copy_(grad, non_blocking=self.pinned)\n", "",
+                            ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # optimizer offload: a checkpoint cannot key the host copies by their parameters' names
+    "offload_unkeyed": ("lightning_titan/parallel/dp/zero.py",
+                        "        if self.offload is not None:\n            tensor = self.offload.device_tensor(tensor)\n        return self._by_leaf",
+                        "        return self._by_leaf",
+                        ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # the planner leaves offload's moments and masters on the device
+    "plan_offload_state_kept": ("lightning_titan/plan/memory.py",
+                                "        if not offload:\n            out[f\"{part}_optimizer\"]",
+                                "        if True:\n            out[f\"{part}_optimizer\"]",
+                                ["tests/cli/test_plan.py", "-k", "offload_prices"]),
+    # the planner's offloaded step forgets the PCIe copies
+    "plan_offload_no_copies": ("lightning_titan/plan/cost.py",
+                               "        copies = owned * 2 * BYTES / device.host_link_bandwidth\n",
+                               "        copies = 0.0\n",
+                               ["tests/cli/test_plan.py", "-k", "offload_prices"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -76,6 +76,10 @@ class TitanStrategy(ShardedStrategy):
         param_dtype: ``"bf16"`` stores the trainable weights in bf16 (what forward and backward
             read) and steps fp32 master copies of them, reducing the grads in fp32; checkpoints hold
             the fp32 masters. Needs ``--trainer.precision=bf16-mixed``; zero 0, 1 or 2.
+        offload_optimizer: keep the optimizer state (AdamW's moments) and the fp32 masters in host
+            memory (pinned on CUDA) and run the optimizer step on the CPU; grads go to the host
+            and the updated weights come back each step. Checkpoints are the same as without it.
+            zero 0, 1 or 2.
         gradient_clip_norm: clip the whole model's gradient norm to this (None: only measure and log it).
         timeout_minutes: how long a hung rank can hold the others (a dead one stops them in seconds);
             also bounds a wait for an ``async_save`` write and that write's collectives.
@@ -109,6 +113,7 @@ class TitanStrategy(ShardedStrategy):
         reducer: Literal["bucketed", "per_param"] = "bucketed",
         zero: Literal[0, 1, 2, 3] = 0,
         param_dtype: Literal["fp32", "bf16"] = "fp32",
+        offload_optimizer: bool = False,
         gradient_clip_norm: float | None = None,
         timeout_minutes: float = 30.0,
         on_nonfinite: Literal["raise", "skip"] = "raise",
@@ -133,6 +138,7 @@ class TitanStrategy(ShardedStrategy):
             max_restarts=max_restarts,
             zero=zero,
             param_dtype=param_dtype,
+            offload_optimizer=offload_optimizer,
             virtual_stages=TrainOptions.chunks_for(schedule, virtual_stages),
             stage_layers=stage_layers,
         )  # checked first: a bad timeout_minutes is named before it becomes a timedelta
@@ -287,7 +293,9 @@ class TitanStrategy(ShardedStrategy):
             self.setup_optimizers(trainer)
             self._engine.shard_optimizers(self.optimizers)
             # the checkpoints' keys (and bf16 weights' fp32 masters, saved as the weights)
-            self.zero_shards = ZeroShards(self._engine.zero_groups, self._engine.masters)
+            self.zero_shards = ZeroShards(
+                self._engine.zero_groups, self._engine.masters, self._engine.offload
+            )
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -9,6 +9,7 @@ from lightning_titan.model.config import ModelConfig
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.auto import Hardware
+from lightning_titan.plan.memory import StatePolicy
 from lightning_titan.train.options import Workload
 
 
@@ -36,4 +37,8 @@ def workload(module: Any, datamodule: Any, trainer: Any = None) -> Workload:
 def hardware(strategy: Any) -> Hardware:
     """The strategy's nodes, processes per node, this rank's device and the Trainer's precision."""
     precision = getattr(strategy.precision_plugin, "precision", "32-true")
-    return Hardware(strategy.num_nodes, strategy.num_processes, strategy.root_device, precision)
+    options = strategy.options  # how it keeps the weights and the optimizer: priced with them
+    policy = StatePolicy(options.param_dtype, options.offload_optimizer)
+    return Hardware(
+        strategy.num_nodes, strategy.num_processes, strategy.root_device, precision, policy
+    )

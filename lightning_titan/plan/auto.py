@@ -18,6 +18,7 @@ import torch
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.plan.devices import GPUS, Device, cpu_device, on_nodes
 from lightning_titan.plan.layouts import DEVICES, GB, candidates, shortfall
+from lightning_titan.plan.memory import FP32_STATE, StatePolicy
 from lightning_titan.plan.precision import FP32, Precision, precision_of
 from lightning_titan.plan.rank import Ranked, ranked
 from lightning_titan.train.options import TrainOptions, Workload
@@ -114,11 +115,12 @@ def choose(
     device: Device,
     precision: Precision = FP32,
     compiled: bool = False,
+    policy: StatePolicy = FP32_STATE,
 ) -> Choice:
     """The first row ``titan plan`` would print, as the strategy's arguments; a clear error where
     nothing is accepted or nothing fits (``compiled``: the model is, which rules out the overlapped
-    schedules)."""
-    found, _ = candidates(config, world, batch)
+    schedules; ``policy``: the strategy's bf16 weights and optimizer offload)."""
+    found, _ = candidates(config, world, batch, policy=policy)
     if not found:
         raise ValueError(
             f"layout='auto': no layout of {world} devices splits this model and a global batch of "
@@ -161,12 +163,14 @@ def _as_choice(r: Ranked) -> Choice:
 @dataclass(frozen=True)
 class Hardware:
     """What ``layout="auto"`` plans for besides the model and the batch: the strategy's nodes and
-    processes per node, this rank's device and the Trainer's precision."""
+    processes per node, this rank's device and the Trainer's precision; how the strategy keeps the
+    weights and the optimizer (``param_dtype``, ``offload_optimizer``)."""
 
     nodes: int
     processes: int  # per node
     device: torch.device
     precision: str = "32-true"
+    policy: StatePolicy = FP32_STATE
 
     @property
     def world(self) -> int:
@@ -180,7 +184,7 @@ def choose_for(work: Workload, hardware: Hardware) -> Choice:
     device = this_device(hardware.device, world, hardware.nodes, config)
     precision = precision_of(hardware.precision)
     batch = global_batch(work.global_batch_size)
-    return choose(config, batch, world, device, precision, work.compiled)
+    return choose(config, batch, world, device, precision, work.compiled, hardware.policy)
 
 
 def agree(mine: Choice | None, work: Workload, hardware: Hardware) -> Choice:

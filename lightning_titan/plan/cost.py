@@ -286,13 +286,15 @@ def predict(
     precision: Precision = FP32,
     frozen_base: bool = False,
     stage_layers: tuple[int, ...] | None = None,
+    offload: bool = False,
 ) -> StepCost:
     """The step time of ``degrees`` (dp, pp, ep, cp, tp) with ``options``; ``params`` is the
     (non-expert, expert) count of the fullest rank's trained parameters (``plan/memory.py``): what
     its reductions carry and its optimizer steps; payloads in the dtypes ``precision`` sends.
     ``frozen_base`` (LoRA): the base's weight-gradient GEMMs are skipped, a backward is one pass
     (the input grads), the adapters' own work left out (a rank-r product per projection).
-    ``stage_layers``: layers per stage (None: ``n_layers / pp`` each).
+    ``stage_layers``: layers per stage (None: ``n_layers / pp`` each). ``offload``: the optimizer
+    steps on the host (``_optimizer``).
     Each stage is priced with its layers (the first with the embedding, the last with the head and
     loss); the slowest one's compute and collectives are the step's, its compute sets the bubble."""
     pp, world = degrees["pp"], math.prod(degrees.values())
@@ -323,7 +325,7 @@ def predict(
     if zero == 3 and zero3_reshards_after_forward(pp, options.schedule):
         gathers = 2.0 * m_count  # the blocks' (the rest of the stage is gathered once: left out)
     comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count, gathers)
-    optimizer = _optimizer(degrees, zero, params, device)
+    optimizer = _optimizer(degrees, zero, params, device, offload)
 
     busy = compute + sum(comm.values()) + optimizer
     step = busy + bubble
@@ -440,9 +442,19 @@ def _data_parallel(
 
 
 def _optimizer(
-    degrees: dict[str, int], zero: int, params: tuple[int, int], device: Device
+    degrees: dict[str, int],
+    zero: int,
+    params: tuple[int, int],
+    device: Device,
+    offload: bool = False,
 ) -> float:
-    """AdamW reads and writes weight, grad and two moments of what the rank owns (ZeRO: its rows)."""
+    """AdamW reads and writes weight, grad and two moments of what the rank owns (ZeRO: its rows).
+    ``offload``: it does so in host memory (its share of the host's bandwidth), after each owned
+    element's fp32 grad crossed to the host and before its fp32 weight crosses back, over the
+    device's host link (``parallel/dp/offload.py``; the copies and the step not overlapped)."""
     dp, ep, cp, tp = degrees["dp"], degrees["ep"], degrees["cp"], degrees["tp"]
     owned = params[0] / (dp * ep * cp) + params[1] / (dp * cp * tp) if zero else sum(params)
+    if offload:
+        copies = owned * 2 * BYTES / device.host_link_bandwidth
+        return copies + owned * 4 * BYTES * 2 / device.host_memory_bandwidth
     return owned * 4 * BYTES * 2 / device.memory_bandwidth

@@ -46,6 +46,19 @@ class Device:
     cores: int | None = None  # CPU: the ranks share these cores; None: one device per rank
     per_node: int = 8  # devices a node holds (PER_NODE for the catalogue's GPUs)
     dispatch: str = "all-to-all"  # how the EP dispatch is priced (plan/cost.py DISPATCHERS)
+    # optimizer offload: bytes/s each way between the device and host memory, and the share of the
+    # host's memory bandwidth the CPU optimizer step gets per device (None: the device is the host)
+    host_link: float | None = None
+    host_share: float | None = None
+    host_memory_per_node: float | None = None  # bytes of host memory a node has (None: unknown)
+
+    @property
+    def host_link_bandwidth(self) -> float:
+        return self.host_link if self.host_link is not None else self.memory_bandwidth
+
+    @property
+    def host_memory_bandwidth(self) -> float:
+        return self.host_share if self.host_share is not None else self.memory_bandwidth
 
 
 # The backward split's extra fixed cost on a GPU, an assumption (not measured: no GPU here): W's
@@ -71,6 +84,18 @@ GPUS = {
         Link(10e-6, 300 * GB), Link(20e-6, 25 * GB),
     ),
 }  # fmt: skip
+# Optimizer offload's host side, datasheet peaks like the above. Host link: the PCIe slot each GPU
+# sits on, Gen5 x16 for H100/H200 SXM (128 GB/s both directions = 64 each way) and Gen4 x16 for A100
+# SXM4 (32 each way). Host memory: the reference boards' CPUs over their 8 GPUs: DGX H100, 2 x Xeon
+# Platinum 8480C with 8 channels of DDR5-4800 each (2 x 307 = 614 GB/s, 77 GB/s a GPU) and 2 TB;
+# DGX A100, 2 x EPYC 7742 with 8 channels of DDR4-3200 each (2 x 205 = 410 GB/s, 51 GB/s a GPU)
+# and 1 TB. Peaks: a CPU AdamW that does not stream at memory speed (torch's for-loop one) is slower.
+GPUS["h100-80gb"] = replace(
+    GPUS["h100-80gb"], host_link=64 * GB, host_share=614 * GB / 8, host_memory_per_node=2000 * GB
+)
+GPUS["a100-80gb"] = replace(
+    GPUS["a100-80gb"], host_link=32 * GB, host_share=410 * GB / 8, host_memory_per_node=1000 * GB
+)
 # the same chips with other memory: A100 40GB (1.56 TB/s HBM2), H200 (141 GB, 4.8 TB/s HBM3e)
 GPUS["a100-40gb"] = replace(
     GPUS["a100-80gb"], name="a100-40gb", memory=40 * GB, memory_bandwidth=1.56e12

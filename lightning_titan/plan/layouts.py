@@ -20,7 +20,14 @@ from lightning_titan.parallel.dp.zero import LEVELS
 from lightning_titan.parallel.mesh import AXES, ParallelDims
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.cost import balanced_split
-from lightning_titan.plan.memory import fullest_state, gathered_bytes, layout_state
+from lightning_titan.plan.memory import (
+    FP32_STATE,
+    StatePolicy,
+    fullest_host_bytes,
+    fullest_state,
+    gathered_bytes,
+    layout_state,
+)
 from lightning_titan.train.options import (
     TrainOptions,
     check_trainer_clipping,
@@ -44,6 +51,8 @@ class Candidate:
     parts: dict[str, int]  # its bytes by part between steps (bench.memory.state_bytes' keys)
     stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: n_layers / pp
     gathered_bytes: int = 0  # zero=3: the parameters whole during the step beyond ``parts``
+    policy: StatePolicy = FP32_STATE  # bf16 weights, optimizer offload
+    host_bytes: int = 0  # offload: the fullest rank's host memory (``memory.host_bytes``)
 
     @property
     def label(self) -> str:
@@ -116,11 +125,16 @@ def splits(config: ModelConfig, pp: int) -> list[tuple[int, ...] | None]:
 
 
 def candidates(
-    config: ModelConfig, devices: int, global_batch: int, lora: LoRA | None = None
+    config: ModelConfig,
+    devices: int,
+    global_batch: int,
+    lora: LoRA | None = None,
+    policy: StatePolicy = FP32_STATE,
 ) -> tuple[list[Candidate], Counter[str]]:
     """The accepted layouts (every zero level where a data-parallel group exists; each pipeline
     split of ``splits``), and how many were rejected by each rule (keyed by the start of its
-    message: ``n_heads=4``, ...); ``lora``: the state of LoRA's adapters over a frozen base."""
+    message: ``n_heads=4``, ...); ``lora``: the state of LoRA's adapters over a frozen base;
+    ``policy``: bf16 weights and optimizer offload (zero 0, 1 and 2 only, as the strategy)."""
     accepted: list[Candidate] = []
     rejected: Counter[str] = Counter()
     cuts: dict[int, list[tuple[int, ...] | None]] = {}  # splits of each pp, found once
@@ -131,6 +145,8 @@ def candidates(
             cuts[pp] = splits(config, pp)
         for layers in cuts[pp]:
             for zero in PRICED if data_parallel else (0,):
+                if zero == 3 and policy != FP32_STATE:
+                    continue  # bf16 weights and offload run zero 0, 1 and 2
                 if zero == 3 and pp > 1:
                     # the stage kept whole for the step: zero=2's peak and traffic (``gathered``)
                     continue
@@ -138,10 +154,13 @@ def candidates(
                 if reason is not None:
                     rejected[reason.split(" ")[0].rstrip(":;,")] += 1
                     continue
-                fullest = fullest_state(config, degrees, zero, lora, layers)
+                fullest = fullest_state(config, degrees, zero, lora, layers, policy)
                 gathered = fullest_gathered(config, degrees, lora, layers) if zero == 3 else 0
                 state = sum(fullest.values()) + gathered
-                accepted.append(Candidate(degrees, zero, state, fullest, layers, gathered))
+                host = fullest_host_bytes(config, degrees, zero, lora, layers) * policy.offload
+                accepted.append(
+                    Candidate(degrees, zero, state, fullest, layers, gathered, policy, host)
+                )
     return accepted, rejected
 
 
@@ -216,7 +235,9 @@ def _grown(config: ModelConfig, best: Candidate, lora: LoRA | None = None) -> li
                 )
             except ValueError:
                 continue
-            state = sum(fullest_state(config, degrees, best.zero, lora, layers).values())
+            state = sum(
+                fullest_state(config, degrees, best.zero, lora, layers, best.policy).values()
+            )
             if best.zero == 3:
                 state += fullest_gathered(config, degrees, lora, layers)
             devices = math.prod(degrees.values())
@@ -235,6 +256,10 @@ def shortfall(best: Candidate, memory: float, config: ModelConfig, lora: LoRA | 
     data_parallel = math.prod(best.degrees.values()) > best.degrees["pp"]
     if best.zero < 2 and data_parallel:
         remedies.insert(0, "zero=2 (splits the grads and AdamW moments)")
+    if best.policy.param_dtype == "fp32":
+        remedies.append("--param-dtype bf16 (2-byte weights over fp32 masters)")
+    if not best.policy.offload:
+        remedies.append("--offload-optimizer (AdamW's moments and the masters in host memory)")
     advice = (
         "; try " + ", or ".join(remedies)
         if remedies

@@ -39,6 +39,28 @@ BF16_BYTES = 2  # param_dtype="bf16": the weights the forward reads (over fp32 m
 MOMENTS = 2  # AdamW: exp_avg and exp_avg_sq (its step count is a scalar: not counted)
 
 PARTS = ("params", "grads", "optimizer")  # what a rank holds per parameter: state_bytes' keys
+# offload_optimizer: the host holds, per trained element the rank owns, the fp32 copy the CPU steps
+# (the weight, or a bf16 weight's master), AdamW's two moments and a grad buffer
+# (``parallel/dp/offload.py``)
+HOST_BYTES = BYTES * (1 + MOMENTS + 1)
+
+
+@dataclass(frozen=True)
+class StatePolicy:
+    """How the trained weights and the optimizer are kept: ``TitanStrategy(param_dtype=...,
+    offload_optimizer=...)``."""
+
+    param_dtype: str = "fp32"
+    offload: bool = False
+
+    @property
+    def label(self) -> str:
+        """ "" for the default; else ``"bf16 weights"``, ``"optimizer offload"`` or both."""
+        words = ["bf16 weights"] if self.param_dtype != "fp32" else []
+        return ", ".join(words + (["optimizer offload"] if self.offload else []))
+
+
+FP32_STATE = StatePolicy()
 
 
 @dataclass(frozen=True)
@@ -128,11 +150,13 @@ def rank_state(
     split: StageSplit | None = None,
     lora: LoRA | None = None,
     param_dtype: str = "fp32",
+    offload: bool = False,
 ) -> dict[str, int]:
     """Bytes of ``{expert,non_expert}_{params,grads,optimizer}`` on rank ``dims.rank`` (``lora``:
     grads and optimizer state of the adapters only, the base in its stored dtype).
     ``param_dtype="bf16"``: the trained weights 2 bytes an element, their fp32 masters counted with
-    the optimizer state (cut as it is under ZeRO), the grads fp32 (``parallel/dp/master.py``)."""
+    the optimizer state (cut as it is under ZeRO), the grads fp32 (``parallel/dp/master.py``).
+    ``offload``: the optimizer state and the masters are on the host (``host_bytes``), none here."""
     masters = param_dtype != "fp32"
     out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
     # each distinct (shape, kind, cut, ...) once, times how many the stage has (its layers repeat
@@ -155,8 +179,31 @@ def rank_state(
             itemsize = BF16_BYTES
         out[f"{part}_params"] += itemsize * (owned if zero == 3 else numel) * count
         out[f"{part}_grads"] += BYTES * (owned if zero >= 2 else numel) * count
-        out[f"{part}_optimizer"] += BYTES * (MOMENTS + masters) * owned * count
+        if not offload:
+            out[f"{part}_optimizer"] += BYTES * (MOMENTS + masters) * owned * count
     return out
+
+
+def host_bytes(
+    config: ModelConfig,
+    dims: ParallelDims,
+    zero: int = 0,
+    split: StageSplit | None = None,
+    lora: LoRA | None = None,
+) -> int:
+    """offload_optimizer: the host memory rank ``dims.rank`` holds, ``HOST_BYTES`` per trained
+    element it owns (its ZeRO rows under zero > 0), whatever ``param_dtype``."""
+    total = 0
+    for t in stage_tensors(config, dims.pp, dims.pp_rank, split, lora):
+        if not t.trained:
+            continue
+        shape = local_shape(t, dims)
+        owned = math.prod(shape)
+        if zero:
+            n, q = group_place(dims, t.kind)
+            owned = _owned_numel(shape, t.kind == EXPERT, t.tp_dim if dims.tp > 1 else None, n, q)
+        total += HOST_BYTES * owned
+    return total
 
 
 def gathered_bytes(
@@ -187,6 +234,22 @@ def gathered_bytes(
         return sum(units.values())
     rest = units.pop("", 0)
     return rest + sum(sorted(units.values())[-2:])
+
+
+def fullest_host_bytes(
+    config: ModelConfig,
+    degrees: dict[str, int],
+    zero: int = 0,
+    lora: LoRA | None = None,
+    stage_layers: tuple[int, ...] | None = None,
+) -> int:
+    """``host_bytes`` of the rank that holds the most (the first rank of each stage, as
+    ``fullest_state``)."""
+    dims, split = ParallelDims(**degrees), StageSplit(1, stage_layers)
+    return max(
+        host_bytes(config, ParallelDims(**degrees, rank=dims.rank_of(0, p, 0)), zero, split, lora)
+        for p in range(dims.pp)
+    )
 
 
 def trained_params(
@@ -221,6 +284,7 @@ def fullest_state(
     zero: int = 0,
     lora: LoRA | None = None,
     stage_layers: tuple[int, ...] | None = None,
+    policy: StatePolicy = FP32_STATE,
 ) -> dict[str, int]:
     """``rank_state`` of the rank that holds the most (the layers cut as ``stage_layers`` says, one
     count per stage; None: evenly), without counting every rank: on each stage
@@ -231,6 +295,10 @@ def fullest_state(
     split = StageSplit(1, stage_layers)
     firsts = [dims.rank_of(0, p, 0) for p in range(dims.pp)]
     states = [
-        rank_state(config, ParallelDims(**degrees, rank=r), zero, split, lora) for r in firsts
-    ]
+        rank_state(
+            config, ParallelDims(**degrees, rank=r), zero, split, lora, policy.param_dtype,
+            policy.offload,
+        )
+        for r in firsts
+    ]  # fmt: skip
     return max(states, key=lambda s: sum(s.values()))

@@ -168,14 +168,16 @@ class _Prices:
         return self._peaks[key]
 
     def predict(self, c: Candidate, options: StepOptions) -> StepCost:
-        if self.lora is None and c.zero < 3:  # zero=3's parts hold its rows of the parameters
+        if self.lora is None and c.zero < 3 and c.policy.param_dtype == "fp32":
             params = (c.parts["non_expert_params"] // 4, c.parts["expert_params"] // 4)
-        else:  # zero=3, LoRA: the first stage's trained parameters (an even split's are alike)
+        else:  # zero=3 (its parts hold its rows), LoRA, bf16 weights: the first stage's trained
+            # parameters (an even split's are alike)
             split = StageSplit(1, c.stage_layers)
             params = trained_params(self.config, ParallelDims(**c.degrees), self.lora, split)
         return predict(
             self.config, c.degrees, c.zero, options, self.batch, self.device, params,
             self.precision, frozen_base=self.lora is not None, stage_layers=c.stage_layers,
+            offload=c.policy.offload,
         )  # fmt: skip
 
     def rows(self, c: Candidate, fitting: bool = True) -> list[Ranked]:

@@ -7,6 +7,8 @@
     titan plan --config configs/dp_pp_ep.yaml --devices 8 --device h100-80gb --precision bf16-mixed
     titan plan --config path/to/gpt-oss-20b/config.json --seq-len 4096 --devices 64 --device h100-80gb
     titan plan --config path/to/DeepSeek-V3 --devices 64 --device h100-80gb  # a HF model's folder
+    titan plan --config path/to/Mixtral-8x7B/config.json --devices 8 --device h100-80gb \
+        --precision bf16-mixed --param-dtype bf16 --offload-optimizer
 
 Each layout (dp, pp, ep, cp, tp, zero) with each step option (schedule, microbatches, virtual stages,
 activation checkpointing) gets the model state of its fullest rank, exactly as ``titan bench``
@@ -46,7 +48,7 @@ from lightning_titan.plan.layouts import (
     shortfall,
     total_params,
 )
-from lightning_titan.plan.memory import PARTS
+from lightning_titan.plan.memory import PARTS, StatePolicy
 from lightning_titan.plan.precision import FP32, PRECISIONS, Precision, precision_of
 from lightning_titan.plan.rank import Ranked, ranked
 
@@ -123,6 +125,17 @@ def _parser() -> argparse.ArgumentParser:
         choices=("fp32", "bf16"),
         default="fp32",
         help="with --lora-rank: the frozen base's dtype (bf16 needs bf16-mixed)",
+    )
+    parser.add_argument(
+        "--param-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the trained weights' dtype (bf16: over fp32 masters, needs --precision bf16-mixed)",
+    )
+    parser.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="AdamW's moments and the fp32 masters in host memory, its step on the CPU",
     )
     parser.add_argument("--top", type=int, default=20, help="rows to print")
     parser.add_argument(
@@ -283,6 +296,17 @@ def layout_cell(c: Candidate) -> str:
     return f"{layout} [{c.split_label}]" if c.stage_layers else layout
 
 
+def host_line(r: Ranked, device: Device) -> str:
+    """Offload: the host memory the first row needs per node, against what a node has."""
+    per_node = r.candidate.host_bytes * device.per_node
+    has = device.host_memory_per_node
+    of = f" of the {has / GB:,.0f} GB a node has" if has else ""
+    return (
+        f"host memory (optimizer offload, row 1): {r.candidate.host_bytes / GB:,.2f} GB a device, "
+        f"{per_node / GB:,.1f} GB a node{of} (fp32 copies, moments and grad buffers)"
+    )
+
+
 def overlay(r: Ranked) -> str:
     """The layout as dotted keys that replace the config's (``--config base --config overlay``)."""
     c, o = r.candidate, r.options
@@ -297,6 +321,11 @@ def overlay(r: Ranked) -> str:
     keys["trainer.strategy.init_args.stage_layers"] = list(split) if split else "null"
     # model.model is a class-valued block: a dotted key sets its fields under init_args
     keys["model.model.init_args.activation_checkpointing"] = str(o.recompute).lower()
+    if c.policy.param_dtype != "fp32":  # bf16 weights need bf16 activations
+        keys["trainer.strategy.init_args.param_dtype"] = c.policy.param_dtype
+        keys["trainer.precision"] = "bf16-mixed"
+    if c.policy.offload:
+        keys["trainer.strategy.init_args.offload_optimizer"] = "true"
     return "".join(f"{k}: {v}\n" for k, v in keys.items())
 
 
@@ -416,6 +445,12 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
         lora = lora_of(args)
         batch = args.global_batch if args.global_batch is not None else batch
         precision = Precision(args.precision) if args.precision else precision
+        policy = StatePolicy(args.param_dtype, args.offload_optimizer)
+        if policy.param_dtype == "bf16" and not precision.mixed:
+            raise ValueError(
+                f"--param-dtype bf16 multiplies bf16 weights with bf16 activations, which "
+                f"{precision.name} does not run: add --precision bf16-mixed"
+            )
         check_request(args.devices, batch, args.device)
         if args.check and args.device != "cpu":
             raise ValueError(
@@ -432,7 +467,7 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
 
         check(config, batch, args.devices, memory, precision=precision)
         return []
-    found, rejected = candidates(config, args.devices, batch, lora)
+    found, rejected = candidates(config, args.devices, batch, lora, policy)
     found.sort(key=lambda c: (c.state_bytes, c.zero, -c.degrees["dp"]))
     fits = [c for c in found if c.state_bytes <= memory]
     print(
@@ -442,6 +477,8 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
         f"layouts the strategy accepts, {len(fits)} whose model state fits"
     )
     print(describe(device, nodes))
+    if policy.label:
+        print(f"state kept as: {policy.label}")
     if lora is not None:
         print(f"LoRA rank {lora.rank} on {', '.join(lora.targets)} over a frozen {lora.base_dtype} "
               f"base: {trained_total(config, lora):,} trained parameters")  # fmt: skip
@@ -466,6 +503,8 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
         )
     print("\n".join(table(rows, memory)))
     _footer(precision)
+    if policy.offload:
+        print(host_line(rows[0], device))
     if args.out:
         Path(args.out).write_text(overlay(rows[0]))
         print(

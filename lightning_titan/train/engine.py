@@ -36,6 +36,7 @@ from lightning_titan.parallel.dp import zero as zero_levels
 from lightning_titan.parallel.dp import zero_grads
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
 from lightning_titan.parallel.dp.master import MasterWeights, masters_of, parameter_dtype
+from lightning_titan.parallel.dp.offload import HostOptimizer
 from lightning_titan.parallel.dp.reducer import GradReducer
 from lightning_titan.parallel.dp.zero3 import ShardedParams
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
@@ -51,7 +52,7 @@ from lightning_titan.train.objective import (
     count_targets,
     global_means,
 )
-from lightning_titan.train.options import zero3_reshards_after_forward
+from lightning_titan.train.options import check_offload, zero3_reshards_after_forward
 
 
 class Engine:
@@ -72,9 +73,12 @@ class Engine:
         reducer: str = "bucketed",
         zero: int = 0,
         param_dtype: str = "fp32",
+        offload_optimizer: bool = False,
     ) -> None:
         """``param_dtype="bf16"``: the trainable parameters are stored in bf16 and the optimizer
-        steps fp32 masters of them (``parallel/dp/master.py``; zero 0, 1 or 2)."""
+        steps fp32 masters of them (``parallel/dp/master.py``; zero 0, 1 or 2).
+        ``offload_optimizer``: the optimizer steps host copies of its tensors, on the CPU, and its
+        state and the fp32 masters live in host memory (``parallel/dp/offload.py``; zero 0, 1, 2)."""
         get_schedule(schedule)
         dtype = parameter_dtype(param_dtype)
         if zero not in zero_levels.LEVELS:
@@ -83,6 +87,9 @@ class Engine:
             )
         self.module, self.dims, self.groups, self.schedule = module, dims, groups, schedule
         self.zero = zero
+        check_offload(offload_optimizer, zero)
+        self.offload_optimizer = offload_optimizer
+        self.offload: HostOptimizer | None = None  # the host copies, from ``shard_optimizers``
         if dtype != torch.float32 and zero == 3:
             raise ValueError(
                 f"param_dtype={param_dtype!r} with zero=3 is not built yet (its gathers run "
@@ -315,6 +322,11 @@ class Engine:
             if self.masters is not None:  # bf16 weights: the optimizer steps their fp32 masters
                 self.masters.step_masters(optimizer)
             zero_levels.shard_optimizer(optimizer, self.zero_groups)
+        if self.offload_optimizer:  # the optimizers step host copies of what they were given
+            freed = [m for _, m in self.masters or ()] + [
+                s.leaf for g in self.zero_groups for s in g.shards.values() if s.master
+            ]  # the fp32 masters: only the host holds them between steps
+            self.offload = HostOptimizer(optimizers, freed)
         if self.sharded_params is not None:  # zero=3: only the rows from here on
             self.sharded_params.shard(self.zero_groups)
 
@@ -331,6 +343,8 @@ class Engine:
                 g.drop_grads()
             elif self.zero == 1:
                 g.bind_grads(None if self.masters is None else self._reduced_grad)
+        if self.offload is not None:  # the optimizer's grads are the host copies'
+            self.offload.grads_to_host(drop)
 
     def _reduced_grad(self, param: nn.Parameter) -> Tensor | None:
         """bf16 weights: ``param``'s reduced fp32 grad (``MasterWeights.grad_holder``)."""
@@ -339,14 +353,18 @@ class Engine:
 
     def gather_params(self) -> None:
         """Under zero 1 and 2, just after the optimizer step: every rank's parameters whole again
-        (zero=3 gathers each block when it runs). bf16 weights: each takes its updated master."""
+        (zero=3 gathers each block when it runs). bf16 weights: each takes its updated master.
+        Offload: the host copies the optimizer updated into the device tensors first."""
+        if self.offload is not None:
+            self.offload.copy_back()
         if self.masters is not None:
             self.masters.write_back()
             self.masters.drop_held_grads()
-        if self.sharded_params is not None:
-            return
-        for g in self.zero_groups:
-            g.gather()
+        if self.sharded_params is None:
+            for g in self.zero_groups:
+                g.gather()
+        if self.offload is not None:  # the device masters go again (read by the gather above)
+            self.offload.release()
 
     @contextmanager
     def whole_params(self) -> Iterator[None]:
@@ -354,6 +372,8 @@ class Engine:
         from them, where a checkpoint load may have written, and they are freed): to save, load or
         read the model between steps. Every rank of the model's groups enters it together."""
         if self.sharded_params is None:
+            if self.offload is not None:  # the device masters whole, for a save to read
+                self.offload.fill_from_host()
             try:
                 yield
             finally:  # bf16 weights: a load wrote the masters (the checkpoint's fp32 weights)
@@ -361,6 +381,11 @@ class Engine:
                     self.masters.write_back()
                     for g in self.zero_groups:  # zero=1: the rows of every rank's masters
                         g.gather()
+                if self.offload is not None:  # the host copies take what a load wrote
+                    for g in self.zero_groups:
+                        g.take_rows()
+                    self.offload.refresh()
+                    self.offload.release()
             return
         self.sharded_params.gather_all()
         try:
@@ -383,6 +408,9 @@ class Engine:
         False after a failure, where a peer may be gone)."""
         for r in self.reducers:
             r.remove()
+        if self.offload is not None:  # the device tensors hold the host copies' values
+            self.offload.fill_from_host()
+            self.offload = None
         if self.masters is not None:  # bf16 weights: the model is its fp32 masters again
             self.masters.restore()
             for g in self.zero_groups if whole else ():  # zero=1: the rows gathered

@@ -91,6 +91,7 @@ class TrainOptions:
     max_restarts: int = 0
     zero: int = 0
     param_dtype: str = "fp32"
+    offload_optimizer: bool = False
     virtual_stages: int = 1
     stage_layers: Sequence[int] | str | None = None  # a tuple once validated, or "auto"
 
@@ -161,6 +162,7 @@ class TrainOptions:
                 f"now (got zero={self.zero}, reducer={self.reducer!r}): its grads are reduced in "
                 "fp32 buckets; or use param_dtype='fp32'"
             )
+        check_offload(self.offload_optimizer, self.zero)
         if self.start_method not in START_METHODS:
             raise ValueError(
                 f"start_method={self.start_method!r} is unknown; {_choose(START_METHODS)}"
@@ -194,6 +196,7 @@ class TrainOptions:
             "reducer": self.reducer,
             "zero": self.zero,
             "param_dtype": self.param_dtype,
+            "offload_optimizer": self.offload_optimizer,
         }
 
     def resolved(self, work: Workload, dims: ParallelDims, device: torch.device) -> TrainOptions:
@@ -217,6 +220,19 @@ class TrainOptions:
     def grace_s(self) -> float:
         """How long a rank whose job failed may take to leave before it is killed."""
         return min(30.0, self.timeout_minutes * 60)
+
+
+def check_offload(offload_optimizer: object, zero: int) -> None:
+    """``offload_optimizer``: a bool, and zero 0, 1 or 2 (zero=3's rows are gathered around each
+    block's use, which the host copies are not wired into)."""
+    if not isinstance(offload_optimizer, bool):
+        raise ValueError(f"offload_optimizer={offload_optimizer!r} must be True or False")
+    if offload_optimizer and zero == 3:
+        raise ValueError(
+            "offload_optimizer=True with zero=3 is not built (its rows are gathered around each "
+            "block's use); use zero=2 with it (the optimizer state and grads split as well), or "
+            "offload_optimizer=False"
+        )
 
 
 def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None:

@@ -42,18 +42,25 @@ from lightning_titan.plan.cost import (
 )
 from lightning_titan.plan.devices import GPUS, Link
 from lightning_titan.plan.layouts import PRICED, candidates, factorizations, total_params
-from lightning_titan.plan.memory import gathered_bytes, layout_state, rank_state
+from lightning_titan.plan.memory import (
+    StatePolicy,
+    gathered_bytes,
+    host_bytes,
+    layout_state,
+    rank_state,
+)
 from lightning_titan.plan.precision import Precision
 from lightning_titan.plan.rank import ranked, step_options
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.tools.bench.cases import OURS, Case, Settings
 from lightning_titan.tools.bench.worker import run_world
 from lightning_titan.tools.plan_check import check, spearman
-from lightning_titan.tools.plan_cli import _ms, only_rows, table
+from lightning_titan.tools.plan_cli import _ms, model_and_batch, only_rows, table
 from lightning_titan.tools.plan_cli import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
+FIXTURES = ROOT / "tests" / "support" / "fixtures"
 DEFAULT = ModelConfig(vocab_size=257, d_model=64, n_layers=4, n_heads=4, ffn_dim=128, n_experts=8)
 
 
@@ -136,10 +143,14 @@ def test_a_deepseek_v3_config_json_is_planned_with_the_latent_priced(tmp_path, c
     assert 10 * cp_bytes["cp"] < mha_bytes["cp"]
 
 
-def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsys):
+KEPT = ["--precision", "bf16-mixed", "--param-dtype", "bf16", "--offload-optimizer"]
+
+
+@pytest.mark.parametrize("kept", [[], KEPT], ids=["fp32", "bf16-offload"])
+def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsys, kept):
     overlay = tmp_path / "layout.yaml"
     config = str(CONFIGS / "dp_pp_ep.yaml")
-    rows = plan_main(["--config", config, "--devices", "4", "--out", str(overlay)])
+    rows = plan_main(["--config", config, "--devices", "4", "--out", str(overlay), *kept])
     printed = capsys.readouterr().out
     assert "| 1 | " in printed and "step ms" in printed
     assert rows and all(a.cost.step <= b.cost.step for a, b in itertools.pairwise(rows))
@@ -153,6 +164,73 @@ def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsy
     assert options.schedule == rows[0].options.schedule
     assert options.num_microbatches == rows[0].options.microbatches
     assert cli.model.config.activation_checkpointing == rows[0].options.recompute
+    # bf16 weights (in bf16-mixed) and offload as planned, zero 0..2 as the strategy runs them
+    assert options.param_dtype == ("bf16" if kept else "fp32")
+    assert options.offload_optimizer == bool(kept)
+    assert not kept or options.zero < 3
+    assert cli.trainer.precision == ("bf16-mixed" if kept else "32-true")
+    if kept:
+        assert "host memory (optimizer offload, row 1)" in printed
+
+
+# published config.json files (tests/support/fixtures), each with the options that make it fit 8 x
+# H100 80GB, and whether it needs them (docs/choosing_a_layout.md shows the rows): Mixtral-8x7B's
+# state fits no layout without offload (108 GB a rank at best with bf16 weights alone);
+# Qwen3-30B-A3B's fits with bf16 weights, and offload only slows its step
+PUBLISHED_ON_8_H100 = [
+    ("mixtral_8x7b", StatePolicy("bf16", offload=True), True),
+    ("qwen3_30b_a3b", StatePolicy("bf16"), False),
+]
+
+
+@pytest.mark.parametrize(
+    "name, policy, needed", PUBLISHED_ON_8_H100, ids=[n for n, _, _ in PUBLISHED_ON_8_H100]
+)
+def test_published_moes_fit_8_h100_with_the_options_they_need(name, policy, needed):
+    config, batch, _ = model_and_batch(str(FIXTURES / name / "config.json"))
+    device = GPUS["h100-80gb"]
+    found, _ = candidates(config, 8, batch, policy=policy)
+    fits = [c for c in found if c.state_bytes <= device.memory]
+    rows = ranked(config, fits, batch, device, precision=Precision("bf16-mixed"), keep=1)
+    assert rows, name
+    assert rows[0].candidate.zero < 3 and rows[0].memory_bytes <= device.memory
+    assert (rows[0].candidate.host_bytes > 0) == policy.offload
+    if needed:  # without offload (fp32 or bf16 weights) no layout's state fits
+        for weaker in (StatePolicy(), StatePolicy(policy.param_dtype)):
+            plain, _ = candidates(config, 8, batch, policy=weaker)
+            assert all(c.state_bytes > device.memory for c in plain), (name, weaker)
+
+
+def test_offload_prices_the_state_on_the_host_and_the_copies_in_the_step():
+    """The device keeps weights and grads; the host every owned element's fp32 copy, moments and
+    grad buffer (16 bytes); the step's optimizer term becomes PCIe copies plus a host-speed AdamW."""
+    dims = ParallelDims(2, 1, 2, 1)  # rank 1 of dp2 x ep2
+    for zero in (0, 1, 2):
+        for dtype in ("fp32", "bf16"):
+            kept = rank_state(DEFAULT, dims, zero, param_dtype=dtype)
+            moved = rank_state(DEFAULT, dims, zero, param_dtype=dtype, offload=True)
+            for part in ("expert", "non_expert"):
+                assert moved[f"{part}_optimizer"] == 0
+                assert moved[f"{part}_params"] == kept[f"{part}_params"]
+                assert moved[f"{part}_grads"] == kept[f"{part}_grads"]
+            moments = sum(kept[f"{p}_optimizer"] for p in ("expert", "non_expert"))
+            owned = moments // (8 if dtype == "fp32" else 12)  # fp32 moments (+ a master)
+            assert host_bytes(DEFAULT, dims, zero) == 16 * owned, (zero, dtype)
+    h100, degrees = GPUS["h100-80gb"], {"dp": 8, "pp": 1, "ep": 1, "cp": 1, "tp": 1}
+    params = (10**9, 0)
+    on_device = predict(DEFAULT, degrees, 0, StepOptions(), 64, h100, params)
+    offloaded = predict(DEFAULT, degrees, 0, StepOptions(), 64, h100, params, offload=True)
+    expected = 10**9 * 8 / h100.host_link + 10**9 * 32 / h100.host_share
+    assert offloaded.optimizer == pytest.approx(expected)
+    assert offloaded.optimizer > on_device.optimizer
+    assert offloaded.compute == on_device.compute and offloaded.comm == on_device.comm
+
+
+def test_bf16_weights_need_bf16_mixed(capsys):
+    with pytest.raises(SystemExit):
+        plan_main(["--config", str(CONFIGS / "dp_pp_ep.yaml"), "--devices", "2",
+                   "--param-dtype", "bf16"])  # fmt: skip
+    assert "--param-dtype bf16 multiplies bf16 weights" in capsys.readouterr().err
 
 
 def _documented_flow() -> list[list[str]]:

@@ -40,6 +40,7 @@ from engine_harness import (
 )
 from torch import nn
 
+from lightning_titan.parallel.dp.offload import HostOptimizer
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
 from lightning_titan.plan.memory import rank_state
 from lightning_titan.runtime.launch import run_on_ranks
@@ -65,6 +66,20 @@ CHECKPOINTS = [
     ((2, 1, 1), "1f1b:bf16:zero1:save=2", 1),
     ((2, 1, 1), "1f1b:resume=2:save=2", 1),
     ((2, 1, 1), "1f1b:bf16:zero1:resume=2", 1),
+]
+# optimizer offload (parallel/dp/offload.py): each against the same layout without it (its index
+# in LAYOUTS; None: fp32 weights, against one process); then a checkpoint saved with offload,
+# resumed without it and saved, resumed with it (the uninterrupted run: LAYOUTS[3])
+OFFLOAD = [
+    (((2, 1, 1), "1f1b:offload:zero1", 1), None),
+    (((2, 1, 1), "1f1b:bf16:offload", 1), 0),
+    (((2, 1, 1), "1f1b:bf16:offload:zero1", 1), 3),
+    (((1, 1, 2), "1f1b:bf16:offload:zero2", 2), 6),
+]
+OFFLOAD_CHECKPOINTS = [
+    ((2, 1, 1), "1f1b:bf16:offload:zero1:save=2", 1),
+    ((2, 1, 1), "1f1b:bf16:zero1:resume=2:save=2", 1),
+    ((2, 1, 1), "1f1b:bf16:offload:zero1:resume=2", 1),
 ]
 
 
@@ -136,8 +151,9 @@ def assert_close_to(ref: dict, r: dict, where: str) -> None:
 @pytest.mark.timeout(300)
 def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
     ref = reference(param_dtype="bf16")
+    cases = LAYOUTS + CHECKPOINTS + [case for case, _ in OFFLOAD] + OFFLOAD_CHECKPOINTS
     per_rank = run_on_ranks(
-        run_layouts, 2, LAYOUTS + CHECKPOINTS, str(tmp_path), timeout_s=280, start_method="fork"
+        run_layouts, 2, cases, str(tmp_path), timeout_s=280, start_method="fork"
     )
     for i, (layout, schedule, _) in enumerate(LAYOUTS):
         zero = next((int(o[-1]) for o in schedule.split(":") if o.startswith("zero")), 0)
@@ -146,18 +162,20 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
             # the planner's state model prices bf16 weights as the step held them
             predicted = rank_state(CONFIG, ParallelDims(*layout, rank), zero, param_dtype="bf16")
             assert predicted == r[i]["state"], (layout, schedule, rank, predicted, r[i]["state"])
-    for chain, uninterrupted in ((0, 0), (3, 3)):
-        first = len(LAYOUTS) + chain
+    offloaded = len(LAYOUTS) + len(CHECKPOINTS)
+    check_offload(per_rank, offloaded, ref)
+    chains = ((len(LAYOUTS), 0), (len(LAYOUTS) + 3, 3), (offloaded + len(OFFLOAD), 3))
+    for first, uninterrupted in chains:  # (the first case of a chain, its uninterrupted run)
         for r in per_rank:
             saved, fp32_loaded, resumed = r[first : first + 3]
             whole = r[uninterrupted]
             for name, master in saved["weights"].items():  # an fp32 run loads the masters
                 assert fp32_loaded["weights"][name].dtype == torch.float32
-                assert torch.equal(fp32_loaded["weights"][name], master), (chain, name)
+                assert torch.equal(fp32_loaded["weights"][name], master), (first, name)
             # a bf16 run from the fp32 run's checkpoint repeats the uninterrupted steps exactly
-            assert resumed["loss"] == whole["loss"][2:], (chain, resumed["loss"], whole["loss"])
+            assert resumed["loss"] == whole["loss"][2:], (first, resumed["loss"], whole["loss"])
             for name, weight in resumed["weights"].items():
-                assert torch.equal(weight, whole["weights"][name]), (chain, name)
+                assert torch.equal(weight, whole["weights"][name]), (first, name)
     # bytes per rank: bf16 parameters (2 a parameter), and under zero=1 over dp2 the fp32 masters
     # and AdamW's two fp32 moments of half the rows each (4 / 2 and 8 / 2); at zero=0 whole
     numel = ref["master_bytes"] // 4  # the model's parameters (one process: every master whole)
@@ -171,6 +189,33 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
         if zero:  # every row's master and moments on exactly one rank
             assert sum(r["master_bytes"] for r in ranks) == 4 * numel
             assert sum(r["moment_bytes"] for r in ranks) == 8 * numel
+
+
+def check_offload(per_rank: list[list[dict]], first: int, ref: dict) -> None:
+    """Offload against the same run without it. The host steps the same fp32 tensors with the
+    same AdamW on the same grads, so on CPU the runs agree to the bit; the bounds are the ones
+    the brief asks for (fp32 against one process as test_equivalence.py: 1e-5) and this file's
+    for bf16 weights, with equality on top where the counterpart is the same layout."""
+    fp32 = reference()
+    for i, ((layout, schedule, _), counterpart) in enumerate(OFFLOAD):
+        where = f"{layout} {schedule}"
+        for r in per_rank:
+            got = r[first + i]
+            assert got["offloaded"] > 0, where  # the optimizer stepped host copies
+            if counterpart is None:
+                torch.testing.assert_close(got["loss"], fp32["loss"], rtol=1e-5, atol=0)
+                for name, local in got["weights"].items():
+                    expected = expected_slice(got, name, fp32["weights"][name])
+                    torch.testing.assert_close(local, expected, rtol=0, atol=1e-5)
+                continue
+            assert_close_to(ref, got, where)
+            same = r[counterpart]
+            assert got["loss"] == same["loss"], (where, got["loss"], same["loss"])
+            for name, weight in got["weights"].items():
+                assert torch.equal(weight, same["weights"][name]), (where, name)
+            # while the host stepped, the device held no fp32 master (their storage freed)
+            assert got["device_masters_at_step"] == 0, (where, got["device_masters_at_step"])
+            assert got["moment_bytes"] == same["moment_bytes"], where  # the same state, on host
 
 
 def test_precision_must_be_bf16_mixed() -> None:
@@ -190,3 +235,11 @@ def test_options_refuse_what_is_not_built() -> None:
         TrainOptions(param_dtype="bf16", zero=3)
     with pytest.raises(ValueError, match="param_dtype='fp16' is not a parameter dtype"):
         TrainOptions(param_dtype="fp16")
+    with pytest.raises(ValueError, match="offload_optimizer=True with zero=3 is not built"):
+        TrainOptions(offload_optimizer=True, zero=3)
+    with pytest.raises(ValueError, match="offload_optimizer='yes' must be True or False"):
+        TrainOptions(offload_optimizer="yes")
+    weight = nn.Parameter(torch.zeros(3))
+    capturable = torch.optim.AdamW([weight], capturable=True)
+    with pytest.raises(ValueError, match="build it with capturable=False"):
+        HostOptimizer([capturable])

@@ -203,6 +203,7 @@ def train(
     resume: tuple[int, str] | None = None,
     packed: bool = False,
     param_dtype: str = "fp32",
+    offload: bool = False,
 ) -> dict:
     """Run ``steps`` optimizer steps on this rank; return per-step loss/aux/norm and the local weights.
 
@@ -219,7 +220,9 @@ def train(
     path) stop after step n with a sharded checkpoint of model and optimizer at ``path``;
     ``resume``: (n, path) start at step n from the checkpoint at ``path`` (the losses from n on);
     ``param_dtype="bf16"``: bf16 weights over fp32 masters, the step under bf16 autocast as
-    Lightning's bf16-mixed runs it (the result's ``weights`` are then the masters)."""
+    Lightning's bf16-mixed runs it (the result's ``weights`` are then the masters); ``offload``:
+    the optimizer steps host copies (``offload_optimizer=True``; ``device_masters_at_step``: the
+    bytes the device's fp32 masters held while it stepped)."""
     torch.manual_seed(dims.rank)  # a different global RNG per rank must not matter
     model = stage_model(dims, groups, config, split, lora)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -227,7 +230,7 @@ def train(
         compiled.compile_stage(model, split_backward=schedule in SPLIT_BACKWARD, backend=compile)
     engine = Engine(
         model, dims, groups, schedule=schedule, bucket_cap_mb=bucket_cap_mb, zero=zero,
-        param_dtype=param_dtype,
+        param_dtype=param_dtype, offload_optimizer=offload,
     )  # fmt: skip
     autocast = torch.autocast("cpu", torch.bfloat16, enabled=param_dtype == "bf16")
     if paired_p2p:
@@ -255,7 +258,7 @@ def train(
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1, eps=1e-3, **variant)
     engine.shard_optimizers([optimizer])
-    shards = ZeroShards(engine.zero_groups, engine.masters)
+    shards = ZeroShards(engine.zero_groups, engine.masters, engine.offload)
     if resume is not None:
         with engine.whole_params():  # zero=3: loaded into the whole parameters, then the rows
             load_sharded(resume[1], model, [optimizer], zero_shards=shards)
@@ -265,13 +268,16 @@ def train(
     # the state bytes by part after it
     measured = {
         "grad_bytes": 0, "state": None, "held_param_bytes": 0, "gathered_peak": 0,
-        "gathered_low": None, "with_leaves_peak": 0,
+        "gathered_low": None, "with_leaves_peak": 0, "device_masters_at_step": None,
     }  # fmt: skip
 
     def before_update(*_) -> None:
         measured["grad_bytes"] = held_grad_bytes(model, optimizer)
         # between steps (the grads reduced, zero=3's blocks freed): the parameters' bytes held
         measured["held_param_bytes"] = held_param_bytes(model, optimizer)
+        if engine.offload is not None:  # the device masters are freed while the host steps
+            held = sum(t.untyped_storage().nbytes() for t in engine.offload.freed)
+            measured["device_masters_at_step"] = max(measured["device_masters_at_step"] or 0, held)
 
     def after_update(*_) -> None:
         measured["grad_bytes"] = max(measured["grad_bytes"], held_grad_bytes(model, optimizer))
@@ -317,8 +323,17 @@ def train(
     held_after_eval = held_param_bytes(model, optimizer)  # zero=3: the rows only again
     if stream is not None:
         stream.close()
-    with engine.whole_params():  # zero=3: gathered to be read
+    with engine.whole_params():  # zero=3: gathered to be read (offload: the masters filled)
         weights = {n: shards.weight(p).detach().clone() for n, p in model.named_parameters()}
+        # the masters hold more than bf16 can (every one of them rounded: the updates are lost)
+        masters_finer = engine.masters is None or any(
+            not torch.equal(m, m.bfloat16().float())
+            for m in [m for _, m in engine.masters]
+            + [s.leaf.detach() for g in engine.zero_groups for s in g.shards.values() if s.master]
+        )
+        params_are_masters_rounded = engine.masters is None or all(
+            torch.equal(p.detach(), m.detach().to(p.dtype)) for p, m in engine.masters
+        )
     # bf16 weights: what each parameter holds next to its master (the parameters are the fp32
     # masters again once the engine is removed)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -328,24 +343,16 @@ def train(
         for s in g.shards.values()
         if s.master
     )  # whole masters, and under ZeRO the rows'
-    # the masters hold more than bf16 can (every one of them rounded: the updates are lost)
-    masters_finer = engine.masters is None or any(
-        not torch.equal(m, m.bfloat16().float())
-        for m in [m for _, m in engine.masters]
-        + [s.leaf.detach() for g in engine.zero_groups for s in g.shards.values() if s.master]
-    )
     moment_bytes = sum(
         v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
         if v.dim() > 0
     )  # fmt: skip
-    params_are_masters_rounded = engine.masters is None or all(
-        torch.equal(p.detach(), m.detach().to(p.dtype)) for p, m in engine.masters
-    )
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     cut = {id(s.param) for g in engine.zero_groups for s in g.shards.values()}
     blocks_cut = [_nbytes(p for p in b.parameters() if id(p) in cut) for b in model.layers.values()]
     # zero=3's block gathers from its hooks: in flight already (prefetched) or run at once
     block_gathers = None if engine.sharded_params is None else dict(engine.sharded_params.counts)
+    offloaded = 0 if engine.offload is None else len(engine.offload)  # tensors the host steps
     engine.remove()
     # the model whole and trained once the engine is gone (zero=3 gathers it: a later use, an
     # export, reads the parameters as they are)
@@ -385,6 +392,8 @@ def train(
         # the most parameter storage whole at once in a forward or backward, beyond the rows
         "gathered_peak": measured["gathered_peak"],
         "gathered_low": measured["gathered_low"],  # and the least (None: never looked)
+        "device_masters_at_step": measured["device_masters_at_step"],
+        "offloaded": offloaded,
         "with_leaves_peak": measured["with_leaves_peak"],  # the optimizer's leaves' storages too
         # zero=3's units, whole, of the parameters ZeRO cuts: the rest of the stage (embedding,
         # norm, head) and the largest block; and the bytes of those it does not cut
@@ -498,13 +507,14 @@ def reference(
     lora: LoRA | None = None,
     packed: bool = False,
     param_dtype: str = "fp32",
+    offload: bool = False,
 ) -> dict:
     """The single-process run: one rank, whole batch, one microbatch, no process group."""
     dims = ParallelDims(1, 1, 1, 0)
     groups = ProcessGroups(None, None, None, None)
     return train(
         dims, groups, "gpipe", 1, config, steps, batch=batch, masked=masked, lora=lora,
-        packed=packed, param_dtype=param_dtype,
+        packed=packed, param_dtype=param_dtype, offload=offload,
     )  # fmt: skip
 
 
@@ -524,7 +534,8 @@ def run_layouts(
     ``"<name>:resume=2"`` starting at step 2 from it, ``"<name>:late_stop"`` with activation
     checkpointing's recompute running each block's whole forward (torch stops it early, after the
     last tensor the backward needs), ``"<name>:bf16"`` with bf16 weights over fp32 masters
-    (``reference(param_dtype="bf16")``); ``config`` replaces CONFIG."""
+    (``reference(param_dtype="bf16")``), ``"<name>:offload"`` with the optimizer on host copies;
+    ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
@@ -550,6 +561,7 @@ def run_layouts(
                 save=checkpoint_option(options, "save", ckpt_dir),
                 resume=checkpoint_option(options, "resume", ckpt_dir),
                 param_dtype="bf16" if "bf16" in options else "fp32",
+                offload="offload" in options,
             )  # fmt: skip
         result["split"] = split
         out.append(result)

@@ -51,6 +51,7 @@ from torch.optim import Optimizer
 
 from lightning_titan.parallel.collectives import all_gather_
 from lightning_titan.parallel.dp.master import MasterWeights
+from lightning_titan.parallel.dp.offload import HostOptimizer
 from lightning_titan.parallel.dp.reducer import assign_buckets
 from lightning_titan.parallel.mesh import group_mesh
 from lightning_titan.parallel.tensor_parallel import TpShard, real_size
@@ -463,14 +464,20 @@ class ZeroShards:
     table lives."""
 
     def __init__(
-        self, groups: Iterable[ZeroGroup] = (), masters: MasterWeights | None = None
+        self,
+        groups: Iterable[ZeroGroup] = (),
+        masters: MasterWeights | None = None,
+        offload: HostOptimizer | None = None,
     ) -> None:
         """``masters`` (``param_dtype="bf16"``): the fp32 masters the optimizers step in place of
-        the bf16 parameters, which a checkpoint saves as the weights (``parallel/dp/master.py``)."""
+        the bf16 parameters, which a checkpoint saves as the weights (``parallel/dp/master.py``).
+        ``offload`` (``offload_optimizer=True``): the host copies the optimizers step in place of
+        those (``parallel/dp/offload.py``), each found as the device tensor it stands for."""
         groups = list(groups)
         self._by_param = {pid: s for g in groups for pid, s in g.shards.items()}
         self._by_leaf = {id(s.leaf): s for s in self._by_param.values()}
         self.masters = masters
+        self.offload = offload
 
     def check_whole(self, what: str) -> None:
         """Refuse a checkpoint ``what`` ("save", "load") while a parameter exists only as this rank's
@@ -493,6 +500,8 @@ class ZeroShards:
 
     def of_leaf(self, tensor: Tensor) -> ZeroShard | None:
         """The shard an optimizer's ``tensor`` stands for, None for a whole parameter."""
+        if self.offload is not None:
+            tensor = self.offload.device_tensor(tensor)
         return self._by_leaf.get(id(tensor))
 
     def full_param(self, tensor: Tensor) -> Tensor:
@@ -501,6 +510,8 @@ class ZeroShards:
         shard = self.of_leaf(tensor)
         if shard is not None:
             return shard.param
+        if self.offload is not None:
+            tensor = self.offload.device_tensor(tensor)
         return tensor if self.masters is None else self.masters.param_of(tensor)
 
     def weight(self, param: Tensor) -> Tensor:
