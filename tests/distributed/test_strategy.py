@@ -55,6 +55,13 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "support" / "scripts"
             "virtual_stages=1 does not work; use",
         ),
         ({"stage_layers": [2, -1]}, 2, r"stage_layers=\[2, -1\] must hold ints >= 0"),
+        (
+            {"ep": 2, "tp": 2, "fold_ep": True, "zero": 3},
+            4,
+            "fold_ep=True with zero=3 is not built",
+        ),
+        ({"fold_ep": True, "layout": "auto"}, 2, "fold_ep=True with layout='auto'"),
+        ({"tp": 2, "fold_ep": "yes"}, 2, "fold_ep='yes' must be true or false"),
     ],
 )
 def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):

@@ -97,8 +97,8 @@ def stage_model(
         split=split,
         pp_rank=dims.pp_rank,
         pp=dims.pp,
-        ep_rank=dims.ep_rank,
-        ep=dims.ep,
+        ep_rank=dims.expert_rank,  # fold_ep: the place in the folded EP group
+        ep=dims.expert_world,
         ep_group=groups.ep,
         tp_group=groups.tp,
         cp_group=groups.cp,
@@ -519,12 +519,13 @@ def run_layouts(
     ``"<name>:resume=2"`` starting at step 2 from it, ``"<name>:late_stop"`` with activation
     checkpointing's recompute running each block's whole forward (torch stops it early, after the
     last tensor the backward needs), ``"<name>:bf16"`` with bf16 weights over fp32 masters
-    (``reference(param_dtype="bf16")``); ``config`` replaces CONFIG."""
+    (``reference(param_dtype="bf16")``), ``"<name>:fold"`` with ``fold_ep`` (the experts over the
+    ep x cp x tp ranks); ``config`` replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
-        dims = ParallelDims(*layout[:3], rank, *layout[3:])
         name, *options = schedule.split(":")
+        dims = ParallelDims(*layout[:3], rank, *layout[3:], fold_ep="fold" in options)
         zero = next((int(o[-1]) for o in options if o.startswith("zero")), 0)
         batch = next((int(o[6:]) for o in options if o.startswith("batch=")), GLOBAL_BATCH)
         split = split_of(options, name)
