@@ -382,9 +382,9 @@ MUTATIONS = {
                         "            sequence_group=tp_group,\n",
                         ["tests/distributed/test_equivalence.py", "-k", "2"]),
     # issue 14: the norm counts the TP copies of the norms and routers on every TP rank
-    "tp_norm_counts_copies": ("lightning_titan/model/grad_kinds.py",
-                              'SEQUENCE: ("ep", "tp")}',
-                              'SEQUENCE: ("ep",)}',
+    "tp_norm_counts_copies": ("lightning_titan/parallel/mesh.py",
+                              'if a in self.group_axes(kind))',
+                              'if a in self.group_axes(kind) and (kind, a) != ("sequence_dp", "tp"))',
                               ["tests/distributed/test_reference.py", "-k", "tp2"]),
     # composed clipping: the per-dtype norms summed unsquared
     "clip_norms_unsquared": ("lightning_titan/parallel/dp/clipping.py",
@@ -1364,7 +1364,7 @@ MUTATIONS = {
                           ["tests/cli/test_errors.py", "-k", "fit_the_world", "-m", "slow"]),
     # the layout against the model left to the launcher: a traceback after the Trainer's lines
     "cli_model_split_late": ("lightning_titan/lightning/arguments.py",
-                             "        config.validate_layout(**split, split=strategy.options.split)\n",
+                             "        config.validate_layout(\n            **split, split=strategy.options.split, fold_ep=strategy.layout.fold_ep\n        )\n",
                              "        pass\n",
                              ["tests/cli/test_errors.py", "-k", "fit_the_model", "-m", "slow"]),
     # a misspelt schedule left to jsonargparse: its usage and every union type's complaint
@@ -1790,6 +1790,31 @@ MUTATIONS = {
                                  "            grad = r.reduced_grad(p)  # bf16 weights: the master's\n",
                                  "            grad = p.grad\n",
                                  ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # fold_ep: the expert grads still summed over the tp (and cp) ranks, which own other experts now
+    "fold_expert_dp_over_tp": ("lightning_titan/parallel/mesh.py",
+                               '    "expert_dp": ("dp",),\n',
+                               '    "expert_dp": ("dp", "cp", "tp"),\n',
+                               ["tests/unit/test_parallel_dims.py"]),
+    # fold_ep: a rank owns the experts of its ep coordinate (two TP ranks the same ones)
+    "fold_expert_rank_unfolded": ("lightning_titan/parallel/mesh.py",
+                                  '        for axis in self.group_axes("ep"):\n',
+                                  '        for axis in GROUPS["ep"]:\n',
+                                  ["tests/unit/test_parallel_dims.py"]),
+    # fold_ep: the process groups built unfolded under folded dims (the all-to-all over ep only)
+    "fold_groups_built_unfolded": ("lightning_titan/parallel/mesh.py",
+                                   "        axes = dims.group_axes(kind)\n",
+                                   "        axes = GROUPS[kind]\n",
+                                   ["tests/distributed/test_equivalence.py", "-k", "2]"]),
+    # fold_ep: the norm counts an expert on tp rank 0 only, as if the TP ranks held copies
+    "fold_norm_counts_tp0": ("lightning_titan/parallel/mesh.py",
+                             'if a in self.group_axes(kind))',
+                             'if a in GROUPS[kind])',
+                             ["tests/distributed/test_equivalence.py", "-k", "2]"]),
+    # fold_ep: an expert owner divides its grads by the folded EP degree (ep x tp) instead of ep
+    "fold_expert_grad_scale": ("lightning_titan/train/engine.py",
+                               "params, group, scale=scale, bucket_cap_mb",
+                               "params, group, scale=scale * dims.ep / dims.expert_world if params[0] is self.expert_params[0] else scale, bucket_cap_mb",
+                               ["tests/distributed/test_equivalence.py", "-k", "2]"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

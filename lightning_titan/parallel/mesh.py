@@ -167,11 +167,12 @@ class ParallelDims:
         return math.prod(self.degrees.values())
 
     def label(self, rank: int | None = None) -> str:
-        """``"dp=2 pp=2 ep=2"`` (the degrees), or a rank's coordinates with ``rank``; cp and tp only
-        when they are used, so a layout without them reads as it always did."""
+        """``"dp=2 pp=2 ep=2"`` (the degrees, then ``fold_ep`` if set), or a rank's coordinates with
+        ``rank``; cp and tp only when they are used, so a layout without them reads as it always did."""
         values = self.degrees if rank is None else self.coords(rank)
         shown = [a for a in AXES if a in ("dp", "pp", "ep") or self.degrees[a] > 1]
-        return " ".join(f"{a}={values[a]}" for a in shown)
+        folded = " fold_ep" if self.fold_ep and rank is None else ""
+        return " ".join(f"{a}={values[a]}" for a in shown) + folded
 
     def rank_of(
         self, dp_rank: int, pp_rank: int, ep_rank: int, tp_rank: int = 0, cp_rank: int = 0

@@ -71,6 +71,16 @@ def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
         )
 
 
+def test_fold_ep_reaches_the_layout():
+    """The option the user sets is the layout the model is built from (module.configure_model reads
+    ``expert_rank`` / ``expert_world``): ep2 x tp2 folded splits the experts over all 4 ranks."""
+    strategy = TitanStrategy(ep=2, tp=2, fold_ep=True)
+    L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
+    dims = strategy.parallel_dims
+    assert (dims.dp, dims.fold_ep, dims.expert_world, dims.expert_rank) == (1, True, 4, 0)
+    assert dims.label() == "dp=1 pp=1 ep=2 tp=2 fold_ep"
+
+
 def test_zero_with_nothing_to_split_warns_and_whole_tensor_optimizers_are_refused():
     model = torch.nn.Linear(4, 4)
     with pytest.warns(UserWarning, match=r"zero=1 changes nothing here: .*dp=1, ep=1.*use dp > 1"):
