@@ -164,7 +164,7 @@ BIAS = {
         ((1, 1, 1, 2), "1f1b", 1),
         ((1, 1, 1, 1, 2), "1f1b", 1),
     ],
-    4: [],
+    4: [((1, 1, 2, 2), "1f1b:fold", 2)],  # the loads of the folded experts' owners
     8: [((2, 2, 2), "1f1b", 2)],
 }
 # Expert capacity (CAPACITY_CONFIG): the drops per sequence, its queue counted over its cp x tp ranks
@@ -177,7 +177,7 @@ CAPACITY = {
         ((1, 1, 1, 2), "1f1b", 1),
         ((1, 1, 1, 1, 2), "1f1b", 1),
     ],
-    4: [((1, 1, 1, 2, 2), "1f1b", 2)],
+    4: [((1, 1, 1, 2, 2), "1f1b", 2), ((1, 1, 2, 2), "1f1b:fold", 2)],  # each TP slice: its slots
     8: [((1, 2, 2, 2), "1f1b", 2)],
 }
 

@@ -416,7 +416,9 @@ def train(
 
 def watch_rows(model: StageModel, config: ModelConfig, dims: ParallelDims) -> list[float]:
     """A list that each MoE forward appends to: the most rows one local expert received over the
-    most the capacity allows it (capacity x the microbatch's sequences x ep); empty when dropless."""
+    most the capacity allows it (capacity x the microbatch's sequences x the EP group's ranks: each
+    sends its static slots, ``parallel/slots.py``, so under fold_ep a TP rank's slice of a sequence
+    has its own); empty when dropless."""
     ratios: list[float] = []
     if config.capacity_factor is None:
         return ratios
@@ -424,7 +426,7 @@ def watch_rows(model: StageModel, config: ModelConfig, dims: ParallelDims) -> li
 
     def hook(layer: MoELayer, inputs: tuple, output: object) -> None:
         sequences = inputs[0].shape[0]
-        ratios.append(max(layer.rows_per_local_expert) / (limit * sequences * dims.ep))
+        ratios.append(max(layer.rows_per_local_expert) / (limit * sequences * dims.expert_world))
 
     for m in model.modules():
         if isinstance(m, MoELayer):
