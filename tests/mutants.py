@@ -1810,11 +1810,18 @@ MUTATIONS = {
                              'if a in self.group_axes(kind))',
                              'if a in GROUPS[kind])',
                              ["tests/distributed/test_equivalence.py", "-k", "2]"]),
-    # fold_ep: an expert owner divides its grads by the folded EP degree (ep x tp) instead of ep
+    # fold_ep: an expert owner divides its grads by the folded EP degree (ep x tp) instead of ep (the
+    # experts have a reducer of their own where ep > 1 and dp > 1: dp2 x ep2 x tp2 folded)
     "fold_expert_grad_scale": ("lightning_titan/train/engine.py",
                                "params, group, scale=scale, bucket_cap_mb",
                                "params, group, scale=scale * dims.ep / dims.expert_world if params[0] is self.expert_params[0] else scale, bucket_cap_mb",
-                               ["tests/distributed/test_equivalence.py", "-k", "2]"]),
+                               ["tests/distributed/test_equivalence.py", "-k", "8]"]),
+    # fold_ep: the grads averaged over dp x the folded EP degree (ep x cp x tp) instead of the data
+    # ranks (dp x ep): the TP ranks of a fold read the same sequences
+    "fold_grad_scale": ("lightning_titan/train/engine.py",
+                        "        scale = 1.0 / dims.data_world  # the global mean",
+                        "        scale = 1.0 / (dims.dp * dims.expert_world)  # the global mean",
+                        ["tests/distributed/test_equivalence.py", "-k", "2]"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

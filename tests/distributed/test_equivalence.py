@@ -288,6 +288,7 @@ FOLD = {
         ((1, 1, 2, 2), "gpipe:fold", 2),
         ((1, 1, 2, 2), "1f1b_overlap:fold", 2),  # the folded all-to-alls in the overlapped halves
         ((1, 1, 1, 2, 2), "1f1b:fold", 2),  # cp2 x tp2 -> EP4 over the sequence's ranks
+        ((2, 1, 1, 2), "1f1b:fold", 1),  # dp2 x tp2 -> EP2 over tp, the experts reduced over dp
         ((2, 1, 1, 2), "1f1b:fold:zero2", 1),  # the experts' state and grads over dp only
     ],
     8: [
@@ -298,6 +299,7 @@ FOLD = {
         ((1, 2, 2, 2), "zbv:fold", 2),
         ((1, 2, 2, 2), "dualpipev:fold", 4),
         ((1, 2, 1, 2, 2), "1f1b:fold", 2),  # cp2 x tp2 x pp2
+        ((2, 1, 2, 2), "1f1b:fold", 1),  # dp2 x ep2 x tp2: the experts' own reducer, over dp
         ((2, 1, 2, 2), "1f1b:fold:zero1", 1),
     ],
 }
