@@ -416,9 +416,9 @@ MUTATIONS = {
                         "            sequence_group=tp_group,\n",
                         ["tests/distributed/test_equivalence.py", "-k", "2"]),
     # issue 14: the norm counts the TP copies of the norms and routers on every TP rank
-    "tp_norm_counts_copies": ("lightning_titan/model/grad_kinds.py",
-                              'SEQUENCE: ("ep", "tp")}',
-                              'SEQUENCE: ("ep",)}',
+    "tp_norm_counts_copies": ("lightning_titan/parallel/mesh.py",
+                              'if a in self.group_axes(kind))',
+                              'if a in self.group_axes(kind) and (kind, a) != ("sequence_dp", "tp"))',
                               ["tests/distributed/test_reference.py", "-k", "tp2"]),
     # composed clipping: the per-dtype norms summed unsquared
     "clip_norms_unsquared": ("lightning_titan/parallel/dp/clipping.py",
@@ -1432,7 +1432,7 @@ MUTATIONS = {
                           ["tests/cli/test_errors.py", "-k", "fit_the_world", "-m", "slow"]),
     # the layout against the model left to the launcher: a traceback after the Trainer's lines
     "cli_model_split_late": ("lightning_titan/lightning/arguments.py",
-                             "        config.validate_layout(**split, split=strategy.options.split)\n",
+                             "        config.validate_layout(\n            **split, split=strategy.options.split, fold_ep=strategy.layout.fold_ep\n        )\n",
                              "        pass\n",
                              ["tests/cli/test_errors.py", "-k", "fit_the_model", "-m", "slow"]),
     # a misspelt schedule left to jsonargparse: its usage and every union type's complaint
@@ -1890,6 +1890,38 @@ MUTATIONS = {
                                "        copies = owned * 2 * BYTES / device.host_link_bandwidth\n",
                                "        copies = 0.0\n",
                                ["tests/cli/test_plan.py", "-k", "offload_prices"]),
+    # fold_ep: the expert grads still summed over the tp (and cp) ranks, which own other experts now
+    "fold_expert_dp_over_tp": ("lightning_titan/parallel/mesh.py",
+                               '    "expert_dp": ("dp",),\n',
+                               '    "expert_dp": ("dp", "cp", "tp"),\n',
+                               ["tests/unit/test_parallel_dims.py"]),
+    # fold_ep: a rank owns the experts of its ep coordinate (two TP ranks the same ones)
+    "fold_expert_rank_unfolded": ("lightning_titan/parallel/mesh.py",
+                                  '        for axis in self.group_axes("ep"):\n',
+                                  '        for axis in GROUPS["ep"]:\n',
+                                  ["tests/unit/test_parallel_dims.py"]),
+    # fold_ep: the process groups built unfolded under folded dims (the all-to-all over ep only)
+    "fold_groups_built_unfolded": ("lightning_titan/parallel/mesh.py",
+                                   "        axes = dims.group_axes(kind)\n",
+                                   "        axes = GROUPS[kind]\n",
+                                   ["tests/distributed/test_equivalence.py", "-k", "2]"]),
+    # fold_ep: the norm counts an expert on tp rank 0 only, as if the TP ranks held copies
+    "fold_norm_counts_tp0": ("lightning_titan/parallel/mesh.py",
+                             'if a in self.group_axes(kind))',
+                             'if a in GROUPS[kind])',
+                             ["tests/distributed/test_equivalence.py", "-k", "2]"]),
+    # fold_ep: an expert owner divides its grads by the folded EP degree (ep x tp) instead of ep (the
+    # experts have a reducer of their own where ep > 1 and dp > 1: dp2 x ep2 x tp2 folded)
+    "fold_expert_grad_scale": ("lightning_titan/train/engine.py",
+                               "params, group, scale=scale, bucket_cap_mb",
+                               "params, group, scale=scale * dims.ep / dims.expert_world if params[0] is self.expert_params[0] else scale, bucket_cap_mb",
+                               ["tests/distributed/test_equivalence.py", "-k", "8]"]),
+    # fold_ep: the grads averaged over dp x the folded EP degree (ep x cp x tp) instead of the data
+    # ranks (dp x ep): the TP ranks of a fold read the same sequences
+    "fold_grad_scale": ("lightning_titan/train/engine.py",
+                        "        scale = 1.0 / dims.data_world  # the global mean",
+                        "        scale = 1.0 / (dims.dp * dims.expert_world)  # the global mean",
+                        ["tests/distributed/test_equivalence.py", "-k", "2]"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

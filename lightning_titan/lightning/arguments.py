@@ -130,4 +130,6 @@ def check_layout_fits(strategy: TitanStrategy, config: ModelConfig | None, train
         degrees = strategy.parallel_dims.degrees
     split = {a: degrees[a] for a in ("pp", "ep", "tp", "cp")}
     if config is not None and -1 not in split.values():
-        config.validate_layout(**split, split=strategy.options.split)
+        config.validate_layout(
+            **split, split=strategy.options.split, fold_ep=strategy.layout.fold_ep
+        )

@@ -142,7 +142,9 @@ class TitanLM(L.LightningModule):
         ``datamodule``'s batches fit it.
 
         TitanStrategy runs this before any rank starts (and on every rank before the process group)."""
-        self.config.validate_layout(dims.pp, dims.ep, dims.tp, dims.cp, split)
+        self.config.validate_layout(
+            dims.pp, dims.ep, dims.tp, dims.cp, split, fold_ep=bool(dims.fold_ep)
+        )
         if hasattr(datamodule, "use_model_folder"):  # tokenizer="auto": the folder's, if it has one
             datamodule.use_model_folder(self.hparams["init_from"])
         if datamodule is not None and hasattr(datamodule, "check_model"):
@@ -158,8 +160,8 @@ class TitanLM(L.LightningModule):
             self.config,
             pp_rank=dims.pp_rank,
             pp=dims.pp,
-            ep_rank=dims.ep_rank,
-            ep=dims.ep,
+            ep_rank=dims.expert_rank,  # fold_ep: the place in the folded EP group
+            ep=dims.expert_world,
             ep_group=groups.ep,
             tp_group=groups.tp,
             cp_group=groups.cp,

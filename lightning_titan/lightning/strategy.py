@@ -60,6 +60,10 @@ class TitanStrategy(ShardedStrategy):
         ep: expert-parallel ranks per stage; the experts split evenly across them.
         tp: tensor-parallel ranks (with sequence parallelism): heads, vocabulary and sequence split.
         cp: context-parallel ranks: each sequence's positions split (load-balanced causal chunks).
+        fold_ep: MoE Parallel Folding: the experts split over the ep x cp x tp ranks of a stage, not
+            only its ep ranks (attention keeps tp and cp; each of those ranks sends its own tokens to
+            the experts); ep=2, tp=2 is then expert parallelism over 4 ranks, and n_experts must be
+            a multiple of ep*cp*tp. Not with zero=3 or layout="auto" yet.
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zb_h1"`` (zero-bubble 1F1B),
             ``"zbv"`` (the V: rank r holds virtual stages r and 2*pp-1-r), ``"1f1b_overlap"`` (pp=1)
             or ``"dualpipev"`` (the V), the last two hiding the EP all-to-alls (docs/concepts.md).
@@ -104,6 +108,7 @@ class TitanStrategy(ShardedStrategy):
         ep: int = 1,
         tp: int = 1,
         cp: int = 1,
+        fold_ep: bool = False,
         schedule: Schedule = "1f1b",
         virtual_stages: int | None = None,
         stage_layers: list[int] | Literal["auto"] | None = None,
@@ -146,7 +151,8 @@ class TitanStrategy(ShardedStrategy):
         save_timeout = timedelta(minutes=options.timeout_minutes)
         super().__init__(allow_config_change, async_save, save_timeout, **kwargs)
         self.options = options
-        self.layout = Layout(dict(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp), layout, self.options)
+        degrees = dict(dp=dp, pp=pp, ep=ep, cp=cp, tp=tp)
+        self.layout = Layout(degrees, layout, self.options, fold_ep=fold_ep)
         self._process_group_backend = process_group_backend
         self.preemption = preemption.Preemption()
         self._groups: ProcessGroups | None = None

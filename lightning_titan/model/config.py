@@ -185,14 +185,28 @@ class ModelConfig:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     def validate_layout(
-        self, pp: int, ep: int, tp: int = 1, cp: int = 1, split: StageSplit | None = None
+        self,
+        pp: int,
+        ep: int,
+        tp: int = 1,
+        cp: int = 1,
+        split: StageSplit | None = None,
+        *,
+        fold_ep: bool = False,
     ) -> None:
         """Check that ``pp`` stages (cut as ``split`` says; None: evenly), ``ep`` expert ranks,
-        ``tp`` tensor ranks and ``cp`` context ranks split this model."""
+        ``tp`` tensor ranks and ``cp`` context ranks split this model; ``fold_ep``: the experts split
+        over ep * cp * tp ranks (MoE Parallel Folding, ``parallel/mesh.py``)."""
         for name, value in (("pp", pp), ("ep", ep), ("tp", tp), ("cp", cp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         (split or StageSplit()).counts(self.n_layers, pp)
+        if fold_ep and self.n_experts % (ep * cp * tp):
+            raise ValueError(
+                f"n_experts={self.n_experts} is not divisible by ep*cp*tp = {ep}*{cp}*{tp}: with "
+                f"fold_ep the experts split over the ep, cp and tp ranks of a stage; choose degrees "
+                f"whose product divides {self.n_experts}, or fold_ep=False"
+            )
         if self.n_experts % ep:
             raise ValueError(
                 f"n_experts={self.n_experts} is not divisible by ep={ep}; choose ep dividing "

@@ -28,18 +28,19 @@ def split_expert_parameters(
     return expert, non_expert
 
 
-# The group kind (GROUPS, parallel/mesh.py) over which each kind of parameter's grad is summed, and the
-# axes it is held whole (copied) on inside one data-parallel replica, where the norm counts it once.
+# The group kind (GROUPS, parallel/mesh.py) over which each kind of parameter's grad is summed; the
+# axes it is held whole (copied) on inside one data-parallel replica, where the norm counts it once,
+# are ``ParallelDims.copied_over(kind)`` (experts over tp, or none under fold_ep).
 EXPERT, TP_SHARDED, SEQUENCE = "expert_dp", "non_expert_dp", "sequence_dp"
-COPIED_OVER = {EXPERT: ("tp",), TP_SHARDED: ("ep",), SEQUENCE: ("ep", "tp")}
 
 
 def grad_group_kinds(module: nn.Module) -> list[tuple[str, nn.Parameter, str]]:
     """(name, parameter, group kind) in ``module.parameters()`` order.
 
     Experts (``GroupedExperts``) are split by EP and copied on the TP ranks, which route their own
-    tokens: their grads sum over dp x tp. TP-sharded weights (``tensor_parallel.tp_shards``: attention,
-    embedding, LM head) are copied on the EP ranks: dp x ep. Everything else (norms, routers) runs in
+    tokens: their grads sum over dp x tp (under fold_ep the TP ranks split them too: over dp).
+    TP-sharded weights (``tensor_parallel.tp_shards``: attention, embedding, LM head) are copied on
+    the EP ranks: dp x ep. Everything else (norms, routers) runs in
     the sequence-parallel region, whole on every rank of a stage: dp x ep x tp.
     """
     expert_ids = {id(p) for _, p in split_expert_parameters(module)[0]}

@@ -26,6 +26,13 @@ A group kind is the set of axes that vary inside one group (the others are fixed
 CP ranks, like DP ranks, hold the same weights and see different tokens (the same sequences' other
 positions): every reduction group includes cp, and the norm needs none of it.
 
+MoE Parallel Folding (``fold_ep=True``, Megatron's arXiv 2504.14960) folds the cp and tp ranks of a
+stage into expert parallelism: each of them already holds its own tokens (its sequence-parallel
+slice), so it can send them to experts on any rank of the fold. Three kinds change (``FOLDED``): the
+all-to-all group ``ep`` varies in (ep, cp, tp), the experts split over its ep * cp * tp ranks
+(``expert_world``, this rank's place in it ``expert_rank``); their grads reduce over dp only; and
+the norm's ``model`` group spans cp too (a replica's experts now lie on its cp ranks as well).
+
 A new axis is one more name in ``AXES`` (and a field below) plus the groups it joins in ``GROUPS``.
 """
 
@@ -56,6 +63,12 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "sequence": ("cp", "tp"),
 }
 GROUP_KINDS = tuple(GROUPS)
+# fold_ep: the kinds that change when the cp and tp ranks of a stage join expert parallelism
+FOLDED: dict[str, tuple[str, ...]] = {
+    "ep": ("ep", "cp", "tp"),
+    "expert_dp": ("dp",),
+    "model": ("pp", "ep", "cp", "tp"),
+}
 
 
 def check_degrees(**degrees: int) -> dict[str, int]:
@@ -128,12 +141,17 @@ class ParallelDims:
     rank: int = 0
     tp: int = 1  # after rank: ParallelDims(dp, pp, ep, rank) reads as before
     cp: int = 1
+    # MoE Parallel Folding: the EP group spans the cp and tp ranks of a stage too (``FOLDED``).
+    # True or False; typed int so that ``ParallelDims(**degrees)`` with a dict of ints type-checks
+    fold_ep: int = False
 
     def __post_init__(self) -> None:
         for name in AXES:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+        if not isinstance(self.fold_ep, bool):
+            raise ValueError(f"fold_ep={self.fold_ep!r} must be True or False")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(
                 f"rank={self.rank} is outside the world of {self.world_size} ranks "
@@ -149,11 +167,12 @@ class ParallelDims:
         return math.prod(self.degrees.values())
 
     def label(self, rank: int | None = None) -> str:
-        """``"dp=2 pp=2 ep=2"`` (the degrees), or a rank's coordinates with ``rank``; cp and tp only
-        when they are used, so a layout without them reads as it always did."""
+        """``"dp=2 pp=2 ep=2"`` (the degrees, then ``fold_ep`` if set), or a rank's coordinates with
+        ``rank``; cp and tp only when they are used, so a layout without them reads as it always did."""
         values = self.degrees if rank is None else self.coords(rank)
         shown = [a for a in AXES if a in ("dp", "pp", "ep") or self.degrees[a] > 1]
-        return " ".join(f"{a}={values[a]}" for a in shown)
+        folded = " fold_ep" if self.fold_ep and rank is None else ""
+        return " ".join(f"{a}={values[a]}" for a in shown) + folded
 
     def rank_of(
         self, dp_rank: int, pp_rank: int, ep_rank: int, tp_rank: int = 0, cp_rank: int = 0
@@ -200,6 +219,31 @@ class ParallelDims:
     def cp_rank(self) -> int:
         return self.coords(self.rank)["cp"]
 
+    def group_axes(self, kind: str) -> tuple[str, ...]:
+        """The axes that vary inside a group of ``kind`` (``GROUPS``; ``FOLDED`` under fold_ep)."""
+        if kind not in GROUPS:
+            raise ValueError(f"unknown group kind {kind!r}; choose one of {GROUP_KINDS}")
+        return FOLDED[kind] if self.fold_ep and kind in FOLDED else GROUPS[kind]
+
+    def copied_over(self, kind: str) -> tuple[str, ...]:
+        """The axes on which one data-parallel replica (the ``model`` group) holds a parameter whose
+        grads reduce over ``kind`` as identical copies: the norm counts it on their first rank only."""
+        return tuple(a for a in self.group_axes("model") if a in self.group_axes(kind))
+
+    @property
+    def expert_world(self) -> int:
+        """The ranks a stage's experts are split over: ep, or ep * cp * tp under fold_ep."""
+        return math.prod(getattr(self, a) for a in self.group_axes("ep"))
+
+    @property
+    def expert_rank(self) -> int:
+        """This rank's place in its EP group (the order of the group's global ranks): it owns experts
+        ``[expert_rank * n, (expert_rank + 1) * n)`` with ``n = n_experts // expert_world``."""
+        coords, rank = self.coords(self.rank), 0
+        for axis in self.group_axes("ep"):
+            rank = rank * getattr(self, axis) + coords[axis]
+        return rank
+
     @property
     def data_rank(self) -> int:
         """Which shard of the global batch this rank reads; all stages of one pipeline, and all CP and
@@ -237,9 +281,7 @@ class ParallelDims:
 
     def all_groups(self, kind: str) -> list[list[int]]:
         """Every group of one kind, as sorted global ranks, in the same order on every rank."""
-        if kind not in GROUPS:
-            raise ValueError(f"unknown group kind {kind!r}; choose one of {GROUP_KINDS}")
-        varying = GROUPS[kind]
+        varying = self.group_axes(kind)
         fixed = [a for a in AXES if a not in varying]
         groups = []
         for outer in itertools.product(*(range(getattr(self, a)) for a in fixed)):
@@ -302,7 +344,7 @@ def build_process_groups(
             f"{dims.degrees} has {dims.world_size}"
         )
     options_factory = options_factory or group_options
-    key = (tuple(dims.degrees.values()), dims.rank, timeout, device_type)
+    key = (tuple(dims.degrees.values()), dims.fold_ep, dims.rank, timeout, device_type)
     world, built = _BUILT.get(key, (None, None))
     if built is not None and world is dist.group.WORLD:
         return built
@@ -318,9 +360,12 @@ def build_process_groups(
     shape = tuple(dims.degrees[a] for a in AXES)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES, backend_override=overrides)
     mine = {}
-    for kind, axes in GROUPS.items():
+    for kind in GROUPS:
+        axes = dims.group_axes(kind)
         # _flatten: torch's (private) way to one group over several dims; its test is this module's
-        sub = mesh[axes[0]] if len(axes) == 1 else mesh[axes]._flatten(kind, fresh())
+        # (a name apart from the mesh's own dims: fold_ep's "ep" spans several)
+        name = f"{kind}_folded" if kind in AXES else kind
+        sub = mesh[axes[0]] if len(axes) == 1 else mesh[axes]._flatten(name, fresh())
         mine[kind] = sub.get_group()
     _BUILT[key] = (dist.group.WORLD, ProcessGroups(**mine, mesh=mesh))
     return _BUILT[key][1]

@@ -30,7 +30,7 @@ from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.grad_kinds import EXPERT, grad_group_kinds
 from lightning_titan.model.lora import LoRA, store_base_
 from lightning_titan.parallel.dp.zero import cut_dim, owned_rows
-from lightning_titan.parallel.mesh import AXES, GROUPS, ParallelDims
+from lightning_titan.parallel.mesh import AXES, ParallelDims
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.parallel.tensor_parallel import padded_vocab, tp_shards
 
@@ -113,7 +113,7 @@ def local_shape(t: StageTensor, dims: ParallelDims) -> tuple[int, ...]:
     """The part of ``t`` rank ``dims.rank`` holds: its experts, its TP rows or columns (padded)."""
     shape = list(t.shape)
     if t.kind == EXPERT:
-        shape[0] //= dims.ep
+        shape[0] //= dims.expert_world  # fold_ep: over ep x cp x tp
     if t.tp_dim is not None:
         shape[t.tp_dim] = padded_vocab(shape[t.tp_dim], dims.tp) // dims.tp
     return tuple(shape)
@@ -133,11 +133,11 @@ def _owned_numel(shape: tuple[int, ...], expert: bool, tp_dim: int | None, n: in
 
 def group_place(dims: ParallelDims, kind: str) -> tuple[int, int]:
     """(size, this rank's index) of its group of grad kind ``kind``: ``dims.group_ranks`` without
-    listing the world's groups. A group varies the axes ``GROUPS[kind]`` and sorts its ranks, which
+    listing the world's groups. A group varies the axes ``dims.group_axes(kind)`` and sorts its ranks, which
     orders them by those axes' coordinates in mesh order: the index is their mixed-radix number."""
     coords, size, index = dims.coords(dims.rank), 1, 0
     for axis in AXES:
-        if axis in GROUPS[kind]:
+        if axis in dims.group_axes(kind):
             degree = getattr(dims, axis)
             size, index = size * degree, index * degree + coords[axis]
     return size, index

@@ -23,7 +23,6 @@ from torch import Tensor, nn
 
 from lightning_titan.model.decoder import Block, StageModel
 from lightning_titan.model.grad_kinds import (
-    COPIED_OVER,
     EXPERT,
     SEQUENCE,
     TP_SHARDED,
@@ -95,6 +94,10 @@ class Engine:
                 f"param_dtype={param_dtype!r} with zero=3 is not built yet (its gathers run "
                 "around each block's use); use zero 0, 1 or 2 with it, or param_dtype='fp32'"
             )
+        if dims.fold_ep and zero == 3:
+            raise ValueError(
+                "fold_ep with zero=3 is not built yet; use zero 0, 1 or 2 with fold_ep, or unfold"
+            )
         # zero=3: the units gathered around their use (None below zero=3)
         self.sharded_params: ShardedParams | None = None
         if zero == 3:
@@ -110,6 +113,7 @@ class Engine:
         scale = 1.0 / dims.data_world  # the global mean over every data rank's loss
         # 1/data_world = 1/dp (the expert-DP average) / ep: an expert owner sums every EP rank's
         # tokens; the CP and TP ranks' grads are parts of one sum (their own tokens, heads or vocabulary)
+        # whether they reach the owner through the all-to-all (fold_ep) or the expert-DP all-reduce
 
         # ZeRO: the optimizer state (zero=2: and the grads) of each reducer's parameters is split
         # over that reducer's group (a TP-cut weight's along a dim TP does not cut)
@@ -152,7 +156,7 @@ class Engine:
         # the norm counts a copy on the first rank of the axes it is copied over (parallel/dp/clipping.py)
         coords = dims.coords(dims.rank)
         self.norm_params = [
-            p for _, p, kind in kinds if all(coords[axis] == 0 for axis in COPIED_OVER[kind])
+            p for _, p, kind in kinds if all(coords[a] == 0 for a in dims.copied_over(kind))
         ]
         self.params = [p for _, p, _ in kinds]
         self.balanced_layers = balance.balanced_layers(module)  # MoE layers with an expert bias

@@ -272,7 +272,7 @@ def check_overlap(
     for."""
     if options.schedule not in OVERLAPPED:
         return
-    if dims.ep == 1:
+    if dims.expert_world == 1:  # fold_ep: tp or cp ranks exchange tokens too
         raise ValueError(
             f"schedule={options.schedule!r} overlaps the expert-parallel all-to-alls, and ep=1 has "
             "none; use schedule='1f1b' (or 'zbv' with pp > 1), or ep > 1"
@@ -296,7 +296,7 @@ def check_overlap_threads(options: TrainOptions, *, recompute: bool, compiled: b
 def check_trainer_clipping(dims: ParallelDims, options: TrainOptions, clip: float | None) -> None:
     """Lightning's own clipping (``Trainer(gradient_clip_val=clip)``) sees only this rank's grads: right
     for pure DP, wrong once a stage, expert shard or ZeRO shard holds part of the model."""
-    if clip and (dims.pp > 1 or dims.ep > 1 or dims.tp > 1 or options.zero):
+    if clip and (dims.pp > 1 or dims.expert_world > 1 or dims.tp > 1 or options.zero):
         raise ValueError(
             f"Trainer(gradient_clip_val={clip}) would clip each rank's part of the gradient by its own "
             f"norm under pp={dims.pp} ep={dims.ep} tp={dims.tp} zero={options.zero}; use "

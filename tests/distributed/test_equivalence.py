@@ -27,9 +27,12 @@ all-to-all they start (checked: they did, and no other schedule did).
 ADAMW cases run ZeRO under torch's foreach and fused AdamW; MASKED cases train on targets partly
 ignored (-100), whose loss is the mean over the step's counted targets. PACKED cases pack several
 documents a sequence (block-diagonal causal attention, RoPE from each document's start).
+FOLD cases run MoE Parallel Folding (fold_ep): the experts split over the ep x cp x tp ranks of a
+stage, under every schedule that runs expert parallelism.
 """
 
 import pytest
+import torch
 from engine_harness import (
     ACKPT_CONFIG,
     BIAS_CONFIG,
@@ -161,7 +164,7 @@ BIAS = {
         ((1, 1, 1, 2), "1f1b", 1),
         ((1, 1, 1, 1, 2), "1f1b", 1),
     ],
-    4: [],
+    4: [((1, 1, 2, 2), "1f1b:fold", 2)],  # the loads of the folded experts' owners
     8: [((2, 2, 2), "1f1b", 2)],
 }
 # Expert capacity (CAPACITY_CONFIG): the drops per sequence, its queue counted over its cp x tp ranks
@@ -174,7 +177,7 @@ CAPACITY = {
         ((1, 1, 1, 2), "1f1b", 1),
         ((1, 1, 1, 1, 2), "1f1b", 1),
     ],
-    4: [((1, 1, 1, 2, 2), "1f1b", 2)],
+    4: [((1, 1, 1, 2, 2), "1f1b", 2), ((1, 1, 2, 2), "1f1b:fold", 2)],  # each TP slice: its slots
     8: [((1, 2, 2, 2), "1f1b", 2)],
 }
 
@@ -276,6 +279,41 @@ OVERLAP = {
         ((1, 2, 2, 1, 2), "dualpipev", 4),
     ],
 }
+# MoE Parallel Folding (``:fold``, fold_ep): the experts split over the ep x cp x tp ranks of a
+# stage (4 experts: one a rank), each TP/CP rank sending its own tokens; attention keeps tp and cp
+FOLD = {
+    2: [((1, 1, 1, 2), "1f1b:fold", 1)],  # tp2 alone: EP2 over the TP ranks
+    4: [
+        ((1, 1, 2, 2), "1f1b:fold", 2),  # ep2 x tp2 -> EP4
+        ((1, 1, 2, 2), "gpipe:fold", 2),
+        ((1, 1, 2, 2), "1f1b_overlap:fold", 2),  # the folded all-to-alls in the overlapped halves
+        ((1, 1, 1, 2, 2), "1f1b:fold", 2),  # cp2 x tp2 -> EP4 over the sequence's ranks
+        ((2, 1, 1, 2), "1f1b:fold", 1),  # dp2 x tp2 -> EP2 over tp, the experts reduced over dp
+        ((2, 1, 1, 2), "1f1b:fold:zero2", 1),  # the experts' state and grads over dp only
+    ],
+    8: [
+        ((1, 2, 2, 2), "1f1b:fold", 2),  # tp2 x pp2 x ep2 -> EP4 a stage
+        ((1, 2, 2, 2), "gpipe:fold", 2),
+        ((1, 2, 2, 2), "interleaved_1f1b:v2:fold", 2),
+        ((1, 2, 2, 2), "zb_h1:fold", 2),
+        ((1, 2, 2, 2), "zbv:fold", 2),
+        ((1, 2, 2, 2), "dualpipev:fold", 4),
+        ((1, 2, 1, 2, 2), "1f1b:fold", 2),  # cp2 x tp2 x pp2
+        ((2, 1, 2, 2), "1f1b:fold", 1),  # dp2 x ep2 x tp2: the experts' own reducer, over dp
+        ((2, 1, 2, 2), "1f1b:fold:zero1", 1),
+    ],
+}
+# a folded checkpoint (after step 2) resumed unfolded, saved again after step 4, resumed folded:
+# the expert rows are global, so each run continues the single process's (ep2 x tp2, 4 ranks)
+FOLD_CHECKPOINT = {
+    2: [],
+    4: [
+        ((1, 1, 2, 2), "1f1b:fold:save=2", 2),
+        ((1, 1, 2, 2), "1f1b:resume=2:save=4", 2),
+        ((1, 1, 2, 2), "1f1b:fold:resume=4", 2),
+    ],
+    8: [],
+}
 # and with a shared expert (its halves under the exchanges too), and DeepSeek-V3's blocks
 OVERLAP_FAMILY = {
     2: [((1, 1, 2), "1f1b_overlap", 2, "qk_full")],
@@ -351,8 +389,9 @@ def capacity_ref(ref):
 @pytest.mark.timeout(620)
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_every_layout_equals_one_process(
-    ref, bias_ref, deep_ref, capacity_ref, family_refs, wide_ref, masked_ref, packed_refs, world
-):
+    ref, bias_ref, deep_ref, capacity_ref, family_refs, wide_ref, masked_ref, packed_refs, world,
+    tmp_path,
+):  # fmt: skip
     cases = [(layout, schedule, m) for layout, m in CASES[world] for schedule in SCHEDULES]
     cases += [(layout, f"{s}:paired", m) for layout, m in PAIRED[world] for s in SCHEDULES]
     cases += [(layout, f"{s}:zero{z}", m) for layout, s, m in ZERO[world] for z in (1, 2)]
@@ -361,11 +400,24 @@ def test_every_layout_equals_one_process(
     cases += SPLIT[world] + ZERO_BUBBLE[world]
     cases += [(layout, schedule, m, CAPACITY_CONFIG) for layout, schedule, m in CAPACITY[world]]
     cases += [(lay, s, m, FAMILY_CONFIGS[name]) for lay, s, m, name in FAMILY[world]]
-    cases += OVERLAP[world]
+    cases += OVERLAP[world] + FOLD[world]
     cases += [(lay, s, m, FAMILY_CONFIGS[name]) for lay, s, m, name in OVERLAP_FAMILY[world]]
     packed_names = {id(FAMILY_CONFIGS[c[3]]): c[3] for c in PACKED[world] if len(c) > 3}
     cases += [(c[0], c[1], c[2], *(FAMILY_CONFIGS[n] for n in c[3:])) for c in PACKED[world]]
-    per_rank = run_on_ranks(run_layouts, world, cases, timeout_s=600, start_method="fork")
+    resumed = FOLD_CHECKPOINT[world]  # after the others: compared with parts of the run below
+    per_rank = run_on_ranks(
+        run_layouts, world, cases + resumed, str(tmp_path), timeout_s=600, start_method="fork"
+    )
+    if resumed:
+        saved, unfolded, folded = (
+            [per_rank[r][len(cases) + i] for r in range(world)] for i in range(3)
+        )
+        for r in saved:
+            torch.testing.assert_close(r["loss"], ref["loss"][:2], rtol=1e-5, atol=0)
+        for r in unfolded:  # resumed unfolded from the folded checkpoint
+            torch.testing.assert_close(r["loss"], ref["loss"][2:4], rtol=1e-5, atol=0)
+        later = {k: ref[k][4:] for k in ("loss", "aux", "norm", "dropped")}
+        assert_matches_reference({**ref, **later}, folded, "folded from unfolded from folded")
     refs = {id(BIAS_CONFIG): (bias_ref, " expert bias"), id(DEEP_CONFIG): (deep_ref, " 8 layers")}
     refs[id(ACKPT_CONFIG)] = (ref, " activation checkpointing")
     refs[id(CAPACITY_CONFIG)] = (capacity_ref, " capacity")
@@ -387,10 +439,15 @@ def test_every_layout_equals_one_process(
         paired = schedule.split(":")[0] in OVERLAPPED
         assert all((r["handovers"] > 0) == paired for r in results), (layout, schedule)
         assert len({r["split"] for r in results}) == 1, "the ranks built different splits"
+        folded = ":fold" in schedule
+        _, _, ep, tp, cp = (*layout, 1, 1)[:5]  # each rank owns its share of the experts
+        n_experts = (config[0] if config else CONFIG).n_experts
+        owned = n_experts // (ep * cp * tp if folded else ep)
+        assert all(r["expert_range"][1] - r["expert_range"][0] == owned for r in results), schedule
         # titan plan's state model: every rank's params, grads and optimizer bytes, exactly
         zero = next((int(o[-1]) for o in schedule.split(":") if o.startswith("zero")), 0)
         for rank, r in enumerate(results):
-            dims = ParallelDims(*layout[:3], rank, *layout[3:])
+            dims = ParallelDims(*layout[:3], rank, *layout[3:], fold_ep=folded)
             predicted = rank_state(config[0] if config else CONFIG, dims, zero, r["split"])
             assert predicted == r["state"], (layout, schedule, rank, predicted, r["state"])
         # AdamW keeps two moments per weight; zero>0 leaves each rank its share of them (within 5%:
@@ -398,7 +455,7 @@ def test_every_layout_equals_one_process(
         # at zero<2; the buckets' padding and flags are the rest)
         for r in results:
             whole = 2 * sum(w.numel() for w in r["weights"].values())
-            share = zero_share(r, layout) if ":zero" in schedule else 1.0
+            share = zero_share(r, layout, folded) if ":zero" in schedule else 1.0
             state = r["state_numel"] / whole
             assert abs(state / share - 1) <= 0.05, (layout, schedule, r["coords"], state, share)
             grads = r["grad_bytes"] / r["param_bytes"]
@@ -410,15 +467,16 @@ def test_every_layout_equals_one_process(
             assert ok, (layout, schedule, r["coords"], grads, share)
 
 
-def zero_share(result: dict, layout: tuple) -> float:
+def zero_share(result: dict, layout: tuple, folded: bool = False) -> float:
     """The fraction of its weights' elements a rank's ZeRO shards hold, per part: a weight TP cuts
-    over dp x ep x cp, an expert over dp x cp x tp, the rest (norms, routers; everything without
-    TP) over dp x ep x cp x tp. Stated from the layout, not from the product's groups."""
+    over dp x ep x cp, an expert over dp x cp x tp (folded: over dp), the rest (norms, routers;
+    everything without TP) over dp x ep x cp x tp. Stated from the layout, not from the product's
+    groups."""
     dp, _, ep, tp, cp = (*layout, 1, 1)[:5]
     held = shared = 0.0
     for name, weight in result["weights"].items():
         if name in result["expert_names"]:
-            n = dp * cp * tp
+            n = dp if folded else dp * cp * tp
         elif name in result["tp_dims"] and tp > 1:
             n = dp * ep * cp
         else:

@@ -38,6 +38,7 @@ CASES = [
     ((2, 2, 2), "1f1b:lora", 2, ACKPT_CONFIG),  # recomputed blocks
     ((2, 2, 2), "1f1b:lora:compile=aot_eager", 2),  # compiled attention, router and head
     ((1, 2, 2, 2), "1f1b:lora", 2, DEEPSEEK),  # MLA's q_a/q_b/kv_a/kv_b/o, shared, dense MLP
+    ((1, 2, 2, 2), "1f1b:lora:fold", 2),  # fold_ep: the experts' adapters over ep x tp
 ]
 # an adapter checkpoint written under one layout after step 2, resumed under another (ZeRO-1 there)
 SAVED = ((1, 2, 2, 2), "1f1b:lora:save=2", 2)
@@ -78,7 +79,7 @@ def test_lora_equals_one_process_under_every_layout(tmp_path):
         for rank, r in enumerate(results):
             where = (layout, schedule, r["coords"])
             # titan plan's state model knows LoRA: every rank's bytes, exactly as measured
-            dims = ParallelDims(*layout[:3], rank, *layout[3:])
+            dims = ParallelDims(*layout[:3], rank, *layout[3:], fold_ep=":fold" in schedule)
             model = config[0] if config else CONFIG
             assert rank_state(model, dims, zero, r["split"], LORA) == r["state"], where
             if r["split"].virtual_stages == 1 and r["split"].stage_layers is None:

@@ -55,6 +55,13 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "support" / "scripts"
             "virtual_stages=1 does not work; use",
         ),
         ({"stage_layers": [2, -1]}, 2, r"stage_layers=\[2, -1\] must hold ints >= 0"),
+        (
+            {"ep": 2, "tp": 2, "fold_ep": True, "zero": 3},
+            4,
+            "fold_ep=True with zero=3 is not built",
+        ),
+        ({"fold_ep": True, "layout": "auto"}, 2, "fold_ep=True with layout='auto'"),
+        ({"tp": 2, "fold_ep": "yes"}, 2, "fold_ep='yes' must be true or false"),
     ],
 )
 def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
@@ -62,6 +69,16 @@ def test_bad_arguments_fail_when_the_trainer_is_built(kwargs, devices, match):
         L.Trainer(
             accelerator="cpu", devices=devices, strategy=TitanStrategy(**kwargs), logger=False
         )
+
+
+def test_fold_ep_reaches_the_layout():
+    """The option the user sets is the layout the model is built from (module.configure_model reads
+    ``expert_rank`` / ``expert_world``): ep2 x tp2 folded splits the experts over all 4 ranks."""
+    strategy = TitanStrategy(ep=2, tp=2, fold_ep=True)
+    L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
+    dims = strategy.parallel_dims
+    assert (dims.dp, dims.fold_ep, dims.expert_world, dims.expert_rank) == (1, True, 4, 0)
+    assert dims.label() == "dp=1 pp=1 ep=2 tp=2 fold_ep"
 
 
 def test_zero_with_nothing_to_split_warns_and_whole_tensor_optimizers_are_refused():

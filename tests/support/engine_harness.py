@@ -97,8 +97,8 @@ def stage_model(
         split=split,
         pp_rank=dims.pp_rank,
         pp=dims.pp,
-        ep_rank=dims.ep_rank,
-        ep=dims.ep,
+        ep_rank=dims.expert_rank,  # fold_ep: the place in the folded EP group
+        ep=dims.expert_world,
         ep_group=groups.ep,
         tp_group=groups.tp,
         cp_group=groups.cp,
@@ -430,7 +430,9 @@ def train(
 
 def watch_rows(model: StageModel, config: ModelConfig, dims: ParallelDims) -> list[float]:
     """A list that each MoE forward appends to: the most rows one local expert received over the
-    most the capacity allows it (capacity x the microbatch's sequences x ep); empty when dropless."""
+    most the capacity allows it (capacity x the microbatch's sequences x the EP group's ranks: each
+    sends its static slots, ``parallel/slots.py``, so under fold_ep a TP rank's slice of a sequence
+    has its own); empty when dropless."""
     ratios: list[float] = []
     if config.capacity_factor is None:
         return ratios
@@ -438,7 +440,7 @@ def watch_rows(model: StageModel, config: ModelConfig, dims: ParallelDims) -> li
 
     def hook(layer: MoELayer, inputs: tuple, output: object) -> None:
         sequences = inputs[0].shape[0]
-        ratios.append(max(layer.rows_per_local_expert) / (limit * sequences * dims.ep))
+        ratios.append(max(layer.rows_per_local_expert) / (limit * sequences * dims.expert_world))
 
     for m in model.modules():
         if isinstance(m, MoELayer):
@@ -534,13 +536,14 @@ def run_layouts(
     ``"<name>:resume=2"`` starting at step 2 from it, ``"<name>:late_stop"`` with activation
     checkpointing's recompute running each block's whole forward (torch stops it early, after the
     last tensor the backward needs), ``"<name>:bf16"`` with bf16 weights over fp32 masters
-    (``reference(param_dtype="bf16")``), ``"<name>:offload"`` with the optimizer on host copies;
-    ``config`` replaces CONFIG."""
+    (``reference(param_dtype="bf16")``), ``"<name>:offload"`` with the optimizer on host copies,
+    ``"<name>:fold"`` with ``fold_ep`` (the experts over the ep x cp x tp ranks); ``config``
+    replaces CONFIG."""
     out, cpu = [], torch.device("cpu")
     for layout, schedule, m, *rest in cases:
         config = rest[0] if rest else CONFIG
-        dims = ParallelDims(*layout[:3], rank, *layout[3:])
         name, *options = schedule.split(":")
+        dims = ParallelDims(*layout[:3], rank, *layout[3:], fold_ep="fold" in options)
         zero = next((int(o[-1]) for o in options if o.startswith("zero")), 0)
         batch = next((int(o[6:]) for o in options if o.startswith("batch=")), GLOBAL_BATCH)
         split = split_of(options, name)

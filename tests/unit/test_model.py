@@ -64,6 +64,9 @@ def test_validate_layout():
         config.validate_layout(1, 3)
     with pytest.raises(ValueError, match="n_experts=8 is not divisible by ep=3"):
         StageModel(config, ep=3)
+    config.validate_layout(1, 2, 4, fold_ep=True)  # 8 experts over ep2 x tp4
+    with pytest.raises(ValueError, match=r"n_experts=8 is not divisible by ep\*cp\*tp = 2\*1\*3"):
+        config.validate_layout(1, 2, 3, fold_ep=True)
 
 
 @pytest.mark.parametrize("pp, ep", LAYOUTS)
