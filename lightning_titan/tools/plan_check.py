@@ -5,8 +5,8 @@ can run are predicted for this machine's CPU ranks; the fastest and the slowest 
 ``titan bench``'s worker (the same runner, a few steps each), and the predicted step time and state
 are printed beside the measured ones, with the Spearman rank correlation of the step times.
 
-Only what the bench's runner sets is checked: zero=0, every schedule with the bench's microbatch
-count (interleaved 1F1B and ZBV with two chunks per rank), no recompute (not a bench case). Under
+Only what the bench's runner sets is checked: zero=0, every schedule at the microbatch count the
+planner chose (interleaved 1F1B and ZBV with two chunks per rank), no recompute (not a bench case). Under
 ``--precision bf16-mixed`` the planner prices bf16 and every step runs under CPU autocast, one region
 per step as Lightning's (``bench/worker.py``), so the activations are compared in the run's dtypes.
 """
@@ -62,6 +62,7 @@ def _case(r: Ranked) -> Case:
         tp=d["tp"],
         schedule=r.options.schedule,
         virtual_stages=r.options.virtual_stages,
+        microbatches=r.options.microbatches,  # the planned M (one microbatch can rank first)
         impls=(OURS,),
     )
 
@@ -70,21 +71,23 @@ def chosen(
     config: ModelConfig,
     batch: int,
     world: int,
-    settings: Settings,
     memory: float,
     per_end: int,
     precision: Precision = FP32,
+    only: list[str] | None = None,
 ) -> list[Ranked]:
-    """The fastest and slowest ``per_end`` runnable layouts of ``world`` ranks, as predicted."""
+    """The fastest and slowest ``per_end`` runnable layouts of ``world`` ranks, as predicted; with
+    ``only`` (labels, ``dp8``), the fastest row of each named layout instead."""
     device = cpu_device(world, config.n_experts, config.top_k, memory)
     found = [c for c in candidates(config, world, batch)[0] if c.zero == 0]
     rows = [
         r
         for r in ranked(config, found, batch, device, (False,), precision)
-        if r.options.schedule in SCHEDULES
-        and r.options.microbatches == settings.num_microbatches(_case(r))
-        and r.candidate.state_bytes <= memory
+        if r.options.schedule in SCHEDULES and r.candidate.state_bytes <= memory
     ]
+    if only:
+        firsts = {r.candidate.label: r for r in reversed(rows) if r.candidate.label in only}
+        return sorted(firsts.values(), key=lambda r: r.cost.step)
     if len(rows) <= 2 * per_end:
         return rows
     return rows[:per_end] + rows[-per_end:]
@@ -98,6 +101,7 @@ def check(
     steps: int = 2,
     rounds: int = 3,
     precision: Precision = FP32,
+    only: list[str] | None = None,
 ) -> float:
     """Run, print the table, return the Spearman correlation of predicted and measured step time."""
     settings = Settings(
@@ -114,7 +118,7 @@ def check(
     rows: list[tuple[int, Ranked, dict]] = []
     start = time.perf_counter()
     for world in worlds:
-        picked = chosen(config, batch, world, settings, memory, PER_END.get(world, 3), precision)
+        picked = chosen(config, batch, world, memory, PER_END.get(world, 3), precision, only)
         if not picked:
             continue
         print(

@@ -141,7 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--only",
         nargs="+",
-        help="print only these layouts (e.g. dp8xep8 pp4xep2): each one's fastest --top rows",
+        help="print only these layouts (e.g. dp8xep8 pp4xep2): each one's fastest --top rows; "
+        "with --check, run each one's fastest row",
     )
     parser.add_argument("--out", help="write the first layout as a config overlay (YAML)")
     parser.add_argument(
@@ -465,7 +466,7 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     if args.check:
         from lightning_titan.tools.plan_check import check
 
-        check(config, batch, args.devices, memory, precision=precision)
+        check(config, batch, args.devices, memory, precision=precision, only=args.only)
         return []
     found, rejected = candidates(config, args.devices, batch, lora, policy)
     found.sort(key=lambda c: (c.state_bytes, c.zero, -c.degrees["dp"]))

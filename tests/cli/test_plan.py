@@ -54,7 +54,7 @@ from lightning_titan.plan.rank import ranked, step_options
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.tools.bench.cases import OURS, Case, Settings
 from lightning_titan.tools.bench.worker import run_world
-from lightning_titan.tools.plan_check import check, spearman
+from lightning_titan.tools.plan_check import _case, check, chosen, spearman
 from lightning_titan.tools.plan_cli import _ms, model_and_batch, only_rows, table
 from lightning_titan.tools.plan_cli import main as plan_main
 
@@ -695,6 +695,15 @@ def test_check_runs_predicted_against_measured(capsys):
     printed = capsys.readouterr().out
     assert "| 1 | single |" in printed and "| 2 | " in printed
     assert -1.0 <= rho <= 1.0 and "Spearman rank correlation" in printed
+
+
+def test_check_runs_each_layout_at_the_microbatch_count_planned():
+    """The default model on 8 CPU ranks: the planner's first row is dp2 x pp4 at one microbatch (the
+    bubble's idle ranks lend their cores), and --check runs it at that M, not the bench's own."""
+    picked = chosen(ModelConfig(), 16, 8, 3e9, 3)
+    assert [r.options.microbatches for r in picked] == [_case(r).microbatches for r in picked]
+    first = picked[0]
+    assert (first.candidate.degrees["pp"], first.options.microbatches) == (4, 1), first
 
 
 @pytest.mark.parametrize("devices", [4, 8])
