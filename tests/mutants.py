@@ -1858,6 +1858,11 @@ MUTATIONS = {
                                  "            grad = r.reduced_grad(p)  # bf16 weights: the master's\n",
                                  "            grad = p.grad\n",
                                  ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # titan plan --check runs a layout at the bench's microbatch count, not the one planned
+    "check_bench_microbatches": ("lightning_titan/tools/plan_check.py",
+                                 "        microbatches=r.options.microbatches,",
+                                 "        microbatches=None,",
+                                 ["tests/cli/test_plan.py", "-k", "microbatch_count_planned"]),
     # optimizer offload: the updated host copies never come back to the device
     "offload_no_copy_back": ("lightning_titan/parallel/dp/offload.py",
                              "            device.copy_(host, non_blocking=self.pinned)\n",
