@@ -36,6 +36,21 @@ STEP_ORDER = """\
 
 # name: (file, old, new, pytest arguments)
 MUTATIONS = {
+    # the ZeRO-3 bench table: a time target decided the wrong way round
+    "bench_zero3_target_flipped": ("lightning_titan/tools/bench/zero3_report.py",
+                                   '                "met": step.at_most(target),\n',
+                                   '                "met": step.at_least(target),\n',
+                                   ["tests/distributed/test_bench.py", "-k", "zero3_table"]),
+    # the ZeRO-3 bench table: every part's share against the optimizer state's
+    "bench_zero3_one_kind": ("lightning_titan/tools/bench/zero3_report.py",
+                             "ratios, ideals = optimizer_shares(zero0, zero3, row, kind)",
+                             "ratios, ideals = optimizer_shares(zero0, zero3, row)",
+                             ["tests/distributed/test_bench.py", "-k", "zero3_table"]),
+    # the FSDP2 ZeRO-3 peer keeps its blocks gathered from forward to backward (ZeRO-2's)
+    "bench_fsdp2_zero3_not_resharded": ("lightning_titan/tools/bench/worker.py",
+                                        "reshard_after_forward=impl == FSDP2_ZERO3",
+                                        "reshard_after_forward=False",
+                                        ["tests/distributed/test_bench.py", "-k", "quick_runs_end"]),
     # compile under a B/W split schedule keeps the compiled backwards' buffers donated
     "compile_donated_buffers": ("lightning_titan/model/compiled.py",
                                 "        torch._functorch.config.donated_buffer = False\n",

@@ -632,6 +632,53 @@ def test_the_zero_peer_is_timed_against_ours_at_zero_1():
     assert z["peer_step_ratio"] == pytest.approx(13 / 12) and z["peer_met"]
 
 
+def test_zero3_table_divides_each_part_by_its_group_and_times_against_fsdp2_and_zero2():
+    """dp2 x ep2 at zero=0: 100 B of expert and of non-expert params and grads, 800 + 1200 B of
+    optimizer state per rank; zero=3 cuts the experts over dp = 2 and the rest over dp x ep = 4, so
+    each part's ideal share is (x / 2 + y / 4) / (x + y); one rank 10 % over on its grads misses.
+    Time: zero=3 / FSDP2 at most 1.0x and zero=3 / zero=2 at most 1.15x, over the paired rounds."""
+    from lightning_titan.tools.bench import report
+
+    def impl(rounds, states, **extra):
+        return {"step_ms": sorted(rounds)[len(rounds) // 2], "cpu_ms": 1.0, "tokens_per_s": 1.0,
+                "rounds_ms": rounds, "rounds_cpu_ms": [1.0] * len(rounds),
+                "state_bytes_per_rank": states, **extra}  # fmt: skip
+
+    zero0 = [_state(800, 1200)] * 4
+    rows3 = {"expert_params": 50, "non_expert_params": 25, "expert_grads": 50,
+             "non_expert_grads": 25, "expert_optimizer": 400, "non_expert_optimizer": 300}  # fmt: skip
+    zero3 = [rows3] * 3 + [{**rows3, "non_expert_grads": 32.5}]  # 82.5 / 75: 10 % over
+    rounds = [10.0, 11.0, 10.0, 12.0, 10.0]
+    row = {"world": 4, "case": "dp2xep2", "dp": 2, "ep": 2,
+           "impls": {"titan": impl(rounds, zero0),
+                     "titan_zero2": impl([r / 1.1 for r in rounds], zero0),
+                     "titan_zero3": impl(rounds, zero3, param_peak_bytes_per_rank=[900, 1000] * 2,
+                                         block_gathers_per_rank=[{"prefetched": 6, "gathered": 2,
+                                                                  "wasted": 0}] * 4)}}  # fmt: skip
+    (z,) = report.zero3_rows([row])
+    parts = z["parts"]
+    assert parts["params"]["ideal"] == pytest.approx(75 / 200) and parts["params"]["met"]
+    assert parts["optimizer"]["ratio"] == pytest.approx(0.35) and parts["optimizer"]["met"]
+    assert parts["grads"]["ratio"] == pytest.approx(82.5 / 200) and not parts["grads"]["met"]
+    assert not z["memory_met"] and z["param_peak_mb"] == {"titan_zero3": 1000e-6}
+    assert z["zero2"]["step_ratio"] == pytest.approx(1.1) and z["zero2"]["met"] is True
+    assert "peer" not in z  # no FSDP2 under ep: its cells say so
+    table = "\n".join(report.zero3_markdown([z]))
+    assert (
+        "| 4 | dp2xep2 |" in table
+        and "| 6 / 2 / 0 | - | - | - | 1.10x (1.10-1.10) | yes | 1.00x" in table
+    )
+    # FSDP2 beside it on a dp case: ours no slower over every round, else missed or undecided
+    row["case"], row["ep"] = "dp4", 1
+    row["impls"]["fsdp2_zero3"] = impl([r * 1.25 for r in rounds], zero3)
+    (z,) = report.zero3_rows([row])
+    assert z["peer"]["step_ratio"] == pytest.approx(0.8) and z["peer"]["met"] is True
+    row["impls"]["fsdp2_zero3"]["rounds_ms"] = [9.0, 12.0, 9.0, 12.0, 9.0]  # straddles 1.0
+    assert report.zero3_rows([row])[0]["peer"]["met"] is None
+    (peer,) = [p for p in report.peer_ratios([row]) if p["peer"] == "fsdp2_zero3"]
+    assert peer["baseline"] == "titan_zero3"
+
+
 @pytest.mark.slow  # a tool's end-to-end run (about 30 s); the fast tier keeps its parts' tests
 @pytest.mark.timeout(300)
 def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
@@ -655,6 +702,7 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     assert {(p["case"], p["peer"], p["baseline"]) for p in results["peers"]} == {
         ("dp2", "titan_per_param", "titan"), ("dp2", "ddp", "titan"),
         ("dp2", "ddp_zero", "titan_zero1"), ("dp2", "fsdp2", "titan_zero2"),
+        ("dp2", "fsdp2_zero3", "titan_zero3"),
         ("pp2 1f1b", "torch_pp", "titan"), ("tp2", "torch_tp", "titan")}  # fmt: skip
     # ZeRO-1: each rank keeps about half the AdamW state at dp2, params and grads whole; torch's
     # ZeroRedundancyOptimizer gives each parameter's state to one rank: its ranks add up to zero=0
@@ -711,11 +759,33 @@ def test_bench_quick_runs_end_to_end_on_two_ranks(tmp_path):
     )
     assert "**ZeRO-2**" in (tmp_path / "bench.md").read_text()
     _check_tp_state(results, (tmp_path / "bench.md").read_text())
+    # ZeRO-3: each rank holds half the parameters, grads and optimizer state between steps, as
+    # FSDP2's ZeRO-3 does; in the step the rows plus what is gathered (the rest of the stage and
+    # two blocks: more than zero=2's whole model on this tiny model, whose embedding and head
+    # dominate), FSDP2 one block fewer, it prefetches none here; every block's gather but each
+    # pass's first was in flight
+    (z3,) = results["zero3"]
+    assert z3["case"] == "dp2" and z3["memory_met"]
+    for kind in ("params", "grads", "optimizer"):
+        assert z3["parts"][kind]["ratio_per_rank"] == pytest.approx([0.5, 0.5], rel=0.05), kind
+        assert z3["mb"]["fsdp2_zero3"][kind] == pytest.approx(z3["mb"]["titan_zero3"][kind], 0.05)
+    peaks = z3["param_peak_mb"]
+    assert peaks["titan_zero2"] == pytest.approx(z3["mb"]["titan"]["params"])
+    assert z3["mb"]["titan_zero3"]["params"] < peaks["fsdp2_zero3"] < peaks["titan_zero3"]
+    gathers = z3["block_gathers"]
+    assert gathers["wasted"] == 0 and gathers["prefetched"] == 3 * gathers["gathered"] > 0
+    assert z3["peer"]["step_ratio"] > 0 and z3["zero2"]["step_ratio"] > 0
+    assert "**ZeRO-3**" in (tmp_path / "bench.md").read_text()
     # titan plan's state model predicts every rank's measured state of every case and zero level
     config = ModelConfig(**results["settings"]["config"])
     for row in results["rows"]:
         degrees = {axis: row[axis] for axis in ("dp", "pp", "ep", "cp", "tp")}
-        for impl, level in (("titan", 0), ("titan_zero1", 1), ("titan_zero2", 2)):
+        for impl, level in (
+            ("titan", 0),
+            ("titan_zero1", 1),
+            ("titan_zero2", 2),
+            ("titan_zero3", 3),
+        ):
             if impl in row["impls"]:
                 measured = row["impls"][impl]["state_bytes_per_rank"]
                 assert layout_state(config, degrees, level) == measured, (row["case"], impl)

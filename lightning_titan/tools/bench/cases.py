@@ -11,30 +11,33 @@ from lightning_titan.parallel.pipeline.split import AUTO, StageSplit
 OURS, PER_PARAM, DDP, TORCH_PP = "titan", "titan_per_param", "ddp", "torch_pp"
 ZERO1, ZERO2, DDP_ZERO, TORCH_TP = "titan_zero1", "titan_zero2", "ddp_zero", "torch_tp"
 FSDP2 = "fsdp2"
+ZERO3, FSDP2_ZERO3 = "titan_zero3", "fsdp2_zero3"  # ours at zero=3; FSDP2 resharding after forward
 A2A_BLOCKING = "titan_a2a_blocking"  # ours with every EP all-to-all waited for at once
 # ours under another schedule than the case's (titan bench --ep-overlap): zbv with the in-layer
 # overlap, and the schedules that overlap one microbatch's forward with another's backward
 ZBV, OVERLAP_1F1B, DUALPIPEV = "titan_zbv", "titan_1f1b_overlap", "titan_dualpipev"
 SCHEDULE_IMPLS = {ZBV: "zbv", OVERLAP_1F1B: "1f1b_overlap", DUALPIPEV: "dualpipev"}
 PAIRED = (OVERLAP_1F1B, DUALPIPEV)  # a rank runs two threads (parallel/overlap.py)
-ZERO_LEVELS = {ZERO1: 1, ZERO2: 2}  # ours with a zero flag
+ZERO_LEVELS = {ZERO1: 1, ZERO2: 2, ZERO3: 3}  # ours with a zero flag
 IMPL_LABELS = {
     OURS: "ours",
     ZERO1: "ours, zero=1",
     ZERO2: "ours, zero=2",
+    ZERO3: "ours, zero=3",
     PER_PARAM: "ours, per-param all-reduce",
     DDP: "torch DDP",
     DDP_ZERO: "torch DDP + ZeroRedundancyOptimizer",
     TORCH_PP: "torch.distributed.pipelining",
     TORCH_TP: "torch parallelize_module (TP + SP)",
     FSDP2: "torch FSDP2 (fully_shard, ZeRO-2)",
+    FSDP2_ZERO3: "torch FSDP2 (fully_shard, ZeRO-3)",
     A2A_BLOCKING: "ours, all-to-alls waited for at once",
     ZBV: "ours, zbv",
     OVERLAP_1F1B: "ours, 1f1b_overlap",
     DUALPIPEV: "ours, dualpipev",
 }
 # what a peer is timed against (default: OURS): the sharded-state peer against our sharded state
-BASELINES = {DDP_ZERO: ZERO1, FSDP2: ZERO2, A2A_BLOCKING: OURS}
+BASELINES = {DDP_ZERO: ZERO1, FSDP2: ZERO2, FSDP2_ZERO3: ZERO3, A2A_BLOCKING: OURS}
 OVERLAP_IMPLS = (OURS, ZBV, *PAIRED)  # --ep-overlap: each timed against A2A_BLOCKING
 
 
@@ -159,9 +162,9 @@ def quick_cases(peers: bool = True) -> list[Case]:
     return [
         Case(
             dp=2,
-            impls=(OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO, FSDP2)
+            impls=(OURS, ZERO1, ZERO2, PER_PARAM, DDP, DDP_ZERO, FSDP2, ZERO3, FSDP2_ZERO3)
             if peers
-            else (OURS, ZERO1, ZERO2),
+            else (OURS, ZERO1, ZERO2, ZERO3),
         ),
         Case(pp=2, impls=(OURS, TORCH_PP) if peers else (OURS,)),
         Case(pp=2, schedule="gpipe"),
@@ -205,4 +208,14 @@ def ep_overlap_cases(quick: bool = False) -> list[Case]:
         Case(pp=2, ep=2, impls=piped),
         Case(dp=2, pp=2, ep=2, impls=piped),
     ]
+    return cases[:1] if quick else cases
+
+
+def zero3_cases(quick: bool = False) -> list[Case]:
+    """``titan bench --zero3``: ours at zero=3 beside zero=0 (one process's state per rank, which
+    zero=3 divides), our zero=2 and torch FSDP2 resharding after forward (ZeRO-3), in the same
+    rounds, on dp2 and dp4; dp2 x ep2 without FSDP2, which has no expert parallelism (with --quick:
+    dp2 only)."""
+    impls = (OURS, ZERO2, ZERO3, FSDP2_ZERO3)
+    cases = [Case(dp=2, impls=impls), Case(dp=4, impls=impls), Case(dp=2, ep=2, impls=impls[:3])]
     return cases[:1] if quick else cases

@@ -17,6 +17,7 @@ from lightning_titan.tools.bench.cases import (
     DDP,
     DDP_ZERO,
     FSDP2,
+    FSDP2_ZERO3,
     IMPL_LABELS,
     OURS,
     TORCH_PP,
@@ -29,6 +30,7 @@ from lightning_titan.tools.bench.overlap_report import ep_overlap
 from lightning_titan.tools.bench.paired import INTERVAL, mark, step_and_cpu
 from lightning_titan.tools.bench.schedule_report import schedules_markdown
 from lightning_titan.tools.bench.tp_report import expected_tp_shares, span, tp_markdown, tp_rows
+from lightning_titan.tools.bench.zero3_report import zero3_markdown, zero3_rows  # noqa: F401
 from lightning_titan.tools.bench.zero_report import zero_markdown, zero_rows  # noqa: F401 (suite)
 
 _MB = 1e6
@@ -69,6 +71,9 @@ def summarize(
             "tp_cut_share": [r[impl]["tp_cut_param_bytes"] / full["tp_cut"] for r in per_rank],
             "tp_cut_bytes_per_rank": [r[impl]["tp_cut_param_bytes"] for r in per_rank],
         }
+        for key in ("param_peak_bytes", "block_gathers"):  # zero=2, zero=3 and FSDP2's
+            if key in per_rank[0][impl]:
+                impls[impl][f"{key}_per_rank"] = [r[impl][key] for r in per_rank]
         if impl != OURS and "spans" in per_rank[0][impl]:
             impls[impl]["time_ms"] = tracing.time_by_kind(
                 [s for r in per_rank for s in r[impl]["spans"]]
@@ -149,6 +154,7 @@ PEER_TARGETS = {
     DDP: 1.00,
     DDP_ZERO: 1.00,
     FSDP2: 1.00,
+    FSDP2_ZERO3: 1.00,
 }  # peer time / ours at least this
 
 
@@ -376,6 +382,7 @@ def markdown(results: dict) -> str:
     lines += tp_markdown(tp_rows(results["rows"]))
     lines += cp_markdown(results.get("cp", []))
     lines += zero_markdown(results.get("zero", []))
+    lines += zero3_markdown(results.get("zero3", []))
     lines += schedules_markdown(results.get("schedules", []), results.get("schedule_checks", []))
     if results["bubble_checks"]:
         lines += [

@@ -143,17 +143,26 @@ class DDPZeroRunner(DDPRunner):
 
 
 class FSDP2Runner(DDPRunner):
-    """torch FSDP2: ``fully_shard`` on each block and on the root, with
-    ``reshard_after_forward=False`` (the parameters stay gathered from forward to backward), so it
-    shards what ZeRO-2 shards (optimizer state and grads) and is timed against ours at zero=2. Its
-    grads and optimizer state are DTensor shards; torch's ``clip_grad_norm_`` composes their norm.
+    """torch FSDP2: ``fully_shard`` on each block and on the root. ``reshard_after_forward=False``
+    (the parameters stay gathered from forward to backward): it shards what ZeRO-2 shards (optimizer
+    state and grads) and is timed against ours at zero=2; True: each block freed after its forward
+    and gathered again for its backward, the next block's gather prefetched (ZeRO-3; the root, as
+    FSDP2 does, kept for the backward), timed against ours at zero=3. Its grads and optimizer state
+    are DTensor shards; torch's ``clip_grad_norm_`` composes their norm. Mixed precision as ours:
+    fp32 parameters (FSDP2's default ``MixedPrecisionPolicy``), the step under the bench's autocast.
     Pure DP layouts only."""
 
     def __init__(
-        self, config: ModelConfig, dims: ParallelDims, groups: ProcessGroups, device: torch.device
+        self,
+        config: ModelConfig,
+        dims: ParallelDims,
+        groups: ProcessGroups,
+        device: torch.device,
+        *,
+        reshard_after_forward: bool = False,
     ) -> None:
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if dims.pp != 1 or dims.ep != 1:
             raise ValueError(f"the FSDP2 peer runs pure DP layouts, not pp={dims.pp} ep={dims.ep}")
@@ -161,9 +170,14 @@ class FSDP2Runner(DDPRunner):
             raise ValueError("the FSDP2 peer shards over the DP group: run it on a process group")
         self.model = build_stage(config, dims, groups, device)
         mesh = DeviceMesh.from_group(groups.expert_dp, device.type)  # pure DP: the dp ranks
+        policy = MixedPrecisionPolicy()  # fp32 weights, grads reduced in fp32: ours
         for block in self.model.layers.values():
-            fully_shard(block, mesh=mesh, reshard_after_forward=False)
-        fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
+            fully_shard(
+                block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy
+            )
+        fully_shard(
+            self.model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy
+        )
         self.ddp = self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
 

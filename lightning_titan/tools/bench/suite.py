@@ -13,6 +13,7 @@
     titan bench --lora --d-model 256 --rounds 5  # only: LoRA vs a full fine-tune, state and step time
     titan bench --packing --rounds 5  # only: packed documents' attention cost, windows' fill
     titan bench --ep-overlap --shared-expert-dim 128 --rounds 5  # all-to-all exposed, before/after pairs
+    titan bench --zero3 --worlds 2 4 --rounds 11  # zero=3 vs FSDP2 (ZeRO-3) and zero=2: state, time
     titan bench --compile --rounds 9  # only: eager vs compiled, one rank, d_model 64/256/512
 
 Writes bench.md (the tables), bench.json (everything), PNG charts, and per case a Chrome trace
@@ -59,6 +60,7 @@ from lightning_titan.tools.bench.cases import (
     ep_overlap_cases,
     quick_cases,
     schedule_cases,
+    zero3_cases,
 )
 
 
@@ -79,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
         "and zbv with the in-layer overlap, and 1f1b_overlap / dualpipev in the same rounds: exposed "
         "all-to-all per rank, measured and replayed with free cores, activations against the "
         "theory (with --quick: ep2)",
+    )
+    p.add_argument(
+        "--zero3",
+        action="store_true",
+        help="dp2, dp4 and dp2xep2 (--worlds picks): ours at zero=3 against torch FSDP2 resharding "
+        "after forward (not on dp2xep2: it has no EP) and our zero=2 in the same rounds, with "
+        "zero=0 for the state it divides: parameters, grads and optimizer state per rank against "
+        "1/N, the parameter peak with gathered blocks (with --quick: dp2)",
     )
     p.add_argument(
         "--shared-expert-dim", type=int, default=0, help="a shared expert this wide (0: none)"
@@ -327,6 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
             cases = [c for c in cases if c.pp == 2] if args.quick else cases
         elif args.ep_overlap:
             cases = ep_overlap_cases(args.quick)
+        elif args.zero3:
+            cases = [c for c in zero3_cases(args.quick) if c.world in args.worlds or args.quick]
         elif args.quick:
             cases = quick_cases(not args.no_peers)
         else:
@@ -360,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
     experts_rows: list[dict] = []
     dispatch_settings = ""
     if not (
-        args.no_dispatch or args.schedules or args.ep_overlap
+        args.no_dispatch or args.schedules or args.ep_overlap or args.zero3
     ):  # the schedules table is about pipelines only
         dispatch_rows, dispatch_settings, experts_rows = routing.micro_benchmarks(args, settings)
 
@@ -388,6 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peers": report.peer_ratios(rows),
         "memory": report.memory_pairs(rows),
         "zero": report.zero_rows(rows),
+        "zero3": report.zero3_rows(rows),
         "tp": report.tp_rows(rows),
         "cp": report.cp_rows(rows),
         "bubble_checks": report.bubble_checks(rows),

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_titan.model.moe.layer import MoELayer
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
@@ -29,14 +30,15 @@ from lightning_titan.tools.bench.cases import (
     DDP,
     DDP_ZERO,
     FSDP2,
+    FSDP2_ZERO3,
     IMPL_LABELS,
     OURS,
     PER_PARAM,
     SCHEDULE_IMPLS,
     TORCH_PP,
     TORCH_TP,
-    ZERO1,
     ZERO2,
+    ZERO3,
     ZERO_LEVELS,
     Case,
     Settings,
@@ -97,7 +99,7 @@ def _make(
     split: StageSplit,
 ) -> Any:
     m = settings.num_microbatches(case)
-    if impl in (OURS, ZERO1, ZERO2, PER_PARAM, A2A_BLOCKING, *SCHEDULE_IMPLS):
+    if impl in (OURS, *ZERO_LEVELS, PER_PARAM, A2A_BLOCKING, *SCHEDULE_IMPLS):
         reducer = "per_param" if impl == PER_PARAM else "bucketed"
         runner = TitanRunner(
             settings.config,
@@ -119,8 +121,10 @@ def _make(
         return DDPRunner(settings.config, dims, groups, device)
     if impl == DDP_ZERO:
         return DDPZeroRunner(settings.config, dims, groups, device)
-    if impl == FSDP2:
-        return FSDP2Runner(settings.config, dims, groups, device)
+    if impl in (FSDP2, FSDP2_ZERO3):
+        return FSDP2Runner(
+            settings.config, dims, groups, device, reshard_after_forward=impl == FSDP2_ZERO3
+        )
     if impl == TORCH_PP:
         return TorchPipeRunner(
             settings.config,
@@ -210,9 +214,15 @@ def run_case(
         result["median_cpu_s"] = statistics.median(result["cpu_s"])
 
     # zero>0's time split: where its gather and smaller step go; --ep-overlap's exposure
-    for impl in (OURS, ZERO1, ZERO2, A2A_BLOCKING, *SCHEDULE_IMPLS):
+    for impl in (OURS, *ZERO_LEVELS, A2A_BLOCKING, *SCHEDULE_IMPLS):
         if impl in runners:
             out[impl]["spans"] = _traced(runners[impl], batches, settings, dims, device)
+    for impl in (ZERO2, ZERO3, FSDP2, FSDP2_ZERO3):  # the weights whole at once during a step
+        if impl in runners:
+            with autocast(settings, device):
+                out[impl]["param_peak_bytes"] = param_peak(runners[impl], batches[0])
+    if ZERO3 in runners:  # the blocks' gathers: found in flight (prefetched) or not, or wasted
+        out[ZERO3]["block_gathers"] = dict(runners[ZERO3].engine.sharded_params.counts)
     for impl, runner in runners.items():  # after steps: the optimizers hold their state
         out[impl]["state_bytes"] = state_bytes(
             runner.model, runner.optimizer, getattr(runner, "engine", None)
@@ -233,6 +243,48 @@ def run_case(
     for runner in runners.values():
         runner.close()
     return out
+
+
+def _storage_bytes(tensors: list[Tensor]) -> int:
+    """Bytes of the distinct storages ``tensors`` (a DTensor: its local shard) live in; zero=3's
+    freed parameters hold 0 bytes."""
+    storages = {}
+    for t in tensors:
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
+
+
+def param_peak(runner: Any, batch: tuple[Tensor, Tensor]) -> int:
+    """The most bytes of parameter storage a rank holds during one step: the model's parameters as
+    they are then (whole, or freed by zero=3; FSDP2's the gathered ones while a block is unsharded,
+    else its shards) and the optimizer's (ZeRO's rows, FSDP2's shards), each storage once, sampled
+    at every block's forward (after its gather and the next one's prefetch) and at the start of
+    its backward (the grad of its output). The collectives' buffers are not counted."""
+    model = runner.model
+    leaves = [p for g in runner.optimizer.param_groups for p in g["params"]]
+    peak = 0
+
+    def look(*_: Any) -> None:
+        nonlocal peak
+        peak = max(peak, _storage_bytes([*model.parameters(), *leaves]))
+
+    def on_output(module: Any, args: Any, output: Any) -> None:
+        look()
+        x = output[0] if isinstance(output, tuple) else output
+        if isinstance(x, Tensor) and x.requires_grad:
+            x.register_hook(look)  # after the gathers' own hooks, registered before
+
+    handles = []
+    for block in model.layers.values():  # after the engine's and FSDP2's hooks
+        handles.append(block.register_forward_pre_hook(look))
+        handles.append(block.register_forward_hook(on_output))
+    try:
+        runner.step(*batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return peak
 
 
 def _traced(
