@@ -13,7 +13,9 @@ every prefetch used; under activation checkpointing too (the recompute gathers t
 for its backward and prefetches nothing). Under a pipeline
 and the other schedules: the whole stage at every forward and every grad accumulation of the step,
 the optimizer's rows views into it. A zero=3 checkpoint resumes at zero=0 under another layout and
-the other way round, and one saved under a pipeline resumes at pp=1, exactly.
+the other way round, and one saved under a pipeline resumes at pp=1, exactly. On 8 ranks: dp2 x pp2 x
+ep2 (1F1B, ZBV, activation checkpointing), tp2 x pp2 x ep2 (1F1B, DualPipeV), cp2 x pp2 x ep2, dp4 x
+ep2, and a dp2 x pp2 x ep2 zero=3 checkpoint resumed at zero=0 under dp4 x ep2 and back.
 """
 
 from types import SimpleNamespace
@@ -70,6 +72,15 @@ CASES = {
         ((1, 2, 2), "dualpipev:zero3", 4),  # pp2 x ep2, overlapped; the experts whole (dp=1)
         ((1, 2, 1, 2), "1f1b:zero3", 2),  # pp2 x tp2
     ],
+    8: [
+        ((2, 2, 2), "1f1b:zero3", 2),  # dp2 x pp2 x ep2
+        ((2, 2, 2), "1f1b:zero3", 2, ACKPT_CONFIG),
+        ((2, 2, 2), "zbv:zero3", 2),
+        ((1, 2, 2, 2), "1f1b:zero3", 2),  # tp2 x pp2 x ep2
+        ((1, 2, 2, 2), "dualpipev:zero3", 4),  # (dp2 x pp2 x ep2 has 2 sequences a replica)
+        ((1, 2, 2, 1, 2), "1f1b:zero3", 2),  # cp2 x pp2 x ep2
+        ((4, 1, 2), "1f1b:zero3", 1),  # dp4 x ep2, each block gathered around its use
+    ],
 }
 
 # checkpoints, in this order on the same path: a zero=3 save resumed at zero=0 under another layout,
@@ -86,6 +97,12 @@ CHECKPOINTS = {
     4: [
         ((2, 2, 1), "1f1b:zero3:save=2", 2),
         ((4, 1, 1), "gpipe:zero3:resume=2", 2),
+    ],
+    8: [  # zero=3 under dp2 x pp2 x ep2 to zero=0 under dp4 x ep2, and back
+        ((2, 2, 2), "1f1b:zero3:save=2", 2),
+        ((4, 1, 2), "1f1b:resume=2", 1),
+        ((4, 1, 2), "1f1b:save=2", 1),
+        ((2, 2, 2), "1f1b:zero3:resume=2", 2),
     ],
 }
 
