@@ -640,7 +640,7 @@ MUTATIONS = {
     "sigterm_failure_exits_1": ("lightning_titan/lightning/strategy.py",
                                 "code = 128 + signum if signum else 1",
                                 "code = 1",
-                                ["tests/distributed/test_reliability.py", "-k",
+                                ["tests/distributed/test_preemption.py", "-k",
                                  "stopped_during_a_background_write"]),
     # a top-k removal during a background write happens at once (a failed write leaves fewer)
     "removal_not_deferred": ("lightning_titan/checkpoint/background.py",
@@ -702,13 +702,13 @@ MUTATIONS = {
     "restart_to_given_job": ("lightning_titan/lightning/restarts.py",
                              "    return max(found, key=files.completed_at) if found else None",
                              "    return max(found, key=files.completed_at) if found and given is None else None",
-                             ["tests/distributed/test_reliability.py", "-k",
+                             ["tests/distributed/test_self_restart.py", "-k",
                               "restarts_by_itself and launcher"]),
     # a restart resumes an older complete checkpoint of the run's folder than the newest
     "restart_older_complete": ("lightning_titan/checkpoint/runs.py",
                                "    for path in sorted(complete, key=files.completed_at, reverse=True):",
                                "    for path in sorted(complete, key=files.completed_at):",
-                               ["tests/distributed/test_reliability.py", "-k",
+                               ["tests/distributed/test_self_restart.py", "-k",
                                 "restarts_by_itself and launcher"]),
     # a restarted CSV logger deletes the earlier launches' metrics.csv when it is created
     "restart_rows_deleted": ("lightning_titan/lightning/restarts.py",
@@ -1755,13 +1755,13 @@ MUTATIONS = {
     "reaper_absent": ("lightning_titan/runtime/orphans.py",
                       "    reap(int(sys.argv[1]), [int(line) for line in sys.stdin])",
                       "    pass",
-                      ["tests/distributed/test_reliability.py", "-k",
+                      ["tests/distributed/test_preemption.py", "-k",
                        "launcher_killed_during_start_up"]),
     # the same, seen in a 2-rank fit whose launcher (rank 0) is killed while rank 1 is stopped
     "reaper_absent_job": ("lightning_titan/runtime/orphans.py",
                           "    reap(int(sys.argv[1]), [int(line) for line in sys.stdin])",
                           "    pass",
-                          ["tests/distributed/test_reliability.py", "-k",
+                          ["tests/distributed/test_preemption.py", "-k",
                            "gone_soon_after_its_launcher"]),
     # a restart after a stopped rank stalled the job blames the rank that timed out waiting for it
     "restart_stalled_unnamed": ("lightning_titan/lightning/restarts.py",
