@@ -14,6 +14,7 @@ import pytest
 from lightning_titan.model import flops
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.parallel.mesh import AXES, GROUP_KINDS, ParallelDims
+from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.cost import (
     RING_BASE_S,
     RING_HOP_S,
@@ -23,6 +24,7 @@ from lightning_titan.plan.cost import (
     members_per_node,
     predict,
     reduction,
+    virtual_split,
 )
 from lightning_titan.plan.devices import GPUS
 from lightning_titan.plan.layouts import candidates
@@ -293,6 +295,10 @@ def test_the_cross_node_published_runs_are_the_model_their_publisher_counts():
     for devices, tflops in ((256, 250), (1024, 216)):
         run = rows[devices]
         assert math.prod(run.layout.values()) == devices and sum(run.stage_layers) == 61
+        # VP8 as published: the layout's split dealt over 32 virtual stages the engine accepts
+        assert run.schedules == ("interleaved_1f1b",) and run.virtual_stages == 8
+        counts = virtual_split(run.config, 4, 8, run.stage_layers)
+        assert counts is not None and len(StageSplit(8, counts).counts(61, 4)) == 32
         tokens = run.global_batch * run.config.seq_len
         rate = flops.step_flops(run.config, tokens) / (devices * run.seconds[0])
         assert rate == pytest.approx(tflops * 1e12, rel=0.01), (devices, rate)
