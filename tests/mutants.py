@@ -1863,6 +1863,16 @@ MUTATIONS = {
                                "                        virtual = virtual_split(config, pp, v, stage_layers)\n",
                                "                        virtual = virtual_split(config, pp, v, stage_layers)\n                        if virtual is not None:\n                            continue\n",
                                ["tests/unit/test_plan_split.py", "-k", "every_v"]),
+    # --out writes the layout's per-rank split where interleaved runs a per-virtual-stage one
+    "plan_vstages_out_per_rank": ("lightning_titan/tools/plan_cli.py",
+                                  "    split = o.virtual_layers or c.stage_layers",
+                                  "    split = c.stage_layers",
+                                  ["tests/unit/test_plan_split.py", "-k", "every_v"]),
+    # layout="auto" takes the layout's per-rank split where interleaved runs a per-virtual-stage one
+    "plan_vstages_auto_per_rank": ("lightning_titan/plan/auto.py",
+                                   "        o.virtual_layers or r.candidate.stage_layers,",
+                                   "        r.candidate.stage_layers,",
+                                   ["tests/unit/test_plan_split.py", "-k", "every_v"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(
