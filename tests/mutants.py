@@ -1942,6 +1942,41 @@ MUTATIONS = {
                         "        scale = 1.0 / dims.data_world  # the global mean",
                         "        scale = 1.0 / (dims.dp * dims.expert_world)  # the global mean",
                         ["tests/distributed/test_equivalence.py", "-k", "2]"]),
+    # interleaved 1F1B's bubble without the v (1F1B's fill at every v)
+    "plan_vstages_bubble_v": ("lightning_titan/plan/cost.py",
+                              "    fill = (pp - 1) / virtual_stages\n",
+                              "    fill = (pp - 1) / 1\n",
+                              ["tests/unit/test_plan_split.py", "-k", "replay"]),
+    # an uneven rank's layers all on its first chunk (the others emptied: the split unbalanced)
+    "plan_vstages_split_lumped": ("lightning_titan/plan/cost.py",
+                                  "            chunks.append((q + 1,) * extra + (q,) * (v - extra))",
+                                  "            chunks.append((held,) + (0,) * (v - 1))",
+                                  ["tests/unit/test_plan_split.py", "-k", "virtual or every_v"]),
+    # the virtual stages dealt rank-major instead of round-robin (the ranks' sums not the layout's)
+    "plan_vstages_split_order": ("lightning_titan/plan/cost.py",
+                                 "    counts = tuple(chunks[s % pp][s // pp] for s in range(pp * v))",
+                                 "    counts = tuple(chunks[s // v][s % v] for s in range(pp * v))",
+                                 ["tests/unit/test_plan_split.py", "-k", "virtual or every_v"]),
+    # the last rank's chunks dealt evenly, the head's chunk as full as the others
+    "plan_vstages_split_no_head": ("lightning_titan/plan/cost.py",
+                                   "        if rank == pp - 1:\n            chunks.append(",
+                                   "        if False:\n            chunks.append(",
+                                   ["tests/unit/test_plan_split.py", "-k", "virtual or every_v"]),
+    # interleaved offered only where pp * v divides the layers (before uneven virtual splits)
+    "plan_vstages_even_only": ("lightning_titan/plan/rank.py",
+                               "                        virtual = virtual_split(config, pp, v, stage_layers)\n",
+                               "                        virtual = virtual_split(config, pp, v, stage_layers)\n                        if virtual is not None:\n                            continue\n",
+                               ["tests/unit/test_plan_split.py", "-k", "every_v"]),
+    # --out writes the layout's per-rank split where interleaved runs a per-virtual-stage one
+    "plan_vstages_out_per_rank": ("lightning_titan/tools/plan_cli.py",
+                                  "    split = o.virtual_layers or c.stage_layers",
+                                  "    split = c.stage_layers",
+                                  ["tests/unit/test_plan_split.py", "-k", "every_v"]),
+    # layout="auto" takes the layout's per-rank split where interleaved runs a per-virtual-stage one
+    "plan_vstages_auto_per_rank": ("lightning_titan/plan/auto.py",
+                                   "        o.virtual_layers or r.candidate.stage_layers,",
+                                   "        r.candidate.stage_layers,",
+                                   ["tests/unit/test_plan_split.py", "-k", "every_v"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -156,7 +156,7 @@ def _as_choice(r: Ranked) -> Choice:
         o.virtual_stages,
         o.microbatches,
         summary,
-        r.candidate.stage_layers,
+        o.virtual_layers or r.candidate.stage_layers,  # per virtual stage where interleaved
     )
 
 

@@ -65,6 +65,9 @@ class StepOptions:
     microbatches: int = 1
     virtual_stages: int = 1
     recompute: bool = False  # activation checkpointing
+    # interleaved 1F1B on an uneven split: the layers per virtual stage (model order, pp * v of
+    # them; ``virtual_split``), their sums per rank the layout's ``stage_layers``; None: even
+    virtual_layers: tuple[int, ...] | None = None
 
     def label(self, pp: int = 2) -> str:
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
@@ -109,6 +112,37 @@ def balanced_split(config: ModelConfig, pp: int) -> tuple[int, ...]:
     the last stage, which also runs the head and the loss, holds fewer layers where the head
     weighs. Raises where ``pp`` stages cannot each hold a layer (the first and last may hold 0)."""
     return _balanced(repr(config), stage_flops(config), config.n_layers, pp)
+
+
+def virtual_split(
+    config: ModelConfig, pp: int, v: int, stage_layers: tuple[int, ...] | None = None
+) -> tuple[int, ...] | None:
+    """Layers per virtual stage (model order, ``pp * v``; stage ``s`` is chunk ``s // pp`` of rank
+    ``s % pp``) for interleaved 1F1B on ``pp`` ranks holding ``stage_layers`` (None: ``n_layers /
+    pp`` each; the layout's split, so its state and compute stay the layout's): each rank's layers
+    dealt evenly over its ``v`` chunks, the last rank's balanced against the head and loss on its
+    last chunk (``split.balance`` on ``stage_flops``, as ``balanced_split``). None where
+    ``pp * v`` divides the layers of an even layout. Raises where the ranks' layers cannot be dealt
+    (a chunk but the first and the last would hold none: ``v`` larger than a rank's layers)."""
+    n = config.n_layers
+    if stage_layers is None:
+        if n % (pp * v) == 0:
+            return None
+        if n % pp:
+            raise ValueError(f"n_layers={n} is not divisible by pp={pp}: give stage_layers")
+        stage_layers = (n // pp,) * pp
+    _, layer, head = stage_flops(config)
+    chunks = []
+    for rank, held in enumerate(stage_layers):
+        if rank == pp - 1:
+            chunks.append(_balanced(repr(config), (0.0, layer, head), held, v))
+        else:
+            q, extra = divmod(held, v)
+            chunks.append((q + 1,) * extra + (q,) * (v - extra))
+    counts = tuple(chunks[s % pp][s // pp] for s in range(pp * v))
+    if any(c == 0 for c in counts[1:-1]):
+        raise ValueError(f"{stage_layers} layers per rank leave a chunk of {v} empty")
+    return counts
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:

@@ -23,7 +23,7 @@ from lightning_titan.parallel.pipeline.schedules import (
 )
 from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.activations import peak_bytes, weight_copy_bytes
-from lightning_titan.plan.cost import StepCost, StepOptions, predict
+from lightning_titan.plan.cost import StepCost, StepOptions, predict, virtual_split
 from lightning_titan.plan.devices import Device
 from lightning_titan.plan.layouts import Candidate, divisors
 from lightning_titan.plan.memory import trained_params
@@ -34,9 +34,7 @@ from lightning_titan.train.options import (
     zero3_reshards_after_forward,
 )
 
-MAX_VIRTUAL_STAGES = (
-    8  # interleaved 1F1B is offered with 2..8 chunks a rank where the layers divide
-)
+MAX_VIRTUAL_STAGES = 8  # interleaved 1F1B is offered with 2..8 chunks a rank
 V_CHUNKS = 2  # zbv and dualpipev: exactly two chunks a rank, in a V
 
 
@@ -71,7 +69,9 @@ def _accepted(
     try:
         train = TrainOptions(schedule=options.schedule, virtual_stages=v)
         check_microbatches(options.schedule, options.microbatches, pp, v)
-        StageSplit(v, stage_layers).counts(config.n_layers, pp)  # one count per stage: v = 1
+        # one count per stage (v = 1), or per virtual stage (interleaved on an uneven split)
+        layers = options.virtual_layers if options.virtual_layers is not None else stage_layers
+        StageSplit(v, layers).counts(config.n_layers, pp)
         check_overlap(
             ParallelDims(**degrees), train, recompute=options.recompute, compiled=compiled
         )
@@ -88,10 +88,11 @@ def step_options(
     compiled: bool = False,
     stage_layers: tuple[int, ...] | None = None,
 ) -> list[StepOptions]:
-    """Schedules (interleaved 1F1B with each v of 2..8 whose chunks split the layers evenly) x
+    """Schedules (interleaved 1F1B with each v of 2..8, on an uneven split or where ``pp * v``
+    does not divide the layers each rank's layers dealt over its chunks: ``cost.virtual_split``) x
     microbatch counts (divisors of the per-rank batch) x recompute that ``degrees``
     accept (``compiled``: the model is compiled; ``stage_layers``: an uneven split, one count per
-    stage, which only the one-chunk schedules run); pp = 1: 1F1B (the microbatches are gradient
+    stage, which the one-chunk schedules and interleaved 1F1B run); pp = 1: 1F1B (the microbatches are gradient
     accumulation: less activation memory) or, with ep > 1, 1f1b_overlap from two microbatches.
     GPipe from two microbatches too: with one it runs 1F1B's order, the same row twice."""
     pp = degrees["pp"]
@@ -105,8 +106,16 @@ def step_options(
             elif schedule in V_SHAPED:
                 chunks = [V_CHUNKS]
             for v in chunks:
+                virtual = None
+                if schedule in CHUNKED:
+                    if pp * v > config.n_layers:
+                        continue  # a chunk without a layer: v cannot help
+                    try:
+                        virtual = virtual_split(config, pp, v, stage_layers)
+                    except ValueError:
+                        continue
                 for m in divisors(local_batch):
-                    options = StepOptions(schedule, m, v, ckpt)
+                    options = StepOptions(schedule, m, v, ckpt, virtual)
                     if schedule in ("1f1b_overlap", "gpipe") and m == 1:
                         continue  # one microbatch: nothing to pair or reorder, 1F1B itself
                     if _accepted(config, degrees, options, compiled, stage_layers):

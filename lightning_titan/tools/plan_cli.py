@@ -318,7 +318,7 @@ def overlay(r: Ranked) -> str:
     keys["trainer.strategy.init_args.num_microbatches"] = o.microbatches
     keys["trainer.strategy.init_args.virtual_stages"] = o.virtual_stages
     # layers per stage; null (even) replaces a split the config may give
-    split = c.stage_layers
+    split = o.virtual_layers or c.stage_layers  # per virtual stage where interleaved
     keys["trainer.strategy.init_args.stage_layers"] = list(split) if split else "null"
     # model.model is a class-valued block: a dotted key sets its fields under init_args
     keys["model.model.init_args.activation_checkpointing"] = str(o.recompute).lower()

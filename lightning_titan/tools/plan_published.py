@@ -89,14 +89,15 @@ RUNS = (
               {"dp": 2, "pp": 4, "ep": 8}, 1, ("1f1b",), 1, (14.07, 14.07),
               "PP4 EP8, distributed optimizer"),
     # AutoModel's two DeepSeek-V3 runs: FSDP over the 64 (256) ranks of a stage is our zero=2 over
-    # dp x ep; DeepEP's dispatcher (node-dedup); 61 layers split 16, 16, 15, 14 (the planner's
-    # balanced split: the engine splits unevenly with one chunk a rank, so VP8 is priced as v1)
+    # dp x ep; DeepEP's dispatcher (node-dedup); VP8: 61 layers over 32 virtual stages, 16, 16,
+    # 15, 14 a rank (the planner's balanced split) dealt over its 8 chunks (cost.virtual_split:
+    # 2 a chunk, 1 and 0 on the last two, the last with the head)
     Published("DeepSeek-V3", DEEPSEEK_V3, AUTOMODEL, 256, 512, {"pp": 4, "ep": 64}, 2,
-              ("1f1b",), 1, (8.18, 8.18), "PP4 VP8 EP64 FSDP64, DeepEP",
-              (16, 16, 15, 14), "node-dedup", "VP8 priced as v1: 61 layers, split unevenly"),
+              ("interleaved_1f1b",), 8, (8.18, 8.18), "PP4 VP8 EP64 FSDP64, DeepEP",
+              (16, 16, 15, 14), "node-dedup", "61 layers over 32 virtual stages, split unevenly"),
     Published("DeepSeek-V3", DEEPSEEK_V3, AUTOMODEL, 1024, 8192, {"dp": 4, "pp": 4, "ep": 64},
-              2, ("1f1b",), 1, (37.87, 37.87), "PP4 VP8 EP64 FSDP256, DeepEP",
-              (16, 16, 15, 14), "node-dedup", "VP8 priced as v1: 61 layers, split unevenly"),
+              2, ("interleaved_1f1b",), 8, (37.87, 37.87), "PP4 VP8 EP64 FSDP256, DeepEP",
+              (16, 16, 15, 14), "node-dedup", "61 layers over 32 virtual stages, split unevenly"),
 )  # fmt: skip
 BF16 = Precision("bf16-mixed")
 
@@ -118,8 +119,7 @@ UNEXPRESSED = (
     Unexpressed("Qwen3-235B-A22B", "Megatron-Bridge, docs/performance-summary.md, 26.02 container",
                 256, 8192, "TP2 PP8 VP4 EP32 (ETP1)", "80.3 (FP8: 1,633 tokens/s/GPU)",
                 "EP32 folded over the TP2 x DP16 ranks of a stage (Parallel Folding: our pp x ep "
-                "x tp would be 512 ranks), and 94 layers over 32 virtual stages (uneven splits "
-                "are one chunk a rank); the H100 row is FP8, none bf16 is published"),
+                "x tp would be 512 ranks); the H100 row is FP8, none bf16 is published"),
 )  # fmt: skip
 
 

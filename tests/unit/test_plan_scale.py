@@ -14,6 +14,7 @@ import pytest
 from lightning_titan.model import flops
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.parallel.mesh import AXES, GROUP_KINDS, ParallelDims
+from lightning_titan.parallel.pipeline.split import StageSplit
 from lightning_titan.plan.cost import (
     RING_BASE_S,
     RING_HOP_S,
@@ -23,6 +24,7 @@ from lightning_titan.plan.cost import (
     members_per_node,
     predict,
     reduction,
+    virtual_split,
 )
 from lightning_titan.plan.devices import GPUS
 from lightning_titan.plan.layouts import candidates
@@ -255,16 +257,20 @@ def test_a_quantised_config_json_is_planned_from_its_shapes_with_a_note(tmp_path
 # ---- 5. every layout the engine runs: virtual stages; published runs ------------------------------
 
 
-def test_interleaved_is_offered_with_every_v_up_to_8_that_splits_the_layers():
+def test_interleaved_is_offered_with_every_v_up_to_8_a_chunk_of_layers_each():
     from lightning_titan.plan.rank import step_options
 
     sixteen = dataclasses.replace(SMALL, n_layers=16)
     offered = step_options(sixteen, _layout(pp=2, ep=2), 16, (False,))
     chunks = {o.virtual_stages for o in offered if o.schedule == "interleaved_1f1b"}
-    assert chunks == {2, 4, 8}  # 16 layers on 2 ranks: 2 v chunks of 8 / v layers
+    assert chunks == set(range(2, 9))  # 16 layers on 2 ranks: 2 v chunks, dealt where uneven
+    even = {o.virtual_stages for o in offered if o.virtual_layers is None and o.virtual_stages > 1}
+    assert even == {2, 4, 8}  # where 2 v divides 16, the even split
     twelve = dataclasses.replace(SMALL, n_layers=12)
     offered = step_options(twelve, _layout(pp=2, ep=2), 16, (False,))
-    assert {o.virtual_stages for o in offered if o.schedule == "interleaved_1f1b"} == {2, 3, 6}
+    assert {o.virtual_stages for o in offered if o.schedule == "interleaved_1f1b"} == set(
+        range(2, 7)
+    )
 
 
 @pytest.mark.slow
@@ -289,6 +295,10 @@ def test_the_cross_node_published_runs_are_the_model_their_publisher_counts():
     for devices, tflops in ((256, 250), (1024, 216)):
         run = rows[devices]
         assert math.prod(run.layout.values()) == devices and sum(run.stage_layers) == 61
+        # VP8 as published: the layout's split dealt over 32 virtual stages the engine accepts
+        assert run.schedules == ("interleaved_1f1b",) and run.virtual_stages == 8
+        counts = virtual_split(run.config, 4, 8, run.stage_layers)
+        assert counts is not None and len(StageSplit(8, counts).counts(61, 4)) == 32
         tokens = run.global_batch * run.config.seq_len
         rate = flops.step_flops(run.config, tokens) / (devices * run.seconds[0])
         assert rate == pytest.approx(tflops * 1e12, rel=0.01), (devices, rate)

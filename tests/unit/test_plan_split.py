@@ -26,7 +26,7 @@ from lightning_titan.plan.layouts import candidates, splits
 from lightning_titan.plan.memory import rank_state
 from lightning_titan.plan.rank import ranked, step_options
 from lightning_titan.tools.plan_cli import main as plan_main
-from lightning_titan.tools.plan_cli import shapes_of
+from lightning_titan.tools.plan_cli import overlay, shapes_of
 from lightning_titan.train.options import TrainOptions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -202,3 +202,90 @@ def test_an_uneven_plan_trains_under_titan_fit(tmp_path):
     split = yaml.safe_load((tmp_path / "layout.yaml").read_text())
     assert sum(split["trainer.strategy.init_args.stage_layers"]) == 3
     assert "final train_loss" in said[1], said[1][-2000:]
+
+
+# ---- interleaved 1F1B on uneven splits: v = 2..8 --------------------------------------------------
+
+
+def _rank_sums(split: StageSplit, n_layers: int, pp: int) -> tuple[int, ...]:
+    return tuple(
+        sum(end - start for start, end in split.chunk_ranges(n_layers, pp, r)) for r in range(pp)
+    )
+
+
+def test_interleaved_runs_uneven_splits_with_every_v_the_layers_allow():
+    """DeepSeek-V3's 61 layers on pp=4 (16, 16, 15, 14 a rank): interleaved 1F1B with v = 2..8,
+    each option's layers per virtual stage accepted by the engine's ``StageSplit.counts`` and
+    summing per rank to the layout's split (the state and compute it is priced with); on 12 layers
+    and pp=2 (even), v = 2..6 (v > 6 leaves a chunk without a layer), the uneven ones dealt."""
+    from lightning_titan.tools.plan_published import DEEPSEEK_V3
+
+    layers = (16, 16, 15, 14)
+    offered = step_options(DEEPSEEK_V3, _layout(pp=4, ep=64), 8, (True,), stage_layers=layers)
+    chunked = {o.virtual_stages: o for o in offered if o.schedule == "interleaved_1f1b"}
+    assert set(chunked) == set(range(2, 9))
+    assert {o.microbatches for o in offered if o.schedule == "interleaved_1f1b"} == {4, 8}
+    for v, o in chunked.items():
+        split = StageSplit(v, o.virtual_layers)
+        assert len(split.counts(61, 4)) == 4 * v and _rank_sums(split, 61, 4) == layers, v
+    twelve = ModelConfig(vocab_size=257, d_model=64, n_layers=12, n_heads=4, ffn_dim=128,
+                         n_experts=4)  # fmt: skip
+    offered = step_options(twelve, _layout(pp=2, ep=2), 16, (False,))
+    chunked = {o.virtual_stages: o for o in offered if o.schedule == "interleaved_1f1b"}
+    assert set(chunked) == {2, 3, 4, 5, 6}
+    for v, o in chunked.items():
+        assert (o.virtual_layers is None) == (12 % (2 * v) == 0), v  # even where it divides
+        assert _rank_sums(StageSplit(v, o.virtual_layers), 12, 2) == (6, 6), v
+    # --out and layout="auto" carry the per-virtual-stage counts
+    found, _ = candidates(twelve, 4, 16)
+    layout = [c for c in found if c.degrees == _layout(pp=2, ep=2) and c.stage_layers is None]
+    rows = [r for r in ranked(twelve, layout, 16, H100) if r.options.virtual_layers is not None]
+    assert rows
+    counts = list(rows[0].options.virtual_layers)
+    assert f"stage_layers: {counts}" in overlay(rows[0])
+    assert _as_choice(rows[0]).applied_to(TrainOptions()).stage_layers == tuple(counts)
+
+
+def test_61_layers_over_32_virtual_stages_are_balanced_within_a_layer():
+    """The VP8 split of DeepSeek-V3 on pp=4: 32 counts summing to 61, each virtual stage's
+    predicted compute (its layers, the head and loss on the last) within one layer of every other,
+    and its slowest no slower than the best split of 61 layers over 32 stages (``balanced_split``)."""
+    from lightning_titan.plan.cost import virtual_split
+    from lightning_titan.tools.plan_published import DEEPSEEK_V3
+
+    counts = virtual_split(DEEPSEEK_V3, 4, 8, (16, 16, 15, 14))
+    assert counts is not None and len(counts) == 32 and sum(counts) == 61
+    _, layer, head = stage_flops(DEEPSEEK_V3)
+
+    def costs(split: tuple[int, ...]) -> list[float]:
+        return [n * layer + (s == len(split) - 1) * head for s, n in enumerate(split)]
+
+    assert max(costs(counts)) - min(costs(counts)) <= layer
+    assert max(costs(counts)) <= max(costs(balanced_split(DEEPSEEK_V3, 32)))
+    assert StageSplit(8, counts).counts(61, 4) == list(counts)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_interleaved_bubble_at_v_is_the_formula_and_the_replay(pp):
+    """(pp-1)/v of fill over M microbatches, for v = 1..8: the planner's fraction, the replayed
+    schedule's (``theory.ideal_bubble``), and ``predict``'s bubble over its compute, (pp-1)/(vM);
+    the peak chunk-microbatches of ``held`` against the replay's live count."""
+    from lightning_titan.parallel.pipeline.theory import ideal_bubble
+    from lightning_titan.plan.activations import held, live_peak
+    from lightning_titan.plan.cost import bubble_fraction
+
+    config = ModelConfig(vocab_size=257, d_model=64, n_layers=64, n_heads=4, ffn_dim=128,
+                         n_experts=4)  # fmt: skip
+    for v in range(1, 9):
+        for m in (pp, 2 * pp):
+            schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+            formula = (pp - 1) / v / (m + (pp - 1) / v)
+            assert bubble_fraction(schedule, pp, m, v) == pytest.approx(formula, rel=1e-12)
+            assert ideal_bubble(schedule, pp, v, m) == pytest.approx(formula, rel=1e-9), (v, m)
+            options = StepOptions(schedule, m, v)
+            cost = predict(config, _layout(pp=pp), 0, options, 4 * m, H100, (10**6, 0))
+            assert cost.bubble / cost.compute == pytest.approx((pp - 1) / (v * m), rel=1e-9)
+            if v > 1:
+                for r in range(pp):
+                    live = live_peak(schedule, pp, r, v, m, [1] * v)[0]
+                    assert held(options, pp, r) * v == pytest.approx(live), (v, m, r)
