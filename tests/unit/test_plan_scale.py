@@ -101,16 +101,18 @@ def test_the_search_says_where_it_is_on_stderr(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_2048_devices_of_deepseek_v3_plan_in_a_minute(capsys):
-    start = time.perf_counter()
+    # CPU seconds of this process, not wall time: the planner is one thread, and on a shared box other
+    # jobs stretch the wall clock (572-623 s of wall for 30-33 s of CPU at load 40-67)
+    start = time.process_time()
     rows = plan_main(["--config", str(DEEPSEEK_V3_JSON), "--devices", "2048", "--device",
                       "h100-80gb", "--global-batch", "8192", "--precision", "bf16-mixed",
                       "--top", "3"])  # fmt: skip
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     printed = capsys.readouterr().out
     assert len(rows) == 3 and "on 256 node(s)" in printed
-    assert seconds < 60, seconds  # 2 shared cores; before pruning and memoising: > 900 s
+    assert seconds < 60, seconds  # before pruning and memoising: > 900 s
 
 
 # ---- 4. topology ----------------------------------------------------------------------------------
