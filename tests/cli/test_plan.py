@@ -562,13 +562,14 @@ def test_layout_auto_plans_in_the_trainers_precision():
     from lightning_titan.plan import auto
 
     strategy = SimpleNamespace(num_nodes=1, num_processes=2, root_device=torch.device("cpu"),
-                               precision_plugin=SimpleNamespace(precision="bf16-mixed"))  # fmt: skip
+                               precision_plugin=SimpleNamespace(precision="bf16-mixed"),
+                               options=SimpleNamespace(param_dtype="bf16", offload_optimizer=False))  # fmt: skip
     seen = []
     original = auto.choose
 
-    def spy(config, batch, world, device, precision=auto.FP32, compiled=False):
-        seen.append((precision.name, compiled))
-        return original(config, batch, world, device, precision, compiled)
+    def spy(config, batch, world, device, precision=auto.FP32, compiled=False, policy=None):
+        seen.append((precision.name, compiled, policy.param_dtype))
+        return original(config, batch, world, device, precision, compiled, policy)
 
     auto.choose = spy
     try:
@@ -577,7 +578,8 @@ def test_layout_auto_plans_in_the_trainers_precision():
         auto.choose_for(work, hardware(strategy))
     finally:
         auto.choose = original
-    assert seen == [("bf16-mixed", True)]  # compiled: no overlapped schedule to choose
+    # compiled: no overlapped schedule to choose; the strategy's bf16 weights priced
+    assert seen == [("bf16-mixed", True, "bf16")]
 
 
 def test_rows_are_ranked_by_predicted_step_time(capsys):
