@@ -232,6 +232,7 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
             assert predicted == in_step, (where, predicted, in_step)
             assert res["gathered_peak"] == res["uncut_bytes"] + in_step, where
             assert not res["gather_buffer_borrowed"], where
+            assert res["gather_dtypes"] == {torch.bfloat16}, (where, res["gather_dtypes"])
 
 
 def check_offload(per_rank: list[list[dict]], first: int, ref: dict) -> None:

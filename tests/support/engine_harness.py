@@ -414,6 +414,8 @@ def train(
             for unit in g.unit_kept.values()
             for kept in g.kept.values()
         ),
+        # zero=3's gather buffers' dtypes (bf16 weights: bf16, the masters' rows cast as packed)
+        "gather_dtypes": {b.dtype for g in engine.zero_groups for b in g.unit_kept.values()},
         # dense copies of strided rows, for an optimizer that steps views wrongly (AdamW fused)
         "dense_bytes": sum(
             s.leaf.numel() * s.leaf.element_size()
