@@ -1841,6 +1841,16 @@ MUTATIONS = {
                                   "units[block] += (BF16_BYTES if masters else t.itemsize) * whole",
                                   "units[block] += t.itemsize * whole",
                                   ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # zero=3, bf16 weights: the planner does not offer zero=3 with bf16 weights
+    "z3bf16_plan_not_offered": ("lightning_titan/plan/layouts.py",
+                                "                if zero == 3 and policy.offload:",
+                                "                if zero == 3 and policy != FP32_STATE:",
+                                ["tests/cli/test_plan.py", "-k", "zero3"]),
+    # zero=3, bf16 weights: the planner's candidates gather fp32 units
+    "z3bf16_plan_layout_gathered_fp32": ("lightning_titan/plan/layouts.py",
+                                         "                       reshard_after_forward=per_block, param_dtype=param_dtype)",
+                                         "                       reshard_after_forward=per_block)",
+                                         ["tests/cli/test_plan.py", "-k", "zero3"]),
     # zero=3, bf16 weights: the planner counts bf16 rows of the weights between steps
     "z3bf16_plan_bf16_rows": ("lightning_titan/plan/memory.py",
                               "            held = 0  # its rows are the fp32 masters only",
