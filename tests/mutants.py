@@ -234,14 +234,14 @@ MUTATIONS = {
                                    ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: a checkpoint loaded into the whole parameters, the leaves (what trains) left as they were
     "zero3_load_rows_not_taken": ("lightning_titan/train/engine.py",
-                                  "            self.sharded_params.take_rows()\n",
+                                  "            self.sharded_params.take_rows()  # bf16 weights: not the masters' rows (a load's)\n",
                                   "            pass\n",
                                   ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: the engine taken off the model (teardown) leaves it as rows only (a later use reads
     # freed parameters)
     "zero3_removed_as_rows": ("lightning_titan/train/engine.py",
-                              "            if whole:\n                self.sharded_params.gather_all()\n",
-                              "            pass\n",
+                              "            if self.masters is None:\n                self.sharded_params.gather_all()\n",
+                              "            if self.masters is None:\n                pass\n",
                               ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: the stage's embedding and head stay whole between steps
     "zero3_rest_kept": ("lightning_titan/train/engine.py",
@@ -294,8 +294,8 @@ MUTATIONS = {
                                ["tests/cli/test_plan.py", "-k", "zero3"]),
     # the planner: zero=3's parameters priced whole between steps (as zero=2's)
     "plan_zero3_rows_whole": ("lightning_titan/plan/memory.py",
-                              "itemsize * (owned if zero == 3 else numel) * count",
-                              "itemsize * numel * count",
+                              "        held = owned if zero == 3 else numel\n",
+                              "        held = numel\n",
                               ["tests/cli/test_plan.py", "-k", "zero3"]),
     # ZeRO-3: the full parameters' storage is never freed (no memory saved)
     "zero3_storage_kept": ("lightning_titan/parallel/dp/zero3.py",
@@ -1813,6 +1813,49 @@ MUTATIONS = {
                          "    except (OSError, ValueError):  # a notebook's stream (ipykernel) has no descriptor",
                          "    except ImportError:",
                          ["tests/unit/test_run_versions.py", "-k", "descriptor"]),
+    # zero=3, bf16 weights: the gather buffers fp32 (the all-gathers move twice the bytes)
+    "z3bf16_gather_fp32": ("lightning_titan/parallel/dp/zero.py",
+                           "buffer = self.unit_kept[dtype] = like.new_empty(size * self.n)",
+                           "buffer = self.unit_kept[dtype] = like.new_empty(size * self.n, dtype=torch.float32)",
+                           ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # zero=3, bf16 weights: whole_params's take_rows overwrites the fp32 master rows with the
+    # bf16 weights' (every update's low bits lost, a load's masters rounded)
+    "z3bf16_masters_retaken": ("lightning_titan/parallel/dp/zero3.py",
+                               "                if not s.master:  # an fp32 master's rows: what a load wrote",
+                               "                if True:  # an fp32 master's rows: what a load wrote",
+                               ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # zero=3 kept whole for the step, bf16 weights: the fp32 master leaves become views of their
+    # bf16 rows in the gathered parameter
+    "z3bf16_masters_viewed": ("lightning_titan/parallel/dp/zero3.py",
+                              "                if not s.master:  # an fp32 master stays its own tensor",
+                              "                if True:  # an fp32 master stays its own tensor",
+                              ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # zero=3, bf16 weights: after remove the model is the bf16 weights gathered, not its fp32
+    # masters restored whole
+    "z3bf16_removed_bf16": ("lightning_titan/train/engine.py",
+                            "            else:  # bf16 weights: ``restore_masters`` gathers the fp32 rows, not the bf16 ones\n                self.sharded_params.release_all()  # (a prefetch in flight waited)\n        if self.masters is not None:  # bf16 weights: the model is its fp32 masters again\n            self.masters.restore()\n            for g in self.zero_groups if whole else ():",
+                            "            else:  # bf16 weights: ``restore_masters`` gathers the fp32 rows, not the bf16 ones\n                self.sharded_params.gather_all()  # (a prefetch in flight waited)\n        if self.masters is not None:  # bf16 weights: the model is its fp32 masters again\n            self.masters.restore()\n            for g in self.zero_groups if whole and not self.sharded_params else ():",
+                            ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # zero=3, bf16 weights: the planner prices the gathered units at 4 bytes a parameter
+    "z3bf16_plan_gathered_fp32": ("lightning_titan/plan/memory.py",
+                                  "units[block] += (BF16_BYTES if masters else t.itemsize) * whole",
+                                  "units[block] += t.itemsize * whole",
+                                  ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
+    # zero=3, bf16 weights: the planner does not offer zero=3 with bf16 weights
+    "z3bf16_plan_not_offered": ("lightning_titan/plan/layouts.py",
+                                "                if zero == 3 and policy.offload:",
+                                "                if zero == 3 and policy != FP32_STATE:",
+                                ["tests/cli/test_plan.py", "-k", "zero3"]),
+    # zero=3, bf16 weights: the planner's candidates gather fp32 units
+    "z3bf16_plan_layout_gathered_fp32": ("lightning_titan/plan/layouts.py",
+                                         "                       reshard_after_forward=per_block, param_dtype=param_dtype)",
+                                         "                       reshard_after_forward=per_block)",
+                                         ["tests/cli/test_plan.py", "-k", "zero3"]),
+    # zero=3, bf16 weights: the planner counts bf16 rows of the weights between steps
+    "z3bf16_plan_bf16_rows": ("lightning_titan/plan/memory.py",
+                              "            held = 0  # its rows are the fp32 masters only",
+                              "            held = owned  # its rows are the fp32 masters only",
+                              ["tests/distributed/test_bf16_master.py", "-k", "layouts"]),
     # bf16 weights: the grads of the bf16 parameters summed in bf16 buckets, not fp32
     "master_reduce_bf16": ("lightning_titan/parallel/dp/reducer.py",
                            "            dtype = torch.float32 if has_master else params[0].dtype\n",

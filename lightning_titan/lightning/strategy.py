@@ -79,7 +79,8 @@ class TitanStrategy(ShardedStrategy):
             stage is gathered once a step and kept whole until its grads are reduced).
         param_dtype: ``"bf16"`` stores the trainable weights in bf16 (what forward and backward
             read) and steps fp32 master copies of them, reducing the grads in fp32; checkpoints hold
-            the fp32 masters. Needs ``--trainer.precision=bf16-mixed``; zero 0, 1 or 2.
+            the fp32 masters. Needs ``--trainer.precision=bf16-mixed``; any zero level (zero=3
+            gathers the weights in bf16 from each rank's fp32 master rows).
         offload_optimizer: keep the optimizer state (AdamW's moments) and the fp32 masters in host
             memory (pinned on CUDA) and run the optimizer step on the CPU; grads go to the host
             and the updated weights come back each step. Checkpoints are the same as without it.

@@ -134,7 +134,8 @@ def candidates(
     """The accepted layouts (every zero level where a data-parallel group exists; each pipeline
     split of ``splits``), and how many were rejected by each rule (keyed by the start of its
     message: ``n_heads=4``, ...); ``lora``: the state of LoRA's adapters over a frozen base;
-    ``policy``: bf16 weights and optimizer offload (zero 0, 1 and 2 only, as the strategy)."""
+    ``policy``: bf16 weights (any zero level) and optimizer offload (zero 0, 1 and 2 only, as the
+    strategy)."""
     accepted: list[Candidate] = []
     rejected: Counter[str] = Counter()
     cuts: dict[int, list[tuple[int, ...] | None]] = {}  # splits of each pp, found once
@@ -145,8 +146,8 @@ def candidates(
             cuts[pp] = splits(config, pp)
         for layers in cuts[pp]:
             for zero in PRICED if data_parallel else (0,):
-                if zero == 3 and policy != FP32_STATE:
-                    continue  # bf16 weights and offload run zero 0, 1 and 2
+                if zero == 3 and policy.offload:
+                    continue  # offload runs zero 0, 1 and 2
                 if zero == 3 and pp > 1:
                     # the stage kept whole for the step: zero=2's peak and traffic (``gathered``)
                     continue
@@ -155,7 +156,11 @@ def candidates(
                     rejected[reason.split(" ")[0].rstrip(":;,")] += 1
                     continue
                 fullest = fullest_state(config, degrees, zero, lora, layers, policy)
-                gathered = fullest_gathered(config, degrees, lora, layers) if zero == 3 else 0
+                gathered = (
+                    fullest_gathered(config, degrees, lora, layers, policy.param_dtype)
+                    if zero == 3
+                    else 0
+                )
                 state = sum(fullest.values()) + gathered
                 host = fullest_host_bytes(config, degrees, zero, lora, layers) * policy.offload
                 accepted.append(
@@ -169,16 +174,17 @@ def fullest_gathered(
     degrees: dict[str, int],
     lora: LoRA | None = None,
     stage_layers: tuple[int, ...] | None = None,
+    param_dtype: str = "fp32",
 ) -> int:
     """zero=3's ``gathered_bytes`` on the stage that gathers the most (the first rank of each), as
     the strategy runs it on ``degrees`` (``train.options.zero3_reshards_after_forward``; the
-    planner's pp=1 schedule is 1f1b)."""
+    planner's pp=1 schedule is 1f1b); ``param_dtype="bf16"``: gathered in bf16."""
     dims = ParallelDims(**degrees)
     split = StageSplit(1, stage_layers)
     per_block = zero3_reshards_after_forward(dims.pp, "1f1b")
     return max(
         gathered_bytes(config, ParallelDims(**degrees, rank=dims.rank_of(0, p, 0)), split, lora,
-                       reshard_after_forward=per_block)
+                       reshard_after_forward=per_block, param_dtype=param_dtype)
         for p in range(dims.pp)
     )  # fmt: skip
 
@@ -239,7 +245,7 @@ def _grown(config: ModelConfig, best: Candidate, lora: LoRA | None = None) -> li
                 fullest_state(config, degrees, best.zero, lora, layers, best.policy).values()
             )
             if best.zero == 3:
-                state += fullest_gathered(config, degrees, lora, layers)
+                state += fullest_gathered(config, degrees, lora, layers, best.policy.param_dtype)
             devices = math.prod(degrees.values())
             out.append(f"{axis}={degree} ({devices} devices): {state / GB:.2f} GB")
             break

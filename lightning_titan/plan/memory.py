@@ -131,6 +131,14 @@ def _owned_numel(shape: tuple[int, ...], expert: bool, tp_dim: int | None, n: in
     return numel // shape[dim] * (stop - start)
 
 
+def _is_cut(
+    shape: tuple[int, ...], expert: bool, tp_dim: int | None, dims: ParallelDims, n: int
+) -> bool:
+    """Whether ZeRO cuts a ``shape`` tensor into rows over an ``n``-rank group (``cut_dim``)."""
+    dim = cut_dim(torch.empty(shape, device="meta"), expert, tp_dim if dims.tp > 1 else None)
+    return n > 1 and dim is not None
+
+
 def group_place(dims: ParallelDims, kind: str) -> tuple[int, int]:
     """(size, this rank's index) of its group of grad kind ``kind``: ``dims.group_ranks`` without
     listing the world's groups. A group varies the axes ``dims.group_axes(kind)`` and sorts its ranks, which
@@ -155,7 +163,9 @@ def rank_state(
     """Bytes of ``{expert,non_expert}_{params,grads,optimizer}`` on rank ``dims.rank`` (``lora``:
     grads and optimizer state of the adapters only, the base in its stored dtype).
     ``param_dtype="bf16"``: the trained weights 2 bytes an element, their fp32 masters counted with
-    the optimizer state (cut as it is under ZeRO), the grads fp32 (``parallel/dp/master.py``).
+    the optimizer state (cut as it is under ZeRO), the grads fp32 (``parallel/dp/master.py``); at
+    zero=3 a cut weight holds no bf16 bytes between steps (its rows are the masters: 16 bytes a
+    parameter over the group, what ``gathered_bytes`` gathers in bf16 on top).
     ``offload``: the optimizer state and the masters are on the host (``host_bytes``), none here."""
     masters = param_dtype != "fp32"
     out = {f"{part}_{kind}": 0 for part in ("expert", "non_expert") for kind in PARTS}
@@ -177,7 +187,10 @@ def rank_state(
             owned = _owned_numel(shape, kind == EXPERT, tp_dim if dims.tp > 1 else None, n, q)
         if masters:  # the trained weights in bf16 (LoRA's frozen base kept its own above)
             itemsize = BF16_BYTES
-        out[f"{part}_params"] += itemsize * (owned if zero == 3 else numel) * count
+        held = owned if zero == 3 else numel
+        if zero == 3 and masters and _is_cut(shape, kind == EXPERT, tp_dim, dims, n):
+            held = 0  # its rows are the fp32 masters only, cast to bf16 when a gather packs them
+        out[f"{part}_params"] += itemsize * held * count
         out[f"{part}_grads"] += BYTES * (owned if zero >= 2 else numel) * count
         if not offload:
             out[f"{part}_optimizer"] += BYTES * (MOMENTS + masters) * owned * count
@@ -212,12 +225,16 @@ def gathered_bytes(
     split: StageSplit | None = None,
     lora: LoRA | None = None,
     reshard_after_forward: bool = True,
+    param_dtype: str = "fp32",
 ) -> int:
     """zero=3: the bytes of parameters whole during a step on rank ``dims.rank``, beyond the rows
     ``rank_state`` counts (``parallel/dp/zero3.py``). ``reshard_after_forward`` (pp=1 under gpipe or
     1f1b): the block computing, the next one prefetched, and the rest of the stage (embedding,
     final norm, head) whole beside the rows, so the two largest blocks plus the rest; otherwise the
-    whole stage, kept for the step, the rows inside it."""
+    whole stage, kept for the step, the rows inside it. ``param_dtype="bf16"``: the gathered
+    weights 2 bytes an element, and the kept stage whole beside the rows (the fp32 masters are
+    tensors of their own, not views into it)."""
+    masters = param_dtype != "fp32"
     units: Counter[str] = Counter()
     for t in stage_tensors(config, dims.pp, dims.pp_rank, split, lora):
         if not t.trained:
@@ -229,7 +246,8 @@ def gathered_bytes(
         if n == 1 or owned == numel:
             continue  # no group cuts it: whole in the state already
         block = t.name.split(".")[1] if t.name.startswith("layers.") else ""
-        units[block] += t.itemsize * (numel if reshard_after_forward else numel - owned)
+        whole = numel if reshard_after_forward or masters else numel - owned
+        units[block] += (BF16_BYTES if masters else t.itemsize) * whole
     if not reshard_after_forward:
         return sum(units.values())
     rest = units.pop("", 0)

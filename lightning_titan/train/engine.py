@@ -75,7 +75,8 @@ class Engine:
         offload_optimizer: bool = False,
     ) -> None:
         """``param_dtype="bf16"``: the trainable parameters are stored in bf16 and the optimizer
-        steps fp32 masters of them (``parallel/dp/master.py``; zero 0, 1 or 2).
+        steps fp32 masters of them (``parallel/dp/master.py``; under zero=3 each rank's rows of them,
+        gathered in bf16: ``parallel/dp/zero3.py``).
         ``offload_optimizer``: the optimizer steps host copies of its tensors, on the CPU, and its
         state and the fp32 masters live in host memory (``parallel/dp/offload.py``; zero 0, 1, 2)."""
         get_schedule(schedule)
@@ -89,11 +90,6 @@ class Engine:
         check_offload(offload_optimizer, zero)
         self.offload_optimizer = offload_optimizer
         self.offload: HostOptimizer | None = None  # the host copies, from ``shard_optimizers``
-        if dtype != torch.float32 and zero == 3:
-            raise ValueError(
-                f"param_dtype={param_dtype!r} with zero=3 is not built yet (its gathers run "
-                "around each block's use); use zero 0, 1 or 2 with it, or param_dtype='fp32'"
-            )
         if dims.fold_ep and zero == 3:
             raise ValueError(
                 "fold_ep with zero=3 is not built yet; use zero 0, 1 or 2 with fold_ep, or unfold"
@@ -150,7 +146,7 @@ class Engine:
         self.reducers = [
             reducer_over(params, getattr(groups, kind)) for kind, params in by_ranks.values()
         ]
-        if self.masters is not None:  # zero=1: a rank keeps the masters of its rows only
+        if self.masters is not None:  # zero>0: a rank keeps the masters of its rows only
             for g in self.zero_groups:
                 g.take_masters(self.masters)
         # the norm counts a copy on the first rank of the axes it is copied over (parallel/dp/clipping.py)
@@ -395,8 +391,10 @@ class Engine:
         try:
             yield
         finally:
-            self.sharded_params.take_rows()
+            self.sharded_params.take_rows()  # bf16 weights: not the masters' rows (a load's)
             self.sharded_params.release_all()
+            if self.masters is not None:  # a load wrote the whole (uncut) masters too
+                self.masters.write_back()
 
     def update_router_bias(self, counts: StepCounts, skip: bool = False) -> None:
         """Just after the optimizer step: move the MoE layers' expert biases by the step's global
@@ -415,11 +413,14 @@ class Engine:
         if self.offload is not None:  # the device tensors hold the host copies' values
             self.offload.fill_from_host()
             self.offload = None
+        if self.sharded_params is not None and whole:
+            if self.masters is None:
+                self.sharded_params.gather_all()
+            else:  # bf16 weights: ``restore_masters`` gathers the fp32 rows, not the bf16 ones
+                self.sharded_params.release_all()  # (a prefetch in flight waited)
         if self.masters is not None:  # bf16 weights: the model is its fp32 masters again
             self.masters.restore()
-            for g in self.zero_groups if whole else ():  # zero=1: the rows gathered
+            for g in self.zero_groups if whole else ():  # zero>0: the rows gathered
                 g.restore_masters()
         if self.sharded_params is not None:
-            if whole:
-                self.sharded_params.gather_all()
             self.sharded_params.remove()

@@ -156,11 +156,11 @@ class TrainOptions:
                 f"has none: use reducer='bucketed' with zero={self.zero}"
             )
         parameter_dtype(self.param_dtype)
-        if self.param_dtype != "fp32" and (self.zero == 3 or self.reducer != "bucketed"):
+        if self.param_dtype != "fp32" and self.reducer != "bucketed":
             raise ValueError(
-                f"param_dtype={self.param_dtype!r} needs zero 0, 1 or 2 and reducer='bucketed' for "
-                f"now (got zero={self.zero}, reducer={self.reducer!r}): its grads are reduced in "
-                "fp32 buckets; or use param_dtype='fp32'"
+                f"param_dtype={self.param_dtype!r} needs reducer='bucketed' (got "
+                f"reducer={self.reducer!r}): its grads are reduced in fp32 buckets; or use "
+                "param_dtype='fp32'"
             )
         check_offload(self.offload_optimizer, self.zero)
         if self.start_method not in START_METHODS:

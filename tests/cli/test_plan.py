@@ -500,6 +500,15 @@ def test_zero3_prices_its_rows_between_steps_and_what_it_gathers_in_the_step():
     assert dp8.gathered_bytes == sum(sorted(nbytes)[-2:]) + rest
     two = next(c for c in found if c.zero == 2 and c.degrees == dp8.degrees)
     assert dp8.state_bytes < two.state_bytes  # the weights split too
+    # bf16 weights: zero=3 offered too, each rank's rows its fp32 masters (no bf16 rows: the same
+    # 16 bytes a parameter over the group) and the units gathered in bf16 (half the bytes)
+    bf16, _ = candidates(DEFAULT, 8, 16, policy=StatePolicy("bf16"))
+    b8 = next(c for c in bf16 if c.zero == 3 and c.degrees == dp8.degrees)
+    assert 2 * b8.gathered_bytes == dp8.gathered_bytes
+    assert sum(b8.parts.values()) == sum(dp8.parts.values())
+    assert b8.parts["non_expert_params"] == b8.parts["expert_params"] == 0
+    offloaded, _ = candidates(DEFAULT, 8, 16, policy=StatePolicy("bf16", offload=True))
+    assert not [c for c in offloaded if c.zero == 3]  # offload runs zero 0, 1 and 2
     # the bytes: per microbatch at pp=1 (each block twice); once a step under a pipeline (zero=2's)
     params = (10**8, 10**9)
 

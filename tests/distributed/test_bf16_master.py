@@ -27,6 +27,7 @@ written back) move the norm by 2x or the weights by a whole step.
 import pytest
 import torch
 from engine_harness import (
+    ACKPT_CONFIG,
     CONFIG,
     GLOBAL_BATCH,
     MAX_NORM,
@@ -43,10 +44,10 @@ from torch import nn
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
 from lightning_titan.parallel.dp.offload import HostOptimizer
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
-from lightning_titan.plan.memory import rank_state
+from lightning_titan.plan.memory import gathered_bytes, rank_state
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.engine import Engine
-from lightning_titan.train.options import TrainOptions
+from lightning_titan.train.options import TrainOptions, zero3_reshards_after_forward
 
 LAYOUTS = [
     ((2, 1, 1), "1f1b:bf16", 1),
@@ -56,10 +57,18 @@ LAYOUTS = [
     ((1, 1, 2), "1f1b:bf16:zero1", 2),  # the non-expert masters cut over the ep2 group
     ((2, 1, 1), "1f1b:bf16:zero2", 1),  # and the fp32 grads reduce-scattered into the rows
     ((1, 1, 2), "1f1b:bf16:zero2", 2),
+    # zero=3: the fp32 master rows the leaves, the blocks gathered in bf16 around their use
+    ((2, 1, 1), "1f1b:bf16:zero3", 1),
+    ((2, 1, 1), "1f1b:bf16:zero3", 2, ACKPT_CONFIG),  # the recompute inside the backward gathers
+    ((1, 1, 2), "1f1b:bf16:zero3", 2),  # the non-expert rows over the ep2 group
+    # pp=1 under a split backward: the stage kept whole for the step, as under a pipeline (pp2
+    # with a data-parallel group needs 4 ranks): the masters stay tensors of their own
+    ((2, 1, 1), "zb_h1:bf16:zero3", 2),
 ]
+ZERO3 = 7  # LAYOUTS[7]: zero=3 over dp2
 # save at step 2 under bf16 weights; resume under fp32 weights (no step) and save; resume under
 # bf16: at zero=0 (the uninterrupted run: LAYOUTS[0]), and from zero=1's master rows through an
-# fp32 zero=0 run back to zero=1 (LAYOUTS[3])
+# fp32 zero=0 run back to zero=1 (LAYOUTS[3]), and the same from zero=3's (LAYOUTS[ZERO3])
 CHECKPOINTS = [
     ((2, 1, 1), "1f1b:bf16:save=2", 1),
     ((2, 1, 1), "1f1b:resume=2:save=2", 1),
@@ -67,6 +76,9 @@ CHECKPOINTS = [
     ((2, 1, 1), "1f1b:bf16:zero1:save=2", 1),
     ((2, 1, 1), "1f1b:resume=2:save=2", 1),
     ((2, 1, 1), "1f1b:bf16:zero1:resume=2", 1),
+    ((2, 1, 1), "1f1b:bf16:zero3:save=2", 1),
+    ((2, 1, 1), "1f1b:resume=2:save=2", 1),
+    ((2, 1, 1), "1f1b:bf16:zero3:resume=2", 1),
 ]
 # optimizer offload (parallel/dp/offload.py): each against the same layout without it (its index
 # in LAYOUTS; None: fp32 weights, against one process); then a checkpoint saved with offload,
@@ -159,7 +171,7 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
     per_rank = run_on_ranks(
         run_layouts, 2, cases, str(tmp_path), timeout_s=280, start_method="fork"
     )
-    for i, (layout, schedule, _) in enumerate(LAYOUTS):
+    for i, (layout, schedule, *_) in enumerate(LAYOUTS):
         zero = next((int(o[-1]) for o in schedule.split(":") if o.startswith("zero")), 0)
         for rank, r in enumerate(per_rank):
             assert_close_to(ref, r[i], f"{layout} {schedule}")
@@ -168,7 +180,12 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
             assert predicted == r[i]["state"], (layout, schedule, rank, predicted, r[i]["state"])
     offloaded = len(LAYOUTS) + len(CHECKPOINTS)
     check_offload(per_rank, offloaded, ref)
-    chains = ((len(LAYOUTS), 0), (len(LAYOUTS) + 3, 3), (offloaded + len(OFFLOAD), 3))
+    chains = (
+        (len(LAYOUTS), 0),
+        (len(LAYOUTS) + 3, 3),
+        (offloaded + len(OFFLOAD), 3),
+        (len(LAYOUTS) + 6, ZERO3),
+    )
     for first, uninterrupted in chains:  # (the first case of a chain, its uninterrupted run)
         for r in per_rank:
             saved, fp32_loaded, resumed = r[first : first + 3]
@@ -193,6 +210,29 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
         if zero:  # every row's master and moments on exactly one rank
             assert sum(r["master_bytes"] for r in ranks) == 4 * numel
             assert sum(r["moment_bytes"] for r in ranks) == 8 * numel
+    # zero=3: between steps no bf16 weight of a cut parameter (its rows are the fp32 masters: 16
+    # bytes a parameter over the group with grads and moments), the uncut ones whole in bf16 and
+    # fp32; in the step the units gathered in bf16, 2 bytes a parameter, as ``gathered_bytes``
+    # prices them (per block: the rest and two blocks; kept whole: the stage, beside the masters)
+    for i in range(ZERO3, ZERO3 + 4):
+        layout, schedule, *_ = LAYOUTS[i]
+        per_block = zero3_reshards_after_forward(layout[1], schedule.split(":")[0])
+        for rank, r in enumerate(per_rank):
+            res, where = r[i], (layout, schedule, rank)
+            assert res["held_param_bytes"] == res["master_bytes"] + res["uncut_bytes"], where
+            assert res["held_after_eval"] == res["held_param_bytes"], where
+            assert res["whole_after_remove"], where  # the fp32 masters, whole
+            predicted = gathered_bytes(
+                CONFIG, ParallelDims(*layout, rank), reshard_after_forward=per_block,
+                param_dtype="bf16",
+            )  # fmt: skip
+            in_step = res["rest_bytes"] + res["two_blocks_bytes"] if per_block else None
+            if in_step is None:  # every cut weight whole in bf16
+                in_step = res["param_bytes"] - res["uncut_bytes"]
+            assert predicted == in_step, (where, predicted, in_step)
+            assert res["gathered_peak"] == res["uncut_bytes"] + in_step, where
+            assert not res["gather_buffer_borrowed"], where
+            assert res["gather_dtypes"] == {torch.bfloat16}, (where, res["gather_dtypes"])
 
 
 def check_offload(per_rank: list[list[dict]], first: int, ref: dict) -> None:
@@ -235,8 +275,9 @@ def test_precision_must_be_bf16_mixed() -> None:
 
 
 def test_options_refuse_what_is_not_built() -> None:
-    with pytest.raises(ValueError, match="param_dtype='bf16' needs zero 0, 1 or 2"):
-        TrainOptions(param_dtype="bf16", zero=3)
+    TrainOptions(param_dtype="bf16", zero=3)  # built: zero=3 gathers bf16 from fp32 master rows
+    with pytest.raises(ValueError, match="param_dtype='bf16' needs reducer='bucketed'"):
+        TrainOptions(param_dtype="bf16", reducer="per_param")
     with pytest.raises(ValueError, match="param_dtype='fp16' is not a parameter dtype"):
         TrainOptions(param_dtype="fp16")
     with pytest.raises(ValueError, match="offload_optimizer=True with zero=3 is not built"):

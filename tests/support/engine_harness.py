@@ -353,6 +353,9 @@ def train(
     # zero=3's block gathers from its hooks: in flight already (prefetched) or run at once
     block_gathers = None if engine.sharded_params is None else dict(engine.sharded_params.counts)
     offloaded = 0 if engine.offload is None else len(engine.offload)  # tensors the host steps
+    # in the dtype the step held them (bf16 weights: the parameters are fp32 after ``remove``)
+    rest_bytes = _nbytes(p for p in model.parameters() if id(p) in cut) - sum(blocks_cut)
+    uncut_bytes = _nbytes(p for p in model.parameters() if id(p) not in cut)
     engine.remove()
     # the model whole and trained once the engine is gone (zero=3 gathers it: a later use, an
     # export, reads the parameters as they are)
@@ -397,12 +400,12 @@ def train(
         "with_leaves_peak": measured["with_leaves_peak"],  # the optimizer's leaves' storages too
         # zero=3's units, whole, of the parameters ZeRO cuts: the rest of the stage (embedding,
         # norm, head) and the largest block; and the bytes of those it does not cut
-        "rest_bytes": _nbytes(p for p in model.parameters() if id(p) in cut) - sum(blocks_cut),
+        "rest_bytes": rest_bytes,
         "block_bytes": max(blocks_cut, default=0),
         "two_blocks_bytes": sum(sorted(blocks_cut)[-2:]),  # the two largest (a prefetch's peak)
         "n_blocks": len(blocks_cut),
         "block_gathers": block_gathers,
-        "uncut_bytes": _nbytes(p for p in model.parameters() if id(p) not in cut),
+        "uncut_bytes": uncut_bytes,
         # zero=3's gathers run in the backward, while ZeRO-2's reducer has borrowed the kept
         # buffer for a reduce-scatter: they must gather through another (a race gloo may not show)
         "gather_buffer_borrowed": any(
@@ -411,6 +414,8 @@ def train(
             for unit in g.unit_kept.values()
             for kept in g.kept.values()
         ),
+        # zero=3's gather buffers' dtypes (bf16 weights: bf16, the masters' rows cast as packed)
+        "gather_dtypes": {b.dtype for g in engine.zero_groups for b in g.unit_kept.values()},
         # dense copies of strided rows, for an optimizer that steps views wrongly (AdamW fused)
         "dense_bytes": sum(
             s.leaf.numel() * s.leaf.element_size()

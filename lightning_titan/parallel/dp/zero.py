@@ -213,7 +213,9 @@ class ZeroGroup:
             padded[: rows.shape[0]] = rows
             parts = [torch.empty_like(padded) for _ in range(self.n)]
             dist.all_gather(parts, padded, group=self.group)
-            s.param.data = torch.cat(parts)[: s.size].movedim(0, s.dim).contiguous()
+            # a copy of its own: the padding past the last row not kept in its storage
+            whole = torch.cat(parts)[: s.size].movedim(0, s.dim)
+            s.param.data = whole.clone(memory_format=torch.contiguous_format)
 
     def densify(self) -> None:
         """For an optimizer that steps strided tensors wrongly (``steps_strided_views``): each leaf

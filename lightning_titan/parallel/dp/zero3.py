@@ -39,7 +39,15 @@ stage whole during the step, its rows only between steps, one all-gather a param
 whole, each leaf is a view of its rows in the parameter (no second copy of them: the step's peak is
 zero=2's); freeing the unit copies them out again.
 
-The grads are ZeRO-2's (``zero_grads.py``): reduce-scattered into the leaves. Every rank of a group
+bf16 weights (``param_dtype="bf16"``, ``master.py``): each leaf is the fp32 master of its rows, a
+tensor of its own (never a view into the bf16 parameter, not even while the stage is kept whole),
+and the gathered parameters are bf16: packing the gather buffer casts each rank's master rows to
+bf16, so the all-gather moves half the bytes and a gathered block holds 2 bytes a parameter.
+Between steps a rank holds only its fp32 master rows (and their grads and moments), no bf16 copy of
+them. A checkpoint load writes the masters' rows, which ``take_rows`` then leaves alone.
+
+The grads are ZeRO-2's (``zero_grads.py``): reduce-scattered into the leaves (bf16 weights: in fp32,
+into the masters' grads). Every rank of a group
 runs the same stage's blocks in the same order, so the gathers match across ranks. A prefetch is
 issued at the same point of that order on every rank (the hook of the block before it, whose
 position among the reducer's reduce-scatters on the same group is the same on every rank: the
@@ -203,7 +211,8 @@ class ShardedParams:
         written since ``gather_all``."""
         for g in self.groups:
             for s in g.shards.values():
-                s.leaf.copy_(s.rows(s.param.data))
+                if not s.master:  # an fp32 master's rows: what a load wrote, finer than the bf16
+                    s.leaf.copy_(s.rows(s.param.data))
 
     def _pre_stage(self, module: nn.Module, args: tuple) -> None:
         # a forward outside a step (kept whole: every unit; a no-op once ``gather_for_step`` ran)
@@ -259,7 +268,8 @@ def keep_rows_only(group: ZeroGroup) -> None:
 def start_gather(group: ZeroGroup, unit: int) -> list[Any]:
     """Unit ``unit``'s sharded parameters of ``group``: their storage allocated, every rank's rows
     (its leaves) packed into the unit's gather buffer and one all-gather per bucket issued, not
-    waited; ``finish_gather`` completes it. Until then nothing may read those storages or the
+    waited; ``finish_gather`` completes it. bf16 weights: the buffer is bf16, the parameters'
+    dtype, and packing casts the leaves (the fp32 masters' rows) into it: half the bytes gathered. Until then nothing may read those storages or the
     buffer, nor another unit of ``group`` gather (they share the buffer)."""
     works = []
     for bucket in group.unit_buckets[unit]:
@@ -289,7 +299,8 @@ def finish_gather(
         torch._foreach_copy_(bucket.own, leaves)
         if leaves_in_place:
             for s in bucket.shards:
-                s.leaf.data = s.rows(s.param.data)
+                if not s.master:  # an fp32 master stays its own tensor beside the bf16 weight
+                    s.leaf.data = s.rows(s.param.data)
 
 
 def release_unit(group: ZeroGroup, unit: int) -> None:

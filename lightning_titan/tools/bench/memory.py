@@ -52,8 +52,15 @@ def state_bytes(
     optimizer = local_optimizer(optimizer)
     masters = None if engine is None else engine.masters
     grad_bytes = zero2_grad_bytes(engine)
-    # zero=3: a sharded parameter holds its rows only (its leaf), between steps
-    param_bytes = grad_bytes if engine is not None and engine.zero == 3 else None
+    # zero=3: a sharded parameter holds its rows only (its leaf), between steps; bf16 weights:
+    # none (the leaf is the fp32 master of the rows, counted with the optimizer state)
+    param_bytes = None
+    if engine is not None and engine.zero == 3:
+        param_bytes = {
+            pid: 0 if s.master else s.leaf.numel() * s.leaf.element_size()
+            for g in engine.zero_groups
+            for pid, s in g.shards.items()
+        }
     # a shard's leaf stands for its parameter (a dense one has a storage of its own; under zero=3
     # the parameters' storages are freed, all at address 0, so they are told apart by id)
     shard_param = {} if engine is None else {
