@@ -6,9 +6,11 @@ collectives and AOTAutograd's compiled backward (one autograd node per region, w
 split sees) are all exercised, without inductor's C++ compile, which takes minutes on a 2-core box.
 Inductor's own rounding is measured by ``titan bench --compile`` and stated in docs/concepts.md.
 One process against eager (also under activation checkpointing, and with expert capacity,
-whose changing row counts must not recompile), then one spawn of 8 ranks running dp2 x pp2 x ep2, tp2 x pp2 x ep2,
-cp2 x pp2 x ep2 and zbv against the eager single process, at the equivalence suite's tolerances;
-no rank compiles a graph after the first step.
+whose changing row counts must not recompile), then one spawn of 8 ranks running zero=3 under dp2 x
+ep4 (each block gathered around its use) and dp2 x pp2 x ep2 (the stage whole for the step), then
+dp2 x pp2 x ep2, tp2 x pp2 x ep2, cp2 x pp2 x ep2 and zbv against the eager single process, at the
+equivalence suite's tolerances; no rank compiles a graph after the first step, and no graph breaks
+where no region holds a collective (no tp, no cp).
 """
 
 import pytest
@@ -27,6 +29,12 @@ from lightning_titan.runtime.launch import run_on_ranks
 
 BACKEND = "aot_eager"
 LAYOUTS = [
+    # zero=3, first (the regions traced while its hooks gather and free the weights around them,
+    # which the graphs read as inputs): at pp=1 each block gathered for its forward and again for
+    # its backward (AOTAutograd's saved weights refilled in place); under a pipeline the stage
+    # whole for the step
+    ((2, 1, 4), f"1f1b:zero3:compile={BACKEND}", 1),  # dp2 x ep4
+    ((2, 2, 2), f"1f1b:zero3:compile={BACKEND}", 2),  # dp2 x pp2 x ep2
     ((2, 2, 2), f"1f1b:compile={BACKEND}", 2),
     # Dynamo alone (backend "eager": no AOTAutograd, half the compile time of 8 ranks on 2 cores)
     # where what is new is the capture: graph breaks at TP's gather and reduce-scatter, CP's key
@@ -84,3 +92,15 @@ def test_compiled_layouts_equal_one_process(ref):
         assert recompiled == [0] * 8, (
             f"{layout} {schedule}: graphs compiled after step 1 {recompiled}"
         )
+        # no collective inside a region without tp or cp: no graph break (zero=3's hooks stay
+        # outside the graphs)
+        if layout[3:] in ((), (1,), (1, 1)):
+            breaks = [r["graph_breaks"] for r in results]
+            assert breaks == [0] * 8, f"{layout} {schedule}: graph breaks {breaks}"
+        if i == 0:  # traced under zero=3 (no earlier case had its shapes)
+            assert all(r["graphs"] > 0 for r in results), [r["graphs"] for r in results]
+        if ":zero3" in schedule and layout[1] == 1:  # the blocks did gather around their use
+            for r in results:
+                seen = r["block_gathers"]
+                assert seen["gathered"] > 0 and seen["prefetched"] > 0, (layout, schedule, seen)
+                assert seen["wasted"] == 0, (layout, schedule, seen)

@@ -212,7 +212,8 @@ def train(
     NCCL's ordering (``nccl_strict``, a stream giving up after that many seconds). ``zero`` shards
     the optimizer state over the data-parallel groups; ``split`` cuts the layers over stages and
     chunks; ``compile`` names a ``torch.compile`` backend to compile the stage with (the result's
-    ``graphs``: the graphs the first step compiled, ``recompiled``: those compiled after it);
+    ``graphs``: the graphs the first step compiled, ``recompiled``: those compiled after it,
+    ``graph_breaks``: the breaks Dynamo traced in the steps);
     ``adamw``: the AdamW implementation (``"foreach"``, ``"fused"``; None: torch's default);
     ``masked``: targets partly ``IGNORE_INDEX`` (``global_batch``); ``packed``: several documents a
     sequence (``packed_batch``), attention and positions per document; ``lora``: adapters on a frozen
@@ -293,6 +294,7 @@ def train(
     # the vocab-parallel one against the plain one)
     loss_fn = model.token_loss_sum if compile is not None else loss_fn_for(model, dims)
     graphs_at_start = graphs_after_first = compiled.graphs_compiled()
+    breaks_at_start = graph_breaks()
     for step in range(resume[0] if resume else 0, save[0] if save else steps):
         inputs, targets, documents = packed_batch(step, config, batch, masked, packed)
         rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
@@ -312,6 +314,7 @@ def train(
         with engine.whole_params():  # zero=3: the checkpoint holds the whole model's tensors
             save_sharded(save[1], model, [optimizer], {}, layout=layout, zero_shards=shards)
     recompiled = compiled.graphs_compiled() - graphs_after_first  # before the eval's own graphs
+    breaks = graph_breaks() - breaks_at_start
     # validation: the trained model's forward only (the schedule's forward-only order) on batch 0
     inputs, targets, documents = packed_batch(0, config, batch, masked, packed)
     rows = slice(dims.data_rank * b, (dims.data_rank + 1) * b)
@@ -426,11 +429,17 @@ def train(
         "sends_in_flight": 0 if stream is None else stream.most_live_sends,
         "graphs": graphs_after_first - graphs_at_start,  # those the first step compiled
         "recompiled": recompiled,
+        "graph_breaks": breaks,
         "handovers": overlap.handovers() - handovers,  # an overlapped pair's switches (overlap.py)
         "frozen_moved": [n for n, w in frozen.items() if not torch.equal(w, weights[n])],
         "trained": len(trained),
         **record(model, dims),
     }
+
+
+def graph_breaks() -> int:
+    """How many graph breaks Dynamo has traced in this process so far (a cached graph adds none)."""
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
 def watch_rows(model: StageModel, config: ModelConfig, dims: ParallelDims) -> list[float]:
