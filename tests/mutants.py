@@ -262,6 +262,34 @@ MUTATIONS = {
                                      "        stage.register_forward_hook(lambda *_: None if "
                                      "reshard_after_forward else self.release_all())\n",
                                      ["tests/distributed/test_zero3.py", "-k", "equals and 4"]),
+    # ZeRO-3 under DualPipeV with dp x ep: the stage freed after each microbatch's forward (the
+    # pair's backward reads freed parameters)
+    "zero3_dualpipev_freed_after_forward": ("lightning_titan/parallel/dp/zero3.py",
+                                            "        self.reshard_after_forward = reshard_after_forward\n",
+                                            "        self.reshard_after_forward = reshard_after_forward\n"
+                                            "        stage.register_forward_hook(lambda *_: None if "
+                                            "reshard_after_forward else self.release_all())\n",
+                                            ["tests/distributed/test_zero3.py", "-k", "equals and 8"]),
+    # zero=3 compiled at pp=1: each block gathered by a hook on its first norm, inside the
+    # compiled attention region (Dynamo traces the gather's collectives: graph breaks)
+    "zero3_gathered_in_compiled_region": ("lightning_titan/parallel/dp/zero3.py",
+                                          "block.register_forward_pre_hook(self._pre_block(u))",
+                                          "block.attn_norm.register_forward_pre_hook(self._pre_block(u))",
+                                          ["tests/distributed/test_compile.py", "-k", "layouts"]),
+    # zero=3 compiled at pp=1: a block's backward finds its weights freed (the compiled graph reads
+    # the parameters' storage, which the gather on its output's grad refills in place)
+    "zero3_compiled_no_regather": ("lightning_titan/parallel/dp/zero3.py",
+                                   "x.register_hook(lambda grad: self._backward_starts(unit))",
+                                   "x.register_hook(lambda grad: None)",
+                                   ["tests/distributed/test_compile.py", "-k", "layouts"]),
+    # zero=3 compiled under a pipeline: the stage freed after each forward (the compiled backwards
+    # read freed weights)
+    "zero3_compiled_pp_freed": ("lightning_titan/parallel/dp/zero3.py",
+                                "        self.reshard_after_forward = reshard_after_forward\n",
+                                "        self.reshard_after_forward = reshard_after_forward\n"
+                                "        stage.register_forward_hook(lambda *_: None if "
+                                "reshard_after_forward else self.release_all())\n",
+                                ["tests/distributed/test_compile.py", "-k", "layouts"]),
     # ZeRO-3 under a pipeline: the optimizer's rows a second copy beside the whole stage in the step
     "zero3_pp_leaves_copied": ("lightning_titan/parallel/dp/zero3.py",
                                "leaves_in_place=not self.reshard_after_forward",
