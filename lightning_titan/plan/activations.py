@@ -3,9 +3,10 @@
 Per sequence the bytes come from the model itself: one step of a one- and a two-layer copy of it,
 forward and loss under the bench's ``SavedTensorMeter``, on one sequence; the difference is one
 block, the rest the embedding, head and loss. A wide model is measured at ``1/s`` of its width (heads,
-``d_model``, ``ffn_dim`` divided by ``s``, head_dim, S, K and the vocabulary kept) and its block
+``d_model``, ``ffn_dim`` divided by ``s``, head_dim, S and K kept) and its block
 bytes multiplied by ``s``: everything a block saves is linear in those widths (the router's ``E``
-scores, not scaled, are a rounding error). Then, in microbatches held at the peak on stage ``p``:
+scores, not scaled, are a rounding error). A vocabulary wider than ``PROBE_VOCAB`` is measured at
+that width and twice it, and the ends' bytes (logits, the loss's rows) drawn through the two. Then, in microbatches held at the peak on stage ``p``:
 
     gpipe: M          1f1b: min(M, pp - p)          interleaved (v chunks): the doc's bound / v
     zb_h1: min(M, pp) (a forward's activations live until its W, which every stage defers)
@@ -46,6 +47,9 @@ from lightning_titan.plan.precision import FP32, STATE_BYTES, Precision
 from lightning_titan.runtime.saved_tensors import SavedTensorMeter
 
 PROBE_WIDTH = 512  # the widest d_model measured as it is
+# the largest vocabulary measured as it is: a 150k vocabulary's logits at 4,096 tokens held the
+# probe at 8.6 GB; the ends' bytes are linear in V, so a wider one is priced from V and 2V
+PROBE_VOCAB = 4096
 
 
 def _scale(config: ModelConfig) -> int:
@@ -128,9 +132,14 @@ def per_sequence(config: ModelConfig, precision: Precision = FP32) -> tuple[floa
             dense_layers=0,
             activation_checkpointing=False,
         )
-        one = _saved(replace(narrow, n_layers=1), precision)
-        two = _saved(replace(narrow, n_layers=2), precision)
-        _PER_SEQUENCE[key] = ((two - one) * s, one - (two - one))
+        vocab = min(config.vocab_size, PROBE_VOCAB)
+        one = _saved(replace(narrow, n_layers=1, vocab_size=vocab), precision)
+        two = _saved(replace(narrow, n_layers=2, vocab_size=vocab), precision)
+        ends = one - (two - one)
+        if vocab < config.vocab_size:  # the logits and the loss's saved rows are linear in V
+            wider = _saved(replace(narrow, n_layers=1, vocab_size=2 * vocab), precision)
+            ends += (wider - one) * (config.vocab_size - vocab) / vocab
+        _PER_SEQUENCE[key] = ((two - one) * s, ends)
     return _PER_SEQUENCE[key]
 
 

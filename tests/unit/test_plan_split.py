@@ -289,3 +289,22 @@ def test_the_interleaved_bubble_at_v_is_the_formula_and_the_replay(pp):
                 for r in range(pp):
                     live = live_peak(schedule, pp, r, v, m, [1] * v)[0]
                     assert held(options, pp, r) * v == pytest.approx(live), (v, m, r)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_wide_vocabulary_is_priced_from_two_narrow_ones(monkeypatch, precision):
+    """The probe measures the embedding, head and loss at ``PROBE_VOCAB`` and twice it and draws the
+    line through them (a 150k vocabulary's logits held it at 8.6 GB): at a vocabulary it can also
+    measure whole, the line gives the measured bytes."""
+    from lightning_titan.plan import activations
+    from lightning_titan.plan.precision import Precision
+
+    config = ModelConfig(
+        vocab_size=1_000, d_model=64, n_layers=2, n_heads=4, ffn_dim=128, n_experts=4, seq_len=64
+    )
+    whole = activations.per_sequence(config, Precision(precision))
+    monkeypatch.setattr(activations, "_PER_SEQUENCE", {})
+    monkeypatch.setattr(activations, "PROBE_VOCAB", 300)
+    drawn = activations.per_sequence(config, Precision(precision))
+    assert drawn[0] == whole[0]
+    assert drawn[1] == pytest.approx(whole[1], rel=1e-12)
