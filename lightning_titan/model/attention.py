@@ -44,9 +44,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * normalized(x, self.eps)
+
+
+def normalized(x: Tensor, eps: float) -> Tensor:
+    """RMSNorm before its weight: ``x`` over its root mean square, computed in fp32, in ``x``'s dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h.to(x.dtype)
 
 
 class _SumOverGroup(torch.autograd.Function):
