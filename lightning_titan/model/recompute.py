@@ -92,6 +92,9 @@ class Recomputed:
         )
         self.ctx: Any = None
         self.output: Tensor = _WithoutGrad.apply(self, *inputs)
+        # no input wants a grad (a frozen embedding's output under LoRA): autograd records no node
+        # and keeps nothing, yet the output is refilled for a consumer whose adapters train
+        self._inputs = None if any(x.requires_grad for x in inputs) else inputs
         self._derived: list[tuple[Tensor, Callable[[Tensor], Tensor]]] = []
         self._freed: list[tuple[Tensor, int]] = []
 
@@ -122,7 +125,8 @@ class Recomputed:
         ctx = self.ctx
         if ctx is None:  # restored already (a second backward through a retained graph)
             return
-        inputs, out = _recompute(self.fn, self.autocast, ctx.saved_tensors)
+        saved = ctx.saved_tensors if self._inputs is None else self._inputs
+        inputs, out = _recompute(self.fn, self.autocast, saved)
         ctx.recomputed = inputs, out
         sizes = {id(t): n for t, n in self._freed}
         if id(self.output) in sizes:
@@ -133,7 +137,7 @@ class Recomputed:
                 if id(t) in sizes:
                     _write(t, sizes[id(t)], g(self.output))
         storage_resized()
-        self.ctx, self._derived, self._freed = None, [], []
+        self.ctx, self._inputs, self._derived, self._freed = None, None, [], []
 
 
 class Kept:
