@@ -62,9 +62,9 @@ MUTATIONS = {
                             "                pass\n",
                             ["tests/unit/test_selective_recompute.py", "-k", "saves"]),
     # the norm's output left in fp32 under bf16 autocast: the projections save bf16 copies of it
-    "selective_norm_fp32": ("lightning_titan/model/recompute.py",
-                            "(norm.weight * n).to(dtype)",
-                            "(norm.weight * n)",
+    "selective_norm_fp32": ("lightning_titan/model/attention.py",
+                            "(self.weight * n).to(dtype)",
+                            "(self.weight * n)",
                             ["tests/unit/test_selective_recompute.py", "-k", "bf16"]),
     # the saved-tensor meter never reads a freed storage's size again: its peak counts it still
     "meter_no_reread": ("lightning_titan/runtime/saved_tensors.py",

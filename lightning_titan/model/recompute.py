@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_titan.model.attention import RMSNorm, normalized
 from lightning_titan.runtime.saved_tensors import storage_resized
 
 Fn = Callable[..., Tensor]
@@ -166,14 +165,6 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def rms_norm(norm: RMSNorm, x: Tensor) -> tuple[Recomputed | Kept, Tensor]:
-    """``norm(x)`` in the compute dtype (the tensor the projections save under autocast too, so
-    the one discarded), recomputed in the backward, and its ``Recomputed``."""
-    dtype = compute_dtype(x)
-    normed = run(lambda x: normalized(x, norm.eps), x, recompute=True)
-    return normed, normed.then(lambda n: (norm.weight * n).to(dtype))
-
-
 def selective_block(
     block: Any,
     x: Tensor,
@@ -186,9 +177,9 @@ def selective_block(
     """``Block.forward`` (``model/decoder.py``) with each norm's output discarded once the sublayer
     that reads it (the attention; the MoE layer or the dense MLP) has run, and recomputed when that
     sublayer's output grad arrives."""
-    normed, h = rms_norm(block.attn_norm, x)
+    normed, h = block.attn_norm.recomputed(x)
     x = x + normed.discard_after(block.attn(h, cos, sin, mask, key_starts, cache))
-    normed, h = rms_norm(block.moe_norm, x)
+    normed, h = block.moe_norm.recomputed(x)
     if block.moe is None:  # a dense layer: no aux loss
         out, aux = block.mlp(h), torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
     else:
