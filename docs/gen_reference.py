@@ -48,6 +48,9 @@ MODEL_FIELD_DOCS = {
     "rope_theta": "RoPE base frequency.",
     "norm_eps": "RMSNorm epsilon.",
     "init_std": "standard deviation of the initial weights (output projections scaled by 1/sqrt(2L)).",
+    "activation_checkpointing": "what the backward recomputes instead of keeping: `false` / "
+    "`none`; `true` / `full`: each block (its input kept); `selective`: the norms and the "
+    "experts' gated activations ([Saving memory](saving_memory.md#recompute)).",
 }
 
 

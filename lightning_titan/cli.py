@@ -43,6 +43,7 @@ from lightning_titan.lightning.summary import (
     fit_summary,
     skipped_warning,
 )
+from lightning_titan.model.config import FULL
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.lora import LoRA
 from lightning_titan.train.options import check_overlap_threads
@@ -146,7 +147,7 @@ class TitanCLI(LightningCLI):
         if strategy is not None:
             module = config.get("model")
             compiled = bool(module.get("compile")) if isinstance(module, Namespace) else False
-            recompute = bool(model and model.activation_checkpointing)
+            recompute = model is not None and model.recompute == FULL
             try:
                 arguments.check_layout_fits(strategy, model, trainer)
                 check_overlap_threads(strategy.options, recompute=recompute, compiled=compiled)

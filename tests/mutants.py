@@ -51,6 +51,26 @@ MUTATIONS = {
                                         "reshard_after_forward=impl == FSDP2_ZERO3",
                                         "reshard_after_forward=False",
                                         ["tests/distributed/test_bench.py", "-k", "quick_runs_end"]),
+    # selective recompute: no hook on the consumer's output, so nothing refills the freed storage
+    "selective_no_restore": ("lightning_titan/model/recompute.py",
+                             "        consumer_out.register_hook(self._restore)\n",
+                             "        pass\n",
+                             ["tests/unit/test_selective_recompute.py", "-k", "keeping_everything"]),
+    # selective recompute: the outputs' storage never freed (the same numbers, nothing saved)
+    "selective_not_freed": ("lightning_titan/model/recompute.py",
+                            "                storage.resize_(0)\n",
+                            "                pass\n",
+                            ["tests/unit/test_selective_recompute.py", "-k", "saves"]),
+    # the norm's output left in fp32 under bf16 autocast: the projections save bf16 copies of it
+    "selective_norm_fp32": ("lightning_titan/model/attention.py",
+                            "(self.weight * n).to(dtype)",
+                            "(self.weight * n)",
+                            ["tests/unit/test_selective_recompute.py", "-k", "bf16"]),
+    # the saved-tensor meter never reads a freed storage's size again: its peak counts it still
+    "meter_no_reread": ("lightning_titan/runtime/saved_tensors.py",
+                        "        if self._resizes_seen != _resizes:",
+                        "        if False:",
+                        ["tests/unit/test_selective_recompute.py", "-k", "saves"]),
     # compile under a B/W split schedule keeps the compiled backwards' buffers donated
     "compile_donated_buffers": ("lightning_titan/model/compiled.py",
                                 "        torch._functorch.config.donated_buffer = False\n",

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_titan.model import lora as adapters
+from lightning_titan.model import recompute
 from lightning_titan.model.config import ModelConfig
 from lightning_titan.model.documents import masked_attention
 from lightning_titan.model.kv_cache import LayerCache
@@ -44,9 +45,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * normalized(x, self.eps)
+
+    def recomputed(self, x: Tensor) -> tuple[recompute.Recomputed | recompute.Kept, Tensor]:
+        """``self(x)`` in the compute dtype (the tensor the projections save under autocast too, so
+        the one discarded) and its ``Recomputed``: selective recompute (``model/recompute.py``)."""
+        dtype = recompute.compute_dtype(x)
+        normed = recompute.run(lambda x: normalized(x, self.eps), x, recompute=True)
+        return normed, normed.then(lambda n: (self.weight * n).to(dtype))
+
+
+def normalized(x: Tensor, eps: float) -> Tensor:
+    """RMSNorm before its weight: ``x`` over its root mean square, computed in fp32, in ``x``'s dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h.to(x.dtype)
 
 
 class _SumOverGroup(torch.autograd.Function):

@@ -5,10 +5,14 @@ kept out of the graph, and the last stage in two more:
 
 - ``Block.attend``: RMSNorm, q/k/v, RoPE, attention, the output projection, the residual add and the
   MoE's RMSNorm; one graph per block shape, shared by the blocks (the parameters are its inputs).
+  Under selective recompute (``model/recompute.py``) the training forward does not run it: the
+  norms' discard and refill are Python around the attention, which stays eager.
 - ``route`` (``model/moe/router.py``): the router's scores, the top-K and the auxiliary losses.
 - ``gated`` (``model/moe/activation.py``): the experts' activation between their grouped GEMMs
   (SwiGLU, or gpt-oss's clamped form), compiled with ``dynamic=True``: its row count, which the
   routing changes every step, is a symbol from the first trace on, so a new count does not recompile.
+  Under selective recompute it runs inside the recompute's Function: without grad in the forward,
+  with it when the backward recomputes it (a graph each).
 - ``StageModel.head`` (the final RMSNorm and the LM head) and ``StageModel.token_loss_sum`` (the
   cross-entropy, vocab-parallel under TP), on the stage that holds the head.
 

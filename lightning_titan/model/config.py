@@ -12,7 +12,7 @@ and checkpoints: ``vars(config)`` is the flat dict) and typed groups to the code
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from lightning_titan.model.moe.capacity import expert_capacity
 from lightning_titan.model.options import (
@@ -23,6 +23,9 @@ from lightning_titan.model.options import (
     RouterOptions,
 )
 from lightning_titan.parallel.pipeline.split import StageSplit
+
+# activation_checkpointing's values, spelled out (``ModelConfig.recompute``)
+NONE, FULL, SELECTIVE = "none", "full", "selective"
 
 
 @dataclass
@@ -44,7 +47,9 @@ class ModelConfig:
     # pick the top-K (not on the combine weights); works with the aux loss on or off
     router_bias_update_rate: float = 0.0  # expert-bias step per optimizer step, e.g. 1e-3; 0 = off
     init_std: float = 0.02
-    activation_checkpointing: bool = False  # recompute each block in backward
+    # recompute in the backward instead of keeping: False / "none"; True / "full": each block (only
+    # its input kept); "selective": the norms and the experts' gated activations (model/recompute.py)
+    activation_checkpointing: bool | Literal["none", "full", "selective"] = False
     # expert capacity (model/moe/capacity.py): the assignments over it are dropped (the residual passes)
     capacity_factor: float | None = None  # <= floor(factor*S*K/E) per sequence; None: dropless
     # options of pretrained MoE families: the code reads them as groups (model/options.py:
@@ -110,6 +115,12 @@ class ModelConfig:
         for name in ("aux_loss_coef", "z_loss_coef", "router_bias_update_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 (0 turns it off)")
+        if self.activation_checkpointing not in (False, True, NONE, FULL, SELECTIVE):
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r} is unknown; choose "
+                f"{NONE!r} (or False), {FULL!r} (or True: each block) or {SELECTIVE!r} (the norms "
+                "and the experts' activations)"
+            )
         if self.top_k > self.n_experts:
             raise ValueError(
                 f"top_k={self.top_k} > n_experts={self.n_experts}; use top_k <= n_experts"
@@ -152,6 +163,14 @@ class ModelConfig:
         if out.get("attn_head_dim") is None and out.get("n_heads") and "d_model" in out:
             out["attn_head_dim"] = out["d_model"] // out["n_heads"]
         return out
+
+    @property
+    def recompute(self) -> str:
+        """What the backward recomputes: ``"none"``, ``"full"`` (each block) or ``"selective"``."""
+        value = self.activation_checkpointing
+        if isinstance(value, bool):
+            return FULL if value else NONE
+        return value
 
     @property
     def attention(self) -> AttentionOptions:

@@ -22,8 +22,9 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from lightning_titan.model import lora as adapters
+from lightning_titan.model import recompute
 from lightning_titan.model.attention import Attention, RMSNorm, apply_rope, rope_cos_sin
-from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.config import FULL, SELECTIVE, ModelConfig
 from lightning_titan.model.documents import QUERY_CHUNK, chunk_key_starts, document_masks
 from lightning_titan.model.init import init_adapters, init_weights
 from lightning_titan.model.kv_cache import KVCache, LayerCache
@@ -50,12 +51,6 @@ from lightning_titan.parallel.tensor_parallel import (
 __all__ = ["Attention", "ModelConfig", "RMSNorm", "StageModel", "apply_rope", "rope_cos_sin"]
 
 
-def compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the matmuls on ``x`` run in: autocast's where it is on, else ``x``'s."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
 class Block(nn.Module):
     """One layer. ``dense``: a plain SwiGLU ``mlp`` instead of the MoE layer (DeepSeek-V3's first
     layers): no router, no experts, no dispatch; it runs on this rank's tokens like a shared expert."""
@@ -77,6 +72,7 @@ class Block(nn.Module):
         super().__init__()
         attention, router, experts = config.attention, config.router, config.experts
         self.sliding = attention.sliding(layer)  # gpt-oss: the even layers
+        self.selective = selective = config.recompute == SELECTIVE  # model/recompute.py
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn: nn.Module = (
             MLAttention(config, tp_group, cp_group, lora)
@@ -88,7 +84,7 @@ class Block(nn.Module):
         if dense:
             self.moe = None
             self.mlp = SharedExpert(
-                config.d_model, experts.dense_ffn_dim, gated=False, lora=lora and lora.on("mlp")
+                config.d_model, experts.dense_ffn_dim, False, lora and lora.on("mlp"), selective
             )
             return
         self.moe = MoELayer(
@@ -113,6 +109,7 @@ class Block(nn.Module):
             scaling=router.scaling,
             expert_bias=router.expert_bias,
             lora=lora,
+            recompute=selective,
         )
         if experts.shared_dim:
             self.shared_expert = SharedExpert(
@@ -120,6 +117,7 @@ class Block(nn.Module):
                 experts.shared_dim,
                 experts.shared_gated,
                 lora=lora and lora.on("shared"),
+                recompute=selective,
             )
 
     def forward(
@@ -131,6 +129,8 @@ class Block(nn.Module):
         key_starts: tuple[int, ...] | None = None,
         cache: LayerCache | None = None,
     ) -> tuple[Tensor, Tensor]:
+        if self.selective and torch.is_grad_enabled():
+            return recompute.selective_block(self, x, cos, sin, mask, key_starts, cache)
         x, h = self.attend(x, cos, sin, mask, key_starts, cache)
         if self.moe is None:  # a dense layer: no aux loss
             return x + self.mlp(h), torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
@@ -323,7 +323,7 @@ class StageModel(nn.Module):
                 keys = context_parallel.all_positions(seq_len, self.cp_group, x.device)
             window_mask = attend_mask(mine, keys, self.sliding_window)
         # additive, in the dtype the attention computes in, built once for every layer
-        dtype, sink = compute_dtype(x), self.config.attention.sinks
+        dtype, sink = recompute.compute_dtype(x), self.config.attention.sinks
         mask, window_mask = (
             None if m is None else sdpa_mask(m, dtype, sink) for m in (mask, window_mask)
         )
@@ -331,7 +331,7 @@ class StageModel(nn.Module):
         for i in range(*self.chunk_ranges[chunk]):
             block = self.layers[str(i)]
             layer_mask = window_mask if block.sliding else mask
-            if self.config.activation_checkpointing and torch.is_grad_enabled():
+            if self.config.recompute == FULL and torch.is_grad_enabled():
                 x, block_aux = checkpoint(
                     block, x, cos, sin, layer_mask, key_starts, use_reentrant=False
                 )

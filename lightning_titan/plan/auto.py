@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightning_titan.model.config import FULL
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.plan.devices import GPUS, Device, cpu_device, on_nodes
 from lightning_titan.plan.layouts import DEVICES, GB, candidates, shortfall
@@ -132,7 +133,7 @@ def choose(
         raise ValueError(
             f"layout='auto': nothing fits: {shortfall(smallest, device.memory, config)}"
         )
-    recompute = (config.activation_checkpointing,)
+    recompute = (config.recompute == FULL,)  # selective is priced as no recompute for now
     rows = ranked(config, fits, batch, device, recompute, precision, compiled, keep=1)
     if not rows:
         raise ValueError(

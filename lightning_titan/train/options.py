@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_titan.model.config import ModelConfig
+from lightning_titan.model.config import FULL, ModelConfig
 from lightning_titan.parallel.batching import (
     check_microbatch_args,
     local_batch_size,
@@ -71,8 +71,9 @@ class Workload:
 
     @property
     def recompute(self) -> bool:
-        """The model recomputes its activations in the backward (activation checkpointing)."""
-        return self.config is not None and self.config.activation_checkpointing
+        """The model recomputes whole blocks in the backward (``activation_checkpointing="full"``);
+        selective recompute runs no block, collective or routing again, so it is not counted."""
+        return self.config is not None and self.config.recompute == FULL
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from engine_harness import (
     CONFIG,
     GLOBAL_BATCH,
     MAX_NORM,
+    SELECTIVE_CONFIG,
     STEPS,
     expected_slice,
     global_batch,
@@ -64,6 +65,8 @@ LAYOUTS = [
     # pp=1 under a split backward: the stage kept whole for the step, as under a pipeline (pp2
     # with a data-parallel group needs 4 ranks): the masters stay tensors of their own
     ((2, 1, 1), "zb_h1:bf16:zero3", 2),
+    # selective recompute under autocast: the norms' bf16 outputs refilled, from gathered weights
+    ((2, 1, 1), "1f1b:bf16:zero3", 2, SELECTIVE_CONFIG),
 ]
 ZERO3 = 7  # LAYOUTS[7]: zero=3 over dp2
 # save at step 2 under bf16 weights; resume under fp32 weights (no step) and save; resume under

@@ -18,6 +18,7 @@ import torch
 from engine_harness import (
     ACKPT_CONFIG,
     CAPACITY_CONFIG,
+    SELECTIVE_CONFIG,
     assert_matches_reference,
     reference,
     run_layouts,
@@ -71,6 +72,12 @@ def test_one_process_compiled_equals_eager_and_compiles_once(ref):
                        ACKPT_CONFIG, compile=BACKEND)  # fmt: skip
     assert recomputed["recompiled"] == 0
     assert_matches_reference(ref, [recomputed], "one process compiled, activation checkpointing")
+    # selective recompute: the attention eager, the experts' activation compiled inside the
+    # recompute (without grad in the forward, with it in the backward: a graph each, reused)
+    selective = train(ParallelDims(1, 1, 1, 0), ProcessGroups(None, None, None, None), "gpipe", 1,
+                      SELECTIVE_CONFIG, compile=BACKEND, steps=3)  # fmt: skip
+    assert selective["recompiled"] == 0
+    assert selective["loss"] == pytest.approx(ref["loss"][:3], rel=1e-5)
     # expert capacity drops a different number of rows in every block and step: the experts'
     # activation sees a new row count each time, a symbol from its first trace, so it compiles once
     torch._dynamo.reset()

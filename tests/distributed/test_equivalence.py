@@ -31,6 +31,8 @@ FOLD cases run MoE Parallel Folding (fold_ep): the experts split over the ep x c
 stage, under every schedule that runs expert parallelism.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from engine_harness import (
@@ -41,6 +43,7 @@ from engine_harness import (
     DEEP_CONFIG,
     FAMILY_CONFIGS,
     MAX_NORM,
+    SELECTIVE_CONFIG,
     assert_matches_reference,
     reference,
     run_layouts,
@@ -263,6 +266,27 @@ FAMILY = {
 # The overlapped schedules: one microbatch's forward with another's whole backward on two threads,
 # handing the rank over at every started all-to-all (parallel/overlap.py). dualpipev needs M >= 2P:
 # under dp x ep (2 sequences a rank) its cases take global batches of 16 (``:batch=16``)
+# selective recompute (the norms' outputs and the experts' activations discarded, recomputed in the
+# backward) under the axes, the B/W split, the overlapped pair's two threads and packed documents;
+# a name: that family's options recomputed so (MLA, the shared expert, the dense layer)
+SELECTIVE = {
+    2: [((1, 1, 2), "1f1b_overlap", 4)],
+    4: [
+        ((1, 2, 2), "zbv", 4),
+        ((1, 2, 1, 1, 2), "1f1b", 2),  # cp2 x pp2
+        ((1, 2, 2), "1f1b:packed", 2),
+    ],
+    8: [
+        ((2, 2, 2), "1f1b", 2),
+        ((1, 2, 2, 2), "1f1b", 2),  # tp2 x pp2 x ep2
+        ((1, 2, 2, 2), "1f1b", 2, "deepseek"),
+    ],
+}
+SELECTIVE_FAMILY = {
+    name: replace(FAMILY_CONFIGS[name], activation_checkpointing="selective")
+    for name in ("deepseek",)
+}
+
 OVERLAP = {
     2: [((1, 1, 2), "1f1b_overlap", 4)],
     4: [
@@ -401,6 +425,10 @@ def test_every_layout_equals_one_process(
     cases += [(layout, schedule, m, CAPACITY_CONFIG) for layout, schedule, m in CAPACITY[world]]
     cases += [(lay, s, m, FAMILY_CONFIGS[name]) for lay, s, m, name in FAMILY[world]]
     cases += OVERLAP[world] + FOLD[world]
+    cases += [
+        (c[0], c[1], c[2], SELECTIVE_FAMILY[c[3]] if len(c) > 3 else SELECTIVE_CONFIG)
+        for c in SELECTIVE[world]
+    ]
     cases += [(lay, s, m, FAMILY_CONFIGS[name]) for lay, s, m, name in OVERLAP_FAMILY[world]]
     packed_names = {id(FAMILY_CONFIGS[c[3]]): c[3] for c in PACKED[world] if len(c) > 3}
     cases += [(c[0], c[1], c[2], *(FAMILY_CONFIGS[n] for n in c[3:])) for c in PACKED[world]]
@@ -420,6 +448,10 @@ def test_every_layout_equals_one_process(
         assert_matches_reference({**ref, **later}, folded, "folded from unfolded from folded")
     refs = {id(BIAS_CONFIG): (bias_ref, " expert bias"), id(DEEP_CONFIG): (deep_ref, " 8 layers")}
     refs[id(ACKPT_CONFIG)] = (ref, " activation checkpointing")
+    refs[id(SELECTIVE_CONFIG)] = (ref, " selective recompute")
+    refs.update(
+        {id(c): (family_refs[n], f" {n} selective recompute") for n, c in SELECTIVE_FAMILY.items()}
+    )
     refs[id(CAPACITY_CONFIG)] = (capacity_ref, " capacity")
     refs.update({id(c): (family_refs[name], f" {name}") for name, c in FAMILY_CONFIGS.items()})
     for i, (layout, schedule, m, *config) in enumerate(cases):

@@ -16,6 +16,7 @@ from engine_harness import (
     CONFIG,
     FAMILY_CONFIGS,
     LORA,
+    SELECTIVE_CONFIG,
     assert_matches_reference,
     reference,
     run_layouts,
@@ -36,6 +37,7 @@ CASES = [
     ((1, 2, 2, 2), "dualpipev:lora", 4),  # the overlapped pairs
     ((2, 2, 2), "zb_h1:lora", 2),  # the W pass: the adapters' weight grads
     ((2, 2, 2), "1f1b:lora", 2, ACKPT_CONFIG),  # recomputed blocks
+    ((2, 2, 2), "zb_h1:lora", 2, SELECTIVE_CONFIG),  # recomputed norms and activations, then W
     ((2, 2, 2), "1f1b:lora:compile=aot_eager", 2),  # compiled attention, router and head
     ((1, 2, 2, 2), "1f1b:lora", 2, DEEPSEEK),  # MLA's q_a/q_b/kv_a/kv_b/o, shared, dense MLP
     ((1, 2, 2, 2), "1f1b:lora:fold", 2),  # fold_ep: the experts' adapters over ep x tp
@@ -49,7 +51,7 @@ RESUMED = ((4, 1, 2), "1f1b:lora:zero1:resume=2", 1)
 @pytest.mark.timeout(620)
 def test_lora_equals_one_process_under_every_layout(tmp_path):
     refs = {id(CONFIG): reference(lora=LORA), id(DEEPSEEK): reference(DEEPSEEK, lora=LORA)}
-    refs[id(ACKPT_CONFIG)] = refs[id(CONFIG)]
+    refs[id(ACKPT_CONFIG)] = refs[id(SELECTIVE_CONFIG)] = refs[id(CONFIG)]
     plain = reference()
     ref = refs[id(CONFIG)]
     # the adapters moved the model off the full fine-tune's path, and away from their init

@@ -27,6 +27,7 @@ from engine_harness import (
     ACKPT_CONFIG,
     CONFIG,
     MAX_NORM,
+    SELECTIVE_CONFIG,
     assert_matches_reference,
     reference,
     run_layouts,
@@ -54,6 +55,7 @@ CASES = {
         ((2, 1, 1), "1f1b:zero3:adamw=fused", 2),
         ((2, 1, 1), "1f1b:zero3", 2, ACKPT_CONFIG),  # the recompute inside the backward gathers
         ((2, 1, 1), "1f1b:zero3:late_stop", 1, ACKPT_CONFIG),  # and runs the block to its end
+        ((2, 1, 1), "1f1b:zero3", 2, SELECTIVE_CONFIG),  # norms recomputed from gathered weights
         ((1, 1, 2), "1f1b:zero3", 2),  # ep2: the experts whole, the rest over ep
         ((1, 1, 1, 2), "1f1b:zero3", 1),  # tp2: the norms, routers and experts over tp
         ((1, 1, 1, 1, 2), "1f1b:zero3", 1),  # cp2

@@ -40,6 +40,8 @@ BIAS_CONFIG = replace(CONFIG, router_bias_update_rate=1e-3)
 DEEP_CONFIG = replace(CONFIG, n_layers=8)
 # recompute each block in backward: the same numbers as CONFIG
 ACKPT_CONFIG = replace(CONFIG, activation_checkpointing=True)
+# recompute the norms and the experts' activations in backward (model/recompute.py): the same too
+SELECTIVE_CONFIG = replace(CONFIG, activation_checkpointing="selective")
 # expert capacity: 16 tokens x top-2 / 4 experts x 0.5 = 4 of a sequence's 32 assignments per expert
 # (about half dropped: 0.75 and 1.25 drift to ~1e-5 of the norm by step 5, rounding amplified)
 CAPACITY_CONFIG = replace(CONFIG, capacity_factor=0.5)

@@ -15,7 +15,7 @@ from lightning_titan.model.decoder import StageModel
 from lightning_titan.parallel.pipeline import backward_split
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [False, True, "selective"])
 @pytest.mark.parametrize("pp_rank,pp", [(1, 2), (1, 3)])  # the head stage, a middle stage
 def test_b_then_w_equals_one_backward(pp_rank, pp, recompute):
     config = replace(CONFIG, n_layers=6, activation_checkpointing=recompute)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_titan.model import recompute as recompute_
 from lightning_titan.model.lora import LoRA
 from lightning_titan.model.moe.activation import gated
 
@@ -159,6 +160,10 @@ class GroupedExperts(nn.Module):
     ``x @ w + scale * (x @ w_lora_A) @ w_lora_B`` with ``w1_lora_A`` [E_local, D, r] and
     ``w1_lora_B`` [E_local, r, F] (``w2``'s: [E_local, F, r], [E_local, r, D]), run as grouped GEMMs
     over the same row offsets as the base's.
+
+    ``recompute`` (selective recompute, ``model/recompute.py``): the activation's output (and its
+    intermediates) is discarded once the down projection has read it, and recomputed from the gate
+    and up projections in the backward, on either path.
     """
 
     def __init__(
@@ -172,9 +177,11 @@ class GroupedExperts(nn.Module):
         swiglu_limit: float | None = None,
         swiglu_alpha: float = 1.702,
         lora: LoRA | None = None,
+        recompute: bool = False,
     ) -> None:
         super().__init__()
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        self.recompute = recompute
         # the grouped path's activation: ``model/compiled.py`` puts its compiled form here (the loop's
         # per-expert slices of 0 or 1 rows would each compile a graph of their own)
         self.gated = gated
@@ -279,10 +286,19 @@ class GroupedExperts(nn.Module):
             up = rows @ w3[e] + adapted("w3", rows, e)
             if b1 is not None and b3 is not None:
                 gate, up = gate + b1[e], up + b3[e]
-            hidden = gated(gate, up, self.swiglu_limit, self.swiglu_alpha)
-            out = hidden @ w2[e] + adapted("w2", hidden, e)
+            act = self._activation(gated, gate, up)
+            out = act.discard_after(act.output @ w2[e] + adapted("w2", act.output, e))
             outputs.append(out if b2 is None else out + b2[e])
         return torch.cat(outputs)
+
+    def _activation(
+        self, fn: Any, gate: Tensor, up: Tensor
+    ) -> recompute_.Recomputed | recompute_.Kept:
+        """The gated activation ``fn`` (``gated`` or its compiled form) of ``gate`` and ``up``."""
+        limit, alpha = self.swiglu_limit, self.swiglu_alpha
+        return recompute_.run(
+            lambda g, u: fn(g, u, limit, alpha), gate, up, recompute=self.recompute
+        )
 
     def uses_grouped_mm(self, x: Tensor) -> bool:
         """Whether ``forward(x, ...)`` takes the grouped GEMMs."""
@@ -358,7 +374,8 @@ class GroupedExperts(nn.Module):
 
         gate = self._add_bias(project(x, "w1"), self.b1, counts)
         up = self._add_bias(project(x, "w3"), self.b3, counts)
-        out = project(self.gated(gate, up, self.swiglu_limit, self.swiglu_alpha), "w2")
+        act = self._activation(self.gated, gate, up)
+        out = act.discard_after(project(act.output, "w2"))
         out = _ContiguousGrad.apply(self._add_bias(out, self.b2, counts))
         # the padding rows' outputs are zeros, left out here, so they get no gradient either
         return out if rows is None else out.index_select(0, rows)

@@ -74,6 +74,7 @@ class MoELayer(nn.Module):
         scaling: float = 1.0,
         expert_bias: bool = False,
         lora: LoRA | None = None,
+        recompute: bool = False,
     ) -> None:
         super().__init__()
         expert_range = expert_range or (0, n_experts)
@@ -101,7 +102,7 @@ class MoELayer(nn.Module):
         # gpt-oss: biased projections and the clamped SwiGLU (limit, alpha) (model/moe/activation.py)
         self.experts = GroupedExperts(
             d_model, ffn_dim, expert_range, bias=expert_proj_bias, swiglu_limit=swiglu[0],
-            swiglu_alpha=swiglu[1], lora=lora and lora.on("experts"),
+            swiglu_alpha=swiglu[1], lora=lora and lora.on("experts"), recompute=recompute,
         )  # fmt: skip
         self.register_buffer(
             "tokens_per_expert", torch.zeros(n_experts, dtype=torch.long), persistent=False

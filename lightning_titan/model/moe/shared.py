@@ -9,7 +9,9 @@ The weights are ``nn.Linear`` in Hugging Face orientation (``w1.weight`` is ``ga
 with ``lora`` the three projections get adapters (the gate does not).
 
 ``up`` and ``down`` are its two halves, for the MoE layer to run one under each all-to-all
-(``model/moe/layer.py``); ``forward`` is ``down(x, up(x))``, the same operations.
+(``model/moe/layer.py``); ``forward`` is ``down(x, up(x))``, the same operations. ``recompute``
+(selective recompute, ``model/recompute.py``): the SwiGLU's product is discarded once the down
+projection has read it, and recomputed from the gate and up projections in the backward.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_titan.model import lora as adapters
+from lightning_titan.model import recompute as recompute_
 from lightning_titan.model.lora import LoRA
 
 
@@ -26,9 +29,15 @@ class SharedExpert(nn.Module):
     gate: nn.Linear | None
 
     def __init__(
-        self, d_model: int, ffn_dim: int, gated: bool = True, lora: LoRA | None = None
+        self,
+        d_model: int,
+        ffn_dim: int,
+        gated: bool = True,
+        lora: LoRA | None = None,
+        recompute: bool = False,
     ) -> None:
         super().__init__()
+        self.recompute = recompute
         self.w1 = adapters.linear(d_model, ffn_dim, False, lora)  # gate_proj
         self.w3 = adapters.linear(d_model, ffn_dim, False, lora)  # up_proj
         self.w2 = adapters.linear(ffn_dim, d_model, False, lora)  # down_proj
@@ -37,10 +46,14 @@ class SharedExpert(nn.Module):
     def forward(self, x_BSD: Tensor) -> Tensor:
         return self.down(x_BSD, self.up(x_BSD))
 
-    def up(self, x_BSD: Tensor) -> Tensor:
-        """The SwiGLU's hidden [B, S, ffn]."""
-        return F.silu(self.w1(x_BSD)) * self.w3(x_BSD)
+    def up(self, x_BSD: Tensor) -> recompute_.Recomputed | recompute_.Kept:
+        """The SwiGLU's hidden [B, S, ffn] (its ``output``)."""
+        return recompute_.run(_swiglu, self.w1(x_BSD), self.w3(x_BSD), recompute=self.recompute)
 
-    def down(self, x_BSD: Tensor, hidden_BSF: Tensor) -> Tensor:
-        out_BSD = self.w2(hidden_BSF)
+    def down(self, x_BSD: Tensor, hidden: recompute_.Recomputed | recompute_.Kept) -> Tensor:
+        out_BSD = hidden.discard_after(self.w2(hidden.output))
         return out_BSD if self.gate is None else torch.sigmoid(self.gate(x_BSD)) * out_BSD
+
+
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
