@@ -202,7 +202,11 @@ def candidate(
         else 0
     )
     state = sum(fullest.values()) + gathered
-    host = fullest_host_bytes(config, degrees, zero, lora, stage_layers, fold_ep) * policy.offload
+    host = (
+        fullest_host_bytes(config, degrees, zero, lora, stage_layers, fold_ep)
+        if policy.offload
+        else 0
+    )
     return Candidate(degrees, zero, state, fullest, stage_layers, gathered, policy, host, fold_ep)
 
 
