@@ -315,6 +315,25 @@ def test_the_cross_node_published_runs_are_the_model_their_publisher_counts():
         assert rate == pytest.approx(tflops * 1e12, rel=0.01), (devices, rate)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_folded_published_run_is_priced_as_published():
+    """Qwen3-235B-A22B on 256 H100 (Megatron-Bridge: TP2 PP8 VP4 EP32 ETP1): EP32 over the TP2 x
+    DP16 ranks of a stage is our pp8 x ep16 x tp2 folded (32 expert ranks, 16 data ranks), VP4 on
+    94 layers split unevenly. It fits; its published time is FP8, so it has no ratio; the docs'
+    row says the bf16 prediction."""
+    from lightning_titan.tools.plan_published import RUNS, predict_run
+
+    (run,) = [r for r in RUNS if r.fold_ep]
+    p = predict_run(run, search=False)
+    assert p.theirs is not None and p.theirs.label == "pp8xep16xtp2xfold zero1"
+    dims = p.theirs.candidate.dims
+    assert (dims.expert_world, dims.data_world, sum(run.stage_layers)) == (32, 16, 94)
+    assert p.theirs.options.virtual_stages == 4 and p.fits and p.ratio is None
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "choosing_a_layout.md").read_text()
+    assert f"| {p.theirs.cost.step:.2f} | none: no bf16 run is published, only FP8 |" in docs
+
+
 def test_tp_pp_and_cp_groups_that_span_nodes_use_the_network():
     params, options = (10**9, 10**10), StepOptions("1f1b", 8)
     for degrees, term in ((_layout(tp=4, dp=2), "tp"), (_layout(cp=4, dp=2), "cp"),
