@@ -1051,8 +1051,8 @@ MUTATIONS = {
                                ["tests/unit/test_plan_scale.py", "-k", "group_place"]),
     # the EP dispatch's in-node peers priced on the network too
     "plan_dispatch_flat": ("lightning_titan/plan/cost.py",
-                           "    far = copies * (ep - g) / ep\n",
-                           "    far = copies * (ep - 1) / ep\n",
+                           "    far = copies * (n - g) / n\n",
+                           "    far = copies * (n - 1) / n\n",
                            ["tests/unit/test_plan_scale.py", "-k", "tier"]),
     # --dispatch node-dedup priced as the flat all-to-all
     "plan_dedup_ignored": ("lightning_titan/plan/cost.py",
@@ -1106,8 +1106,8 @@ MUTATIONS = {
                            ["tests/unit/test_plan_split.py", "-k", "deepseek"]),
     # the planner's state of an uneven split counted as the even split's
     "plan_split_state_even": ("lightning_titan/plan/memory.py",
-                              "config, ParallelDims(**degrees, rank=r), zero, split, lora, policy.param_dtype,",
-                              "config, ParallelDims(**degrees, rank=r), zero, None, lora, policy.param_dtype,",
+                              "config, ParallelDims(**degrees, rank=r, fold_ep=fold_ep), zero, split, lora,",
+                              "config, ParallelDims(**degrees, rank=r, fold_ep=fold_ep), zero, None, lora,",
                               ["tests/unit/test_plan_split.py", "-k", "rank_state"]),
     # an uneven split priced by its last stage only
     "plan_split_last_stage": ("lightning_titan/plan/cost.py",
@@ -1126,8 +1126,8 @@ MUTATIONS = {
                                     ["tests/unit/test_plan_split.py", "-k", "even_split"]),
     # LoRA's trained parameters counted on the even split (which a pp not dividing the layers refuses)
     "plan_lora_split_even": ("lightning_titan/plan/rank.py",
-                             "trained_params(self.config, ParallelDims(**c.degrees), self.lora, split)",
-                             "trained_params(self.config, ParallelDims(**c.degrees), self.lora)",
+                             "return trained_params(self.config, c.dims, self.lora, split)",
+                             "return trained_params(self.config, c.dims, self.lora)",
                              ["tests/unit/test_plan_split.py", "-k", "one_chunk"]),
     # "nothing fits" advises a pp whose stages hold as many layers (no less state)
     "plan_remedy_pp_same_layers": ("lightning_titan/plan/layouts.py",
@@ -2068,6 +2068,31 @@ MUTATIONS = {
                                    "        o.virtual_layers or r.candidate.stage_layers,",
                                    "        r.candidate.stage_layers,",
                                    ["tests/unit/test_plan_split.py", "-k", "every_v"]),
+    # the planner: a folded layout's all-to-all priced over the ep ranks only
+    "foldplan_dispatch_unfolded": ("lightning_titan/plan/cost.py",
+                                   '            groups("ep"),\n',
+                                   '            ("ep",),\n',
+                                   ["tests/unit/test_plan_fold.py", "-k", "dispatch"]),
+    # the planner: a folded layout's expert grads priced as reduced over dp x cp x tp
+    "foldplan_expert_grads_over_tp": ("lightning_titan/plan/cost.py",
+                                      '    reduced = (groups("non_expert_dp"), groups("expert_dp"))\n    comm["dp"]',
+                                      '    reduced = (groups("non_expert_dp"), ("dp", "cp", "tp"))\n    comm["dp"]',
+                                      ["tests/unit/test_plan_fold.py", "-k", "dp_only"]),
+    # the planner: a folded rank's state counted with the experts split over ep only
+    "foldplan_state_unfolded": ("lightning_titan/plan/memory.py",
+                                "config, ParallelDims(**degrees, rank=r, fold_ep=fold_ep), zero, split, lora,",
+                                "config, ParallelDims(**degrees, rank=r), zero, split, lora,",
+                                ["tests/unit/test_plan_fold.py", "-k", "state"]),
+    # --out leaves fold_ep out of a folded row (titan fit would train it unfolded)
+    "foldplan_out_unfolded": ("lightning_titan/tools/plan_cli.py",
+                              '    keys["trainer.strategy.init_args.fold_ep"] = str(c.fold_ep).lower()',
+                              '    keys["trainer.strategy.init_args.fold_ep"] = "false"',
+                              ["tests/unit/test_plan_fold.py", "-k", "out_writes"]),
+    # the search drops every unfolded layout with a folded twin, dominated or not
+    "foldplan_twin_always_dominated": ("lightning_titan/plan/rank.py",
+                                       "    if all(f <= p for f, p in zip(*reversed(sides), strict=True)):",
+                                       "    if True:",
+                                       ["tests/unit/test_plan_fold.py", "-k", "twin"]),
 }  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(

@@ -12,7 +12,7 @@ from lightning_titan.parallel.pipeline.schedules import (
     default_microbatches,
 )
 from lightning_titan.plan.auto import Choice, check_auto_arguments
-from lightning_titan.train.options import TrainOptions
+from lightning_titan.train.options import TrainOptions, check_fold
 
 
 class Layout:
@@ -30,11 +30,11 @@ class Layout:
         if layout not in (None, "auto"):
             raise ValueError(f"layout={layout!r} is unknown; use 'auto' or give the degrees")
         o = options
-        check_fold(fold_ep, layout, o.zero)
+        check_fold(fold_ep, o.zero)
         self.fold_ep = fold_ep  # the experts over the ep x cp x tp ranks (parallel/mesh.py FOLDED)
         if layout == "auto":
             step = dict(zero=o.zero, schedule=o.schedule, virtual_stages=o.virtual_stages)
-            given = {**degrees, **step, "num_microbatches": o.num_microbatches}
+            given = {**degrees, **step, "num_microbatches": o.num_microbatches, "fold_ep": fold_ep}
             check_auto_arguments({**given, "stage_layers": o.stage_layers})
         self.degrees = check_degrees(**degrees)  # -1 is resolved once the world size is known
         self.auto = layout == "auto"
@@ -67,19 +67,4 @@ class Layout:
         if self.choice is None:  # said once: rank 0 may have chosen in the launcher already
             rank_zero_info(f"[titan] layout='auto' chose {choice.summary}")
         self.choice, self.degrees = choice, check_degrees(**choice.degrees)
-
-
-def check_fold(fold_ep: object, layout: str | None, zero: int) -> None:
-    """What MoE Parallel Folding does not run with yet, refused when the strategy is built."""
-    if not isinstance(fold_ep, bool):
-        raise ValueError(f"fold_ep={fold_ep!r} must be true or false")
-    if fold_ep and layout == "auto":
-        raise ValueError(
-            "fold_ep=True with layout='auto': the planner does not search folded layouts yet; "
-            "give the degrees (dp, pp, ep, tp, cp) with fold_ep, or leave fold_ep out"
-        )
-    if fold_ep and zero == 3:
-        raise ValueError(
-            "fold_ep=True with zero=3 is not built yet (its gathers are untested over the folded "
-            "expert groups); use zero 0, 1 or 2 with fold_ep, or fold_ep=False"
-        )
+        self.fold_ep = choice.fold_ep

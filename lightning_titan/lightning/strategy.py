@@ -63,7 +63,7 @@ class TitanStrategy(ShardedStrategy):
         fold_ep: MoE Parallel Folding: the experts split over the ep x cp x tp ranks of a stage, not
             only its ep ranks (attention keeps tp and cp; each of those ranks sends its own tokens to
             the experts); ep=2, tp=2 is then expert parallelism over 4 ranks, and n_experts must be
-            a multiple of ep*cp*tp. Not with zero=3 or layout="auto" yet.
+            a multiple of ep*cp*tp. Not with zero=3 yet; layout="auto" folds where its plan does.
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zb_h1"`` (zero-bubble 1F1B),
             ``"zbv"`` (the V: rank r holds virtual stages r and 2*pp-1-r), ``"1f1b_overlap"`` (pp=1)
             or ``"dualpipev"`` (the V), the last two hiding the EP all-to-alls (docs/concepts.md).

@@ -162,14 +162,15 @@ def held(options: StepOptions, pp: int, pp_rank: int) -> float:
 
 
 def weight_copy_bytes(
-    config: ModelConfig, degrees: dict[str, int], precision: Precision
+    config: ModelConfig, degrees: dict[str, int], precision: Precision, fold_ep: bool = False
 ) -> tuple[float, float, float]:
     """Bytes of autocast's weight copies on one rank: (the non-expert ones of one block, kept once
-    per step; the expert ones of one block, per microbatch; the LM head's). All 0 in fp32."""
+    per step; the expert ones of one block, per microbatch: its own experts, ``fold_ep``: of the
+    folded split; the LM head's). All 0 in fp32."""
     per_element = precision.weight_copy
     if not per_element:
         return 0.0, 0.0, 0.0
-    dims = ParallelDims(**degrees)
+    dims = ParallelDims(**degrees, fold_ep=fold_ep)
     block, experts, head = 0, 0, 0
     for t in stage_tensors(config, 1, 0):
         numel = math.prod(local_shape(t, dims))
@@ -190,13 +191,17 @@ def peak_bytes(
     precision: Precision = FP32,
     copies: tuple[float, float, float] | None = None,
     stage_layers: tuple[int, ...] | None = None,
+    fold_ep: bool = False,
 ) -> float:
-    """Peak activation bytes of the fullest stage (one rank; tp and cp divide the positions);
-    ``copies``: ``weight_copy_bytes`` of these degrees, where the caller has them already;
-    ``stage_layers``: layers per stage (None: ``n_layers / pp`` each)."""
+    """Peak activation bytes of the fullest stage (one rank; tp and cp divide the positions, folded
+    or not: a rank's experts compute as many token copies either way);
+    ``copies``: ``weight_copy_bytes`` of these degrees (and ``fold_ep``), where the caller has them
+    already; ``stage_layers``: layers per stage (None: ``n_layers / pp`` each)."""
     pp = degrees["pp"]
     block, ends = per_sequence(config, precision)
-    weights = copies if copies is not None else weight_copy_bytes(config, degrees, precision)
+    weights = (
+        copies if copies is not None else weight_copy_bytes(config, degrees, precision, fold_ep)
+    )
     block_copies, expert_copies, head_copies = weights
     share = degrees["tp"] * degrees["cp"]  # positions per rank (the head's logits: V/tp of them)
     m = global_batch // (degrees["dp"] * degrees["ep"]) / options.microbatches

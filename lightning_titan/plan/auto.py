@@ -36,6 +36,7 @@ CHOSEN_DEFAULTS = {
     "virtual_stages": 1,
     "num_microbatches": None,
     "stage_layers": None,
+    "fold_ep": False,
 }
 
 
@@ -50,6 +51,7 @@ class Choice:
     num_microbatches: int
     summary: str  # one line: the layout, its options and its predicted step
     stage_layers: tuple[int, ...] | None = None  # layers per stage (None: even)
+    fold_ep: bool = False  # the experts over the ep x cp x tp ranks of a stage
 
     def applied_to(self, options: TrainOptions) -> TrainOptions:
         """``options`` with the chosen step options, as if they had been given."""
@@ -158,6 +160,7 @@ def _as_choice(r: Ranked) -> Choice:
         o.microbatches,
         summary,
         o.virtual_layers or r.candidate.stage_layers,  # per virtual stage where interleaved
+        r.candidate.fold_ep,
     )
 
 

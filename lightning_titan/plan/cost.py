@@ -25,6 +25,14 @@ communication, so a reader sees why one layout wins.
   whole. The pairs share the rank's compute: the compute and the bubble are 1F1B's and ZBV's;
 - **optimizer**: AdamW streaming the state the rank owns.
 
+A folded layout (``fold_ep``, ``parallel/mesh.py``) changes the groups, not the work: the experts
+split over the stage's ep x cp x tp ranks, each whole on one of them, and each rank dispatches its
+own positions (its sequence-parallel slice) as unfolded, so a rank's expert FLOPs and dispatch
+bytes are the same (``b*S/(tp*cp)`` positions, top-K copies each); the all-to-all runs over the
+folded group (``dispatch_seconds`` over its tiers: a larger share of the copies leaves the rank, and
+the tp and cp ranks it adds share the node), the expert grads reduce over the dp ranks only, and
+the rank owns ``1/(ep*cp*tp)`` of the experts (``plan/memory.py``).
+
 Each payload is priced in the dtype the run sends it in (``plan/precision.py``): under ``bf16-mixed``
 the EP, PP, CP and TP payloads in bf16, the gradients fp32.
 
@@ -40,7 +48,7 @@ from dataclasses import dataclass
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.flops import layer_flops_per_token, mean_layer_flops_per_token
 from lightning_titan.model.options import LATENT
-from lightning_titan.parallel.mesh import GROUPS
+from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 from lightning_titan.parallel.pipeline.split import StageCosts, balance
 from lightning_titan.parallel.pipeline.theory import ideal_bubble
@@ -270,36 +278,83 @@ def reduction(
 
 
 def dispatch_seconds(
-    device: Device, degrees: dict[str, int], copies: float, nbytes: float, experts: int, calls: int
+    device: Device,
+    degrees: dict[str, int],
+    copies: float,
+    nbytes: float,
+    experts: int,
+    calls: int,
+    varying: tuple[str, ...] = ("ep",),
 ) -> float:
-    """Seconds of ``calls`` EP all-to-alls, each sending ``copies`` copies of every token (top-K's
-    K; 0 for the count exchange) of ``nbytes`` bytes in all per copy, priced by tier: of a token's
-    copies ``1/ep`` stay on the rank, ``(g-1)/ep`` go to the ``g - 1`` EP peers in its node (NVLink)
-    and ``(ep-g)/ep`` across nodes (network); both tiers run at once, so a call takes the slower
-    one plus one latency of the farthest tier (the sends of one all-to-all leave together).
-    ``device.dispatch == "node-dedup"``: a token crosses to each destination node once, however many
-    of its experts that node holds (under uniform routing a remote node holding ``E/nodes`` of the
-    ``E`` experts receives it with probability ``1 - C(E - E/nodes, K) / C(E, K)``), and is fanned
-    out in the node over NVLink."""
-    ep = degrees["ep"]
-    if ep == 1 or calls == 0:
+    """Seconds of ``calls`` EP all-to-alls over the group varying ``varying`` (``("ep",)``, folded
+    ``("ep", "cp", "tp")``), each sending ``copies`` copies of every token (top-K's K; 0 for the
+    count exchange) of ``nbytes`` bytes in all per copy: ``calls`` latencies and ``nbytes`` at the
+    rate of ``dispatch_rate``."""
+    if calls == 0:
         return 0.0
-    _, g = _placed(device, degrees, ("ep",))
-    nodes = ep // g
+    latency, per_byte = dispatch_rate(device, degrees, copies, experts, varying)
+    return calls * latency + per_byte * nbytes
+
+
+def dispatch_rate(
+    device: Device,
+    degrees: dict[str, int],
+    copies: float,
+    experts: int,
+    varying: tuple[str, ...] = ("ep",),
+) -> tuple[float, float]:
+    """(latency of one call, seconds per byte of one copy of the tokens) of an EP all-to-all over
+    the group varying ``varying`` (its ``n`` ranks, ``g`` of them in one node), priced by tier: of a
+    token's ``copies`` copies ``1/n`` stay on the rank, ``(g-1)/n`` go to the ``g - 1`` peers in its
+    node (NVLink) and ``(n-g)/n`` across nodes (network); both tiers run at once, so a call takes
+    the slower one plus one latency of the farthest tier (the sends of one all-to-all leave
+    together). ``device.dispatch == "node-dedup"``: a token crosses to each destination node once,
+    however many of its experts that node holds (under uniform routing a remote node holding
+    ``E/nodes`` of the ``E`` experts receives it with probability ``1 - C(E - E/nodes, K) / C(E,
+    K)``), and is fanned out in the node over NVLink."""
+    n, g = _placed(device, degrees, varying)
+    if n == 1:
+        return 0.0, 0.0
+    nodes = n // g
     inter = device.inter if nodes > 1 and device.inter is not None else None
-    near = copies * (g - 1) / ep
-    far = copies * (ep - g) / ep
+    near = copies * (g - 1) / n
+    far = copies * (n - g) / n
     if device.dispatch == "node-dedup" and inter is not None and copies:
         k, local = round(copies), experts // nodes
         missed = math.comb(experts - local, k) / math.comb(experts, k)
         far = (nodes - 1) * (1 - missed)  # one copy per remote node the token's experts are on
         near = copies * (g - 1) / g  # every copy but the receiving rank's own, over NVLink
-    seconds = near * nbytes / device.intra.bandwidth
+    per_byte = near / device.intra.bandwidth
     latency = device.intra.latency_s
     if inter is not None:
-        seconds = max(seconds, far * nbytes / inter.bandwidth)
+        per_byte = max(per_byte, far / inter.bandwidth)
         latency = inter.latency_s
-    return calls * latency + seconds
+    return latency, per_byte
+
+
+def fold_terms(
+    config: ModelConfig,
+    degrees: dict[str, int],
+    zero: int,
+    device: Device,
+    params: tuple[int, int],
+    fold_ep: bool,
+    offload: bool = False,
+) -> tuple[float, ...]:
+    """What folding changes in a step, as numbers every step option's terms grow with: the EP
+    all-to-all's latency and seconds a byte (``dispatch_rate``: a step's EP term is its calls'
+    latencies and its bytes at that rate, hidden in part under an overlapped schedule but never
+    less for more), the grads' reductions and ZeRO's all-gathers (the DP term) and the optimizer
+    (``params``: as ``predict``'s). The compute, the bubble and the PP, TP and CP terms are the
+    same folded or not, so of a layout and its folded twin the one whose terms are each no larger
+    is no slower under any step option both accept."""
+    groups = ParallelDims(**degrees, fold_ep=fold_ep).group_axes
+    reduced = (groups("non_expert_dp"), groups("expert_dp"))
+    return (
+        *dispatch_rate(device, degrees, config.top_k, config.n_experts, groups("ep")),
+        *_reductions(degrees, zero, params, device, 1.0, reduced),
+        _optimizer(degrees, zero, params, device, offload, reduced),
+    )
 
 
 def _link(device: Device, degrees: dict[str, int], slowest: str) -> Link:
@@ -321,8 +376,10 @@ def predict(
     frozen_base: bool = False,
     stage_layers: tuple[int, ...] | None = None,
     offload: bool = False,
+    fold_ep: bool = False,
 ) -> StepCost:
-    """The step time of ``degrees`` (dp, pp, ep, cp, tp) with ``options``; ``params`` is the
+    """The step time of ``degrees`` (dp, pp, ep, cp, tp) with ``options`` (``fold_ep``: folded, the
+    groups of ``ParallelDims.group_axes``); ``params`` is the
     (non-expert, expert) count of the fullest rank's trained parameters (``plan/memory.py``): what
     its reductions carry and its optimizer steps; payloads in the dtypes ``precision`` sends.
     ``frozen_base`` (LoRA): the base's weight-gradient GEMMs are skipped, a backward is one pass
@@ -332,6 +389,7 @@ def predict(
     Each stage is priced with its layers (the first with the embedding, the last with the head and
     loss); the slowest one's compute and collectives are the step's, its compute sets the bubble."""
     pp, world = degrees["pp"], math.prod(degrees.values())
+    groups = ParallelDims(**degrees, fold_ep=fold_ep).group_axes
     counts = stage_layers or (config.n_layers / pp,) * pp
     flops = stage_flops(config)  # once: a ModelConfig's derived fields are not cached
     terms = [
@@ -347,6 +405,7 @@ def predict(
             n,
             first,
             head,
+            groups("ep"),
         )
         for n, first, head in _slowest_candidates(flops, counts)
     ]
@@ -358,8 +417,9 @@ def predict(
     gathers = 1.0  # the weights' all-gathers a step
     if zero == 3 and zero3_reshards_after_forward(pp, options.schedule):
         gathers = 2.0 * m_count  # the blocks' (the rest of the stage is gathered once: left out)
-    comm["dp"] = _data_parallel(config, degrees, zero, params, device, compute / m_count, gathers)
-    optimizer = _optimizer(degrees, zero, params, device, offload)
+    reduced = (groups("non_expert_dp"), groups("expert_dp"))
+    comm["dp"] = _data_parallel(degrees, zero, params, device, compute / m_count, gathers, reduced)
+    optimizer = _optimizer(degrees, zero, params, device, offload, reduced)
 
     busy = compute + sum(comm.values()) + optimizer
     step = busy + bubble
@@ -402,10 +462,11 @@ def _stage(
     layers: float,
     first: bool,
     head: bool,
+    dispatch_group: tuple[str, ...] = ("ep",),
 ) -> tuple[float, dict[str, float]]:
     """(compute seconds, the PP, EP, TP and CP terms) of a stage of ``layers`` layers (``first``: it
     holds the embedding, ``head``: the head and the loss; ``flops_per_token``: ``stage_flops``;
-    ``frozen_base``: as ``predict``), per step."""
+    ``frozen_base``: as ``predict``; ``dispatch_group``: the axes the all-to-all spans), per step."""
     dp, pp, ep, cp, tp = (degrees[a] for a in ("dp", "pp", "ep", "cp", "tp"))
     m_count, v = options.microbatches, options.virtual_stages
     b = global_batch // (dp * ep)
@@ -432,9 +493,11 @@ def _stage(
     # ep: dispatch, combine and the count exchange forward, dispatch and combine backward, per MoE layer
     token = mb_tokens * config.d_model * wire * m_count  # one copy of every token of the step
     calls = int(layers * m_count)
-    n_e = config.n_experts
-    backward = 2 * dispatch_seconds(device, degrees, config.top_k, token * layers, n_e, calls)
-    forward = backward + dispatch_seconds(device, degrees, 0, 0, n_e, calls)
+    n_e, group = config.n_experts, dispatch_group
+    backward = 2 * dispatch_seconds(
+        device, degrees, config.top_k, token * layers, n_e, calls, group
+    )
+    forward = backward + dispatch_seconds(device, degrees, 0, 0, n_e, calls, group)
     comm["ep"] = exposed_all_to_all(options.schedule, pp, m_count, forward, backward, compute)
     # tp: sequence all-gather in (the norm's output), reduce-scatter out (the o-projection's), around
     # each block's attention; and each again backward
@@ -450,29 +513,42 @@ def _stage(
 
 
 def _data_parallel(
-    config: ModelConfig,
     degrees: dict[str, int],
     zero: int,
     params: tuple[int, int],
     device: Device,
     microbatch_s: float,
-    gathers: float = 1.0,
+    gathers: float,
+    reduced: tuple[tuple[str, ...], tuple[str, ...]],
 ) -> float:
     """Exposed seconds of the gradient reduction (and ZeRO's weight all-gather, ``gathers`` times a
-    step): the reduction overlaps the last microbatch's backward (2/3 of its compute); the
-    all-gathers follow the step or, zero=3, hold up the block that waits for them."""
+    step) of the (non-expert, expert) ``params`` over the groups varying ``reduced``: the reduction
+    overlaps the last microbatch's backward (2/3 of its compute); the all-gathers follow the step
+    or, zero=3, hold up the block that waits for them."""
+    total, exposed = _reductions(degrees, zero, params, device, gathers, reduced)
+    # the buckets are reduced as the backward fills them: only what outlasts it is exposed
+    return max(0.0, total - 2 / 3 * microbatch_s) + exposed
+
+
+def _reductions(
+    degrees: dict[str, int],
+    zero: int,
+    params: tuple[int, int],
+    device: Device,
+    gathers: float,
+    reduced: tuple[tuple[str, ...], tuple[str, ...]],
+) -> tuple[float, float]:
+    """(seconds of the grads' reductions, of ZeRO's all-gathers) of ``_data_parallel``."""
     grads, gather = ZERO_FACTOR[zero]
     gather *= gathers
     total = 0.0
     exposed = 0.0
-    groups = ((params[0], GROUPS["non_expert_dp"]), (params[1], GROUPS["expert_dp"]))
-    for n_params, varying in groups:
+    for n_params, varying in zip(params, reduced, strict=True):
         nbytes = n_params * BYTES
         buckets = max(1, math.ceil(nbytes / BUCKET))
         total += reduction(device, degrees, varying, nbytes, grads, buckets)
         exposed += reduction(device, degrees, varying, nbytes, gather, buckets)
-    # the buckets are reduced as the backward fills them: only what outlasts it is exposed
-    return max(0.0, total - 2 / 3 * microbatch_s) + exposed
+    return total, exposed
 
 
 def _optimizer(
@@ -480,14 +556,16 @@ def _optimizer(
     zero: int,
     params: tuple[int, int],
     device: Device,
-    offload: bool = False,
+    offload: bool,
+    reduced: tuple[tuple[str, ...], tuple[str, ...]],
 ) -> float:
-    """AdamW reads and writes weight, grad and two moments of what the rank owns (ZeRO: its rows).
+    """AdamW reads and writes weight, grad and two moments of what the rank owns (ZeRO: its rows
+    over the groups varying ``reduced``, the non-expert and the expert one).
     ``offload``: it does so in host memory (its share of the host's bandwidth), after each owned
     element's fp32 grad crossed to the host and before its fp32 weight crosses back, over the
     device's host link (``parallel/dp/offload.py``; the copies and the step not overlapped)."""
-    dp, ep, cp, tp = degrees["dp"], degrees["ep"], degrees["cp"], degrees["tp"]
-    owned = params[0] / (dp * ep * cp) + params[1] / (dp * cp * tp) if zero else sum(params)
+    sizes = [math.prod(degrees[a] for a in axes) for axes in reduced]
+    owned = params[0] / sizes[0] + params[1] / sizes[1] if zero else sum(params)
     if offload:
         copies = owned * 2 * BYTES / device.host_link_bandwidth
         return copies + owned * 4 * BYTES * 2 / device.host_memory_bandwidth

@@ -1,5 +1,7 @@
 """The layouts a model and a cluster allow: every (dp, pp, ep, cp, tp) and ZeRO level that the
-strategy would accept, with each rank's model state, against the device's memory.
+strategy would accept, with each rank's model state, against the device's memory. Where a stage has
+cp or tp ranks, each layout comes twice: as it is, and folded (``fold_ep``, MoE Parallel Folding:
+the experts split over the stage's ep x cp x tp ranks, ``parallel/mesh.py``), named with ``xfold``.
 
 The rules are the strategy's own (``ModelConfig.validate_layout``, ``batching.local_batch_size``,
 ``options.check_trainer_clipping``), called rather than restated, so a layout the planner offers is
@@ -30,6 +32,7 @@ from lightning_titan.plan.memory import (
 )
 from lightning_titan.train.options import (
     TrainOptions,
+    check_fold,
     check_trainer_clipping,
     zero3_reshards_after_forward,
 )
@@ -53,10 +56,17 @@ class Candidate:
     gathered_bytes: int = 0  # zero=3: the parameters whole during the step beyond ``parts``
     policy: StatePolicy = FP32_STATE  # bf16 weights, optimizer offload
     host_bytes: int = 0  # offload: the fullest rank's host memory (``memory.host_bytes``)
+    fold_ep: bool = False  # the experts over the ep x cp x tp ranks of a stage
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout as the strategy builds it (rank 0)."""
+        return ParallelDims(**self.degrees, fold_ep=self.fold_ep)
 
     @property
     def label(self) -> str:
         parts = [f"{a}{n}" for a, n in self.degrees.items() if n > 1] or ["single"]
+        parts += [FOLD] if self.fold_ep else []
         return "x".join(parts) + (f" zero{self.zero}" if self.zero else "")
 
     @property
@@ -72,6 +82,15 @@ class Candidate:
             else:
                 runs.append([n, 1])
         return ",".join(f"{n}*{k}" if k > 1 else f"{n}" for n, k in runs)
+
+
+FOLD = "fold"  # the last part of a folded layout's name: pp8xep16xtp2xfold
+
+
+def folds(degrees: dict[str, int]) -> tuple[bool, ...]:
+    """Unfolded, and folded where a stage has cp or tp ranks to fold into expert parallelism
+    (without them folding changes nothing)."""
+    return (False, True) if degrees["cp"] * degrees["tp"] > 1 else (False,)
 
 
 def divisors(n: int) -> list[int]:
@@ -94,12 +113,14 @@ def rejection(
     zero: int,
     batch: int,
     stage_layers: tuple[int, ...] | None = None,
+    fold_ep: bool = False,
 ) -> str | None:
     """Why the strategy would refuse this layout (the first rule's message), or None."""
-    dims = ParallelDims(**degrees)
+    dims = ParallelDims(**degrees, fold_ep=fold_ep)
     try:
         split = StageSplit(1, stage_layers)
-        config.validate_layout(dims.pp, dims.ep, dims.tp, dims.cp, split)
+        config.validate_layout(dims.pp, dims.ep, dims.tp, dims.cp, split, fold_ep=fold_ep)
+        check_fold(fold_ep, zero)
         local_batch_size(batch, dims.data_world, f"dp*ep={dims.dp}*{dims.ep}")
         check_trainer_clipping(dims, TrainOptions(zero=zero), None)
     except ValueError as error:
@@ -132,10 +153,10 @@ def candidates(
     policy: StatePolicy = FP32_STATE,
 ) -> tuple[list[Candidate], Counter[str]]:
     """The accepted layouts (every zero level where a data-parallel group exists; each pipeline
-    split of ``splits``), and how many were rejected by each rule (keyed by the start of its
-    message: ``n_heads=4``, ...); ``lora``: the state of LoRA's adapters over a frozen base;
-    ``policy``: bf16 weights (any zero level) and optimizer offload (zero 0, 1 and 2 only, as the
-    strategy)."""
+    split of ``splits``; folded and not, ``folds``), and how many were rejected by each rule (keyed
+    by the start of its message: ``n_heads=4``, ...); ``lora``: the state of LoRA's adapters over a
+    frozen base; ``policy``: bf16 weights (any zero level) and optimizer offload (zero 0, 1 and 2
+    only, as the strategy)."""
     accepted: list[Candidate] = []
     rejected: Counter[str] = Counter()
     cuts: dict[int, list[tuple[int, ...] | None]] = {}  # splits of each pp, found once
@@ -144,29 +165,49 @@ def candidates(
         pp = degrees["pp"]
         if pp not in cuts:
             cuts[pp] = splits(config, pp)
-        for layers in cuts[pp]:
+        for layers, fold in itertools.product(cuts[pp], folds(degrees)):
             for zero in PRICED if data_parallel else (0,):
                 if zero == 3 and policy.offload:
                     continue  # offload runs zero 0, 1 and 2
                 if zero == 3 and pp > 1:
                     # the stage kept whole for the step: zero=2's peak and traffic (``gathered``)
                     continue
-                reason = rejection(config, degrees, zero, global_batch, layers)
-                if reason is not None:
-                    rejected[reason.split(" ")[0].rstrip(":;,")] += 1
-                    continue
-                fullest = fullest_state(config, degrees, zero, lora, layers, policy)
-                gathered = (
-                    fullest_gathered(config, degrees, lora, layers, policy.param_dtype)
-                    if zero == 3
-                    else 0
-                )
-                state = sum(fullest.values()) + gathered
-                host = fullest_host_bytes(config, degrees, zero, lora, layers) * policy.offload
-                accepted.append(
-                    Candidate(degrees, zero, state, fullest, layers, gathered, policy, host)
-                )
+                found = candidate(config, degrees, zero, global_batch, layers, fold, lora, policy)
+                if isinstance(found, str):
+                    rejected[found.split(" ")[0].rstrip(":;,")] += 1
+                else:
+                    accepted.append(found)
     return accepted, rejected
+
+
+def candidate(
+    config: ModelConfig,
+    degrees: dict[str, int],
+    zero: int,
+    global_batch: int,
+    stage_layers: tuple[int, ...] | None = None,
+    fold_ep: bool = False,
+    lora: LoRA | None = None,
+    policy: StatePolicy = FP32_STATE,
+) -> Candidate | str:
+    """One layout with its fullest rank's state, as ``candidates`` offers it, or the message of the
+    strategy's rule that refuses it."""
+    reason = rejection(config, degrees, zero, global_batch, stage_layers, fold_ep)
+    if reason is not None:
+        return reason
+    fullest = fullest_state(config, degrees, zero, lora, stage_layers, policy, fold_ep)
+    gathered = (
+        fullest_gathered(config, degrees, lora, stage_layers, policy.param_dtype)
+        if zero == 3
+        else 0
+    )
+    state = sum(fullest.values()) + gathered
+    host = (
+        fullest_host_bytes(config, degrees, zero, lora, stage_layers, fold_ep)
+        if policy.offload
+        else 0
+    )
+    return Candidate(degrees, zero, state, fullest, stage_layers, gathered, policy, host, fold_ep)
 
 
 def fullest_gathered(
@@ -204,11 +245,14 @@ def check_request(devices: int, global_batch: int, device: str) -> None:
 
 # what divides each part of a rank's state (memory.py): named in "nothing fits"
 DIVIDED_BY = {
-    "expert_params": "ep (the experts), pp (the layers), and zero=3 over the expert DP group",
+    "expert_params": "ep (the experts; folded, ep x cp x tp), pp (the layers), and zero=3 over the "
+    "expert DP group",
     "non_expert_params": "tp (attention, embedding, head), pp, and zero=3 over the DP group",
-    "expert_grads": "ep and pp, and zero>=2 over the expert data-parallel group",
+    "expert_grads": "ep (folded, ep x cp x tp) and pp, and zero>=2 over the expert data-parallel "
+    "group",
     "non_expert_grads": "tp and pp, and zero>=2 over the data-parallel group",
-    "expert_optimizer": "ep and pp, and zero>=1 over the expert data-parallel group",
+    "expert_optimizer": "ep (folded, ep x cp x tp) and pp, and zero>=1 over the expert "
+    "data-parallel group",
     "non_expert_optimizer": "tp and pp, and zero>=1 over the data-parallel group",
 }
 
@@ -237,12 +281,15 @@ def _grown(config: ModelConfig, best: Candidate, lora: LoRA | None = None) -> li
             try:
                 split = StageSplit(1, layers)
                 config.validate_layout(
-                    degrees["pp"], degrees["ep"], degrees["tp"], degrees["cp"], split
-                )
+                    degrees["pp"], degrees["ep"], degrees["tp"], degrees["cp"], split,
+                    fold_ep=best.fold_ep,
+                )  # fmt: skip
             except ValueError:
                 continue
             state = sum(
-                fullest_state(config, degrees, best.zero, lora, layers, best.policy).values()
+                fullest_state(
+                    config, degrees, best.zero, lora, layers, best.policy, best.fold_ep
+                ).values()
             )
             if best.zero == 3:
                 state += fullest_gathered(config, degrees, lora, layers, best.policy.param_dtype)

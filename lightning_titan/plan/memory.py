@@ -5,7 +5,7 @@ process group): each parameter's global name, full shape and grad group kind
 (``model.grad_group_kinds``), and the dimension tensor parallelism cuts (``tensor_parallel``). A
 layout then gives every rank its part of each tensor the way the strategy cuts it:
 
-- experts: ``1/ep`` of the stacked experts (dim 0);
+- experts: ``1/ep`` of the stacked experts (dim 0), ``1/(ep*cp*tp)`` folded (``dims.expert_world``);
 - TP-cut weights: ``padded / tp`` rows or columns (the vocabulary padded to a multiple of tp);
 - under ZeRO, the rows ``zero.owned_rows`` gives this rank of the parameter's own data-parallel group
   (the group of its grad kind), of its optimizer state (zero >= 1), of its grad (zero >= 2) and of
@@ -260,14 +260,16 @@ def fullest_host_bytes(
     zero: int = 0,
     lora: LoRA | None = None,
     stage_layers: tuple[int, ...] | None = None,
+    fold_ep: bool = False,
 ) -> int:
     """``host_bytes`` of the rank that holds the most (the first rank of each stage, as
     ``fullest_state``)."""
     dims, split = ParallelDims(**degrees), StageSplit(1, stage_layers)
     return max(
-        host_bytes(config, ParallelDims(**degrees, rank=dims.rank_of(0, p, 0)), zero, split, lora)
+        host_bytes(config, ParallelDims(**degrees, rank=dims.rank_of(0, p, 0), fold_ep=fold_ep),
+                   zero, split, lora)
         for p in range(dims.pp)
-    )
+    )  # fmt: skip
 
 
 def trained_params(
@@ -287,12 +289,18 @@ def trained_params(
 
 
 def layout_state(
-    config: ModelConfig, degrees: dict[str, int], zero: int = 0, lora: LoRA | None = None
+    config: ModelConfig,
+    degrees: dict[str, int],
+    zero: int = 0,
+    lora: LoRA | None = None,
+    fold_ep: bool = False,
 ) -> list[dict]:
-    """``rank_state`` of every rank of the layout ``degrees`` (dp, pp, ep, cp, tp), in rank order."""
+    """``rank_state`` of every rank of the layout ``degrees`` (dp, pp, ep, cp, tp; ``fold_ep``:
+    folded), in rank order."""
     world = math.prod(degrees.values())
     return [
-        rank_state(config, ParallelDims(**degrees, rank=r), zero, lora=lora) for r in range(world)
+        rank_state(config, ParallelDims(**degrees, rank=r, fold_ep=fold_ep), zero, lora=lora)
+        for r in range(world)
     ]
 
 
@@ -303,9 +311,10 @@ def fullest_state(
     lora: LoRA | None = None,
     stage_layers: tuple[int, ...] | None = None,
     policy: StatePolicy = FP32_STATE,
+    fold_ep: bool = False,
 ) -> dict[str, int]:
     """``rank_state`` of the rank that holds the most (the layers cut as ``stage_layers`` says, one
-    count per stage; None: evenly), without counting every rank: on each stage
+    count per stage; None: evenly; ``fold_ep``: the experts folded), without counting every rank: on each stage
     the first rank of every group (a ``torch.chunk``-style ZeRO split gives the first rank the
     largest rows; the other axes cut equal shapes), then the fullest stage (64 devices: seconds
     instead of minutes)."""
@@ -314,8 +323,8 @@ def fullest_state(
     firsts = [dims.rank_of(0, p, 0) for p in range(dims.pp)]
     states = [
         rank_state(
-            config, ParallelDims(**degrees, rank=r), zero, split, lora, policy.param_dtype,
-            policy.offload,
+            config, ParallelDims(**degrees, rank=r, fold_ep=fold_ep), zero, split, lora,
+            policy.param_dtype, policy.offload,
         )
         for r in firsts
     ]  # fmt: skip

@@ -10,7 +10,8 @@
     titan plan --config path/to/Mixtral-8x7B/config.json --devices 8 --device h100-80gb \
         --precision bf16-mixed --param-dtype bf16 --offload-optimizer
 
-Each layout (dp, pp, ep, cp, tp, zero) with each step option (schedule, microbatches, virtual stages,
+Each layout (dp, pp, ep, cp, tp, zero; folded, ``xfold``, where a stage has cp or tp ranks: the
+experts over its ep x cp x tp ranks) with each step option (schedule, microbatches, virtual stages,
 activation checkpointing) gets the model state of its fullest rank, exactly as ``titan bench``
 measures it (``plan/memory.py``), and a predicted step time with its terms (``plan/cost.py``):
 compute, bubble, and each collective kind, in ms. Rows whose model state and activations fit
@@ -40,6 +41,7 @@ from lightning_titan.plan.cost import DISPATCHERS
 from lightning_titan.plan.devices import PER_NODE, Device
 from lightning_titan.plan.layouts import (
     DEVICES,
+    FOLD,
     GB,
     Candidate,
     candidates,
@@ -141,8 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--only",
         nargs="+",
-        help="print only these layouts (e.g. dp8xep8 pp4xep2): each one's fastest --top rows; "
-        "with --check, run each one's fastest row",
+        help="print only these layouts (e.g. dp8xep8 pp4xep2 ep4xtp2xfold): each one's fastest "
+        "--top rows; with --check, run each one's fastest row",
     )
     parser.add_argument("--out", help="write the first layout as a config overlay (YAML)")
     parser.add_argument(
@@ -320,6 +322,8 @@ def overlay(r: Ranked) -> str:
     # layers per stage; null (even) replaces a split the config may give
     split = o.virtual_layers or c.stage_layers  # per virtual stage where interleaved
     keys["trainer.strategy.init_args.stage_layers"] = list(split) if split else "null"
+    # false replaces a fold the config may set
+    keys["trainer.strategy.init_args.fold_ep"] = str(c.fold_ep).lower()
     # model.model is a class-valued block: a dotted key sets its fields under init_args
     keys["model.model.init_args.activation_checkpointing"] = str(o.recompute).lower()
     if c.policy.param_dtype != "fp32":  # bf16 weights need bf16 activations
@@ -343,6 +347,16 @@ def parse_layout(name: str) -> dict[str, int] | None:
     return degrees
 
 
+def parse_folded(name: str) -> tuple[dict[str, int], bool] | None:
+    """``pp8xep16xtp2xfold`` (a row's layout, folded or not) as (degrees, folded), None if it is
+    not one."""
+    parts = name.split("x")
+    folded = parts.count(FOLD)
+    rest = [p for p in parts if p != FOLD]
+    degrees = parse_layout("x".join(rest)) if rest and folded <= 1 else None
+    return None if degrees is None else (degrees, bool(folded))
+
+
 def only_rows(
     names: list[str],
     config: ModelConfig,
@@ -360,20 +374,29 @@ def only_rows(
     rows: list[Ranked] = []
     lines = []
     for name in names:
-        degrees = parse_layout(name)
-        if degrees is None:
+        parsed = parse_folded(name)
+        if parsed is None:
             lines.append(
                 f"no row for {name}: not a layout (axes dp, pp, ep, cp, tp with their degrees, "
-                "joined by x, in any order: dp2xpp2xep2; or single)"
+                "joined by x, in any order: dp2xpp2xep2; or single; xfold for the experts "
+                "folded over ep x cp x tp)"
             )
             continue
+        degrees, fold = parsed
         world = math.prod(degrees.values())
         if devices is not None and world != devices:
             lines.append(f"no row for {name}: {world} devices, not the {devices} planned for")
             continue
-        mine = [c for c in found if c.degrees == degrees]
+        if fold and degrees["cp"] * degrees["tp"] == 1:
+            lines.append(
+                f"no row for {name}: folding joins a stage's cp and tp ranks to expert "
+                "parallelism, and this layout has none: name it without xfold"
+            )
+            continue
+        mine = [c for c in found if c.degrees == degrees and c.fold_ep == fold]
         if not mine:
-            why = rejection(config, degrees, 0, batch) or "no layout of these devices is accepted"
+            why = rejection(config, degrees, 0, batch, fold_ep=fold)
+            why = why or "no layout of these devices is accepted"
             lines.append(f"no row for {name}: the strategy refuses it: {why}")
             continue
         priced = ranked(config, mine, batch, device, precision=precision, fitting=False, lora=lora)

@@ -1,7 +1,8 @@
-"""``titan plan`` against published bf16 training runs on H100s: for each run, the planner's
+"""``titan plan`` against published training runs on H100s: for each run, the planner's
 prediction for the layout the publisher ran (its fastest step option of that layout, within what
 the publisher states: schedule, virtual stages, the layers per stage: even unless it says), whether that layout fits the planner's memory
-model, and the planner's own first row on the same devices, global batch and sequence length.
+model, and the planner's own first row on the same devices, global batch and sequence length. The
+predictions are bf16-mixed; a run published in another precision only (FP8) gets no ratio.
 
     python -m lightning_titan.tools.plan_published          # the table in docs/choosing_a_layout.md
 
@@ -20,8 +21,9 @@ from dataclasses import dataclass, replace
 from lightning_titan.hf.load import config_from_hf
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.parallel.mesh import AXES
+from lightning_titan.plan.cost import balanced_split
 from lightning_titan.plan.devices import GPUS, PER_NODE, on_nodes
-from lightning_titan.plan.layouts import candidates
+from lightning_titan.plan.layouts import candidate, candidates
 from lightning_titan.plan.precision import Precision
 from lightning_titan.plan.rank import Ranked, ranked
 
@@ -30,6 +32,10 @@ MIXTRAL_8X7B = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=
 QWEN3_30B_A3B = ModelConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
                             attn_head_dim=128, ffn_dim=768, n_experts=128, top_k=8, seq_len=4096,
                             qk_norm="head")  # fmt: skip
+# Qwen3-235B-A22B's config.json (huggingface.co/Qwen/Qwen3-235B-A22B), its shapes
+QWEN3_235B_A22B = ModelConfig(vocab_size=151936, d_model=4096, n_layers=94, n_heads=64,
+                              n_kv_heads=4, attn_head_dim=128, ffn_dim=1536, n_experts=128,
+                              top_k=8, seq_len=4096, qk_norm="head")  # fmt: skip
 GPT_OSS_120B = ModelConfig(vocab_size=201088, d_model=2880, n_layers=36, n_heads=64, n_kv_heads=8,
                            attn_head_dim=64, ffn_dim=2880, n_experts=128, top_k=4, seq_len=4096,
                            qkv_bias=True, attn_sinks=True, attn_out_bias=True, sliding_window=128,
@@ -72,7 +78,12 @@ class Published:
     published_label: str  # the layout as the publisher writes it
     stage_layers: tuple[int, ...] | None = None  # the layers per stage it ran (None: even)
     dispatch: str = "all-to-all"  # how its EP dispatch is priced (plan/cost.py DISPATCHERS)
-    note: str = ""  # what of the published layout the engine cannot express, and what is priced
+    note: str = ""  # what of the published layout is priced how
+    fold_ep: bool = False  # the experts over the ep x cp x tp ranks of a stage (Parallel Folding)
+    # the precision of the published step time: a run published in FP8 only has no bf16 time to
+    # hold the (bf16) prediction against
+    precision: str = "bf16"
+    published_as: str = ""  # the step time as published, where it is not a bf16 time
 
 
 AUTOMODEL = (
@@ -98,29 +109,18 @@ RUNS = (
     Published("DeepSeek-V3", DEEPSEEK_V3, AUTOMODEL, 1024, 8192, {"dp": 4, "pp": 4, "ep": 64},
               2, ("interleaved_1f1b",), 8, (37.87, 37.87), "PP4 VP8 EP64 FSDP256, DeepEP",
               (16, 16, 15, 14), "node-dedup", "61 layers over 32 virtual stages, split unevenly"),
+    # Megatron-Bridge's TP2 PP8 VP4 EP32 ETP1 on 256 H100: the dense part TP2 x DP16, the experts
+    # folded over the 32 ranks of a stage (MoE Parallel Folding), whole on each (ETP1): our
+    # pp8 x ep16 x tp2 folded (ep16 x tp2 = 32 expert ranks; 16 data ranks). 94 layers over 32
+    # virtual stages on the planner's balanced split. Its only H100 row is FP8
+    Published("Qwen3-235B-A22B", QWEN3_235B_A22B,
+              "Megatron-Bridge, docs/performance-summary.md, 26.02 container", 256, 8192,
+              {"pp": 8, "ep": 16, "tp": 2}, 1, ("interleaved_1f1b",), 4, (80.3, 80.3),
+              "TP2 PP8 VP4 EP32 (ETP1), distributed optimizer", balanced_split(QWEN3_235B_A22B, 8),
+              note="94 layers over 32 virtual stages, split unevenly", fold_ep=True,
+              precision="FP8", published_as="80.3 (FP8: 1,633 tokens/s/GPU)"),
 )  # fmt: skip
 BF16 = Precision("bf16-mixed")
-
-
-@dataclass(frozen=True)
-class Unexpressed:
-    """A published run whose layout this engine cannot run: a row with the reason, no prediction."""
-
-    model: str
-    source: str
-    devices: int
-    global_batch: int
-    published_label: str
-    seconds: str  # as published (with its precision where not bf16)
-    why: str
-
-
-UNEXPRESSED = (
-    Unexpressed("Qwen3-235B-A22B", "Megatron-Bridge, docs/performance-summary.md, 26.02 container",
-                256, 8192, "TP2 PP8 VP4 EP32 (ETP1)", "80.3 (FP8: 1,633 tokens/s/GPU)",
-                "EP32 folded over the TP2 x DP16 ranks of a stage (Parallel Folding: our pp x ep "
-                "x tp would be 512 ranks); the H100 row is FP8, none bf16 is published"),
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,12 @@ class Prediction:
     best: Ranked | None  # the planner's first row
 
     @property
-    def ratio(self) -> float:
-        """Predicted over published (the middle of a published range)."""
+    def ratio(self) -> float | None:
+        """Predicted over published (the middle of a published range); None where the published
+        time is not bf16's."""
         assert self.theirs is not None
+        if self.run.precision != "bf16":
+            return None
         return self.theirs.cost.step / (sum(self.run.seconds) / 2)
 
 
@@ -142,13 +145,10 @@ def predict_run(run: Published, search: bool = True) -> Prediction:
     device = replace(device, dispatch=run.dispatch)
     degrees = {a: run.layout.get(a, 1) for a in AXES}
     assert math.prod(degrees.values()) == run.devices, run
-    with contextlib.redirect_stdout(io.StringIO()):
-        found, _ = candidates(run.config, run.devices, run.global_batch)
-    mine = [
-        c
-        for c in found
-        if c.degrees == degrees and c.zero == run.zero and c.stage_layers == run.stage_layers
-    ]
+    layout = candidate(
+        run.config, degrees, run.zero, run.global_batch, run.stage_layers, run.fold_ep
+    )
+    mine = [] if isinstance(layout, str) else [layout]
     rows = [
         r
         for r in ranked(run.config, mine, run.global_batch, device, precision=BF16, fitting=False)
@@ -158,6 +158,8 @@ def predict_run(run: Published, search: bool = True) -> Prediction:
     theirs = (fitting or rows)[0] if rows else None
     best = None
     if search:
+        with contextlib.redirect_stdout(io.StringIO()):
+            found, _ = candidates(run.config, run.devices, run.global_batch)
         first = ranked(run.config, found, run.global_batch, device, precision=BF16, keep=1)
         best = first[0] if first else None
     return Prediction(run, theirs, bool(fitting), best)
@@ -169,7 +171,7 @@ def _label(r: Ranked) -> str:
     return r.label + split
 
 
-def table(predictions: list[Prediction], unexpressed: tuple[Unexpressed, ...] = ()) -> list[str]:
+def table(predictions: list[Prediction]) -> list[str]:
     lines = [
         "| run | devices | global batch | published layout | published step s | planner, that "
         "layout (fastest option) | predicted s | predicted / published | fits the memory model | "
@@ -180,6 +182,7 @@ def table(predictions: list[Prediction], unexpressed: tuple[Unexpressed, ...] = 
         run, r, best = p.run, p.theirs, p.best
         low, high = run.seconds
         published = f"{low:.2f}" if low == high else f"{low:.2f}-{high:.2f}"
+        published = run.published_as or published
         mine = f"{_label(r)} {r.options_label}" if r else "not accepted"
         if run.dispatch != "all-to-all":
             mine += f", {run.dispatch} dispatch"
@@ -188,24 +191,23 @@ def table(predictions: list[Prediction], unexpressed: tuple[Unexpressed, ...] = 
         best_label = f"{_label(best)} {best.options_label}" if best else "not searched"
         if best and run.dispatch != "all-to-all":
             best_label += f", {run.dispatch} dispatch"
-        predicted = (
-            f"{r.cost.step:.2f} | {p.ratio:.2f} | {'yes' if p.fits else 'no'}" if r else "| |"
+        ratio = p.ratio if r else None
+        against = (
+            f"{ratio:.2f}"
+            if ratio is not None
+            else f"none: no bf16 run is published, only {run.precision}"
         )
+        predicted = f"{r.cost.step:.2f} | {against} | {'yes' if p.fits else 'no'}" if r else "| |"
         lines.append(
             f"| {run.model} ({run.source}) | {run.devices} | {run.global_batch} | "
             f"{run.published_label} | {published} | {mine} | {predicted} | {best_label} | "
             f"{f'{best.cost.step:.2f}' if best else ''} |"
         )
-    for u in unexpressed:
-        lines.append(
-            f"| {u.model} ({u.source}) | {u.devices} | {u.global_batch} | {u.published_label} | "
-            f"{u.seconds} | cannot express: {u.why} | | | | | |"
-        )
     return lines
 
 
 def main() -> None:
-    print("\n".join(table([predict_run(run) for run in RUNS], UNEXPRESSED)))
+    print("\n".join(table([predict_run(run) for run in RUNS])))
 
 
 if __name__ == "__main__":

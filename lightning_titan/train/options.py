@@ -236,6 +236,18 @@ def check_offload(offload_optimizer: object, zero: int) -> None:
         )
 
 
+def check_fold(fold_ep: object, zero: int) -> None:
+    """``fold_ep`` (MoE Parallel Folding, ``parallel/mesh.py``): a bool, and zero 0, 1 or 2 (the
+    planner refuses what the strategy refuses by this same rule)."""
+    if not isinstance(fold_ep, bool):
+        raise ValueError(f"fold_ep={fold_ep!r} must be true or false")
+    if fold_ep and zero == 3:
+        raise ValueError(
+            "fold_ep=True with zero=3 is not built yet (its gathers are untested over the folded "
+            "expert groups); use zero 0, 1 or 2 with fold_ep, or fold_ep=False"
+        )
+
+
 def preflight(dims: ParallelDims, options: TrainOptions, work: Workload) -> None:
     """Checks that need the model and the data but no process group. They run in the launcher before
     any rank starts and again on every rank before ``init_process_group`` (torchrun, fork), so a

@@ -60,7 +60,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "support" / "scripts"
             4,
             "fold_ep=True with zero=3 is not built",
         ),
-        ({"fold_ep": True, "layout": "auto"}, 2, "fold_ep=True with layout='auto'"),
+        ({"fold_ep": True, "layout": "auto"}, 2, r"layout='auto' chooses .*fold_ep itself"),
         ({"tp": 2, "fold_ep": "yes"}, 2, "fold_ep='yes' must be true or false"),
     ],
 )

@@ -29,7 +29,8 @@ from lightning_titan.plan.cost import (
 from lightning_titan.plan.devices import GPUS
 from lightning_titan.plan.layouts import candidates
 from lightning_titan.plan.memory import group_place
-from lightning_titan.plan.rank import _undominated, ranked
+from lightning_titan.plan.precision import FP32
+from lightning_titan.plan.rank import _Prices, _undominated, ranked
 from lightning_titan.tools.plan_cli import main as plan_main
 
 FIXTURES = Path(__file__).resolve().parents[1] / "support" / "fixtures"
@@ -82,15 +83,17 @@ def test_zero1_is_dominated_by_its_zero2_twin():
 @pytest.mark.parametrize("devices, per_node", [(8, 8), (16, 4), (16, 2)])
 def test_the_pruned_search_finds_the_full_rankings_first_rows(devices, per_node):
     """keep=K prices layouts by their lower bound and stops once it passes the K-th row: the same
-    K rows as pricing every undominated layout, having priced fewer of them."""
+    K rows as pricing every undominated layout (zero=1 beside zero=2, a layout beside the folded
+    twin that dominates it), having priced fewer of them."""
     device = dataclasses.replace(H100, per_node=per_node, memory=2e8)
     found, _ = candidates(SMALL, devices, 32)
-    everything = ranked(SMALL, _undominated(found), 32, device)
+    undominated = _undominated(found, _Prices(SMALL, 32, device, (False, True), FP32, False))
+    everything = ranked(SMALL, undominated, 32, device)
     priced = []
     top = ranked(SMALL, found, 32, device, keep=10, progress=lambda n, of, best: priced.append(n))
     key = [(r.label, r.options_label, r.cost.step) for r in top]
     assert key == [(r.label, r.options_label, r.cost.step) for r in everything[:10]]
-    assert max(priced) < len(_undominated(found)), (max(priced), len(found))
+    assert max(priced) < len(undominated), (max(priced), len(found))
 
 
 def test_the_search_says_where_it_is_on_stderr(capsys):
@@ -210,9 +213,11 @@ def test_only_prints_each_layout_with_its_reason_or_its_cost(capsys):
 
 def test_nothing_fits_names_the_term_and_a_remedy_the_model_allows(capsys):
     """DeepSeek-V3 on 64 H100: the smallest is zero3 (the weights split too, at pp=1); the largest
-    term is named, and the next ep, pp and tp. Below zero=3, the smallest is zero2 with 2 layers a
-    stage (pp32, split unevenly): neither zero=1/2 nor pp=33 (still 2 layers a stage) is advised,
-    but the first pp whose stages hold one layer."""
+    term is named, and the next ep, pp and tp. Below zero=3, the smallest is folded (the experts
+    over tp32, zero3 is not built with a fold), its next ep and tp those the fold divides 256
+    experts by. Unfolded, the smallest is zero2 with 2 layers a stage (pp32, split unevenly):
+    neither zero=1/2 nor pp=33 (still 2 layers a stage) is advised, but the first pp whose stages
+    hold one layer."""
     from lightning_titan.plan.layouts import shortfall
     from lightning_titan.tools.plan_cli import shapes_of
 
@@ -226,7 +231,11 @@ def test_nothing_fits_names_the_term_and_a_remedy_the_model_allows(capsys):
     assert "ep=64 (128 devices)" in said
     config = shapes_of(DEEPSEEK_V3_JSON.parent, 4096)
     found, _ = candidates(config, 64, 1024)
-    best = min((c for c in found if c.zero < 3), key=lambda c: c.state_bytes)
+    folded = min((c for c in found if c.zero < 3), key=lambda c: c.state_bytes)
+    said = shortfall(folded, H100.memory, config)
+    assert "(pp2xtp32xfold zero2)" in said and "divided by ep (folded, ep x cp x tp)" in said
+    assert "ep=2 (128 devices)" in said and "tp=64 (128 devices)" in said
+    best = min((c for c in found if c.zero < 3 and not c.fold_ep), key=lambda c: c.state_bytes)
     said = shortfall(best, H100.memory, config)
     assert "(pp32xep2 zero2)" in said and "its largest term is expert_optimizer" in said
     assert "zero=1" not in said and "zero=2 (" not in said
@@ -304,6 +313,25 @@ def test_the_cross_node_published_runs_are_the_model_their_publisher_counts():
         tokens = run.global_batch * run.config.seq_len
         rate = flops.step_flops(run.config, tokens) / (devices * run.seconds[0])
         assert rate == pytest.approx(tflops * 1e12, rel=0.01), (devices, rate)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_folded_published_run_is_priced_as_published():
+    """Qwen3-235B-A22B on 256 H100 (Megatron-Bridge: TP2 PP8 VP4 EP32 ETP1): EP32 over the TP2 x
+    DP16 ranks of a stage is our pp8 x ep16 x tp2 folded (32 expert ranks, 16 data ranks), VP4 on
+    94 layers split unevenly. It fits; its published time is FP8, so it has no ratio; the docs'
+    row says the bf16 prediction."""
+    from lightning_titan.tools.plan_published import RUNS, predict_run
+
+    (run,) = [r for r in RUNS if r.fold_ep]
+    p = predict_run(run, search=False)
+    assert p.theirs is not None and p.theirs.label == "pp8xep16xtp2xfold zero1"
+    dims = p.theirs.candidate.dims
+    assert (dims.expert_world, dims.data_world, sum(run.stage_layers)) == (32, 16, 94)
+    assert p.theirs.options.virtual_stages == 4 and p.fits and p.ratio is None
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "choosing_a_layout.md").read_text()
+    assert f"| {p.theirs.cost.step:.2f} | none: no bf16 run is published, only FP8 |" in docs
 
 
 def test_tp_pp_and_cp_groups_that_span_nodes_use_the_network():

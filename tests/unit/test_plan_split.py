@@ -119,7 +119,7 @@ def test_an_uneven_candidates_state_is_rank_state_of_its_split():
         split = StageSplit(1, c.stage_layers)
         world = math.prod(c.degrees.values())
         every = [
-            rank_state(SMALL, ParallelDims(**c.degrees, rank=r), c.zero, split)
+            rank_state(SMALL, ParallelDims(**c.degrees, rank=r, fold_ep=c.fold_ep), c.zero, split)
             for r in range(world)
         ]
         peak = max(sum(s.values()) for s in every) + c.gathered_bytes  # zero=3: in the step
