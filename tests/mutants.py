@@ -1853,8 +1853,8 @@ MUTATIONS = {
                                ["tests/unit/test_plan_lora.py", "-k", "frozen"]),
     # the planner prices a frozen base's backward as a full one
     "plan_lora_backward_full": ("lightning_titan/plan/cost.py",
-                                "    passes = (2 if frozen_base else 3) + (1 if options.recompute else 0)",
-                                "    passes = 3 + (1 if options.recompute else 0)",
+                                "    passes = (2 if frozen_base else 3) + (1 if options.recompute == FULL else 0)",
+                                "    passes = 3 + (1 if options.recompute == FULL else 0)",
                                 ["tests/unit/test_plan_lora.py", "-k", "frozen"]),
     # a rank's one-write line fails under a notebook's stderr (no file descriptor)
     "say_needs_fileno": ("lightning_titan/lightning/supervisor.py",
@@ -2088,6 +2088,21 @@ MUTATIONS = {
                               '    keys["trainer.strategy.init_args.fold_ep"] = str(c.fold_ep).lower()',
                               '    keys["trainer.strategy.init_args.fold_ep"] = "false"',
                               ["tests/unit/test_plan_fold.py", "-k", "out_writes"]),
+    # the planner probes selective recompute as no recompute (the norms' and activations' bytes kept)
+    "plan_selective_probed_as_none": ("lightning_titan/plan/activations.py",
+                                      "            activation_checkpointing=recompute,",
+                                      "            activation_checkpointing=False,",
+                                      ["tests/unit/test_plan_recompute.py"]),
+    # selective recompute priced as free (it then ties with none, and ranks by chance)
+    "plan_selective_free": ("lightning_titan/plan/cost.py",
+                            "    if options.recompute == SELECTIVE:",
+                            "    if False:",
+                            ["tests/unit/test_plan_recompute.py"]),
+    # --out writes selective as full recompute
+    "plan_out_selective_as_full": ("lightning_titan/tools/plan_cli.py",
+                                   '{NONE: "false", FULL: "true"}.get(',
+                                   '{NONE: "false", FULL: "true", "selective": "true"}.get(',
+                                   ["tests/unit/test_plan_recompute.py"]),
     # the search drops every unfolded layout with a folded twin, dominated or not
     "foldplan_twin_always_dominated": ("lightning_titan/plan/rank.py",
                                        "    if all(f <= p for f, p in zip(*reversed(sides), strict=True)):",

@@ -17,7 +17,9 @@ that width and twice it, and the ends' bytes (logits, the loss's rows) drawn thr
 (each the count of live microbatches in the schedule's own order, ``parallel/pipeline/theory.py``: a test
 holds them equal). Under zbv and dualpipev the embedding, head and loss are on rank 0, the V's turn.
 
-Activation checkpointing keeps only each block's input (``m * S * D`` floats: the residual stream, fp32
+Selective recompute (``activation_checkpointing="selective"``) is measured as it runs: the probe frees
+the norms' and activations' outputs after use, and the meter counts what stays. Full activation
+checkpointing keeps only each block's input (``m * S * D`` floats: the residual stream, fp32
 under either precision) and, during one block's backward, that block's full activations again.
 
 Under ``bf16-mixed`` the probe runs under the run's autocast (``plan/precision.py``), so each saved
@@ -34,6 +36,7 @@ from dataclasses import replace
 
 import torch
 
+from lightning_titan.model.config import FULL, NONE
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.grad_kinds import EXPERT
 from lightning_titan.model.moe.experts import probe_grouped_mm
@@ -112,10 +115,13 @@ def _saved(config: ModelConfig, precision: Precision) -> int:
 _PER_SEQUENCE: dict[str, tuple[float, float]] = {}
 
 
-def per_sequence(config: ModelConfig, precision: Precision = FP32) -> tuple[float, float]:
+def per_sequence(
+    config: ModelConfig, precision: Precision = FP32, recompute: str = NONE
+) -> tuple[float, float]:
     """(bytes one block saves for one sequence, bytes of the embedding, head and loss), in the
-    dtypes ``precision`` computes in, weight copies aside."""
-    key = repr(config) + precision.name
+    dtypes ``precision`` computes in, weight copies aside; ``recompute``: none or selective (the
+    probe runs with it: what its blocks free after use is not counted)."""
+    key = repr(config) + precision.name + recompute
     if key not in _PER_SEQUENCE:
         s, latent = _scale(config), config.attention.latent
         narrow = replace(
@@ -130,7 +136,7 @@ def per_sequence(config: ModelConfig, precision: Precision = FP32) -> tuple[floa
             q_lora_rank=latent.q_rank // s,
             # every block priced as an MoE block (DeepSeek-V3's few dense first layers save less)
             dense_layers=0,
-            activation_checkpointing=False,
+            activation_checkpointing=recompute,
         )
         vocab = min(config.vocab_size, PROBE_VOCAB)
         one = _saved(replace(narrow, n_layers=1, vocab_size=vocab), precision)
@@ -198,7 +204,8 @@ def peak_bytes(
     ``copies``: ``weight_copy_bytes`` of these degrees (and ``fold_ep``), where the caller has them
     already; ``stage_layers``: layers per stage (None: ``n_layers / pp`` each)."""
     pp = degrees["pp"]
-    block, ends = per_sequence(config, precision)
+    full = options.recompute == FULL
+    block, ends = per_sequence(config, precision, NONE if full else options.recompute)
     weights = (
         copies if copies is not None else weight_copy_bytes(config, degrees, precision, fold_ep)
     )
@@ -209,7 +216,7 @@ def peak_bytes(
     head = (
         0 if options.schedule in V_SHAPED else pp - 1
     )  # the rank with the embedding, head and loss
-    if options.recompute:  # inputs kept, one block's activations live again during its backward
+    if full:  # inputs kept, one block's activations live again during its backward
         kept = config.seq_len * config.d_model * STATE_BYTES
         peaks = [
             (held(options, pp, p) * layers[p] * kept + block) * m / share

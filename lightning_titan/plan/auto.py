@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from lightning_titan.model.config import FULL
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.plan.devices import GPUS, Device, cpu_device, on_nodes
 from lightning_titan.plan.layouts import DEVICES, GB, candidates, shortfall
@@ -135,7 +134,7 @@ def choose(
         raise ValueError(
             f"layout='auto': nothing fits: {shortfall(smallest, device.memory, config)}"
         )
-    recompute = (config.recompute == FULL,)  # selective is priced as no recompute for now
+    recompute = (config.recompute,)
     rows = ranked(config, fits, batch, device, recompute, precision, compiled, keep=1)
     if not rows:
         raise ValueError(

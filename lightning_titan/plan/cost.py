@@ -2,7 +2,8 @@
 communication, so a reader sees why one layout wins.
 
 - **compute**: the model's matmul FLOPs (``model/flops.py``) a rank does (its stage's layers, its share of
-  the tokens: ``b*S/(tp*cp)``; x4/3 under activation checkpointing) at the device's throughput,
+  the tokens: ``b*S/(tp*cp)``; x4/3 under full activation checkpointing; under selective recompute the norms' and activations'
+  bytes again at the memory bandwidth, ``selective_bytes``) at the device's throughput,
   plus a fixed cost per block pass (launches; it is what a small model pays on a CPU), more when the
   schedule splits the backward into B and W (``Device.split_s``);
 - **bubble**: the schedule's idle time, ``(pp-1)/M`` of a stage's compute for GPipe and 1F1B, that
@@ -45,6 +46,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from lightning_titan.model.config import FULL, NONE, SELECTIVE
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.flops import layer_flops_per_token, mean_layer_flops_per_token
 from lightning_titan.model.options import LATENT
@@ -65,6 +67,20 @@ BUCKET = 25 * 2**20  # the reducer's default bucket_cap_mb
 ZERO_FACTOR = {0: (2.0, 0.0), 1: (2.0, 1.0), 2: (1.0, 1.0), 3: (1.0, 1.0)}
 
 
+# the table's suffix for each recompute mode
+RECOMPUTE_LABELS = {NONE: "", SELECTIVE: " sel", FULL: " ckpt"}
+
+
+def selective_bytes(config: ModelConfig, precision: Precision) -> float:
+    """Bytes a token streams per layer when selective recompute runs its norms and gated
+    activations again: each norm reads and writes ``D`` values, each activation reads the gate and
+    up rows and writes one (``K`` routed rows of ``F``, a shared expert's ``F_s``), in the
+    activations' dtype. Priced at the memory bandwidth: no matmul is run again."""
+    shared = config.experts.shared_dim
+    elements = 2 * 2 * config.d_model + 3 * (config.top_k * config.ffn_dim + shared)
+    return elements * precision.wire
+
+
 @dataclass(frozen=True)
 class StepOptions:
     """What a step does beside its layout."""
@@ -72,7 +88,7 @@ class StepOptions:
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
-    recompute: bool = False  # activation checkpointing
+    recompute: str = NONE  # activation checkpointing: none, selective or full (``ModelConfig``)
     # interleaved 1F1B on an uneven split: the layers per virtual stage (model order, pp * v of
     # them; ``virtual_split``), their sums per rank the layout's ``stage_layers``; None: even
     virtual_layers: tuple[int, ...] | None = None
@@ -81,7 +97,7 @@ class StepOptions:
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         # no pipeline: no schedule to name but the overlapped one
         schedule = f"{self.schedule}{v} " if pp > 1 or self.schedule != "1f1b" else ""
-        return f"{schedule}M{self.microbatches}" + (" ckpt" if self.recompute else "")
+        return f"{schedule}M{self.microbatches}" + RECOMPUTE_LABELS[self.recompute]
 
 
 @dataclass(frozen=True)
@@ -475,10 +491,12 @@ def _stage(
     embed, layer, head_flops = flops_per_token
     # forward, backward (input and weight grads: 2x; the input grads alone under a frozen base),
     # and a recomputed forward
-    passes = (2 if frozen_base else 3) + (1 if options.recompute else 0)
+    passes = (2 if frozen_base else 3) + (1 if options.recompute == FULL else 0)
     flops = tokens * passes * (layers * layer + first * embed + head * head_flops)
     per_pass = device.pass_s + (device.split_s if options.schedule in SPLIT_BACKWARD else 0.0)
     compute = flops / device.flops + m_count * (layers + (first or head)) * per_pass
+    if options.recompute == SELECTIVE:  # no matmul again: the norms and activations' bytes streamed
+        compute += tokens * layers * selective_bytes(config, precision) / device.memory_bandwidth
 
     comm = {}
     wire = precision.wire

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_titan.model.config import FULL, NONE, SELECTIVE
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.mesh import ParallelDims
@@ -37,6 +38,9 @@ from lightning_titan.train.options import (
 
 MAX_VIRTUAL_STAGES = 8  # interleaved 1F1B is offered with 2..8 chunks a rank
 V_CHUNKS = 2  # zbv and dualpipev: exactly two chunks a rank, in a V
+
+# every recompute mode the search prices (``ModelConfig.activation_checkpointing``)
+RECOMPUTE_MODES = (NONE, SELECTIVE, FULL)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ def _accepted(
         layers = options.virtual_layers if options.virtual_layers is not None else stage_layers
         StageSplit(v, layers).counts(config.n_layers, pp)
         dims = ParallelDims(**degrees, fold_ep=fold_ep)
-        check_overlap(dims, train, recompute=options.recompute, compiled=compiled)
+        check_overlap(dims, train, recompute=options.recompute == FULL, compiled=compiled)
     except ValueError:
         return False
     return True
@@ -85,7 +89,7 @@ def step_options(
     config: ModelConfig,
     degrees: dict[str, int],
     local_batch: int,
-    recompute: tuple[bool, ...] = (False, True),
+    recompute: tuple[str, ...] = RECOMPUTE_MODES,
     compiled: bool = False,
     stage_layers: tuple[int, ...] | None = None,
     fold_ep: bool = False,
@@ -137,7 +141,7 @@ class _Prices:
         config: ModelConfig,
         global_batch: int,
         device: Device,
-        recompute: tuple[bool, ...],
+        recompute: tuple[str, ...],
         precision: Precision,
         compiled: bool,
         lora: LoRA | None = None,
@@ -220,9 +224,11 @@ class _Prices:
         schedule could hide them, and the optimizer."""
         one = self.predict(c, StepOptions())
         hidden = one.comm["dp"]
-        if True in self.recompute:  # a longer backward hides more of the reduction
-            hidden = min(hidden, self.predict(c, StepOptions(recompute=True)).comm["dp"])
-        overlappable = c.dims.expert_world > 1 and False in self.recompute and not self.compiled
+        if FULL in self.recompute:  # a longer backward hides more of the reduction
+            hidden = min(hidden, self.predict(c, StepOptions(recompute=FULL)).comm["dp"])
+        overlappable = (
+            c.dims.expert_world > 1 and set(self.recompute) != {FULL} and not self.compiled
+        )
         ep = 0.0 if overlappable else one.comm["ep"]
         comm = one.comm["pp"] + one.comm["tp"] + one.comm["cp"] + ep + hidden
         return one.compute + comm + one.optimizer
@@ -286,7 +292,7 @@ def ranked(
     found: list[Candidate],
     global_batch: int,
     device: Device,
-    recompute: tuple[bool, ...] = (False, True),
+    recompute: tuple[str, ...] = RECOMPUTE_MODES,
     precision: Precision = FP32,
     compiled: bool = False,
     keep: int | None = None,

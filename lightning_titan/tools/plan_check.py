@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from lightning_titan.model.config import NONE
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.plan.devices import cpu_device
 from lightning_titan.plan.layouts import candidates
@@ -83,7 +84,7 @@ def chosen(
     found = [c for c in candidates(config, world, batch)[0] if c.zero == 0 and not c.fold_ep]
     rows = [
         r
-        for r in ranked(config, found, batch, device, (False,), precision)
+        for r in ranked(config, found, batch, device, (NONE,), precision)
         if r.options.schedule in SCHEDULES and r.candidate.state_bytes <= memory
     ]
     if only:

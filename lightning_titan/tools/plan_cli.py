@@ -33,6 +33,7 @@ import torch
 
 from lightning_titan.hf.load import config_from_folder, config_from_hf, read_hf_config
 from lightning_titan.lightning.config_files import compose_config
+from lightning_titan.model.config import FULL, NONE
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.mesh import AXES
@@ -325,7 +326,9 @@ def overlay(r: Ranked) -> str:
     # false replaces a fold the config may set
     keys["trainer.strategy.init_args.fold_ep"] = str(c.fold_ep).lower()
     # model.model is a class-valued block: a dotted key sets its fields under init_args
-    keys["model.model.init_args.activation_checkpointing"] = str(o.recompute).lower()
+    keys["model.model.init_args.activation_checkpointing"] = {NONE: "false", FULL: "true"}.get(
+        o.recompute, o.recompute
+    )
     if c.policy.param_dtype != "fp32":  # bf16 weights need bf16 activations
         keys["trainer.strategy.init_args.param_dtype"] = c.policy.param_dtype
         keys["trainer.precision"] = "bf16-mixed"

@@ -163,7 +163,7 @@ def test_the_overlay_is_the_layout_titan_fit_builds(tmp_path, monkeypatch, capsy
     assert options.zero == rows[0].candidate.zero
     assert options.schedule == rows[0].options.schedule
     assert options.num_microbatches == rows[0].options.microbatches
-    assert cli.model.config.activation_checkpointing == rows[0].options.recompute
+    assert cli.model.config.recompute == rows[0].options.recompute
     # bf16 weights (in bf16-mixed) and offload as planned, zero 0..2 as the strategy runs them
     assert options.param_dtype == ("bf16" if kept else "fp32")
     assert options.offload_optimizer == bool(kept)
@@ -423,9 +423,9 @@ def test_the_overlapped_schedules_need_ep_and_no_recompute_or_compile():
     for pp, ep, compiled in itertools.product((1, 2), (1, 2), (False, True)):  # 4 layers
         for o in step_options(DEFAULT, _layout(pp=pp, ep=ep), 16, compiled=compiled):
             if o.schedule in OVERLAPPED:
-                assert ep > 1 and not compiled and not o.recompute, (pp, ep, o)
+                assert ep > 1 and not compiled and o.recompute != "full", (pp, ep, o)
                 assert (pp == 1) == (o.schedule == "1f1b_overlap") and o.microbatches >= 2 * pp
-        offered = {o.schedule for o in step_options(DEFAULT, _layout(pp=pp, ep=ep), 16, (False,))}
+        offered = {o.schedule for o in step_options(DEFAULT, _layout(pp=pp, ep=ep), 16, ("none",))}
         assert bool(offered & set(OVERLAPPED)) == (ep > 1), (pp, ep)
 
 
@@ -462,7 +462,7 @@ def test_cost_terms_grow_with_their_axis():
     # ZeRO-3 gathers each block for its forward and its backward too
     assert z[3].comm["dp"] > z[2].comm["dp"]
     # recompute: a third more compute
-    again = predict(DEFAULT, _layout(dp=8), 0, StepOptions(recompute=True), 8, H100, params)
+    again = predict(DEFAULT, _layout(dp=8), 0, StepOptions(recompute="full"), 8, H100, params)
     assert again.compute > z[0].compute
 
 
@@ -600,7 +600,9 @@ def test_rows_are_ranked_by_predicted_step_time(capsys):
     overlapped = [r for r in rows if r.options.schedule in OVERLAPPED]
     assert {r.options.schedule for r in overlapped} == set(OVERLAPPED)
     # an all-to-all to hide: ep > 1, or a fold's tp or cp ranks
-    assert all(r.candidate.dims.expert_world > 1 and not r.options.recompute for r in overlapped)
+    assert all(
+        r.candidate.dims.expert_world > 1 and r.options.recompute != "full" for r in overlapped
+    )
     assert any(r.candidate.degrees["ep"] == 1 for r in overlapped)
     shown = "\n".join(table(overlapped, H100.memory))  # named like the others, pp=1's too
     assert "| 1f1b_overlap M2 |" in shown and "| dualpipev v2 M4 |" in shown
@@ -751,7 +753,7 @@ def test_layout_auto_takes_the_plans_first_row_and_names_what_is_short():
     device = GPUS["h100-80gb"]  # the catalogue: no probe, the same choice every time
     choice = choose(DEFAULT, 16, 8, device)
     found, _ = candidates(DEFAULT, 8, 16)
-    first = ranked(DEFAULT, found, 16, device, recompute=(False,))[0]
+    first = ranked(DEFAULT, found, 16, device, recompute=("none",))[0]
     assert choice.degrees == first.candidate.degrees and choice.zero == first.candidate.zero
     assert (choice.schedule, choice.num_microbatches) == (
         first.options.schedule,

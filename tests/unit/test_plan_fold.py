@@ -177,13 +177,13 @@ def test_a_twin_that_is_no_faster_in_any_term_is_pruned():
     found, _ = candidates(SMALL, 8, 16)
     for per_node, dropped in ((2, True), (8, False)):
         device = dataclasses.replace(H100, per_node=per_node)
-        prices = _Prices(SMALL, 16, device, (False, True), FP32, False)
+        prices = _Prices(SMALL, 16, device, ("none", "full"), FP32, False)
         kept = {c.label for c in _undominated(found, prices)}
         assert "ep4xtp2xfold zero2" in kept
         assert ("ep4xtp2 zero2" not in kept) == dropped, per_node
     # the search with keep=K still finds the first K rows of pricing every undominated layout
     device = dataclasses.replace(H100, per_node=2, memory=2e8)
-    prices = _Prices(SMALL, 16, device, (False, True), FP32, False)
+    prices = _Prices(SMALL, 16, device, ("none", "full"), FP32, False)
     everything = ranked(SMALL, _undominated(found, prices), 16, device)
     top = ranked(SMALL, found, 16, device, keep=10)
     key = [(r.label, r.options_label, r.cost.step) for r in top]
@@ -229,7 +229,7 @@ def test_layout_auto_takes_a_folded_first_row():
     assert choice.fold_ep and "xfold" in choice.summary
     fits = [c for c in found if c.state_bytes <= device.memory]
     assert fits and all(c.fold_ep for c in fits)
-    assert _as_choice(ranked(one, fits, 1, device, (False,), keep=1)[0]) == choice
+    assert _as_choice(ranked(one, fits, 1, device, ("none",), keep=1)[0]) == choice
     layout = Layout(dict.fromkeys(AXES, 1) | {"dp": -1}, "auto", TrainOptions())
     layout.take(choice)
     layout.resolve(4, 0)

@@ -87,7 +87,7 @@ def test_the_pruned_search_finds_the_full_rankings_first_rows(devices, per_node)
     twin that dominates it), having priced fewer of them."""
     device = dataclasses.replace(H100, per_node=per_node, memory=2e8)
     found, _ = candidates(SMALL, devices, 32)
-    undominated = _undominated(found, _Prices(SMALL, 32, device, (False, True), FP32, False))
+    undominated = _undominated(found, _Prices(SMALL, 32, device, ("none", "full"), FP32, False))
     everything = ranked(SMALL, undominated, 32, device)
     priced = []
     top = ranked(SMALL, found, 32, device, keep=10, progress=lambda n, of, best: priced.append(n))
@@ -272,13 +272,13 @@ def test_interleaved_is_offered_with_every_v_up_to_8_a_chunk_of_layers_each():
     from lightning_titan.plan.rank import step_options
 
     sixteen = dataclasses.replace(SMALL, n_layers=16)
-    offered = step_options(sixteen, _layout(pp=2, ep=2), 16, (False,))
+    offered = step_options(sixteen, _layout(pp=2, ep=2), 16, ("none",))
     chunks = {o.virtual_stages for o in offered if o.schedule == "interleaved_1f1b"}
     assert chunks == set(range(2, 9))  # 16 layers on 2 ranks: 2 v chunks, dealt where uneven
     even = {o.virtual_stages for o in offered if o.virtual_layers is None and o.virtual_stages > 1}
     assert even == {2, 4, 8}  # where 2 v divides 16, the even split
     twelve = dataclasses.replace(SMALL, n_layers=12)
-    offered = step_options(twelve, _layout(pp=2, ep=2), 16, (False,))
+    offered = step_options(twelve, _layout(pp=2, ep=2), 16, ("none",))
     assert {o.virtual_stages for o in offered if o.schedule == "interleaved_1f1b"} == set(
         range(2, 7)
     )

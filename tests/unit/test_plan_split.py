@@ -93,7 +93,7 @@ def test_an_even_split_is_priced_as_before_and_kept_where_it_divides():
     flat = ModelConfig(vocab_size=64, d_model=64, n_layers=8, n_heads=4, ffn_dim=128, n_experts=4)
     assert splits(flat, 2) == [None]  # a tiny head: the balanced split is the even one
     degrees = _layout(pp=2, ep=2)
-    for options in (StepOptions("1f1b", 2), StepOptions("gpipe", 4, recompute=True)):
+    for options in (StepOptions("1f1b", 2), StepOptions("gpipe", 4, recompute="full")):
         even = predict(deep, degrees, 0, options, 16, H100, (1, 1))
         explicit = predict(deep, degrees, 0, options, 16, H100, (1, 1), stage_layers=(4, 4))
         assert even == explicit
@@ -221,7 +221,7 @@ def test_interleaved_runs_uneven_splits_with_every_v_the_layers_allow():
     from lightning_titan.tools.plan_published import DEEPSEEK_V3
 
     layers = (16, 16, 15, 14)
-    offered = step_options(DEEPSEEK_V3, _layout(pp=4, ep=64), 8, (True,), stage_layers=layers)
+    offered = step_options(DEEPSEEK_V3, _layout(pp=4, ep=64), 8, ("full",), stage_layers=layers)
     chunked = {o.virtual_stages: o for o in offered if o.schedule == "interleaved_1f1b"}
     assert set(chunked) == set(range(2, 9))
     assert {o.microbatches for o in offered if o.schedule == "interleaved_1f1b"} == {4, 8}
@@ -230,7 +230,7 @@ def test_interleaved_runs_uneven_splits_with_every_v_the_layers_allow():
         assert len(split.counts(61, 4)) == 4 * v and _rank_sums(split, 61, 4) == layers, v
     twelve = ModelConfig(vocab_size=257, d_model=64, n_layers=12, n_heads=4, ffn_dim=128,
                          n_experts=4)  # fmt: skip
-    offered = step_options(twelve, _layout(pp=2, ep=2), 16, (False,))
+    offered = step_options(twelve, _layout(pp=2, ep=2), 16, ("none",))
     chunked = {o.virtual_stages: o for o in offered if o.schedule == "interleaved_1f1b"}
     assert set(chunked) == {2, 3, 4, 5, 6}
     for v, o in chunked.items():
