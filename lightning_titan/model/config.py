@@ -12,7 +12,7 @@ and checkpoints: ``vars(config)`` is the flat dict) and typed groups to the code
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from lightning_titan.model.moe.capacity import expert_capacity
 from lightning_titan.model.options import (
@@ -25,7 +25,10 @@ from lightning_titan.model.options import (
 from lightning_titan.parallel.pipeline.split import StageSplit
 
 # activation_checkpointing's values, spelled out (``ModelConfig.recompute``)
-NONE, FULL, SELECTIVE = "none", "full", "selective"
+Recompute = Literal["none", "full", "selective"]
+NONE: Final = "none"
+FULL: Final = "full"
+SELECTIVE: Final = "selective"
 
 
 @dataclass
@@ -49,7 +52,7 @@ class ModelConfig:
     init_std: float = 0.02
     # recompute in the backward instead of keeping: False / "none"; True / "full": each block (only
     # its input kept); "selective": the norms and the experts' gated activations (model/recompute.py)
-    activation_checkpointing: bool | Literal["none", "full", "selective"] = False
+    activation_checkpointing: bool | Recompute = False
     # expert capacity (model/moe/capacity.py): the assignments over it are dropped (the residual passes)
     capacity_factor: float | None = None  # <= floor(factor*S*K/E) per sequence; None: dropless
     # options of pretrained MoE families: the code reads them as groups (model/options.py:
@@ -165,7 +168,7 @@ class ModelConfig:
         return out
 
     @property
-    def recompute(self) -> str:
+    def recompute(self) -> Recompute:
         """What the backward recomputes: ``"none"``, ``"full"`` (each block) or ``"selective"``."""
         value = self.activation_checkpointing
         if isinstance(value, bool):

@@ -36,7 +36,7 @@ from dataclasses import replace
 
 import torch
 
-from lightning_titan.model.config import FULL, NONE
+from lightning_titan.model.config import FULL, NONE, Recompute
 from lightning_titan.model.decoder import ModelConfig, StageModel
 from lightning_titan.model.grad_kinds import EXPERT
 from lightning_titan.model.moe.experts import probe_grouped_mm
@@ -116,7 +116,7 @@ _PER_SEQUENCE: dict[str, tuple[float, float]] = {}
 
 
 def per_sequence(
-    config: ModelConfig, precision: Precision = FP32, recompute: str = NONE
+    config: ModelConfig, precision: Precision = FP32, recompute: Recompute = NONE
 ) -> tuple[float, float]:
     """(bytes one block saves for one sequence, bytes of the embedding, head and loss), in the
     dtypes ``precision`` computes in, weight copies aside; ``recompute``: none or selective (the
@@ -141,7 +141,7 @@ def per_sequence(
         vocab = min(config.vocab_size, PROBE_VOCAB)
         one = _saved(replace(narrow, n_layers=1, vocab_size=vocab), precision)
         two = _saved(replace(narrow, n_layers=2, vocab_size=vocab), precision)
-        ends = one - (two - one)
+        ends: float = one - (two - one)
         if vocab < config.vocab_size:  # the logits and the loss's saved rows are linear in V
             wider = _saved(replace(narrow, n_layers=1, vocab_size=2 * vocab), precision)
             ends += (wider - one) * (config.vocab_size - vocab) / vocab

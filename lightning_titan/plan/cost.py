@@ -46,7 +46,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from lightning_titan.model.config import FULL, NONE, SELECTIVE
+from lightning_titan.model.config import FULL, NONE, SELECTIVE, Recompute
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.flops import layer_flops_per_token, mean_layer_flops_per_token
 from lightning_titan.model.options import LATENT
@@ -88,7 +88,9 @@ class StepOptions:
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
-    recompute: str = NONE  # activation checkpointing: none, selective or full (``ModelConfig``)
+    recompute: Recompute = (
+        NONE  # activation checkpointing: none, selective or full (``ModelConfig``)
+    )
     # interleaved 1F1B on an uneven split: the layers per virtual stage (model order, pp * v of
     # them; ``virtual_split``), their sums per rank the layout's ``stage_layers``; None: even
     virtual_layers: tuple[int, ...] | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_titan.model.config import FULL, NONE, SELECTIVE
+from lightning_titan.model.config import FULL, NONE, SELECTIVE, Recompute
 from lightning_titan.model.decoder import ModelConfig
 from lightning_titan.model.lora import LoRA
 from lightning_titan.parallel.mesh import ParallelDims
@@ -40,7 +40,7 @@ MAX_VIRTUAL_STAGES = 8  # interleaved 1F1B is offered with 2..8 chunks a rank
 V_CHUNKS = 2  # zbv and dualpipev: exactly two chunks a rank, in a V
 
 # every recompute mode the search prices (``ModelConfig.activation_checkpointing``)
-RECOMPUTE_MODES = (NONE, SELECTIVE, FULL)
+RECOMPUTE_MODES: tuple[Recompute, ...] = (NONE, SELECTIVE, FULL)
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def step_options(
     config: ModelConfig,
     degrees: dict[str, int],
     local_batch: int,
-    recompute: tuple[str, ...] = RECOMPUTE_MODES,
+    recompute: tuple[Recompute, ...] = RECOMPUTE_MODES,
     compiled: bool = False,
     stage_layers: tuple[int, ...] | None = None,
     fold_ep: bool = False,
@@ -141,7 +141,7 @@ class _Prices:
         config: ModelConfig,
         global_batch: int,
         device: Device,
-        recompute: tuple[str, ...],
+        recompute: tuple[Recompute, ...],
         precision: Precision,
         compiled: bool,
         lora: LoRA | None = None,
@@ -292,7 +292,7 @@ def ranked(
     found: list[Candidate],
     global_batch: int,
     device: Device,
-    recompute: tuple[str, ...] = RECOMPUTE_MODES,
+    recompute: tuple[Recompute, ...] = RECOMPUTE_MODES,
     precision: Precision = FP32,
     compiled: bool = False,
     keep: int | None = None,
