@@ -210,9 +210,24 @@ MUTATIONS = {
                           ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: a block stays whole after its forward (every block whole by the forward's end)
     "zero3_kept_after_forward": ("lightning_titan/parallel/dp/zero3.py",
-                                 "                return\n            self.release(unit)\n",
-                                 "                return\n",
+                                 "            else:\n                self.release(unit)\n",
+                                 "            else:\n                pass\n",
                                  ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3: the last block freed after its forward and gathered again for its backward
+    "zero3_last_block_not_kept": ("lightning_titan/parallel/dp/zero3.py",
+                                  "            if backward and unit == len(self.blocks) - 1:",
+                                  "            if False:",
+                                  ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3: the last block kept through the next microbatch's forward (gpipe: a third block whole)
+    "zero3_kept_through_next_forward": ("lightning_titan/parallel/dp/zero3.py",
+                                        "                self.release(self.kept)  # another forward",
+                                        "                pass  # another forward",
+                                        ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # ZeRO-3 prefetch: the first block gathered at its use (not under the embedding)
+    "zero3_no_first_prefetch": ("lightning_titan/parallel/dp/zero3.py",
+                                "            self.prefetch(0)  # under the embedding",
+                                "            pass  # under the embedding",
+                                ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # ZeRO-3: a block stays whole after its backward
     "zero3_kept_after_backward": ("lightning_titan/parallel/dp/zero3.py",
                                   "        ctx.release()\n",
@@ -327,9 +342,19 @@ MUTATIONS = {
                         ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # the planner: zero=3 at pp=1 priced as gathering once a step (not each block twice a microbatch)
     "plan_zero3_gathers_once": ("lightning_titan/plan/cost.py",
-                                "gathers = 2.0 * m_count  # the blocks'",
-                                "gathers = 1.0  # the blocks'",
+                                "gathers = (2.0 * m_count * counts[0] - kept) / counts[0]",
+                                "gathers = 1.0",
                                 ["tests/cli/test_plan.py", "-k", "zero3"]),
+    # the planner: zero=3 at pp=1 priced as gathering the last block for its backward again
+    "plan_zero3_last_block_gathered": ("lightning_titan/plan/cost.py",
+                                       "        kept = m_count if options.schedule == \"1f1b\" else 1\n",
+                                       "        kept = 0\n",
+                                       ["tests/cli/test_plan.py", "-k", "zero3"]),
+    # the planner: zero=3 under gpipe priced as keeping every microbatch's last block (1f1b's)
+    "plan_zero3_gpipe_keeps_each": ("lightning_titan/plan/cost.py",
+                                    "        kept = m_count if options.schedule == \"1f1b\" else 1\n",
+                                    "        kept = m_count\n",
+                                    ["tests/cli/test_plan.py", "-k", "zero3"]),
     # the planner: zero=3 at pp=1 priced as one block whole in the step (the prefetched one left out)
     "plan_zero3_no_prefetch": ("lightning_titan/plan/memory.py",
                                "    return rest + sum(sorted(units.values())[-2:])\n",

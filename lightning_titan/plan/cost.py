@@ -434,7 +434,11 @@ def predict(
     bubble = compute * idle / (1 - idle)
     gathers = 1.0  # the weights' all-gathers a step
     if zero == 3 and zero3_reshards_after_forward(pp, options.schedule):
-        gathers = 2.0 * m_count  # the blocks' (the rest of the stage is gathered once: left out)
+        # the blocks', each forward and backward (the rest of the stage is gathered once: left
+        # out), but the last block's backward, which its forward's gather serves: each
+        # microbatch's under 1f1b, the last one's under gpipe
+        kept = m_count if options.schedule == "1f1b" else 1
+        gathers = (2.0 * m_count * counts[0] - kept) / counts[0]
     reduced = (groups("non_expert_dp"), groups("expert_dp"))
     comm["dp"] = _data_parallel(degrees, zero, params, device, compute / m_count, gathers, reduced)
     optimizer = _optimizer(degrees, zero, params, device, offload, reduced)

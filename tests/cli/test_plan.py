@@ -509,14 +509,24 @@ def test_zero3_prices_its_rows_between_steps_and_what_it_gathers_in_the_step():
     assert b8.parts["non_expert_params"] == b8.parts["expert_params"] == 0
     offloaded, _ = candidates(DEFAULT, 8, 16, policy=StatePolicy("bf16", offload=True))
     assert not [c for c in offloaded if c.zero == 3]  # offload runs zero 0, 1 and 2
-    # the bytes: per microbatch at pp=1 (each block twice); once a step under a pipeline (zero=2's)
+    # the bytes: per microbatch at pp=1 each block twice, but the last block's backward (its
+    # forward's gather kept for it: each microbatch's under 1f1b, the last one's under gpipe); once
+    # a step under a pipeline (zero=2's)
     params = (10**8, 10**9)
 
-    def dp_seconds(zero: int, m: int, pp: int = 1) -> float:
+    def dp_seconds(zero: int, m: int, pp: int = 1, schedule: str = "1f1b") -> float:
         layout = _layout(dp=8 // pp, pp=pp)
-        return predict(DEFAULT, layout, zero, StepOptions("1f1b", m), 64, H100, params).comm["dp"]
+        options = StepOptions(schedule, m)
+        return predict(DEFAULT, layout, zero, options, 64, H100, params).comm["dp"]
 
-    assert dp_seconds(3, 4) > dp_seconds(3, 1) > dp_seconds(2, 1)
+    def extra_gathers(m: int, schedule: str = "1f1b") -> float:  # zero=2's one a step: 1
+        return dp_seconds(3, m, schedule=schedule) - dp_seconds(2, m, schedule=schedule)
+
+    layers = DEFAULT.n_layers
+    one = extra_gathers(1) / ((2 * layers - 1) / layers - 1)  # a whole gather of the stage
+    assert one > 0
+    assert extra_gathers(4) == pytest.approx(one * ((8 * layers - 4) / layers - 1))
+    assert extra_gathers(4, "gpipe") == pytest.approx(one * ((8 * layers - 1) / layers - 1))
     assert dp_seconds(3, 4, pp=2) == dp_seconds(2, 4, pp=2)
     # the step options of a zero=3 layout at pp=1: those it gathers per block under
     options = {r.options.schedule for r in ranked(DEFAULT, [dp8], 16, H100)}

@@ -8,9 +8,9 @@ optimizer's leaves hold each rank's share of the weights (within 5 %: rows cut u
 the rows `titan plan` prices), after an evaluation too. During the step, where each block is
 gathered around its use (pp=1 under gpipe or 1f1b): two blocks whole (the one computing and the
 next one, prefetched) beyond the rest of the stage (embedding, norm, head, kept for the step) and
-the parameters nothing cuts, and no more; every block but each pass's first found in flight, and
-every prefetch used; under activation checkpointing too (the recompute gathers the block, keeps it
-for its backward and prefetches nothing). Under a pipeline
+the parameters nothing cuts, and no more; every block found in flight (prefetched) but the last
+one in the backward, kept from its forward, and every prefetch used; under activation checkpointing
+too (the recompute gathers the block, keeps it for its backward and prefetches nothing). Under a pipeline
 and the other schedules: the whole stage at every forward and every grad accumulation of the step,
 the optimizer's rows views into it. A zero=3 checkpoint resumes at zero=0 under another layout and
 the other way round, and one saved under a pipeline resumes at pp=1, exactly. On 8 ranks: dp2 x pp2 x
@@ -203,12 +203,18 @@ def test_zero3_equals_one_process_and_holds_its_rows(ref, wide_ref, world, tmp_p
             limit = whole + r["rest_bytes"] + r["two_blocks_bytes"]
             assert r["gathered_peak"] == limit, (label, r["coords"], r["gathered_peak"], limit)
             assert r["gathered_peak"] < r["param_bytes"], (label, "every block was whole at once")
-            # each forward and backward gathers its first block at once and prefetches the others
-            # (the recompute none), every prefetch used by its block
+            # each forward prefetches its first block under the embedding and each next one under
+            # the block before; each backward finds its first block (the last) kept from the
+            # forward (gpipe: the last microbatch's only, the others' gathered at their use) and
+            # prefetches the others; every prefetch used (the recompute issues none)
             seen = r["block_gathers"]
             n = r["n_blocks"]
-            assert seen["gathered"] > 0 and seen["wasted"] == 0, (label, r["coords"], seen)
-            assert seen["prefetched"] == (n - 1) * seen["gathered"], (label, r["coords"], seen)
+            backwards = seen["kept"] + seen["gathered"]
+            gpipe = schedule.startswith("gpipe")
+            assert seen["wasted"] == 0 and seen["kept"] > 0, (label, r["coords"], seen)
+            assert seen["gathered"] == (m - 1) * seen["kept"] * gpipe, (label, r["coords"], seen)
+            forwards, left = divmod(seen["prefetched"] - (n - 1) * backwards, n)
+            assert left == 0 and forwards > backwards, (label, r["coords"], seen)  # evaluations
 
 
 def test_zero3_refuses_what_it_does_not_run_with():

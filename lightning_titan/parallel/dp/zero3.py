@@ -19,10 +19,15 @@ choice). True, where one stage runs its microbatches one at a time (pp=1 under g
   block is then kept whole for the backward that reads what the recompute saved.
 - prefetch (FSDP2's): the gather that makes block ``i`` whole in the forward also issues block
   ``i + 1``'s all-gather, not waited (``async_op``), whose pre-hook then only waits for it and copies
-  it out; in the backward, block ``i``'s gather issues block ``i - 1``'s. The next block's
-  collective runs while this one computes. The peak is two blocks whole beyond the rows and the
-  rest: the one computing and the one in flight (its storage filled by the gather). No forward
-  prefetch from activation checkpointing's recompute (the next block's backward is done by then).
+  it out (block 0's is issued by the stage's pre-hook, under the embedding); in the backward, block
+  ``i``'s gather issues block ``i - 1``'s. The next block's collective runs while this one
+  computes. The peak is two blocks whole beyond the rows and the rest: the one computing and the
+  one in flight (its storage filled by the gather). No forward prefetch from activation
+  checkpointing's recompute (the next block's backward is done by then).
+- the last block is kept whole from its forward into its backward, the next thing to read it
+  (torchtitan leaves its last block unresharded for the same reason): its backward gather, which
+  nothing could hide, is saved. Another forward first (gpipe's next microbatch) frees it at its
+  first block, so the peak stays two blocks; its backward then gathers it again.
   A prefetched unit is waited before anything reads its storage or the gather buffer is reused: at
   its own gather, at any other unit's gather (one unit in flight at a time), at its release and at
   ``release_all``.
@@ -113,7 +118,9 @@ class ShardedParams:
         self.pending: tuple[int, list[list[Any]]] | None = None
         # the blocks' gathers from the hooks: found in flight (prefetched) or run there and then;
         # wasted: a prefetch freed (or out of order) before its block used it
-        self.counts = {"prefetched": 0, "gathered": 0, "wasted": 0}
+        self.counts = {"prefetched": 0, "gathered": 0, "kept": 0, "wasted": 0}
+        # the last block, kept whole from its forward into its backward, which comes next
+        self.kept: int | None = None
         self._handles: list[RemovableHandle] = [stage.register_forward_pre_hook(self._pre_stage)]
         for u, block in enumerate(self.blocks if reshard_after_forward else ()):
             self._handles.append(block.register_forward_pre_hook(self._pre_block(u)))
@@ -165,9 +172,14 @@ class ShardedParams:
         if self.sharded and not self.gathered[unit]:
             hit = self.pending is not None and self.pending[0] == unit
             self.counts["prefetched" if hit else "gathered"] += 1
+        elif self.kept == unit:
+            self.counts["kept"] += 1
+            self.kept = None
         self.gather(unit)
 
     def release(self, unit: int) -> None:
+        if self.kept == unit:
+            self.kept = None
         if self.pending is not None and self.pending[0] == unit:
             self._finish_pending()  # the collective writes the storage until waited
             self.counts["wasted"] += 1
@@ -218,12 +230,15 @@ class ShardedParams:
         # a forward outside a step (kept whole: every unit; a no-op once ``gather_for_step`` ran)
         if self.reshard_after_forward:
             self.gather(self.rest)
+            self.prefetch(0)  # under the embedding
         else:
             self.gather_all()
 
     def _pre_block(self, unit: int) -> Any:
         def hook(module: nn.Module, args: tuple) -> tuple | None:
             recompute = self.in_backward[unit]  # the next block's backward is done already
+            if not recompute and self.kept is not None and self.kept != unit:
+                self.release(self.kept)  # another forward came first (gpipe's next microbatch)
             self._use(unit)
             if not recompute:
                 self.prefetch(unit + 1)  # the block whose forward comes next
@@ -240,9 +255,13 @@ class ShardedParams:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if self.in_backward[unit]:  # the recompute: its backward comes next
                 return
-            self.release(unit)
             x = output[0] if isinstance(output, tuple) else output
-            if self.sharded and isinstance(x, Tensor) and x.requires_grad:
+            backward = self.sharded and isinstance(x, Tensor) and x.requires_grad
+            if backward and unit == len(self.blocks) - 1:
+                self.kept = unit  # its backward is the next to read it: not gathered again
+            else:
+                self.release(unit)
+            if backward:
                 x.register_hook(lambda grad: self._backward_starts(unit))
 
         return hook

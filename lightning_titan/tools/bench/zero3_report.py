@@ -108,8 +108,9 @@ def zero3_markdown(zero3: list[dict]) -> list[str]:
         "step (its rows and the blocks gathered, sampled at each block's forward and backward) "
         "at zero=2, zero=3 and under FSDP2; all-gather waited, grad reduction and untraced "
         "(hooks, Python) ms per rank and step, zero=2 -> zero=3, from the recorded steps; rank 0's "
-        "block gathers over the run, found in flight (prefetched), gathered at their use, or "
-        "prefetched and not used (wasted); step "
+        "block gathers over the run, found in flight (prefetched), kept from the forward into "
+        "the backward (the last block), gathered at their use, or prefetched and not used "
+        "(wasted); step "
         f"time of zero=3 against FSDP2 and against zero=2, in the same rounds ({INTERVAL}), and "
         "CPU time per step (all ranks; what other load does not inflate). "
         "FSDP2: torch's fully_shard on each block and the root, reshard_after_forward=True, fp32 "
@@ -118,7 +119,7 @@ def zero3_markdown(zero3: list[dict]) -> list[str]:
         "| ranks | composition | params / grads / optimizer MB zero=0 | zero=3 "
         "| zero=3 / zero=0 params; grads; optimizer (ideal) | within 5% "
         "| FSDP2 params / grads / optimizer MB | param peak MB zero=2 / zero=3 / FSDP2 "
-        "| all-gather + reduce + untraced ms zero=2 -> zero=3 | blocks prefetched / gathered / wasted "
+        "| all-gather + reduce + untraced ms zero=2 -> zero=3 | blocks prefetched / kept / gathered / wasted "
         "| step zero=3 / FSDP2 | <= 1.0x | CPU zero=3 / FSDP2 | step zero=3 / zero=2 | <= 1.15x "
         "| CPU zero=3 / zero=2 |",
         "|---:|---|---|---|---|---|---|---|---|---|---:|---|---:|---:|---|---:|",
@@ -145,7 +146,8 @@ def zero3_markdown(zero3: list[dict]) -> list[str]:
         gathers = z.get("block_gathers")
         blocks = "-"
         if gathers is not None:
-            blocks = " / ".join(str(gathers[k]) for k in ("prefetched", "gathered", "wasted"))
+            kinds = ("prefetched", "kept", "gathered", "wasted")
+            blocks = " / ".join(str(gathers.get(k, 0)) for k in kinds)
         lines.append(
             f"| {z['world']} | {z['case']} | {three(mb[OURS])} | {three(mb[ZERO3])} | {shares} | "
             f"{mark(z['memory_met'])} | {three(mb.get(FSDP2_ZERO3))} | {peaks} | {split} | "
