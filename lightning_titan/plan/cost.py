@@ -63,7 +63,8 @@ from lightning_titan.train.options import zero3_reshards_after_forward
 BUCKET = 25 * 2**20  # the reducer's default bucket_cap_mb
 # (grad reduction, weight all-gather) in units of (n-1)/n * bytes: a ring all-reduce is 2, a
 # reduce-scatter or an all-gather 1; zero=3 gathers once a step where it keeps the stage whole, and
-# each block for its forward and again for its backward, every microbatch, where it does not
+# each block for its forward and again for its backward (the last block's kept), every
+# microbatch, where it does not
 ZERO_FACTOR = {0: (2.0, 0.0), 1: (2.0, 1.0), 2: (1.0, 1.0), 3: (1.0, 1.0)}
 
 
