@@ -355,6 +355,26 @@ MUTATIONS = {
                                     "        kept = m_count if options.schedule == \"1f1b\" else 1\n",
                                     "        kept = m_count\n",
                                     ["tests/cli/test_plan.py", "-k", "zero3"]),
+    # the planner: zero <= 1 priced without the reducer's buckets (a second copy of the grads)
+    "plan_step_grads_no_buckets": ("lightning_titan/plan/memory.py",
+                                   "            itemsize = BYTES if masters else t.itemsize\n",
+                                   "            itemsize = 0\n",
+                                   ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # the planner: zero >= 2 priced as cutting every microbatch's grads into the rows
+    "plan_step_grads_not_accumulated": ("lightning_titan/plan/memory.py",
+                                        "(BF16_BYTES if masters else t.itemsize) if accumulating else 0",
+                                        "0",
+                                        ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # the planner: zero >= 2 under bf16 weights priced as accumulating fp32 grads
+    "plan_step_grads_fp32_accumulated": ("lightning_titan/plan/memory.py",
+                                         "(BF16_BYTES if masters else t.itemsize) if accumulating else 0",
+                                         "(BYTES if masters else t.itemsize) if accumulating else 0",
+                                         ["tests/distributed/test_bf16_master.py"]),
+    # the planner: a grad no group reduces priced as a second copy too
+    "plan_step_grads_trivial_group": ("lightning_titan/plan/memory.py",
+                                      "        if sizes.setdefault(t.kind, group_place(dims, t.kind)[0]) == 1:",
+                                      "        if sizes.setdefault(t.kind, group_place(dims, t.kind)[0]) == 0:",
+                                      ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # the planner: zero=3 at pp=1 priced as one block whole in the step (the prefetched one left out)
     "plan_zero3_no_prefetch": ("lightning_titan/plan/memory.py",
                                "    return rest + sum(sorted(units.values())[-2:])\n",

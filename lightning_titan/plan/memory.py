@@ -304,6 +304,59 @@ def layout_state(
     ]
 
 
+def step_grad_bytes(
+    config: ModelConfig,
+    dims: ParallelDims,
+    zero: int,
+    accumulating: bool,
+    split: StageSplit | None = None,
+    lora: LoRA | None = None,
+    param_dtype: str = "fp32",
+) -> int:
+    """The grads a step holds on rank ``dims.rank`` beyond ``rank_state``'s, of the parameters
+    whose grad group has more than one rank (the others' grads stay whole in the state). zero <= 1:
+    the reducer's flat buckets, a second whole copy of them (``parallel/dp/reducer.py``; fp32
+    under bf16 weights). zero >= 2, ``accumulating`` (several microbatches a step): the whole grads
+    the backwards before the last accumulate on the parameters, in the weights' dtype (the reducer
+    cuts them into the rows only in the last one, ``Engine.no_sync``)."""
+    masters = param_dtype != "fp32"
+    sizes: dict[str, int] = {}  # each grad kind's group, found once
+    total = 0
+    for t in stage_tensors(config, dims.pp, dims.pp_rank, split, lora):
+        if not t.trained:
+            continue
+        if sizes.setdefault(t.kind, group_place(dims, t.kind)[0]) == 1:
+            continue  # no group to reduce over: its grad, whole, is the state's
+        if zero >= 2:
+            itemsize = (BF16_BYTES if masters else t.itemsize) if accumulating else 0
+        else:
+            itemsize = BYTES if masters else t.itemsize
+        total += itemsize * math.prod(local_shape(t, dims))
+    return total
+
+
+def fullest_step_grad_bytes(
+    config: ModelConfig,
+    degrees: dict[str, int],
+    zero: int,
+    accumulating: bool,
+    lora: LoRA | None = None,
+    stage_layers: tuple[int, ...] | None = None,
+    param_dtype: str = "fp32",
+    fold_ep: bool = False,
+) -> int:
+    """``step_grad_bytes`` on the stage that holds the most (the first rank of each)."""
+    dims = ParallelDims(**degrees, fold_ep=fold_ep)
+    split = StageSplit(1, stage_layers)
+    return max(
+        step_grad_bytes(
+            config, ParallelDims(**degrees, rank=dims.rank_of(0, p, 0), fold_ep=fold_ep), zero,
+            accumulating, split, lora, param_dtype,
+        )
+        for p in range(dims.pp)
+    )  # fmt: skip
+
+
 def fullest_state(
     config: ModelConfig,
     degrees: dict[str, int],

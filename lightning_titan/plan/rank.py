@@ -28,7 +28,7 @@ from lightning_titan.plan.activations import peak_bytes, weight_copy_bytes
 from lightning_titan.plan.cost import StepCost, StepOptions, fold_terms, predict, virtual_split
 from lightning_titan.plan.devices import Device
 from lightning_titan.plan.layouts import Candidate, divisors
-from lightning_titan.plan.memory import trained_params
+from lightning_titan.plan.memory import fullest_step_grad_bytes, trained_params
 from lightning_titan.plan.precision import FP32, Precision
 from lightning_titan.train.options import (
     TrainOptions,
@@ -49,10 +49,13 @@ class Ranked:
     options: StepOptions
     cost: StepCost
     activation_bytes: float  # the fullest stage's peak (plan/activations.py)
+    # the grads a step holds beyond the state: zero <= 1 the reducer's buckets, zero >= 2 what its
+    # microbatches accumulate whole (plan/memory.py fullest_step_grad_bytes)
+    step_grad_bytes: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
-        return self.candidate.state_bytes + self.activation_bytes
+        return self.candidate.state_bytes + self.activation_bytes + self.step_grad_bytes
 
     @property
     def label(self) -> str:
@@ -152,6 +155,7 @@ class _Prices:
         self._options: dict[tuple, list[StepOptions]] = {}
         self._copies: dict[tuple[int, ...], tuple[float, float, float]] = {}
         self._peaks: dict[tuple, float] = {}
+        self._step_grads: dict[tuple, float] = {}
 
     def options(self, c: Candidate) -> list[StepOptions]:
         degrees = c.degrees
@@ -206,14 +210,27 @@ class _Prices:
             offload=c.policy.offload, fold_ep=c.fold_ep,
         )  # fmt: skip
 
+    def step_grads(self, c: Candidate, options: StepOptions) -> float:
+        """``memory.fullest_step_grad_bytes`` of ``c`` under ``options``: the reducer's buckets (zero <= 1),
+        or the grads its microbatches accumulate whole (zero >= 2, several a step)."""
+        accumulating = options.microbatches > 1
+        key = (*c.degrees.values(), c.zero, c.fold_ep, c.stage_layers, c.policy, accumulating)
+        if key not in self._step_grads:
+            self._step_grads[key] = fullest_step_grad_bytes(
+                self.config, c.degrees, c.zero, accumulating, self.lora, c.stage_layers,
+                c.policy.param_dtype, c.fold_ep,
+            )  # fmt: skip
+        return self._step_grads[key]
+
     def rows(self, c: Candidate, fitting: bool = True) -> list[Ranked]:
         """``c`` with each step option (``fitting``: those whose memory fits the device)."""
         out = []
         for options in self.options(c):
             activations = self.activations(c, options)
-            if fitting and c.state_bytes + activations > self.device.memory:
+            grads = self.step_grads(c, options)
+            if fitting and c.state_bytes + activations + grads > self.device.memory:
                 continue
-            out.append(Ranked(c, options, self.predict(c, options), activations))
+            out.append(Ranked(c, options, self.predict(c, options), activations, grads))
         return out
 
     def lower_bound(self, c: Candidate) -> float:

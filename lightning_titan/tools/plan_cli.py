@@ -412,7 +412,7 @@ def only_rows(
             f"{name}: fastest {_ms(fastest.cost.step)} ms per step (zero={fastest.candidate.zero} "
             f"{fastest.options_label}{_split(fastest)}), {fastest.memory_bytes / GB:.2f} GB of "
             f"{device.memory / GB:.2f} GB (state {fastest.candidate.state_bytes / GB:.2f} + "
-            f"activations {fastest.activation_bytes / GB:.2f})"
+            f"activations {fastest.activation_bytes / GB:.2f}{_step_grads(fastest)})"
         )
         if fastest.memory_bytes > device.memory:
             line += ": does not fit; " + (
@@ -541,11 +541,20 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
     return rows
 
 
+def _step_grads(r: Ranked) -> str:
+    if not r.step_grad_bytes:
+        return ""
+    what = "reducer buckets" if r.candidate.zero < 2 else "grads its microbatches accumulate"
+    return f" + {what} {r.step_grad_bytes / GB:.2f}"
+
+
 def _footer(precision: Precision) -> None:
     print(
-        "(ms per step; comm columns are the collectives' exposed time; of memory: model state and "
-        "peak activations of the fullest rank; zero=3's state adds the weights it gathers in the "
-        f"step to its parts, which are between steps; priced as {precision.label()})"
+        "(ms per step; comm columns are the collectives' exposed time; of memory: model state, "
+        "peak activations and the step's grads beyond the state (zero <= 1: the reducer's "
+        "buckets, a second copy; zero >= 2 over several microbatches: the whole grads they "
+        "accumulate) of the fullest rank; zero=3's state adds the weights it gathers in the step "
+        f"to its parts, which are between steps; priced as {precision.label()})"
     )
 
 

@@ -45,7 +45,7 @@ from torch import nn
 from lightning_titan.parallel.dp.clipping import clip_grad_norm_
 from lightning_titan.parallel.dp.offload import HostOptimizer
 from lightning_titan.parallel.mesh import ParallelDims, ProcessGroups
-from lightning_titan.plan.memory import gathered_bytes, rank_state
+from lightning_titan.plan.memory import gathered_bytes, rank_state, step_grad_bytes
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.engine import Engine
 from lightning_titan.train.options import TrainOptions, zero3_reshards_after_forward
@@ -179,8 +179,14 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
         for rank, r in enumerate(per_rank):
             assert_close_to(ref, r[i], f"{layout} {schedule}")
             # the planner's state model prices bf16 weights as the step held them
-            predicted = rank_state(CONFIG, ParallelDims(*layout, rank), zero, param_dtype="bf16")
+            dims = ParallelDims(*layout, rank)
+            predicted = rank_state(CONFIG, dims, zero, param_dtype="bf16")
             assert predicted == r[i]["state"], (layout, schedule, rank, predicted, r[i]["state"])
+            # and the grads the step holds beyond it (fp32 buckets; bf16 grads accumulated)
+            m = LAYOUTS[i][2]
+            step_grads = step_grad_bytes(CONFIG, dims, zero, m > 1, param_dtype="bf16")
+            held = r[i]["bucket_bytes"] if zero < 2 else r[i]["accumulated_bytes"]
+            assert step_grads == held, (layout, schedule, rank, step_grads, held)
     offloaded = len(LAYOUTS) + len(CHECKPOINTS)
     check_offload(per_rank, offloaded, ref)
     chains = (

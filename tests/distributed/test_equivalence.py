@@ -51,7 +51,7 @@ from engine_harness import (
 
 from lightning_titan.parallel.mesh import ParallelDims
 from lightning_titan.parallel.pipeline.schedules import OVERLAPPED
-from lightning_titan.plan.memory import rank_state
+from lightning_titan.plan.memory import rank_state, step_grad_bytes
 from lightning_titan.runtime.launch import run_on_ranks
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -482,6 +482,11 @@ def test_every_layout_equals_one_process(
             dims = ParallelDims(*layout[:3], rank, *layout[3:], fold_ep=folded)
             predicted = rank_state(config[0] if config else CONFIG, dims, zero, r["split"])
             assert predicted == r["state"], (layout, schedule, rank, predicted, r["state"])
+            # and the grads the step holds beyond it: the reducers' buckets at zero <= 1, the
+            # microbatches' whole grads at zero=2
+            step_grads = step_grad_bytes(config[0] if config else CONFIG, dims, zero, m > 1, r["split"])
+            held = r["bucket_bytes"] if zero < 2 else r["accumulated_bytes"]
+            assert step_grads == held, (layout, schedule, rank, step_grads, held)
         # AdamW keeps two moments per weight; zero>0 leaves each rank its share of them (within 5%:
         # rows cut unevenly), zero=2 likewise of the grads it holds at the step and after it (whole
         # at zero<2; the buckets' padding and flags are the rest)

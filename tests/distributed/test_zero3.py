@@ -35,7 +35,7 @@ from engine_harness import (
 
 from lightning_titan.parallel.dp.zero import ZeroShards
 from lightning_titan.parallel.mesh import ParallelDims
-from lightning_titan.plan.memory import gathered_bytes, rank_state
+from lightning_titan.plan.memory import gathered_bytes, rank_state, step_grad_bytes
 from lightning_titan.runtime.launch import run_on_ranks
 from lightning_titan.train.options import (
     TrainOptions,
@@ -179,6 +179,8 @@ def test_zero3_equals_one_process_and_holds_its_rows(ref, wide_ref, world, tmp_p
             state = rank_state(model_config, dims, 3, r["split"])
             gathered = gathered_bytes(model_config, dims, r["split"], None, per_block)
             assert state["expert_params"] + state["non_expert_params"] == r["held_param_bytes"]
+            step_grads = step_grad_bytes(model_config, dims, 3, m > 1, r["split"])
+            assert step_grads == r["accumulated_bytes"], (label, rank, step_grads)
             in_step = r["rest_bytes"] + r["two_blocks_bytes"] if per_block else r["param_bytes"]
             assert gathered + (0 if per_block else r["held_param_bytes"]) == in_step, label
             assert r["whole_after_remove"], (label, r["coords"], "the model is not whole after it")

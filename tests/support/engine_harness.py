@@ -272,10 +272,18 @@ def train(
     measured = {
         "grad_bytes": 0, "state": None, "held_param_bytes": 0, "gathered_peak": 0,
         "gathered_low": None, "with_leaves_peak": 0, "device_masters_at_step": None,
+        "bucket_bytes": 0, "accumulated_bytes": 0,
     }  # fmt: skip
 
     def before_update(*_) -> None:
         measured["grad_bytes"] = held_grad_bytes(model, optimizer)
+        # zero <= 1: the reducers' flat buckets, a second copy of the grads (their flags left out)
+        measured["bucket_bytes"] = sum(
+            b.numel * b.buffer.element_size()
+            for r in engine.reducers
+            for b in r._buckets
+            if b.buffer is not None
+        )
         # between steps (the grads reduced, zero=3's blocks freed): the parameters' bytes held
         measured["held_param_bytes"] = held_param_bytes(model, optimizer)
         if engine.offload is not None:  # the device masters are freed while the host steps
@@ -289,6 +297,15 @@ def train(
     optimizer.register_step_pre_hook(before_update)
     optimizer.register_step_post_hook(after_update)
     watch_gathered(model, optimizer, measured)
+
+    def accumulated(*_) -> None:  # the grads on the parameters, at each one's accumulation (after
+        # the reducers' hooks: zero=2 takes a grad of the step's last backward into its bucket)
+        held = sum(p.grad.nbytes for p in reduced if p.grad is not None)
+        measured["accumulated_bytes"] = max(measured["accumulated_bytes"], held)
+
+    reduced = [p for r in engine.reducers if not r._trivial for p in r.params]
+    for p in trained:  # a grad no group reduces stays whole: the state's
+        p.register_post_accumulate_grad_hook(accumulated)
     b = batch // dims.data_world
     handovers = overlap.handovers()
     losses, auxes, norms, dropped = [], [], [], []
@@ -385,6 +402,9 @@ def train(
         "state_numel": sum(v.numel() for v in moments),
         "state": measured["state"],
         "grad_bytes": measured["grad_bytes"],
+        # what `titan plan` adds to the state for the step's grads (plan/memory.py step_grad_bytes)
+        "bucket_bytes": measured["bucket_bytes"],
+        "accumulated_bytes": measured["accumulated_bytes"],
         "param_bytes": param_bytes,
         "master_bytes": master_bytes,
         "moment_bytes": moment_bytes,
