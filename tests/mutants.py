@@ -355,26 +355,36 @@ MUTATIONS = {
                                     "        kept = m_count if options.schedule == \"1f1b\" else 1\n",
                                     "        kept = m_count\n",
                                     ["tests/cli/test_plan.py", "-k", "zero3"]),
-    # the planner: zero <= 1 priced without the reducer's buckets (a second copy of the grads)
-    "plan_step_grads_no_buckets": ("lightning_titan/plan/memory.py",
-                                   "            itemsize = BYTES if masters else t.itemsize\n",
-                                   "            itemsize = 0\n",
-                                   ["tests/distributed/test_equivalence.py", "-k", "2"]),
-    # the planner: zero >= 2 priced as cutting every microbatch's grads into the rows
+    # the planner: every microbatch's grads priced as cut into the rows (or the buckets) at once
     "plan_step_grads_not_accumulated": ("lightning_titan/plan/memory.py",
-                                        "(BF16_BYTES if masters else t.itemsize) if accumulating else 0",
-                                        "0",
+                                        "    if not accumulating:\n        return 0\n",
+                                        "    return 0\n",
                                         ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
-    # the planner: zero >= 2 under bf16 weights priced as accumulating fp32 grads
+    # the planner: a step of one microbatch priced as accumulating its grads whole
+    "plan_step_grads_one_microbatch": ("lightning_titan/plan/memory.py",
+                                       "    if not accumulating:\n        return 0\n",
+                                       "",
+                                       ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # the planner: bf16 weights priced as accumulating fp32 grads
     "plan_step_grads_fp32_accumulated": ("lightning_titan/plan/memory.py",
-                                         "(BF16_BYTES if masters else t.itemsize) if accumulating else 0",
-                                         "(BYTES if masters else t.itemsize) if accumulating else 0",
+                                         "            total += (BF16_BYTES if masters else t.itemsize)",
+                                         "            total += (BYTES if masters else t.itemsize)",
                                          ["tests/distributed/test_bf16_master.py"]),
-    # the planner: a grad no group reduces priced as a second copy too
+    # the planner: a grad no group reduces priced as accumulated beside the state's
     "plan_step_grads_trivial_group": ("lightning_titan/plan/memory.py",
-                                      "        if sizes.setdefault(t.kind, group_place(dims, t.kind)[0]) == 1:",
-                                      "        if sizes.setdefault(t.kind, group_place(dims, t.kind)[0]) == 0:",
+                                      "group_place(dims, t.kind)[0]) > 1:",
+                                      "group_place(dims, t.kind)[0]) > 0:",
                                       ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # zero <= 1: the reduced grads copied out of the buckets (a second copy of the step's grads)
+    "reducer_grads_copied_out": ("lightning_titan/parallel/dp/reducer.py",
+                                 "            p.grad = None if flags[slot] == 0 else self._slice(bucket, slot)",
+                                 "            p.grad = None if flags[slot] == 0 else self._slice(bucket, slot).clone()",
+                                 ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # zero <= 1: a grad kept on its parameter once its bucket has taken it
+    "reducer_grad_kept_after_fill": ("lightning_titan/parallel/dp/reducer.py",
+                                     "                param.grad = None  # the bucket holds it now; the reduced grad",
+                                     "                pass  # the bucket holds it now; the reduced grad",
+                                     ["tests/distributed/test_equivalence.py", "-k", "2"]),
     # the planner: zero=3 at pp=1 priced as one block whole in the step (the prefetched one left out)
     "plan_zero3_no_prefetch": ("lightning_titan/plan/memory.py",
                                "    return rest + sum(sorted(units.values())[-2:])\n",

@@ -307,38 +307,31 @@ def layout_state(
 def step_grad_bytes(
     config: ModelConfig,
     dims: ParallelDims,
-    zero: int,
     accumulating: bool,
     split: StageSplit | None = None,
     lora: LoRA | None = None,
     param_dtype: str = "fp32",
 ) -> int:
-    """The grads a step holds on rank ``dims.rank`` beyond ``rank_state``'s, of the parameters
-    whose grad group has more than one rank (the others' grads stay whole in the state). zero <= 1:
-    the reducer's flat buckets, a second whole copy of them (``parallel/dp/reducer.py``; fp32
-    under bf16 weights). zero >= 2, ``accumulating`` (several microbatches a step): the whole grads
-    the backwards before the last accumulate on the parameters, in the weights' dtype (the reducer
-    cuts them into the rows only in the last one, ``Engine.no_sync``)."""
+    """The grads a step holds on rank ``dims.rank`` beyond ``rank_state``'s: over several
+    microbatches (``accumulating``), the whole grads the backwards before the last accumulate on
+    the parameters, in the weights' dtype, beside what the reducer keeps (zero <= 1: its flat
+    buckets, which the reduced grads are views of; zero >= 2: the rows), which it fills only in
+    the last backward (``Engine.no_sync``). A grad no group reduces is the state's whole grad
+    itself. One microbatch: each grad goes into its bucket as it is made, nothing beyond."""
+    if not accumulating:
+        return 0
     masters = param_dtype != "fp32"
     sizes: dict[str, int] = {}  # each grad kind's group, found once
     total = 0
     for t in stage_tensors(config, dims.pp, dims.pp_rank, split, lora):
-        if not t.trained:
-            continue
-        if sizes.setdefault(t.kind, group_place(dims, t.kind)[0]) == 1:
-            continue  # no group to reduce over: its grad, whole, is the state's
-        if zero >= 2:
-            itemsize = (BF16_BYTES if masters else t.itemsize) if accumulating else 0
-        else:
-            itemsize = BYTES if masters else t.itemsize
-        total += itemsize * math.prod(local_shape(t, dims))
+        if t.trained and sizes.setdefault(t.kind, group_place(dims, t.kind)[0]) > 1:
+            total += (BF16_BYTES if masters else t.itemsize) * math.prod(local_shape(t, dims))
     return total
 
 
 def fullest_step_grad_bytes(
     config: ModelConfig,
     degrees: dict[str, int],
-    zero: int,
     accumulating: bool,
     lora: LoRA | None = None,
     stage_layers: tuple[int, ...] | None = None,
@@ -350,7 +343,7 @@ def fullest_step_grad_bytes(
     split = StageSplit(1, stage_layers)
     return max(
         step_grad_bytes(
-            config, ParallelDims(**degrees, rank=dims.rank_of(0, p, 0), fold_ep=fold_ep), zero,
+            config, ParallelDims(**degrees, rank=dims.rank_of(0, p, 0), fold_ep=fold_ep),
             accumulating, split, lora, param_dtype,
         )
         for p in range(dims.pp)

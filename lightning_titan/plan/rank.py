@@ -49,8 +49,8 @@ class Ranked:
     options: StepOptions
     cost: StepCost
     activation_bytes: float  # the fullest stage's peak (plan/activations.py)
-    # the grads a step holds beyond the state: zero <= 1 the reducer's buckets, zero >= 2 what its
-    # microbatches accumulate whole (plan/memory.py fullest_step_grad_bytes)
+    # the grads a step holds beyond the state: what its microbatches accumulate whole before the
+    # last backward (plan/memory.py fullest_step_grad_bytes)
     step_grad_bytes: float = 0.0
 
     @property
@@ -211,13 +211,13 @@ class _Prices:
         )  # fmt: skip
 
     def step_grads(self, c: Candidate, options: StepOptions) -> float:
-        """``memory.fullest_step_grad_bytes`` of ``c`` under ``options``: the reducer's buckets (zero <= 1),
-        or the grads its microbatches accumulate whole (zero >= 2, several a step)."""
+        """``memory.fullest_step_grad_bytes`` of ``c`` under ``options``: the whole grads its
+        microbatches accumulate (several a step)."""
         accumulating = options.microbatches > 1
-        key = (*c.degrees.values(), c.zero, c.fold_ep, c.stage_layers, c.policy, accumulating)
+        key = (*c.degrees.values(), c.fold_ep, c.stage_layers, c.policy.param_dtype, accumulating)
         if key not in self._step_grads:
             self._step_grads[key] = fullest_step_grad_bytes(
-                self.config, c.degrees, c.zero, accumulating, self.lora, c.stage_layers,
+                self.config, c.degrees, accumulating, self.lora, c.stage_layers,
                 c.policy.param_dtype, c.fold_ep,
             )  # fmt: skip
         return self._step_grads[key]

@@ -544,17 +544,16 @@ def main(argv: list[str] | None = None) -> list[Ranked]:
 def _step_grads(r: Ranked) -> str:
     if not r.step_grad_bytes:
         return ""
-    what = "reducer buckets" if r.candidate.zero < 2 else "grads its microbatches accumulate"
-    return f" + {what} {r.step_grad_bytes / GB:.2f}"
+    return f" + grads its microbatches accumulate {r.step_grad_bytes / GB:.2f}"
 
 
 def _footer(precision: Precision) -> None:
     print(
         "(ms per step; comm columns are the collectives' exposed time; of memory: model state, "
-        "peak activations and the step's grads beyond the state (zero <= 1: the reducer's "
-        "buckets, a second copy; zero >= 2 over several microbatches: the whole grads they "
-        "accumulate) of the fullest rank; zero=3's state adds the weights it gathers in the step "
-        f"to its parts, which are between steps; priced as {precision.label()})"
+        "peak activations and, over several microbatches, the whole grads they accumulate "
+        "before the last backward's reduction, of the fullest rank; zero=3's state adds the "
+        "weights it gathers in the step to its parts, which are between steps; priced as "
+        f"{precision.label()})"
     )
 
 

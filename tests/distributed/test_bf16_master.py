@@ -182,10 +182,10 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
             dims = ParallelDims(*layout, rank)
             predicted = rank_state(CONFIG, dims, zero, param_dtype="bf16")
             assert predicted == r[i]["state"], (layout, schedule, rank, predicted, r[i]["state"])
-            # and the grads the step holds beyond it (fp32 buckets; bf16 grads accumulated)
+            # and the grads the step holds beyond it (bf16 grads accumulated)
             m = LAYOUTS[i][2]
-            step_grads = step_grad_bytes(CONFIG, dims, zero, m > 1, param_dtype="bf16")
-            held = r[i]["bucket_bytes"] if zero < 2 else r[i]["accumulated_bytes"]
+            step_grads = step_grad_bytes(CONFIG, dims, m > 1, param_dtype="bf16")
+            held = r[i]["accumulated_bytes"]
             assert step_grads == held, (layout, schedule, rank, step_grads, held)
     offloaded = len(LAYOUTS) + len(CHECKPOINTS)
     check_offload(per_rank, offloaded, ref)

@@ -482,10 +482,9 @@ def test_every_layout_equals_one_process(
             dims = ParallelDims(*layout[:3], rank, *layout[3:], fold_ep=folded)
             predicted = rank_state(config[0] if config else CONFIG, dims, zero, r["split"])
             assert predicted == r["state"], (layout, schedule, rank, predicted, r["state"])
-            # and the grads the step holds beyond it: the reducers' buckets at zero <= 1, the
-            # microbatches' whole grads at zero=2
-            step_grads = step_grad_bytes(config[0] if config else CONFIG, dims, zero, m > 1, r["split"])
-            held = r["bucket_bytes"] if zero < 2 else r["accumulated_bytes"]
+            # and the grads the step holds beyond it: the microbatches' whole grads, accumulated
+            step_grads = step_grad_bytes(config[0] if config else CONFIG, dims, m > 1, r["split"])
+            held = r["accumulated_bytes"]
             assert step_grads == held, (layout, schedule, rank, step_grads, held)
         # AdamW keeps two moments per weight; zero>0 leaves each rank its share of them (within 5%:
         # rows cut unevenly), zero=2 likewise of the grads it holds at the step and after it (whole
@@ -498,8 +497,11 @@ def test_every_layout_equals_one_process(
             grads = r["grad_bytes"] / r["param_bytes"]
             if "zero2" in schedule:
                 ok = abs(grads / share - 1) <= 0.05
-            else:  # zero=1 with dense leaves (fused AdamW): their grads copy the strided rows
-                ok = grads == 1.0 + r["dense_bytes"] / r["param_bytes"]
+            else:  # zero=1 with dense leaves (fused AdamW): their grads copy the strided rows;
+                # the grads are views into the reducer's buckets, whose flags (one a parameter
+                # and two) sit beside them in the storage
+                extra = grads - (1.0 + r["dense_bytes"] / r["param_bytes"])
+                ok = 0 <= extra < 0.005
             assert (r["dense_bytes"] > 0) == ("adamw=fused" in schedule), (layout, schedule)
             assert ok, (layout, schedule, r["coords"], grads, share)
 

@@ -6,6 +6,7 @@ Used by the equivalence tests: every layout must reproduce the single-process ru
 from __future__ import annotations
 
 from dataclasses import asdict, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -272,18 +273,11 @@ def train(
     measured = {
         "grad_bytes": 0, "state": None, "held_param_bytes": 0, "gathered_peak": 0,
         "gathered_low": None, "with_leaves_peak": 0, "device_masters_at_step": None,
-        "bucket_bytes": 0, "accumulated_bytes": 0,
+        "accumulated_bytes": 0,
     }  # fmt: skip
 
     def before_update(*_) -> None:
-        measured["grad_bytes"] = held_grad_bytes(model, optimizer)
-        # zero <= 1: the reducers' flat buckets, a second copy of the grads (their flags left out)
-        measured["bucket_bytes"] = sum(
-            b.numel * b.buffer.element_size()
-            for r in engine.reducers
-            for b in r._buckets
-            if b.buffer is not None
-        )
+        measured["grad_bytes"] = held_grad_bytes(model, optimizer, engine)
         # between steps (the grads reduced, zero=3's blocks freed): the parameters' bytes held
         measured["held_param_bytes"] = held_param_bytes(model, optimizer)
         if engine.offload is not None:  # the device masters are freed while the host steps
@@ -291,7 +285,7 @@ def train(
             measured["device_masters_at_step"] = max(measured["device_masters_at_step"] or 0, held)
 
     def after_update(*_) -> None:
-        measured["grad_bytes"] = max(measured["grad_bytes"], held_grad_bytes(model, optimizer))
+        measured["grad_bytes"] = max(measured["grad_bytes"], held_grad_bytes(model, optimizer, engine))
         measured["state"] = state_bytes(model, optimizer, engine)
 
     optimizer.register_step_pre_hook(before_update)
@@ -299,7 +293,7 @@ def train(
     watch_gathered(model, optimizer, measured)
 
     def accumulated(*_) -> None:  # the grads on the parameters, at each one's accumulation (after
-        # the reducers' hooks: zero=2 takes a grad of the step's last backward into its bucket)
+        # the reducers' hooks, which take a grad of the step's last backward into its bucket)
         held = sum(p.grad.nbytes for p in reduced if p.grad is not None)
         measured["accumulated_bytes"] = max(measured["accumulated_bytes"], held)
 
@@ -403,7 +397,6 @@ def train(
         "state": measured["state"],
         "grad_bytes": measured["grad_bytes"],
         # what `titan plan` adds to the state for the step's grads (plan/memory.py step_grad_bytes)
-        "bucket_bytes": measured["bucket_bytes"],
         "accumulated_bytes": measured["accumulated_bytes"],
         "param_bytes": param_bytes,
         "master_bytes": master_bytes,
@@ -525,15 +518,17 @@ def watch_gathered(model: StageModel, optimizer: torch.optim.Optimizer, measured
             p.register_post_accumulate_grad_hook(look)
 
 
-def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Any) -> int:
     """Bytes of every distinct storage that a grad this rank holds lives in: the model's grads, the
-    optimizer's (ZeRO shards) and, as the shard grads are views into it, a storage counted once."""
+    optimizer's (ZeRO shards) and, as the shard grads are views into it, a storage counted once;
+    and the reducers' buckets (zero <= 1: the reduced grads are views of them)."""
     tensors = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]]
+    grads = [t.grad for t in tensors if t.grad is not None]
+    buffers = [b.buffer for r in engine.reducers for b in r._buckets if b.buffer is not None]
     storages = {}
-    for t in tensors:
-        if t.grad is not None:
-            storage = t.grad.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+    for t in grads + buffers:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 

@@ -228,6 +228,7 @@ class GradReducer:
                 bucket.buffer[flag : flag + 1].fill_(0.0)
             else:
                 view.copy_(param.grad)
+                param.grad = None  # the bucket holds it now; the reduced grad comes back a view
         elif param.grad is None:
             param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
         elif not param.grad.is_contiguous():
@@ -339,16 +340,10 @@ class GradReducer:
         # one device-to-host read per bucket (each is a stream sync on CUDA)
         flags = bucket.buffer[bucket.numel :].tolist()
         for slot, param in enumerate(bucket.params):
-            reduced = self._slice(bucket, slot)
-            p = self._holder(param)
-            if p is not param:
-                param.grad = None  # the bf16 grad is in the bucket now; the master takes the sum
-            if flags[slot] == 0:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = reduced.clone()
-            else:
-                p.grad.copy_(reduced)
+            # a view of the bucket, not a copy (DDP's gradient_as_bucket_view): one copy of the
+            # grads a step, which the next step's fill overwrites once the optimizer has read it
+            p = self._holder(param)  # bf16 weights: the master takes the fp32 sum
+            p.grad = None if flags[slot] == 0 else self._slice(bucket, slot)
         return flags[-2:]
 
     def _holder(self, param: nn.Parameter) -> nn.Parameter:
