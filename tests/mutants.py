@@ -355,16 +355,31 @@ MUTATIONS = {
                                     "        kept = m_count if options.schedule == \"1f1b\" else 1\n",
                                     "        kept = m_count\n",
                                     ["tests/cli/test_plan.py", "-k", "zero3"]),
-    # the planner: every microbatch's grads priced as cut into the rows (or the buckets) at once
+    # the planner: zero >= 2 priced as cutting every microbatch's grads into the rows at once
     "plan_step_grads_not_accumulated": ("lightning_titan/plan/memory.py",
-                                        "    if not accumulating:\n        return 0\n",
+                                        "    if zero < 2 or not accumulating:\n        return 0\n",
                                         "    return 0\n",
                                         ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
     # the planner: a step of one microbatch priced as accumulating its grads whole
     "plan_step_grads_one_microbatch": ("lightning_titan/plan/memory.py",
-                                       "    if not accumulating:\n        return 0\n",
-                                       "",
-                                       ["tests/distributed/test_equivalence.py", "-k", "2"]),
+                                       "    if zero < 2 or not accumulating:\n        return 0\n",
+                                       "    if zero < 2:\n        return 0\n",
+                                       ["tests/distributed/test_zero3.py", "-k", "equals and 2"]),
+    # the planner: zero <= 1 priced as accumulating whole grads beside its buckets
+    "plan_step_grads_zero1_accumulated": ("lightning_titan/plan/memory.py",
+                                          "    if zero < 2 or not accumulating:\n        return 0\n",
+                                          "    if not accumulating:\n        return 0\n",
+                                          ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # zero <= 1: the backwards under no_sync() accumulate on the parameters (a second copy)
+    "reducer_no_sums_in_buckets": ("lightning_titan/parallel/dp/reducer.py",
+                                   "                if self.sums_in_buckets and bucket.buffer is not None:",
+                                   "                if False:",
+                                   ["tests/distributed/test_equivalence.py", "-k", "2"]),
+    # zero <= 1: the last backward's grad left out of the bucket's sum
+    "reducer_sum_without_last": ("lightning_titan/parallel/dp/reducer.py",
+                                 "                self._slice(bucket, slot).add_(param.grad)\n",
+                                 "                pass\n",
+                                 ["tests/distributed/test_equivalence.py", "-k", "2"]),
     # the planner: bf16 weights priced as accumulating fp32 grads
     "plan_step_grads_fp32_accumulated": ("lightning_titan/plan/memory.py",
                                          "            total += (BF16_BYTES if masters else t.itemsize)",

@@ -307,18 +307,20 @@ def layout_state(
 def step_grad_bytes(
     config: ModelConfig,
     dims: ParallelDims,
+    zero: int,
     accumulating: bool,
     split: StageSplit | None = None,
     lora: LoRA | None = None,
     param_dtype: str = "fp32",
 ) -> int:
-    """The grads a step holds on rank ``dims.rank`` beyond ``rank_state``'s: over several
-    microbatches (``accumulating``), the whole grads the backwards before the last accumulate on
-    the parameters, in the weights' dtype, beside what the reducer keeps (zero <= 1: its flat
-    buckets, which the reduced grads are views of; zero >= 2: the rows), which it fills only in
-    the last backward (``Engine.no_sync``). A grad no group reduces is the state's whole grad
-    itself. One microbatch: each grad goes into its bucket as it is made, nothing beyond."""
-    if not accumulating:
+    """The grads a step holds on rank ``dims.rank`` beyond ``rank_state``'s: at zero >= 2 over
+    several microbatches (``accumulating``), the whole grads the backwards before the last
+    accumulate on the parameters, in the weights' dtype, beside the rows; the reducer makes a
+    bucket's input only in the last backward (``parallel/dp/zero_grads.py``). A grad no group
+    reduces is the state's whole grad itself. zero <= 1 sums every backward's grads into its
+    buckets, which are the state's grads (the reduced grads are views of them); one microbatch:
+    each grad goes into its bucket as it is made, nothing beyond."""
+    if zero < 2 or not accumulating:
         return 0
     masters = param_dtype != "fp32"
     sizes: dict[str, int] = {}  # each grad kind's group, found once
@@ -332,6 +334,7 @@ def step_grad_bytes(
 def fullest_step_grad_bytes(
     config: ModelConfig,
     degrees: dict[str, int],
+    zero: int,
     accumulating: bool,
     lora: LoRA | None = None,
     stage_layers: tuple[int, ...] | None = None,
@@ -343,7 +346,7 @@ def fullest_step_grad_bytes(
     split = StageSplit(1, stage_layers)
     return max(
         step_grad_bytes(
-            config, ParallelDims(**degrees, rank=dims.rank_of(0, p, 0), fold_ep=fold_ep),
+            config, ParallelDims(**degrees, rank=dims.rank_of(0, p, 0), fold_ep=fold_ep), zero,
             accumulating, split, lora, param_dtype,
         )
         for p in range(dims.pp)

@@ -49,8 +49,8 @@ class Ranked:
     options: StepOptions
     cost: StepCost
     activation_bytes: float  # the fullest stage's peak (plan/activations.py)
-    # the grads a step holds beyond the state: what its microbatches accumulate whole before the
-    # last backward (plan/memory.py fullest_step_grad_bytes)
+    # the grads a step holds beyond the state: at zero >= 2 what its microbatches accumulate whole
+    # before the last backward (plan/memory.py fullest_step_grad_bytes)
     step_grad_bytes: float = 0.0
 
     @property
@@ -212,12 +212,12 @@ class _Prices:
 
     def step_grads(self, c: Candidate, options: StepOptions) -> float:
         """``memory.fullest_step_grad_bytes`` of ``c`` under ``options``: the whole grads its
-        microbatches accumulate (several a step)."""
-        accumulating = options.microbatches > 1
+        microbatches accumulate (zero >= 2, several a step)."""
+        accumulating = options.microbatches > 1 and c.zero >= 2
         key = (*c.degrees.values(), c.fold_ep, c.stage_layers, c.policy.param_dtype, accumulating)
         if key not in self._step_grads:
             self._step_grads[key] = fullest_step_grad_bytes(
-                self.config, c.degrees, accumulating, self.lora, c.stage_layers,
+                self.config, c.degrees, c.zero, accumulating, self.lora, c.stage_layers,
                 c.policy.param_dtype, c.fold_ep,
             )  # fmt: skip
         return self._step_grads[key]

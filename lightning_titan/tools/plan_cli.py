@@ -550,8 +550,8 @@ def _step_grads(r: Ranked) -> str:
 def _footer(precision: Precision) -> None:
     print(
         "(ms per step; comm columns are the collectives' exposed time; of memory: model state, "
-        "peak activations and, over several microbatches, the whole grads they accumulate "
-        "before the last backward's reduction, of the fullest rank; zero=3's state adds the "
+        "peak activations and, at zero >= 2 over several microbatches, the whole grads they "
+        "accumulate before the last backward's reduction, of the fullest rank; zero=3's state adds the "
         "weights it gathers in the step to its parts, which are between steps; priced as "
         f"{precision.label()})"
     )

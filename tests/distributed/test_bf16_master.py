@@ -184,7 +184,7 @@ def test_layouts_and_checkpoints_match_one_process(tmp_path) -> None:
             assert predicted == r[i]["state"], (layout, schedule, rank, predicted, r[i]["state"])
             # and the grads the step holds beyond it (bf16 grads accumulated)
             m = LAYOUTS[i][2]
-            step_grads = step_grad_bytes(CONFIG, dims, m > 1, param_dtype="bf16")
+            step_grads = step_grad_bytes(CONFIG, dims, zero, m > 1, param_dtype="bf16")
             held = r[i]["accumulated_bytes"]
             assert step_grads == held, (layout, schedule, rank, step_grads, held)
     offloaded = len(LAYOUTS) + len(CHECKPOINTS)

@@ -179,7 +179,7 @@ def test_zero3_equals_one_process_and_holds_its_rows(ref, wide_ref, world, tmp_p
             state = rank_state(model_config, dims, 3, r["split"])
             gathered = gathered_bytes(model_config, dims, r["split"], None, per_block)
             assert state["expert_params"] + state["non_expert_params"] == r["held_param_bytes"]
-            step_grads = step_grad_bytes(model_config, dims, m > 1, r["split"])
+            step_grads = step_grad_bytes(model_config, dims, 3, m > 1, r["split"])
             assert step_grads == r["accumulated_bytes"], (label, rank, step_grads)
             in_step = r["rest_bytes"] + r["two_blocks_bytes"] if per_block else r["param_bytes"]
             assert gathered + (0 if per_block else r["held_param_bytes"]) == in_step, label

@@ -285,7 +285,9 @@ def train(
             measured["device_masters_at_step"] = max(measured["device_masters_at_step"] or 0, held)
 
     def after_update(*_) -> None:
-        measured["grad_bytes"] = max(measured["grad_bytes"], held_grad_bytes(model, optimizer, engine))
+        measured["grad_bytes"] = max(
+            measured["grad_bytes"], held_grad_bytes(model, optimizer, engine)
+        )
         measured["state"] = state_bytes(model, optimizer, engine)
 
     optimizer.register_step_pre_hook(before_update)
@@ -521,14 +523,18 @@ def watch_gathered(model: StageModel, optimizer: torch.optim.Optimizer, measured
 def held_grad_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Any) -> int:
     """Bytes of every distinct storage that a grad this rank holds lives in: the model's grads, the
     optimizer's (ZeRO shards) and, as the shard grads are views into it, a storage counted once;
-    and the reducers' buckets (zero <= 1: the reduced grads are views of them)."""
+    and the reducers' buckets (zero <= 1: the reduced grads are views of them), their grads only
+    (the flags after them left out)."""
     tensors = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]]
-    grads = [t.grad for t in tensors if t.grad is not None]
-    buffers = [b.buffer for r in engine.reducers for b in r._buckets if b.buffer is not None]
     storages = {}
-    for t in grads + buffers:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+    for t in tensors:
+        if t.grad is not None:
+            storage = t.grad.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    for r in engine.reducers:
+        for b in r._buckets:
+            if b.buffer is not None:
+                storages[b.buffer.untyped_storage().data_ptr()] = b.numel * b.buffer.element_size()
     return sum(storages.values())
 
 

@@ -1,11 +1,13 @@
 """Bucketed, hook-driven gradient all-reduce that overlaps communication with backward.
 
 Parameters are packed into flat buckets in reverse registration order (backward produces the last
-layers' grads first). On the backward that completes gradient accumulation, each parameter's
-post-accumulate-grad hook copies its grad into its bucket's slice; a bucket whose slices are all
-filled is ready, and ready buckets launch their async all-reduce strictly in bucket order, so every
-rank of the group enters the same collectives in the same order (NCCL needs it) while backward
-keeps computing earlier layers. ``finish()`` launches whatever is left, waits, and writes back.
+layers' grads first). Each parameter's post-accumulate-grad hook moves its grad into its bucket's
+slice (the grad is dropped: one copy of it): the backwards under ``no_sync()`` sum into the slices,
+and on the backward that completes gradient accumulation a bucket whose slices are all filled is
+ready; ready buckets launch their async all-reduce strictly in bucket order, so every rank of the
+group enters the same collectives in the same order (NCCL needs it) while backward keeps computing
+earlier layers. ``finish()`` launches whatever is left, waits, and hands each reduced grad back as a
+view of its bucket.
 
 Order across groups. Backward also runs other groups' collectives (the EP all-to-alls), and NCCL needs
 every rank to enqueue collectives of different communicators in the same relative order: a rank that
@@ -70,6 +72,8 @@ class _Bucket:
     # None in "per_param" mode, which reduces p.grad in place.
     buffer: Tensor | None
     filled: list[bool] = field(default_factory=list)
+    # the slots the step's backwards under no_sync() summed into the buffer (GradReducer._add)
+    summed: list[bool] = field(default_factory=list)
     num_filled: int = 0
     num_hooked: int = 0  # slots filled by a hook (the rest by finish)
     hooked_launch: bool = False  # launched from a hook (else from finish)
@@ -77,6 +81,7 @@ class _Bucket:
 
     def reset(self) -> None:
         self.filled = [False] * len(self.params)
+        self.summed = [False] * len(self.params)
         self.num_filled = self.num_hooked = 0
         self.hooked_launch = False
         self.work = None
@@ -101,10 +106,14 @@ class GradReducer:
     baseline (one all-reduce per parameter, on ``p.grad`` in place), kept for the benchmark; it obeys
     the same launch-order rule.
 
-    Run the backwards that only accumulate inside ``with reducer.no_sync():`` (hooks then do nothing),
-    the one that completes the step's accumulation outside it; call ``finish()`` every step on every
+    Run the backwards that only accumulate inside ``with reducer.no_sync():`` (their hooks only sum
+    into the buckets), the one that completes the step's accumulation outside it; call ``finish()`` every step on every
     rank of the group before the optimizer step.
     """
+
+    # the backwards under no_sync() sum their grads into the persistent buckets (ZeRO-2's are made
+    # per step, in its last backward: its grads accumulate on the parameters)
+    sums_in_buckets = True
 
     def __init__(
         self,
@@ -142,8 +151,9 @@ class GradReducer:
         self.scale = float(scale)
         self.mode = mode
         self.masters = masters
-        # inside no_sync(): the hooks do nothing. State of the reducer's own, set and restored by its
-        # context manager around the caller's backward: autograd, not the caller, calls the hooks
+        # inside no_sync(): the hooks only sum each grad into its bucket (``_add``; nothing
+        # launches). State of the reducer's own, set and restored by its context manager around the
+        # caller's backward: autograd, not the caller, calls the hooks
         self._accumulating = False
         # Test/benchmark record of the last finished step: (bucket index, "hook" | "finish"), and the
         # launch order that step agreed on (see launch_order).
@@ -186,8 +196,9 @@ class GradReducer:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """The backwards run inside only accumulate ``p.grad``: no bucket fills, nothing launches (the
-        last backward of the step runs outside, or ``finish()`` reduces what was accumulated)."""
+        """The backwards run inside only accumulate: each grad is summed into its bucket and
+        dropped (``sums_in_buckets``; else it accumulates on ``p.grad``), nothing launches (the last
+        backward of the step runs outside, or ``finish()`` reduces what was accumulated)."""
         outer, self._accumulating = self._accumulating, True
         try:
             yield
@@ -201,9 +212,11 @@ class GradReducer:
 
     def _hook(self, b: int, slot: int) -> Callable[[Tensor], None]:
         def on_grad_accumulated(param: Tensor) -> None:
-            if self._accumulating:
-                return
             bucket = self._buckets[b]
+            if self._accumulating:
+                if self.sums_in_buckets and bucket.buffer is not None:
+                    self._add(bucket, slot)
+                return
             if bucket.filled[slot]:
                 raise RuntimeError(
                     f"the grad of a parameter of shape {tuple(param.shape)} (bucket {b}) became ready "
@@ -217,10 +230,28 @@ class GradReducer:
 
         return on_grad_accumulated
 
+    def _add(self, bucket: _Bucket, slot: int) -> None:
+        """A backward under ``no_sync()``: this slot's grad summed into its bucket (in the bucket's
+        dtype: fp32 under bf16 weights) and dropped, so the step holds one copy of its grads
+        however many microbatches it runs; ``_fill`` adds the last backward's."""
+        param = bucket.params[slot]
+        assert param.grad is not None  # the hook fires once a grad is accumulated
+        view = self._slice(bucket, slot)
+        if bucket.summed[slot]:
+            view.add_(param.grad)
+        else:
+            view.copy_(param.grad)
+            bucket.summed[slot] = True
+        param.grad = None
+
     def _fill(self, bucket: _Bucket, slot: int) -> None:
         """Take this slot's grad; a missing grad (parameter unused this step) contributes zeros."""
         param = bucket.params[slot]
-        if bucket.buffer is not None:
+        if bucket.buffer is not None and bucket.summed[slot]:  # the sum of the earlier backwards
+            if param.grad is not None:
+                self._slice(bucket, slot).add_(param.grad)
+                param.grad = None
+        elif bucket.buffer is not None:
             view = self._slice(bucket, slot)
             if param.grad is None:
                 view.zero_()
@@ -298,8 +329,8 @@ class GradReducer:
         """Launch every bucket not launched yet (in ``launch_order``), wait for all, write the reduced
         grads back, and agree on which buckets may launch from hooks next step.
 
-        A parameter whose hook never fired counts with its current ``p.grad`` (accumulated by
-        backwards under ``no_sync()``) or zeros if it has none, so unused parameters never hang the group; one
+        A parameter whose hook never fired in the last backward counts with what the backwards
+        under ``no_sync()`` summed (or accumulated on ``p.grad``) or zeros if it has none, so unused parameters never hang the group; one
         that no rank of the group used keeps ``grad = None``, exactly as in a single process.
         """
         if self._trivial:

@@ -68,6 +68,8 @@ class ShardedGradReducer(GradReducer):
     (its ``p.grad`` is None), a parameter kept whole has its reduced ``p.grad`` as under GradReducer.
     """
 
+    sums_in_buckets = False  # a bucket's input is made in the step's last backward (module doc)
+
     def __init__(
         self,
         params: Sequence[nn.Parameter],
