@@ -254,7 +254,10 @@ class _Prices:
 def _undominated(found: list[Candidate], prices: _Prices | None = None) -> list[Candidate]:
     """``found`` without the zero=1 layouts whose zero=2 twin is there: the same step options and
     activations, no more state (the grads are split too) and less data-parallel traffic (a
-    reduce-scatter where zero=1 all-reduces), so it ranks ahead of every zero=1 row. With
+    reduce-scatter where zero=1 all-reduces), so it ranks ahead of every zero=1 row. Over several
+    microbatches the twin holds its rows more than zero=1 during the step (its grads accumulate
+    whole beside them, ``step_grad_bytes``): a zero=1 layout that fits only by that margin is not
+    offered. With
     ``prices``, also without each layout its folded twin dominates, or the other way round
     (``_fold_dominated``)."""
     twins = {(*c.degrees.values(), c.stage_layers, c.fold_ep) for c in found if c.zero == 2}

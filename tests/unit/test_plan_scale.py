@@ -77,7 +77,14 @@ def test_zero1_is_dominated_by_its_zero2_twin():
     for (label, options), r in rows.items():
         if r.candidate.zero == 1:
             twin = rows[(label.replace("zero1", "zero2"), options)]
-            assert twin.cost.step <= r.cost.step and twin.memory_bytes <= r.memory_bytes
+            assert (
+                twin.cost.step <= r.cost.step
+                and twin.candidate.state_bytes <= r.candidate.state_bytes
+            )
+            # in the step too at one microbatch (over several the twin's grads accumulate whole
+            # beside its rows, where zero=1 sums them into its buckets: the pruning's margin)
+            if r.options.microbatches == 1:
+                assert twin.memory_bytes <= r.memory_bytes
 
 
 @pytest.mark.parametrize("devices, per_node", [(8, 8), (16, 4), (16, 2)])
